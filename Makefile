@@ -1,0 +1,37 @@
+# make setup: .venv with everything (idempotent; quick when nothing changed)
+# make demo:  setup, then the main job          make test: setup, then the tests
+# make bench: setup, then the benchmark suite (JSON + report in benchmarks/results/)
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-stamp
+PIP := $(BIN)/pip --disable-pip-version-check -q
+export HF_DATASETS_OFFLINE := 1
+export HF_HUB_OFFLINE := 1
+export WANDB_MODE := disabled
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@echo "[setup] installing torch==2.13.0 (CPU) and the project's dependencies into $(VENV)"
+	$(PIP) install -c constraints.txt torch==2.13.0 2>&1 | grep -v 'is ignored: it is neither' || true
+	$(PIP) install -c constraints.txt -e '.[dev,titan,s3,azure]' 2>&1 | grep -v 'is ignored: it is neither' || true
+	@$(BIN)/python -c "import torch, torchtitan, s3fs, moto; print('[setup] ok: torch', torch.__version__)"
+	@touch $(STAMP)
+
+demo: setup
+	$(BIN)/python -m titan_integration.demo
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+bench: setup
+	$(BIN)/torchmoe-ckpt bench --out benchmarks/results
+
+clean:
+	rm -rf $(VENV) build *.egg-info

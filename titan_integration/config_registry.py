@@ -1,0 +1,187 @@
+"""Our TorchTitan 0.3.0 config registry: ``--module titan_integration.config_registry --config NAME``.
+
+TorchTitan's ``ConfigManager`` imports a fully qualified ``--module`` and calls the function
+named by ``--config`` to get a ``Trainer.Config``; remaining ``--section.option`` flags override
+it. Configs here:
+
+* ``deepseek_v3_tiny``: the real DeepSeek-V3 model code (MLA attention, dense first layer, MoE
+  layers with ``GroupedExperts``, a top-k softmax router with ``expert_bias`` load balancing
+  and a shared expert) at toy size, so one training step on 2 CPU ranks takes well under a
+  second. Derived from TorchTitan's ``deepseek_v3_debugmodel``; the model flavour is
+  registered in TorchTitan's own table as ``deepseek_v3`` flavour ``"tiny"``.
+* ``deepseek_v3_tiny_ep2``: the same with expert parallel degree 2 (run with 2 or 4 ranks).
+
+Every config here points at the offline assets from :mod:`titan_integration.assets` by absolute
+path (generated on first use, so it works from any CWD) and already carries the CPU-mode
+settings from :func:`titan_integration.cpu_mode.apply_cpu_config` when CUDA is unavailable.
+The dump folder defaults to ``./outputs/titan`` (override with ``--dump_folder``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from titan_integration.assets import TOKENIZER_VOCAB_SIZE, ensure_assets
+from titan_integration.cpu_mode import apply_cpu_config, cpu_mode_enabled
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from torchtitan.config import DebugConfig, ParallelismConfig, TrainingConfig
+from torchtitan.hf_datasets import DatasetConfig
+from torchtitan.hf_datasets import text_datasets as _text_datasets
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+from torchtitan.models import deepseek_v3 as _dsv3
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.common.config_utils import decoder_vocab_size
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model
+from torchtitan.trainer import Trainer
+
+__all__ = ["deepseek_v3_tiny", "deepseek_v3_tiny_ep2", "TINY", "DEFAULT_CONFIG", "DATASET_NAME"]
+
+DEFAULT_CONFIG = "deepseek_v3_tiny"
+DATASET_NAME = "torchmoe_tiny"
+FLAVOR = "tiny"
+
+# Sizes of the tiny flavour (documented in docs/torchtitan-cpu-mode.md).
+TINY = dict(
+    dim=64,
+    n_layers=3,  # layer 0 dense FFN (as in DeepSeek-V3), layers 1-2 MoE
+    n_dense_layers=1,
+    n_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    dense_hidden_dim=128,
+    moe_hidden_dim=32,
+    num_experts=8,
+    num_shared_experts=1,
+    top_k=2,
+    vocab_size=TOKENIZER_VOCAB_SIZE,
+    seq_len=64,
+    local_batch_size=4,
+)
+
+
+def _tiny(
+    attn_backend: str,
+    moe_comm_backend: str,
+    non_blocking_capacity_factor: float | None = None,
+    num_mtp_layers: int = 0,
+) -> DeepSeekV3Model.Config:
+    """DeepSeek-V3 ``tiny`` flavour: ``_debugmodel`` from TorchTitan with every size shrunk."""
+    t = TINY
+    dim, vocab_size, rope_dim = t["dim"], t["vocab_size"], t["qk_rope_head_dim"]
+    layers = _dsv3._build_dsv3_layers(
+        n_layers=t["n_layers"],
+        n_dense_layers=t["n_dense_layers"],
+        dim=dim,
+        n_heads=t["n_heads"],
+        q_lora_rank=0,
+        kv_lora_rank=t["kv_lora_rank"],
+        qk_nope_head_dim=t["qk_nope_head_dim"],
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=t["v_head_dim"],
+        mscale=0.70,
+        dense_hidden_dim=t["dense_hidden_dim"],
+        moe_hidden_dim=t["moe_hidden_dim"],
+        num_experts=t["num_experts"],
+        num_shared_experts=t["num_shared_experts"],
+        router_top_k=t["top_k"],
+        router_score_func="softmax",
+        attn_backend=attn_backend,
+        moe_comm_backend=moe_comm_backend,
+        non_blocking_capacity_factor=non_blocking_capacity_factor,
+        rope=ComplexRoPE.Config(
+            dim=rope_dim,
+            max_seq_len=4096,
+            theta=10000.0,
+            scaling="yarn",
+            rope_factor=40.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            original_seq_len=4096,
+        ),
+    )
+    return DeepSeekV3Model.Config(
+        vocab_size=vocab_size,
+        dim=dim,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab_size, embedding_dim=dim, param_init=_dsv3._EMBEDDING_INIT
+        ),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=_dsv3._NORM_INIT),
+        lm_head=Linear.Config(
+            in_features=dim, out_features=vocab_size, param_init=_dsv3._output_linear_init(dim)
+        ),
+        layers=layers,
+        mtp_layers=_dsv3._build_mtp_layers(layers[-1], dim=dim, num_mtp_layers=num_mtp_layers),
+    )
+
+
+def _load_tiny_dataset(path: str):
+    """Load our generated JSONL in memory (no HF cache writes, no hub, identical on every rank)."""
+    import json
+
+    from datasets import Dataset
+
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return Dataset.from_list(rows)
+
+
+def _register() -> None:
+    # Register the flavour in TorchTitan's own table so model_registry("tiny") and logs name it.
+    _dsv3.deepseekv3_configs.setdefault(FLAVOR, _tiny)
+    # Our own dataset entry; the path is filled in with an absolute path by the config function.
+    _text_datasets.DATASETS.setdefault(
+        DATASET_NAME,
+        DatasetConfig(
+            path="",  # always overridden via dataloader.dataset_path
+            loader=_load_tiny_dataset,
+            sample_processor=lambda sample: sample["text"],
+        ),
+    )
+
+
+_register()
+
+
+def deepseek_v3_tiny() -> Trainer.Config:
+    """Tiny DeepSeek-V3 MoE (3 layers, dim 64, 8 experts top-2, seq 64): sub-second steps on CPU."""
+    assets = ensure_assets()
+    model_spec = _dsv3.model_registry(FLAVOR)
+    config = Trainer.Config(
+        loss=ChunkedLossWrapper.Config(
+            loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec)),
+        ),
+        hf_assets_path=str(assets.tokenizer_dir),
+        dump_folder="./outputs/titan",
+        metrics=MetricsProcessor.Config(log_freq=1),
+        model_spec=model_spec,
+        dataloader=HuggingFaceTextDataLoader.Config(
+            dataset=DATASET_NAME, dataset_path=str(assets.dataset_file)
+        ),
+        optimizer=default_adamw(lr=3e-3),
+        lr_scheduler=LRSchedulersContainer.Config(
+            warmup_steps=1, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.1
+        ),
+        training=TrainingConfig(
+            local_batch_size=TINY["local_batch_size"], seq_len=TINY["seq_len"], steps=10
+        ),
+        parallelism=ParallelismConfig(expert_parallel_degree=1),
+        checkpoint=CheckpointManager.Config(interval=10, last_save_model_only=False),
+        # Fixed seed: identical initial weights and losses across runs (see tests).
+        debug=DebugConfig(seed=42),
+    )
+    if cpu_mode_enabled() or not torch.cuda.is_available():
+        apply_cpu_config(config)
+    return config
+
+
+def deepseek_v3_tiny_ep2() -> Trainer.Config:
+    """``deepseek_v3_tiny`` with expert parallel degree 2 (experts split across 2 ranks)."""
+    config = deepseek_v3_tiny()
+    config.parallelism.expert_parallel_degree = 2
+    return config

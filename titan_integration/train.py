@@ -1,0 +1,141 @@
+"""Launcher for TorchTitan 0.3.0's real trainer with our config registry (and CPU mode without CUDA).
+
+Run under torchrun::
+
+    torchrun --standalone --nproc_per_node 2 -m titan_integration.train [torchtitan args...]
+
+* Without ``--module``/``--config`` it uses ``--module titan_integration.config_registry
+  --config deepseek_v3_tiny``. Any other TorchTitan flag (``--training.steps 6``,
+  ``--dump_folder DIR``, ``--checkpoint.enable`` ...) is passed through unchanged.
+* Without CUDA it calls :func:`titan_integration.cpu_mode.enable_cpu_mode` before torchtitan is
+  imported (``TORCHMOE_TITAN_CPU=1`` forces it, ``=0`` disables it).
+* It makes sure the offline assets exist, and checks the module/config names first, so a typo
+  gives one ``error: ...`` line and exit status 2 instead of a traceback.
+
+(Reserved for a later issue: ``--config job.toml`` with a ``[sparse_checkpoint]`` section. A
+``--config`` value ending in ``.toml`` is rejected clearly for now.)
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+DEFAULT_MODULE = "titan_integration.config_registry"
+DEFAULT_CONFIG = "deepseek_v3_tiny"
+
+
+class UsageError(Exception):
+    """A problem the user fixes by changing the command line or environment (one-line message)."""
+
+
+def _get_opt(args: list[str], name: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == name:
+            if i + 1 >= len(args):
+                raise UsageError(f"{name} requires a value")
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def resolve_args(argv: list[str]) -> list[str]:
+    """Add the default ``--module``/``--config`` when missing. Returns the new argv."""
+    args = list(argv)
+    module = _get_opt(args, "--module")
+    config = _get_opt(args, "--config")
+    if config is not None and config.endswith(".toml"):
+        raise UsageError(
+            f"--config {config}: TOML job files are not supported yet; "
+            f"use a config function name, e.g. --config {DEFAULT_CONFIG}"
+        )
+    if module is None:
+        args = ["--module", DEFAULT_MODULE] + args
+    if config is None:
+        args = ["--config", DEFAULT_CONFIG] + args
+    return args
+
+
+def want_cpu_mode() -> bool:
+    env = os.environ.get("TORCHMOE_TITAN_CPU")
+    if env is not None:
+        return env not in ("0", "false", "no", "")
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _config_functions(module) -> list[str]:
+    return sorted(
+        n
+        for n in dir(module)
+        if not n.startswith("_")
+        and n[0].islower()
+        and callable(getattr(module, n))
+        and getattr(getattr(module, n), "__module__", None) == module.__name__
+    )
+
+
+def validate(args: list[str]) -> None:
+    """Import the config module and check the config function exists (one-line errors)."""
+    from titan_integration.assets import AssetError, ensure_assets
+
+    module_name = _get_opt(args, "--module")
+    config_name = _get_opt(args, "--config")
+    assert module_name is not None and config_name is not None
+    if module_name == DEFAULT_MODULE:
+        try:
+            ensure_assets()
+        except AssetError as e:
+            raise UsageError(str(e)) from e
+    if "." not in module_name:
+        return  # a torchtitan shorthand (e.g. deepseek_v3); ConfigManager resolves those itself
+    module = None
+    for candidate in (f"{module_name}.config_registry", module_name):
+        try:
+            module = importlib.import_module(candidate)
+            break
+        except ModuleNotFoundError as e:
+            if e.name is None or not candidate.startswith(e.name):
+                raise  # the module exists but one of *its* imports is missing: show the real error
+    if module is None:
+        raise UsageError(
+            f"--module {module_name}: no such module; fix: use --module {DEFAULT_MODULE}"
+        )
+    fn = getattr(module, config_name, None)
+    if not callable(fn):
+        raise UsageError(
+            f"unknown config '{config_name}' in {module.__name__}; fix: use --config one of "
+            f"{', '.join(_config_functions(module))}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Offline by default (set before datasets/huggingface_hub are imported).
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    try:
+        args = resolve_args(argv)
+        if want_cpu_mode():
+            from titan_integration.cpu_mode import enable_cpu_mode
+
+            enable_cpu_mode()
+        validate(args)
+    except UsageError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+    import torchtitan.train
+
+    sys.argv = [sys.argv[0]] + args
+    torchtitan.train.main()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

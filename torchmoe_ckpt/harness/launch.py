@@ -1,0 +1,75 @@
+"""Launch harness runs under real torchrun processes and compare their results tensor by tensor."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class RunResult:
+    out_dir: Path
+    states: list[dict[str, torch.Tensor]]     # per rank
+    losses: list[dict[int, torch.Tensor]]      # per rank: step -> loss of the final execution of that step
+    report: dict                                # rank 0's JSON report
+    log: str = ""
+
+
+def run_torchrun(nproc: int, spec: dict, out_dir: str | os.PathLike | None = None, timeout: float = 120.0,
+                 extra_env: dict | None = None) -> RunResult:
+    """Run `torchmoe_ckpt.harness.worker` on `nproc` local ranks (gloo) and load what each rank wrote."""
+    out = Path(out_dir or tempfile.mkdtemp(prefix="tmoe-run-"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec.json").write_text(json.dumps(spec, indent=1))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "torchmoe_ckpt.harness.worker", "--spec", str(out / "spec.json"), "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env)
+    log = proc.stdout
+    (out / "torchrun.log").write_text(log)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun exited {proc.returncode}; last output:\n{log[-4000:]}")
+    return load_result(out, nproc, log)
+
+
+def load_result(out: Path, nproc: int, log: str = "") -> RunResult:
+    states, losses = [], []
+    for r in range(nproc):
+        blob = torch.load(out / f"rank{r}.pt", weights_only=True)
+        states.append(blob["state"])
+        losses.append(blob["losses"])
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    return RunResult(out, states, losses, report, log)
+
+
+@dataclass
+class Comparison:
+    bit_exact: bool
+    compared_tensors: int
+    compared_losses: int
+    mismatches: list[str] = field(default_factory=list)
+
+
+def compare(a: RunResult, b: RunResult, loss_steps_from: int = 1) -> Comparison:
+    """torch.equal on every tensor of every rank, and on every loss from `loss_steps_from` on."""
+    mism: list[str] = []
+    n_t = n_l = 0
+    for r, (sa, sb) in enumerate(zip(a.states, b.states)):
+        if sa.keys() != sb.keys():
+            mism.append(f"rank{r}: different keys {sorted(set(sa) ^ set(sb))[:5]}")
+        for k in sorted(set(sa) & set(sb)):
+            n_t += 1
+            if sa[k].dtype != sb[k].dtype or sa[k].shape != sb[k].shape or not torch.equal(sa[k], sb[k]):
+                mism.append(f"rank{r}: {k}")
+        la, lb = a.losses[r], b.losses[r]
+        for step in sorted(s for s in la if s >= loss_steps_from):
+            n_l += 1
+            if step not in lb or not torch.equal(la[step], lb[step]):
+                mism.append(f"rank{r}: loss at step {step}")
+    return Comparison(not mism and n_t > 0, n_t, n_l, mism)

@@ -1,0 +1,53 @@
+"""torchrun entry point of the harness: train per a JSON spec, optionally with sparse checkpointing and an
+injected failure, and write each rank's final state and losses for comparison.
+
+    torchrun --nproc_per_node N -m torchmoe_ckpt.harness.worker --spec spec.json --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .parallel import init_distributed
+from .trainer import RunConfig, Trainer
+
+
+def run(spec: dict, out: Path) -> dict:
+    cfg = RunConfig(**spec["run"])
+    trainer = Trainer(cfg)
+    losses: dict[int, torch.Tensor] = {}
+    report: dict = {"world_size": trainer.world, "steps": cfg.steps}
+    if spec.get("checkpoint") is None:
+        while trainer.step < cfg.steps:
+            res = trainer.train_step()
+            losses[res.step] = res.loss
+    else:
+        from .scenario import run_with_checkpointing  # the checkpointing + failure scenario
+        trainer, extra = run_with_checkpointing(trainer, spec, losses)
+        report.update(extra)
+    torch.save({"state": trainer.export_state(), "losses": losses}, out / f"rank{trainer.rank}.pt")
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    spec = json.loads(Path(args.spec).read_text())
+    init_distributed(timeout_s=spec.get("timeout_s", 120))
+    out = Path(args.out)
+    report = run(spec, out)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (out / "report.json").write_text(json.dumps(report, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
