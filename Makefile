@@ -2,6 +2,7 @@
 # make demo:  setup, then the main job          make test: setup, then the tests
 # make bench: setup, then the benchmark suite (JSON + report in benchmarks/results/)
 SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -19,8 +20,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@echo "[setup] installing torch==2.13.0 (CPU) and the project's dependencies into $(VENV)"
-	$(PIP) install -c constraints.txt torch==2.13.0 2>&1 | grep -v 'is ignored: it is neither' || true
-	$(PIP) install -c constraints.txt -e '.[dev,titan,s3,azure]' 2>&1 | grep -v 'is ignored: it is neither' || true
+	$(PIP) install -c constraints.txt torch==2.13.0 2>&1 | sed '/is ignored: it is neither/d'
+	$(PIP) install -c constraints.txt -e '.[dev,titan,s3,azure]' 2>&1 | sed '/is ignored: it is neither/d'
 	@$(BIN)/python -c "import torch, torchtitan, s3fs, moto; print('[setup] ok: torch', torch.__version__)"
 	@touch $(STAMP)
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from ..replay_log import Replay
 from .data import TokenStream
 from .model import TinyMoE, TinyMoEConfig
 from .parallel import apply_fsdp, build_mesh
@@ -57,14 +58,6 @@ class StepResult:
     expert_counts: torch.Tensor  # [layers, experts] routed tokens, summed over all ranks
     expert_probs: torch.Tensor   # [layers, experts] summed gating probabilities, over all ranks
     seconds: float = 0.0
-
-
-@dataclass
-class Replay:
-    """What a replayed iteration must reuse instead of recomputing."""
-    tokens: torch.Tensor
-    grad_norm: torch.Tensor
-    rng_state: torch.Tensor
 
 
 class Trainer:

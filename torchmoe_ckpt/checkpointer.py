@@ -1,0 +1,206 @@
+"""SparseCheckpointer: checkpoint every iteration by spreading the dense state over a window of slots.
+
+Per iteration (after the optimizer step) it captures one slot of the current window off the training
+thread, and logs what exact replay needs. At a window boundary it re-plans: operator order by expert
+popularity (re-sorted only when the reorder rule fires), window size W from the measured iteration time
+and copy bandwidth (or a forced W), identical on every rank. A window is committed when all its slots are
+copied; the newest committed window and the one in flight are kept, older buffers are reused.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .operators import Operator, discover_operators, expert_grid
+from .popularity import PopularityTracker, order_experts, reorder_needed
+from .replay_log import IterationRecord, ReplayLog
+from .schedule import WindowPlan, copy_budget, measure_copy_bandwidth, plan_window
+from .snapshot import Slot, SnapshotEngine, StateAccess, build_slot
+
+log = logging.getLogger("torchmoe_ckpt")
+
+
+@dataclass
+class SparseConfig:
+    window: int | None = None              # force W; None = Algorithm 1 with measured T_iter and bandwidth
+    overlap: float = 1.0                   # share of one iteration a slot copy may take
+    bandwidth_bytes_per_s: float | None = None  # None = measured at start
+    popularity: str = "hard"               # hard | soft | decayed | capacity
+    decay: float = 0.9
+    reorder_change: float = 0.10
+    reorder_fraction: float = 0.25
+
+    def __post_init__(self):
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window must be >= 1 or None (auto), got {self.window}")
+        if not 0 < self.overlap:
+            raise ValueError(f"overlap must be > 0, got {self.overlap}")
+
+
+@dataclass
+class Window:
+    id: int
+    start_step: int          # slot 0 holds the state after this iteration
+    plan: WindowPlan
+    slots: list[Slot]
+    log: ReplayLog = field(default_factory=ReplayLog)
+    captured: int = 0        # slots handed to the copy engine
+
+    @property
+    def committed(self) -> bool:
+        w = self.plan.window
+        return (self.captured == w and all(s.complete for s in self.slots)
+                and self.log.has(range(self.start_step + 1, self.start_step + w)))
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+
+class SparseCheckpointer:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, compute_dtype: torch.dtype,
+                 cfg: SparseConfig | None = None, group: dist.ProcessGroup | None = None,
+                 committed: Window | None = None):
+        self.cfg = cfg or SparseConfig()
+        self.group = group
+        self.compute_dtype = compute_dtype
+        self.ops: list[Operator] = discover_operators(model)
+        self.op_by_name = {o.name: o for o in self.ops}
+        self.grid = expert_grid(self.ops)
+        n_layers = 1 + max((l for l, _ in self.grid), default=-1)
+        n_experts = 1 + max((e for _, e in self.grid), default=-1)
+        self.tracker = PopularityTracker(max(n_layers, 1), max(n_experts, 1), policy=self.cfg.popularity,
+                                         decay=self.cfg.decay)
+        self.access = StateAccess(model, optimizer)
+        use_cuda = any(p.is_cuda for p in model.parameters())
+        self.pin_memory = use_cuda
+        self.engine = SnapshotEngine(self.access, use_cuda=use_cuda)
+        self.current: Window | None = None
+        self.committed: Window | None = committed
+        self._inherited = committed  # a window handed over after a restart (still the recovery fallback)
+        self._order: list[str] | None = None
+        self._order_freq: torch.Tensor | None = None
+        self._pool: dict[tuple, list[Slot]] = {}  # free slot buffers by plan, reused
+        self._next_id = (committed.id + 1) if committed else 0
+        self.t_iter: float | None = None
+        self.bandwidth = self.cfg.bandwidth_bytes_per_s or self._agree(measure_copy_bandwidth(), dist.ReduceOp.MIN)
+        self.counters = {"slots": 0, "windows_committed": 0, "reorders": 0, "slot_bytes": [], "copy_seconds": [],
+                         "windows": []}
+        full = [o.full_bytes() for o in self.ops]
+        self.dense_bytes = sum(full)  # what one dense snapshot of this rank copies
+
+    # ---- hooks the trainer calls ---------------------------------------------------------------------
+    def attach(self, trainer) -> "SparseCheckpointer":
+        trainer.before_update.append(self.before_update)
+        return self
+
+    def before_update(self) -> None:
+        """The next update overwrites the sources of the in-flight copy: wait for it (measured)."""
+        self.engine.wait()
+        self._maybe_commit()
+
+    def after_step(self, res) -> None:
+        """Call right after the optimizer step of iteration `res.step` (a harness StepResult or alike)."""
+        self.t_iter = res.seconds if self.t_iter is None else 0.7 * self.t_iter + 0.3 * res.seconds
+        self.tracker.update(res.expert_counts.double(), res.expert_probs.double())
+        self.engine.wait()
+        self._maybe_commit()
+        t = res.step
+        cur = self.current
+        if cur is not None and cur.start_step < t < cur.start_step + cur.plan.window:
+            cur.log.add(IterationRecord(t, res.tokens, res.grad_norm, res.lr, res.loss, res.rng_state))
+        if cur is None or cur.captured >= cur.plan.window:
+            cur = self._start_window(t)
+        slot = cur.slots[t - cur.start_step]
+        self.engine.capture(slot, t)
+        cur.captured += 1
+        self.counters["slots"] += 1
+        self.counters["slot_bytes"].append(slot.nbytes)
+
+    def close(self) -> None:
+        self.engine.wait()
+        self._maybe_commit()
+
+    # ---- windows -------------------------------------------------------------------------------------
+    def _maybe_commit(self) -> None:
+        cur = self.current
+        if cur is None or not cur.committed:
+            return
+        old, self.committed, self.current = self.committed, cur, None
+        self.counters["windows_committed"] += 1
+        self.counters["copy_seconds"].extend(s.copy_seconds for s in cur.slots)
+        log.info("window committed id=%d steps=%d..%d W=%d bytes=%d", cur.id, cur.start_step,
+                 cur.start_step + cur.plan.window - 1, cur.plan.window, cur.nbytes())
+        if old is not None and old is not self._inherited:  # buffers of an inherited window are not ours
+            self._pool[self._signature(old.plan)] = old.slots
+
+    def _agree(self, value: float, op) -> float:
+        if not dist.is_initialized():
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=op, group=self.group)
+        return float(t.item())
+
+    def _operator_order(self) -> list[str]:
+        freq = self.tracker.frequencies()
+        if self._order is None or reorder_needed(self._order_freq, freq, self.cfg.reorder_change,
+                                                 self.cfg.reorder_fraction):
+            if self._order is not None:
+                self.counters["reorders"] += 1
+            experts = [self.grid[le] for le in order_experts(self.tracker.scores()) if le in self.grid]
+            routers = [o.name for o in self.ops if o.kind == "router"]
+            dense = [o.name for o in self.ops if o.kind == "dense"]
+            self._order, self._order_freq = experts + routers + dense, freq.clone()
+        return self._order
+
+    def _start_window(self, t: int) -> Window:
+        order = self._operator_order()
+        # Sizes and budget agreed across ranks so every rank computes the identical plan.
+        sizes = torch.tensor([[self.op_by_name[n].full_bytes(), self.op_by_name[n].compute_bytes(
+            self.compute_dtype.itemsize)] for n in order], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.group)
+        full = {n: int(sizes[i, 0]) for i, n in enumerate(order)}
+        comp = {n: int(sizes[i, 1]) for i, n in enumerate(order)}
+        budget = float("inf")
+        if self.cfg.window is None:
+            budget = self._agree(copy_budget(self.t_iter, self.bandwidth, self.cfg.overlap), dist.ReduceOp.MIN)
+        plan = plan_window(order, full, comp, budget, forced_window=self.cfg.window)
+        slots = self._pool.pop(self._signature(plan), None) or [
+            build_slot(i, sp.active, sp.frozen, self.op_by_name, self.compute_dtype, self.pin_memory)
+            for i, sp in enumerate(plan.slots)]
+        win = Window(self._next_id, t, plan, slots)
+        self._next_id += 1
+        self.current = win
+        self.counters["windows"].append({"id": win.id, "start": t, "W": plan.window, "fits": plan.fits,
+                                         "worst_slot_bytes": plan.worst_slot_bytes})
+        log.info("window start id=%d t0=%d W=%d fits=%s budget=%.3g worst_slot=%d", win.id, t, plan.window,
+                 plan.fits, budget, plan.worst_slot_bytes)
+        return win
+
+    @staticmethod
+    def _signature(plan: WindowPlan) -> tuple:
+        return tuple((s.active, s.frozen) for s in plan.slots)
+
+    # ---- reporting -----------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        waits = self.engine.waits
+        sb = self.counters["slot_bytes"]
+        return {
+            "slots_captured": self.counters["slots"],
+            "windows_committed": self.counters["windows_committed"],
+            "reorders": self.counters["reorders"],
+            "dense_bytes": self.dense_bytes,
+            "mean_slot_bytes": sum(sb) / len(sb) if sb else 0,
+            "max_slot_bytes": max(sb) if sb else 0,
+            "wait_seconds_total": self.engine.wait_seconds_total,
+            "wait_seconds_max": max(waits) if waits else 0.0,
+            "copy_seconds_mean": (sum(self.counters["copy_seconds"]) / len(self.counters["copy_seconds"])
+                                  if self.counters["copy_seconds"] else 0.0),
+            "t_iter": self.t_iter, "bandwidth_bytes_per_s": self.bandwidth,
+            "windows": self.counters["windows"][-5:],
+        }

@@ -1,0 +1,94 @@
+"""Train with sparse checkpointing and injected failures, recovering in place, for the recovery tests
+and `torchmoe-ckpt selftest`.
+
+A simulated failure throws the whole training state away: the restarted trainer is built with *different*
+initial weights, so anything recovery forgets to restore shows up as a mismatch against the fault-free run.
+What survives is what would survive in host memory: the newest committed window. Failure phases:
+  "update" - the rank dies in iteration f after backward, before the optimizer step;
+  "copy"   - the snapshot copy of iteration f is torn half-way; the failure surfaces in iteration f+1.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..checkpointer import SparseCheckpointer, SparseConfig
+from ..recovery import sparse_to_dense
+from ..snapshot import SimulatedCopyFault
+from .trainer import Trainer
+
+log = logging.getLogger("torchmoe_ckpt.scenario")
+PHASES = ("update", "copy")
+
+
+class SimulatedCrash(RuntimeError):
+    pass
+
+
+def _crash() -> None:
+    raise SimulatedCrash("injected failure before the optimizer step")
+
+
+def _tear(slot, n) -> None:
+    raise SimulatedCopyFault(f"injected failure after {n} of {len(slot.items)} items of slot {slot.index}")
+
+
+def restart(trainer: Trainer, ck: SparseCheckpointer, ck_cfg: SparseConfig) -> tuple[Trainer, SparseCheckpointer, dict]:
+    """Drop the live state; rebuild from the committed window (or cold-start when there is none)."""
+    committed = ck.committed
+    ck.engine.shutdown()
+    cfg = trainer.cfg
+    del trainer
+    t0 = time.perf_counter()
+    if committed is None:
+        fresh = Trainer(cfg)  # nothing to recover from: start over from the deterministic initialisation
+        rep = {"cold_start": True, "recovered_step": 0, "replayed_iterations": 0}
+    else:
+        fresh = Trainer(cfg, init_seed=cfg.seed + 7777)
+        rep = sparse_to_dense(fresh, committed).to_dict()
+    rep["restart_seconds"] = time.perf_counter() - t0
+    new_ck = SparseCheckpointer(fresh.model, fresh.optimizer, fresh.compute_dtype, ck_cfg, committed=committed)
+    return fresh, new_ck.attach(fresh), rep
+
+
+def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch.Tensor]) -> tuple[Trainer, dict]:
+    cfg = trainer.cfg
+    ck_cfg = SparseConfig(**spec["checkpoint"])
+    pending = [dict(f) for f in spec.get("failures", [])]
+    for f in pending:
+        if f.get("phase", "update") not in PHASES:
+            raise ValueError(f"unknown failure phase {f.get('phase')!r}; use one of {PHASES}")
+    ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, ck_cfg).attach(trainer)
+    recoveries: list[dict] = []
+    step_seconds: list[float] = []
+    while trainer.step < cfg.steps:
+        nxt = trainer.step + 1
+        fail = next((f for f in pending if f["step"] == nxt), None)
+        try:
+            if fail is not None:
+                pending.remove(fail)
+                if fail.get("phase", "update") == "update":
+                    trainer.before_update.append(_crash)
+            t0 = time.perf_counter()
+            res = trainer.train_step()
+            losses[res.step] = res.loss
+            if fail is not None and fail.get("phase") == "copy":
+                ck.engine.fault_hook = _tear
+            ck.after_step(res)
+            step_seconds.append(time.perf_counter() - t0)
+        except (SimulatedCrash, SimulatedCopyFault) as exc:
+            log.info("failure at iteration %d: %s", nxt, exc)
+            inflight = ck.current
+            position = inflight.captured if inflight is not None else 0
+            inflight_id = inflight.id if inflight is not None else None
+            if isinstance(exc, SimulatedCopyFault) and inflight is not None:
+                position -= 1  # the torn slot was never captured
+            trainer, ck, rep = restart(trainer, ck, ck_cfg)
+            rep.update(failed_at=nxt, error=str(exc), slot_position=position, inflight_window_id=inflight_id)
+            recoveries.append(rep)
+    ck.close()
+    stats = ck.stats()
+    ck.engine.shutdown()
+    return trainer, {"recoveries": recoveries, "checkpoint": stats, "step_seconds": step_seconds}
