@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,9 +25,13 @@ def run(spec: dict, out: Path) -> dict:
     losses: dict[int, torch.Tensor] = {}
     report: dict = {"world_size": trainer.world, "steps": cfg.steps}
     if spec.get("checkpoint") is None:
+        step_seconds = []
         while trainer.step < cfg.steps:
+            t0 = time.perf_counter()
             res = trainer.train_step()
+            step_seconds.append(time.perf_counter() - t0)
             losses[res.step] = res.loss
+        report["step_seconds"] = step_seconds
     else:
         from .scenario import run_with_checkpointing  # the checkpointing + failure scenario
         trainer, extra = run_with_checkpointing(trainer, spec, losses)
@@ -46,7 +52,12 @@ def main() -> None:
     dist.barrier()
     if dist.get_rank() == 0:
         (out / "report.json").write_text(json.dumps(report, indent=1))
-    dist.destroy_process_group()
+    dist.barrier()
+    # Leave without tearing the gloo groups down: their C++ threads occasionally abort the process at exit
+    # ("terminate called without an active exception"), after all results are safely written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
