@@ -60,10 +60,14 @@ def test_checkpointing_does_not_change_training_and_auto_window(tmp_path):
     assert cmp.bit_exact, cmp.mismatches[:10]
 
 
-def test_failure_before_first_window_cold_starts_exactly(tmp_path):
-    ref = run_torchrun(2, spec(1, "fp32", steps=5), tmp_path / "ref")
-    run = run_torchrun(2, spec(1, "fp32", {"window": 4}, [{"step": 3, "phase": "update"}], steps=5),
-                       tmp_path / "cold")
+def test_failure_before_first_window_cold_starts_exactly_and_impossible_budget_reported_once(tmp_path):
+    """An impossible copy budget (even one operator per slot does not fit) is reported once, clearly, and
+    training goes on with one-operator slots; a failure before any window committed cold-starts exactly."""
+    ref = run_torchrun(2, spec(1, "fp32", steps=8), tmp_path / "ref")
+    run = run_torchrun(2, spec(1, "fp32", {"window": None, "overlap": 1e-12}, [{"step": 3, "phase": "update"}],
+                               steps=8), tmp_path / "cold")
     assert run.report["recoveries"][0]["cold_start"] is True
+    assert run.log.count("do not fit the copy budget") == 2  # once per training start (initial + after restart)
+    assert run.report["checkpoint"]["windows"][0]["fits"] is False
     cmp = compare(ref, run)
     assert cmp.bit_exact, cmp.mismatches[:10]

@@ -172,6 +172,8 @@ def deepseek_v3_tiny() -> Trainer.Config:
         ),
         parallelism=ParallelismConfig(expert_parallel_degree=1),
         checkpoint=CheckpointManager.Config(interval=10, last_save_model_only=False),
+        # No activation checkpointing: activations are tiny, and recompute only costs time.
+        activation_checkpoint=None,
         # Fixed seed: identical initial weights and losses across runs (see tests).
         debug=DebugConfig(seed=42),
     )

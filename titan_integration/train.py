@@ -90,10 +90,23 @@ def validate(args: list[str]) -> None:
             ensure_assets()
         except AssetError as e:
             raise UsageError(str(e)) from e
-    if "." not in module_name:
-        return  # a torchtitan shorthand (e.g. deepseek_v3); ConfigManager resolves those itself
+    # Same resolution order as torchtitan.config.manager.ConfigManager._load_config.
+    from torchtitan.experiments import _supported_experiments
+    from torchtitan.models import _supported_models
+
+    if module_name in _supported_models | _supported_experiments:
+        candidates = [
+            f"{prefix}.{module_name}.config_registry"
+            for prefix in (
+                "torchtitan.models",
+                "torchtitan.experiments",
+                "torchtitan.experiments.rl.examples",
+            )
+        ]
+    else:
+        candidates = [f"{module_name}.config_registry", module_name]
     module = None
-    for candidate in (f"{module_name}.config_registry", module_name):
+    for candidate in candidates:
         try:
             module = importlib.import_module(candidate)
             break
@@ -102,7 +115,8 @@ def validate(args: list[str]) -> None:
                 raise  # the module exists but one of *its* imports is missing: show the real error
     if module is None:
         raise UsageError(
-            f"--module {module_name}: no such module; fix: use --module {DEFAULT_MODULE}"
+            f"--module {module_name}: no such module; fix: use --module {DEFAULT_MODULE} "
+            f"or a TorchTitan model name ({', '.join(sorted(_supported_models))})"
         )
     fn = getattr(module, config_name, None)
     if not callable(fn):
@@ -120,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("WANDB_MODE", "disabled")
     try:
         args = resolve_args(argv)
-        if want_cpu_mode():
+        cpu_mode = want_cpu_mode()
+        if cpu_mode:
             from titan_integration.cpu_mode import enable_cpu_mode
 
             enable_cpu_mode()
@@ -129,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+
+    if cpu_mode and _get_opt(args, "--module") != DEFAULT_MODULE:
+        # Stock TorchTitan configs don't carry the CPU settings: prepend them as flags (later
+        # user flags still win).
+        from titan_integration.cpu_mode import cpu_cli_flags
+
+        args = cpu_cli_flags(expert_parallel_degree=2) + args
 
     import torchtitan.train
 

@@ -34,6 +34,7 @@ class SparseConfig:
     decay: float = 0.9
     reorder_change: float = 0.10
     reorder_fraction: float = 0.25
+    expert_capacity: list[list[float]] | None = None  # [moe layers][experts], for popularity "capacity"
 
     def __post_init__(self):
         if self.window is not None and self.window < 1:
@@ -73,8 +74,9 @@ class SparseCheckpointer:
         self.grid = expert_grid(self.ops)
         n_layers = 1 + max((l for l, _ in self.grid), default=-1)
         n_experts = 1 + max((e for _, e in self.grid), default=-1)
+        cap = None if self.cfg.expert_capacity is None else torch.tensor(self.cfg.expert_capacity, dtype=torch.float64)
         self.tracker = PopularityTracker(max(n_layers, 1), max(n_experts, 1), policy=self.cfg.popularity,
-                                         decay=self.cfg.decay)
+                                         decay=self.cfg.decay, capacity=cap)
         self.access = StateAccess(model, optimizer)
         use_cuda = any(p.is_cuda for p in model.parameters())
         self.pin_memory = use_cuda
@@ -87,6 +89,8 @@ class SparseCheckpointer:
         self._pool: dict[tuple, list[Slot]] = {}  # free slot buffers by plan, reused
         self._next_id = (committed.id + 1) if committed else 0
         self.t_iter: float | None = None
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._warned_unfit = False  # an impossible copy budget is reported once, not every window
         self.bandwidth = self.cfg.bandwidth_bytes_per_s or self._agree(measure_copy_bandwidth(), dist.ReduceOp.MIN)
         self.counters = {"slots": 0, "windows_committed": 0, "reorders": 0, "slot_bytes": [], "copy_seconds": [],
                          "windows": []}
@@ -169,7 +173,8 @@ class SparseCheckpointer:
         budget = float("inf")
         if self.cfg.window is None:
             budget = self._agree(copy_budget(self.t_iter, self.bandwidth, self.cfg.overlap), dist.ReduceOp.MIN)
-        plan = plan_window(order, full, comp, budget, forced_window=self.cfg.window)
+        plan = plan_window(order, full, comp, budget, forced_window=self.cfg.window, warn=not self._warned_unfit and self._rank == 0)
+        self._warned_unfit = self._warned_unfit or not plan.fits
         slots = self._pool.pop(self._signature(plan), None) or [
             build_slot(i, sp.active, sp.frozen, self.op_by_name, self.compute_dtype, self.pin_memory)
             for i, sp in enumerate(plan.slots)]

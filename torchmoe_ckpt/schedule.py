@@ -98,7 +98,8 @@ def _greedy_ends(order: list[str], full: dict[str, int], comp: dict[str, int], b
 
 
 def plan_window(order: list[str], full_bytes: dict[str, int], compute_bytes: dict[str, int],
-                budget_bytes: float, forced_window: int | None = None) -> WindowPlan:
+                budget_bytes: float, forced_window: int | None = None, warn: bool = True) -> WindowPlan:
+    """Plan one window. `warn=False` lets a caller that re-plans every window report an impossible budget once."""
     if not order:
         raise ValueError("cannot plan a window without operators")
     n = len(order)
@@ -110,7 +111,7 @@ def plan_window(order: list[str], full_bytes: dict[str, int], compute_bytes: dic
         ends = _forced_ends(order, full_bytes, compute_bytes, forced_window)
     slots = _slots_from_ends(order, ends, full_bytes, compute_bytes)
     fits = all(s.bytes <= budget_bytes for s in slots)
-    if not fits:
+    if not fits and warn:
         worst = max(slots, key=lambda s: s.bytes)
         log.warning("sparse checkpoint slots do not fit the copy budget: worst slot %d bytes > budget %.0f bytes "
                     "per iteration (W=%d). Training goes on with the smallest feasible slots and will wait for "

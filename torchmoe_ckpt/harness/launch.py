@@ -34,7 +34,8 @@ def run_torchrun(nproc: int, spec: dict, out_dir: str | os.PathLike | None = Non
     log = proc.stdout
     (out / "torchrun.log").write_text(log)
     if proc.returncode != 0:
-        raise RuntimeError(f"torchrun exited {proc.returncode}; last output:\n{log[-4000:]}")
+        raise RuntimeError(f"torchrun exited {proc.returncode} (full log: {out / 'torchrun.log'}); "
+                           f"last output:\n{log[-4000:]}")
     return load_result(out, nproc, log)
 
 

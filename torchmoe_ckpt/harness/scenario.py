@@ -63,10 +63,13 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
     ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, ck_cfg).attach(trainer)
     recoveries: list[dict] = []
     step_seconds: list[float] = []
-    while trainer.step < cfg.steps:
+    while True:
         nxt = trainer.step + 1
         fail = next((f for f in pending if f["step"] == nxt), None)
         try:
+            if trainer.step >= cfg.steps:
+                ck.close()  # a copy torn in the last iteration surfaces here
+                break
             if fail is not None:
                 pending.remove(fail)
                 if fail.get("phase", "update") == "update":
@@ -88,7 +91,6 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
             trainer, ck, rep = restart(trainer, ck, ck_cfg)
             rep.update(failed_at=nxt, error=str(exc), slot_position=position, inflight_window_id=inflight_id)
             recoveries.append(rep)
-    ck.close()
     stats = ck.stats()
     ck.engine.shutdown()
     return trainer, {"recoveries": recoveries, "checkpoint": stats, "step_seconds": step_seconds}
