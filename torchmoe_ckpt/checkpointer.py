@@ -65,7 +65,7 @@ class Window:
 class SparseCheckpointer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, compute_dtype: torch.dtype,
                  cfg: SparseConfig | None = None, group: dist.ProcessGroup | None = None,
-                 committed: Window | None = None):
+                 committed: Window | None = None, host_tier=None):
         self.cfg = cfg or SparseConfig()
         self.group = group
         self.compute_dtype = compute_dtype
@@ -84,6 +84,12 @@ class SparseCheckpointer:
         self.current: Window | None = None
         self.committed: Window | None = committed
         self._inherited = committed  # a window handed over after a restart (still the recovery fallback)
+        # Optional host-memory tier (dcp.host_tier.HostTier): slots persisted off the training thread.
+        self.host_tier = host_tier
+        self.tier_writer = None
+        if host_tier is not None:
+            from .dcp.host_tier import TierWriter
+            self.tier_writer = TierWriter(host_tier)
         self._order: list[str] | None = None
         self._order_freq: torch.Tensor | None = None
         self._pool: dict[tuple, list[Slot]] = {}  # free slot buffers by plan, reused
@@ -121,6 +127,9 @@ class SparseCheckpointer:
             cur = self._start_window(t)
         slot = cur.slots[t - cur.start_step]
         self.engine.capture(slot, t)
+        if self.tier_writer is not None:
+            self.tier_writer.slot(cur.id, slot, {"window": cur.id, "slot": slot.index, "start_step": cur.start_step,
+                                                 "window_size": cur.plan.window})
         cur.captured += 1
         self.counters["slots"] += 1
         self.counters["slot_bytes"].append(slot.nbytes)
@@ -139,7 +148,12 @@ class SparseCheckpointer:
         self.counters["copy_seconds"].extend(s.copy_seconds for s in cur.slots)
         log.info("window committed id=%d steps=%d..%d W=%d bytes=%d", cur.id, cur.start_step,
                  cur.start_step + cur.plan.window - 1, cur.plan.window, cur.nbytes())
-        if old is not None and old is not self._inherited:  # buffers of an inherited window are not ours
+        if self.tier_writer is not None:
+            self.tier_writer.commit(cur, {"dtype": str(self.compute_dtype)}, keep_ids={cur.id, self._next_id})
+        # Reuse the old window's buffers unless they are inherited or still being written to the host tier.
+        reusable = old is not None and old is not self._inherited and (
+            self.tier_writer is None or old.id in self.tier_writer.persisted)
+        if reusable:
             self._pool[self._signature(old.plan)] = old.slots
 
     def _agree(self, value: float, op) -> float:
@@ -208,4 +222,7 @@ class SparseCheckpointer:
                                   if self.counters["copy_seconds"] else 0.0),
             "t_iter": self.t_iter, "bandwidth_bytes_per_s": self.bandwidth,
             "windows": self.counters["windows"][-5:],
+            "host_tier": None if self.tier_writer is None else {
+                "windows_persisted": len(self.tier_writer.persisted), "bytes_written": self.tier_writer.bytes_written,
+                "lag_seconds_max": max(self.tier_writer.lag_seconds, default=0.0), "errors": self.tier_writer.errors},
         }

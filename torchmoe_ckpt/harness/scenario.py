@@ -35,21 +35,60 @@ def _tear(slot, n) -> None:
     raise SimulatedCopyFault(f"injected failure after {n} of {len(slot.items)} items of slot {slot.index}")
 
 
-def restart(trainer: Trainer, ck: SparseCheckpointer, ck_cfg: SparseConfig) -> tuple[Trainer, SparseCheckpointer, dict]:
-    """Drop the live state; rebuild from the committed window (or cold-start when there is none)."""
+def _host_tier(trainer: Trainer, host: dict | None):
+    if not host:
+        return None
+    from ..dcp.host_tier import HostTier
+    return HostTier(host["root"], host.get("run_id", "run"), trainer.rank, trainer.world)
+
+
+def _corrupt(tier, how: str) -> str:
+    """Damage this rank's newest committed window on the host tier (failure-injection tests)."""
+    wid = tier.window_ids()[-1]
+    man = tier.manifest(wid)
+    rel = next(r for r in sorted(man.files) if r.endswith(".distcp"))
+    path = tier.window_dir(wid) / rel
+    data = bytearray(path.read_bytes())
+    if how == "truncate":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    return f"{how} {rel} of window {wid}"
+
+
+def restart(trainer: Trainer, ck: SparseCheckpointer, ck_cfg: SparseConfig, host: dict | None = None,
+            corrupt: str | None = None) -> tuple[Trainer, SparseCheckpointer, dict]:
+    """Drop the live state; rebuild from the newest committed window (host tier if configured, else the
+    in-memory one), or cold-start when there is none."""
     committed = ck.committed
     ck.engine.shutdown()
+    if ck.tier_writer is not None:
+        ck.tier_writer.abandon()
     cfg = trainer.cfg
+    rep: dict = {}
+    tier = _host_tier(trainer, host)
+    if tier is not None:
+        from ..dcp.host_tier import agree_on_window
+        if corrupt:
+            rep["corrupted"] = _corrupt(tier, corrupt) if trainer.rank == 0 else None
+            import torch.distributed as dist
+            dist.barrier()
+        rep["unusable_copies"] = {w: p[0] for w in tier.window_ids() if (p := tier.verify(w))}
+        wid = agree_on_window(tier)
+        committed = None if wid is None else tier.load_window(wid, ck.op_by_name, trainer.compute_dtype)
+        rep["source"] = "host" if committed is not None else None
     del trainer
     t0 = time.perf_counter()
     if committed is None:
         fresh = Trainer(cfg)  # nothing to recover from: start over from the deterministic initialisation
-        rep = {"cold_start": True, "recovered_step": 0, "replayed_iterations": 0}
+        rep.update(cold_start=True, recovered_step=0, replayed_iterations=0)
     else:
         fresh = Trainer(cfg, init_seed=cfg.seed + 7777)
-        rep = sparse_to_dense(fresh, committed).to_dict()
+        rep.update(sparse_to_dense(fresh, committed).to_dict())
     rep["restart_seconds"] = time.perf_counter() - t0
-    new_ck = SparseCheckpointer(fresh.model, fresh.optimizer, fresh.compute_dtype, ck_cfg, committed=committed)
+    new_ck = SparseCheckpointer(fresh.model, fresh.optimizer, fresh.compute_dtype, ck_cfg, committed=committed,
+                                host_tier=_host_tier(fresh, host))
     return fresh, new_ck.attach(fresh), rep
 
 
@@ -60,7 +99,9 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
     for f in pending:
         if f.get("phase", "update") not in PHASES:
             raise ValueError(f"unknown failure phase {f.get('phase')!r}; use one of {PHASES}")
-    ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, ck_cfg).attach(trainer)
+    host = spec.get("host_tier")
+    ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, ck_cfg,
+                            host_tier=_host_tier(trainer, host)).attach(trainer)
     recoveries: list[dict] = []
     step_seconds: list[float] = []
     while True:
@@ -88,7 +129,7 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
             inflight_id = inflight.id if inflight is not None else None
             if isinstance(exc, SimulatedCopyFault) and inflight is not None:
                 position -= 1  # the torn slot was never captured
-            trainer, ck, rep = restart(trainer, ck, ck_cfg)
+            trainer, ck, rep = restart(trainer, ck, ck_cfg, host, (fail or {}).get("corrupt"))
             rep.update(failed_at=nxt, error=str(exc), slot_position=position, inflight_window_id=inflight_id)
             recoveries.append(rep)
     stats = ck.stats()

@@ -1,0 +1,1 @@
+"""DCP planners and storage tiers for sparse checkpoint windows."""

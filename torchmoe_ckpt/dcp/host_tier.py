@@ -1,0 +1,233 @@
+"""Host-memory tier: each rank writes its slots, through DCP, into a node-local directory (default under
+/dev/shm, so a copy survives a worker restart by torchrun but not a node loss).
+
+Layout, per window (every rank writes only its own files, so no collective runs off the training thread):
+
+    <root>/<run>/window-000042/slot-00/rank-00003/{.metadata, __0_0.distcp}   one self-contained DCP
+                                                                              checkpoint of this rank's pieces
+                               replay/rank-00003.pt                          the window's replay records
+                               MANIFEST.rank-00003.json                      written last: this rank's files + CRC32
+
+A window is readable by rank r on this node iff its rank manifest exists and every file verifies.
+Slots are written by a background thread after their copy finished; the training thread never waits on it.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from ..replay_log import IterationRecord, ReplayLog
+from ..schedule import WindowPlan
+from ..snapshot import Slot, build_slot
+from .manifest import FileEntry, WindowManifest, crc32_stream, parse_window_dirname, window_dirname
+from .planner import SlotLoadPlanner, SlotSavePlanner
+
+log = logging.getLogger("torchmoe_ckpt.host_tier")
+DEFAULT_ROOT = "/dev/shm/torchmoe-ckpt"
+
+
+def rank_manifest_name(rank: int) -> str:
+    return f"MANIFEST.rank-{rank:05d}.json"
+
+
+def slot_rank_dir(window_dir: Path, slot: int, rank: int) -> Path:
+    return window_dir / f"slot-{slot:02d}" / f"rank-{rank:05d}"
+
+
+def _file_entry(path: Path) -> FileEntry:
+    with open(path, "rb") as f:
+        crc, size = crc32_stream(iter(lambda: f.read(1 << 22), b""))
+    return FileEntry(size, crc)
+
+
+class HostTier:
+    def __init__(self, root: str | Path, run_id: str, rank: int, world_size: int, keep_windows: int = 2):
+        self.dir = Path(root) / run_id
+        self.rank, self.world_size, self.keep = rank, world_size, keep_windows
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def window_dir(self, window_id: int) -> Path:
+        return self.dir / window_dirname(window_id)
+
+    # ---- write path (background thread) --------------------------------------------------------------
+    def write_slot(self, window_id: int, slot: Slot, info: dict) -> int:
+        out = slot_rank_dir(self.window_dir(window_id), slot.index, self.rank)
+        out.mkdir(parents=True, exist_ok=True)
+        dcp.save({}, storage_writer=FileSystemWriter(out, sync_files=False), planner=SlotSavePlanner(slot, info),
+                 no_dist=True)
+        return slot.nbytes
+
+    def write_commit(self, window_id: int, start_step: int, plan: WindowPlan, log_: ReplayLog, extra: dict) -> WindowManifest:
+        wdir = self.window_dir(window_id)
+        replay = wdir / "replay" / f"rank-{self.rank:05d}.pt"
+        replay.parent.mkdir(parents=True, exist_ok=True)
+        torch.save([r.to_dict() for r in log_.records.values()], replay)
+        files: dict[str, FileEntry] = {}
+        for i in range(plan.window):
+            d = slot_rank_dir(wdir, i, self.rank)
+            for f in sorted(d.iterdir()):
+                files[str(f.relative_to(wdir))] = _file_entry(f)
+        files[str(replay.relative_to(wdir))] = _file_entry(replay)
+        man = WindowManifest(window_id, start_step, plan.window, self.world_size, plan.to_dict(), files,
+                             dict(extra, rank=self.rank))
+        tmp = wdir / (rank_manifest_name(self.rank) + ".tmp")
+        tmp.write_text(man.to_json())
+        tmp.rename(wdir / rank_manifest_name(self.rank))  # the manifest, written last, is the commit
+        return man
+
+    def collect(self, keep_ids: set[int]) -> list[int]:
+        """Delete this rank's files of windows not in `keep_ids` (manifest first); returns deleted ids."""
+        gone = []
+        for wid in self.window_ids(require_manifest=False):
+            if wid in keep_ids:
+                continue
+            wdir = self.window_dir(wid)
+            (wdir / rank_manifest_name(self.rank)).unlink(missing_ok=True)
+            for slot_dir in wdir.glob("slot-*"):
+                shutil.rmtree(slot_dir / f"rank-{self.rank:05d}", ignore_errors=True)
+            (wdir / "replay" / f"rank-{self.rank:05d}.pt").unlink(missing_ok=True)
+            if not any(wdir.glob("MANIFEST.rank-*.json")) and not any(wdir.glob("slot-*/rank-*")):
+                shutil.rmtree(wdir, ignore_errors=True)
+            gone.append(wid)
+        return gone
+
+    # ---- read path -----------------------------------------------------------------------------------
+    def window_ids(self, require_manifest: bool = True) -> list[int]:
+        ids = []
+        for p in self.dir.glob("window-*"):
+            wid = parse_window_dirname(p.name)
+            if wid is not None and (not require_manifest or (p / rank_manifest_name(self.rank)).exists()):
+                ids.append(wid)
+        return sorted(ids)
+
+    def manifest(self, window_id: int, rank: int | None = None) -> WindowManifest:
+        path = self.window_dir(window_id) / rank_manifest_name(self.rank if rank is None else rank)
+        return WindowManifest.from_json(path.read_text())
+
+    def verify(self, window_id: int, rank: int | None = None) -> list[str]:
+        """Problems with one rank's copy of a window (empty list = every file verifies)."""
+        try:
+            man = self.manifest(window_id, rank)
+        except FileNotFoundError:
+            return ["no manifest (window not committed on this tier)"]
+        except ValueError as exc:
+            return [f"bad manifest: {exc}"]
+        wdir, problems = self.window_dir(window_id), []
+        for rel, want in man.files.items():
+            f = wdir / rel
+            if not f.exists():
+                problems.append(f"{rel}: missing")
+                continue
+            got = _file_entry(f)
+            if got.bytes != want.bytes:
+                problems.append(f"{rel}: {got.bytes} bytes, manifest says {want.bytes} (torn)")
+            elif got.crc32 != want.crc32:
+                problems.append(f"{rel}: CRC32 {got.crc32:08x} != {want.crc32:08x} (corrupt)")
+        return problems
+
+    def load_window(self, window_id: int, ops: dict, compute_dtype: torch.dtype):
+        """Read this rank's copy of a committed window back into fresh slot buffers (verified first)."""
+        from ..checkpointer import Window
+        problems = self.verify(window_id)
+        if problems:
+            raise CorruptCopyError(f"window {window_id} on host tier {self.dir} is unusable: {problems[0]}"
+                                   + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+        man = self.manifest(window_id)
+        plan = WindowPlan.from_dict(man.plan)
+        slots = []
+        for i, sp in enumerate(plan.slots):
+            slot = build_slot(i, sp.active, sp.frozen, ops, compute_dtype)
+            dcp.load({}, storage_reader=FileSystemReader(slot_rank_dir(self.window_dir(window_id), i, self.rank)),
+                     planner=SlotLoadPlanner(slot), no_dist=True)
+            slot.step = man.start_step + i
+            slot.done.set()
+            slots.append(slot)
+        rlog = ReplayLog()
+        for d in torch.load(self.window_dir(window_id) / "replay" / f"rank-{self.rank:05d}.pt", weights_only=True):
+            rlog.add(IterationRecord.from_dict(d))
+        return Window(window_id, man.start_step, plan, slots, rlog, captured=plan.window)
+
+
+def agree_on_window(tier: HostTier, group=None) -> int | None:
+    """The newest window that every rank can read from its host tier (verified), or None. Collective."""
+    import torch.distributed as dist
+    mine = [w for w in tier.window_ids() if not tier.verify(w)]
+    if not dist.is_initialized():
+        return mine[-1] if mine else None
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    common = set(everyone[0]).intersection(*map(set, everyone[1:]))
+    return max(common) if common else None
+
+
+class CorruptCopyError(RuntimeError):
+    """A copy of a window on some tier is torn or corrupt: skip it for the next tier; never load it."""
+
+
+class TierWriter:
+    """Background thread that persists captured slots and commits windows on the host tier, in order."""
+
+    def __init__(self, tier: HostTier):
+        self.tier = tier
+        self.jobs: queue.Queue = queue.Queue()
+        self.persisted: set[int] = set()   # window ids whose rank manifest is written
+        self.errors: list[str] = []
+        self.lag_seconds: list[float] = []  # window committed in memory -> manifest on the host tier
+        self.bytes_written = 0
+        self._thread = threading.Thread(target=self._run, name="tmoe-host-tier", daemon=True)
+        self._thread.start()
+
+    def slot(self, window_id: int, slot: Slot, info: dict) -> None:
+        self.jobs.put(("slot", window_id, slot, info))
+
+    def commit(self, window, extra: dict, keep_ids: set[int]) -> None:
+        self.jobs.put(("commit", window, extra, keep_ids, time.perf_counter()))
+
+    def flush(self) -> None:
+        done = threading.Event()
+        self.jobs.put(("flush", done))
+        done.wait()
+
+    def shutdown(self) -> None:
+        self.jobs.put(None)
+
+    def abandon(self) -> None:
+        """Emulate this process dying: drop the queued jobs (a job already running finishes) and stop."""
+        self._dead = True
+        self.jobs.put(None)
+        self._thread.join()
+
+    _dead = False
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if self._dead:
+                continue
+            try:
+                if job[0] == "slot":
+                    _, wid, slot, info = job
+                    slot.done.wait()
+                    if slot.complete:  # a torn copy is never persisted
+                        self.bytes_written += self.tier.write_slot(wid, slot, dict(info, step=slot.step))
+                elif job[0] == "commit":
+                    _, win, extra, keep, t0 = job
+                    self.tier.write_commit(win.id, win.start_step, win.plan, win.log, extra)
+                    self.persisted.add(win.id)
+                    self.lag_seconds.append(time.perf_counter() - t0)
+                    self.tier.collect(keep)
+                else:
+                    job[1].set()
+            except Exception as exc:  # keep training; the window simply never becomes visible on this tier
+                log.warning("host tier write failed: %s", exc)
+                self.errors.append(str(exc))

@@ -1,0 +1,129 @@
+"""DCP planners for sparse slots.
+
+`SlotSavePlanner` writes one slot as a standard DCP checkpoint: every `SlotItem` is already a shard with
+global offsets (one chunk per expert row of a grouped tensor), so the plan is the slot's items. A slot
+covers only part of most tensors by design, so DCP's "chunks must fill the tensor" check is relaxed for
+exactly that error, and only for tensors the slot declares partial; out-of-bounds and overlapping chunks
+are still rejected. Window, slot, iteration, plan and a CRC32 per item go into `Metadata.planner_data`.
+
+`SlotLoadPlanner` reads a slot back into this rank's host buffers by global offsets (any rank layout that
+saved it: DCP intersects the saved chunks with the requested ones). Stock `dcp.load` also reads a slot into
+plain full-size tensors: regions no chunk covers are left untouched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import torch
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_global_save_plan,
+)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from ..snapshot import Slot, SlotItem
+
+PLANNER_KEY = "torchmoe_ckpt"
+
+
+def item_crc32(buf: torch.Tensor) -> int:
+    return zlib.crc32(buf.detach().contiguous().view(torch.uint8).reshape(-1).numpy()) & 0xFFFFFFFF
+
+
+def _index_key(fqn: str, offset) -> tuple:
+    return fqn, tuple(offset) if offset is not None else ()
+
+
+class SlotSavePlanner(DefaultSavePlanner):
+    def __init__(self, slot: Slot, info: dict):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
+        self.slot, self.info = slot, info
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        self.state_dict, self.is_coordinator = state_dict, is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items: list[WriteItem] = []
+        sums: dict[str, int] = {}
+        for it in self.slot.items:
+            wi = it.write_item()
+            items.append(wi)
+            self._buffers[_index_key(wi.index.fqn, wi.index.offset)] = it.buffer
+            sums[_checksum_name(wi.index.fqn, wi.index.offset)] = item_crc32(it.buffer)
+        self.plan = SavePlan(items, planner_data={"checksums": sums})
+        return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        from torch.distributed.checkpoint.default_planner import _validate_global_plan
+        plans = self._dedup_save_plans(all_plans)
+        global_plan, md = create_default_global_save_plan(plans)
+        errors = [e for e in _validate_global_plan(global_plan, md) if "invalid fill tensor-volume" not in e]
+        if errors:
+            raise ValueError(f"slot plan is inconsistent across ranks: {'; '.join(errors)[:500]}")
+        sums: dict[str, int] = {}
+        for p in plans:
+            sums.update((p.planner_data or {}).get("checksums", {}))
+        kept = {_checksum_name(i.index.fqn, i.index.offset) for p in global_plan for i in p.items}
+        data = {PLANNER_KEY: dict(self.info, checksums={k: v for k, v in sums.items() if k in kept})}
+        md = dataclasses.replace(md, planner_data=data)
+        self.global_plan, self.metadata = global_plan, md
+        return global_plan, md
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        self.plan = new_plan
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        return self._buffers[_index_key(write_item.index.fqn, write_item.index.offset)]
+
+
+def _checksum_name(fqn: str, offset) -> str:
+    return f"{fqn}@{','.join(str(o) for o in (offset or ()))}"
+
+
+class SlotLoadPlanner(DefaultLoadPlanner):
+    """Fill `slot`'s buffers (this rank's pieces) from a saved slot checkpoint."""
+
+    def __init__(self, slot: Slot):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.slot = slot
+        self._dest: dict[tuple, SlotItem] = {}
+
+    def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        reads: list[ReadItem] = []
+        md = self.metadata.state_dict_metadata
+        for it in self.slot.items:
+            wi = it.write_item()
+            if wi.index.fqn not in md:
+                raise KeyError(f"slot checkpoint has no tensor {wi.index.fqn!r}: it was written for another "
+                               f"model or plan")
+            chunk = ChunkStorageMetadata(wi.tensor_data.chunk.offsets, wi.tensor_data.chunk.sizes)
+            found = create_read_items_for_chunk_list(wi.index.fqn, md[wi.index.fqn], [chunk])
+            got = sum(int(torch.Size(r.lengths).numel()) for r in found)
+            if got != it.buffer.numel():
+                raise KeyError(f"slot checkpoint covers {got} of {it.buffer.numel()} elements of "
+                               f"{wi.index.fqn} at {tuple(chunk.offsets)}")
+            for r in found:
+                r = dataclasses.replace(r, dest_index=MetadataIndex(wi.index.fqn, chunk.offsets))
+                reads.append(r)
+            self._dest[_index_key(wi.index.fqn, chunk.offsets)] = it
+        self.plan = LoadPlan(reads)
+        return self.plan
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        buf = self._dest[_index_key(read_item.dest_index.fqn, read_item.dest_index.offset)].buffer
+        view = buf
+        for dim, (off, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(dim, off, length)
+        return view
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass  # loaded in place
