@@ -30,8 +30,8 @@ def spec(hsdp, dtype, checkpoint=None, failures=(), steps=STEPS):
 
 
 @pytest.mark.parametrize("world,hsdp,dtype", CASES, ids=IDS)
-def test_failures_at_every_slot_position_recover_bit_exactly(world, hsdp, dtype, tmp_path):
-    ref = run_torchrun(world, spec(hsdp, dtype), tmp_path / "ref")
+def test_failures_at_every_slot_position_recover_bit_exactly(world, hsdp, dtype, tmp_path, reference):
+    ref = reference(world, spec(hsdp, dtype)["run"])
     run = run_torchrun(world, spec(hsdp, dtype, {"window": W}, FAILURES), tmp_path / "fail")
     recs = run.report["recoveries"]
     assert [r["failed_at"] for r in recs] == [6, 7, 11, 16]  # the torn copy of 15 surfaces in iteration 16
@@ -46,11 +46,11 @@ def test_failures_at_every_slot_position_recover_bit_exactly(world, hsdp, dtype,
     assert cmp.compared_losses == world * STEPS
 
 
-def test_checkpointing_does_not_change_training_and_auto_window(tmp_path):
+def test_checkpointing_does_not_change_training_and_auto_window(tmp_path, reference):
     """Auto W (Algorithm 1 from the measured iteration time and copy bandwidth): a tight overlap budget makes
     the planner spread the state over several slots; checkpointing leaves training untouched and recovery
     from the auto-sized window is exact."""
-    ref = run_torchrun(2, spec(1, "fp32", steps=12), tmp_path / "ref")
+    ref = reference(2, spec(1, "fp32", steps=12)["run"])
     run = run_torchrun(2, spec(1, "fp32", {"window": None, "overlap": 0.0005}, [{"step": 11, "phase": "update"}],
                                steps=12), tmp_path / "auto")
     rec = run.report["recoveries"][0]
@@ -60,10 +60,10 @@ def test_checkpointing_does_not_change_training_and_auto_window(tmp_path):
     assert cmp.bit_exact, cmp.mismatches[:10]
 
 
-def test_failure_before_first_window_cold_starts_exactly_and_impossible_budget_reported_once(tmp_path):
+def test_failure_before_first_window_cold_starts_exactly_and_impossible_budget_reported_once(tmp_path, reference):
     """An impossible copy budget (even one operator per slot does not fit) is reported once, clearly, and
     training goes on with one-operator slots; a failure before any window committed cold-starts exactly."""
-    ref = run_torchrun(2, spec(1, "fp32", steps=8), tmp_path / "ref")
+    ref = reference(2, spec(1, "fp32", steps=8)["run"])
     run = run_torchrun(2, spec(1, "fp32", {"window": None, "overlap": 1e-12}, [{"step": 3, "phase": "update"}],
                                steps=8), tmp_path / "cold")
     assert run.report["recoveries"][0]["cold_start"] is True

@@ -18,6 +18,7 @@ import queue
 import shutil
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -31,6 +32,8 @@ from .manifest import FileEntry, WindowManifest, crc32_stream, parse_window_dirn
 from .planner import SlotLoadPlanner, SlotSavePlanner
 
 log = logging.getLogger("torchmoe_ckpt.host_tier")
+# Each rank deliberately saves its own pieces without collectives (no_dist=True); DCP warns about that.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 DEFAULT_ROOT = "/dev/shm/torchmoe-ckpt"
 
 
@@ -60,9 +63,12 @@ class HostTier:
     # ---- write path (background thread) --------------------------------------------------------------
     def write_slot(self, window_id: int, slot: Slot, info: dict) -> int:
         out = slot_rank_dir(self.window_dir(window_id), slot.index, self.rank)
+        if out.exists():  # left over by a run that died before committing this window id
+            shutil.rmtree(out)
+            (self.window_dir(window_id) / rank_manifest_name(self.rank)).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
-        dcp.save({}, storage_writer=FileSystemWriter(out, sync_files=False), planner=SlotSavePlanner(slot, info),
-                 no_dist=True)
+        dcp.save({}, storage_writer=FileSystemWriter(out, sync_files=False, overwrite=True),
+                 planner=SlotSavePlanner(slot, info), no_dist=True)
         return slot.nbytes
 
     def write_commit(self, window_id: int, start_step: int, plan: WindowPlan, log_: ReplayLog, extra: dict) -> WindowManifest:
@@ -228,6 +234,7 @@ class TierWriter:
                     self.tier.collect(keep)
                 else:
                     job[1].set()
-            except Exception as exc:  # keep training; the window simply never becomes visible on this tier
+            except BaseException as exc:  # DCP's CheckpointException is a BaseException
+                # Keep training; the window simply never becomes visible on this tier.
                 log.warning("host tier write failed: %s", exc)
                 self.errors.append(str(exc))

@@ -31,7 +31,7 @@ PLANNER_KEY = "torchmoe_ckpt"
 
 
 def item_crc32(buf: torch.Tensor) -> int:
-    return zlib.crc32(buf.detach().contiguous().view(torch.uint8).reshape(-1).numpy()) & 0xFFFFFFFF
+    return zlib.crc32(buf.detach().contiguous().reshape(-1).view(torch.uint8).numpy()) & 0xFFFFFFFF
 
 
 def _index_key(fqn: str, offset) -> tuple:
