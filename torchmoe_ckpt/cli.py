@@ -26,6 +26,22 @@ def _bench(a) -> int:
     return 0
 
 
+def _inspect(a) -> int:
+    from .inspect import format_inspect, inspect_location, main_json
+    info = inspect_location(a.location)
+    print(main_json(info) if a.json else format_inspect(info))
+    return 0
+
+
+def _verify(a) -> int:
+    from .inspect import format_inspect, main_json, verify_location
+    ok, info = verify_location(a.location)
+    print(main_json(info) if a.json else format_inspect(info))
+    print("verify: OK, every file matches its manifest" if ok else "verify: FAILED (see problems above)",
+          file=sys.stderr)
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="torchmoe-ckpt", description="Sparse per-iteration checkpointing for MoE training")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -53,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", action="store_true")
     b.add_argument("--quiet", action="store_true")
     b.set_defaults(fn=_bench)
+    for name, fn, text in (("inspect", _inspect, "windows, slots, operators, sizes and checksum status"),
+                           ("verify", _verify, "exit 0 only if every file of every committed window verifies")):
+        c = sub.add_parser(name, help=text)
+        c.add_argument("location", help="host-tier run directory, e.g. /dev/shm/torchmoe-ckpt/<run>")
+        c.add_argument("--json", action="store_true")
+        c.set_defaults(fn=fn)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
