@@ -29,7 +29,7 @@ from ..replay_log import IterationRecord, ReplayLog
 from ..schedule import WindowPlan
 from ..snapshot import Slot, build_slot
 from .manifest import FileEntry, WindowManifest, crc32_stream, parse_window_dirname, window_dirname
-from .planner import SlotLoadPlanner, SlotSavePlanner
+from .planner import SlotLoadPlanner, SlotSavePlanner, verify_items
 
 log = logging.getLogger("torchmoe_ckpt.host_tier")
 # Each rank deliberately saves its own pieces without collectives (no_dist=True); DCP warns about that.
@@ -151,8 +151,11 @@ class HostTier:
         slots = []
         for i, sp in enumerate(plan.slots):
             slot = build_slot(i, sp.active, sp.frozen, ops, compute_dtype)
-            dcp.load({}, storage_reader=FileSystemReader(slot_rank_dir(self.window_dir(window_id), i, self.rank)),
-                     planner=SlotLoadPlanner(slot), no_dist=True)
+            reader = FileSystemReader(slot_rank_dir(self.window_dir(window_id), i, self.rank))
+            dcp.load({}, storage_reader=reader, planner=SlotLoadPlanner(slot), no_dist=True)
+            bad = verify_items(slot, reader.read_metadata())
+            if bad:
+                raise CorruptCopyError(f"window {window_id} slot {i}: item checksums do not match for {bad[:3]}")
             slot.step = man.start_step + i
             slot.done.set()
             slots.append(slot)

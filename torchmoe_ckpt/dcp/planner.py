@@ -127,3 +127,15 @@ class SlotLoadPlanner(DefaultLoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass  # loaded in place
+
+
+def verify_items(slot: Slot, metadata: Metadata) -> list[str]:
+    """Keys of `slot` items whose loaded bytes do not match the CRC32 recorded when the slot was saved."""
+    sums = ((metadata.planner_data or {}).get(PLANNER_KEY) or {}).get("checksums", {})
+    bad = []
+    for it in slot.items:
+        wi = it.write_item()
+        name = _checksum_name(wi.index.fqn, wi.index.offset)
+        if name not in sums or sums[name] != item_crc32(it.buffer):
+            bad.append(name)
+    return bad
