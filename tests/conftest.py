@@ -20,3 +20,19 @@ def reference(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def one_rank_group():
+    """A 1-rank gloo process group in the test process, for in-process tests of distributed code."""
+    import socket
+
+    import torch.distributed as dist
+
+    from torchmoe_ckpt.harness.parallel import init_distributed
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    init_distributed()
+    yield
+    dist.destroy_process_group()

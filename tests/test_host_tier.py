@@ -1,11 +1,7 @@
 """Host-memory tier: slots written through DCP by a background thread, read back for recovery; torn or
 corrupt copies are detected and never loaded; stock dcp.load reads a slot."""
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from torchmoe_ckpt.harness.launch import compare, run_torchrun
@@ -45,18 +41,7 @@ def test_corrupt_or_torn_copy_is_reported_and_never_loaded(tmp_path, how, refere
     assert cmp.bit_exact, cmp.mismatches[:10]
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    from torchmoe_ckpt.harness.parallel import init_distributed
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    init_distributed()
-    yield
-    dist.destroy_process_group()
-
-
-def test_stock_dcp_load_reads_a_slot(tmp_path, one_rank):
+def test_stock_dcp_load_reads_a_slot(tmp_path, one_rank_group):
     from torchmoe_ckpt.checkpointer import SparseCheckpointer, SparseConfig
     from torchmoe_ckpt.dcp.host_tier import HostTier, slot_rank_dir
     from torchmoe_ckpt.harness.trainer import RunConfig, Trainer

@@ -1,9 +1,7 @@
 """Operator discovery, slot contents and the snapshot engine, in one process (1-rank gloo group)."""
 import pytest
 import torch
-import torch.distributed as dist
 
-from torchmoe_ckpt.harness.parallel import init_distributed
 from torchmoe_ckpt.harness.trainer import RunConfig, Trainer
 from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.recovery import init_optimizer_state
@@ -11,17 +9,10 @@ from torchmoe_ckpt.snapshot import SimulatedCopyFault, SnapshotEngine, StateAcce
 
 
 @pytest.fixture(scope="module")
-def trainer():
-    import os
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    init_distributed()
+def trainer(one_rank_group):
     t = Trainer(RunConfig(steps=3))
     t.train_step()
-    yield t
-    dist.destroy_process_group()
+    return t
 
 
 def test_every_parameter_element_belongs_to_exactly_one_operator(trainer):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -44,6 +45,11 @@ def bench_model(name: str, nproc: int, overlap: float, out: Path, say) -> dict:
     sparse = run_torchrun(nproc, {"run": run, "checkpoint": {"window": None, "overlap": overlap},
                                   "failures": [{"step": fail_at, "phase": "update"}]},
                           out / name / "sparse", timeout=600)
+    say(f"{name}: sparse window persisted to the host-memory tier (DCP files in /dev/shm)")
+    shm = Path(tempfile.mkdtemp(prefix="tmoe-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    host = run_torchrun(nproc, {"run": run, "checkpoint": {"window": None, "overlap": overlap},
+                                "host_tier": {"root": str(shm), "run_id": name}}, out / name / "host", timeout=600)
+    shutil.rmtree(shm, ignore_errors=True)
     say(f"{name}: dense snapshot every iteration (W=1)")
     dense = run_torchrun(nproc, {"run": run, "checkpoint": {"window": 1}}, out / name / "dense", timeout=600)
     t_base = _median_step(base.report)
@@ -57,7 +63,8 @@ def bench_model(name: str, nproc: int, overlap: float, out: Path, say) -> dict:
                 "mean_slot_bytes": ck["mean_slot_bytes"], "max_slot_bytes": ck["max_slot_bytes"],
                 "dense_bytes": ck["dense_bytes"], "windows": ck["windows"]}
 
-    s, d = costs(sparse.report), costs(dense.report)
+    s, d, h = costs(sparse.report), costs(dense.report), costs(host.report)
+    host_stats = host.report["checkpoint"]["host_tier"]
     rec = sparse.report["recoveries"][0]
     w = rec.get("window", 1)
     return {
@@ -69,6 +76,9 @@ def bench_model(name: str, nproc: int, overlap: float, out: Path, say) -> dict:
         "worst_slot_bytes_ratio": s["max_slot_bytes"] / s["dense_bytes"],
         "wait_fraction": s["wait_fraction"], "overhead_fraction": s["overhead_fraction"],
         "dense_wait_fraction": d["wait_fraction"], "dense_overhead_fraction": d["overhead_fraction"],
+        "host_tier_overhead_fraction": h["overhead_fraction"], "host_tier_wait_fraction": h["wait_fraction"],
+        "host_tier_persist_lag_s": host_stats["lag_seconds_max"],
+        "host_tier_bytes_per_iteration": host_stats["bytes_written"] / max(1, len(host.report["step_seconds"])),
         "recovery_s": rec.get("seconds", 0.0), "replayed_iterations": rec.get("replayed_iterations", 0),
         "replay_cost_ratio": rec.get("seconds", 0.0) / (w * t_base),
         "goals": {"slot_bytes_ratio<=0.45": s["mean_slot_bytes"] / s["dense_bytes"] <= 0.45,
@@ -80,12 +90,13 @@ def bench_model(name: str, nproc: int, overlap: float, out: Path, say) -> dict:
 def report_markdown(res: dict) -> str:
     lines = [f"# torchmoe-ckpt bench ({res['machine']})", "",
              "| model | W | slot/dense bytes | worst slot/dense | wait fraction | overhead | dense W=1 wait | "
-             "dense W=1 overhead | recovery s | replay cost ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "dense W=1 overhead | + host tier overhead | host persist lag s | recovery s | replay cost ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["models"]:
         lines.append(f"| {r['model']} | {r['window']} | {r['slot_bytes_ratio']:.3f} | {r['worst_slot_bytes_ratio']:.3f} | "
                      f"{r['wait_fraction']:.4f} | {r['overhead_fraction']:+.3f} | {r['dense_wait_fraction']:.4f} | "
-                     f"{r['dense_overhead_fraction']:+.3f} | {r['recovery_s']:.3f} | {r['replay_cost_ratio']:.3f} |")
+                     f"{r['dense_overhead_fraction']:+.3f} | {r['host_tier_overhead_fraction']:+.3f} | "
+                     f"{r['host_tier_persist_lag_s']:.3f} | {r['recovery_s']:.3f} | {r['replay_cost_ratio']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
