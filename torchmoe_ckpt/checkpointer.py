@@ -149,7 +149,11 @@ class SparseCheckpointer:
         log.info("window committed id=%d steps=%d..%d W=%d bytes=%d", cur.id, cur.start_step,
                  cur.start_step + cur.plan.window - 1, cur.plan.window, cur.nbytes())
         if self.tier_writer is not None:
-            self.tier_writer.commit(cur, {"dtype": str(self.compute_dtype)}, keep_ids={cur.id, self._next_id})
+            # Keep every window from the newest one that *all* ranks have persisted: a rank ahead of the
+            # others must not delete the only window they can all recover from.
+            mine = max(self.tier_writer.persisted, default=-1)
+            floor = int(self._agree(float(mine), dist.ReduceOp.MIN))
+            self.tier_writer.commit(cur, {"dtype": str(self.compute_dtype)}, keep_from=floor)
         # Reuse the old window's buffers unless they are inherited or still being written to the host tier.
         reusable = old is not None and old is not self._inherited and (
             self.tier_writer is None or old.id in self.tier_writer.persisted)

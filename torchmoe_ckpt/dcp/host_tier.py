@@ -89,11 +89,11 @@ class HostTier:
         tmp.rename(wdir / rank_manifest_name(self.rank))  # the manifest, written last, is the commit
         return man
 
-    def collect(self, keep_ids: set[int]) -> list[int]:
-        """Delete this rank's files of windows not in `keep_ids` (manifest first); returns deleted ids."""
+    def collect(self, keep_from: int) -> list[int]:
+        """Delete this rank's files of windows older than `keep_from` (manifest first); returns deleted ids."""
         gone = []
         for wid in self.window_ids(require_manifest=False):
-            if wid in keep_ids:
+            if wid >= keep_from:
                 continue
             wdir = self.window_dir(wid)
             (wdir / rank_manifest_name(self.rank)).unlink(missing_ok=True)
@@ -197,8 +197,8 @@ class TierWriter:
     def slot(self, window_id: int, slot: Slot, info: dict) -> None:
         self.jobs.put(("slot", window_id, slot, info))
 
-    def commit(self, window, extra: dict, keep_ids: set[int]) -> None:
-        self.jobs.put(("commit", window, extra, keep_ids, time.perf_counter()))
+    def commit(self, window, extra: dict, keep_from: int) -> None:
+        self.jobs.put(("commit", window, extra, keep_from, time.perf_counter()))
 
     def flush(self) -> None:
         done = threading.Event()

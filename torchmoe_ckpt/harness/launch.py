@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,16 +23,26 @@ class RunResult:
 
 
 def run_torchrun(nproc: int, spec: dict, out_dir: str | os.PathLike | None = None, timeout: float = 120.0,
-                 extra_env: dict | None = None) -> RunResult:
+                 extra_env: dict | None = None, max_restarts: int = 0) -> RunResult:
     """Run `torchmoe_ckpt.harness.worker` on `nproc` local ranks (gloo) and load what each rank wrote."""
     out = Path(out_dir or tempfile.mkdtemp(prefix="tmoe-run-"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(spec, indent=1))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           f"--max-restarts={max_restarts}",
            "-m", "torchmoe_ckpt.harness.worker", "--spec", str(out / "spec.json"), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env)
-    log = proc.stdout
+    # Own process group, so a timeout kills torchrun *and* its workers instead of orphaning them.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        (out / "torchrun.log").write_text(log)
+        raise RuntimeError(f"torchrun did not finish within {timeout:.0f} s (killed; log: {out / 'torchrun.log'}); "
+                           f"last output:\n{log[-3000:]}") from None
     (out / "torchrun.log").write_text(log)
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun exited {proc.returncode} (full log: {out / 'torchrun.log'}); "

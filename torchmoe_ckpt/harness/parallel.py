@@ -20,7 +20,19 @@ def init_distributed(timeout_s: float = 120.0) -> tuple[int, int]:
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt != "0":
+            # After a torchrun restart, gloo sometimes found the previous attempt's (dead) peer addresses in
+            # the rendezvous store and failed with "connection refused": key the process group by attempt.
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                  is_master=(rank == 0 and not agent), timeout=timedelta(seconds=timeout_s),
+                                  multi_tenant=not agent)
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"/torchmoe/attempt-{attempt}", store),
+                                    rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        else:
+            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -5,11 +5,15 @@ A simulated failure throws the whole training state away: the restarted trainer 
 initial weights, so anything recovery forgets to restore shows up as a mismatch against the fault-free run.
 What survives is what would survive in host memory: the newest committed window. Failure phases:
   "update" - the rank dies in iteration f after backward, before the optimizer step;
-  "copy"   - the snapshot copy of iteration f is torn half-way; the failure surfaces in iteration f+1.
+  "copy"   - the snapshot copy of iteration f is torn half-way; the failure surfaces in iteration f+1;
+  "kill"   - a real `kill -9` of rank `rank` in iteration f (first attempt only); torchrun
+             (--max-restarts) restarts every worker, and with "resume" they recover from the host tier.
 """
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 
 import torch
@@ -20,7 +24,7 @@ from ..snapshot import SimulatedCopyFault
 from .trainer import Trainer
 
 log = logging.getLogger("torchmoe_ckpt.scenario")
-PHASES = ("update", "copy")
+PHASES = ("update", "copy", "kill")
 
 
 class SimulatedCrash(RuntimeError):
@@ -29,6 +33,10 @@ class SimulatedCrash(RuntimeError):
 
 def _crash() -> None:
     raise SimulatedCrash("injected failure before the optimizer step")
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _tear(slot, n) -> None:
@@ -92,6 +100,24 @@ def restart(trainer: Trainer, ck: SparseCheckpointer, ck_cfg: SparseConfig, host
     return fresh, new_ck.attach(fresh), rep
 
 
+def resume_from_host_tier(trainer: Trainer, host: dict):
+    """Process start: recover from the newest window every rank can read on its host tier, if any."""
+    from ..dcp.host_tier import agree_on_window
+    tier = _host_tier(trainer, host)
+    wid = agree_on_window(tier)
+    if wid is None:
+        return trainer, None, None  # nothing to recover from: a fresh start from the deterministic init
+    t0 = time.perf_counter()
+    from ..operators import discover_operators
+    ops = {o.name: o for o in discover_operators(trainer.model)}
+    committed = tier.load_window(wid, ops, trainer.compute_dtype)
+    cfg = trainer.cfg
+    del trainer
+    fresh = Trainer(cfg, init_seed=cfg.seed + 7777)
+    rep = dict(sparse_to_dense(fresh, committed).to_dict(), source="host", restart_seconds=time.perf_counter() - t0)
+    return fresh, committed, rep
+
+
 def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch.Tensor]) -> tuple[Trainer, dict]:
     cfg = trainer.cfg
     ck_cfg = SparseConfig(**spec["checkpoint"])
@@ -100,9 +126,15 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
         if f.get("phase", "update") not in PHASES:
             raise ValueError(f"unknown failure phase {f.get('phase')!r}; use one of {PHASES}")
     host = spec.get("host_tier")
-    ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, ck_cfg,
-                            host_tier=_host_tier(trainer, host)).attach(trainer)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     recoveries: list[dict] = []
+    committed = None
+    if host and spec.get("resume"):
+        trainer, committed, rep = resume_from_host_tier(trainer, host)
+        if rep is not None or attempt > 0:
+            recoveries.append(dict(rep or {"cold_start": True, "recovered_step": 0}, attempt=attempt))
+    ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, ck_cfg, committed=committed,
+                            host_tier=_host_tier(trainer, host)).attach(trainer)
     step_seconds: list[float] = []
     while True:
         nxt = trainer.step + 1
@@ -115,6 +147,8 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
                 pending.remove(fail)
                 if fail.get("phase", "update") == "update":
                     trainer.before_update.append(_crash)
+                elif fail["phase"] == "kill" and attempt == 0 and trainer.rank == fail.get("rank", 0):
+                    trainer.before_update.append(_kill_self)
             t0 = time.perf_counter()
             res = trainer.train_step()
             losses[res.step] = res.loss
