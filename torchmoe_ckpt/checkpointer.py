@@ -209,6 +209,16 @@ class SparseCheckpointer:
     def _signature(plan: WindowPlan) -> tuple:
         return tuple((s.active, s.frozen) for s in plan.slots)
 
+    def inherit_counters(self, old: "SparseCheckpointer") -> "SparseCheckpointer":
+        """Continue the counters of the checkpointer that ran before a restart (for whole-run figures)."""
+        for k in ("slots", "windows_committed", "reorders"):
+            self.counters[k] += old.counters[k]
+        for k in ("slot_bytes", "copy_seconds", "windows"):
+            self.counters[k] = old.counters[k] + self.counters[k]
+        self.engine.waits = old.engine.waits + self.engine.waits
+        self.engine.wait_seconds_total += old.engine.wait_seconds_total
+        return self
+
     # ---- reporting -----------------------------------------------------------------------------------
     def stats(self) -> dict:
         waits = self.engine.waits

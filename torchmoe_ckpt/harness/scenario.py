@@ -96,7 +96,7 @@ def restart(trainer: Trainer, ck: SparseCheckpointer, ck_cfg: SparseConfig, host
         rep.update(sparse_to_dense(fresh, committed).to_dict())
     rep["restart_seconds"] = time.perf_counter() - t0
     new_ck = SparseCheckpointer(fresh.model, fresh.optimizer, fresh.compute_dtype, ck_cfg, committed=committed,
-                                host_tier=_host_tier(fresh, host))
+                                host_tier=_host_tier(fresh, host)).inherit_counters(ck)
     return fresh, new_ck.attach(fresh), rep
 
 
