@@ -62,10 +62,20 @@ class Window:
         return sum(s.nbytes for s in self.slots)
 
 
+def replicator_stats(writer) -> dict | None:
+    rep = getattr(writer, "replicator", None)
+    if rep is None:
+        return None
+    return {"bytes_sent": rep.bytes_sent, "data_bytes_sent": rep.data_bytes_sent,
+            "replica_verified": rep.replica_verified, "replica_mismatch": rep.replica_mismatch,
+            "windows_replicated": len(writer.replicated),
+            "replication_lag_s_max": max(writer.replication_lag_seconds, default=0.0)}
+
+
 class SparseCheckpointer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, compute_dtype: torch.dtype,
                  cfg: SparseConfig | None = None, group: dist.ProcessGroup | None = None,
-                 committed: Window | None = None, host_tier=None):
+                 committed: Window | None = None, host_tier=None, replicator=None):
         self.cfg = cfg or SparseConfig()
         self.group = group
         self.compute_dtype = compute_dtype
@@ -89,7 +99,7 @@ class SparseCheckpointer:
         self.tier_writer = None
         if host_tier is not None:
             from .dcp.host_tier import TierWriter
-            self.tier_writer = TierWriter(host_tier)
+            self.tier_writer = TierWriter(host_tier, replicator)
         self._order: list[str] | None = None
         self._order_freq: torch.Tensor | None = None
         self._pool: dict[tuple, list[Slot]] = {}  # free slot buffers by plan, reused
@@ -239,4 +249,5 @@ class SparseCheckpointer:
             "host_tier": None if self.tier_writer is None else {
                 "windows_persisted": len(self.tier_writer.persisted), "bytes_written": self.tier_writer.bytes_written,
                 "lag_seconds_max": max(self.tier_writer.lag_seconds, default=0.0), "errors": self.tier_writer.errors},
+            "peers": replicator_stats(self.tier_writer),
         }

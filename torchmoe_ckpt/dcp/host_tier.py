@@ -165,18 +165,6 @@ class HostTier:
         return Window(window_id, man.start_step, plan, slots, rlog, captured=plan.window)
 
 
-def agree_on_window(tier: HostTier, group=None) -> int | None:
-    """The newest window that every rank can read from its host tier (verified), or None. Collective."""
-    import torch.distributed as dist
-    mine = [w for w in tier.window_ids() if not tier.verify(w)]
-    if not dist.is_initialized():
-        return mine[-1] if mine else None
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    common = set(everyone[0]).intersection(*map(set, everyone[1:]))
-    return max(common) if common else None
-
-
 class CorruptCopyError(RuntimeError):
     """A copy of a window on some tier is torn or corrupt: skip it for the next tier; never load it."""
 
@@ -184,13 +172,16 @@ class CorruptCopyError(RuntimeError):
 class TierWriter:
     """Background thread that persists captured slots and commits windows on the host tier, in order."""
 
-    def __init__(self, tier: HostTier):
+    def __init__(self, tier: HostTier, replicator=None):
         self.tier = tier
+        self.replicator = replicator  # peer_tier.PeerReplicator: pushes each committed window to peers
         self.jobs: queue.Queue = queue.Queue()
         self.persisted: set[int] = set()   # window ids whose rank manifest is written
         self.errors: list[str] = []
         self.lag_seconds: list[float] = []  # window committed in memory -> manifest on the host tier
         self.bytes_written = 0
+        self.replicated: set[int] = set()
+        self.replication_lag_seconds: list[float] = []  # window committed in memory -> on all its peers
         self._thread = threading.Thread(target=self._run, name="tmoe-host-tier", daemon=True)
         self._thread.start()
 
@@ -211,8 +202,7 @@ class TierWriter:
     def abandon(self) -> None:
         """Emulate this process dying: drop the queued jobs (a job already running finishes) and stop."""
         self._dead = True
-        self.jobs.put(None)
-        self._thread.join()
+        self.jobs.put(None)  # not joined: a job blocked on a peer that "died" must not block the restart
 
     _dead = False
 
@@ -231,9 +221,13 @@ class TierWriter:
                         self.bytes_written += self.tier.write_slot(wid, slot, dict(info, step=slot.step))
                 elif job[0] == "commit":
                     _, win, extra, keep, t0 = job
-                    self.tier.write_commit(win.id, win.start_step, win.plan, win.log, extra)
+                    man = self.tier.write_commit(win.id, win.start_step, win.plan, win.log, extra)
                     self.persisted.add(win.id)
                     self.lag_seconds.append(time.perf_counter() - t0)
+                    if self.replicator is not None:
+                        self.replicator.push(win.id, man)
+                        self.replicated.add(win.id)
+                        self.replication_lag_seconds.append(time.perf_counter() - t0)
                     self.tier.collect(keep)
                 else:
                     job[1].set()

@@ -43,11 +43,23 @@ def _tear(slot, n) -> None:
     raise SimulatedCopyFault(f"injected failure after {n} of {len(slot.items)} items of slot {slot.index}")
 
 
-def _host_tier(trainer: Trainer, host: dict | None):
+def _tiers(trainer: Trainer, host: dict | None):
+    """(HostTier, PeerReplicator) from the spec's "host_tier" section, or (None, None)."""
     if not host:
-        return None
-    from ..dcp.host_tier import HostTier
-    return HostTier(host["root"], host.get("run_id", "run"), trainer.rank, trainer.world)
+        return None, None
+    from ..dcp.tiers import build_tiers
+    return build_tiers(host, trainer.rank, trainer.world, trainer.cfg.hsdp)
+
+
+def _lose_node(tier, node: int) -> str:
+    """Emulate losing node `node`: its host directory (every rank's copies on it) is wiped."""
+    import shutil
+    import torch.distributed as dist
+    node_dir = tier.dir.parent.parent / f"node-{node}"
+    if tier.dir.parent == node_dir:
+        shutil.rmtree(node_dir, ignore_errors=True)
+    dist.barrier()
+    return f"node {node} lost (host directory wiped)"
 
 
 def _corrupt(tier, how: str) -> str:
@@ -66,26 +78,27 @@ def _corrupt(tier, how: str) -> str:
 
 
 def restart(trainer: Trainer, ck: SparseCheckpointer, ck_cfg: SparseConfig, host: dict | None = None,
-            corrupt: str | None = None) -> tuple[Trainer, SparseCheckpointer, dict]:
-    """Drop the live state; rebuild from the newest committed window (host tier if configured, else the
-    in-memory one), or cold-start when there is none."""
+            fail: dict | None = None) -> tuple[Trainer, SparseCheckpointer, dict]:
+    """Drop the live state; rebuild from the newest committed window (from the storage tiers if configured,
+    else the in-memory one), or cold-start when there is none."""
     committed = ck.committed
     ck.engine.shutdown()
     if ck.tier_writer is not None:
         ck.tier_writer.abandon()
     cfg = trainer.cfg
     rep: dict = {}
-    tier = _host_tier(trainer, host)
-    if tier is not None:
-        from ..dcp.host_tier import agree_on_window
-        if corrupt:
-            rep["corrupted"] = _corrupt(tier, corrupt) if trainer.rank == 0 else None
+    fail = fail or {}
+    if host:
+        tier, replicator = _tiers(trainer, host)
+        if fail.get("corrupt"):
             import torch.distributed as dist
+            rep["corrupted"] = _corrupt(tier, fail["corrupt"]) if trainer.rank == 0 else None
             dist.barrier()
-        rep["unusable_copies"] = {w: p[0] for w in tier.window_ids() if (p := tier.verify(w))}
-        wid = agree_on_window(tier)
-        committed = None if wid is None else tier.load_window(wid, ck.op_by_name, trainer.compute_dtype)
-        rep["source"] = "host" if committed is not None else None
+        if fail.get("lose_node") is not None:
+            rep["lost"] = _lose_node(tier, fail["lose_node"])
+        from ..dcp.tiers import recover_from_tiers
+        committed, found = recover_from_tiers(tier, replicator, ck.op_by_name, trainer.compute_dtype)
+        rep.update(found)
     del trainer
     t0 = time.perf_counter()
     if committed is None:
@@ -95,26 +108,26 @@ def restart(trainer: Trainer, ck: SparseCheckpointer, ck_cfg: SparseConfig, host
         fresh = Trainer(cfg, init_seed=cfg.seed + 7777)
         rep.update(sparse_to_dense(fresh, committed).to_dict())
     rep["restart_seconds"] = time.perf_counter() - t0
+    tier, replicator = _tiers(fresh, host)
     new_ck = SparseCheckpointer(fresh.model, fresh.optimizer, fresh.compute_dtype, ck_cfg, committed=committed,
-                                host_tier=_host_tier(fresh, host)).inherit_counters(ck)
+                                host_tier=tier, replicator=replicator).inherit_counters(ck)
     return fresh, new_ck.attach(fresh), rep
 
 
 def resume_from_host_tier(trainer: Trainer, host: dict):
-    """Process start: recover from the newest window every rank can read on its host tier, if any."""
-    from ..dcp.host_tier import agree_on_window
-    tier = _host_tier(trainer, host)
-    wid = agree_on_window(tier)
-    if wid is None:
-        return trainer, None, None  # nothing to recover from: a fresh start from the deterministic init
-    t0 = time.perf_counter()
+    """Process start: recover from the newest window every rank can get from the tiers, if any."""
+    from ..dcp.tiers import recover_from_tiers
     from ..operators import discover_operators
+    t0 = time.perf_counter()
+    tier, replicator = _tiers(trainer, host)
     ops = {o.name: o for o in discover_operators(trainer.model)}
-    committed = tier.load_window(wid, ops, trainer.compute_dtype)
+    committed, found = recover_from_tiers(tier, replicator, ops, trainer.compute_dtype)
+    if committed is None:
+        return trainer, None, None  # nothing to recover from: a fresh start from the deterministic init
     cfg = trainer.cfg
     del trainer
     fresh = Trainer(cfg, init_seed=cfg.seed + 7777)
-    rep = dict(sparse_to_dense(fresh, committed).to_dict(), source="host", restart_seconds=time.perf_counter() - t0)
+    rep = dict(sparse_to_dense(fresh, committed).to_dict(), **found, restart_seconds=time.perf_counter() - t0)
     return fresh, committed, rep
 
 
@@ -133,8 +146,9 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
         trainer, committed, rep = resume_from_host_tier(trainer, host)
         if rep is not None or attempt > 0:
             recoveries.append(dict(rep or {"cold_start": True, "recovered_step": 0}, attempt=attempt))
+    tier, replicator = _tiers(trainer, host)
     ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, ck_cfg, committed=committed,
-                            host_tier=_host_tier(trainer, host)).attach(trainer)
+                            host_tier=tier, replicator=replicator).attach(trainer)
     step_seconds: list[float] = []
     while True:
         nxt = trainer.step + 1
@@ -163,7 +177,7 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
             inflight_id = inflight.id if inflight is not None else None
             if isinstance(exc, SimulatedCopyFault) and inflight is not None:
                 position -= 1  # the torn slot was never captured
-            trainer, ck, rep = restart(trainer, ck, ck_cfg, host, (fail or {}).get("corrupt"))
+            trainer, ck, rep = restart(trainer, ck, ck_cfg, host, fail)
             rep.update(failed_at=nxt, error=str(exc), slot_position=position, inflight_window_id=inflight_id)
             recoveries.append(rep)
     stats = ck.stats()
