@@ -8,7 +8,7 @@ own slot data equals the sender's. Any other peer receives the full window.
 
 Push (after each commit) and pull (at restart) run over a dedicated gloo group, rank pairs in one global
 order, so every rank issues matching send/recv calls without deadlock. Received copies live in the
-receiver's host directory under `peers/rank-SSSSS/<run>/window-NNNNNN/`, manifest written last.
+receiver's host directory under `peers/rank-RRRRR/from-SSSSS/<run>/window-NNNNNN/`, manifest written last.
 """
 from __future__ import annotations
 
@@ -80,7 +80,11 @@ class PeerReplicator:
         self.replica_mismatch = 0
 
     def peer_dir(self, src: int) -> Path:
-        return self.tier.dir.parent / "peers" / f"rank-{src:05d}" / self.tier.dir.name
+        """Where this rank keeps what `src` sent it (per receiving rank: ranks of one node share the root)."""
+        return self._mine() / f"from-{src:05d}" / self.tier.dir.name
+
+    def _mine(self) -> Path:
+        return self.tier.dir.parent / "peers" / f"rank-{self.tier.rank:05d}"
 
     def push(self, window_id: int, manifest: WindowManifest) -> None:
         """Send this rank's committed window to its peers and store what peers send (all ranks, in order)."""
@@ -123,8 +127,7 @@ class PeerReplicator:
     def holdings(self) -> dict[int, list[int]]:
         """src rank -> windows this rank can provide for it (a full copy, or a verified replica copy)."""
         out: dict[int, list[int]] = {}
-        root = self.tier.dir.parent / "peers"
-        for d in root.glob("rank-*"):
+        for d in self._mine().glob("from-*"):
             src = int(d.name[5:])
             peer = HostTier.__new__(HostTier)
             peer.dir, peer.rank, peer.world_size = d / self.tier.dir.name, src, self.tier.world_size

@@ -35,31 +35,41 @@ def build_tiers(cfg: dict, rank: int, world: int, hsdp_replicate: int = 1):
     return tier, PeerReplicator(tier, placement, group)
 
 
-def recover_from_tiers(tier: HostTier, replicator, ops: dict, compute_dtype: torch.dtype):
+def recover_from_tiers(tier: HostTier, replicator, ops: dict, compute_dtype: torch.dtype, rounds: int = 3):
     """Agree on the newest window every rank can get (its own verified copy, or a peer's), pull the missing
-    copies from peers, and load this rank's. Returns (Window or None, report). Collective."""
-    local = [w for w in tier.window_ids() if not tier.verify(w)]
-    held = replicator.holdings() if replicator is not None else {}
-    everyone = [(local, held)]
-    if dist.is_initialized():
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (local, held))
-    world = len(everyone)
-    avail = []
-    for r in range(world):
-        got = set(everyone[r][0])
-        for h in range(world):
-            got |= set(everyone[h][1].get(r, ()))
-        avail.append(got)
-    common = set.intersection(*avail) if avail else set()
+    copies from peers, check that every rank now has a verified copy, and load this rank's. A window that
+    fails after the pull is excluded and the next newest is tried. Returns (Window or None, report).
+    Collective."""
     report: dict = {"unusable_copies": {w: p[0] for w in tier.window_ids() if (p := tier.verify(w))}}
-    if not common:
-        return None, dict(report, source=None)
-    wid = max(common)
-    needers = {r: min(h for h in range(world) if wid in everyone[h][1].get(r, ()))
-               for r in range(world) if wid not in everyone[r][0]}
-    if needers:
-        replicator.pull(wid, needers)
-    src = f"peer {needers[tier.rank]}" if tier.rank in needers else "host"
-    report.update(source=src, pulled_from_peers={str(k): v for k, v in needers.items()})
-    return tier.load_window(wid, ops, compute_dtype), report
+    excluded: set[int] = set()
+    for _ in range(rounds):
+        local = [w for w in tier.window_ids() if not tier.verify(w)]
+        held = replicator.holdings() if replicator is not None else {}
+        everyone = _all_gather((local, held))
+        world = len(everyone)
+        avail = [set(everyone[r][0]).union(*(everyone[h][1].get(r, ()) for h in range(world))) - excluded
+                 for r in range(world)]
+        common = set.intersection(*avail)
+        if not common:
+            return None, dict(report, source=None)
+        wid = max(common)
+        needers = {r: min(h for h in range(world) if wid in everyone[h][1].get(r, ()))
+                   for r in range(world) if wid not in everyone[r][0]}
+        if needers:
+            replicator.pull(wid, needers)
+        problems = tier.verify(wid)
+        if not any(_all_gather(bool(problems))):
+            src = f"peer {needers[tier.rank]}" if tier.rank in needers else "host"
+            report.update(source=src, pulled_from_peers={str(k): v for k, v in needers.items()})
+            return tier.load_window(wid, ops, compute_dtype), report
+        report.setdefault("failed_pulls", {})[wid] = problems[:1]
+        excluded.add(wid)
+    return None, dict(report, source=None)
+
+
+def _all_gather(obj) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
