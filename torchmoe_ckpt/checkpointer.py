@@ -66,7 +66,8 @@ def replicator_stats(writer) -> dict | None:
     rep = getattr(writer, "replicator", None)
     if rep is None:
         return None
-    return {"bytes_sent": rep.bytes_sent, "data_bytes_sent": rep.data_bytes_sent,
+    return {"bytes_sent": rep.bytes_sent, "data_bytes_sent": rep.data_bytes_sent, "own_data_bytes": rep.own_data_bytes,
+            "replicas": max((len(p) for p in rep.placement.peers), default=0),
             "replica_verified": rep.replica_verified, "replica_mismatch": rep.replica_mismatch,
             "windows_replicated": len(writer.replicated),
             "replication_lag_s_max": max(writer.replication_lag_seconds, default=0.0)}

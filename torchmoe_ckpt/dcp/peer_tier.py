@@ -76,6 +76,7 @@ class PeerReplicator:
                       for src in range(tier.world_size) for dst in placement.peers[src]]
         self.bytes_sent = 0          # all bytes this rank sent to peers
         self.data_bytes_sent = 0     # of which slot data (0 when every peer is an HSDP replica)
+        self.own_data_bytes = 0      # slot data of the windows this rank pushed (sent r times without replicas)
         self.replica_verified = 0
         self.replica_mismatch = 0
 
@@ -89,6 +90,7 @@ class PeerReplicator:
     def push(self, window_id: int, manifest: WindowManifest) -> None:
         """Send this rank's committed window to its peers and store what peers send (all ranks, in order)."""
         me = self.tier.rank
+        self.own_data_bytes += sum(f.bytes for r, f in manifest.files.items() if _is_data(r))
         for src, dst, replica in self.pairs:
             if me == src:
                 wdir = self.tier.window_dir(window_id)
