@@ -17,6 +17,9 @@ def selftest(nproc: int = 2, experts: int = 4, layers: int = 2, steps: int = 12,
         raise ValueError(f"--fail-at {fail_at} must be within 1..--steps {steps}")
     if nproc < 1 or hsdp < 1 or nproc % hsdp:
         raise ValueError(f"--hsdp {hsdp} must divide --nproc {nproc}")
+    n_ops = layers * experts + 2 * layers + 3  # experts, routers, dense blocks, embeddings/norm/head
+    if window is not None and not 1 <= window <= n_ops:
+        raise ValueError(f"--window {window} is impossible: this model has {n_ops} operators; use 1..{n_ops} or auto")
     top_k = min(2, experts)
     run = {"steps": steps, "hsdp": hsdp, "dtype": dtype, "seed": seed,
            "model": {"num_experts": experts, "n_layers": layers, "top_k": top_k}}
