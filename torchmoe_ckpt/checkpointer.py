@@ -73,10 +73,18 @@ def replicator_stats(writer) -> dict | None:
             "replication_lag_s_max": max(writer.replication_lag_seconds, default=0.0)}
 
 
+def uploader_stats(writer) -> dict | None:
+    up = getattr(writer, "uploader", None)
+    if up is None:
+        return None
+    return {"windows_uploaded": len(up.uploaded), "bytes": up.bytes, "dropped": up.dropped,
+            "upload_lag_s_max": max(up.lag_seconds, default=0.0), "errors": up.errors[-3:]}
+
+
 class SparseCheckpointer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, compute_dtype: torch.dtype,
                  cfg: SparseConfig | None = None, group: dist.ProcessGroup | None = None,
-                 committed: Window | None = None, host_tier=None, replicator=None):
+                 committed: Window | None = None, host_tier=None, replicator=None, store=None):
         self.cfg = cfg or SparseConfig()
         self.group = group
         self.compute_dtype = compute_dtype
@@ -100,7 +108,7 @@ class SparseCheckpointer:
         self.tier_writer = None
         if host_tier is not None:
             from .dcp.host_tier import TierWriter
-            self.tier_writer = TierWriter(host_tier, replicator)
+            self.tier_writer = TierWriter(host_tier, replicator, store)
         self._order: list[str] | None = None
         self._order_freq: torch.Tensor | None = None
         self._pool: dict[tuple, list[Slot]] = {}  # free slot buffers by plan, reused
@@ -251,4 +259,5 @@ class SparseCheckpointer:
                 "windows_persisted": len(self.tier_writer.persisted), "bytes_written": self.tier_writer.bytes_written,
                 "lag_seconds_max": max(self.tier_writer.lag_seconds, default=0.0), "errors": self.tier_writer.errors},
             "peers": replicator_stats(self.tier_writer),
+            "object_store": uploader_stats(self.tier_writer),
         }

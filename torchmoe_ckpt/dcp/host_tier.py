@@ -35,6 +35,7 @@ log = logging.getLogger("torchmoe_ckpt.host_tier")
 # Each rank deliberately saves its own pieces without collectives (no_dist=True); DCP warns about that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 DEFAULT_ROOT = "/dev/shm/torchmoe-ckpt"
+MAX_UPLOAD_BACKLOG = 4  # windows kept in host memory for a slow or unreachable object store
 
 
 def rank_manifest_name(rank: int) -> str:
@@ -172,8 +173,12 @@ class CorruptCopyError(RuntimeError):
 class TierWriter:
     """Background thread that persists captured slots and commits windows on the host tier, in order."""
 
-    def __init__(self, tier: HostTier, replicator=None):
+    def __init__(self, tier: HostTier, replicator=None, store=None):
         self.tier = tier
+        self.uploader = None  # object_tier.Uploader: uploads each committed window in the background
+        if store is not None:
+            from .object_tier import Uploader
+            self.uploader = Uploader(store, tier)
         self.replicator = replicator  # peer_tier.PeerReplicator: pushes each committed window to peers
         self.jobs: queue.Queue = queue.Queue()
         self.persisted: set[int] = set()   # window ids whose rank manifest is written
@@ -228,6 +233,11 @@ class TierWriter:
                         self.replicator.push(win.id, man)
                         self.replicated.add(win.id)
                         self.replication_lag_seconds.append(time.perf_counter() - t0)
+                    if self.uploader is not None:
+                        self.uploader.submit(win.id)
+                        needed = self.uploader.oldest_needed()
+                        if needed is not None:  # keep what still has to reach the store (a bounded backlog)
+                            keep = max(min(keep, needed), keep - MAX_UPLOAD_BACKLOG)
                     self.tier.collect(keep)
                 else:
                     job[1].set()

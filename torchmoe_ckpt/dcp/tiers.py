@@ -22,20 +22,28 @@ def node_of(rank: int, ranks_per_node: int) -> int:
 
 
 def build_tiers(cfg: dict, rank: int, world: int, hsdp_replicate: int = 1):
-    """(HostTier, PeerReplicator or None). Collective when replicas > 0 (creates the peer gloo group)."""
+    """(HostTier, PeerReplicator or None, ObjectTier or None). Collective when replicas > 0 (creates the
+    peer gloo group). `cfg["object_store"] = {"uri": ..., "storage_options": {...}}` adds the store."""
     rpn = int(cfg.get("ranks_per_node") or os.environ.get("LOCAL_WORLD_SIZE", world))
     tier = HostTier(Path(cfg["root"]) / f"node-{node_of(rank, rpn)}", cfg.get("run_id", "run"), rank, world)
+    store = None
+    if cfg.get("object_store"):
+        from .object_tier import ObjectTier
+        o = cfg["object_store"]
+        store = ObjectTier(o["uri"], cfg.get("run_id", "run"), rank, o.get("storage_options"),
+                           keep_windows=int(o.get("keep", 2)))
     r = int(cfg.get("replicas", 0))
     if r <= 0:
-        return tier, None
+        return tier, None, store
     from ..placement import Topology, place_replicas
     from .peer_tier import PeerReplicator
     placement = place_replicas(Topology.from_mesh_shape(world, hsdp_replicate, rpn), r)
     group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-    return tier, PeerReplicator(tier, placement, group)
+    return tier, PeerReplicator(tier, placement, group), store
 
 
-def recover_from_tiers(tier: HostTier, replicator, ops: dict, compute_dtype: torch.dtype, rounds: int = 3):
+def recover_from_tiers(tier: HostTier, replicator, ops: dict, compute_dtype: torch.dtype, rounds: int = 3,
+                       store=None):
     """Agree on the newest window every rank can get (its own verified copy, or a peer's), pull the missing
     copies from peers, check that every rank now has a verified copy, and load this rank's. A window that
     fails after the pull is excluded and the next newest is tried. Returns (Window or None, report).
@@ -51,7 +59,7 @@ def recover_from_tiers(tier: HostTier, replicator, ops: dict, compute_dtype: tor
                  for r in range(world)]
         common = set.intersection(*avail)
         if not common:
-            return None, dict(report, source=None)
+            return _from_store(tier, store, ops, compute_dtype, report)
         wid = max(common)
         needers = {r: min(h for h in range(world) if wid in everyone[h][1].get(r, ()))
                    for r in range(world) if wid not in everyone[r][0]}
@@ -64,6 +72,20 @@ def recover_from_tiers(tier: HostTier, replicator, ops: dict, compute_dtype: tor
             return tier.load_window(wid, ops, compute_dtype), report
         report.setdefault("failed_pulls", {})[wid] = problems[:1]
         excluded.add(wid)
+    return _from_store(tier, store, ops, compute_dtype, report)
+
+
+def _from_store(tier: HostTier, store, ops: dict, compute_dtype: torch.dtype, report: dict):
+    """Last tier: the newest window every rank has in the object store, downloaded and verified."""
+    if store is None:
+        return None, dict(report, source=None)
+    listed = _all_gather(store.window_ids())
+    candidates = sorted(set.intersection(*map(set, listed)), reverse=True)
+    for wid in candidates:
+        problems = store.download(wid, tier)
+        if not any(_all_gather(bool(problems))):
+            return tier.load_window(wid, ops, compute_dtype), dict(report, source="object store")
+        report.setdefault("failed_downloads", {})[wid] = problems[:1]
     return None, dict(report, source=None)
 
 

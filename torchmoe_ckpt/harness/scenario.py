@@ -44,22 +44,22 @@ def _tear(slot, n) -> None:
 
 
 def _tiers(trainer: Trainer, host: dict | None):
-    """(HostTier, PeerReplicator) from the spec's "host_tier" section, or (None, None)."""
+    """(HostTier, PeerReplicator, ObjectTier) from the spec's "host_tier" section, or Nones."""
     if not host:
-        return None, None
+        return None, None, None
     from ..dcp.tiers import build_tiers
     return build_tiers(host, trainer.rank, trainer.world, trainer.cfg.hsdp)
 
 
-def _lose_node(tier, node: int) -> str:
-    """Emulate losing node `node`: its host directory (every rank's copies on it) is wiped."""
+def _lose_node(tier, node: int | None) -> str:
+    """Emulate losing node `node` (None: every node): its host directory, with every copy on it, is wiped."""
     import shutil
     import torch.distributed as dist
-    node_dir = tier.dir.parent.parent / f"node-{node}"
-    if tier.dir.parent == node_dir:
+    node_dir = tier.dir.parent
+    if node is None or node_dir.name == f"node-{node}":
         shutil.rmtree(node_dir, ignore_errors=True)
     dist.barrier()
-    return f"node {node} lost (host directory wiped)"
+    return "every node's host memory lost" if node is None else f"node {node} lost (host directory wiped)"
 
 
 def _corrupt(tier, how: str) -> str:
@@ -89,15 +89,19 @@ def restart(trainer: Trainer, ck: SparseCheckpointer, ck_cfg: SparseConfig, host
     rep: dict = {}
     fail = fail or {}
     if host:
-        tier, replicator = _tiers(trainer, host)
+        tier, replicator, store = _tiers(trainer, host)
         if fail.get("corrupt"):
             import torch.distributed as dist
             rep["corrupted"] = _corrupt(tier, fail["corrupt"]) if trainer.rank == 0 else None
             dist.barrier()
         if fail.get("lose_node") is not None:
             rep["lost"] = _lose_node(tier, fail["lose_node"])
+        if fail.get("lose_all_hosts"):
+            rep["lost"] = _lose_node(tier, None)
+        if store is not None:
+            ck.tier_writer.uploader.flush(30)  # the test waits for the store to catch up, training never does
         from ..dcp.tiers import recover_from_tiers
-        committed, found = recover_from_tiers(tier, replicator, ck.op_by_name, trainer.compute_dtype)
+        committed, found = recover_from_tiers(tier, replicator, ck.op_by_name, trainer.compute_dtype, store=store)
         rep.update(found)
     del trainer
     t0 = time.perf_counter()
@@ -108,9 +112,9 @@ def restart(trainer: Trainer, ck: SparseCheckpointer, ck_cfg: SparseConfig, host
         fresh = Trainer(cfg, init_seed=cfg.seed + 7777)
         rep.update(sparse_to_dense(fresh, committed).to_dict())
     rep["restart_seconds"] = time.perf_counter() - t0
-    tier, replicator = _tiers(fresh, host)
+    tier, replicator, store = _tiers(fresh, host)
     new_ck = SparseCheckpointer(fresh.model, fresh.optimizer, fresh.compute_dtype, ck_cfg, committed=committed,
-                                host_tier=tier, replicator=replicator).inherit_counters(ck)
+                                host_tier=tier, replicator=replicator, store=store).inherit_counters(ck)
     return fresh, new_ck.attach(fresh), rep
 
 
@@ -119,9 +123,9 @@ def resume_from_host_tier(trainer: Trainer, host: dict):
     from ..dcp.tiers import recover_from_tiers
     from ..operators import discover_operators
     t0 = time.perf_counter()
-    tier, replicator = _tiers(trainer, host)
+    tier, replicator, store = _tiers(trainer, host)
     ops = {o.name: o for o in discover_operators(trainer.model)}
-    committed, found = recover_from_tiers(tier, replicator, ops, trainer.compute_dtype)
+    committed, found = recover_from_tiers(tier, replicator, ops, trainer.compute_dtype, store=store)
     if committed is None:
         return trainer, None, None  # nothing to recover from: a fresh start from the deterministic init
     cfg = trainer.cfg
@@ -146,9 +150,9 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
         trainer, committed, rep = resume_from_host_tier(trainer, host)
         if rep is not None or attempt > 0:
             recoveries.append(dict(rep or {"cold_start": True, "recovered_step": 0}, attempt=attempt))
-    tier, replicator = _tiers(trainer, host)
+    tier, replicator, store = _tiers(trainer, host)
     ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, ck_cfg, committed=committed,
-                            host_tier=tier, replicator=replicator).attach(trainer)
+                            host_tier=tier, replicator=replicator, store=store).attach(trainer)
     step_seconds: list[float] = []
     while True:
         nxt = trainer.step + 1
@@ -180,6 +184,10 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
             trainer, ck, rep = restart(trainer, ck, ck_cfg, host, fail)
             rep.update(failed_at=nxt, error=str(exc), slot_position=position, inflight_window_id=inflight_id)
             recoveries.append(rep)
+    if ck.tier_writer is not None:
+        ck.tier_writer.flush()
+        if ck.tier_writer.uploader is not None:
+            ck.tier_writer.uploader.flush(30)  # end of training: let the last upload land before reporting
     stats = ck.stats()
     ck.engine.shutdown()
     return trainer, {"recoveries": recoveries, "checkpoint": stats, "step_seconds": step_seconds}
