@@ -15,7 +15,14 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: setup demo test bench clean
 
-setup: $(STAMP)
+AZURITE := .azurite/node_modules/.bin/azurite-blob
+
+setup: $(STAMP) $(AZURITE)
+
+# Azurite (Azure Blob emulator) for the object-store tests; 3.35 is the last release that runs on node 20.
+$(AZURITE):
+	@echo "[setup] installing Azurite 3.35.0 (npm) into .azurite/"
+	npm install --prefix .azurite azurite@3.35.0 --no-audit --no-fund --loglevel=error
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
