@@ -6,12 +6,23 @@ longer during recovery, where they cost only forward and input-gradient work. Po
   soft      cumulative gating probabilities
   decayed   EMA of per-iteration counts: A(t) = decay * A(t-1) + (1 - decay) * counts
   capacity  cumulative counts / expert capacity (heterogeneous experts)
+Scores live on the CPU in float64 so every rank sorts identical numbers, whatever device the counts came from.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 POLICIES = ("hard", "soft", "decayed", "capacity")
+
+# Relative slack when comparing against a threshold: 0.275 vs 0.25 is a change of 10.000000000000009% in
+# float64, which is "exactly 10%" and must not count as "over 10%"; 10.01% is far outside this slack.
+_EPS = 1e-9
+
+
+def _host64(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(device="cpu", dtype=torch.float64)
 
 
 class PopularityTracker:
@@ -19,31 +30,37 @@ class PopularityTracker:
                  capacity: torch.Tensor | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown popularity policy {policy!r}; use one of {', '.join(POLICIES)}")
+        if num_layers < 1 or num_experts < 1:
+            raise ValueError(f"popularity needs at least one layer and one expert, got shape "
+                             f"({num_layers}, {num_experts})")
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay must be in (0, 1), got {decay}")
         if policy == "capacity":
             if capacity is None:
-                raise ValueError("popularity policy 'capacity' needs the experts' capacity ([layers, experts])")
+                raise ValueError("popularity policy 'capacity' needs the experts' capacity ([layers, experts] "
+                                 "tokens per batch)")
             if tuple(capacity.shape) != (num_layers, num_experts) or bool((capacity <= 0).any()):
                 raise ValueError(f"capacity must be positive with shape {(num_layers, num_experts)}, "
-                                 f"got {tuple(capacity.shape)}")
+                                 f"got shape {tuple(capacity.shape)}")
         self.shape = (num_layers, num_experts)
         self.policy, self.decay = policy, decay
-        self.capacity = None if capacity is None else capacity.to(torch.float64)
+        self.capacity = None if capacity is None else _host64(capacity)
         self.score = torch.zeros(self.shape, dtype=torch.float64)
 
     def update(self, counts: torch.Tensor, probs: torch.Tensor | None = None) -> None:
         """One iteration's routed-token counts [L, E] (already summed over ranks), and summed gating
-        probabilities [L, E] for the soft policy."""
+        probabilities [L, E] for the soft policy (ignored by the others)."""
         if tuple(counts.shape) != self.shape:
-            raise ValueError(f"counts must have shape {self.shape}, got {tuple(counts.shape)}")
-        counts = counts.to(torch.float64)
+            raise ValueError(f"counts must have shape {self.shape}, got shape {tuple(counts.shape)}")
+        counts = _host64(counts)
         if self.policy == "hard":
             self.score += counts
         elif self.policy == "soft":
             if probs is None or tuple(probs.shape) != self.shape:
-                raise ValueError(f"policy 'soft' needs gating probabilities of shape {self.shape}")
-            self.score += probs.to(torch.float64)
+                got = None if probs is None else tuple(probs.shape)
+                raise ValueError(f"policy 'soft' needs summed gating probabilities of shape {self.shape}, "
+                                 f"got {got}")
+            self.score += _host64(probs)
         elif self.policy == "decayed":
             self.score.mul_(self.decay).add_((1.0 - self.decay) * counts)
         else:
@@ -53,7 +70,7 @@ class PopularityTracker:
         return self.score.clone()
 
     def frequencies(self) -> torch.Tensor:
-        """Per-layer share of the score (each row sums to 1; uniform while nothing was routed)."""
+        """Per-layer share of the score (each row sums to 1; uniform for a layer nothing was routed to)."""
         total = self.score.sum(dim=1, keepdim=True)
         uniform = torch.full_like(self.score, 1.0 / self.shape[1])
         return torch.where(total > 0, self.score / total.clamp(min=1e-300), uniform)
@@ -64,28 +81,37 @@ class PopularityTracker:
     def load_state_dict(self, sd: dict) -> None:
         if sd["policy"] != self.policy or tuple(sd["score"].shape) != self.shape:
             raise ValueError(f"popularity state is for policy {sd['policy']!r} shape {tuple(sd['score'].shape)}, "
-                             f"this tracker is {self.policy!r} {self.shape}")
-        self.decay = sd["decay"]
-        self.score = sd["score"].clone().to(torch.float64)
+                             f"this tracker is {self.policy!r} shape {self.shape}")
+        self.decay = float(sd["decay"])
+        self.score = _host64(sd["score"]).clone()
 
 
 def reorder_needed(old_freq: torch.Tensor | None, new_freq: torch.Tensor, change: float = 0.10,
                    fraction: float = 0.25) -> bool:
     """True iff the relative frequency change |new - old| / old exceeds `change` (strictly) for at least
-    `fraction` of all experts. A zero old frequency counts as an infinite change if the new one is not zero."""
+    `fraction` of all experts (all layers together). A zero old frequency counts as an infinite change if the
+    new one is not zero, 0 -> 0 as none. `old_freq=None` (no order yet) always needs an order."""
+    if change < 0 or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"reorder thresholds need change >= 0 and fraction in [0, 1], got change={change}, "
+                         f"fraction={fraction}")
     if old_freq is None:
         return True
-    old, new = old_freq.to(torch.float64), new_freq.to(torch.float64)
+    if tuple(old_freq.shape) != tuple(new_freq.shape):
+        raise ValueError(f"frequency shapes differ: old {tuple(old_freq.shape)}, new {tuple(new_freq.shape)}")
+    old, new = _host64(old_freq), _host64(new_freq)
     diff = (new - old).abs()
     rel = torch.where(old > 0, diff / old.clamp(min=1e-300),
-                      torch.where(new > 0, torch.full_like(new, float("inf")), torch.zeros_like(new)))
-    # A change equal to the threshold up to float rounding (0.275 vs 0.25 is 10.000000000000009%) is not "over".
-    changed = int((rel > change * (1 + 1e-9)).sum())
-    return changed >= fraction * rel.numel()
+                      torch.where(diff > 0, torch.full_like(new, math.inf), torch.zeros_like(new)))
+    changed = int((rel > change * (1 + _EPS)).sum())
+    # "At least `fraction`" as a whole number of experts; the slack keeps 0.3 * 10 = 3.0000000000000004 at 3.
+    need = math.ceil(fraction * rel.numel() * (1 - _EPS))
+    return changed >= need
 
 
 def order_experts(scores: torch.Tensor) -> list[tuple[int, int]]:
     """(layer, expert) in ascending popularity; ties by (layer, expert), so every rank gets the same order."""
+    if scores.dim() != 2:
+        raise ValueError(f"scores must have shape [layers, experts], got shape {tuple(scores.shape)}")
     n_layers, n_experts = scores.shape
-    vals = scores.tolist()
+    vals = _host64(scores).tolist()
     return sorted(((l, e) for l in range(n_layers) for e in range(n_experts)), key=lambda le: (vals[le[0]][le[1]], le))

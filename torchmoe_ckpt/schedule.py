@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -64,11 +65,16 @@ def copy_budget(t_iter_s: float, bandwidth_bytes_per_s: float, overlap: float = 
     return t_iter_s * bandwidth_bytes_per_s * overlap
 
 
-def _slots_from_ends(order: list[str], ends: list[int], full: dict[str, int], comp: dict[str, int]):
-    """Slots for active sets order[ends[i-1]:ends[i]]."""
-    suffix = [0] * (len(order) + 1)  # compute bytes of order[k:]
+def _suffix_compute(order: list[str], comp: dict[str, int]) -> list[int]:
+    suffix = [0] * (len(order) + 1)  # suffix[k] = compute bytes of order[k:], the frozen cost of a slot ending at k
     for k in range(len(order) - 1, -1, -1):
         suffix[k] = suffix[k + 1] + comp[order[k]]
+    return suffix
+
+
+def _slots_from_ends(order: list[str], ends: list[int], full: dict[str, int], comp: dict[str, int]):
+    """Slots for active sets order[ends[i-1]:ends[i]]."""
+    suffix = _suffix_compute(order, comp)
     slots, start = [], 0
     for end in ends:
         act = order[start:end]
@@ -79,16 +85,13 @@ def _slots_from_ends(order: list[str], ends: list[int], full: dict[str, int], co
 
 def _greedy_ends(order: list[str], full: dict[str, int], comp: dict[str, int], budget: float) -> list[int]:
     """Each slot takes the longest prefix of the remaining operators whose cost fits; a lone operator that
-    does not fit still gets a slot of its own. Extending a slot moves one operator from compute price to
-    full price (full >= compute), so a slot's cost grows with its end: greedy stays ahead of any other
-    split, and the number of slots is minimal."""
+    does not fit still gets a slot of its own (the smallest slot there is)."""
     n = len(order)
-    suffix = [0] * (n + 1)
-    for k in range(n - 1, -1, -1):
-        suffix[k] = suffix[k + 1] + comp[order[k]]
+    suffix = _suffix_compute(order, comp)
     ends, start = [], 0
     while start < n:
         end, active = start + 1, full[order[start]]
+        # Cost grows with `end` (full >= compute), so the first operator that does not fit ends the slot.
         while end < n and active + full[order[end]] + suffix[end + 1] <= budget:
             active += full[order[end]]
             end += 1
@@ -97,26 +100,57 @@ def _greedy_ends(order: list[str], full: dict[str, int], comp: dict[str, int], b
     return ends
 
 
+def _check_sizes(order: list[str], full: dict[str, int], comp: dict[str, int]) -> None:
+    if len(set(order)) != len(order):
+        dup = sorted({o for o in order if order.count(o) > 1})
+        raise ValueError(f"operator order lists {dup} more than once; each operator needs exactly one slot")
+    for o in order:
+        f, c = full.get(o), comp.get(o)
+        if not (isinstance(f, numbers.Integral) and isinstance(c, numbers.Integral)):
+            raise ValueError(f"operator {o!r} needs integer full_bytes and compute_bytes, got {f!r} and {c!r}")
+        # A full copy includes the master weights, so it is never smaller than the compute weights; the
+        # greedy's minimality (and the forced split) rely on this monotonicity.
+        if not 0 <= c <= f:
+            raise ValueError(f"operator {o!r}: need 0 <= compute_bytes <= full_bytes, got {c} and {f}")
+
+
 def plan_window(order: list[str], full_bytes: dict[str, int], compute_bytes: dict[str, int],
                 budget_bytes: float, forced_window: int | None = None, warn: bool = True) -> WindowPlan:
-    """Plan one window. `warn=False` lets a caller that re-plans every window report an impossible budget once."""
+    """Plan one window over `order` (already in checkpoint order).
+
+    Slot i costs the full bytes of its active set plus the compute bytes of every operator after it.
+    Auto mode (`forced_window=None`) is greedy, and its W is the smallest possible: a slot [s, e) costs
+    full[s:e] + compute[e:], which never decreases as e grows (full >= compute) and never increases as s
+    grows, so after k slots the greedy's end is at least any other split's k-th end ("greedy stays ahead")
+    and it finishes in no more slots. If a single operator does not fit, its slot still takes just that
+    operator, `fits` is False and one warning is logged. Forced mode gives exactly `forced_window` slots
+    with the smallest possible worst slot. `warn=False` lets a caller that re-plans every window report an
+    impossible budget only once.
+    """
     if not order:
         raise ValueError("cannot plan a window without operators")
+    if not budget_bytes > 0:  # also rejects NaN
+        raise ValueError(f"copy budget must be > 0 bytes (or inf), got {budget_bytes}")
+    order = list(order)
+    _check_sizes(order, full_bytes, compute_bytes)
     n = len(order)
     if forced_window is None:
         ends = _greedy_ends(order, full_bytes, compute_bytes, budget_bytes)
     else:
-        if not 1 <= forced_window <= n:
-            raise ValueError(f"window {forced_window} is impossible with {n} operators: use 1..{n} or 'auto'")
-        ends = _forced_ends(order, full_bytes, compute_bytes, forced_window)
+        if not isinstance(forced_window, numbers.Integral) or not 1 <= forced_window <= n:
+            raise ValueError(f"window {forced_window!r} is impossible with {n} operators: use 1..{n} or "
+                             "auto (None)")
+        ends = _forced_ends(order, full_bytes, compute_bytes, int(forced_window))
     slots = _slots_from_ends(order, ends, full_bytes, compute_bytes)
     fits = all(s.bytes <= budget_bytes for s in slots)
-    if not fits and warn:
-        worst = max(slots, key=lambda s: s.bytes)
-        log.warning("sparse checkpoint slots do not fit the copy budget: worst slot %d bytes > budget %.0f bytes "
-                    "per iteration (W=%d). Training goes on with the smallest feasible slots and will wait for "
-                    "copies; raise the overlap/bandwidth budget or force a larger window.",
-                    worst.bytes, budget_bytes, len(slots))
+    if not fits and warn:  # one message per call, naming the worst slot, however many slots are over
+        i, worst = max(enumerate(slots), key=lambda x: x[1].bytes)
+        names = ", ".join(worst.active[:3]) + (", ..." if len(worst.active) > 3 else "")
+        fix = "a larger forced window or auto (None)" if forced_window is not None else (
+            "set a forced window to accept the wait")
+        log.warning("sparse checkpoint slot %d of W=%d (active: %s) copies %d bytes, over the budget of %.0f "
+                    "bytes per iteration; training will wait for the copy. Raise the copy budget (overlap, "
+                    "bandwidth or iteration time) or %s.", i, len(slots), names, worst.bytes, budget_bytes, fix)
     return WindowPlan(tuple(slots), float(budget_bytes), fits, tuple(order))
 
 
@@ -124,7 +158,7 @@ def _forced_ends(order: list[str], full: dict[str, int], comp: dict[str, int], w
     """Exactly `w` slots minimising the worst slot: binary search the smallest budget for which the greedy
     needs <= w slots, then split the largest active sets until there are w."""
     lo = 0
-    hi = sum(full[o] for o in order) + sum(comp[o] for o in order)
+    hi = sum(full[o] for o in order) + sum(comp[o] for o in order)  # no slot can cost more
     while lo < hi:
         mid = (lo + hi) // 2
         if len(_greedy_ends(order, full, comp, mid)) <= w:
@@ -134,19 +168,21 @@ def _forced_ends(order: list[str], full: dict[str, int], comp: dict[str, int], w
     ends = _greedy_ends(order, full, comp, lo)
     while len(ends) < w:  # splitting a slot never raises the worst cost: both halves cost <= the original
         starts = [0] + ends[:-1]
-        i = max(range(len(ends)), key=lambda k: (ends[k] - starts[k] > 1, ends[k] - starts[k]))
+        i = max(range(len(ends)), key=lambda k: ends[k] - starts[k])
         ends.insert(i, starts[i] + (ends[i] - starts[i]) // 2)
     return ends
 
 
 def measure_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 3) -> float:
-    """Host copy bandwidth (bytes/s), best of `repeats`, with preallocated buffers."""
+    """Host copy bandwidth (bytes/s), best of `repeats`, with preallocated buffers (no allocation timed)."""
+    if nbytes < 1 or repeats < 1:
+        raise ValueError(f"need nbytes >= 1 and repeats >= 1, got {nbytes} and {repeats}")
     src = torch.empty(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    dst.copy_(src)  # touch pages
-    best = float("inf")
+    dst.copy_(src)  # touch pages so the timed copies do not pay for first-touch faults
+    best = math.inf
     for _ in range(repeats):
         t0 = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+    return nbytes / max(best, 1e-9)  # a tiny copy can time as 0 on a coarse clock
