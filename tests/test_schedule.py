@@ -123,7 +123,7 @@ def test_impossible_budget_is_reported_once_and_uses_single_operator_slots(caplo
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1  # three slots over budget, one message
     msg = warnings[0].getMessage()
-    assert "budget of 5 bytes" in msg and "120 bytes" in msg and "overlap" in msg and "forced window" in msg
+    assert "do not fit the copy budget" in msg and "budget of 5 bytes" in msg and "120 bytes" in msg and "overlap" in msg and "forced window" in msg
 
 
 def test_one_oversized_operator_gets_a_slot_alone_and_the_rest_are_packed(caplog):

@@ -148,9 +148,11 @@ def plan_window(order: list[str], full_bytes: dict[str, int], compute_bytes: dic
         names = ", ".join(worst.active[:3]) + (", ..." if len(worst.active) > 3 else "")
         fix = "a larger forced window or auto (None)" if forced_window is not None else (
             "set a forced window to accept the wait")
-        log.warning("sparse checkpoint slot %d of W=%d (active: %s) copies %d bytes, over the budget of %.0f "
-                    "bytes per iteration; training will wait for the copy. Raise the copy budget (overlap, "
-                    "bandwidth or iteration time) or %s.", i, len(slots), names, worst.bytes, budget_bytes, fix)
+        # "do not fit the copy budget" is matched by tests/test_recovery.py: keep the phrase.
+        log.warning("sparse checkpoint slots do not fit the copy budget: slot %d of W=%d (active: %s) copies %d "
+                    "bytes, over the budget of %.0f bytes per iteration, so training will wait for the copy. Raise "
+                    "the copy budget (overlap, bandwidth or iteration time) or %s.", i, len(slots), names,
+                    worst.bytes, budget_bytes, fix)
     return WindowPlan(tuple(slots), float(budget_bytes), fits, tuple(order))
 
 
