@@ -73,7 +73,7 @@ class PopularityTracker:
         """Per-layer share of the score (each row sums to 1; uniform for a layer nothing was routed to)."""
         total = self.score.sum(dim=1, keepdim=True)
         uniform = torch.full_like(self.score, 1.0 / self.shape[1])
-        return torch.where(total > 0, self.score / total.clamp(min=1e-300), uniform)
+        return torch.where(total > 0, self.score / torch.where(total > 0, total, torch.ones_like(total)), uniform)
 
     def state_dict(self) -> dict:
         return {"policy": self.policy, "decay": self.decay, "score": self.score.clone()}
@@ -100,7 +100,8 @@ def reorder_needed(old_freq: torch.Tensor | None, new_freq: torch.Tensor, change
         raise ValueError(f"frequency shapes differ: old {tuple(old_freq.shape)}, new {tuple(new_freq.shape)}")
     old, new = _host64(old_freq), _host64(new_freq)
     diff = (new - old).abs()
-    rel = torch.where(old > 0, diff / old.clamp(min=1e-300),
+    # Divide by the true old frequency (however tiny, even subnormal); only exact zeros are special.
+    rel = torch.where(old > 0, diff / torch.where(old > 0, old, torch.ones_like(old)),
                       torch.where(diff > 0, torch.full_like(new, math.inf), torch.zeros_like(new)))
     changed = int((rel > change * (1 + _EPS)).sum())
     # "At least `fraction`" as a whole number of experts; the slack keeps 0.3 * 10 = 3.0000000000000004 at 3.
