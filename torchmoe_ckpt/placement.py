@@ -1,98 +1,273 @@
-"""Where each rank's copies go: r peers on *other* nodes (failure domains), HSDP replicas first.
+"""Where each rank's peer copies go: r copies on ranks of *other* nodes, HSDP replicas first, balanced load.
 
-This is MoEtion's Algorithm 2 with its two printed inconsistencies fixed: the "group" of a rank is the set
-of ranks that hold the *same shard* (its HSDP replicas), not a pipeline column; and every choice respects
-the receive load. A replica already holds a bit-identical copy of the shard, so choosing it costs no slot
-bytes; other peers are chosen least-loaded first, so the largest receive load stays as small as the greedy
-allows. A copy never goes to the owner's own node: losing that node would lose both.
+MoEtion's Algorithm 2 (reference §1.12) with its two printed inconsistencies fixed: a rank's "group" is the
+ranks holding the *same shard* in other data-parallel replicas (equal `shard_group_of`), not the layout-
+dependent pipeline column the printed formula gives; and every choice respects the receive load. Added: a
+copy never goes to the owner's node (failure domain) -- losing that node would lose original and copy.
+
+Pure and deterministic (every rank computes the same answer from the same Topology), in four steps:
+1. replica peers (same shard group, other node) first: they already hold a bit-identical shard, so they
+   cost no bytes (the peer tier checks this by checksum); spread over nodes, then lowest rank;
+2. greedy fill up to r with other ranks on other nodes: least receive load, then the node holding fewer of
+   this rank's copies, then the lowest rank;
+3. rebalance: while an alternating path of moves "owner x moves its copy from a to b" leads from a
+   max-loaded receiver to one with load <= max-2, apply it (sum of squared loads falls: it terminates);
+4. spread: a rank whose copies share a node while another node holds none moves one there, keeping the max.
+
+Bound: after step 3 the max receive load M is optimal (among placements that use replicas first). Let R be
+the receivers reachable from the max-loaded ones; all have load >= M-1 (else a path exists). An owner with a
+copy in R has every eligible receiver it does not use in R, so its copies outside R fill all its eligible
+receivers outside R: it puts the fewest copies into R any placement can. So every placement puts at least
+sum(load over R) >= |R|(M-1)+1 copies on |R| receivers: its max is >= M. Step 4 never raises the max.
 """
 from __future__ import annotations
 
+from bisect import insort
+from collections import Counter, deque
 from dataclasses import dataclass
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
 
 
 @dataclass(frozen=True)
 class Topology:
     world_size: int
-    node_of: tuple[int, ...]          # failure domain of each rank
-    shard_group_of: tuple[int, ...]   # equal values = ranks holding a bit-identical shard (HSDP replicas)
+    node_of: tuple[int, ...]          # node id (failure domain) per rank
+    shard_group_of: tuple[int, ...]   # equal value = bit-identical shard (HSDP replicas); all distinct in FSDP
 
     def __post_init__(self):
-        if len(self.node_of) != self.world_size or len(self.shard_group_of) != self.world_size:
-            raise ValueError(f"topology needs one node and one shard group per rank ({self.world_size} ranks)")
+        # normalise lists to tuples so equal topologies compare (and hash) equal on every rank
+        object.__setattr__(self, "node_of", tuple(self.node_of))
+        object.__setattr__(self, "shard_group_of", tuple(self.shard_group_of))
+        _require(isinstance(self.world_size, int) and self.world_size >= 1
+                 and len(self.node_of) == self.world_size and len(self.shard_group_of) == self.world_size,
+                 f"Topology needs world_size >= 1 and one node id and one shard group per rank: "
+                 f"world_size={self.world_size!r}, {len(self.node_of)} node ids, "
+                 f"{len(self.shard_group_of)} shard groups")
 
     @staticmethod
-    def _shards(world_size: int, replicate: int) -> tuple[int, ...]:
-        if replicate < 1 or world_size % replicate:
-            raise ValueError(f"HSDP replicate degree {replicate} must divide the world size {world_size}")
+    def _mesh_groups(world_size: int, replicate: int) -> tuple[int, ...]:
+        _require(isinstance(replicate, int) and replicate >= 1 and world_size >= 1 and world_size % replicate == 0,
+                 f"HSDP replicate degree {replicate!r} must be >= 1 and divide the world size {world_size}")
         shard = world_size // replicate
         return tuple(rank % shard for rank in range(world_size))  # mesh (replicate, shard), row-major
 
     @staticmethod
     def from_mesh_shape(world_size: int, replicate: int, ranks_per_node: int) -> "Topology":
-        if ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
-        return Topology(world_size, tuple(r // ranks_per_node for r in range(world_size)),
-                        Topology._shards(world_size, replicate))
+        _require(isinstance(ranks_per_node, int) and ranks_per_node >= 1,
+                 f"ranks_per_node must be >= 1, got {ranks_per_node!r}")
+        groups = Topology._mesh_groups(world_size, replicate)
+        return Topology(world_size, tuple(rank // ranks_per_node for rank in range(world_size)), groups)
 
     @staticmethod
     def from_failure_domains(domains: list, replicate: int) -> "Topology":
+        # ids in order of first appearance: the same list gives the same ids on every rank
         ids = {d: i for i, d in enumerate(dict.fromkeys(domains))}
-        return Topology(len(domains), tuple(ids[d] for d in domains), Topology._shards(len(domains), replicate))
+        groups = Topology._mesh_groups(len(domains), replicate)
+        return Topology(len(domains), tuple(ids[d] for d in domains), groups)
 
     @staticmethod
     def from_env_hostnames(hostnames: list[str], replicate: int) -> "Topology":
-        return Topology.from_failure_domains(hostnames, replicate)
+        """`hostnames[rank]`, e.g. all-gathered `socket.gethostname()`: one host is one failure domain."""
+        return Topology.from_failure_domains(list(hostnames), replicate)
 
 
 @dataclass(frozen=True)
 class Placement:
-    peers: tuple[tuple[int, ...], ...]
-    replica_peers: tuple[tuple[int, ...], ...]
-    send_peers: tuple[tuple[int, ...], ...]
-    load: tuple[int, ...]            # copies each rank receives over the network
-    shortfall: tuple[int, ...]       # copies each rank is missing (r could not be met on other nodes)
+    peers: tuple[tuple[int, ...], ...]          # per rank: ranks holding a copy of its slots (not itself)
+    replica_peers: tuple[tuple[int, ...], ...]  # subset of peers that are HSDP replicas: 0 bytes to send
+    send_peers: tuple[tuple[int, ...], ...]     # subset of peers that must be sent the bytes
+    load: tuple[int, ...]                       # per rank: sent copies of other ranks it receives
+    shortfall: tuple[int, ...]                  # per rank: r - peers on other nodes (> 0: r not met)
+    r: int = 0                                  # requested copies (for describe)
+    node_of: tuple[int, ...] = ()               # the topology's failure domains (for describe)
 
     def survives_node_loss(self, node: int, topo: Topology) -> bool:
-        return all(any(topo.node_of[p] != node for p in self.peers[r])
-                   for r in range(topo.world_size) if topo.node_of[r] == node)
+        """Every rank on `node` keeps at least one copy on another node."""
+        return all(any(topo.node_of[p] != node for p in self.peers[rank])
+                   for rank in range(topo.world_size) if topo.node_of[rank] == node)
 
     def describe(self) -> str:
-        lines = [f"rank {r}: peers {list(p)} (replicas {list(rp)}, sent to {list(sp)})"
-                 for r, (p, rp, sp) in enumerate(zip(self.peers, self.replica_peers, self.send_peers))]
-        short = [r for r, s in enumerate(self.shortfall) if s > 0]
-        if short:
-            lines.append(f"requested copies cannot be placed on other nodes for ranks {short} "
-                         f"(missing {max(self.shortfall)} at most): add nodes or lower replicas")
+        node = self.node_of or tuple(range(len(self.peers)))
+        lines = [f"placement: r={self.r} copies per rank on other nodes, {len(self.peers)} ranks on "
+                 f"{len(set(node))} node(s), max receive load {max(self.load, default=0)}"]
+        for rank, (rp, sp) in enumerate(zip(self.replica_peers, self.send_peers)):
+            held = sorted({node[p] for p in rp + sp})
+            lines.append(f"rank {rank} (node {node[rank]}): replicas {list(rp)} (0 bytes), sent to {list(sp)}, "
+                         f"copies on nodes {held}, receives {self.load[rank]}")
+        size, by_gap = Counter(node), {}
+        for rank, s in enumerate(self.shortfall):
+            if s > 0:  # group by (other nodes, ranks on them) so the report stays short
+                by_gap.setdefault((len(size) - 1, len(node) - size[node[rank]]), []).append(rank)
+        for (k_nodes, k_ranks), ranks in sorted(by_gap.items()):
+            lines.append(f"r={self.r} cannot be met for ranks {ranks}: only {k_nodes} other node(s) "
+                         f"({k_ranks} rank(s)) outside their own, and copies never go to the owner's node; "
+                         f"{sum(self.shortfall[k] for k in ranks)} copies missing -- add nodes or lower r")
+        shared = [rank for rank, p in enumerate(self.peers) if len({node[q] for q in p}) < len(p)]
+        if shared:
+            lines.append(f"note: copies of ranks {shared} share a node (fewer other nodes than copies, or load "
+                         f"balance won): they survive fewer simultaneous node losses than their copy count")
         return "\n".join(lines)
 
 
 def place_replicas(topo: Topology, r: int = 2) -> Placement:
-    if r < 0:
-        raise ValueError(f"replicas must be >= 0, got {r}")
-    n = topo.world_size
-    load = [0] * n
-    peers, replicas, sends, short = [], [], [], []
-    for rank in range(n):
-        others = [p for p in range(n) if topo.node_of[p] != topo.node_of[rank]]
-        reps = [p for p in others if topo.shard_group_of[p] == topo.shard_group_of[rank]]
-        # one copy per other node first (spreads failure domains), replicas before other ranks
+    _require(isinstance(topo, Topology), f"place_replicas needs a Topology, got {type(topo).__name__}")
+    _require(isinstance(r, int) and not isinstance(r, bool) and r >= 0, f"r must be an integer >= 0, got {r!r}")
+    n, node, group = topo.world_size, topo.node_of, topo.shard_group_of
+    members: dict[int, list[int]] = {}
+    for p in range(n):
+        members.setdefault(group[p], []).append(p)
+
+    def cands(o: int):  # eligible sent-copy receivers of o: another node, not a replica (those are free)
+        return (p for p in range(n) if node[p] != node[o] and group[p] != group[o])
+
+    replicas: list[list[int]] = []  # Step 1: HSDP replicas on other nodes, spread over nodes
+    for o in range(n):
+        pool = [p for p in members[group[o]] if node[p] != node[o]]
         chosen: list[int] = []
-        for p in sorted(reps, key=lambda p: (topo.node_of[p], p)):
-            if len(chosen) < r and all(topo.node_of[c] != topo.node_of[p] for c in chosen):
-                chosen.append(p)
-        while len(chosen) < r:
-            cands = [p for p in others if p not in chosen]
-            if not cands:
-                break
-            used_nodes = [topo.node_of[c] for c in chosen]
-            p = min(cands, key=lambda p: (used_nodes.count(topo.node_of[p]), p not in reps, load[p], p))
-            chosen.append(p)
-        send = [p for p in chosen if p not in reps]
-        for p in send:
-            load[p] += 1
-        peers.append(tuple(chosen))
-        replicas.append(tuple(p for p in chosen if p in reps))
-        sends.append(tuple(send))
-        short.append(r - len(chosen))
-    return Placement(tuple(peers), tuple(replicas), tuple(sends), tuple(load), tuple(short))
+        while len(chosen) < min(r, len(pool)):
+            count = Counter(node[q] for q in chosen)
+            chosen.append(min((p for p in pool if p not in chosen), key=lambda p: (count[node[p]], p)))
+        replicas.append(chosen)
+
+    # Step 2. by_load[L] = ranks receiving L copies, ascending: the scan stops at the first rank whose node
+    # holds the fewest possible of o's copies, so a pick costs ~(r+1) nodes' ranks, not the world.
+    n_other = len(set(node)) - 1
+    load, sends, by_load = [0] * n, [[] for _ in range(n)], [list(range(n))]
+    for o in range(n):
+        while len(replicas[o]) + len(sends[o]) < r:
+            count = Counter(node[q] for q in replicas[o] + sends[o])
+            floor = min(count.values(), default=0) if len(count) >= n_other else 0  # fewest copies any node can hold
+            best = None
+            for bucket in by_load:
+                for p in bucket:
+                    if node[p] != node[o] and group[p] != group[o] and p not in sends[o] \
+                            and (best is None or count[node[p]] < count[node[best]]):
+                        best = p
+                        if count[node[p]] == floor:
+                            break
+                if best is not None:
+                    break
+            if best is None:
+                break  # fewer eligible ranks than r: recorded as shortfall
+            by_load[load[best]].remove(best)
+            load[best] += 1
+            if load[best] == len(by_load):
+                by_load.append([])
+            insort(by_load[load[best]], best)
+            sends[o].append(best)
+
+    _rebalance(n, cands, sends, load)
+    _spread(n, node, group, n_other, cands, replicas, sends, load)
+
+    peers = tuple(tuple(sorted(replicas[o] + sends[o])) for o in range(n))
+    return Placement(peers=peers,
+                     replica_peers=tuple(tuple(sorted(x)) for x in replicas),
+                     send_peers=tuple(tuple(sorted(x)) for x in sends),
+                     load=tuple(load), shortfall=tuple(r - len(p) for p in peers), r=r, node_of=node)
+
+
+def _rebalance(n, cands, sends, load) -> None:
+    """Step 3: apply alternating paths from a max-loaded receiver to one with load <= max-2 (see module doc)."""
+    while load and max(load) - min(load) >= 2:  # otherwise no receiver has load <= max-2: already optimal
+        top = max(load)
+        holders: list[list[int]] = [[] for _ in range(n)]
+        for o, s in enumerate(sends):
+            for p in s:
+                holders[p].append(o)
+        prev: dict[int, tuple[int, int] | None] = {v: None for v in range(n) if load[v] == top}
+        queue, target = deque(prev), None
+        while queue and target is None:  # BFS over receivers: deterministic order, shortest paths
+            v = queue.popleft()
+            for o in holders[v]:
+                for u in cands(o):
+                    if u in prev or u in sends[o]:
+                        continue
+                    prev[u] = (v, o)
+                    if load[u] <= top - 2:
+                        target = u
+                        break
+                    queue.append(u)
+                if target is not None:
+                    break
+        if target is None:
+            return  # no improving path: max load is optimal
+        u = target
+        while prev[u] is not None:
+            v, o = prev[u]
+            sends[o][sends[o].index(v)] = u
+            load[v] -= 1
+            load[u] += 1
+            u = v
+
+
+def _spread(n, node, group, n_other, cands, replicas, sends, load) -> None:
+    """Step 4: rank o has two copies on one node (one at v) and none on another: move v's copy there, to u.
+    If u is at the max load, a chain of owners passes one copy on (each keeping its own node count) until a
+    receiver below the max, or v itself, takes it. A chain is kept only if the result adds a node to o, takes
+    none from any other owner, duplicates nothing and keeps the max: so the loop terminates."""
+    top, holders = max(load, default=0), [set() for _ in range(n)]
+    for o, s in enumerate(sends):
+        for p in s:
+            holders[p].add(o)
+    spread = [Counter(node[q] for q in replicas[o] + sends[o]) for o in range(n)]  # nodes holding o's copies
+
+    def improve(o: int) -> bool:
+        count = spread[o]
+        for v in [v for v in sends[o] if count[node[v]] >= 2] if len(count) < n_other else ():
+            prev = {u: (v, o) for u in sorted(cands(o), key=lambda u: (load[u], u)) if count[node[u]] == 0}
+            end = next((u for u in prev if load[u] < top), None)
+            queue, live = deque(prev), {}
+            for b in range(n):  # unvisited receivers by node: a node a move may not use costs O(1)
+                if b not in prev:
+                    live.setdefault(node[b], {})[b] = None
+            while queue and end is None:  # BFS over receivers holding one copy too many
+                a = queue.popleft()
+                for x in sorted(holders[a] - {o}):
+                    c = spread[x]
+                    for nd in [nd for nd in live if nd != node[x] and (nd == node[a] or c[node[a]] > 1 or c[nd] == 0)]:
+                        for b in [b for b in live[nd] if b not in sends[x] and group[b] != group[x]]:
+                            del live[nd][b]
+                            prev[b] = (a, x)
+                            if load[b] < top or b == v:
+                                end = b
+                                break
+                            queue.append(b)
+                        if end is not None:
+                            break
+                    if end is not None:
+                        break
+            if end is None:
+                continue
+            moves, b = [], end
+            while not moves or moves[-1][0] != o:  # walk back to o's own move
+                a, x = prev[b]
+                moves.append((x, a, b))
+                b = a
+            before = {x: (list(sends[x]), spread[x]) for x, _, _ in moves}
+            for x, a, b in moves:
+                sends[x][sends[x].index(a)] = b
+                load[a], load[b] = load[a] - 1, load[b] + 1
+            for x in before:
+                spread[x] = Counter(node[q] for q in replicas[x] + sends[x])
+            if len(spread[o]) > len(count) and max(load) <= top and all(
+                    len(set(sends[x])) == len(sends[x]) and len(spread[x]) >= len(c) for x, (_, c) in before.items()):
+                for x, a, b in moves:
+                    holders[a].discard(x)
+                    holders[b].add(x)
+                return True
+            for x, a, b in moves:  # rejected (an owner repeated on the chain): undo
+                load[a], load[b] = load[a] + 1, load[b] - 1
+            for x, (old, c) in before.items():
+                sends[x], spread[x] = old, c
+        return False
+
+    changed = True
+    while changed:
+        changed = False
+        for o in range(n):
+            while improve(o):
+                changed = True
