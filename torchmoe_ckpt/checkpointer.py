@@ -104,7 +104,6 @@ class SparseCheckpointer:
         self.committed: Window | None = committed
         self._inherited = committed  # a window handed over after a restart (still the recovery fallback)
         # Optional host-memory tier (dcp.host_tier.HostTier): slots persisted off the training thread.
-        self.host_tier = host_tier
         self.tier_writer = None
         if host_tier is not None:
             from .dcp.host_tier import TierWriter

@@ -53,9 +53,9 @@ def _file_entry(path: Path) -> FileEntry:
 
 
 class HostTier:
-    def __init__(self, root: str | Path, run_id: str, rank: int, world_size: int, keep_windows: int = 2):
+    def __init__(self, root: str | Path, run_id: str, rank: int, world_size: int):
         self.dir = Path(root) / run_id
-        self.rank, self.world_size, self.keep = rank, world_size, keep_windows
+        self.rank, self.world_size = rank, world_size
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def window_dir(self, window_id: int) -> Path:
