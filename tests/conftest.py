@@ -36,3 +36,21 @@ def one_rank_group():
     init_distributed()
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def moto():
+    """A real moto S3 server on 127.0.0.1 with the bucket `tmoe-bucket` (a MotoServer: .storage_options)."""
+    from torchmoe_ckpt.harness.servers import create_bucket, moto_server
+    with moto_server() as server:
+        create_bucket(server.storage_options, "tmoe-bucket")
+        yield server
+
+
+@pytest.fixture(scope="session")
+def azurite():
+    """A real Azurite blob server (installed into .azurite/ by `make setup`) with the container `tmoe`."""
+    from torchmoe_ckpt.harness.servers import azurite_server, create_container
+    with azurite_server() as server:
+        create_container(server.connection_string, "tmoe")
+        yield server

@@ -12,60 +12,10 @@ from torchmoe_ckpt.dcp.object_tier import ObjectTier, StoreConfigError, Uploader
 from torchmoe_ckpt.harness.launch import compare, run_torchrun
 
 
-@pytest.fixture(scope="module")
-def moto():
-    from moto.server import ThreadedMotoServer
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
-    import s3fs
-    s3fs.S3FileSystem(**opts, skip_instance_cache=True).mkdir("tmoe-bucket")
-    yield server, opts, port
-    server.stop()
-
-
-AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
-
-
-@pytest.fixture(scope="module")
-def azurite(tmp_path_factory):
-    """A real Azurite blob server (installed into .azurite/ by `make setup`) on a free loopback port."""
-    import pathlib
-    import socket
-    import subprocess
-    exe = pathlib.Path(__file__).resolve().parents[1] / ".azurite/node_modules/.bin/azurite-blob"
-    if not exe.exists():
-        pytest.fail(f"{exe} is missing: run `make setup`")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([str(exe), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location",
-                             str(tmp_path_factory.mktemp("azurite")), "--skipApiVersionCheck", "--disableTelemetry",
-                             "--loose", "--silent"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail("Azurite did not start")
-            time.sleep(0.1)
-    conn = (f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
-            f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;")
-    import adlfs
-    adlfs.AzureBlobFileSystem(connection_string=conn, skip_instance_cache=True).mkdir("tmoe")
-    yield {"connection_string": conn}
-    proc.kill()
-    proc.wait()
-
-
 def test_azure_blob_round_trip_on_azurite(tmp_path, azurite):
     """az:// through adlfs against Azurite: upload (manifest last), list, verified download, retention."""
     tier = HostTier(tmp_path / "host", "run", 0, 1)
-    store = ObjectTier("az://tmoe/ckpt", "run", 0, storage_options=azurite, keep_windows=1)
+    store = ObjectTier("az://tmoe/ckpt", "run", 0, storage_options=azurite.storage_options, keep_windows=1)
     up = Uploader(store, tier)
     for wid in (1, 2):
         _window(tier, wid, bytes([wid]) * 4096)
@@ -88,8 +38,8 @@ def test_all_host_copies_lost_recovers_from_the_object_store(tmp_path, reference
     if kind == "file":
         store = {"uri": f"file://{tmp_path / 'store'}"}
     else:
-        _, opts, _ = request.getfixturevalue("moto")
-        store = {"uri": f"s3://tmoe-bucket/{tmp_path.name}", "storage_options": opts}
+        store = {"uri": f"s3://tmoe-bucket/{tmp_path.name}",
+                 "storage_options": request.getfixturevalue("moto").storage_options}
     ref = reference(2, {"steps": 12, "dtype": "fp32"})
     run = run_torchrun(2, spec(tmp_path / "shm", store), tmp_path / "run")
     rec = run.report["recoveries"][0]
@@ -135,33 +85,29 @@ def test_corrupt_or_half_uploaded_windows_are_never_used(tmp_path):
 def test_bad_store_settings_fail_at_start_with_one_clear_message(tmp_path, moto):
     with pytest.raises(StoreConfigError, match="unknown object-store URI scheme 'gs'"):
         ObjectTier("gs://bucket/x", "run", 0)
-    _, opts, _ = moto
-    with pytest.raises(StoreConfigError, match="bucket/container exists"):
+    opts = moto.storage_options
+    with pytest.raises(StoreConfigError, match="bucket/container does not exist"):
         ObjectTier("s3://no-such-bucket-here/x", "run", 0, storage_options=opts)
+    no_creds = {"client_kwargs": opts["client_kwargs"]}  # moto takes any key; a missing one is detectable
     with pytest.raises(StoreConfigError, match="credentials"):
-        bad = dict(opts, key="wrong", secret="wrong")
-        ObjectTier("s3://no-such-bucket-here/x", "run", 0, storage_options=bad)
+        ObjectTier("s3://tmoe-bucket/x", "run", 0, storage_options=no_creds)
+    from torchmoe_ckpt.harness.servers import free_port
+    dead = dict(opts, client_kwargs={"endpoint_url": f"http://127.0.0.1:{free_port()}"})
+    with pytest.raises(StoreConfigError, match="reachable"):
+        ObjectTier("s3://tmoe-bucket/x", "run", 0, storage_options=dead)
 
 
-def test_store_down_never_blocks_and_upload_catches_up(tmp_path):
-    import s3fs
-    from moto.server import ThreadedMotoServer
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
-    s3fs.S3FileSystem(**opts, skip_instance_cache=True).mkdir("down-bucket")
+def test_store_down_never_blocks_and_upload_catches_up(tmp_path, moto):
+    from torchmoe_ckpt.harness.servers import create_bucket
+    create_bucket(moto.storage_options, "down-bucket")
     tier = HostTier(tmp_path / "host", "run", 0, 1)
-    store = ObjectTier("s3://down-bucket/run", "run", 0, storage_options=opts, attempts=2, backoff_s=0.05)
+    store = ObjectTier("s3://down-bucket/run", "run", 0, storage_options=moto.storage_options, attempts=2,
+                       backoff_s=0.05)
     up = Uploader(store, tier)
     _window(tier, 1, b"x" * 5000)
-    server.stop()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    try:
+    with moto.down():
         up.submit(1)                      # returns at once although the store is unreachable
         assert not up.flush(timeout=1.5)  # still pending: the uploader keeps retrying
-        server.start()                    # the store is back (moto keeps its buckets in this process)
-        assert up.flush(timeout=30) and up.uploaded == [1]
-        assert store.window_ids() == [1]
-    finally:
-        server.stop()
+    # the store is back (same port; moto keeps its buckets in this process)
+    assert up.flush(timeout=30) and up.uploaded == [1]
+    assert store.window_ids() == [1]

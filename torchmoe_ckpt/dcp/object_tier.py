@@ -39,6 +39,11 @@ def open_store(uri: str, storage_options: dict | None = None, probe: bool = True
         fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
     except ImportError as exc:
         raise StoreConfigError(f"{uri!r} needs {KNOWN[scheme]}: {exc}") from None
+    except (TypeError, ValueError) as exc:  # an option the filesystem does not take
+        raise StoreConfigError(f"{uri!r}: invalid storage_options {sorted(storage_options or {})} ({exc}); "
+                               f"remove or fix the option it names") from None
+    if scheme in ("az", "abfs", "abfss"):
+        _shorten_azure_retry(fs)
     if probe:
         try:
             if _is_local(fs):  # on object stores makedirs would silently *create* a missing bucket
@@ -47,9 +52,36 @@ def open_store(uri: str, storage_options: dict | None = None, probe: bool = True
             fs.pipe_file(probe_path, b"ok")
             fs.rm_file(probe_path)
         except Exception as exc:  # credentials, endpoint, missing bucket/container
-            raise StoreConfigError(f"cannot write to {uri!r} ({type(exc).__name__}: {str(exc)[:200]}); check the "
-                                   f"bucket/container exists and the credentials/endpoint in storage_options") from None
+            raise StoreConfigError(_explain(uri, exc)) from None
     return fs, root
+
+
+def _explain(uri: str, exc: BaseException) -> str:
+    """One message naming the likely fix for a store that cannot be written at start."""
+    text = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+    low = text.lower()
+    if isinstance(exc, PermissionError) or any(w in low for w in (
+            "credential", "authenticat", "signature", "accessdenied", "forbidden", "invalidaccesskeyid", "403")):
+        return (f"object store {uri!r}: authentication failed ({text}); check the credentials in storage_options "
+                f"(s3: key/secret; az/abfs: connection_string or account_name + account_key/sas_token)")
+    if isinstance(exc, FileNotFoundError) or any(w in low for w in ("nosuchbucket", "containernotfound",
+                                                                     "does not exist", "not found")):
+        return (f"object store {uri!r}: the bucket/container does not exist ({text}); create it first, or "
+                f"check the bucket/container exists under that name in the URI")
+    return (f"cannot write to {uri!r} ({text}); check the bucket/container exists and the credentials/endpoint "
+            f"(endpoint_url, connection_string) in storage_options, and that the service is reachable")
+
+
+def _shorten_azure_retry(fs) -> None:
+    """azure-storage-blob retries a refused connection for ~80 s per call by default (3 tries from a 15 s
+    backoff); our own retries wrap every call, so one quick inner retry keeps a dead store from looking hung."""
+    pol = getattr(getattr(getattr(fs, "service_client", None), "_config", None), "retry_policy", None)
+    if pol is None or not hasattr(pol, "initial_backoff"):
+        return
+    pol.initial_backoff, pol.increment_base = 0.5, 1.5
+    for name in ("total_retries", "connect_retries", "read_retries", "status_retries"):
+        if hasattr(pol, name):
+            setattr(pol, name, 1)
 
 
 def _is_local(fs) -> bool:

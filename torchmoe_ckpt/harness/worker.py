@@ -21,16 +21,27 @@ from .trainer import RunConfig, Trainer
 
 def run(spec: dict, out: Path) -> dict:
     cfg = RunConfig(**spec["run"])
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, init_seed=spec.get("init_seed"))  # another init shows what a load restores
     losses: dict[int, torch.Tensor] = {}
     report: dict = {"world_size": trainer.world, "steps": cfg.steps}
+    if spec.get("initial_load"):  # start from a user-given dense export instead of the initialisation
+        from ..dcp.dense_export import load_dense
+        trainer.set_step(load_dense(trainer.model, trainer.optimizer, **spec["initial_load"]))
+        report["initial_load"] = {"uri": spec["initial_load"]["uri"], "step": trainer.step}
     if spec.get("checkpoint") is None:
+        from ..dcp.dense_export import DenseExporter
+        exporter = DenseExporter(**spec["dense_export"]) if spec.get("dense_export") else None
         step_seconds = []
         while trainer.step < cfg.steps:
             t0 = time.perf_counter()
             res = trainer.train_step()
+            if exporter is not None:
+                exporter.maybe_export(trainer.model, trainer.optimizer, trainer.step)
             step_seconds.append(time.perf_counter() - t0)
             losses[res.step] = res.loss
+        if exporter is not None:
+            exporter.wait()
+            report["dense_export"] = exporter.stats()
         report["step_seconds"] = step_seconds
     else:
         from .scenario import run_with_checkpointing  # the checkpointing + failure scenario

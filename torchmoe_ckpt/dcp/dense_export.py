@@ -1,0 +1,129 @@
+"""Dense export: the whole training state as a normal DCP checkpoint that stock `dcp.load` reads.
+
+After sparse-to-dense conversion (or at any iteration boundary) every rank holds the exact dense state; we
+write it with `dcp.save` in TorchTitan's layout: model tensors at the top level under their FQNs (what
+`--checkpoint.initial_load_path` with `initial_load_model_only` reads), the optimizer under `optimizer` as
+`get_state_dict` gives it, and our `torchmoe_train_state` (step, LR). Any world size or mesh can read it
+back (DCP reshards).
+`load_dense` puts it back through `set_state_dict`, which goes through FSDP2's own load path
+(`FSDPParam.reset_sharded_param`): loading with `dcp.load` into the live parameters alone changes the
+values FSDP2 reads, but not necessarily the padded storage it all-gathers from.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+log = logging.getLogger("torchmoe_ckpt.dense_export")
+TRAIN_STATE = "torchmoe_train_state"  # not TorchTitan's "train_state", which has other fields
+METADATA = ".metadata"  # DCP writes it last, after every rank's data: the commit
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=False))
+    return {**msd, "optimizer": osd}
+
+
+def _train_state(step: int, lr: float) -> dict:
+    return {"step": torch.tensor(step), "lr": torch.tensor(lr, dtype=torch.float64)}
+
+
+def export_dense(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: str, step: int,
+                 storage_options: dict | None = None) -> float:
+    """Collective and synchronous (e.g. right after recovery): every rank calls it. Returns seconds."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    t0 = time.perf_counter()
+    state = _state(model, optimizer)
+    state[TRAIN_STATE] = _train_state(step, float(optimizer.param_groups[0]["lr"]))
+    dcp.save(state, storage_writer=FsspecWriter(uri, **(storage_options or {})))
+    seconds = time.perf_counter() - t0
+    log.info("event=dense_export step=%d path=%s seconds=%.3f", step, uri, seconds)
+    return seconds
+
+
+def load_dense(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: str,
+               storage_options: dict | None = None) -> int:
+    """Collective: load an export into a (freshly built) model and optimizer; returns the step it holds."""
+    import fsspec
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    if not fs.exists(f"{root.rstrip('/')}/{METADATA}"):
+        raise FileNotFoundError(f"{uri} is not a complete dense export ({METADATA} missing): the export was "
+                                f"interrupted or the path is wrong; use an older export")
+    from ..recovery import init_optimizer_state
+    init_optimizer_state(optimizer)  # DCP loads in place: the optimizer state tensors must exist
+    state = _state(model, optimizer)
+    state[TRAIN_STATE] = _train_state(0, 0.0)
+    dcp.load(state, storage_reader=FsspecReader(uri, **(storage_options or {})))
+    osd, ts = state.pop("optimizer"), state.pop(TRAIN_STATE)
+    set_state_dict(model, optimizer, model_state_dict=state, optim_state_dict=osd)
+    step = int(ts["step"])
+    log.info("event=dense_load step=%d path=%s", step, uri)
+    return step
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{step}"  # TorchTitan's `{folder}/step-{N}`
+
+
+class DenseExporter:
+    """Periodic dense exports to any fsspec URI (storage options passed explicitly), written by
+    `dcp.async_save` on its own gloo group so its background collectives never interleave with training's.
+    DCP writes `.metadata` last, after every rank's data: an export without it is incomplete and ignored.
+    Keeps the newest `keep` exports (rank 0 deletes older ones after a newer one is complete)."""
+
+    def __init__(self, uri: str, storage_options: dict | None = None, every: int | None = None, keep: int = 2):
+        if every is not None and every < 1:
+            raise ValueError(f"dense export interval must be >= 1 iterations or None (off), got {every}")
+        from .object_tier import open_store
+        self.uri, self.opts, self.every, self.keep = uri.rstrip("/"), dict(storage_options or {}), every, keep
+        self.fs, self.root = open_store(uri, self.opts, probe=True)
+        self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._future = None
+        self._pending_step: int | None = None
+        self.exported: list[int] = []
+        self.stage_seconds: list[float] = []   # what the training thread waits (staging copy)
+        self.export_seconds: list[float] = []  # start to complete, off the training thread
+
+    def path(self, step: int) -> str:
+        return f"{self.uri}/{step_dirname(step)}"
+
+    def maybe_export(self, model, optimizer, step: int) -> None:
+        if self.every and step % self.every == 0:
+            self.export(model, optimizer, step)
+
+    def export(self, model, optimizer, step: int) -> None:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        self.wait()  # one export at a time
+        t0 = time.perf_counter()
+        state = _state(model, optimizer)
+        state[TRAIN_STATE] = _train_state(step, float(optimizer.param_groups[0]["lr"]))
+        writer = FsspecWriter(self.path(step), **self.opts)
+        self._future = dcp.async_save(state, storage_writer=writer, process_group=self.pg)
+        self._pending_step, self._t0 = step, t0
+        self.stage_seconds.append(time.perf_counter() - t0)
+
+    def wait(self) -> None:
+        if self._future is None:
+            return
+        fut = getattr(self._future, "upload_completion", self._future)
+        fut.result()
+        step, self._future, self._pending_step = self._pending_step, None, None
+        self.export_seconds.append(time.perf_counter() - self._t0)
+        self.exported.append(step)
+        log.info("event=dense_export step=%d path=%s seconds=%.3f", step, self.path(step), self.export_seconds[-1])
+        if (not dist.is_initialized() or dist.get_rank() == 0) and self.keep > 0:
+            for old in self.exported[:-self.keep]:
+                self.fs.rm(f"{self.root.rstrip('/')}/{step_dirname(old)}", recursive=True)
+            self.exported = self.exported[-self.keep:]
+
+    def stats(self) -> dict:
+        return {"exports": len(self.export_seconds), "stage_s_max": max(self.stage_seconds, default=0.0),
+                "export_s_max": max(self.export_seconds, default=0.0), "latest": self.path(self.exported[-1])
+                if self.exported else None}
