@@ -77,7 +77,8 @@ def uploader_stats(writer) -> dict | None:
     up = getattr(writer, "uploader", None)
     if up is None:
         return None
-    return {"windows_uploaded": len(up.uploaded), "bytes": up.bytes, "dropped": up.dropped,
+    return {"windows_uploaded": len(up.uploaded), "last_window": up.uploaded[-1] if up.uploaded else None,
+            "bytes": up.bytes, "dropped": up.dropped,
             "upload_lag_s_max": max(up.lag_seconds, default=0.0), "errors": up.errors[-3:]}
 
 

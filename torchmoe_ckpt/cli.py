@@ -26,16 +26,26 @@ def _bench(a) -> int:
     return 0
 
 
+def _json_arg(text: str) -> dict:
+    try:
+        value = json.loads(open(text[1:]).read() if text.startswith("@") else text)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"not a JSON object or @file.json: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"key\": \"...\"}'")
+    return value
+
+
 def _inspect(a) -> int:
     from .inspect import format_inspect, inspect_location, main_json
-    info = inspect_location(a.location)
+    info = inspect_location(a.location, a.storage_options)
     print(main_json(info) if a.json else format_inspect(info))
     return 0
 
 
 def _verify(a) -> int:
     from .inspect import format_inspect, main_json, verify_location
-    ok, info = verify_location(a.location)
+    ok, info = verify_location(a.location, a.storage_options)
     print(main_json(info) if a.json else format_inspect(info))
     print("verify: OK, every file matches its manifest" if ok else "verify: FAILED (see problems above)",
           file=sys.stderr)
@@ -72,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn, text in (("inspect", _inspect, "windows, slots, operators, sizes and checksum status"),
                            ("verify", _verify, "exit 0 only if every file of every committed window verifies")):
         c = sub.add_parser(name, help=text)
-        c.add_argument("location", help="host-tier run directory, e.g. /dev/shm/torchmoe-ckpt/<run>")
+        c.add_argument("location", help="host-tier run directory (e.g. /dev/shm/torchmoe-ckpt/node-0/<run>) or "
+                                        "object-store URI (s3://bucket/prefix, az://container/prefix, file://...)")
+        c.add_argument("--storage-options", type=_json_arg, default=None,
+                       help="fsspec options as JSON, or @file.json (e.g. endpoint_url, key/secret, connection_string)")
         c.add_argument("--json", action="store_true")
         c.set_defaults(fn=fn)
     a = ap.parse_args(argv)
