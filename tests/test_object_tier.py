@@ -51,10 +51,12 @@ def spec(root, store):
             "host_tier": {"root": str(root), "run_id": "t", "object_store": store}}
 
 
-@pytest.mark.parametrize("kind", ["file", "s3"])
+@pytest.mark.parametrize("kind", ["file", "s3", "az"])
 def test_all_host_copies_lost_recovers_from_the_object_store(tmp_path, reference, kind, request):
     if kind == "file":
         store = {"uri": f"file://{tmp_path / 'store'}"}
+    elif kind == "az":
+        store = {"uri": f"az://tmoe/{tmp_path.name}", "storage_options": request.getfixturevalue("azurite").storage_options}
     else:
         store = {"uri": f"s3://tmoe-bucket/{tmp_path.name}",
                  "storage_options": request.getfixturevalue("moto").storage_options}
