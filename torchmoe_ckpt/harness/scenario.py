@@ -7,7 +7,15 @@ What survives is what would survive in host memory: the newest committed window.
   "update" - the rank dies in iteration f after backward, before the optimizer step;
   "copy"   - the snapshot copy of iteration f is torn half-way; the failure surfaces in iteration f+1;
   "kill"   - a real `kill -9` of rank `rank` in iteration f (first attempt only); torchrun
-             (--max-restarts) restarts every worker, and with "resume" they recover from the host tier.
+             (--max-restarts) restarts every worker, and with "resume" they recover from the host tier;
+  "freeze" - rank `rank` sends itself SIGSTOP in iteration f (first attempt only): a hung, not dead, peer.
+             `at`: "update" (default; after backward, before the optimizer step) or "forward" (start of
+             the step). The others block in a collective until the watchdog (spec "watchdog_timeout_s")
+             ends them; torchrun then restarts every worker (the watchdog's stop guard SIGKILLs the
+             stopped one on torchrun's SIGTERM, which a stopped process never acts on).
+
+Spec "watchdog_timeout_s" (None: off) arms a CollectiveWatchdog around each train step and checkpointer
+call; "watchdog_events" (a path) keeps its hang records across restarts for the report.
 """
 from __future__ import annotations
 
@@ -21,10 +29,11 @@ import torch
 from ..checkpointer import SparseCheckpointer, SparseConfig
 from ..recovery import sparse_to_dense
 from ..snapshot import SimulatedCopyFault
+from ..watchdog import CollectiveWatchdog, read_events
 from .trainer import Trainer
 
 log = logging.getLogger("torchmoe_ckpt.scenario")
-PHASES = ("update", "copy", "kill")
+PHASES = ("update", "copy", "kill", "freeze")
 
 
 class SimulatedCrash(RuntimeError):
@@ -37,6 +46,11 @@ def _crash() -> None:
 
 def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _freeze_self() -> None:
+    # SIGSTOP stops every thread, this process's watchdog included: the peers must notice on their own.
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _tear(slot, n) -> None:
@@ -154,12 +168,15 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
     ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, ck_cfg, committed=committed,
                             host_tier=tier, replicator=replicator, store=store).attach(trainer)
     step_seconds: list[float] = []
+    wd = CollectiveWatchdog(spec.get("watchdog_timeout_s"), rank=trainer.rank,
+                            events_path=spec.get("watchdog_events"))
     while True:
         nxt = trainer.step + 1
         fail = next((f for f in pending if f["step"] == nxt), None)
         try:
             if trainer.step >= cfg.steps:
-                ck.close()  # a copy torn in the last iteration surfaces here
+                with wd.watch("checkpoint.close"):
+                    ck.close()  # a copy torn in the last iteration surfaces here
                 break
             if fail is not None:
                 pending.remove(fail)
@@ -167,12 +184,19 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
                     trainer.before_update.append(_crash)
                 elif fail["phase"] == "kill" and attempt == 0 and trainer.rank == fail.get("rank", 0):
                     trainer.before_update.append(_kill_self)
+                elif fail["phase"] == "freeze" and attempt == 0 and trainer.rank == fail.get("rank", 0):
+                    if fail.get("at", "update") == "update":
+                        trainer.before_update.append(_freeze_self)
+                    else:
+                        _freeze_self()
             t0 = time.perf_counter()
-            res = trainer.train_step()
+            with wd.watch(f"train_step {nxt}"):
+                res = trainer.train_step()
             losses[res.step] = res.loss
             if fail is not None and fail.get("phase") == "copy":
                 ck.engine.fault_hook = _tear
-            ck.after_step(res)
+            with wd.watch(f"checkpoint.after_step {nxt}"):
+                ck.after_step(res)
             step_seconds.append(time.perf_counter() - t0)
         except (SimulatedCrash, SimulatedCopyFault) as exc:
             log.info("failure at iteration %d: %s", nxt, exc)
@@ -185,9 +209,14 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
             rep.update(failed_at=nxt, error=str(exc), slot_position=position, inflight_window_id=inflight_id)
             recoveries.append(rep)
     if ck.tier_writer is not None:
-        ck.tier_writer.flush()
+        with wd.watch("host_tier.flush"):
+            ck.tier_writer.flush()
         if ck.tier_writer.uploader is not None:
             ck.tier_writer.uploader.flush(30)  # end of training: let the last upload land before reporting
     stats = ck.stats()
     ck.engine.shutdown()
-    return trainer, {"recoveries": recoveries, "checkpoint": stats, "step_seconds": step_seconds}
+    wd.close()
+    out = {"recoveries": recoveries, "checkpoint": stats, "step_seconds": step_seconds}
+    if wd.enabled:
+        out["watchdog"] = dict(wd.stats(), events=read_events(spec.get("watchdog_events")))
+    return trainer, out

@@ -1,0 +1,288 @@
+"""Hung-collective watchdog: turn a collective that never completes into a prompt, logged process exit.
+
+A frozen or dead peer leaves every other rank blocked inside a collective. gloo gives up only after the
+process group's timeout (30 min by default; NCCL's own watchdog 10 min), and until then the job hangs:
+torchrun's agent only restarts on a *failed* worker. The training loop marks regions that issue
+collectives:
+
+    wd = CollectiveWatchdog(timeout_s=30)
+    with wd.watch("train_step 12"):
+        trainer.train_step()
+
+A daemon thread sleeps until the oldest open region's deadline. When a region outlives `timeout_s` it
+writes one line to stderr, `event=hang rank=R op="train_step 12" waited_s=30.002 timeout_s=30 ...`, dumps
+every thread's Python stack, tries to abort the process groups (bounded: gloo's abort is best effort),
+and `os._exit(EXIT_HANG)`. torchrun sees a failed worker, stops the others and, with --max-restarts,
+restarts every worker, which then resume from the checkpoint tiers. A frozen (SIGSTOPped) peer does not act
+on torchrun's SIGTERM; the stop guard below SIGKILLs it so the restart need not wait torchrun's 30 s grace.
+
+An exception raised inside a watched region by torch.distributed (a gloo timeout, a peer that reset the
+connection) also ends the process, with `event=collective_error` and EXIT_COLLECTIVE_ERROR: unwinding
+normally could block at interpreter exit on a background thread that waits on the same dead peer.
+Other exceptions (the scenario's simulated crashes) propagate unchanged.
+
+timeout_s=None switches the watchdog off: watch() then costs one attribute check.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from typing import Iterator
+
+EXIT_HANG = 124              # like coreutils' timeout(1): "the command timed out"
+EXIT_COLLECTIVE_ERROR = 125  # torch.distributed raised inside a watched region
+ABORT_WAIT_S = 2.0           # how long the process-group abort may take before we exit regardless
+
+# The stop guard: torchrun stops workers by killpg(SIGTERM), waits, then SIGKILLs -- and on a *restart*
+# torch 2.13 waits a fixed 30 s (LocalElasticAgent._stop_workers calls _shutdown() with its default;
+# --shutdown-timeout / TORCH_ELASTIC_SHUTDOWN_TIMEOUT only apply to the final shutdown). A SIGSTOPped worker
+# never acts on SIGTERM (a stopped process only reacts to SIGKILL and SIGCONT), so a frozen peer would cost
+# every restart 30 s. This tiny process sits in the worker's process group, gets the same SIGTERM, and
+# SIGKILLs the worker at once if it is stopped, else after `grace` seconds if it has not exited by itself.
+_GUARD = r"""
+import os, signal, sys, time
+pid, grace = int(sys.argv[1]), float(sys.argv[2])
+def state():
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+def stop(signum, frame):
+    end = time.monotonic() + grace
+    while os.getppid() == pid and state() not in ("T", "t") and time.monotonic() < end:
+        time.sleep(0.05)
+    if os.getppid() == pid:  # still our parent: the worker itself, not a recycled pid
+        os.kill(pid, signal.SIGKILL)
+    os._exit(0)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+os.write(1, b"ready\n")
+os.close(1)
+while os.getppid() == pid:
+    time.sleep(0.5)
+"""
+
+
+def start_stop_guard(grace_s: float = 5.0) -> subprocess.Popen | None:
+    """Start the stop guard for this process if it leads its own process group (as torchrun's workers do:
+    that is how the guard receives the agent's killpg). Returns None elsewhere."""
+    if os.name != "posix" or os.getpgrp() != os.getpid():
+        return None
+    guard = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid()), str(grace_s),
+                              "tmoe-stop-guard"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+    # Until its handlers are installed a SIGTERM would kill the guard alone: wait for it to say so.
+    ready, _, _ = select.select([guard.stdout], [], [], 10.0)
+    if not ready or guard.stdout.readline() != b"ready\n":
+        guard.kill()
+        guard.wait()
+        _write(2, "event=stop_guard_failed: a frozen worker may wait out torchrun's SIGTERM grace\n")
+        return None
+    guard.stdout.close()
+    return guard
+
+
+def _dist():
+    """torch.distributed if this process already imported it; never imports torch on the exit path."""
+    return sys.modules.get("torch.distributed")
+
+
+def _rank() -> int | str:
+    try:
+        dist = _dist()
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:  # never let diagnostics stop the exit
+        pass
+    return os.environ.get("RANK", "?")
+
+
+# gloo raises a plain RuntimeError ("[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms
+# for recv operation to complete", "[.../pair.cc:553] Connection closed by peer"), not dist.DistError.
+_DIST_MARKERS = ("gloo", "nccl", "timed out", "connection closed", "connection reset", "broken pipe")
+
+
+def _is_dist_error(exc: BaseException) -> bool:
+    dist = _dist()
+    if dist is not None and isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _DIST_MARKERS)
+
+
+def abort_process_groups() -> str:
+    """Abort every process group if this torch can; returns what happened (for the log line).
+
+    torch 2.13 has `distributed_c10d._abort_process_group()` (documented as NCCL-only, experimental) and
+    `ProcessGroup.abort()`; for gloo neither is guaranteed to unblock a pending collective, so the caller
+    runs this in a helper thread and exits after ABORT_WAIT_S whatever it does."""
+    try:
+        dist = _dist()
+        if dist is None or not (dist.is_available() and dist.is_initialized()):
+            return "no_pg"
+        from torch.distributed import distributed_c10d as c10d
+        fn = getattr(c10d, "_abort_process_group", None)
+        if fn is not None:
+            fn()
+            return "aborted"
+        pg = c10d._get_default_group()
+        if hasattr(pg, "abort"):
+            pg.abort()
+            return "aborted_default"
+        return "unsupported"
+    except Exception as exc:  # a backend without abort raises; the exit that follows is what matters
+        return f"failed:{type(exc).__name__}"
+
+
+class CollectiveWatchdog:
+    def __init__(self, timeout_s: float | None, *, rank: int | None = None, exit_code: int = EXIT_HANG,
+                 events_path: str | os.PathLike | None = None, dump_stacks: bool = True,
+                 abort: bool = True, exit_on_dist_error: bool = True, stop_guard_s: float | None = 5.0):
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"watchdog timeout_s must be > 0 or None (off), got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.rank = rank
+        self.exit_code = exit_code
+        self.events_path = os.fspath(events_path) if events_path else None
+        self.dump_stacks = dump_stacks
+        self.abort = abort
+        self.exit_on_dist_error = exit_on_dist_error
+        self.stop_guard_s = stop_guard_s  # None: no stop guard
+        self.guard: subprocess.Popen | None = None
+        self._cv = threading.Condition()
+        self._open: dict[int, tuple[str, float]] = {}  # token -> (op, start); threads may watch concurrently
+        self._next = 0
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        # counters (this process; hangs end it, so earlier attempts' hangs are in events_path)
+        self.regions = 0
+        self.max_region_s = 0.0
+        self.hangs_detected = 0
+        self.last_detect_s: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.timeout_s is not None
+
+    @contextmanager
+    def watch(self, op: str) -> Iterator[None]:
+        if self.timeout_s is None:
+            yield
+            return
+        self._ensure_thread()
+        start = time.monotonic()
+        with self._cv:
+            token = self._next
+            self._next += 1
+            self._open[token] = (op, start)
+            self._cv.notify()  # the thread may be sleeping until a later deadline, or idle
+        try:
+            yield
+        except BaseException as exc:
+            if self.exit_on_dist_error and _is_dist_error(exc):
+                _write(2, "".join(traceback.format_exception(exc)))  # os._exit below skips Python's report
+                self._fail("collective_error", op, time.monotonic() - start, EXIT_COLLECTIVE_ERROR,
+                           error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+            raise
+        finally:
+            with self._cv:
+                self._open.pop(token, None)
+                self.regions += 1
+                self.max_region_s = max(self.max_region_s, time.monotonic() - start)
+
+    def stats(self) -> dict:
+        return {"timeout_s": self.timeout_s, "regions_watched": self.regions,
+                "max_region_s": round(self.max_region_s, 4), "hangs_detected": self.hangs_detected,
+                "last_detect_s": self.last_detect_s}
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+
+    # ---- the watchdog thread -------------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            if self.stop_guard_s is not None:
+                self.guard = start_stop_guard(self.stop_guard_s)
+            self._thread = threading.Thread(target=self._loop, name="collective-watchdog", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        with self._cv:
+            while not self._closed:
+                if not self._open:
+                    self._cv.wait()
+                    continue
+                _, (op, start) = min(self._open.items(), key=lambda kv: kv[1][1])
+                left = start + self.timeout_s - time.monotonic()
+                if left > 0:
+                    self._cv.wait(left)  # woken early by a new/closed region; re-evaluate either way
+                    continue
+                break
+            else:
+                return
+        # Outside the lock: a region finishing right now cannot save the process any more, and _fail must
+        # not hold a lock the main thread might need to unwind.
+        self._fail("hang", op, time.monotonic() - start, self.exit_code)
+
+    def _fail(self, event: str, op: str, waited: float, code: int, error: str | None = None) -> None:
+        self.hangs_detected += event == "hang"
+        self.last_detect_s = round(waited, 4)
+        rank = self.rank if self.rank is not None else _rank()
+        rec = {"event": event, "rank": rank, "op": op, "waited_s": round(waited, 3), "timeout_s": self.timeout_s,
+               "pid": os.getpid(), "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+               "exit_code": code}
+        if error:
+            rec["error"] = error
+        # os.write on fd 2, not logging/print: another thread may hold the stream's lock while stuck
+        _write(2, " ".join(f"{k}={json.dumps(v) if isinstance(v, str) and (' ' in v or not v) else v}"
+                           for k, v in rec.items()) + "\n")
+        if self.events_path:
+            try:
+                fd = os.open(self.events_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                _write(fd, json.dumps(rec) + "\n")
+                os.fsync(fd)
+                os.close(fd)
+            except OSError:
+                pass
+        if self.dump_stacks and event == "hang":
+            try:
+                faulthandler.dump_traceback(file=2, all_threads=True)
+            except Exception:
+                pass
+        if self.abort:
+            result: list[str] = []
+            t = threading.Thread(target=lambda: result.append(abort_process_groups()), daemon=True)
+            t.start()
+            t.join(ABORT_WAIT_S)
+            _write(2, f"event=exit rank={rank} abort={result[0] if result else 'timed_out'} exit_code={code}\n")
+        os._exit(code)
+
+
+def _write(fd: int, text: str) -> None:
+    data = text.encode()
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def read_events(path: str | os.PathLike | None) -> list[dict]:
+    """Watchdog events recorded by earlier attempts (their processes exited right after writing them)."""
+    if not path or not os.path.exists(path):
+        return []
+    out = []
+    for line in open(path):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line torn by the exit itself
+    return out
