@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from . import faults
 from .replay_log import Replay
 from .snapshot import ROLES_FULL, StateAccess, restore_slot
 
@@ -94,6 +95,7 @@ def sparse_to_dense(trainer: Replayable, window) -> RecoveryReport:
                 f"replay of iteration {t0 + i} gave loss {res.loss.item()!r}, the original run logged "
                 f"{rec.loss.item()!r}: the window does not belong to this model/data; not loading it")
         nbytes += load_window_slot(window.slots[i], access)
+        faults.point("recovery")
     trainer.set_step(t0 + w - 1)
     rep = RecoveryReport(window.id, w, t0, t0 + w - 1, w - 1, nbytes, time.perf_counter() - t_start, replay_s)
     log.info("recovered %s", rep.to_dict())

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from . import faults
 from .operators import Operator, Piece, local_tensor
 
 ROLES_FULL = ("master", "exp_avg", "exp_avg_sq")
@@ -174,6 +175,8 @@ class SnapshotEngine:
                         self._stream.synchronize()
                     else:
                         for n, (src, dst) in enumerate(pairs):
+                            if n == len(pairs) // 2:
+                                faults.point("snapshot_copy")
                             if self.fault_hook is not None and n == len(pairs) // 2:
                                 hook, self.fault_hook = self.fault_hook, None
                                 hook(slot, n)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from .. import faults
 from ..replay_log import IterationRecord, ReplayLog
 from ..schedule import WindowPlan
 from ..snapshot import Slot, build_slot
@@ -70,6 +71,7 @@ class HostTier:
         out.mkdir(parents=True, exist_ok=True)
         dcp.save({}, storage_writer=FileSystemWriter(out, sync_files=False, overwrite=True),
                  planner=SlotSavePlanner(slot, info), no_dist=True)
+        faults.point("persist")
         return slot.nbytes
 
     def write_commit(self, window_id: int, start_step: int, plan: WindowPlan, log_: ReplayLog, extra: dict) -> WindowManifest:
@@ -85,6 +87,7 @@ class HostTier:
         files[str(replay.relative_to(wdir))] = _file_entry(replay)
         man = WindowManifest(window_id, start_step, plan.window, self.world_size, plan.to_dict(), files,
                              dict(extra, rank=self.rank))
+        faults.point("manifest")
         tmp = wdir / (rank_manifest_name(self.rank) + ".tmp")
         tmp.write_text(man.to_json())
         tmp.rename(wdir / rank_manifest_name(self.rank))  # the manifest, written last, is the commit

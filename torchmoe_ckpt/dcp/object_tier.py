@@ -15,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+from .. import faults
 from .host_tier import HostTier, rank_manifest_name
 from .manifest import MANIFEST_NAME, WindowManifest, crc32_bytes, parse_window_dirname, window_dirname
 
@@ -118,6 +119,7 @@ class ObjectTier:
                 raise RuntimeError(f"local copy of window {window_id} changed under the uploader: {rel}")
             self._retry("upload", self._put, f"{dest}/{rel}", data)
             nbytes += len(data)
+        faults.point("upload")
         self._retry("commit", self._put, f"{dest}/{MANIFEST_NAME}", man.to_json().encode())
         self._invalidate()
         return nbytes

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import faults
 from .host_tier import HostTier, rank_manifest_name
 from .manifest import WindowManifest, window_dirname
 
@@ -95,6 +96,7 @@ class PeerReplicator:
             if me == src:
                 wdir = self.tier.window_dir(window_id)
                 payload = pack(manifest, lambda rel: wdir / rel, data=not replica)
+                faults.point("replication")
                 _send(payload, dst, self.group)
                 self.bytes_sent += payload.numel()
                 if not replica:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from .. import faults
 from ..replay_log import Replay
 from .data import TokenStream
 from .model import TinyMoE, TinyMoEConfig
@@ -91,6 +92,8 @@ class Trainer:
     def train_step(self, replay: Replay | None = None) -> StepResult:
         t_start = time.perf_counter()
         step = self.step + 1
+        faults.set_iteration(step)
+        faults.point("forward")
         if replay is None:
             tokens = self.stream.batch(step, self.rank)
             rng_state = torch.get_rng_state()
@@ -99,6 +102,7 @@ class Trainer:
             torch.set_rng_state(rng_state)
         logits = self.model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        faults.point("backward")  # as backward starts: the peers are about to block in its reduce-scatter
         loss.backward()
         grads = [p.grad for p in self.params if p.grad is not None]
         if replay is None:
@@ -113,6 +117,7 @@ class Trainer:
         counts, probs = self._update_expert_bias()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        faults.point("optimizer")  # the update is applied, the snapshot of this iteration not yet taken
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step = step

@@ -1,0 +1,93 @@
+"""Fault injection at named points of training and checkpointing, off unless configured.
+
+Configure with the environment (inherited by every torchrun worker) or `arm()`:
+
+    TORCHMOE_FAULT="kill:point=upload:rank=1:step=7;kill:point=forward:rank=0:step=7"
+
+Each fault is `<action>:key=value:...`; faults are separated by `;`.
+  action  kill (SIGKILL: a crash) | freeze (SIGSTOP: a hang)
+  point   forward | backward | optimizer (inside optimizer.step, after the update) | snapshot_copy (the copy
+          thread, half-way through a slot) | persist (host-tier write of a slot) | manifest (host-tier commit,
+          after the data, before the manifest) | replication (peer push, between files) | upload (object
+          store, after the data, before the manifest) | recovery (half-way through sparse-to-dense replay)
+  rank    the rank that fails (default 0)
+  step    the first training iteration at which it fires (default 1)
+  attempt the torchrun attempt (TORCHELASTIC_RESTART_COUNT) it fires in (default 0: the first run only)
+
+A fault fires once, at the first matching point reached in or after iteration `step`. With
+TORCHMOE_FAULT_STATE=<dir> "once" means once per job, in whichever attempt reaches it first (a marker file
+per fault), and `attempt` is ignored: restarts that fail for other reasons do not shift the plan. Library code calls
+`point(name)`; with no fault armed that is one attribute check.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+log = logging.getLogger("torchmoe_ckpt.faults")
+POINTS = ("forward", "backward", "optimizer", "snapshot_copy", "persist", "manifest", "replication", "upload",
+          "recovery")
+ACTIONS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP}
+
+
+@dataclass
+class Fault:
+    action: str
+    point: str
+    rank: int = 0
+    step: int = 1
+    attempt: int = 0
+    fired: bool = False
+
+
+def parse(text: str | None) -> list[Fault]:
+    out = []
+    for part in filter(None, (p.strip() for p in (text or "").split(";"))):
+        action, *fields = part.split(":")
+        kv = dict(f.split("=", 1) for f in fields if "=" in f)
+        bad = [f for f in fields if "=" not in f] + sorted(set(kv) - {"point", "rank", "step", "attempt"})
+        if action not in ACTIONS or kv.get("point") not in POINTS or bad:
+            raise ValueError(f"bad fault {part!r}: use <{'|'.join(ACTIONS)}>:point=<{'|'.join(POINTS)}>"
+                             f"[:rank=R][:step=S][:attempt=A]")
+        out.append(Fault(action, kv["point"], int(kv.get("rank", 0)), int(kv.get("step", 1)),
+                         int(kv.get("attempt", 0))))
+    return out
+
+
+_faults: list[Fault] = parse(os.environ.get("TORCHMOE_FAULT"))
+_iteration = 0
+
+
+def arm(faults: list[Fault] | str) -> None:
+    global _faults
+    _faults = parse(faults) if isinstance(faults, str) else list(faults)
+
+
+def set_iteration(step: int) -> None:
+    """The training loop says which iteration runs now (faults with `step` fire from it on)."""
+    global _iteration
+    _iteration = step
+
+
+def point(name: str) -> None:
+    if not _faults:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    state = os.environ.get("TORCHMOE_FAULT_STATE")
+    for i, f in enumerate(_faults):
+        if f.fired or f.point != name or f.rank != rank or _iteration < f.step or (not state and f.attempt != attempt):
+            continue
+        f.fired = True
+        if state:
+            try:
+                os.close(os.open(os.path.join(state, f"fault-{i}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                continue  # fired in an earlier attempt of this job
+        # One line on stderr first: the test summary and the user see what was injected where.
+        print(f"event=fault_injected action={f.action} point={name} rank={rank} iteration={_iteration} "
+              f"attempt={attempt}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), ACTIONS[f.action])
