@@ -54,3 +54,25 @@ def azurite():
     with azurite_server() as server:
         create_container(server.connection_string, "tmoe")
         yield server
+
+
+_FAULTS: list[tuple[str, int, str]] = []  # (case, faults injected, outcome) from the failure tests
+
+
+@pytest.fixture
+def fault_summary():
+    """Record one failure-test outcome: "recovered exactly", "failed loudly" or "silently wrong"."""
+    return lambda case, injected, outcome: _FAULTS.append((case, injected, outcome))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FAULTS:
+        return
+    count = lambda o: sum(1 for f in _FAULTS if f[2] == o)  # noqa: E731
+    tr = terminalreporter
+    tr.section("fault injection summary")
+    for case, injected, outcome in _FAULTS:
+        tr.write_line(f"  {case}: {injected} fault(s) injected -> {outcome}")
+    tr.write_line(f"faults injected: {sum(f[1] for f in _FAULTS)}, jobs: {len(_FAULTS)}, recovered exactly: "
+                  f"{count('recovered exactly')}, failed loudly: {count('failed loudly')}, "
+                  f"silently wrong: {count('silently wrong')} (must be 0)")
