@@ -18,9 +18,12 @@ def test_dense_export_restart_is_exact_and_stock_dcp_reads_it(tmp_path):
 
     # A new job from the step-6 export, with a different initialisation, continues exactly as `a` did (while
     # `a` was writing that export in the background: so the export did not perturb training either).
-    b = run_torchrun(2, {"run": RUN, "init_seed": 991, "initial_load": {"uri": f"file://{exports}/step-6"}},
-                     tmp_path / "b")
+    # It checkpoints with windows as usual and, finding none at start, says it cold-starts from the export.
+    b = run_torchrun(2, {"run": RUN, "init_seed": 991, "initial_load": {"uri": f"file://{exports}/step-6"},
+                         "checkpoint": {"window": 3}, "host_tier": {"root": str(tmp_path / "shm"), "run_id": "b"},
+                         "resume": True}, tmp_path / "b")
     assert b.report["initial_load"]["step"] == 6
+    assert b.report["recoveries"][0]["cold_start"] == f"dense export file://{exports}/step-6 (step 6)"
     assert sorted(b.losses[0]) == [7, 8, 9, 10, 11, 12]
     cmp = compare(a, b, loss_steps_from=7)
     assert cmp.bit_exact, cmp.mismatches[:10]

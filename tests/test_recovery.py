@@ -66,7 +66,7 @@ def test_failure_before_first_window_cold_starts_exactly_and_impossible_budget_r
     ref = reference(2, spec(1, "fp32", steps=8)["run"])
     run = run_torchrun(2, spec(1, "fp32", {"window": None, "overlap": 1e-12}, [{"step": 3, "phase": "update"}],
                                steps=8), tmp_path / "cold")
-    assert run.report["recoveries"][0]["cold_start"] is True
+    assert run.report["recoveries"][0]["cold_start"] == "the initialisation"
     assert run.log.count("do not fit the copy budget") == 2  # once per training start (initial + after restart)
     assert run.report["checkpoint"]["windows"][0]["fits"] is False
     cmp = compare(ref, run)

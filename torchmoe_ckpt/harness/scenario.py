@@ -121,7 +121,7 @@ def restart(trainer: Trainer, ck: SparseCheckpointer, ck_cfg: SparseConfig, host
     t0 = time.perf_counter()
     if committed is None:
         fresh = Trainer(cfg)  # nothing to recover from: start over from the deterministic initialisation
-        rep.update(cold_start=True, recovered_step=0, replayed_iterations=0)
+        rep.update(cold_start="the initialisation", recovered_step=0, replayed_iterations=0)
     else:
         fresh = Trainer(cfg, init_seed=cfg.seed + 7777)
         rep.update(sparse_to_dense(fresh, committed).to_dict())
@@ -162,8 +162,14 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
     committed = None
     if host and spec.get("resume"):
         trainer, committed, rep = resume_from_host_tier(trainer, host)
-        if rep is not None or attempt > 0:
-            recoveries.append(dict(rep or {"cold_start": True, "recovered_step": 0}, attempt=attempt))
+        if rep is None:  # no window anywhere: say what this run starts from
+            src = (f"dense export {spec['initial_load']['uri']} (step {trainer.step})" if spec.get("initial_load")
+                   else "the initialisation")
+            log.warning("event=cold_start rank=%d attempt=%d from=%r: no committed window in any tier", trainer.rank,
+                        attempt, src)
+            rep = {"cold_start": src, "recovered_step": trainer.step} if attempt > 0 or spec.get("initial_load") else None
+        if rep is not None:
+            recoveries.append(dict(rep, attempt=attempt))
     tier, replicator, store = _tiers(trainer, host)
     ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, ck_cfg, committed=committed,
                             host_tier=tier, replicator=replicator, store=store).attach(trainer)
