@@ -83,9 +83,11 @@ def bench_model(name: str, nproc: int, overlap: float, out: Path, say) -> dict:
                            host_bytes_per_iteration=ht["bytes_written"] / len(rep["step_seconds"]))
             if ck.get("object_store"):
                 row.update(upload_lag_s=ck["object_store"]["upload_lag_s_max"],
+                           upload_lag_s_per_window=ck["object_store"]["upload_lag_s"],
                            upload_bytes_per_window=ck["object_store"]["bytes"] / max(1, ck["object_store"]["windows_uploaded"]))
             if ck.get("peers"):
                 row.update(replication_lag_s=ck["peers"]["replication_lag_s_max"],
+                           replication_lag_s_per_window=ck["peers"]["replication_lag_s"],
                            peer_bytes_sent_per_window=ck["peers"]["bytes_sent"] / max(1, ck["peers"]["windows_replicated"]))
         systems[key] = row
     main = systems[f"sparse_W{FORCED_W}"]

@@ -70,7 +70,8 @@ def replicator_stats(writer) -> dict | None:
             "replicas": max((len(p) for p in rep.placement.peers), default=0),
             "replica_verified": rep.replica_verified, "replica_mismatch": rep.replica_mismatch,
             "windows_replicated": len(writer.replicated),
-            "replication_lag_s_max": max(writer.replication_lag_seconds, default=0.0)}
+            "replication_lag_s_max": max(writer.replication_lag_seconds, default=0.0),
+            "replication_lag_s": [round(x, 4) for x in writer.replication_lag_seconds]}
 
 
 def uploader_stats(writer) -> dict | None:
@@ -79,7 +80,8 @@ def uploader_stats(writer) -> dict | None:
         return None
     return {"windows_uploaded": len(up.uploaded), "last_window": up.uploaded[-1] if up.uploaded else None,
             "bytes": up.bytes, "dropped": up.dropped,
-            "upload_lag_s_max": max(up.lag_seconds, default=0.0), "errors": up.errors[-3:]}
+            "upload_lag_s_max": max(up.lag_seconds, default=0.0), "errors": up.errors[-3:],
+            "upload_lag_s": [round(x, 4) for x in up.lag_seconds]}
 
 
 class SparseCheckpointer:
