@@ -42,3 +42,22 @@ def test_dense_export_restart_is_exact_and_stock_dcp_reads_it(tmp_path):
             assert torch.equal(a.states[0][f"buffer/{k}"], full), k
         else:
             assert torch.equal(torch.cat([a.states[r][f"param/{k}"] for r in range(2)]), full), k
+
+
+def test_an_export_of_another_model_or_a_torn_one_is_refused_clearly(tmp_path, one_rank_group):
+    import pytest
+
+    from torchmoe_ckpt.dcp.dense_export import export_dense, load_dense
+    from torchmoe_ckpt.harness.trainer import RunConfig, Trainer
+    t = Trainer(RunConfig(steps=2))
+    t.train_step()
+    export_dense(t.model, t.optimizer, str(tmp_path / "step-1"), 1)
+    other = Trainer(RunConfig(steps=2, model={"num_experts": 6}))
+    before = {k: v.clone() for k, v in other.export_state().items()}
+    with pytest.raises(ValueError, match="does not fit this model"):
+        load_dense(other.model, other.optimizer, str(tmp_path / "step-1"))
+    (tmp_path / "step-1" / ".metadata").unlink()  # an export whose commit never happened
+    with pytest.raises(FileNotFoundError, match="not a complete dense export"):
+        load_dense(t.model, t.optimizer, str(tmp_path / "step-1"))
+    after = other.export_state()  # the refused load changed nothing it could not finish
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("param/"))

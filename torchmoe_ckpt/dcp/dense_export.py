@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 log = logging.getLogger("torchmoe_ckpt.dense_export")
@@ -34,14 +34,18 @@ def _train_state(step: int, lr: float) -> dict:
     return {"step": torch.tensor(step), "lr": torch.tensor(lr, dtype=torch.float64)}
 
 
+def _export_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:
+    state = _state(model, optimizer)
+    state[TRAIN_STATE] = _train_state(step, float(optimizer.param_groups[0]["lr"]))
+    return state
+
+
 def export_dense(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: str, step: int,
                  storage_options: dict | None = None) -> float:
     """Collective and synchronous (e.g. right after recovery): every rank calls it. Returns seconds."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
     t0 = time.perf_counter()
-    state = _state(model, optimizer)
-    state[TRAIN_STATE] = _train_state(step, float(optimizer.param_groups[0]["lr"]))
-    dcp.save(state, storage_writer=FsspecWriter(uri, **(storage_options or {})))
+    dcp.save(_export_state(model, optimizer, step), storage_writer=FsspecWriter(uri, **(storage_options or {})))
     seconds = time.perf_counter() - t0
     log.info("event=dense_export step=%d path=%s seconds=%.3f", step, uri, seconds)
     return seconds
@@ -60,7 +64,14 @@ def load_dense(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: st
     init_optimizer_state(optimizer)  # DCP loads in place: the optimizer state tensors must exist
     state = _state(model, optimizer)
     state[TRAIN_STATE] = _train_state(0, 0.0)
-    dcp.load(state, storage_reader=FsspecReader(uri, **(storage_options or {})))
+    try:
+        dcp.load(state, storage_reader=FsspecReader(uri, **(storage_options or {})))
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        failures = getattr(exc, "failures", None)  # rank -> the exception it hit
+        why = "; ".join(sorted({str(e) for e in failures.values()})) if failures else str(exc)
+        why = " ".join(why.split())[:300]
+        raise ValueError(f"{uri} does not fit this model ({why}); it was written by another model or "
+                         f"configuration: load an export of this model, or start without initial_load") from None
     osd, ts = state.pop("optimizer"), state.pop(TRAIN_STATE)
     set_state_dict(model, optimizer, model_state_dict=state, optim_state_dict=osd)
     step = int(ts["step"])
@@ -102,10 +113,9 @@ class DenseExporter:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
         self.wait()  # one export at a time
         t0 = time.perf_counter()
-        state = _state(model, optimizer)
-        state[TRAIN_STATE] = _train_state(step, float(optimizer.param_groups[0]["lr"]))
         writer = FsspecWriter(self.path(step), **self.opts)
-        self._future = dcp.async_save(state, storage_writer=writer, process_group=self.pg)
+        self._future = dcp.async_save(_export_state(model, optimizer, step), storage_writer=writer,
+                                      process_group=self.pg)
         self._pending_step, self._t0 = step, t0
         self.stage_seconds.append(time.perf_counter() - t0)
 
