@@ -102,8 +102,8 @@ def build_command(args: argparse.Namespace, extra: list[str]) -> list[str]:
         "0",
         "-m",
         "titan_integration.train",
-        "--module",
-        args.module,
+        # A job file (--config job.toml) names its own model; --module only goes with a config function.
+        *([] if args.config.endswith(".toml") else ["--module", args.module]),
         "--config",
         args.config,
         "--training.steps",
@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6, help="training steps (default 6)")
     p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--module", default="titan_integration.config_registry")
-    p.add_argument("--config", default="deepseek_v3_tiny", help="config function name")
+    p.add_argument("--config", default="deepseek_v3_tiny",
+                   help="config function name, or a TOML job file (job.toml, see docs/torchtitan.md)")
     p.add_argument(
         "--dump-folder",
         default=None,

@@ -12,8 +12,11 @@ Run under torchrun::
 * It makes sure the offline assets exist, and checks the module/config names first, so a typo
   gives one ``error: ...`` line and exit status 2 instead of a traceback.
 
-(Reserved for a later issue: ``--config job.toml`` with a ``[sparse_checkpoint]`` section. A
-``--config`` value ending in ``.toml`` is rejected clearly for now.)
+* ``--config job.toml``: a TOML job file (see :mod:`titan_integration.job_toml`), including a
+  ``[sparse_checkpoint]`` section that turns on sparse per-iteration checkpointing and recovery
+  (:mod:`titan_integration.sparse_trainer`). The whole file is checked before training (unknown
+  sections/keys, bad values, an object store that cannot be reached): one ``error: ... fix: ...``
+  line and exit status 2. Later ``--section.option`` flags still override the file.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import sys
 
 DEFAULT_MODULE = "titan_integration.config_registry"
 DEFAULT_CONFIG = "deepseek_v3_tiny"
+TOML_MODULE = "titan_integration.job_toml"
+TOML_FUNCTION = "from_toml"
 
 
 class UsageError(Exception):
@@ -41,16 +46,46 @@ def _get_opt(args: list[str], name: str) -> str | None:
     return None
 
 
+def _drop_opt(args: list[str], name: str) -> list[str]:
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
+
+
+def check_job_file(path: str) -> None:
+    """Everything that can be checked before TorchTitan is imported: TOML syntax, sections, the
+    [sparse_checkpoint] section, and the object store (opened and probe-written once)."""
+    from titan_integration.job_toml import check_sections, read_job, sparse_section
+    from titan_integration.sparse_config import JobConfigError
+
+    try:
+        job = read_job(path)
+        check_sections(job)
+        sparse_section(job).check_store(probe=True)
+    except JobConfigError as e:
+        raise UsageError(str(e)) from e
+
+
 def resolve_args(argv: list[str]) -> list[str]:
     """Add the default ``--module``/``--config`` when missing. Returns the new argv."""
     args = list(argv)
     module = _get_opt(args, "--module")
     config = _get_opt(args, "--config")
     if config is not None and config.endswith(".toml"):
-        raise UsageError(
-            f"--config {config}: TOML job files are not supported yet; "
-            f"use a config function name, e.g. --config {DEFAULT_CONFIG}"
-        )
+        if module is not None:
+            raise UsageError(f"--module {module} cannot be combined with a job file (--config {config}); "
+                             "fix: drop --module")
+        from titan_integration.job_toml import JOB_ENV
+
+        os.environ[JOB_ENV] = os.path.abspath(config)
+        args = _drop_opt(args, "--config")
+        return ["--module", TOML_MODULE, "--config", TOML_FUNCTION] + args
     if module is None:
         args = ["--module", DEFAULT_MODULE] + args
     if config is None:
@@ -85,6 +120,21 @@ def validate(args: list[str]) -> None:
     module_name = _get_opt(args, "--module")
     config_name = _get_opt(args, "--config")
     assert module_name is not None and config_name is not None
+    if module_name == TOML_MODULE:
+        from titan_integration.job_toml import JOB_ENV, load_job
+        from titan_integration.sparse_config import JobConfigError
+
+        import logging
+
+        logging.disable(logging.WARNING)  # config-construction warnings are repeated by the real run
+        try:
+            ensure_assets()
+            load_job(os.environ[JOB_ENV])  # unknown keys in TorchTitan's sections, model flavour, ...
+        except (AssetError, JobConfigError) as e:
+            raise UsageError(str(e)) from e
+        finally:
+            logging.disable(logging.NOTSET)
+        return
     if module_name == DEFAULT_MODULE:
         try:
             ensure_assets()
@@ -133,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("WANDB_MODE", "disabled")
     try:
+        config = _get_opt(argv, "--config")
+        if config is not None and config.endswith(".toml"):
+            check_job_file(config)
         args = resolve_args(argv)
         cpu_mode = want_cpu_mode()
         if cpu_mode:
@@ -145,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
 
-    if cpu_mode and _get_opt(args, "--module") != DEFAULT_MODULE:
+    if cpu_mode and _get_opt(args, "--module") not in (DEFAULT_MODULE, TOML_MODULE):
         # Stock TorchTitan configs don't carry the CPU settings: prepend them as flags (later
         # user flags still win).
         from titan_integration.cpu_mode import cpu_cli_flags
@@ -156,6 +209,16 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.argv = [sys.argv[0]] + args
     torchtitan.train.main()
+    if "RANK" in os.environ:
+        # Training finished and every result is written. Leave without running interpreter teardown: gloo's
+        # C++ threads occasionally abort the process at exit ("terminate called without an active
+        # exception"), which torchrun would report as a failed worker (same as torchmoe_ckpt.harness.worker).
+        import logging
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

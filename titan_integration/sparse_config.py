@@ -1,0 +1,133 @@
+"""The ``[sparse_checkpoint]`` section of a TorchTitan job file: fields, validation, and mapping onto the core.
+
+    [sparse_checkpoint]
+    enable = true
+    window = "auto"            # or an int >= 1 (forced window size W)
+    replicas = 0               # peers holding a copy of every window (0 = this node's host memory only)
+    host_dir = "/dev/shm/torchmoe-ckpt"
+    run_id = "job"
+    object_store_uri = ""      # "" = none; file://, s3://, az://, abfs://, memory://
+    storage_options = {}       # passed to fsspec as-is (endpoint_url, key, secret, connection_string ...)
+    persist_interval = 1       # persist every window to the storage tiers (only 1 is supported so far)
+    ordering = "hard"          # expert popularity: hard | soft | decayed | capacity
+    fault_timeout_s = 0        # > 0: a collective that hangs this long ends the rank (torchrun restarts)
+
+Everything is checked before training starts; a bad value raises :class:`JobConfigError` whose message is
+one line ``... ; fix: ...`` (the launcher prints it as ``error: <message>`` and exits with status 2).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+__all__ = ["JobConfigError", "SparseCheckpointSection", "ORDERINGS"]
+
+ORDERINGS = ("hard", "soft", "decayed", "capacity")
+
+
+class JobConfigError(ValueError):
+    """A job-file problem the user fixes by editing the file; the message is one line naming the fix."""
+
+
+@dataclass
+class SparseCheckpointSection:
+    enable: bool = False
+    window: int | str = "auto"
+    replicas: int = 0
+    host_dir: str = "/dev/shm/torchmoe-ckpt"
+    run_id: str = "job"
+    object_store_uri: str = ""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    persist_interval: int = 1
+    ordering: str = "hard"
+    fault_timeout_s: float = 0.0
+
+    # ---- construction from a TOML table ------------------------------------------------------------
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_table(cls, table: dict[str, Any], *, section: str = "sparse_checkpoint") -> "SparseCheckpointSection":
+        """Build and validate from a parsed TOML table. Raises JobConfigError (one line)."""
+        if not isinstance(table, dict):
+            raise JobConfigError(f"[{section}] must be a table; fix: write it as a [{section}] section")
+        valid = cls.keys()
+        unknown = [k for k in table if k not in valid]
+        if unknown:
+            raise JobConfigError(
+                f"[{section}] unknown key '{unknown[0]}'; fix: use one of {', '.join(valid)}")
+        sec = cls(**table)
+        sec.validate(section)
+        return sec
+
+    def validate(self, section: str = "sparse_checkpoint") -> None:
+        def bad(key: str, why: str, fix: str) -> JobConfigError:
+            return JobConfigError(f"[{section}] {key} = {getattr(self, key)!r}: {why}; fix: {fix}")
+
+        if not isinstance(self.enable, bool):
+            raise bad("enable", "must be a boolean", "enable = true or enable = false")
+        w = self.window
+        if isinstance(w, bool) or not (w == "auto" or isinstance(w, int)):
+            raise bad("window", 'must be "auto" or an integer >= 1', 'window = "auto" or e.g. window = 4')
+        if isinstance(w, int) and w < 1:
+            raise bad("window", "must be >= 1", 'window = "auto" (sized from measured bandwidth) or an integer >= 1')
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
+            raise bad("replicas", "must be an integer >= 0", "replicas = 0 (host memory only) or 1, 2, ...")
+        for key in ("host_dir", "run_id", "object_store_uri"):
+            if not isinstance(getattr(self, key), str):
+                raise bad(key, "must be a string", f'{key} = "..."')
+        if not self.host_dir:
+            raise bad("host_dir", "must not be empty", 'host_dir = "/dev/shm/torchmoe-ckpt"')
+        if not self.run_id or "/" in self.run_id:
+            raise bad("run_id", "must be a non-empty name without '/'", 'run_id = "my-job"')
+        if not isinstance(self.storage_options, dict):
+            raise bad("storage_options", "must be a table", "storage_options = { endpoint_url = \"...\" }")
+        if (isinstance(self.persist_interval, bool) or not isinstance(self.persist_interval, int)
+                or self.persist_interval < 1):
+            raise bad("persist_interval", "must be an integer >= 1", "persist_interval = 1")
+        if self.persist_interval != 1:
+            # The core's TierWriter persists every committed window; skipping windows needs a core change.
+            raise bad("persist_interval", "only 1 (persist every window) is supported so far", "persist_interval = 1")
+        if self.ordering not in ORDERINGS:
+            raise bad("ordering", "unknown ordering", f"use one of {', '.join(ORDERINGS)}")
+        if (isinstance(self.fault_timeout_s, bool) or not isinstance(self.fault_timeout_s, (int, float))
+                or self.fault_timeout_s < 0):
+            raise bad("fault_timeout_s", "must be a number >= 0", "fault_timeout_s = 0 (off) or e.g. 60")
+        if self.storage_options and not self.object_store_uri:
+            raise JobConfigError(f"[{section}] storage_options is set but object_store_uri is empty; "
+                                 "fix: set object_store_uri or remove storage_options")
+
+    def check_store(self, probe: bool = True) -> None:
+        """Open (and by default probe-write) the object store once; raises JobConfigError naming the fix."""
+        if not self.object_store_uri:
+            return
+        from torchmoe_ckpt.dcp.object_tier import StoreConfigError, open_store
+
+        try:
+            open_store(self.object_store_uri, self.storage_options or None, probe=probe)
+        except StoreConfigError as exc:
+            msg = str(exc)
+            if "fix:" not in msg:
+                msg = msg.replace(": use one of", "; fix: use one of", 1) if ": use one of" in msg else (
+                    f"{msg}; fix: correct [sparse_checkpoint] object_store_uri / storage_options")
+            raise JobConfigError(f"[sparse_checkpoint] object_store_uri: {msg}") from None
+
+    # ---- mapping onto the core ---------------------------------------------------------------------
+    def core_config(self):
+        """The library's SparseConfig for this section."""
+        from torchmoe_ckpt.checkpointer import SparseConfig
+
+        return SparseConfig(window=None if self.window == "auto" else int(self.window), popularity=self.ordering)
+
+    def tiers_config(self, ranks_per_node: int | None = None) -> dict:
+        """The dict torchmoe_ckpt.dcp.tiers.build_tiers takes."""
+        cfg: dict[str, Any] = {"root": self.host_dir, "run_id": self.run_id, "replicas": self.replicas}
+        if ranks_per_node:
+            cfg["ranks_per_node"] = ranks_per_node
+        if self.object_store_uri:
+            cfg["object_store"] = {"uri": self.object_store_uri, "storage_options": dict(self.storage_options)}
+        return cfg
+
+    def to_dict(self) -> dict:
+        return asdict(self)

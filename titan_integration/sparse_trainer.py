@@ -1,0 +1,499 @@
+"""Sparse per-iteration checkpointing inside TorchTitan 0.3.0's real Trainer (a subclass, no fork).
+
+``SparseTrainer`` is a ``torchtitan.trainer.Trainer`` whose ``Config`` adds one field,
+``sparse_checkpoint`` (:class:`titan_integration.sparse_config.SparseCheckpointSection`). With
+``enable = false`` it trains exactly like the stock Trainer. With ``enable = true``:
+
+* every iteration runs :meth:`SparseTrainer.sparse_step` -- TorchTitan's own ``train_step`` body (same
+  batch fetch, global token count, ``forward_backward_step``, ``dist_utils.clip_grad_norm_``, optimizer and
+  LR-scheduler step, metric logging) with four additions:
+  - the batch (``input`` + ``labels``), the CPU RNG state, this rank's loss, the global grad norm and the
+    LR are kept for exact replay;
+  - the MoE layers' ``tokens_per_expert_E`` are read (and summed over all ranks) after backward, *before*
+    TorchTitan's bias-update optimizer pre-hook zeroes them: that is the expert-popularity signal;
+  - ``before_update`` hooks (the SparseCheckpointer's wait for the in-flight slot copy) run after clipping
+    and before ``optimizers.step()``, i.e. before the expert-bias update and the weight update;
+  - ``SparseCheckpointer.after_step`` runs right after the optimizer and LR-scheduler step.
+* at ``train()`` start it looks for the newest committed window on the storage tiers (host directory,
+  peers, object store); if there is one it rebuilds the dense state with ``sparse_to_dense`` (replaying the
+  window's iterations with frozen operators, grad norm taken from the log), skips the data loader past the
+  recovered step and continues. TorchTitan's own checkpoint load is skipped then (it would be older).
+
+:class:`TitanReplayable` is the ``torchmoe_ckpt.recovery.Replayable`` adapter over a SparseTrainer.
+
+Test/diagnostic knobs (environment variables, all off by default):
+  ``TORCHMOE_FAULT="kill:point=backward:rank=R:step=S"``  the library's fault injection
+                                           (:mod:`torchmoe_ckpt.faults`); this trainer reaches the points
+                                           ``forward`` (step start), ``backward`` (before forward+backward,
+                                           which TorchTitan runs as one call) and ``optimizer`` (after the
+                                           update); the library's own points (snapshot_copy, persist,
+                                           manifest, ...) work too. First torchrun attempt only by default.
+  ``TORCHMOE_TITAN_EXPORT=DIR``            at the end, each rank writes DIR/state-rank-R.pt (its local model,
+                                           optimizer state, buffers, step, LR) and DIR/run-rank-R-attempt-A.json
+                                           (losses bits, recovery report, step times, checkpointer stats).
+  ``TORCHMOE_TITAN_SCRAMBLE=1``            before recovery, overwrite every parameter with noise, so anything
+                                           recovery fails to restore shows up as a mismatch.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Callable, Iterator
+
+import torch
+import tyro
+
+from torchtitan.components.dataloader import DataloaderExhaustedError
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+from titan_integration.sparse_config import SparseCheckpointSection
+from torchmoe_ckpt import faults
+
+__all__ = ["SparseTrainer", "TitanReplayable", "TitanStepResult"]
+
+log = logging.getLogger("torchmoe_ckpt.titan")
+IGNORE_INDEX = -100
+
+
+# ---- batch packing for the replay log -----------------------------------------------------------------
+# The text data loader yields ({"input": [B,S] int64, "positions": [B,S] int64}, labels [B,S] int64). The replay
+# log holds one tensor per iteration: [microbatches, 1 + len(BATCH_KEYS), B, S] int64 = input, positions, labels.
+BATCH_KEYS = ("input", "positions")
+
+
+def pack_batches(groups: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> torch.Tensor:
+    rows = []
+    for input_dict, labels in groups:
+        keys = tuple(k for k in BATCH_KEYS if k in input_dict)
+        if set(input_dict) != set(keys) or keys[:1] != ("input",):
+            raise NotImplementedError(f"replay logs {BATCH_KEYS} and labels; this data loader yields "
+                                      f"{sorted(input_dict)}")
+        parts = [input_dict[k] for k in keys] + [labels]
+        if any(t.dtype != torch.int64 or t.shape != labels.shape for t in parts):
+            raise NotImplementedError("replay logs int64 [B, S] batch tensors only")
+        rows.append(torch.stack(parts))
+    return torch.stack(rows)
+
+
+def unpack_batches(tokens: torch.Tensor) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    keys = BATCH_KEYS[: tokens.shape[1] - 1]
+    return [({k: mb[i].clone() for i, k in enumerate(keys)}, mb[-1].clone()) for mb in tokens]
+
+
+# ---- per-step result (what SparseCheckpointer.after_step and recovery read) ----------------------------
+@dataclass
+class TitanStepResult:
+    step: int
+    loss: torch.Tensor           # this rank's loss contribution (local sum / global valid tokens), fp32
+    grad_norm: torch.Tensor      # global norm before clipping
+    lr: float
+    tokens: torch.Tensor         # [microbatches, 2, B, S]: input and labels, the batch this rank trained on
+    rng_state: torch.Tensor
+    expert_counts: torch.Tensor  # [moe layers, experts], summed over all ranks
+    expert_probs: torch.Tensor   # TorchTitan keeps no router-probability sums: the counts again
+    seconds: float = 0.0
+
+
+class _OptimizerView:
+    """One ``torch.optim.Optimizer``-like view over TorchTitan's OptimizersContainer (state + param_groups of
+    all inner optimizers), which is what the core's StateAccess and init_optimizer_state read."""
+
+    class _State(dict):
+        pass
+
+    def __init__(self, container):
+        self.container = container
+        self.optimizers = list(container)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self):
+        if len(self.optimizers) == 1:
+            return self.optimizers[0].state
+        return _MergedState(self.optimizers)
+
+
+class _MergedState:
+    def __init__(self, optimizers):
+        self._owner = {id(p): o for o in optimizers for g in o.param_groups for p in g["params"]}
+        self._optimizers = optimizers
+
+    def __getitem__(self, p):
+        return self._owner[id(p)].state[p]
+
+    def get(self, p, default=None):
+        o = self._owner.get(id(p))
+        return default if o is None or p not in o.state else o.state[p]
+
+    def __contains__(self, p) -> bool:
+        o = self._owner.get(id(p))
+        return o is not None and p in o.state
+
+
+class SparseTrainer(Trainer):
+    """TorchTitan's Trainer with sparse per-iteration checkpointing and exact sparse-to-dense recovery."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        sparse_checkpoint: Annotated[SparseCheckpointSection, tyro.conf.Suppress] = field(
+            default_factory=SparseCheckpointSection)
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.before_update: list[Callable[[], None]] = []
+        self.sparse = None               # SparseCheckpointer once train() starts with enable = true
+        self.recovery_report: dict | None = None
+        self._skip_batches = 0
+        self._losses: dict[int, torch.Tensor] = {}
+        self._step_seconds: list[float] = []
+        self._attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self._watchdog = None
+
+    def init_distributed(self):
+        """After a torchrun restart, key the gloo rendezvous by attempt (as the harness does): otherwise
+        gloo sometimes finds the previous attempt's dead peer addresses in the store and hangs or fails.
+        TorchTitan's own init_distributed then sees an initialised group and only builds the meshes."""
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt != "0" and not torch.distributed.is_initialized() and "RANK" in os.environ:
+            from datetime import timedelta
+
+            from torchtitan.tools import utils as tt_utils
+
+            dist = torch.distributed
+            timeout = timedelta(seconds=float(self.config.comm.init_timeout_seconds))
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                  is_master=(rank == 0 and not agent), timeout=timeout, multi_tenant=not agent)
+            backend = dist.Backend.default_device_backend_map.get(tt_utils.device_type, "nccl")
+            dist.init_process_group(backend, store=dist.PrefixStore(f"/torchmoe/attempt-{attempt}", store),
+                                    rank=rank, world_size=world, timeout=timeout)
+        return super().init_distributed()
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    @property
+    def sc(self) -> SparseCheckpointSection:
+        return self.config.sparse_checkpoint
+
+    @property
+    def model(self) -> torch.nn.Module:
+        if len(self.model_parts) != 1:
+            raise NotImplementedError("sparse checkpointing with pipeline parallelism (several model parts) "
+                                      "is not wired into the TorchTitan trainer yet")
+        return self.model_parts[0]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return TORCH_DTYPE_MAP[self.config.training.mixed_precision_param]
+
+    def _moe_modules(self) -> list[torch.nn.Module]:
+        out = []
+        for part in self.model_parts:
+            for block in part.get_submodule("layers").values():
+                if getattr(block, "moe_enabled", False):
+                    out.append(block.moe)
+        return out
+
+    def _expert_counts(self) -> torch.Tensor:
+        """Routed-token counts [layers, experts] of this iteration, summed over every rank (identical
+        everywhere). Read before TorchTitan's bias-update pre-hook zeroes them."""
+        rows = []
+        for moe in self._moe_modules():
+            t = moe.tokens_per_expert_E
+            t = t.to_local() if hasattr(t, "to_local") else t
+            rows.append(t.detach().to(torch.float64).clone())
+        if not rows:
+            return torch.zeros(1, 1, dtype=torch.float64)
+        counts = torch.stack(rows)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(counts)
+        return counts
+
+    def set_lr_step(self, step: int) -> None:
+        """Position every LambdaLR at `step` completed iterations (what `step` scheduler.step() calls give)."""
+        for sched in self.lr_schedulers:
+            sched.last_epoch = step
+            lrs = [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+            for group, lr in zip(sched.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            sched._last_lr = list(lrs)
+
+    # ---- one iteration --------------------------------------------------------------------------------
+    def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]):
+        if not self.sc.enable:
+            return super().train_step(data_iterator)
+        t0 = time.perf_counter()
+        if self._watchdog is not None:
+            with self._watchdog.watch(f"train_step {self.step}"):
+                res = self.sparse_step(data_iterator)
+                self.sparse.after_step(res)  # may all-reduce (window commit): watched too
+        else:
+            res = self.sparse_step(data_iterator)
+            self.sparse.after_step(res)
+        self._losses[res.step] = res.loss
+        self._step_seconds.append(time.perf_counter() - t0)
+
+    def sparse_step(self, data_iterator=None, replay=None) -> TitanStepResult:
+        """TorchTitan's ``train_step`` for iteration ``self.step`` (already incremented), optionally replaying
+        a logged iteration (batch, RNG state and grad norm from the log). Returns the step's record."""
+        t_start = time.perf_counter()
+        faults.set_iteration(self.step)
+        faults.point("forward")
+        self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
+        lr_metrics = self.lr_schedulers.get_metrics()
+        should_log = replay is None and self.metrics_processor.should_log(self.step)
+        parallel_dims = self.parallel_dims
+        if self.parallel_dims.pp_enabled:
+            raise NotImplementedError("sparse checkpointing under pipeline parallelism is not wired in yet")
+
+        if replay is None:
+            rng_state = torch.get_rng_state()
+            groups: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
+            for _ in range(self.gradient_accumulation_steps):
+                for _ in range(self.num_pipeline_parallel_microbatches):
+                    groups.append(next(data_iterator))
+            tokens = pack_batches(groups)
+        else:
+            rng_state = replay.rng_state
+            torch.set_rng_state(rng_state)
+            tokens = replay.tokens
+            groups = unpack_batches(tokens)
+
+        local_valid_tokens = torch.tensor(0, dtype=torch.int64)
+        for _d, labels in groups:
+            local_valid_tokens += (labels != IGNORE_INDEX).sum()
+        if parallel_dims.dp_enabled:
+            global_valid_tokens = dist_utils.dist_sum_tensor(
+                local_valid_tokens.to(self.device), parallel_dims.get_mesh("batch"))
+        else:
+            global_valid_tokens = local_valid_tokens.to(self.device)
+
+        accumulated_loss: torch.Tensor | None = None
+        faults.point("backward")  # fires before the forward here: TorchTitan runs forward+backward in one call
+        for input_dict, labels in groups:
+            input_dict = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in input_dict.items()}
+            loss = self.forward_backward_step(input_dict=input_dict, labels=labels.to(self.device),
+                                              global_valid_tokens=global_valid_tokens).detach()
+            accumulated_loss = loss.clone() if accumulated_loss is None else accumulated_loss.add_(loss)
+        assert accumulated_loss is not None
+
+        params = [p for m in self.model_parts for p in m.parameters()]
+        if replay is None:
+            grad_norm = dist_utils.clip_grad_norm_(
+                params, self.config.training.max_norm, foreach=True,
+                pp_mesh=parallel_dims.get_optional_mesh("pp"), ep_enabled=parallel_dims.ep_enabled)
+        else:
+            # Frozen operators compute no trustworthy weight gradients: clip with the logged global norm,
+            # split exactly like dist_utils.clip_grad_norm_ does.
+            grad_norm = replay.grad_norm.to(self.device)
+            self._clip_with_norm(params, grad_norm)
+
+        counts = self._expert_counts()
+        for hook in self.before_update:
+            hook()
+        lr = float(self.optimizers.optimizers[0].param_groups[0]["lr"])
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()       # TorchTitan's expert-bias update runs here, as a step pre-hook
+        faults.point("optimizer")  # the update is applied, this iteration's snapshot not yet taken
+        self.lr_schedulers.step()
+
+        if should_log:
+            self._log_metrics(accumulated_loss, local_valid_tokens, global_valid_tokens, grad_norm, lr_metrics)
+        return TitanStepResult(self.step, accumulated_loss.detach().float().cpu().clone(),
+                               grad_norm.detach().float().cpu().clone(), lr, tokens, rng_state,
+                               counts, counts.clone(), time.perf_counter() - t_start)
+
+    def _clip_with_norm(self, params: list[torch.Tensor], total_norm: torch.Tensor) -> None:
+        max_norm = self.config.training.max_norm
+        params = [p for p in params if p.grad is not None]
+        if self.parallel_dims.ep_enabled:
+            ep = [p for p in params if "ep" in (p.device_mesh.mesh_dim_names or ())]
+            non_ep = [p for p in params if "ep" not in (p.device_mesh.mesh_dim_names or ())]
+            torch.nn.utils.clip_grads_with_norm_(ep, max_norm, total_norm, True)
+            torch.nn.utils.clip_grads_with_norm_(non_ep, max_norm, total_norm, True)
+        else:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, True)
+
+    def _log_metrics(self, accumulated_loss, local_valid_tokens, global_valid_tokens, grad_norm, lr_metrics):
+        """The metric block of TorchTitan's train_step, unchanged."""
+        parallel_dims = self.parallel_dims
+        if parallel_dims.dp_cp_enabled:
+            loss_mesh = parallel_dims.get_optional_mesh("loss")
+            local_avg_loss = accumulated_loss * global_valid_tokens / local_valid_tokens
+            global_avg_loss, global_max_loss, global_ntokens_seen = (
+                dist_utils.dist_sum(accumulated_loss, loss_mesh),
+                dist_utils.dist_max(local_avg_loss, loss_mesh),
+                dist_utils.dist_sum(torch.tensor(self.ntokens_seen, dtype=torch.int64, device=self.device),
+                                    loss_mesh),
+            )
+        else:
+            global_avg_loss = global_max_loss = float(accumulated_loss.item())
+            global_ntokens_seen = self.ntokens_seen
+        if not math.isfinite(global_avg_loss):
+            raise RuntimeError(f"Loss is not finite (global_avg_loss={global_avg_loss}) at step {self.step}. "
+                               "Stopping training.")
+        self.metrics_processor.log(self.step, global_avg_loss, global_max_loss, float(grad_norm.item()),
+                                   extra_metrics={"n_tokens_seen": global_ntokens_seen, **lr_metrics})
+
+    # ---- data ---------------------------------------------------------------------------------------
+    def batch_generator(self, data_iterable):
+        it = iter(data_iterable)
+        skip, self._skip_batches = self._skip_batches, 0
+        for _ in range(skip):  # resume after recovery: the replayed iterations' batches came from the log
+            try:
+                next(it)
+            except StopIteration as ex:
+                raise DataloaderExhaustedError() from ex
+        yield from super().batch_generator(it)
+
+    # ---- run ----------------------------------------------------------------------------------------
+    def train(self):
+        if not self.sc.enable:
+            return super().train()
+        from torchmoe_ckpt.checkpointer import SparseCheckpointer
+
+        sc = self.sc
+        if sc.fault_timeout_s:
+            try:
+                from torchmoe_ckpt.watchdog import CollectiveWatchdog
+                self._watchdog = CollectiveWatchdog(timeout_s=float(sc.fault_timeout_s))
+            except ImportError:  # pragma: no cover - older core without the watchdog
+                logger.warning("fault_timeout_s set but torchmoe_ckpt.watchdog is not available; ignored")
+        tier, replicator, store = self._build_tiers()
+        committed = self._recover(tier, replicator, store)
+        self.sparse = SparseCheckpointer(self.model, _OptimizerView(self.optimizers), self.compute_dtype,
+                                         sc.core_config(), committed=committed, host_tier=tier,
+                                         replicator=replicator, store=store).attach(self)
+        if committed is not None:
+            orig_load = self.checkpointer.load
+
+            def load_once(*_a, **_k):  # our recovered state is newer than any TorchTitan checkpoint
+                self.checkpointer.load = orig_load
+                return False
+            self.checkpointer.load = load_once
+        try:
+            super().train()
+            self.sparse.close()
+            tw = self.sparse.tier_writer
+            if tw is not None:
+                tw.flush()
+                if tw.uploader is not None:
+                    tw.uploader.flush(30)
+            self._export()
+        finally:
+            self.sparse.engine.shutdown()
+            if self.sparse.tier_writer is not None:
+                self.sparse.tier_writer.shutdown()
+
+    def _build_tiers(self):
+        from torchmoe_ckpt.dcp.tiers import build_tiers
+
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        hsdp = self.config.parallelism.data_parallel_replicate_degree
+        return build_tiers(self.sc.tiers_config(), rank, world, hsdp)
+
+    def _recover(self, tier, replicator, store):
+        from torchmoe_ckpt.dcp.tiers import recover_from_tiers
+        from torchmoe_ckpt.operators import discover_operators
+        from torchmoe_ckpt.recovery import sparse_to_dense
+
+        t0 = time.perf_counter()
+        ops = {o.name: o for o in discover_operators(self.model)}
+        window, found = recover_from_tiers(tier, replicator, ops, self.compute_dtype, store=store)
+        if window is None:
+            if self._attempt > 0:
+                logger.warning("torchmoe: no committed window on any tier; starting from scratch")
+                self.recovery_report = dict(found, cold_start=True, recovered_step=0, attempt=self._attempt)
+            return None
+        if os.environ.get("TORCHMOE_TITAN_SCRAMBLE") == "1":
+            self._scramble()
+        rep = sparse_to_dense(TitanReplayable(self), window).to_dict()
+        self._skip_batches = rep["recovered_step"] * self.gradient_accumulation_steps \
+            * self.num_pipeline_parallel_microbatches
+        rep.update(found, attempt=self._attempt, restart_seconds=time.perf_counter() - t0)
+        self.recovery_report = rep
+        logger.info(f"torchmoe: recovered step {rep['recovered_step']} from window {rep['window_id']} "
+                    f"({rep['source']}), replayed {rep['replayed_iterations']} iterations in "
+                    f"{rep['seconds']:.2f} s")
+        return window
+
+    @torch.no_grad()
+    def _scramble(self) -> None:
+        g = torch.Generator().manual_seed(12345 + torch.distributed.get_rank())
+        for p in self.model.parameters():
+            loc = p.to_local() if hasattr(p, "to_local") else p
+            loc.copy_(torch.randn(loc.shape, generator=g, dtype=loc.dtype))
+
+    # ---- export (tests, diagnostics) -------------------------------------------------------------------
+    def export_state(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        opt = _OptimizerView(self.optimizers)
+        for name, p in self.model.named_parameters():
+            out[f"param/{name}"] = _local(p).detach().clone()
+            for key, val in opt.state.get(p, {}).items():
+                out[f"optim/{name}/{key}"] = _local(val).clone() if torch.is_tensor(val) else torch.tensor(val)
+        for name, b in self.model.named_buffers():
+            if b is not None:
+                out[f"buffer/{name}"] = _local(b).clone()
+        out["lr"] = torch.tensor(opt.param_groups[0]["lr"], dtype=torch.float64)
+        out["step"] = torch.tensor(self.step)
+        return out
+
+    def _export(self) -> None:
+        d = os.environ.get("TORCHMOE_TITAN_EXPORT")
+        if not d:
+            return
+        rank = torch.distributed.get_rank()
+        path = Path(d)
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(self.export_state(), path / f"state-rank-{rank}.pt")
+        st = self.sparse.stats() if self.sparse is not None else {}
+        info = {
+            "rank": rank, "attempt": self._attempt,
+            "losses": {str(k): v.item() for k, v in sorted(self._losses.items())},
+            "loss_bits": {str(k): v.view(torch.int32).item() for k, v in sorted(self._losses.items())},
+            "step_seconds": self._step_seconds,
+            "recovery": self.recovery_report,
+            "checkpoint": {k: st.get(k) for k in ("slots_captured", "windows_committed", "dense_bytes",
+                                                   "mean_slot_bytes", "max_slot_bytes", "wait_seconds_total",
+                                                   "wait_seconds_max", "copy_seconds_mean", "windows",
+                                                   "host_tier")},
+        }
+        (path / f"run-rank-{rank}-attempt-{self._attempt}.json").write_text(json.dumps(info, default=str))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class TitanReplayable:
+    """``torchmoe_ckpt.recovery.Replayable`` over a SparseTrainer: replays TorchTitan iterations."""
+
+    def __init__(self, trainer: SparseTrainer):
+        self.trainer = trainer
+        self.model = trainer.model
+        self.optimizer = _OptimizerView(trainer.optimizers)
+
+    def set_step(self, step: int) -> None:
+        tr = self.trainer
+        tr.step = step
+        tr.set_lr_step(step)
+        tokens_per_step = (tr.config.training.local_batch_size * tr.config.training.seq_len
+                           * tr.gradient_accumulation_steps)
+        tr.ntokens_seen = step * tokens_per_step
+
+    def train_step(self, replay=None):
+        tr = self.trainer
+        tr.step += 1
+        return tr.sparse_step(replay=replay)
