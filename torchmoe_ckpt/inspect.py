@@ -2,7 +2,8 @@
 
 A location is a host-tier directory (`<root>/node-N/<run>`, windows with `MANIFEST.rank-R.json` per rank) or
 an object-store URI (`s3://bucket/prefix`, `az://container/prefix`, `file://...`: `<run>/rank-R/window-N/`
-with `MANIFEST.json`), read through fsspec with the storage options given. Dense exports (`step-N`
+with `MANIFEST.json`; or, in the tensorstore format, `<run>/rank-R/window-N/` OCDBT databases), read through
+fsspec (and tensorstore) with the storage options given. Dense exports (`step-N`
 directories with DCP's `.metadata`) found under the location are listed too."""
 from __future__ import annotations
 
@@ -98,6 +99,15 @@ def inspect_location(location: str, storage_options: dict | None = None) -> dict
                      bytes=entry["bytes"] + man.total_bytes)
         if not entry["slots"] and not problems:
             entry["slots"] = _slots(fs, wdir, man)
+    if any(f.endswith("/manifest.ocdbt") for f in files):  # tensorstore-format windows (OCDBT databases)
+        from .dcp.tensorstore_format import inspect_windows
+        for wid, got in inspect_windows(location, storage_options, root, files).items():
+            entry = windows[wid]
+            entry["committed_ranks"] += got.pop("committed_ranks")
+            entry["problems"].update(got.pop("problems"))
+            entry["bytes"] += got.pop("bytes")
+            entry["slots"] = entry["slots"] or got.pop("slots")
+            entry.update({k: v for k, v in got.items() if k != "slots"})
     for entry in windows.values():
         entry["paths"] = sorted(entry["paths"])
         entry["status"] = ("uncommitted (no manifest: never used)" if not entry["committed_ranks"] else

@@ -89,6 +89,26 @@ def _is_local(fs) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
+FORMATS = ("dcp", "tensorstore")
+
+
+def make_store(uri: str, run_id: str, rank: int, storage_options: dict | None = None, keep_windows: int = 2,
+               format: str = "dcp", **kw):
+    """The object-store tier for one URI in the chosen on-store format: "dcp" (ObjectTier, default) or
+    "tensorstore" (tensorstore_format.TensorstoreTier). tensorstore has no driver for az:// and abfs://:
+    those stores say so once and keep the DCP format."""
+    if format not in FORMATS:
+        raise StoreConfigError(f"unknown object-store format {format!r}: use one of {', '.join(FORMATS)}")
+    if format == "tensorstore":
+        from .tensorstore_format import NoTensorstoreDriver, TensorstoreTier
+        try:
+            return TensorstoreTier(uri, run_id, rank, storage_options, keep_windows=keep_windows, **kw)
+        except NoTensorstoreDriver as exc:
+            if rank == 0:
+                log.warning("%s: using the DCP/fsspec format for this store instead", exc)
+    return ObjectTier(uri, run_id, rank, storage_options, keep_windows=keep_windows, **kw)
+
+
 class ObjectTier:
     def __init__(self, uri: str, run_id: str, rank: int, storage_options: dict | None = None,
                  keep_windows: int = 2, attempts: int = 4, backoff_s: float = 0.2, probe: bool = True):

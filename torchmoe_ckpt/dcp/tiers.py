@@ -23,15 +23,16 @@ def node_of(rank: int, ranks_per_node: int) -> int:
 
 def build_tiers(cfg: dict, rank: int, world: int, hsdp_replicate: int = 1):
     """(HostTier, PeerReplicator or None, ObjectTier or None). Collective when replicas > 0 (creates the
-    peer gloo group). `cfg["object_store"] = {"uri": ..., "storage_options": {...}}` adds the store."""
+    peer gloo group). `cfg["object_store"] = {"uri": ..., "storage_options": {...}}` adds the store
+    (`"format": "tensorstore"` picks the tensorstore on-store format; default "dcp")."""
     rpn = int(cfg.get("ranks_per_node") or os.environ.get("LOCAL_WORLD_SIZE", world))
     tier = HostTier(Path(cfg["root"]) / f"node-{node_of(rank, rpn)}", cfg.get("run_id", "run"), rank, world)
     store = None
     if cfg.get("object_store"):
-        from .object_tier import ObjectTier
+        from .object_tier import make_store
         o = cfg["object_store"]
-        store = ObjectTier(o["uri"], cfg.get("run_id", "run"), rank, o.get("storage_options"),
-                           keep_windows=int(o.get("keep", 2)))
+        store = make_store(o["uri"], cfg.get("run_id", "run"), rank, o.get("storage_options"),
+                           keep_windows=int(o.get("keep", 2)), format=o.get("format", "dcp"))
     r = int(cfg.get("replicas", 0))
     if r <= 0:
         return tier, None, store

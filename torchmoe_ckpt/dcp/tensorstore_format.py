@@ -1,0 +1,525 @@
+"""Tensorstore format for the object-store tier: one OCDBT database per (rank, window), zarr3 arrays
+chunked one expert per chunk, committed in a single atomic transaction.
+
+Selected per store with `{"uri": ..., "format": "tensorstore"}` (default "dcp", see `object_tier.make_store`).
+Same interface as `ObjectTier` (upload / download / window_ids / apply_retention), so the Uploader and
+`recover_from_tiers` use it unchanged. Layout under the store URI:
+
+    <uri>/<run>/rank-RRRRR/window-NNNNNN/      an OCDBT database (manifest.ocdbt + d/<data files>)
+        meta.json                              window manifest, plan, per-piece shape/dtype/CRC32, DCP info
+        replay.pt                              this rank's replay records (the host tier's bytes, CRC32 in meta)
+        sSS/<key>/zarr.json, sSS/<key>/c/...   one zarr3 array per tensor key and slot, GLOBAL shape; grouped
+                                               expert tensors [E, ...] are chunked [1, ...]: one expert = one
+                                               chunk; other tensors in chunks of the rank's shard (<= 4 MiB)
+
+Everything of a window is written in ONE `ts.Transaction(atomic=True)`: nothing reaches the store before
+the commit, and the OCDBT manifest, written last by the commit, makes the window visible. A writer killed
+mid-commit leaves at most unreferenced data files: the window has no `meta.json` and is invisible; older
+windows are separate databases and never touched. Retention deletes whole window databases (keep latest k).
+Reads fetch only the chunks a reader asks for (`read_pieces`, `read_global`); every piece read is checked
+against its CRC32. tensorstore has no Azure driver: `az://`/`abfs://` stores keep the DCP format.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import faults
+from ..snapshot import Slot, SlotItem
+from ..operators import EXPERT_PARAM_NAMES, Piece
+from .manifest import FileEntry, WindowManifest, crc32_bytes, parse_window_dirname, window_dirname
+
+log = logging.getLogger("torchmoe_ckpt.tensorstore_format")
+TS_SCHEMES = ("file", "memory", "s3")
+META_KEY, REPLAY_KEY = "meta.json", "replay.pt"
+META_FORMAT = "torchmoe-ckpt/tensorstore-window/1"
+MAX_CHUNK_BYTES = 4 << 20
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64",
+           torch.int64: "int64", torch.int32: "int32"}
+_TORCH = {v: k for k, v in _DTYPES.items()}
+_CTX = None  # one tensorstore Context per process: memory:// stores and OCDBT caches are shared through it
+
+
+class NoTensorstoreDriver(ValueError):
+    """tensorstore has no kvstore driver for this URI scheme (az://, abfs://): use the DCP format."""
+
+
+def _ts():
+    import tensorstore as ts
+    return ts
+
+
+def context():
+    global _CTX
+    if _CTX is None:
+        _CTX = _ts().Context()
+    return _CTX
+
+
+def kvstore_spec(uri: str, storage_options: dict | None = None) -> dict:
+    """A tensorstore kvstore spec (path ending in '/') for a store URI, with the fsspec storage options
+    translated (s3: endpoint_url, region, key/secret -> the AWS_* environment, which the s3 driver reads)."""
+    scheme, rest = uri.split("://", 1) if "://" in uri else ("file", uri)
+    opts = dict(storage_options or {})
+    if scheme == "file":
+        return {"driver": "file", "path": str(Path(rest).resolve()).rstrip("/") + "/"}
+    if scheme == "memory":
+        return {"driver": "memory", "path": rest.strip("/") + "/" if rest.strip("/") else ""}
+    if scheme in ("s3", "s3a"):
+        bucket, _, path = rest.partition("/")
+        ck = opts.get("client_kwargs") or {}
+        spec = {"driver": "s3", "bucket": bucket, "path": path.strip("/") + "/" if path.strip("/") else "",
+                "aws_region": ck.get("region_name") or opts.get("region_name") or os.environ.get("AWS_DEFAULT_REGION")
+                or "us-east-1", "aws_credentials": {"type": "environment"}}
+        endpoint = ck.get("endpoint_url") or opts.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            spec["endpoint"] = endpoint
+        if opts.get("key") and opts.get("secret"):  # the s3 driver takes credentials from the environment only
+            os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = opts["key"], opts["secret"]
+        return spec
+    raise NoTensorstoreDriver(f"tensorstore has no kvstore driver for {scheme}:// ({uri!r}); the tensorstore "
+                              f"format works on {', '.join(s + '://' for s in TS_SCHEMES)}")
+
+
+def _sub(spec: dict, rel: str) -> dict:
+    return dict(spec, path=spec.get("path", "") + rel)
+
+
+def _db_spec(base: dict, rel: str) -> dict:
+    return {"driver": "ocdbt", "base": _sub(base, rel)}
+
+
+def io_counters() -> dict:
+    """Process-wide bytes/ops read and written by tensorstore's storage drivers (file, s3, memory):
+    what actually crossed the wire, including OCDBT manifests and b-tree nodes. Take differences."""
+    out = {"bytes_read": 0, "reads": 0, "bytes_written": 0, "writes": 0}
+    names = {"bytes_read": "bytes_read", "read": "reads", "bytes_written": "bytes_written", "write": "writes"}
+    for m in _ts().experimental_collect_matching_metrics("/tensorstore/kvstore/"):
+        parts = m["name"].split("/")  # /tensorstore/kvstore/<driver>/<metric>
+        if len(parts) == 5 and parts[3] in ("file", "s3", "memory") and parts[4] in names:
+            out[names[parts[4]]] += sum(int(v.get("value", 0)) for v in m.get("values", []))
+    return out
+
+
+def _is_expert_key(key: str, global_shape) -> bool:
+    base = key.split(".")
+    return len(global_shape) >= 2 and any(n in base for n in EXPERT_PARAM_NAMES)
+
+
+def chunk_shape(key: str, global_shape, piece_shape, itemsize: int) -> list[int]:
+    """One expert per chunk for grouped expert tensors [E, ...]; else the piece's shape, split along dim 0
+    to at most MAX_CHUNK_BYTES."""
+    if _is_expert_key(key, global_shape):
+        return [1] + [max(1, int(s)) for s in global_shape[1:]]
+    shape = [max(1, int(s)) for s in piece_shape]
+    if shape:
+        row = max(1, int(np.prod(shape[1:], dtype=np.int64)) * itemsize)
+        shape[0] = max(1, min(shape[0], MAX_CHUNK_BYTES // row))
+    return shape
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(_ts().bfloat16.numpy_dtype)
+    return t.numpy()
+
+
+def _to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    a = np.ascontiguousarray(a)
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _crc(t: torch.Tensor) -> int:
+    return zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()) & 0xFFFFFFFF
+
+
+def _region(offset, shape) -> tuple:
+    return tuple(slice(int(o), int(o) + int(s)) for o, s in zip(offset, shape))
+
+
+# ---------------------------------------------------------------------------------------------------------
+def slot_from_dcp(index: int, path: Path) -> tuple[Slot, dict]:
+    """Read one host-tier slot checkpoint (a DCP directory) into a Slot of plain items, verified against the
+    CRC32s recorded at save time; returns (slot, the DCP planner info without the checksums)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from .planner import PLANNER_KEY, SlotLoadPlanner, verify_items
+    reader = FileSystemReader(path)
+    md = reader.read_metadata()
+    items = []
+    for fqn, tm in md.state_dict_metadata.items():
+        if not isinstance(tm, TensorStorageMetadata):
+            raise ValueError(f"{path}: {fqn} is not a tensor; not a torchmoe-ckpt slot")
+        for ch in tm.chunks:
+            role = "step" if len(tm.size) == 0 else "data"
+            pc = Piece(fqn, True, tuple(tm.size), tuple(ch.offsets), (), tuple(ch.sizes))
+            items.append(SlotItem(fqn, role, "", pc, torch.empty(tuple(ch.sizes), dtype=tm.properties.dtype)))
+    slot = Slot(index, (), (), items)
+    dcp.load({}, storage_reader=reader, planner=SlotLoadPlanner(slot), no_dist=True)
+    bad = verify_items(slot, md)
+    if bad:
+        raise RuntimeError(f"local slot {path} does not match its checksums: {bad[:3]}")
+    info = dict((md.planner_data or {}).get(PLANNER_KEY, {}))
+    info.pop("checksums", None)
+    return slot, info
+
+
+def write_slot_dcp(slot: Slot, info: dict, path: Path) -> None:
+    """Write a Slot as a host-tier slot checkpoint (what HostTier.write_slot produces)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from .planner import SlotSavePlanner
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    dcp.save({}, storage_writer=FileSystemWriter(path, sync_files=False, overwrite=True),
+             planner=SlotSavePlanner(slot, info), no_dist=True)
+
+
+class TensorstoreTier:
+    """Object-store tier in the tensorstore format (see the module docstring). One instance per rank."""
+    format = "tensorstore"
+
+    def __init__(self, uri: str, run_id: str, rank: int, storage_options: dict | None = None,
+                 keep_windows: int = 2, attempts: int = 4, backoff_s: float = 0.2, probe: bool = True):
+        self.uri, self.run_id, self.rank = uri, run_id, rank
+        self.root = kvstore_spec(uri, storage_options)
+        self.base = _sub(self.root, (f"{run_id.strip('/')}/" if run_id.strip("/") else "") + f"rank-{rank:05d}/")
+        self.keep, self.attempts, self.backoff = keep_windows, attempts, backoff_s
+        self.last_upload: dict = {}
+        if probe:
+            self._probe()
+
+    def _probe(self) -> None:
+        from .object_tier import StoreConfigError, _explain
+        try:
+            kv = self._kv(self.root)
+            key = f".probe-{os.getpid()}-{time.monotonic_ns()}"
+            kv.write(key, b"ok").result()
+            kv.write(key, None).result()
+        except Exception as exc:
+            raise StoreConfigError(_explain(self.uri, exc)) from None
+
+    def _kv(self, spec: dict):
+        return _ts().KvStore.open(spec, context=context()).result()
+
+    def _db(self, window_id: int) -> dict:
+        return _db_spec(self.base, window_dirname(window_id) + "/")
+
+    def _retry(self, what: str, fn, *args):
+        for i in range(self.attempts):
+            try:
+                return fn(*args)
+            except Exception as exc:
+                if i == self.attempts - 1:
+                    raise
+                log.warning("object store (tensorstore) %s failed (%s), retry %d/%d", what, exc, i + 1,
+                            self.attempts - 1)
+                time.sleep(self.backoff * 2 ** i)
+
+    # ---- write -------------------------------------------------------------------------------------------
+    def upload(self, tier, window_id: int) -> int:
+        """Upload this rank's copy of a committed host-tier window as one atomic OCDBT commit."""
+        problems = tier.verify(window_id)
+        if problems:
+            if "no manifest" in problems[0]:
+                raise FileNotFoundError(f"window {window_id} is not on the host tier: {problems[0]}")
+            raise RuntimeError(f"local copy of window {window_id} does not verify: {problems[0]}")
+        man = tier.manifest(window_id)
+        wdir = tier.window_dir(window_id)
+        slots = []
+        for i in range(man.window):
+            slots.append(slot_from_dcp(i, wdir / f"slot-{i:02d}" / f"rank-{self.rank:05d}"))
+        replay = (wdir / "replay" / f"rank-{self.rank:05d}.pt").read_bytes()
+        t0, c0 = time.perf_counter(), io_counters()
+        nbytes = self._retry("upload", self._commit, window_id, man, slots, replay)
+        c1 = io_counters()
+        self.last_upload = {"window": window_id, "seconds": time.perf_counter() - t0, "payload_bytes": nbytes,
+                            "bytes_written": c1["bytes_written"] - c0["bytes_written"],
+                            "writes": c1["writes"] - c0["writes"]}
+        return nbytes
+
+    def _commit(self, window_id: int, man: WindowManifest, slots: list, replay: bytes) -> int:
+        ts = _ts()
+        db = self._db(window_id)
+        self._clear_leftovers(window_id)
+        txn = ts.Transaction(atomic=True)
+        kv = self._kv(db).with_transaction(txn)
+        if kv.list().result():  # re-upload of a visible window id: replace its contents in the same commit
+            kv.delete_range(ts.KvStore.KeyRange()).result()
+        meta = {"format": META_FORMAT, "manifest": json.loads(man.to_json()), "rank": self.rank, "slots": []}
+        meta["manifest"].pop("files", None)
+        writes, nbytes = [], 0
+        for slot, info in slots:
+            entries: list[dict] = []
+            arrays: dict[str, object] = {}
+            for it in slot.items:
+                e = {"key": it.key, "offset": list(it.piece.global_offset), "shape": list(it.piece.shape),
+                     "global_shape": list(it.piece.global_shape), "dtype": _DTYPES[it.buffer.dtype],
+                     "crc32": _crc(it.buffer)}
+                if it.role == "step" or it.buffer.dim() == 0:
+                    e["value"] = it.buffer.double().item().hex()  # scalars live in the metadata
+                elif it.buffer.numel() > 0:
+                    e["array"] = f"s{slot.index:02d}/{it.key}/"
+                    if it.key not in arrays:
+                        arrays[it.key] = ts.open({
+                            "driver": "zarr3", "kvstore": _sub(db, e["array"]),
+                            "metadata": {"shape": e["global_shape"], "data_type": e["dtype"],
+                                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape":
+                                             chunk_shape(it.key, it.piece.global_shape, it.piece.shape,
+                                                         it.buffer.element_size())}}}},
+                            create=True, context=context(), transaction=txn).result()
+                    writes.append(arrays[it.key][_region(it.piece.global_offset, it.piece.shape)]
+                                  .write(_to_numpy(it.buffer)))
+                    nbytes += it.nbytes
+                entries.append(e)
+            meta["slots"].append({"slot": slot.index, "info": info, "items": entries})
+        for w in writes:
+            w.result()
+        kv.write(REPLAY_KEY, replay).result()
+        meta["replay"] = {"bytes": len(replay), "crc32": crc32_bytes(replay)}
+        kv.write(META_KEY, json.dumps(meta, sort_keys=True).encode()).result()
+        nbytes += len(replay)
+        faults.point("upload")  # everything staged, nothing committed: a crash here leaves no trace
+        txn.commit_async().result()  # the OCDBT manifest, written last, makes the window visible
+        return nbytes
+
+    def _clear_leftovers(self, window_id: int) -> None:
+        """A database of this id without meta.json (a writer died mid-commit): delete its files first."""
+        base = self._kv(_sub(self.base, window_dirname(window_id) + "/"))
+        if base.list().result() and self._read_meta(window_id) is None:
+            base.delete_range(_ts().KvStore.KeyRange()).result()
+
+    # ---- listing / retention -----------------------------------------------------------------------------
+    def _listed(self) -> set[int]:
+        try:
+            keys = self._kv(self.base).list().result()
+        except Exception as exc:
+            if "NOT_FOUND" in str(exc) or isinstance(exc, FileNotFoundError):
+                return set()
+            raise
+        return {w for k in keys if (w := parse_window_dirname(k.decode().split("/", 1)[0])) is not None}
+
+    def _read_meta(self, window_id: int) -> dict | None:
+        try:
+            r = self._kv(self._db(window_id)).read(META_KEY).result()
+        except Exception as exc:  # no manifest.ocdbt yet: an empty / torn database
+            if "NOT_FOUND" in str(exc) or "manifest" in str(exc).lower():
+                return None
+            raise
+        return json.loads(bytes(r.value)) if r.state == "value" else None
+
+    def window_ids(self) -> list[int]:
+        """Windows whose commit is in the store (meta.json present in the database's latest version)."""
+        return sorted(w for w in self._listed() if self._read_meta(w) is not None)
+
+    def apply_retention(self) -> list[int]:
+        ids = self.window_ids()
+        gone = ids[:-self.keep] if self.keep > 0 else []
+        torn = [w for w in self._listed() - set(ids) if ids and w < ids[-1]]  # died mid-commit: garbage
+        for wid in gone + torn:
+            kv = self._kv(_sub(self.base, window_dirname(wid) + "/"))
+            self._retry("delete", lambda: kv.write("manifest.ocdbt", None).result())  # invisible first
+            self._retry("delete", lambda: kv.delete_range(_ts().KvStore.KeyRange()).result())
+        return gone
+
+    # ---- read --------------------------------------------------------------------------------------------
+    def _open_arrays(self, window_id: int, paths: set[str]) -> dict:
+        ts = _ts()
+        db = self._db(window_id)
+        futs = {p: ts.open({"driver": "zarr3", "kvstore": _sub(db, p)}, open=True, context=context()) for p in paths}
+        return {p: f.result() for p, f in futs.items()}
+
+    def read_items(self, window_id: int, meta: dict, wanted) -> list[tuple[dict, torch.Tensor | None, str | None]]:
+        """[(entry, tensor, problem)] for the metadata entries `wanted`: reads only their chunks, checks CRC32."""
+        arrays = self._open_arrays(window_id, {e["array"] for e in wanted if "array" in e})
+        futs = [(e, arrays[e["array"]][_region(e["offset"], e["shape"])].read() if "array" in e else None)
+                for e in wanted]
+        out = []
+        for e, f in futs:
+            dtype = _TORCH[e["dtype"]]
+            if "value" in e:
+                t = torch.tensor(float.fromhex(e["value"]), dtype=dtype)
+            elif f is None:
+                t = torch.empty(e["shape"], dtype=dtype)
+            else:
+                t = _to_torch(f.result(), dtype)
+            out.append((e, t, None if _crc(t) == e["crc32"] else
+                        f"{e['key']}@{e['offset']}: CRC32 does not match (corrupt)"))
+        return out
+
+    def download(self, window_id: int, tier) -> list[str]:
+        """Fetch this rank's copy into the host tier (as DCP slot checkpoints), verifying every piece;
+        returns problems (empty = ok). The local rank manifest is written only after everything verified."""
+        from .host_tier import _file_entry, rank_manifest_name
+        try:
+            meta = self._read_meta(window_id)
+        except Exception as exc:
+            return [f"metadata unreadable: {exc}"]
+        if meta is None:
+            return ["window not committed in the store (no meta.json)"]
+        wdir = tier.window_dir(window_id)
+        wdir.mkdir(parents=True, exist_ok=True)
+        (wdir / rank_manifest_name(self.rank)).unlink(missing_ok=True)
+        problems: list[str] = []
+        files: dict[str, FileEntry] = {}
+        for s in meta["slots"]:
+            try:
+                got = self._retry("download", self.read_items, window_id, meta, s["items"])
+            except Exception as exc:
+                problems.append(f"slot {s['slot']}: {exc}")
+                continue
+            problems += [p for _, _, p in got if p]
+            if problems:
+                continue
+            items = [SlotItem(e["key"], "step" if "value" in e else "data", "",
+                              Piece(e["key"], True, tuple(e["global_shape"]), tuple(e["offset"]), (), tuple(e["shape"])),
+                              t) for e, t, _ in got]
+            out = wdir / f"slot-{s['slot']:02d}" / f"rank-{self.rank:05d}"
+            write_slot_dcp(Slot(s["slot"], (), (), items), s["info"], out)
+            for f in sorted(out.iterdir()):
+                files[str(f.relative_to(wdir))] = _file_entry(f)
+        try:
+            r = self._kv(self._db(window_id)).read(REPLAY_KEY).result()
+            replay = bytes(r.value)
+            if r.state != "value" or crc32_bytes(replay) != meta["replay"]["crc32"]:
+                problems.append("replay records: missing or CRC32 does not match (corrupt)")
+        except Exception as exc:
+            problems.append(f"replay records: {exc}")
+        if problems:
+            return problems
+        rp = wdir / "replay" / f"rank-{self.rank:05d}.pt"
+        rp.parent.mkdir(parents=True, exist_ok=True)
+        rp.write_bytes(replay)
+        files[str(rp.relative_to(wdir))] = _file_entry(rp)
+        m = meta["manifest"]
+        man = WindowManifest(m["window_id"], m["start_step"], m["window"], m["world_size"], m["plan"], files, m["extra"])
+        tmp = wdir / (rank_manifest_name(self.rank) + ".tmp")
+        tmp.write_text(man.to_json())
+        tmp.rename(wdir / rank_manifest_name(self.rank))
+        return []
+
+    def verify(self, window_id: int) -> list[str]:
+        """Read every piece and the replay records of this rank's window and check them (nothing written)."""
+        meta = self._read_meta(window_id)
+        if meta is None:
+            return ["window not committed in the store (no meta.json)"]
+        problems = []
+        for s in meta["slots"]:
+            problems += [p for _, _, p in self.read_items(window_id, meta, s["items"]) if p]
+        r = self._kv(self._db(window_id)).read(REPLAY_KEY).result()
+        if r.state != "value" or crc32_bytes(bytes(r.value)) != meta["replay"]["crc32"]:
+            problems.append("replay records: missing or CRC32 does not match (corrupt)")
+        return problems
+
+
+# ---- readers at any world size ---------------------------------------------------------------------------
+def rank_ids(uri: str, run_id: str, storage_options: dict | None = None) -> list[int]:
+    kv = _ts().KvStore.open(_sub(kvstore_spec(uri, storage_options), f"{run_id}/"), context=context()).result()
+    out = set()
+    for k in kv.list().result():
+        head = k.decode().split("/", 1)[0]
+        if head.startswith("rank-") and head[5:].isdigit():
+            out.add(int(head[5:]))
+    return sorted(out)
+
+
+def _iter_pieces(uri, run_id, window_id, wanted, slot, storage_options):
+    for r in rank_ids(uri, run_id, storage_options):
+        t = TensorstoreTier(uri, run_id, r, storage_options, probe=False)
+        meta = t._read_meta(window_id)
+        if meta is None:
+            raise RuntimeError(f"rank {r} has no committed window {window_id} in {uri}")
+        for s in meta["slots"]:
+            if slot is not None and s["slot"] != slot:
+                continue
+            sel = [e for e in s["items"]
+                   if wanted is None or any(_inside(e, o, sh) for o, sh in wanted.get(e["key"], ()))]
+            for e, tensor, problem in t.read_items(window_id, meta, sel):
+                if problem:
+                    raise RuntimeError(f"rank {r} window {window_id}: {problem}")
+                yield s["slot"], e, tensor
+
+
+def read_pieces(uri: str, run_id: str, window_id: int, wanted: dict[str, list[tuple[tuple, tuple]]] | None = None,
+                slot: int | None = None, storage_options: dict | None = None) -> dict:
+    """Read pieces of a window, whichever ranks wrote them, into `{(slot, key, offset): tensor}`, each
+    checked against its CRC32. `wanted` maps a key to regions `(offset, shape)`: only saved pieces inside
+    those regions are read (an expert's piece is one chunk, so 2 of 8 experts read 2 chunks); None: all."""
+    return {(s, e["key"], tuple(e["offset"])): t
+            for s, e, t in _iter_pieces(uri, run_id, window_id, wanted, slot, storage_options)}
+
+
+def _inside(e: dict, offset, shape) -> bool:
+    return len(e["offset"]) == len(offset) and all(
+        o <= eo and eo + es <= o + s for eo, es, o, s in zip(e["offset"], e["shape"], offset, shape))
+
+
+def read_global(uri: str, run_id: str, window_id: int, slot: int = 0, storage_options: dict | None = None) -> dict:
+    """One slot of a window as global tensors `{key: tensor}` assembled from every rank's pieces (any
+    reader world size, e.g. one process reading what 2 ranks wrote). Regions no rank saved stay zero."""
+    out: dict[str, torch.Tensor] = {}
+    for _, e, t in _iter_pieces(uri, run_id, window_id, None, slot, storage_options):
+        if e["key"] not in out:
+            out[e["key"]] = torch.zeros(e["global_shape"], dtype=t.dtype)
+        out[e["key"]][_region(e["offset"], e["shape"])] = t
+    return out
+
+
+# ---- inspect / verify ------------------------------------------------------------------------------------
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4}
+
+
+def inspect_windows(location: str, storage_options: dict | None, root: str, files: list[str]) -> dict[int, dict]:
+    """Tensorstore-format windows under an inspect location: `{window_id: partial inspect entry}` with the
+    committed ranks, per-rank problems (every piece read and CRC-checked), slots and payload bytes.
+    `files` are the fsspec paths under `root` (the location's path)."""
+    found: dict[tuple[str, int], set[int]] = {}
+    for f in files:
+        parts = f.split("/")
+        if parts[-1] == "manifest.ocdbt" and len(parts) >= 3 and parse_window_dirname(parts[-2]) is not None \
+                and parts[-3].startswith("rank-") and parts[-3][5:].isdigit():
+            run = "/".join(parts[:-3])[len(root):].strip("/")
+            found.setdefault((run, int(parts[-3][5:])), set()).add(parse_window_dirname(parts[-2]))
+    out: dict[int, dict] = {}
+    for (run, rank), wids in sorted(found.items()):
+        tier = TensorstoreTier(location, run, rank, storage_options, probe=False)
+        for wid in sorted(wids):
+            e = out.setdefault(wid, {"committed_ranks": [], "problems": {}, "slots": [], "bytes": 0,
+                                     "format": "tensorstore"})
+            try:
+                meta = tier._read_meta(wid)
+            except Exception as exc:
+                e["problems"][rank] = [f"database unreadable: {' '.join(str(exc).split())[:200]}"]
+                continue
+            if meta is None:
+                continue  # torn commit: invisible
+            e["committed_ranks"].append(rank)
+            try:
+                problems = tier.verify(wid)
+            except Exception as exc:
+                problems = [f"read failed: {' '.join(str(exc).split())[:200]}"]
+            if problems:
+                e["problems"][rank] = problems
+            m = meta["manifest"]
+            e.update(start_step=m["start_step"], window=m["window"], world_size=m["world_size"])
+            e["bytes"] += meta["replay"]["bytes"] + sum(
+                int(np.prod(i["shape"], dtype=np.int64)) * _ITEMSIZE[i["dtype"]] for s in meta["slots"] for i in s["items"])
+            if not e["slots"] and not problems:
+                e["slots"] = [{"slot": i, "step": s["info"].get("step"), "active": sp["active"],
+                               "frozen_count": len(sp["frozen"]), "planned_bytes": sp["bytes"],
+                               "items_with_checksum": len(s["items"])}
+                              for i, (s, sp) in enumerate(zip(meta["slots"], m["plan"]["slots"]))]
+    return out
