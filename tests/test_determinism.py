@@ -1,7 +1,6 @@
 """The oracle: two identical runs of the harness give torch.equal parameters, optimizer states and losses.
 Every recovery test compares against this harness, so its determinism is tested first, on real torchrun."""
 import pytest
-import torch
 
 from torchmoe_ckpt.harness.launch import compare, run_torchrun
 

@@ -2,7 +2,6 @@
 When every host copy is gone, recovery downloads the window, verifies every file and stays bit-exact; a
 store that is down never blocks the caller and the upload catches up when it is back."""
 import json
-import time
 
 import pytest
 

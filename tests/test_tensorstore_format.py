@@ -18,7 +18,7 @@ from torchmoe_ckpt.dcp.object_tier import ObjectTier, make_store
 from torchmoe_ckpt.dcp.tensorstore_format import (
     TensorstoreTier, io_counters, read_global, read_pieces, slot_from_dcp)
 from torchmoe_ckpt.harness.launch import compare, run_torchrun
-from torchmoe_ckpt.inspect import inspect_location, verify_location
+from torchmoe_ckpt.inspect import verify_location
 
 E, F, D = 8, 64, 32  # experts, ffn, dim of the synthetic windows: one expert chunk = F*D*4 bytes
 

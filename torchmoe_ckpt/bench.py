@@ -6,6 +6,13 @@ Ratios reported per model:
   wait_fraction      training-thread wait / step time, checkpointing every iteration (goal <= 0.02)
   overhead_fraction  step time with checkpointing / step time without - 1
   replay_cost_ratio  recovery time / (W x normal step time) (goal <= 1.0)
+
+Baselines (torchmoe_ckpt.baselines, one torchrun start per model, same model, ranks and data, one injected
+failure each; see docs/benchmarks.md): dense DCP sync / async every k, Gemini-style host-memory snapshots
+every k, PEC/MoC (K experts per iteration, Dynamic-K), MoEtion selective (top-S within a byte budget), and
+ours through the same runner. Per system: bytes per checkpoint, training-thread wait per iteration,
+step-time overhead vs no checkpointing, recovery seconds, iterations lost, tokens lost (lossy) and whether
+the final state equals the fault-free run's (torch.equal on every tensor of every rank).
 """
 from __future__ import annotations
 
@@ -32,13 +39,22 @@ MODELS = {
 }
 WARMUP = 3
 FORCED_W = 4
+BASELINE_EVERY = 5  # k for the periodic dense baselines
+BASELINES = {  # name -> runner system spec
+    "dcp_sync": {"kind": "dcp_sync", "every": BASELINE_EVERY},
+    "dcp_async": {"kind": "dcp_async", "every": BASELINE_EVERY},
+    "gemini": {"kind": "gemini", "every": BASELINE_EVERY},
+    "pec_k1": {"kind": "pec", "k": 1, "selection": "sequential", "dynamic_k": True, "plt_limit": 0.05},
+    "moetion_30pct": {"kind": "moetion", "budget_fraction": 0.3},
+    f"ours_W{FORCED_W}": {"kind": "ours", "window": FORCED_W},
+}
 
 
 def _median_step(report: dict) -> float:
     return statistics.median(report["step_seconds"][WARMUP:])
 
 
-def bench_model(name: str, nproc: int, overlap: float, out: Path, say) -> dict:
+def bench_model(name: str, nproc: int, overlap: float, out: Path, say, baselines: bool = True) -> dict:
     m = MODELS[name]
     run = {"steps": m["steps"], "batch_size": m["batch_size"], "seq_len": m["seq_len"], "model": m["model"],
            "dtype": m["dtype"]}
@@ -60,6 +76,8 @@ def bench_model(name: str, nproc: int, overlap: float, out: Path, say) -> dict:
     for key, spec in runs.items():
         say(f"{name}: {key}")
         reports[key] = run_torchrun(nproc, spec, out / name / key, timeout=600).report
+    say(f"{name}: object-store formats (dcp vs tensorstore) on the newest window of rank 0")
+    formats = bench_formats(shm, name, nproc)
     shutil.rmtree(shm, ignore_errors=True)
     t_base = _median_step(reports["baseline"])
     systems = {}
@@ -104,7 +122,61 @@ def bench_model(name: str, nproc: int, overlap: float, out: Path, say) -> dict:
                   "wait_fraction<=0.02": main["wait_fraction"] <= 0.02,
                   "replay_cost_ratio<=1.0": main["replay_cost_ratio"] <= 1.0},
         "systems": systems,
+        "object_store_formats": formats,
+        "baselines": bench_baselines(name, nproc, out, say) if baselines else None,
     }
+
+
+def bench_formats(shm: Path, run_id: str, nproc: int) -> dict:
+    """Both on-store formats for the same window (rank 0's newest, from the tiers run), on file:// and on S3
+    (a moto server started here): bytes and objects written per window, upload time, bytes read to
+    recover the rank and to fetch 2 of its experts."""
+    from .dcp.format_compare import compare_formats
+    from .dcp.host_tier import HostTier
+    from .harness.servers import create_bucket, moto_server
+    tier = HostTier(shm / "node-0", run_id, 0, nproc)
+    wid = tier.window_ids()[-1]
+    res = {"window_id": wid, "file": compare_formats(tier, wid, f"file://{shm}/formats")}
+    with moto_server() as server:
+        create_bucket(server.storage_options, "tmoe-bench")
+        res["s3"] = compare_formats(tier, wid, "s3://tmoe-bench/formats", server.storage_options)
+    return res
+
+
+def bench_baselines(name: str, nproc: int, out: Path, say) -> dict:
+    """All baselines and ours in one torchrun start (phases), plus a fault-free reference for exactness."""
+    from .baselines.runner import run_system
+    from .harness.launch import compare
+    m = MODELS[name]
+    run = {"steps": m["steps"], "batch_size": m["batch_size"], "seq_len": m["seq_len"], "model": m["model"],
+           "dtype": m["dtype"]}
+    fail = [m["steps"] - 1]
+    # no checkpointing first (exactness reference) and last: the first phase of a process runs colder
+    phases = [{"name": "none", "run": run}] + [{"name": k, "run": run, "system": v, "failures": fail}
+                                              for k, v in BASELINES.items()] + [{"name": "none_end", "run": run}]
+    say(f"{name}: baselines ({', '.join(BASELINES)})")
+    res = run_system(nproc, {"phases": phases}, out / name / "baselines", timeout=900)
+    ref = res["none"]
+    t_ref = min(_median_step(ref.report), _median_step(res["none_end"].report))
+    rows = {"none": {"step_s": t_ref, "overhead_fraction": 0.0, "exact": True}}
+    for key in BASELINES:
+        rep = res[key].report
+        ck, rec = rep["checkpoint"], rep["recoveries"][0]
+        n = len(rep["step_seconds"])
+        t = _median_step(rep)
+        cmp = compare(ref, res[key])
+        rows[key] = {
+            "step_s": t, "overhead_fraction": t / t_ref - 1.0, "interval": ck.get("interval"),
+            "bytes_per_checkpoint": ck.get("bytes_per_checkpoint"), "checkpoints": ck.get("checkpoints"),
+            "wait_per_iteration_s": ck["wait_seconds_total"] / max(1, n), "wait_max_s": ck["wait_seconds_max"],
+            "recovery_s": rec["wall_seconds"], "recovered_step": rec["recovered_step"], "failed_at": rec["failed_at"],
+            "iterations_lost": rec["lost_iterations"], "replayed_iterations": rec.get("replayed_iterations", 0),
+            "tokens_lost": ck.get("tokens_lost", 0.0), "plt": ck.get("plt", 0.0), "exact": cmp.bit_exact,
+            "mismatched_tensors": len(cmp.mismatches)}
+        for extra in ("k", "k_history", "s_total", "export_s_max", "dense_bytes"):
+            if extra in ck:
+                rows[key][extra] = ck[extra]
+    return rows
 
 
 def report_markdown(res: dict) -> str:
@@ -128,7 +200,45 @@ def report_markdown(res: dict) -> str:
                          f"{f('host_persist_lag_s', '.3f')} | {f('replication_lag_s', '.3f')} | "
                          f"{f('upload_lag_s', '.3f')} |")
         lines.append("")
+        if r.get("object_store_formats"):
+            lines += formats_markdown(r["object_store_formats"])
+        if r.get("baselines"):
+            lines += baselines_markdown(r["baselines"])
     return "\n".join(lines)
+
+
+def formats_markdown(res: dict) -> list[str]:
+    lines = [f"Object-store formats, window {res['window_id']} of rank 0 (same bytes, both formats):", "",
+             "| store | format | bytes written | objects | upload s | bytes read to recover the rank | "
+             "bytes read for 2 experts |", "|---|---|---|---|---|---|---|"]
+    for store in ("file", "s3"):
+        for fmt in ("dcp", "tensorstore"):
+            row = res[store][fmt]
+            lines.append(f"| {store} | {fmt} | {row['bytes_written']} | {row['objects_written']} | "
+                         f"{row['upload_s']:.3f} | {row['bytes_read_recover_rank']} | "
+                         f"{row.get('bytes_read_experts', '-')} |")
+    return lines + [""]
+
+
+def baselines_markdown(rows: dict) -> list[str]:
+    dense = next((s["bytes_per_checkpoint"] for k, s in rows.items() if k == "gemini"), None)
+    lines = [f"Baselines (one failure before the optimizer step of the last-but-one iteration; dense k = "
+             f"{BASELINE_EVERY}; same runner for all):", "",
+             "| system | interval | step ms | overhead | bytes/ckpt | bytes/ckpt vs dense | wait/iter ms | "
+             "recovery s | iterations lost | replayed | tokens lost | PLT | exact |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    def num(v, scale=1.0, fmt=".3f", unit=""):
+        return "-" if v is None else f"{v * scale:{fmt}}{unit}"
+
+    for key, s in rows.items():
+        b = s.get("bytes_per_checkpoint")
+        lines.append(
+            f"| {key} | {s.get('interval', '-')} | {s['step_s'] * 1000:.1f} | {s['overhead_fraction']:+.3f} | "
+            f"{num(b, 1e-6, '.3f', ' MB')} | {num(b / dense if b and dense else None)} | "
+            f"{num(s.get('wait_per_iteration_s'), 1000, '.2f')} | {num(s.get('recovery_s'))} | "
+            f"{s.get('iterations_lost', '-')} | {s.get('replayed_iterations', '-')} | "
+            f"{s.get('tokens_lost', 0):.0f} | {s.get('plt', 0):.3f} | {'yes' if s['exact'] else 'no'} |")
+    return lines + [""]
 
 
 def plot(res: dict, path: Path) -> None:
@@ -151,8 +261,32 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_baselines(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = [r for r in res["models"] if r.get("baselines")]
+    if not models:
+        return
+    metrics = [("bytes_per_checkpoint", "bytes per checkpoint (MB)", 1e-6), ("wait_per_iteration_s",
+               "training-thread wait per iteration (ms)", 1e3), ("recovery_s", "recovery (s)", 1.0),
+               ("iterations_lost", "iterations lost", 1.0), ("plt", "portion of lost tokens", 1.0)]
+    fig, axes = plt.subplots(len(models), len(metrics), figsize=(3.2 * len(metrics), 3.0 * len(models)), squeeze=False)
+    for row, r in zip(axes, models):
+        keys = [k for k in r["baselines"] if k != "none"]
+        for ax, (m, title, scale) in zip(row, metrics):
+            vals = [(r["baselines"][k].get(m) or 0) * scale for k in keys]
+            ax.bar(range(len(keys)), vals, color=["tab:green" if r["baselines"][k]["exact"] else "tab:red" for k in keys])
+            ax.set_xticks(range(len(keys)), [k.replace("_", "\n") for k in keys], fontsize=6)
+            ax.set_title(f"{r['model']}: {title}", fontsize=7)
+    fig.suptitle("green: exact (final state == fault-free run), red: lossy", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def run_bench(out_dir: str = "benchmarks/results", models=("tiny", "cpu-large"), nproc: int = 2,
-              overlap: float = 0.05, verbose: bool = True) -> dict:
+              overlap: float = 0.05, verbose: bool = True, baselines: bool = True) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tmoe-bench-"))
@@ -164,12 +298,13 @@ def run_bench(out_dir: str = "benchmarks/results", models=("tiny", "cpu-large"),
     t0 = time.perf_counter()
     res = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}, "
                       f"torch {torch.__version__}",
-           "nproc": nproc, "models": [bench_model(m, nproc, overlap, work, say) for m in models]}
+           "nproc": nproc, "models": [bench_model(m, nproc, overlap, work, say, baselines) for m in models]}
     res["wall_seconds"] = time.perf_counter() - t0
     (out / "bench.json").write_text(json.dumps(res, indent=1))
     (out / "bench.md").write_text(report_markdown(res))
     try:
         plot(res, out / "bench.png")
+        plot_baselines(res, out / "bench_baselines.png")
     except ImportError:
         say("matplotlib missing: no plot")
     say(f"wrote {out / 'bench.json'}, {out / 'bench.md'}")

@@ -9,8 +9,7 @@ copied; the newest committed window and the one in flight are kept, older buffer
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist

@@ -26,6 +26,13 @@ def _bench(a) -> int:
     return 0
 
 
+def _simulate(a) -> int:
+    from .ettr import run_simulate
+    res, text = run_simulate(a.out, a.failures, a.seeds, a.hours, a.bench)
+    print(json.dumps(res, indent=1) if a.json else text)
+    return 0
+
+
 def _json_arg(text: str) -> dict:
     try:
         value = json.loads(open(text[1:]).read() if text.startswith("@") else text)
@@ -79,6 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", action="store_true")
     b.add_argument("--quiet", action="store_true")
     b.set_defaults(fn=_bench)
+    m = sub.add_parser("simulate", help="ETTR simulator: MoEvement Table 3's shape (DeepSeek-MoE), measured systems")
+    m.add_argument("--out", default="benchmarks/results/simulate.json")
+    m.add_argument("--failures", choices=("poisson", "periodic"), default="poisson")
+    m.add_argument("--seeds", type=int, default=20, help="Poisson runs averaged per cell")
+    m.add_argument("--hours", type=float, default=12.0)
+    m.add_argument("--bench", default=None, help="bench.json: also the ETTR of its measured systems")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(fn=_simulate)
     for name, fn, text in (("inspect", _inspect, "windows, slots, operators, sizes and checksum status"),
                            ("verify", _verify, "exit 0 only if every file of every committed window verifies")):
         c = sub.add_parser(name, help=text)

@@ -13,7 +13,6 @@ import queue
 import threading
 import time
 import uuid
-from pathlib import Path
 
 from .. import faults
 from .host_tier import HostTier, rank_manifest_name

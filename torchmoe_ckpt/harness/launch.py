@@ -26,11 +26,18 @@ def run_torchrun(nproc: int, spec: dict, out_dir: str | os.PathLike | None = Non
                  extra_env: dict | None = None, max_restarts: int = 0) -> RunResult:
     """Run `torchmoe_ckpt.harness.worker` on `nproc` local ranks (gloo) and load what each rank wrote."""
     out = Path(out_dir or tempfile.mkdtemp(prefix="tmoe-run-"))
+    log = launch(nproc, spec, out, timeout, extra_env, max_restarts)
+    return load_result(out, nproc, log)
+
+
+def launch(nproc: int, spec: dict, out: Path, timeout: float = 120.0, extra_env: dict | None = None,
+           max_restarts: int = 0, module: str = "torchmoe_ckpt.harness.worker") -> str:
+    """torchrun `module --spec out/spec.json --out out`; returns its output, raises with the tail on failure."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(spec, indent=1))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}",
-           "-m", "torchmoe_ckpt.harness.worker", "--spec", str(out / "spec.json"), "--out", str(out)]
+           "-m", module, "--spec", str(out / "spec.json"), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
     # Own process group, so a timeout kills torchrun *and* its workers instead of orphaning them.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -47,7 +54,7 @@ def run_torchrun(nproc: int, spec: dict, out_dir: str | os.PathLike | None = Non
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun exited {proc.returncode} (full log: {out / 'torchrun.log'}); "
                            f"last output:\n{log[-4000:]}")
-    return load_result(out, nproc, log)
+    return log
 
 
 def load_result(out: Path, nproc: int, log: str = "") -> RunResult:

@@ -51,24 +51,37 @@ def run(spec: dict, out: Path) -> dict:
     return report
 
 
-def main() -> None:
+def start() -> tuple[dict, Path]:
+    """Parse `--spec/--out` and join the process group: the start of every torchrun entry point here."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     spec = json.loads(Path(args.spec).read_text())
     init_distributed(timeout_s=spec.get("timeout_s", 120))
-    out = Path(args.out)
-    report = run(spec, out)
+    return spec, Path(args.out)
+
+
+def write_report(path: Path, report: dict) -> None:
+    """Rank 0 writes `report` once every rank got here."""
     dist.barrier()
     if dist.get_rank() == 0:
-        (out / "report.json").write_text(json.dumps(report, indent=1))
+        path.write_text(json.dumps(report, indent=1))
     dist.barrier()
+
+
+def leave() -> None:
     # Leave without tearing the gloo groups down: their C++ threads occasionally abort the process at exit
     # ("terminate called without an active exception"), after all results are safely written.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def main() -> None:
+    spec, out = start()
+    write_report(out / "report.json", run(spec, out))
+    leave()
 
 
 if __name__ == "__main__":
