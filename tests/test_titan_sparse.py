@@ -1,15 +1,15 @@
 """Sparse checkpointing inside TorchTitan 0.3.0's real Trainer (CPU mode, gloo, torchrun).
 
 * the ``[sparse_checkpoint]`` section and the ``--config job.toml`` loader: validation, one-line errors;
-* a real ``kill -9`` of rank 1 in iteration 6 (``TORCHMOE_FAULT=kill:point=backward:rank=1:step=6``) under ``torchrun --max-restarts 1``: the restarted workers
+* a real ``kill -9`` of rank 1 in iteration 6 (``TORCHMOE_FAULT=kill:point=backward:rank=1:step=6``) under
+  ``torchrun --max-restarts 1``: the restarted workers
   recover from the host tier by sparse-to-dense replay, and the final model + optimizer state of every rank
   and every loss after the recovery are ``torch.equal`` to a fault-free run.
 
-Run: ``pytest tests/test_titan_sparse.py --durations=0`` (the fault-free reference run is a module fixture).
+The torchrun parts use titan_integration/recovery_demo.py, the code behind ``make demo``.
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import subprocess
@@ -20,11 +20,11 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from titan_integration import demo  # noqa: E402  (cheap: does not import torchtitan)
+from titan_integration import demo, recovery_demo  # noqa: E402  (cheap: neither imports torchtitan)
+from titan_integration.recovery_demo import LAYOUTS  # noqa: E402
 from titan_integration.sparse_config import JobConfigError, SparseCheckpointSection  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-TORCHRUN = Path(sys.executable).parent / "torchrun"
 STEPS, WINDOW, KILL_STEP = 8, 3, 6
 
 
@@ -37,53 +37,13 @@ def env(tmp_path_factory) -> dict[str, str]:
 
 
 def _job(d: Path, extra_sparse: str = "", extra: str = "") -> Path:
-    d.mkdir(parents=True, exist_ok=True)
-    text = f"""
-dump_folder = "{d / 'dump'}"
-[training]
-steps = {STEPS}
-[debug]
-seed = 7
-deterministic = true
-[sparse_checkpoint]
-enable = true
-window = {WINDOW}
-host_dir = "{d / 'host'}"
-run_id = "test"
-fault_timeout_s = 60
-{extra_sparse}
-{extra}
-"""
-    path = d / "job.toml"
-    path.write_text(text)
-    return path
+    return recovery_demo.write_job(d, steps=STEPS, window=WINDOW, host_dir=d / "host", extra_sparse=extra_sparse,
+                                   extra=extra)
 
 
 def _train_direct(tmp_path: Path, env: dict[str, str], job: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "titan_integration.train", "--config", str(job)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-
-
-def _torchrun(d: Path, env: dict[str, str], job: Path, fault: str | None = None,
-              nproc: int = 2) -> subprocess.CompletedProcess:
-    e = dict(env, TORCHMOE_TITAN_EXPORT=str(d / "export"), TORCHMOE_TITAN_SCRAMBLE="1")
-    if fault:
-        e["TORCHMOE_FAULT"] = fault
-    launcher = [str(TORCHRUN)] if TORCHRUN.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    cmd = launcher + ["--standalone", "--nproc_per_node", str(nproc), "--max-restarts", "1", "--tee", "3",
-                      "-m", "titan_integration.train", "--config", str(job)]
-    proc = subprocess.run(cmd, cwd=d, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=280)
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    return proc
-
-
-def _load(d: Path, rank: int):
-    import torch
-
-    state = torch.load(d / "export" / f"state-rank-{rank}.pt", weights_only=True)
-    runs = sorted(glob.glob(str(d / "export" / f"run-rank-{rank}-attempt-*.json")))
-    return state, json.loads(Path(runs[-1]).read_text())
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=55)
 
 
 # ---- [sparse_checkpoint] section ----------------------------------------------------------------------
@@ -107,6 +67,8 @@ def test_section_defaults_and_mapping():
     ({"enable": "yes"}, "enable = 'yes': must be a boolean"),
     ({"fault_timeout_s": -1}, "fault_timeout_s = -1"),
     ({"storage_options": {"key": "k"}}, "object_store_uri is empty"),
+    ({"dense_export_every": 5}, "dense_export_every = 5: needs a place to write; fix: set dense_export_uri"),
+    ({"dense_export_keep": -1, "dense_export_uri": "file:///tmp/x"}, "dense_export_keep = -1: must be an integer"),
 ])
 def test_section_rejects_bad_values(table, needle):
     with pytest.raises(JobConfigError) as exc:
@@ -124,7 +86,6 @@ def test_store_uri_is_probed(tmp_path):
 
 
 # ---- --config job.toml: one clear line, exit status 2 -----------------------------------------------
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("extra_sparse, extra, needle", [
     ("ordering = 'fifo'", "", "error: [sparse_checkpoint] ordering = 'fifo': unknown ordering; fix: use one of"),
     ("bogus = 1", "", "error: [sparse_checkpoint] unknown key 'bogus'; fix: use one of enable, window"),
@@ -141,7 +102,6 @@ def test_bad_job_file_is_one_error_line_before_torchtitan(tmp_path, env, extra_s
     assert "fix:" in err[0] and "Traceback" not in proc.stdout + proc.stderr
 
 
-@pytest.mark.timeout(120)
 def test_unknown_key_in_torchtitan_section_names_valid_keys(tmp_path, env):
     job = _job(tmp_path / "job", "", "[parallelism]\nexpert_parallel_degre = 2")
     proc = _train_direct(tmp_path, env, job)
@@ -152,7 +112,6 @@ def test_unknown_key_in_torchtitan_section_names_valid_keys(tmp_path, env):
     assert "expert_parallel_degree" in err[0]
 
 
-@pytest.mark.timeout(120)
 def test_job_file_maps_onto_torchtitan_config(tmp_path, env):
     job = _job(tmp_path / "job", "ordering = 'soft'", "[optimizer]\nlr = 1e-3\nbeta2 = 0.99\n"
                "[lr_scheduler]\nwarmup_steps = 2\n[parallelism]\ndata_parallel_replicate_degree = 2\n"
@@ -170,65 +129,167 @@ def test_job_file_maps_onto_torchtitan_config(tmp_path, env):
         "kw = c.optimizer.param_groups[0].optimizer_kwargs\n"
         "assert kw['lr'] == 1e-3 and kw['betas'] == (0.9, 0.99), kw\n"
         "sc = c.sparse_checkpoint\n"
-        "assert sc.enable and sc.window == 3 and sc.ordering == 'soft' and sc.run_id == 'test'\n"
+        "assert sc.enable and sc.window == 3 and sc.ordering == 'soft' and sc.run_id == 'demo'\n"
         "assert c.training.mixed_precision_param == 'float32'  # CPU mode settings kept\n"
         "print('ok')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=110)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=55)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1] == "ok"
 
 
 # ---- kill -9 under torchrun: bit-exact recovery ---------------------------------------------------------
-LAYOUTS = {  # name: (ranks, job-file lines)
-    "fsdp2": (2, ""),                                                # FSDP2 (dp_shard 2)
-    "ep2": (2, "[parallelism]\nexpert_parallel_degree = 2"),         # experts split over EP 2
-    # HSDP 2x2 needs 4 ranks: ~90 s on 2 shared cores, so opt-in (TORCHMOE_TITAN_SLOW=1).
-    "hsdp2x2": (4, "[parallelism]\ndata_parallel_replicate_degree = 2\ndata_parallel_shard_degree = 2"),
-}
+# The same functions as `make demo` (titan_integration/recovery_demo.py). The fault-free reference run of a
+# layout is its own test item (so no item runs two torchrun jobs); the kill test reuses it.
 SLOW = os.environ.get("TORCHMOE_TITAN_SLOW") == "1"
+_REFERENCES: dict[str, Path] = {}
 
 
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def titan_reference(request, tmp_path_factory, env) -> tuple[str, Path]:
-    """Fault-free run of the same job (module fixture: its time shows as the setup of the first user)."""
-    layout = request.param
+def _layouts():
+    # HSDP 2x2 needs 4 ranks (4 TorchTitan processes on 2 cores): opt-in, see docs/torchtitan.md.
+    return [pytest.param(name, marks=pytest.mark.skipif(LAYOUTS[name][0] > 2 and not SLOW,
+                                                        reason=f"{name}: 4 ranks; set TORCHMOE_TITAN_SLOW=1"))
+            for name in sorted(LAYOUTS)]
+
+
+def _run(d: Path, env: dict[str, str], layout: str, fault: str | None = None) -> str:
     nproc, extra = LAYOUTS[layout]
-    if nproc > 2 and not SLOW:
-        pytest.skip(f"{layout} runs {nproc} ranks (~90 s on 2 cores); set TORCHMOE_TITAN_SLOW=1")
-    d = tmp_path_factory.mktemp(f"ref-{layout}")
-    _torchrun(d, env, _job(d, extra=extra), nproc=nproc)
-    return layout, d
+    job = recovery_demo.write_job(d, steps=STEPS, window=WINDOW, host_dir=d / "host", extra=extra)
+    rc, out = recovery_demo.torchrun(d, env, job, nproc=nproc, fault=fault, timeout=55)
+    assert rc == 0, out[-5000:]
+    return out
 
 
-@pytest.mark.timeout(300)
-def test_kill9_rank1_recovers_bit_exact(tmp_path, env, titan_reference):
-    import torch
+def _reference(tmp_path_factory, env, layout: str) -> Path:
+    if layout not in _REFERENCES:
+        d = tmp_path_factory.mktemp(f"ref-{layout}")
+        _run(d, env, layout)
+        _REFERENCES[layout] = d
+    return _REFERENCES[layout]
 
-    layout, reference = titan_reference
-    nproc, extra = LAYOUTS[layout]
+
+@pytest.mark.parametrize("layout", _layouts())
+def test_fault_free_reference_run(tmp_path_factory, env, layout):
+    d = _reference(tmp_path_factory, env, layout)
+    for rank in range(LAYOUTS[layout][0]):
+        _state, run = recovery_demo.load_rank(d, rank)
+        assert run["attempt"] == 0 and run["recovery"] is None
+        assert sorted(map(int, run["loss_bits"])) == list(range(1, STEPS + 1))
+        assert run["checkpoint"]["windows_committed"] >= STEPS // WINDOW - 1
+
+
+@pytest.mark.parametrize("layout", _layouts())
+def test_kill9_rank1_recovers_bit_exact(tmp_path, tmp_path_factory, env, layout):
+    reference = _reference(tmp_path_factory, env, layout)  # normally already run by the test above
+    nproc = LAYOUTS[layout][0]
     d = tmp_path / "kill"
-    proc = _torchrun(d, env, _job(d, extra=extra), fault=f"kill:point=backward:rank=1:step={KILL_STEP}", nproc=nproc)
+    out = _run(d, env, layout, fault=f"kill:point=backward:rank=1:step={KILL_STEP}")
     if layout == "ep2":
-        assert "ep=2" in proc.stdout
+        assert "ep=2" in out
     if layout == "hsdp2x2":
-        assert "dp_replicate=2, dp_shard=2" in proc.stdout
-    assert f"event=fault_injected action=kill point=backward rank=1 iteration={KILL_STEP} attempt=0" in proc.stdout
-    for rank in range(nproc):
-        want, ref_run = _load(reference, rank)
-        got, run = _load(d, rank)
-        assert ref_run["attempt"] == 0 and run["attempt"] == 1, "torchrun restarted the workers once"
-        rec = run["recovery"]
+        assert "dp_replicate=2, dp_shard=2" in out
+    assert f"event=fault_injected action=kill point=backward rank=1 iteration={KILL_STEP} attempt=0" in out
+    ranks = recovery_demo.compare(reference, d, nproc)
+    for r in ranks:
+        assert r.attempt == 1, "torchrun restarted the workers once"
+        rec = r.recovery
         assert rec is not None and rec["source"] == "host", rec
         assert 1 <= rec["recovered_step"] < KILL_STEP and rec["replayed_iterations"] == WINDOW - 1, rec
-        # Final state: every parameter, optimizer moment/step, buffer (expert_bias_E ...), LR and step.
-        assert want.keys() == got.keys()
-        assert any(k.startswith("optim/") and k.endswith("exp_avg_sq") for k in got)
-        assert any("expert_bias" in k for k in got)
-        bad = [k for k in want if not torch.equal(want[k], got[k])]
-        assert not bad, f"rank {rank}: {len(bad)} tensors differ, e.g. {bad[:4]}"
-        assert int(got["step"]) == STEPS
-        # Every loss after the recovery, bit for bit.
-        after = [str(s) for s in range(rec["recovered_step"] + 1, STEPS + 1)]
-        assert [run["loss_bits"][s] for s in after] == [ref_run["loss_bits"][s] for s in after]
-        assert run["checkpoint"]["slots_captured"] == STEPS - rec["recovered_step"]
+        # Final state: every parameter, optimizer moment/step, buffer (expert_bias ...), LR and step ...
+        assert not r.differing, f"rank {r.rank}: {len(r.differing)} tensors differ, e.g. {r.differing[:4]}"
+        state, _ = recovery_demo.load_rank(d, r.rank)
+        assert any(k.startswith("optim/") and k.endswith("exp_avg_sq") for k in state)
+        assert any("expert_bias" in k for k in state) and int(state["step"]) == STEPS
+        # ... and every loss after the recovery, bit for bit.
+        assert r.losses_compared == list(range(rec["recovered_step"] + 1, STEPS + 1)) and r.losses_equal
+        assert r.checkpoint["slots_captured"] == STEPS - rec["recovered_step"]
+        assert r.exact
+    report = recovery_demo.format_report(ranks, layout=layout, fault="kill", window=WINDOW, kill_step=KILL_STEP,
+                                         wall_reference=0.0, wall_failure=0.0)
+    assert "BIT-EXACT" in report and "copy from      host tier" in report
+
+
+def test_comparison_catches_one_changed_value(tmp_path, tmp_path_factory, env):
+    """compare() is what says "bit-exact": one flipped mantissa bit in one tensor, or one loss, must show."""
+    import shutil
+
+    import torch
+
+    reference = _reference(tmp_path_factory, env, "fsdp2")
+    bad = tmp_path / "bad"
+    shutil.copytree(reference / "export", bad / "export")
+    state, _ = recovery_demo.load_rank(bad, 0)
+    key = next(k for k in sorted(state) if k.startswith("optim/") and k.endswith("exp_avg_sq"))
+    flat = state[key].view(-1)
+    flat.view(torch.int32)[0] ^= 1  # the smallest change a float32 can have
+    torch.save(state, bad / "export" / "state-rank-0.pt")
+    ranks = recovery_demo.compare(reference, bad, 2)
+    assert ranks[0].differing == [key] and not ranks[0].exact and ranks[1].exact
+    run = json.loads((bad / "export" / "run-rank-1-attempt-0.json").read_text())
+    run["loss_bits"][str(STEPS)] ^= 1
+    (bad / "export" / "run-rank-1-attempt-0.json").write_text(json.dumps(run))
+    assert not recovery_demo.compare(reference, bad, 2)[1].losses_equal
+
+
+# ---- --override.imports on a stock Trainer, and stock TorchTitan loading our dense export ----------------
+_OVERRIDE_RUNS: dict[str, Path] = {}
+OVERRIDE = "titan_integration.overrides.sparse_checkpoint"
+
+
+def _override_run(tmp_path_factory, env) -> Path:
+    """TorchTitan's stock Trainer (registry config, no job file) with sparse checkpointing switched on by
+    --override.imports, and a dense export at the last step."""
+    if "fsdp2" not in _OVERRIDE_RUNS:
+        d = tmp_path_factory.mktemp("override")
+        kwargs = {"window": WINDOW, "host_dir": str(d / "host"), "run_id": "override", "fault_timeout_s": 60,
+                  "dense_export_uri": f"file://{d / 'dense'}", "dense_export_every": STEPS}
+        args = ["--module", "titan_integration.config_registry", "--config", "deepseek_v3_tiny",
+                "--training.steps", str(STEPS), "--debug.seed", "7", "--debug.deterministic",
+                "--dump_folder", str(d / "dump"), "--override.imports", f"{OVERRIDE}={json.dumps(kwargs)}"]
+        rc, out = recovery_demo.torchrun(d, env, None, nproc=2, train_args=args, timeout=55)
+        assert rc == 0, out[-5000:]
+        _OVERRIDE_RUNS["fsdp2"] = d
+    return _OVERRIDE_RUNS["fsdp2"]
+
+
+def test_override_imports_on_stock_trainer_equals_job_file_run(tmp_path_factory, env):
+    d = _override_run(tmp_path_factory, env)
+    ranks = recovery_demo.compare(_reference(tmp_path_factory, env, "fsdp2"), d, 2)
+    for r in ranks:
+        assert r.exact, (r.rank, r.differing[:4], r.losses_equal)
+        assert r.checkpoint["slots_captured"] == STEPS and r.checkpoint["windows_committed"] >= 1
+    assert (d / "dense" / f"step-{STEPS}" / ".metadata").exists()
+
+
+def test_stock_torchtitan_loads_dense_export_with_initial_load_path(tmp_path, tmp_path_factory, env):
+    """Stock Trainer + stock CheckpointManager, `--checkpoint.initial_load_path <export>`: every parameter it
+    loads is torch.equal to the exporting run's final parameters (a run of 8 steps, so far from the init)."""
+    import torch
+
+    d = _override_run(tmp_path_factory, env)
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    args = ["--module", "titan_integration.config_registry", "--config", "deepseek_v3_tiny",
+            "--dump_folder", str(tmp_path / "dump"), "--checkpoint.enable",
+            "--checkpoint.initial_load_path", str(d / "dense" / f"step-{STEPS}")]
+    rc, out = recovery_demo.torchrun(tmp_path, dict(env, PROBE_OUT=str(probe)), None, nproc=2, train_args=args,
+                                     script=str(REPO / "tests" / "titan_load_probe.py"), timeout=55)
+    assert rc == 0, out[-5000:]
+    assert f"Loading the checkpoint from {d / 'dense' / f'step-{STEPS}'}" in out
+    for rank in range(2):
+        loaded = torch.load(probe / f"loaded-rank-{rank}.pt", weights_only=True)
+        exported, _ = recovery_demo.load_rank(d, rank)
+        params = [k for k in exported if k.startswith("param/")]
+        assert bool(loaded["loaded"]) and len(params) > 10
+        assert sorted(params) == sorted(k for k in loaded if k.startswith("param/"))
+        bad = [k for k in params if not torch.equal(loaded[k], exported[k])]
+        assert not bad, f"rank {rank}: {bad[:4]}"
+
+
+def test_bad_override_json_is_one_error_line(tmp_path, env):
+    proc = subprocess.run([sys.executable, "-m", "titan_integration.train", "--override.imports",
+                           f'{OVERRIDE}={{"window": 0}}'], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=55)
+    err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr[-3000:]
+    assert err[0].startswith("error: [override sparse_checkpoint] window = 0: must be >= 1; fix:"), err

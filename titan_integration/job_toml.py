@@ -8,7 +8,7 @@ TorchTitan 0.3.0 dropped TOML (configs are Python functions). A job file here st
     [model]       name = "deepseek_v3"  flavor = "tiny"  hf_assets_path = "..."
     [training]    steps = 20  local_batch_size = 4  seq_len = 64  max_norm = 1.0 ...   (TrainingConfig)
     [parallelism] data_parallel_replicate_degree = 2  expert_parallel_degree = 2 ...   (ParallelismConfig)
-    [checkpoint]  enable = false  interval = 500 ...                                   (CheckpointManager.Config)
+    [checkpoint]  enable = false  interval = 500 ...             (CheckpointManager.Config, as SparseCheckpointManager's)
     [optimizer]   name = "AdamW"  lr = 3e-3  eps = 1e-8  weight_decay = 0.1  beta1 = 0.9  beta2 = 0.95
     [lr_scheduler] warmup_steps = 1  decay_ratio = 0.8 ...                             (LRSchedulersContainer.Config)
     [metrics] [debug] [compile] [comm] [dataloader] [profiler] [validator]              (their dataclasses)
@@ -165,6 +165,9 @@ def _apply_ac(config, table: dict[str, Any]) -> None:
 
 def load_job(path: str | os.PathLike, job: dict[str, Any] | None = None):
     """The ``SparseTrainer.Config`` for a job file (TorchTitan must be importable: call after CPU mode)."""
+    from torchtitan.config import derive
+
+    from titan_integration.checkpoint_manager import SparseCheckpointManager
     from titan_integration.config_registry import deepseek_v3_tiny
     from titan_integration.sparse_trainer import SparseTrainer
 
@@ -172,8 +175,9 @@ def load_job(path: str | os.PathLike, job: dict[str, Any] | None = None):
     check_sections(job)
     sparse = sparse_section(job)
     base = deepseek_v3_tiny()
-    config = SparseTrainer.Config(
-        **{f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}, sparse_checkpoint=sparse)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    fields["checkpoint"] = derive(base.checkpoint, SparseCheckpointManager.Config)  # TorchTitan's, plus ours
+    config = SparseTrainer.Config(**fields, sparse_checkpoint=sparse)
     for key in TOP_LEVEL_KEYS:
         if key in job:
             if not isinstance(job[key], str):

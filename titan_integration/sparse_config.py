@@ -11,6 +11,9 @@
     persist_interval = 1       # persist every window to the storage tiers (only 1 is supported so far)
     ordering = "hard"          # expert popularity: hard | soft | decayed | capacity
     fault_timeout_s = 0        # > 0: a collective that hangs this long ends the rank (torchrun restarts)
+    dense_export_uri = ""      # "" = none; any fsspec URI: dense exports in TorchTitan's layout, {uri}/step-N
+    dense_export_every = 0     # > 0: export every N iterations (dcp.async_save, off the training thread)
+    dense_export_keep = 2      # newest exports kept; older ones deleted
 
 Everything is checked before training starts; a bad value raises :class:`JobConfigError` whose message is
 one line ``... ; fix: ...`` (the launcher prints it as ``error: <message>`` and exits with status 2).
@@ -41,6 +44,9 @@ class SparseCheckpointSection:
     persist_interval: int = 1
     ordering: str = "hard"
     fault_timeout_s: float = 0.0
+    dense_export_uri: str = ""
+    dense_export_every: int = 0
+    dense_export_keep: int = 2
 
     # ---- construction from a TOML table ------------------------------------------------------------
     @classmethod
@@ -74,7 +80,7 @@ class SparseCheckpointSection:
             raise bad("window", "must be >= 1", 'window = "auto" (sized from measured bandwidth) or an integer >= 1')
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
             raise bad("replicas", "must be an integer >= 0", "replicas = 0 (host memory only) or 1, 2, ...")
-        for key in ("host_dir", "run_id", "object_store_uri"):
+        for key in ("host_dir", "run_id", "object_store_uri", "dense_export_uri"):
             if not isinstance(getattr(self, key), str):
                 raise bad(key, "must be a string", f'{key} = "..."')
         if not self.host_dir:
@@ -94,24 +100,34 @@ class SparseCheckpointSection:
         if (isinstance(self.fault_timeout_s, bool) or not isinstance(self.fault_timeout_s, (int, float))
                 or self.fault_timeout_s < 0):
             raise bad("fault_timeout_s", "must be a number >= 0", "fault_timeout_s = 0 (off) or e.g. 60")
-        if self.storage_options and not self.object_store_uri:
+        for key in ("dense_export_every", "dense_export_keep"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad(key, "must be an integer >= 0", f"{key} = 0 (off) or e.g. 100")
+        if self.dense_export_every and not self.dense_export_uri:
+            raise bad("dense_export_every", "needs a place to write", 'set dense_export_uri = "file:///..." '
+                      "(any fsspec URI) or dense_export_every = 0")
+        if self.storage_options and not (self.object_store_uri or self.dense_export_uri):
             raise JobConfigError(f"[{section}] storage_options is set but object_store_uri is empty; "
                                  "fix: set object_store_uri or remove storage_options")
 
     def check_store(self, probe: bool = True) -> None:
-        """Open (and by default probe-write) the object store once; raises JobConfigError naming the fix."""
-        if not self.object_store_uri:
-            return
+        """Open (and by default probe-write) the object store and the dense-export location once; raises
+        JobConfigError naming the fix. Both use ``storage_options``."""
         from torchmoe_ckpt.dcp.object_tier import StoreConfigError, open_store
 
-        try:
-            open_store(self.object_store_uri, self.storage_options or None, probe=probe)
-        except StoreConfigError as exc:
-            msg = str(exc)
-            if "fix:" not in msg:
-                msg = msg.replace(": use one of", "; fix: use one of", 1) if ": use one of" in msg else (
-                    f"{msg}; fix: correct [sparse_checkpoint] object_store_uri / storage_options")
-            raise JobConfigError(f"[sparse_checkpoint] object_store_uri: {msg}") from None
+        for key in ("object_store_uri", "dense_export_uri"):
+            uri = getattr(self, key)
+            if not uri or (key == "dense_export_uri" and not self.dense_export_every):
+                continue
+            try:
+                open_store(uri, self.storage_options or None, probe=probe)
+            except StoreConfigError as exc:
+                msg = str(exc)
+                if "fix:" not in msg:
+                    msg = msg.replace(": use one of", "; fix: use one of", 1) if ": use one of" in msg else (
+                        f"{msg}; fix: correct [sparse_checkpoint] {key} / storage_options")
+                raise JobConfigError(f"[sparse_checkpoint] {key}: {msg}") from None
 
     # ---- mapping onto the core ---------------------------------------------------------------------
     def core_config(self):

@@ -54,6 +54,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from titan_integration.checkpoint_manager import SparseCheckpointManager
 from titan_integration.sparse_config import SparseCheckpointSection
 from torchmoe_ckpt import faults
 
@@ -148,9 +149,18 @@ class SparseTrainer(Trainer):
     class Config(Trainer.Config):
         sparse_checkpoint: Annotated[SparseCheckpointSection, tyro.conf.Suppress] = field(
             default_factory=SparseCheckpointSection)
+        checkpoint: SparseCheckpointManager.Config = field(default_factory=SparseCheckpointManager.Config)
 
     def __init__(self, config: Config):
-        super().__init__(config)
+        super().__init__(config)  # builds self.checkpointer (a SparseCheckpointManager)
+        self._init_sparse(config.sparse_checkpoint)
+
+    def _init_sparse(self, section: SparseCheckpointSection, check: bool = True) -> None:
+        if check and section.enable and not isinstance(self.checkpointer, SparseCheckpointManager):
+            raise TypeError(f"config.checkpoint is a {type(self.checkpointer).__name__}; sparse checkpointing needs "
+                            "SparseCheckpointManager.Config there (fix: build the config with "
+                            "titan_integration.job_toml.load_job, or derive(cfg, SparseCheckpointManager.Config))")
+        self._sparse_section = section
         self.before_update: list[Callable[[], None]] = []
         self.sparse = None               # SparseCheckpointer once train() starts with enable = true
         self.recovery_report: dict | None = None
@@ -159,6 +169,23 @@ class SparseTrainer(Trainer):
         self._step_seconds: list[float] = []
         self._attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._watchdog = None
+
+    @classmethod
+    def adopt(cls, trainer: Trainer, section: SparseCheckpointSection) -> None:
+        """Turn a stock ``Trainer`` that is still being built into a SparseTrainer (the ``--override.imports``
+        path, where TorchTitan, not we, chose the Trainer class). Called from SparseCheckpointManager's
+        constructor, i.e. from inside ``Trainer.__init__``; ``train()`` runs ours afterwards."""
+        if isinstance(trainer, cls):
+            if trainer.config.sparse_checkpoint.enable:
+                raise ValueError("sparse checkpointing is configured twice ([sparse_checkpoint] in the job file and "
+                                 "--override.imports); fix: keep one of them")
+            trainer.config.sparse_checkpoint = section
+            return
+        if type(trainer) is not Trainer:
+            raise TypeError(f"--override.imports sparse checkpointing needs TorchTitan's own Trainer, got "
+                            f"{type(trainer).__name__}; fix: use titan_integration.train --config job.toml instead")
+        trainer.__class__ = cls  # same instance layout: Trainer plus the attributes _init_sparse adds
+        trainer._init_sparse(section, check=False)  # the caller is the SparseCheckpointManager being built
 
     def init_distributed(self):
         """After a torchrun restart, key the gloo rendezvous by attempt (as the harness does): otherwise
@@ -184,7 +211,7 @@ class SparseTrainer(Trainer):
     # ---- helpers ------------------------------------------------------------------------------------
     @property
     def sc(self) -> SparseCheckpointSection:
-        return self.config.sparse_checkpoint
+        return self._sparse_section
 
     @property
     def model(self) -> torch.nn.Module:
@@ -375,13 +402,8 @@ class SparseTrainer(Trainer):
         self.sparse = SparseCheckpointer(self.model, _OptimizerView(self.optimizers), self.compute_dtype,
                                          sc.core_config(), committed=committed, host_tier=tier,
                                          replicator=replicator, store=store).attach(self)
-        if committed is not None:
-            orig_load = self.checkpointer.load
-
-            def load_once(*_a, **_k):  # our recovered state is newer than any TorchTitan checkpoint
-                self.checkpointer.load = orig_load
-                return False
-            self.checkpointer.load = load_once
+        if committed is not None:  # newer than any TorchTitan checkpoint: its load is skipped
+            self.checkpointer.restored_step = self.recovery_report["recovered_step"]
         try:
             super().train()
             self.sparse.close()

@@ -113,9 +113,53 @@ def _config_functions(module) -> list[str]:
     )
 
 
+def _override_tokens(args: list[str]) -> list[str]:
+    tokens, grab = [], False
+    for a in args:
+        if a.startswith("--override.imports"):
+            grab = True
+            if "=" in a and a.index("=") == len("--override.imports"):
+                tokens.append(a.split("=", 1)[1])
+            continue
+        if grab and a.startswith("--"):
+            grab = False
+        if grab:
+            tokens.append(a)
+    return tokens
+
+
+def validate_overrides(args: list[str]) -> None:
+    """Our override's JSON is checked here (one line, exit 2) rather than deep inside Trainer.__init__."""
+    tokens = _override_tokens(args)
+    if not any(t.startswith("titan_integration.overrides.") for t in tokens):
+        return
+    import json
+
+    from torchtitan.config.override import parse_cli_imports
+
+    from titan_integration.overrides import TARGET, section_from_kwargs
+    from titan_integration.sparse_config import JobConfigError
+    try:
+        entries = parse_cli_imports(tokens)
+    except (ValueError, json.JSONDecodeError) as e:
+        raise UsageError(f"--override.imports: {e}; fix: quote it as one token: "
+                         f"'{TARGET}={{\"window\": 3}}'") from e
+    for entry in entries:
+        target, kwargs = (entry, {}) if isinstance(entry, str) else entry
+        if target.startswith("titan_integration.overrides.") and target != TARGET:
+            raise UsageError(f"--override.imports {target}: no such override; fix: use {TARGET}")
+        if target == TARGET:
+            try:
+                section_from_kwargs(kwargs).check_store()
+            except JobConfigError as e:
+                raise UsageError(str(e)) from e
+
+
 def validate(args: list[str]) -> None:
     """Import the config module and check the config function exists (one-line errors)."""
     from titan_integration.assets import AssetError, ensure_assets
+
+    validate_overrides(args)
 
     module_name = _get_opt(args, "--module")
     config_name = _get_opt(args, "--config")

@@ -2,8 +2,8 @@
 
 After sparse-to-dense conversion (or at any iteration boundary) every rank holds the exact dense state; we
 write it with `dcp.save` in TorchTitan's layout: model tensors at the top level under their FQNs (what
-`--checkpoint.initial_load_path` with `initial_load_model_only` reads), the optimizer under `optimizer` as
-`get_state_dict` gives it, and our `torchmoe_train_state` (step, LR). Any world size or mesh can read it
+`--checkpoint.initial_load_path` with `initial_load_model_only` reads), the optimizer under `optimizer` with flattened keys
+as TorchTitan's OptimizersContainer saves it, and our `torchmoe_train_state` (step, LR). Any world size or mesh can read it
 back (DCP reshards).
 `load_dense` puts it back through `set_state_dict`, which goes through FSDP2's own load path
 (`FSDPParam.reset_sharded_param`): loading with `dcp.load` into the live parameters alone changes the
@@ -25,8 +25,13 @@ TRAIN_STATE = "torchmoe_train_state"  # not TorchTitan's "train_state", which ha
 METADATA = ".metadata"  # DCP writes it last, after every rank's data: the commit
 
 
+# Flattened optimizer keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): TorchTitan's OptimizersContainer
+# layout, so its "optimizer" entry matches what TorchTitan itself saves.
+_OPTIONS = StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True)
+
+
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=False))
+    msd, osd = get_state_dict(model, optimizer, options=_OPTIONS)
     return {**msd, "optimizer": osd}
 
 
@@ -73,7 +78,7 @@ def load_dense(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: st
         raise ValueError(f"{uri} does not fit this model ({why}); it was written by another model or "
                          f"configuration: load an export of this model, or start without initial_load") from None
     osd, ts = state.pop("optimizer"), state.pop(TRAIN_STATE)
-    set_state_dict(model, optimizer, model_state_dict=state, optim_state_dict=osd)
+    set_state_dict(model, optimizer, model_state_dict=state, optim_state_dict=osd, options=_OPTIONS)
     step = int(ts["step"])
     log.info("event=dense_load step=%d path=%s", step, uri)
     return step
