@@ -40,5 +40,21 @@ class Timer:
         self.max = max(self.max, dt)
 
 
+class HostCopyBaseline:
+    """What the host-snapshot baselines share: a SnapshotEngine copying off the training thread, waited for
+    (and timed) before the next update overwrites its sources. Subclasses set engine, wait, pending."""
+
+    def attach(self, trainer):
+        trainer.before_update.append(self.before_update)
+        return self
+
+    def _wait_for_copy(self) -> bool:
+        """Wait for the copy in flight; True if a pending snapshot has just become complete."""
+        t0 = time.perf_counter()
+        self.engine.wait()
+        self.wait.add(t0)
+        return self.pending is not None and self.pending[0].complete
+
+
 def rng_state() -> torch.Tensor:
     return torch.get_rng_state().clone()

@@ -12,10 +12,10 @@ import torch
 
 from ..operators import discover_operators
 from ..snapshot import SnapshotEngine, StateAccess, build_slot
-from .common import Timer, fresh_trainer, restore_slots, rng_state
+from .common import HostCopyBaseline, Timer, fresh_trainer, restore_slots, rng_state
 
 
-class HostDense:
+class HostDense(HostCopyBaseline):
     exact = True
 
     def __init__(self, trainer, every: int = 1):
@@ -29,15 +29,8 @@ class HostDense:
         self.wait = Timer()
         self.checkpoints = 0
 
-    def attach(self, trainer) -> "HostDense":
-        trainer.before_update.append(self.before_update)
-        return self
-
     def before_update(self) -> None:
-        t0 = time.perf_counter()
-        self.engine.wait()
-        self.wait.add(t0)
-        if self.pending is not None and self.pending[0].complete:
+        if self._wait_for_copy():
             self.latest, self.pending = self.pending, None
 
     def after_step(self, trainer, res) -> None:

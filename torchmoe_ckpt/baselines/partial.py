@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 from ..operators import discover_operators, expert_grid
 from ..snapshot import Slot, SnapshotEngine, StateAccess, build_slot
-from .common import Timer, fresh_trainer, restore_slots, rng_state
+from .common import HostCopyBaseline, Timer, fresh_trainer, restore_slots, rng_state
 
 
-class PartialExperts:
+class PartialExperts(HostCopyBaseline):
     exact = False
 
     def __init__(self, trainer, every: int = 1):
@@ -55,15 +55,8 @@ class PartialExperts:
         pass
 
     # ---- hooks -----------------------------------------------------------------------------------------
-    def attach(self, trainer):
-        trainer.before_update.append(self.before_update)
-        return self
-
     def before_update(self) -> None:
-        t0 = time.perf_counter()
-        self.engine.wait()
-        self.wait.add(t0)
-        if self.pending is not None and self.pending[0].complete:
+        if self._wait_for_copy():
             slot, step, rng, lost = self.pending
             for name in slot.active:
                 self.saved_at[name] = step
