@@ -8,7 +8,7 @@ TorchTitan 0.3.0 dropped TOML (configs are Python functions). A job file here st
     [model]       name = "deepseek_v3"  flavor = "tiny"  hf_assets_path = "..."
     [training]    steps = 20  local_batch_size = 4  seq_len = 64  max_norm = 1.0 ...   (TrainingConfig)
     [parallelism] data_parallel_replicate_degree = 2  expert_parallel_degree = 2 ...   (ParallelismConfig)
-    [checkpoint]  enable = false  interval = 500 ...             (CheckpointManager.Config, as SparseCheckpointManager's)
+    [checkpoint]  enable = false  interval = 500 ...        (CheckpointManager.Config, as SparseCheckpointManager's)
     [optimizer]   name = "AdamW"  lr = 3e-3  eps = 1e-8  weight_decay = 0.1  beta1 = 0.9  beta2 = 0.95
     [lr_scheduler] warmup_steps = 1  decay_ratio = 0.8 ...                             (LRSchedulersContainer.Config)
     [metrics] [debug] [compile] [comm] [dataloader] [profiler] [validator]              (their dataclasses)

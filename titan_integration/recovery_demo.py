@@ -187,8 +187,9 @@ def format_report(ranks: list[RankComparison], *, layout: str, fault: str, windo
                      f"{r.losses_compared[-1] if r.losses_compared else '-'} "
                      f"{'identical' if r.losses_equal else 'DIFFER'})"
                      + ("" if not r.differing else f"; differing: {', '.join(r.differing[:4])}"))
+    verdict = "BIT-EXACT: the recovered run equals the run that never failed" if exact else "NOT EXACT"
     lines += [f"wall time      reference run {wall_reference:.1f} s, run with the failure {wall_failure:.1f} s",
-              f"result         {'BIT-EXACT: the recovered run equals the run that never failed' if exact else 'NOT EXACT'}",
+              f"result         {verdict}",
               "=" * 79]
     return "\n".join(lines)
 

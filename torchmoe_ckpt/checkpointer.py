@@ -61,28 +61,6 @@ class Window:
         return sum(s.nbytes for s in self.slots)
 
 
-def replicator_stats(writer) -> dict | None:
-    rep = getattr(writer, "replicator", None)
-    if rep is None:
-        return None
-    return {"bytes_sent": rep.bytes_sent, "data_bytes_sent": rep.data_bytes_sent, "own_data_bytes": rep.own_data_bytes,
-            "replicas": max((len(p) for p in rep.placement.peers), default=0),
-            "replica_verified": rep.replica_verified, "replica_mismatch": rep.replica_mismatch,
-            "windows_replicated": len(writer.replicated),
-            "replication_lag_s_max": max(writer.replication_lag_seconds, default=0.0),
-            "replication_lag_s": [round(x, 4) for x in writer.replication_lag_seconds]}
-
-
-def uploader_stats(writer) -> dict | None:
-    up = getattr(writer, "uploader", None)
-    if up is None:
-        return None
-    return {"windows_uploaded": len(up.uploaded), "last_window": up.uploaded[-1] if up.uploaded else None,
-            "bytes": up.bytes, "dropped": up.dropped,
-            "upload_lag_s_max": max(up.lag_seconds, default=0.0), "errors": up.errors[-3:],
-            "upload_lag_s": [round(x, 4) for x in up.lag_seconds]}
-
-
 class SparseCheckpointer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, compute_dtype: torch.dtype,
                  cfg: SparseConfig | None = None, group: dist.ProcessGroup | None = None,
@@ -256,9 +234,8 @@ class SparseCheckpointer:
                                   if self.counters["copy_seconds"] else 0.0),
             "t_iter": self.t_iter, "bandwidth_bytes_per_s": self.bandwidth,
             "windows": self.counters["windows"][-5:],
-            "host_tier": None if self.tier_writer is None else {
-                "windows_persisted": len(self.tier_writer.persisted), "bytes_written": self.tier_writer.bytes_written,
-                "lag_seconds_max": max(self.tier_writer.lag_seconds, default=0.0), "errors": self.tier_writer.errors},
-            "peers": replicator_stats(self.tier_writer),
-            "object_store": uploader_stats(self.tier_writer),
+            "host_tier": None if self.tier_writer is None else self.tier_writer.stats(),
+            "peers": None if self.tier_writer is None else self.tier_writer.replication_stats(),
+            "object_store": None if self.tier_writer is None or self.tier_writer.uploader is None
+            else self.tier_writer.uploader.stats(),
         }

@@ -193,6 +193,22 @@ class TierWriter:
         self._thread = threading.Thread(target=self._run, name="tmoe-host-tier", daemon=True)
         self._thread.start()
 
+    def stats(self) -> dict:
+        return {"windows_persisted": len(self.persisted), "bytes_written": self.bytes_written,
+                "lag_seconds_max": max(self.lag_seconds, default=0.0), "errors": self.errors}
+
+    def replication_stats(self) -> dict | None:
+        rep = self.replicator
+        if rep is None:
+            return None
+        return {"bytes_sent": rep.bytes_sent, "data_bytes_sent": rep.data_bytes_sent,
+                "own_data_bytes": rep.own_data_bytes,
+                "replicas": max((len(p) for p in rep.placement.peers), default=0),
+                "replica_verified": rep.replica_verified, "replica_mismatch": rep.replica_mismatch,
+                "windows_replicated": len(self.replicated),
+                "replication_lag_s_max": max(self.replication_lag_seconds, default=0.0),
+                "replication_lag_s": [round(x, 4) for x in self.replication_lag_seconds]}
+
     def slot(self, window_id: int, slot: Slot, info: dict) -> None:
         self.jobs.put(("slot", window_id, slot, info))
 

@@ -218,6 +218,12 @@ class Uploader:
         self._lock = threading.Condition()
         threading.Thread(target=self._run, name="tmoe-upload", daemon=True).start()
 
+    def stats(self) -> dict:
+        return {"windows_uploaded": len(self.uploaded), "last_window": self.uploaded[-1] if self.uploaded else None,
+                "bytes": self.bytes, "dropped": self.dropped,
+                "upload_lag_s_max": max(self.lag_seconds, default=0.0), "errors": self.errors[-3:],
+                "upload_lag_s": [round(x, 4) for x in self.lag_seconds]}
+
     def submit(self, window_id: int) -> None:
         with self._lock:
             self._pending.append((window_id, time.perf_counter()))
