@@ -1,0 +1,180 @@
+"""Localized recovery for pipeline stages (MoEvement §3.4 and Appendix A).
+
+Planning is a pure function of what every stage reports after a failure: healthy (its live state at
+iteration T is intact) or failed, the committed windows it can load, and what its boundary log holds.
+
+* Failed stages form maximal contiguous segments. Each segment recovers on its own, in parallel with the
+  others: its stages load the newest window common to them (start t0), replay t0+1..t0+W-1 with
+  sparse-to-dense conversion and then t0+W..T as plain replay, taking the activations entering the
+  segment from the upstream border stage's log and the gradients entering it from the downstream border
+  stage's log (and the global grad norm and loss from a border's per-iteration record). Inside a segment
+  the stages exchange tensors live, as in training. Healthy stages wait, state untouched: zero
+  recomputation.
+* A failure while a recovery runs (a segment stage, or a healthy stage next to one) ends that attempt; the
+  next attempt plans again from the reported state, so the segment grows to include it and its recovery
+  restarts from the window common to the larger segment. A recovering stage never reports itself healthy
+  before its recovery completed everywhere.
+* Global recovery (every stage rolls back to the newest window common to all and replays it jointly) when
+  no stage is healthy (no live neighbour), when healthy stages stopped at different iterations, when a
+  segment has no common window, or when a border log misses an iteration the replay needs (log bound hit
+  or log lost). The reason is logged (`event=pp_recovery mode=global reason=...`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .pipeline import Logged, Peer, StageIO, StageTrainer
+from .pipeline_log import LogReader
+from .recovery import sparse_to_dense
+from .replay_log import Replay
+
+log = logging.getLogger("torchmoe_ckpt.pipeline_recovery")
+
+
+@dataclass
+class StageStatus:
+    stage: int
+    healthy: bool                 # its live state after iteration `step` survived
+    step: int | None              # healthy: iterations completed
+    windows: dict[int, int]       # committed window id -> start step, verified on its host tier
+
+
+@dataclass
+class Segment:
+    first: int
+    last: int
+    window_id: int
+    start_step: int
+    up: int | None                # the border stage whose forward log feeds `first` (None: pipeline start)
+    down: int | None              # the border stage whose backward log feeds `last` (None: pipeline end)
+
+    @property
+    def stages(self) -> list[int]:
+        return list(range(self.first, self.last + 1))
+
+
+@dataclass
+class RecoveryPlan:
+    mode: str                     # none | local | global | cold
+    target_step: int | None = None
+    segments: list[Segment] = field(default_factory=list)
+    window_id: int | None = None  # global: the window every stage rolls back to
+    reason: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def segment_of(self, stage: int) -> Segment | None:
+        return next((s for s in self.segments if s.first <= stage <= s.last), None)
+
+
+def contiguous_runs(stages: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for s in sorted(stages):
+        if runs and runs[-1][1] == s - 1:
+            runs[-1] = (runs[-1][0], s)
+        else:
+            runs.append((s, s))
+    return runs
+
+
+def plan_recovery(statuses: list[StageStatus], log_dirs: list, microbatches: int) -> RecoveryPlan:
+    """Decide who replays what. `log_dirs[s]` is stage s's boundary-log directory (readable here)."""
+    n = len(statuses)
+    failed = [s.stage for s in statuses if not s.healthy]
+    if not failed:
+        return RecoveryPlan("none", target_step=statuses[0].step)
+    healthy_steps = {s.step for s in statuses if s.healthy}
+
+    def global_plan(reason: str) -> RecoveryPlan:
+        common = [w for w in set.intersection(*(set(s.windows) for s in statuses))
+                  if len({s.windows[w] for s in statuses}) == 1]
+        if not common:
+            return RecoveryPlan("cold", reason=f"{reason}; and no window common to all stages: start over")
+        return RecoveryPlan("global", window_id=max(common), reason=reason)
+
+    if not healthy_steps:
+        return global_plan("no live neighbour: every stage failed")
+    if len(healthy_steps) > 1:
+        return global_plan(f"healthy stages stopped at different iterations {sorted(healthy_steps)}")
+    target = healthy_steps.pop()
+    segments = []
+    for a, b in contiguous_runs(failed):
+        members = statuses[a:b + 1]
+        common = set.intersection(*(set(s.windows) for s in members))
+        usable = sorted((w for w in common if len({s.windows[w] for s in members}) == 1
+                         and members[0].windows[w] < target), reverse=True)
+        if not usable:
+            return global_plan(f"stages {a}..{b} have no committed window in common before iteration {target}")
+        wid = usable[0]
+        t0 = members[0].windows[wid]
+        up = a - 1 if a > 0 else None
+        down = b + 1 if b < n - 1 else None
+        its = range(t0 + 1, target + 1)
+        if up is not None and not LogReader(log_dirs[up]).has(its, microbatches, "fwd"):
+            return global_plan(f"stage {up}'s forward log misses an iteration of {t0 + 1}..{target} "
+                               f"(log bound hit or log lost)")
+        if down is not None and not LogReader(log_dirs[down]).has(its, microbatches, "bwd"):
+            return global_plan(f"stage {down}'s backward log misses an iteration of {t0 + 1}..{target} "
+                               f"(log bound hit or log lost)")
+        segments.append(Segment(a, b, wid, t0, up, down))
+    return RecoveryPlan("local", target_step=target, segments=segments,
+                        reason=f"stages {failed} failed; segments {[(s.first, s.last) for s in segments]}")
+
+
+def segment_io(trainer: StageTrainer, seg: Segment, log_dirs: list) -> StageIO:
+    """Inside the segment: live neighbours; at its borders: the border stages' logs."""
+    s = trainer.stage
+    if s == 0:
+        up = None
+    elif s - 1 >= seg.first:
+        up = Peer(trainer.ranks[s - 1])
+    else:
+        up = Logged(LogReader(log_dirs[seg.up]), "fwd")
+    if s == trainer.pp.stages - 1:
+        down = None
+    elif s + 1 <= seg.last:
+        down = Peer(trainer.ranks[s + 1])
+    else:
+        down = Logged(LogReader(log_dirs[seg.down]), "bwd")
+    border = seg.up if seg.up is not None else seg.down
+    return StageIO(up, down, meta=LogReader(log_dirs[border]))
+
+
+def recover_in_segment(trainer: StageTrainer, window, seg: Segment, target: int, log_dirs: list) -> dict:
+    """Phase 1: sparse-to-dense over the window; phase 2: replay to the healthy stages' iteration."""
+    t_start = time.perf_counter()
+    trainer.replay_io = segment_io(trainer, seg, log_dirs)
+    if trainer.log is not None:
+        trainer.log.clear()  # this stage's own log went down with it; what it replays is logged again
+    rep = sparse_to_dense(trainer, window).to_dict()
+    meta = trainer.replay_io.meta
+    for t in range(trainer.step + 1, target + 1):
+        rec = meta.meta(t)
+        # No operator here draws random numbers; the state is passed only to keep the replay contract.
+        trainer.train_step(Replay(trainer.stream.batch(t, 0), rec["grad_norm"], torch.get_rng_state()))
+    trainer.replay_io = None
+    rep.update(mode="local", segment=[seg.first, seg.last], phase2_iterations=target - window.start_step - window.plan.window + 1,
+               replayed_total=trainer.replayed_iterations, recovered_step=trainer.step,
+               seconds=time.perf_counter() - t_start)
+    log.info("event=pp_stage_recovered stage=%d segment=%d..%d window=%d t0=%d target=%d replayed=%d seconds=%.3f",
+             trainer.stage, seg.first, seg.last, window.id, window.start_step, target, trainer.replayed_iterations,
+             rep["seconds"])
+    return rep
+
+
+def recover_global(trainer: StageTrainer, window) -> dict:
+    """Every stage rolls back to `window` and replays it jointly, live, like training."""
+    t_start = time.perf_counter()
+    io = trainer.live_io
+    trainer.replay_io = StageIO(io.up, io.down, meta=None, reduce_loss=True)
+    if trainer.log is not None:
+        trainer.log.drop_from(window.start_step + 1)
+    rep = sparse_to_dense(trainer, window).to_dict()
+    trainer.replay_io = None
+    rep.update(mode="global", replayed_total=trainer.replayed_iterations, seconds=time.perf_counter() - t_start)
+    return rep
