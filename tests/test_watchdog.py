@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from torchmoe_ckpt.harness.launch import compare, run_torchrun
+from torchmoe_ckpt.harness.launch import compare, processes_mentioning, run_torchrun
 from torchmoe_ckpt.watchdog import EXIT_COLLECTIVE_ERROR, EXIT_HANG
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,19 +168,6 @@ def _state(pid: int) -> str | None:
         return None
 
 
-def _leftovers(marker: str) -> list[int]:
-    """Processes (ours) whose command line mentions `marker`."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                if marker in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                    pids.append(int(d.name))
-            except OSError:
-                pass
-    return pids
-
-
 def test_frozen_peer_under_torchrun_is_detected_restarted_and_recovered(tmp_path, reference):
     """A real SIGSTOP of rank 1 before the optimizer step of iteration 10. Rank 0 blocks in the expert-bias
     all_reduce; its watchdog (3 s; gloo's timeout 30 s) logs the hang and exits 124; torchrun stops the
@@ -197,7 +184,7 @@ def test_frozen_peer_under_torchrun_is_detected_restarted_and_recovered(tmp_path
         run = run_torchrun(2, s, out, max_restarts=1, timeout=55)
     finally:
         deadline = time.monotonic() + 2  # stop guards leave within 0.5 s of their worker
-        while (left := _leftovers(str(out)) + _leftovers("tmoe-stop-guard")) and time.monotonic() < deadline:
+        while (left := processes_mentioning(str(out)) + processes_mentioning("tmoe-stop-guard")) and time.monotonic() < deadline:
             time.sleep(0.1)
         for pid in left:
             os.kill(pid, signal.SIGKILL)  # never leave a stopped worker behind, even when the test fails

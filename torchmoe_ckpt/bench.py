@@ -127,6 +127,30 @@ def bench_model(name: str, nproc: int, overlap: float, out: Path, say, baselines
     }
 
 
+def bench_jit(out: Path, say) -> dict:
+    """Iterations lost to one failure with and without the just-in-time checkpoint (jit.py): 2 plain
+    data-parallel replicas (hsdp=2 on 2 ranks), window 4, rank 0 killed as iteration 8's backward starts.
+    Lost = the failed iteration - the step the restart resumes from (the window alone: 8 - 4)."""
+    from .harness.launch import compare
+    run, fail_at = {"steps": 10, "dtype": "fp32", "hsdp": 2}, 8
+    shm = Path(tempfile.mkdtemp(prefix="tmoe-bench-jit-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    say("jit: fault-free reference, then one kill with and without JIT")
+    ref = run_torchrun(2, {"run": run}, out / "jit" / "reference", timeout=600)
+    res = {"failed_iteration": fail_at, "window": FORCED_W}
+    for key, on in (("with_jit", True), ("without_jit", False)):
+        (shm / key / "faults").mkdir(parents=True)
+        spec = {"run": run, "checkpoint": {"window": FORCED_W}, "resume": True, "jit": on, "timeout_s": 60,
+                "watchdog_timeout_s": 30, "host_tier": {"root": str(shm / key), "run_id": "jit"}}
+        r = run_torchrun(2, spec, out / "jit" / key, timeout=600, max_restarts=1, extra_env={
+            "TORCHMOE_FAULT": f"kill:point=backward:rank=0:step={fail_at}", "TORCHMOE_FAULT_STATE": str(shm / key / "faults")})
+        rec = r.report["recoveries"][-1]
+        res[key] = {"iterations_lost": fail_at - rec["recovered_step"], "source": rec.get("source"),
+                    "recovered_step": rec["recovered_step"], "restart_seconds": round(rec["restart_seconds"], 4),
+                    "exact": compare(r, ref).bit_exact}
+    shutil.rmtree(shm, ignore_errors=True)
+    return res
+
+
 def bench_formats(shm: Path, run_id: str, nproc: int) -> dict:
     """Both on-store formats for the same window (rank 0's newest, from the tiers run), on file:// and on S3
     (a moto server started here): bytes and objects written per window, upload time, bytes read to
@@ -204,6 +228,23 @@ def report_markdown(res: dict) -> str:
             lines += formats_markdown(r["object_store_formats"])
         if r.get("baselines"):
             lines += baselines_markdown(r["baselines"])
+    if res.get("jit_iterations_lost"):
+        j = res["jit_iterations_lost"]
+        lines += [f"## Just-in-time checkpoint (2 data-parallel replicas, W={j['window']}, one kill in iteration "
+                  f"{j['failed_iteration']})", "", "| | resumes from step | iterations lost | restart s | exact |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {k.replace('_', ' ')} | {j[k]['recovered_step']} | {j[k]['iterations_lost']} | "
+                  f"{j[k]['restart_seconds']:.3f} | {'yes' if j[k]['exact'] else 'NO'} |"
+                  for k in ("with_jit", "without_jit")] + [""]
+    if res.get("pipeline"):
+        p = res["pipeline"]
+        lines += [f"## Pipeline parallel (PP={p['stages']}, {p['microbatches']} micro-batches, W={p['window']}; "
+                  f"stage 1 lost after iteration {p['failed_after_iteration']})", "",
+                  f"boundary log: **{p['log_bytes_per_iteration']} bytes per iteration** (all stages)", "",
+                  "| recovery | seconds (median) | iterations recomputed per stage |", "|---|---|---|",
+                  f"| localized | {p['pp_recovery_s_localized']:.3f} | {p['localized_recomputed_iterations']} |",
+                  f"| global rollback | {p['pp_recovery_s_global']:.3f} | {p['global_recomputed_iterations']} |",
+                  "", f"both exact: {'yes' if p['exact'] else 'NO'}", ""]
     return "\n".join(lines)
 
 
@@ -285,6 +326,28 @@ def plot_baselines(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def bench_pipeline(work: Path, say) -> dict:
+    """PP=3 (tiny MoE, one rank per stage, 1F1B): boundary-log bytes per iteration, and in the same run
+    the recovery time of stage 1 localized (its window + neighbours' logs, others wait) vs a global
+    rollback of every stage to the window (docs/pipeline-parallel.md)."""
+    from .harness.launch import launch, load_result
+    out = work / "pipeline"
+    spec = {"run": {"steps": 14, "model": {"n_layers": 3}, "batch_size": 4},  # lost mid-window: W-1 + 2 replayed
+            "pipeline": {"stages": 3, "microbatches": 2, "schedule": "1f1b"},
+            "checkpoint": {"window": 4, "bandwidth_bytes_per_s": 1e9},
+            "host_tier": {"root": str(work / "pipeline-shm"), "run_id": "bench"}, "timeout_s": 60,
+            "bench_recovery": {"stage": 1}}
+    say("pipeline PP=3: boundary log and localized vs global recovery")
+    rep = load_result(out, 3, launch(3, spec, out, 300, module="torchmoe_ckpt.harness.pipeline_worker")).report
+    b = rep["bench_recovery"]
+    return {"stages": 3, "microbatches": 2, "window": 4, "log_bytes_per_iteration": rep["log_bytes_per_iteration"],
+            "pp_recovery_s_localized": b["pp_recovery_s_localized"], "pp_recovery_s_global": b["pp_recovery_s_global"],
+            "localized_recomputed_iterations": b["localized_recomputed_iterations"],
+            "global_recomputed_iterations": b["global_recomputed_iterations"],
+            "failed_after_iteration": b["target_step"], "localized_s_all": b["localized_s_all"],
+            "global_s_all": b["global_s_all"], "exact": b["localized_exact"] and b["global_exact"]}
+
+
 def run_bench(out_dir: str = "benchmarks/results", models=("tiny", "cpu-large"), nproc: int = 2,
               overlap: float = 0.05, verbose: bool = True, baselines: bool = True) -> dict:
     out = Path(out_dir)
@@ -298,7 +361,11 @@ def run_bench(out_dir: str = "benchmarks/results", models=("tiny", "cpu-large"),
     t0 = time.perf_counter()
     res = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}, "
                       f"torch {torch.__version__}",
-           "nproc": nproc, "models": [bench_model(m, nproc, overlap, work, say, baselines) for m in models]}
+           "nproc": nproc, "models": [bench_model(m, nproc, overlap, work, say, baselines) for m in models],
+           "jit_iterations_lost": bench_jit(work, say)}
+    res["pipeline"] = bench_pipeline(work, say)
+    for k in ("log_bytes_per_iteration", "pp_recovery_s_localized", "pp_recovery_s_global"):
+        res[k] = res["pipeline"][k]
     res["wall_seconds"] = time.perf_counter() - t0
     (out / "bench.json").write_text(json.dumps(res, indent=1))
     (out / "bench.md").write_text(report_markdown(res))

@@ -61,12 +61,21 @@ class Window:
         return sum(s.nbytes for s in self.slots)
 
 
+_SAME_GROUP = object()  # agree_group not given: the planning group
+
+
 class SparseCheckpointer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, compute_dtype: torch.dtype,
                  cfg: SparseConfig | None = None, group: dist.ProcessGroup | None = None,
-                 committed: Window | None = None, host_tier=None, replicator=None, store=None):
+                 committed: Window | None = None, host_tier=None, replicator=None, store=None,
+                 first_window_id: int | None = None, agree_group: dist.ProcessGroup | None | object = _SAME_GROUP):
+        """`group`: the ranks that plan windows together (same operators). `agree_group` (default: `group`;
+        None = all ranks): the ranks that agree on the retention floor and copy bandwidth, wider under
+        pipeline parallelism (every stage keeps the windows any stage may need). `first_window_id`: where
+        window ids start when windows already exist on the tiers (default: after `committed`, else 0)."""
         self.cfg = cfg or SparseConfig()
         self.group = group
+        self.agree_group = group if agree_group is _SAME_GROUP else agree_group
         self.compute_dtype = compute_dtype
         self.ops: list[Operator] = discover_operators(model)
         self.op_by_name = {o.name: o for o in self.ops}
@@ -91,7 +100,7 @@ class SparseCheckpointer:
         self._order: list[str] | None = None
         self._order_freq: torch.Tensor | None = None
         self._pool: dict[tuple, list[Slot]] = {}  # free slot buffers by plan, reused
-        self._next_id = (committed.id + 1) if committed else 0
+        self._next_id = first_window_id if first_window_id is not None else (committed.id + 1) if committed else 0
         self.t_iter: float | None = None
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._warned_unfit = False  # an impossible copy budget is reported once, not every window
@@ -162,7 +171,7 @@ class SparseCheckpointer:
         if not dist.is_initialized():
             return value
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=op, group=self.group)
+        dist.all_reduce(t, op=op, group=self.agree_group)
         return float(t.item())
 
     def _operator_order(self) -> list[str]:

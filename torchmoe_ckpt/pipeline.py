@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from . import faults
 from .harness.data import TokenStream
 from .harness.model import TinyMoE
-from .harness.trainer import DTYPES, RunConfig
+from .harness.trainer import DTYPES, RunConfig, position_schedule, training_state
 from .pipeline_log import BoundaryLog, LogReader
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -340,23 +340,10 @@ class StageTrainer:
     # ---- state access (same contract as harness.trainer.Trainer) -------------------------------------
     def set_step(self, step: int) -> None:
         self.step = step
-        self.scheduler.last_epoch = step
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_lr()):
-            group["lr"] = lr
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        position_schedule(self.optimizer, self.scheduler, step)
 
     def export_state(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for name, p in self.model.named_parameters():
-            out[f"param/{name}"] = p.detach().clone()
-            for key, val in self.optimizer.state.get(p, {}).items():
-                out[f"optim/{name}/{key}"] = val.clone() if torch.is_tensor(val) else torch.tensor(val)
-        for name, b in self.model.named_buffers():
-            if b is not None and not name.endswith("router_prob_E"):
-                out[f"buffer/{name}"] = b.clone()
-        out["lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"], dtype=torch.float64)
-        out["step"] = torch.tensor(self.step)
-        return out
+        return training_state(self.model, self.optimizer, self.step)
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Inverse of export_state (a healthy stage resuming its live state after a worker restart)."""

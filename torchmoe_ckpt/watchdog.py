@@ -35,7 +35,7 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 EXIT_HANG = 124              # like coreutils' timeout(1): "the command timed out"
 EXIT_COLLECTIVE_ERROR = 125  # torch.distributed raised inside a watched region
@@ -156,6 +156,10 @@ class CollectiveWatchdog:
         self.exit_on_dist_error = exit_on_dist_error
         self.stop_guard_s = stop_guard_s  # None: no stop guard
         self.guard: subprocess.Popen | None = None
+        # Called with the event record (event, rank, op, ...) before the abort and exit, on the thread that
+        # detected the failure: the watchdog thread for a hang, the watched thread for a collective error.
+        # A hook must not issue collectives (the peers are gone); jit.py saves the rank's state here.
+        self.on_failure: list[Callable[[dict], None]] = []
         self._cv = threading.Condition()
         self._open: dict[int, tuple[str, float]] = {}  # token -> (op, start); threads may watch concurrently
         self._next = 0
@@ -255,6 +259,11 @@ class CollectiveWatchdog:
                 os.close(fd)
             except OSError:
                 pass
+        for hook in list(self.on_failure):
+            try:
+                hook(dict(rec))
+            except BaseException as exc:  # a failing hook must not keep the process from exiting
+                _write(2, f"event=failure_hook_error rank={rank} error={type(exc).__name__}: {exc}\n")
         if self.dump_stacks and event == "hang":
             try:
                 faulthandler.dump_traceback(file=2, all_threads=True)

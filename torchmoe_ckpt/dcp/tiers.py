@@ -54,7 +54,7 @@ def recover_from_tiers(tier: HostTier, replicator, ops: dict, compute_dtype: tor
     for _ in range(rounds):
         local = [w for w in tier.window_ids() if not tier.verify(w)]
         held = replicator.holdings() if replicator is not None else {}
-        everyone = _all_gather((local, held))
+        everyone = all_gather_objects((local, held))
         world = len(everyone)
         avail = [set(everyone[r][0]).union(*(everyone[h][1].get(r, ()) for h in range(world))) - excluded
                  for r in range(world)]
@@ -67,7 +67,7 @@ def recover_from_tiers(tier: HostTier, replicator, ops: dict, compute_dtype: tor
         if needers:
             replicator.pull(wid, needers)
         problems = tier.verify(wid)
-        if not any(_all_gather(bool(problems))):
+        if not any(all_gather_objects(bool(problems))):
             src = f"peer {needers[tier.rank]}" if tier.rank in needers else "host"
             report.update(source=src, pulled_from_peers={str(k): v for k, v in needers.items()})
             return tier.load_window(wid, ops, compute_dtype), report
@@ -80,17 +80,18 @@ def _from_store(tier: HostTier, store, ops: dict, compute_dtype: torch.dtype, re
     """Last tier: the newest window every rank has in the object store, downloaded and verified."""
     if store is None:
         return None, dict(report, source=None)
-    listed = _all_gather(store.window_ids())
+    listed = all_gather_objects(store.window_ids())
     candidates = sorted(set.intersection(*map(set, listed)), reverse=True)
     for wid in candidates:
         problems = store.download(wid, tier)
-        if not any(_all_gather(bool(problems))):
+        if not any(all_gather_objects(bool(problems))):
             return tier.load_window(wid, ops, compute_dtype), dict(report, source="object store")
         report.setdefault("failed_downloads", {})[wid] = problems[:1]
     return None, dict(report, source=None)
 
 
-def _all_gather(obj) -> list:
+def all_gather_objects(obj) -> list:
+    """Every rank's `obj` (a one-element list without a process group)."""
     if not dist.is_initialized():
         return [obj]
     out: list = [None] * dist.get_world_size()

@@ -92,3 +92,17 @@ def compare(a: RunResult, b: RunResult, loss_steps_from: int = 1) -> Comparison:
             if step not in lb or not torch.equal(la[step], lb[step]):
                 mism.append(f"rank{r}: loss at step {step}")
     return Comparison(not mism and n_t > 0, n_t, n_l, mism)
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """PIDs of processes (other than this one) whose command line contains `marker`: what a test checks
+    is gone after a job, e.g. a SIGSTOPped worker that must not outlive it."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if marker in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids

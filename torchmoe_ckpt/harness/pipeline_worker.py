@@ -42,17 +42,6 @@ log = logging.getLogger("torchmoe_ckpt.pipeline_worker")
 _TERM = {"flag": False}
 
 
-class StageCheckpointer(SparseCheckpointer):
-    """Sparse checkpointing of one stage. Plans stay per stage (its own operators); the scalar agreements
-    (retention floor, copy bandwidth) span the whole pipeline, so every stage keeps every window from the
-    newest one *all* stages persisted: the window a joint recovery of any segment needs."""
-
-    def _agree(self, value: float, op) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=op)
-        return float(t.item())
-
-
 class Paths:
     def __init__(self, host: dict, stages: int):
         self.root = Path(host["root"]) / host.get("run_id", "run")
@@ -202,12 +191,15 @@ def run(spec: dict, out: Path) -> dict:
         _append(paths.recoveries, {"event": "done", "attempt": attempt, "plan": plan.to_dict(), "stages": recs})
 
     # ---- training --------------------------------------------------------------------------------------
-    ck = StageCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, ck_cfg, group=stage_group,
-                           host_tier=tier)
-    tw = ck.tier_writer
+    # Window ids stay aligned across stages after any restart: all start after the newest one on any tier.
     nxt = torch.tensor([max(tier.window_ids(require_manifest=False), default=-1) + 1], dtype=torch.float64)
     dist.all_reduce(nxt, op=dist.ReduceOp.MAX)
-    ck._next_id = int(nxt.item())  # window ids stay aligned across stages after any restart
+    # Plans per stage (its own operators); the scalar agreements (retention floor, copy bandwidth) span the
+    # whole pipeline, so every stage keeps every window from the newest one *all* stages persisted: the
+    # window a joint recovery of any segment needs.
+    ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, ck_cfg, group=stage_group,
+                            host_tier=tier, first_window_id=int(nxt.item()), agree_group=None)
+    tw = ck.tier_writer
     ck.attach(trainer)
     gc_floor = None
     step_seconds = []

@@ -15,7 +15,8 @@ What survives is what would survive in host memory: the newest committed window.
              stopped one on torchrun's SIGTERM, which a stopped process never acts on).
 
 Spec "watchdog_timeout_s" (None: off) arms a CollectiveWatchdog around each train step and checkpointer
-call; "watchdog_events" (a path) keeps its hang records across restarts for the report.
+call; "watchdog_events" (a path) keeps its hang records across restarts for the report. Spec "jit": true
+(needs both) adds the just-in-time checkpoint of jit.py: healthy replicas save on failure, restarts use it.
 """
 from __future__ import annotations
 
@@ -149,6 +150,18 @@ def resume_from_host_tier(trainer: Trainer, host: dict):
     return fresh, committed, rep
 
 
+def _check_jit(spec: dict) -> bool:
+    """Spec "jit": true saves each healthy rank's state when a peer fails (jit.py); bad combinations fail here."""
+    if not spec.get("jit"):
+        return False
+    if not spec.get("host_tier"):
+        raise ValueError("spec 'jit' needs a 'host_tier' section (JIT copies are written to the host tier): add one")
+    if not spec.get("watchdog_timeout_s"):
+        raise ValueError("spec 'jit' needs 'watchdog_timeout_s' (the watchdog detects the failure that triggers "
+                         "the save): set it, e.g. 30")
+    return True
+
+
 def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch.Tensor]) -> tuple[Trainer, dict]:
     cfg = trainer.cfg
     ck_cfg = SparseConfig(**spec["checkpoint"])
@@ -160,7 +173,13 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     recoveries: list[dict] = []
     committed = None
-    if host and spec.get("resume"):
+    use_jit, jit_rep = _check_jit(spec), None
+    if use_jit and host and spec.get("resume"):
+        from ..jit import resume as jit_resume
+        trainer, jit_rep = jit_resume(trainer, host, _tiers(trainer, host)[0])
+        if jit_rep is not None:
+            recoveries.append(dict(jit_rep, attempt=attempt))
+    if host and spec.get("resume") and jit_rep is None:
         trainer, committed, rep = resume_from_host_tier(trainer, host)
         if rep is None:  # no window anywhere: say what this run starts from
             src = (f"dense export {spec['initial_load']['uri']} (step {trainer.step})" if spec.get("initial_load")
@@ -171,11 +190,21 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
         if rep is not None:
             recoveries.append(dict(rep, attempt=attempt))
     tier, replicator, store = _tiers(trainer, host)
+    # After a JIT resume, new windows must sort after the ones already on the tiers.
     ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, ck_cfg, committed=committed,
-                            host_tier=tier, replicator=replicator, store=store).attach(trainer)
+                            host_tier=tier, replicator=replicator, store=store,
+                            first_window_id=None if jit_rep is None else jit_rep["next_window_id"]).attach(trainer)
     step_seconds: list[float] = []
     wd = CollectiveWatchdog(spec.get("watchdog_timeout_s"), rank=trainer.rank,
                             events_path=spec.get("watchdog_events"))
+    jit = None
+    if use_jit:
+        from ..jit import JitCheckpointer
+        jit = JitCheckpointer(trainer, host, tier.dir / "jit")
+        if not jit.enabled and trainer.rank == 0:
+            log.warning("event=jit_off reason=no_replicas hsdp=%d: pure FSDP keeps one copy of each shard, so a "
+                        "failed rank's state exists nowhere else; recovery uses the committed window", cfg.hsdp)
+        jit.arm(wd)
     while True:
         nxt = trainer.step + 1
         fail = next((f for f in pending if f["step"] == nxt), None)
@@ -196,6 +225,8 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
                     else:
                         _freeze_self()
             t0 = time.perf_counter()
+            if jit is not None:
+                jit.begin(nxt)
             with wd.watch(f"train_step {nxt}"):
                 res = trainer.train_step()
             losses[res.step] = res.loss
@@ -212,6 +243,8 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
             if isinstance(exc, SimulatedCopyFault) and inflight is not None:
                 position -= 1  # the torn slot was never captured
             trainer, ck, rep = restart(trainer, ck, ck_cfg, host, fail)
+            if jit is not None:
+                jit.set_trainer(trainer)
             rep.update(failed_at=nxt, error=str(exc), slot_position=position, inflight_window_id=inflight_id)
             recoveries.append(rep)
     if ck.tier_writer is not None:
@@ -223,6 +256,9 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
     ck.engine.shutdown()
     wd.close()
     out = {"recoveries": recoveries, "checkpoint": stats, "step_seconds": step_seconds}
+    if jit is not None:
+        jit.disarm()
+        out["jit"] = {"enabled": jit.enabled, "shard": jit.shard, "replicas": jit.replicas}
     if wd.enabled:
         out["watchdog"] = dict(wd.stats(), events=read_events(spec.get("watchdog_events")))
     return trainer, out

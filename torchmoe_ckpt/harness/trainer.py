@@ -4,6 +4,7 @@ Replay runs the very same code path with the logged batch, RNG state and global 
 replayed iteration is bit-identical to the original one on CPU."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -81,6 +82,7 @@ class Trainer:
         # Called after clipping and before anything mutates the training state (bias update, optimizer step):
         # the snapshot copy of the previous iteration must be finished by then.
         self.before_update: list[Callable[[], None]] = []
+        self.update_lock = threading.Lock()  # held while the state mutates (see train_step)
 
     def _lr_factor(self, it: int) -> float:
         warm = max(1, self.cfg.warmup)
@@ -114,23 +116,32 @@ class Trainer:
         torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_norm, norm)
         for hook in self.before_update:
             hook()
-        counts, probs = self._update_expert_bias()
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        faults.point("optimizer")  # the update is applied, the snapshot of this iteration not yet taken
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step = step
+        stats = self._reduce_expert_stats()  # the iteration's last collective
+        # Everything that mutates the training state runs under update_lock, with no collective inside: a
+        # just-in-time checkpoint (jit.py) taken from another thread sees iteration `step`'s start or end.
+        with self.update_lock:
+            counts, probs = self._apply_expert_bias(stats)
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.step()
+            faults.point("optimizer")  # the update is applied, the snapshot of this iteration not yet taken
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step = step
         return StepResult(step, loss.detach(), norm.detach().clone(), lr, tokens, rng_state, counts, probs,
                           time.perf_counter() - t_start)
 
     @torch.no_grad()
-    def _update_expert_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """TorchTitan's aux-loss-free balancing: global token counts move each expert's routing bias.
-        The counts are also what popularity ordering reads, before they are zeroed."""
+    def _reduce_expert_stats(self) -> torch.Tensor:
         moes = self.model.moe_layers()
         stats = torch.stack([torch.stack([m.tokens_per_expert_E, m.router_prob_E]) for m in moes])  # [L,2,E]
         dist.all_reduce(stats)
+        return stats
+
+    @torch.no_grad()
+    def _apply_expert_bias(self, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """TorchTitan's aux-loss-free balancing: global token counts move each expert's routing bias.
+        The counts are also what popularity ordering reads, before they are zeroed."""
+        moes = self.model.moe_layers()
         for m, s in zip(moes, stats):
             if m.expert_bias_E is not None and m.load_balance_coeff:
                 delta = m.load_balance_coeff * torch.sign(s[0].mean() - s[0])
@@ -143,25 +154,35 @@ class Trainer:
     def set_step(self, step: int) -> None:
         """Position the iteration counter and LR schedule at `step` completed iterations."""
         self.step = step
-        self.scheduler.last_epoch = step
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_lr()):
-            group["lr"] = lr
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        position_schedule(self.optimizer, self.scheduler, step)
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """Every tensor that defines the training state on this rank, for torch.equal comparisons."""
-        out: dict[str, torch.Tensor] = {}
-        named = dict(self.model.named_parameters())
-        for name, p in named.items():
-            out[f"param/{name}"] = local(p).clone()
-            for key, val in self.optimizer.state.get(p, {}).items():
-                out[f"optim/{name}/{key}"] = local(val).clone() if torch.is_tensor(val) else torch.tensor(val)
-        for name, b in self.model.named_buffers():
-            if b is not None and not name.endswith("router_prob_E"):
-                out[f"buffer/{name}"] = b.clone()
-        out["lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"], dtype=torch.float64)
-        out["step"] = torch.tensor(self.step)
-        return out
+        return training_state(self.model, self.optimizer, self.step)
+
+
+def position_schedule(optimizer: torch.optim.Optimizer, scheduler, step: int) -> None:
+    """Put a LambdaLR-style schedule (and the optimizer's LR) where `step` scheduler steps would have."""
+    scheduler.last_epoch = step
+    for group, lr in zip(optimizer.param_groups, scheduler.get_lr()):
+        group["lr"] = lr
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, torch.Tensor]:
+    """Every tensor that defines a rank's training state (local shards): parameters, optimizer state,
+    buffers (router_prob_E is per-iteration scratch), LR and step."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        out[f"param/{name}"] = local(p).clone()
+        for key, val in optimizer.state.get(p, {}).items():
+            out[f"optim/{name}/{key}"] = local(val).clone() if torch.is_tensor(val) else torch.tensor(val)
+    for name, b in model.named_buffers():
+        if b is not None and not name.endswith("router_prob_E"):
+            out[f"buffer/{name}"] = b.clone()
+    out["lr"] = torch.tensor(optimizer.param_groups[0]["lr"], dtype=torch.float64)
+    out["step"] = torch.tensor(step)
+    return out
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
