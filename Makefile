@@ -1,5 +1,5 @@
 # make setup: .venv with everything (idempotent; quick when nothing changed)
-# make demo:  setup, then the main job          make test: setup, then the tests
+# make demo:  setup, then the main job          make test: setup, then the tests (make test-all: and the matrix)
 # make bench: setup, then the benchmark suite (JSON + report in benchmarks/results/)
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export WANDB_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-all bench clean
 
 AZURITE := .azurite/node_modules/.bin/azurite-blob
 
@@ -37,6 +37,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# the default suite plus the `matrix` cases (more of each kind; ~6 minutes more)
+test-all: setup
+	$(BIN)/python -m pytest -q -m "" tests
 
 bench: setup
 	$(BIN)/torchmoe-ckpt bench --out benchmarks/results

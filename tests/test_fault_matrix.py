@@ -27,7 +27,12 @@ CASES = {  # name: (TORCHMOE_FAULT, host-tier extras, torchrun restarts it cause
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# Four kill points between the two the default suite covers (forward, snapshot_copy) are in the `matrix` set.
+MATRIX_ONLY = ("backward", "optimizer", "persist", "manifest")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.matrix] if c in MATRIX_ONLY else [])
+                                  for c in CASES])
 def test_fault_matrix(tmp_path, reference, fault_summary, case):
     faults, extra, restarts = CASES[case]
     host = {"root": str(tmp_path / "shm"), "run_id": "t", **{k: v for k, v in extra.items() if k != "object_store"}}

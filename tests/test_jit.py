@@ -65,7 +65,9 @@ def test_fault_free_reference_hsdp2x2(reference):
     assert len(ref.states) == 4 and all(sorted(losses) == list(range(1, RUN["steps"] + 1)) for losses in ref.losses)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# kill before and freeze after the reductions by default; the other two combinations in the `matrix` set.
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.matrix] if c in (
+    "kill_after_reduction", "freeze_before_reduction") else []) for c in CASES])
 def test_hsdp_failure_resumes_from_jit_copies_exactly(tmp_path, reference, fault_summary, case):
     action, point, jit_step = CASES[case]
     ref = reference(4, RUN)

@@ -68,6 +68,7 @@ def test_kill_middle_stage_pp3(tmp_path, reference, fault_summary):
     assert run.report["log_bytes_per_iteration"] > 0
 
 
+@pytest.mark.matrix  # PP=2 is covered by test_failure_inside_recovery
 def test_kill_stage_pp2_gpipe(tmp_path, reference, fault_summary):
     run = run_pp(tmp_path, spec(tmp_path, 2, "gpipe"), "kill:point=backward:rank=0:step=7", restarts=1)
     recs, replayed = check(run, reference(2, "gpipe"), fault_summary, "kill_stage0_pp2", 1)
@@ -82,6 +83,7 @@ def test_two_adjacent_stages_joint(tmp_path, reference, fault_summary):
     assert replayed[0] == 0 and replayed[1] > 0 and replayed[2] > 0, replayed
 
 
+@pytest.mark.matrix
 def test_disjoint_stages_independent(tmp_path, reference, fault_summary):
     faults = "kill:point=optimizer:rank=0:step=7;kill:point=optimizer:rank=2:step=7"
     run = run_pp(tmp_path, spec(tmp_path, 3), faults, restarts=1)

@@ -57,6 +57,7 @@ def test_tiny_flavour_trains_3_steps_on_2_ranks(tmp_path, env):
     assert all(math.isfinite(r.grad_norm) for r in records)
 
 
+@pytest.mark.matrix  # test_override_imports_on_stock_trainer_equals_job_file_run compares two runs exactly
 @pytest.mark.timeout(60)
 def test_two_identical_runs_give_identical_losses(tmp_path, env):
     args = ("--training.steps", "3", "--debug.seed", "7", "--debug.deterministic")

@@ -240,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            # Every rank finds the same problem; let rank 0 exit first, so torchrun does not stop it (SIGTERM)
+            # before it has printed the one line. torchrun ends this rank as soon as rank 0 has exited.
+            import time
+            time.sleep(10)
         return 2
 
     if cpu_mode and _get_opt(args, "--module") not in (DEFAULT_MODULE, TOML_MODULE):
