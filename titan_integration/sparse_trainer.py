@@ -1,8 +1,10 @@
 """Sparse per-iteration checkpointing inside TorchTitan 0.3.0's real Trainer (a subclass, no fork).
 
 ``SparseTrainer`` is a ``torchtitan.trainer.Trainer`` whose ``Config`` adds one field,
-``sparse_checkpoint`` (:class:`titan_integration.sparse_config.SparseCheckpointSection`). With
-``enable = false`` it trains exactly like the stock Trainer. With ``enable = true``:
+``sparse_checkpoint`` (:class:`titan_integration.sparse_config.SparseCheckpointSection`), and builds its
+checkpointer as a :class:`titan_integration.checkpoint_manager.SparseCheckpointManager`. A stock Trainer
+becomes one through ``--override.imports`` (:mod:`titan_integration.overrides`, :meth:`SparseTrainer.adopt`).
+With ``enable = false`` it trains exactly like the stock Trainer. With ``enable = true``:
 
 * every iteration runs :meth:`SparseTrainer.sparse_step` -- TorchTitan's own ``train_step`` body (same
   batch fetch, global token count, ``forward_backward_step``, ``dist_utils.clip_grad_norm_``, optimizer and
