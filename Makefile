@@ -38,7 +38,7 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q tests
 
-# the default suite plus the `matrix` cases (more of each kind; ~6 minutes more)
+# the default suite plus the `matrix` cases (more of each kind; ~7 minutes more)
 test-all: setup
 	$(BIN)/python -m pytest -q -m "" tests
 

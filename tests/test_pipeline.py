@@ -104,6 +104,7 @@ def test_failure_inside_recovery(tmp_path, reference, fault_summary):
     assert replayed[0] == 0 and replayed[1] > 0, replayed
 
 
+@pytest.mark.matrix  # a failure during recovery: test_failure_inside_recovery
 def test_neighbour_fails_during_recovery_widens(tmp_path, reference, fault_summary):
     # stage 2 is healthy and waiting while stage 1 recovers when it is killed: the segment grows to 1..2
     faults = "kill:point=forward:rank=1:step=8;kill:point=recovery:rank=2"

@@ -183,7 +183,9 @@ def spec(root, store, hsdp):
 
 # HSDP with 2 ranks (2 replicas x 1 shard) keeps the case small; 4-rank HSDP 2x2 recovery from the tiers is
 # covered by test_peer_tier, and the format does not depend on the mesh beyond the per-rank pieces.
-@pytest.mark.parametrize("kind,world,hsdp", [("file", 2, 1), ("s3", 2, 2)], ids=["fsdp2-file", "hsdp2x1-s3"])
+# FSDP2 on file:// is in the `matrix` set (make test-all); the synthetic round trips above cover file:// too.
+@pytest.mark.parametrize("kind,world,hsdp", [pytest.param("file", 2, 1, id="fsdp2-file", marks=pytest.mark.matrix),
+                                             pytest.param("s3", 2, 2, id="hsdp2x1-s3")])
 def test_all_host_copies_lost_recovers_from_the_tensorstore_format(tmp_path, reference, kind, world, hsdp, request):
     uri, opts = _store(kind, tmp_path, request)
     store = {"uri": uri, "format": "tensorstore", **({"storage_options": opts} if opts else {})}
