@@ -14,6 +14,7 @@
     dense_export_uri = ""      # "" = none; any fsspec URI: dense exports in TorchTitan's layout, {uri}/step-N
     dense_export_every = 0     # > 0: export every N iterations (dcp.async_save, off the training thread)
     dense_export_keep = 2      # newest exports kept; older ones deleted
+    pipeline_log_max_bytes = 0 # with pipeline parallelism: bound on each stage's boundary log (0 = none)
 
 Everything is checked before training starts; a bad value raises :class:`JobConfigError` whose message is
 one line ``... ; fix: ...`` (the launcher prints it as ``error: <message>`` and exits with status 2).
@@ -47,6 +48,7 @@ class SparseCheckpointSection:
     dense_export_uri: str = ""
     dense_export_every: int = 0
     dense_export_keep: int = 2
+    pipeline_log_max_bytes: int = 0   # bound on each pipeline stage's boundary log (0: unbounded)
 
     # ---- construction from a TOML table ------------------------------------------------------------
     @classmethod
@@ -100,7 +102,7 @@ class SparseCheckpointSection:
         if (isinstance(self.fault_timeout_s, bool) or not isinstance(self.fault_timeout_s, (int, float))
                 or self.fault_timeout_s < 0):
             raise bad("fault_timeout_s", "must be a number >= 0", "fault_timeout_s = 0 (off) or e.g. 60")
-        for key in ("dense_export_every", "dense_export_keep"):
+        for key in ("dense_export_every", "dense_export_keep", "pipeline_log_max_bytes"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(key, "must be an integer >= 0", f"{key} = 0 (off) or e.g. 100")

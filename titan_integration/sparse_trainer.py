@@ -59,6 +59,7 @@ from torchtitan.trainer import Trainer
 from titan_integration.checkpoint_manager import SparseCheckpointManager
 from titan_integration.sparse_config import SparseCheckpointSection
 from torchmoe_ckpt import faults
+from torchmoe_ckpt.recovery import ReplayDivergence
 
 __all__ = ["SparseTrainer", "TitanReplayable", "TitanStepResult"]
 
@@ -171,6 +172,8 @@ class SparseTrainer(Trainer):
         self._step_seconds: list[float] = []
         self._attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._watchdog = None
+        self._pp = None                  # TitanPipeline under pipeline parallelism
+        self._resume_iter = None
 
     @classmethod
     def adopt(cls, trainer: Trainer, section: SparseCheckpointSection) -> None:
@@ -218,8 +221,8 @@ class SparseTrainer(Trainer):
     @property
     def model(self) -> torch.nn.Module:
         if len(self.model_parts) != 1:
-            raise NotImplementedError("sparse checkpointing with pipeline parallelism (several model parts) "
-                                      "is not wired into the TorchTitan trainer yet")
+            raise NotImplementedError("sparse checkpointing with several model parts per rank (looped pipeline "
+                                      "schedules) is not supported; fix: pipeline_parallel_schedule = \"1F1B\"")
         return self.model_parts[0]
 
     @property
@@ -245,7 +248,8 @@ class SparseTrainer(Trainer):
         if not rows:
             return torch.zeros(1, 1, dtype=torch.float64)
         counts = torch.stack(rows)
-        if torch.distributed.is_initialized():
+        # Every rank holding these layers sees other tokens: sum over them (under PP, stages hold other layers).
+        if torch.distributed.is_initialized() and not self.parallel_dims.pp_enabled:
             torch.distributed.all_reduce(counts)
         return counts
 
@@ -263,6 +267,21 @@ class SparseTrainer(Trainer):
         if not self.sc.enable:
             return super().train_step(data_iterator)
         t0 = time.perf_counter()
+        if self._pp is not None:
+            try:
+                self._pp.before_step(self.step)
+                res = self._step_and_checkpoint(data_iterator)
+            except ReplayDivergence:
+                raise
+            except RuntimeError as exc:  # gloo's errors (DistBackendError), torchrun's SIGTERM: a peer failed
+                self._pp.on_peer_failure(exc)
+            self._pp.after_step()
+        else:
+            res = self._step_and_checkpoint(data_iterator)
+        self._losses[res.step] = res.loss
+        self._step_seconds.append(time.perf_counter() - t0)
+
+    def _step_and_checkpoint(self, data_iterator) -> TitanStepResult:
         if self._watchdog is not None:
             with self._watchdog.watch(f"train_step {self.step}"):
                 res = self.sparse_step(data_iterator)
@@ -270,8 +289,7 @@ class SparseTrainer(Trainer):
         else:
             res = self.sparse_step(data_iterator)
             self.sparse.after_step(res)
-        self._losses[res.step] = res.loss
-        self._step_seconds.append(time.perf_counter() - t0)
+        return res
 
     def sparse_step(self, data_iterator=None, replay=None) -> TitanStepResult:
         """TorchTitan's ``train_step`` for iteration ``self.step`` (already incremented), optionally replaying
@@ -283,8 +301,6 @@ class SparseTrainer(Trainer):
         lr_metrics = self.lr_schedulers.get_metrics()
         should_log = replay is None and self.metrics_processor.should_log(self.step)
         parallel_dims = self.parallel_dims
-        if self.parallel_dims.pp_enabled:
-            raise NotImplementedError("sparse checkpointing under pipeline parallelism is not wired in yet")
 
         if replay is None:
             rng_state = torch.get_rng_state()
@@ -310,12 +326,21 @@ class SparseTrainer(Trainer):
 
         accumulated_loss: torch.Tensor | None = None
         faults.point("backward")  # fires before the forward here: TorchTitan runs forward+backward in one call
-        for input_dict, labels in groups:
-            input_dict = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in input_dict.items()}
-            loss = self.forward_backward_step(input_dict=input_dict, labels=labels.to(self.device),
+        per_call = self.num_pipeline_parallel_microbatches if parallel_dims.pp_enabled else 1
+        for i in range(0, len(groups), per_call):
+            dicts = [{k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+                     for d, _ in groups[i:i + per_call]]
+            labels = [lab.to(self.device) for _, lab in groups[i:i + per_call]]
+            if self._pp is not None:
+                self._pp.before_forward(self.step, dicts[0], labels[0])
+            if not parallel_dims.pp_enabled:
+                dicts, labels = dicts[0], labels[0]
+            loss = self.forward_backward_step(input_dict=dicts, labels=labels,
                                               global_valid_tokens=global_valid_tokens).detach()
             accumulated_loss = loss.clone() if accumulated_loss is None else accumulated_loss.add_(loss)
         assert accumulated_loss is not None
+        if self._pp is not None:  # every stage records the pipeline's loss (only the last stage computes it)
+            accumulated_loss = self._pp.pipeline_loss(accumulated_loss, self.step)
 
         params = [p for m in self.model_parts for p in m.parameters()]
         if replay is None:
@@ -336,6 +361,8 @@ class SparseTrainer(Trainer):
         self.optimizers.step()       # TorchTitan's expert-bias update runs here, as a step pre-hook
         faults.point("optimizer")  # the update is applied, this iteration's snapshot not yet taken
         self.lr_schedulers.step()
+        if self._pp is not None:
+            self._pp.after_update(self.step, grad_norm, accumulated_loss)
 
         if should_log:
             self._log_metrics(accumulated_loss, local_valid_tokens, global_valid_tokens, grad_norm, lr_metrics)
@@ -377,7 +404,9 @@ class SparseTrainer(Trainer):
 
     # ---- data ---------------------------------------------------------------------------------------
     def batch_generator(self, data_iterable):
-        it = iter(data_iterable)
+        # A recovery that already read batches from the data loader hands over its iterator: TorchTitan's
+        # datasets keep their position, so a second iterator would not start from the beginning.
+        it, self._resume_iter = (self._resume_iter, None) if self._resume_iter is not None else (iter(data_iterable), None)
         skip, self._skip_batches = self._skip_batches, 0
         for _ in range(skip):  # resume after recovery: the replayed iterations' batches came from the log
             try:
@@ -400,12 +429,27 @@ class SparseTrainer(Trainer):
             except ImportError:  # pragma: no cover - older core without the watchdog
                 logger.warning("fault_timeout_s set but torchmoe_ckpt.watchdog is not available; ignored")
         tier, replicator, store = self._build_tiers()
-        committed = self._recover(tier, replicator, store)
-        self.sparse = SparseCheckpointer(self.model, _OptimizerView(self.optimizers), self.compute_dtype,
-                                         sc.core_config(), committed=committed, host_tier=tier,
-                                         replicator=replicator, store=store).attach(self)
-        if committed is not None:  # newer than any TorchTitan checkpoint: its load is skipped
-            self.checkpointer.restored_step = self.recovery_report["recovered_step"]
+        if self.parallel_dims.pp_enabled:
+            from titan_integration.pipeline_recovery import TitanPipeline
+
+            self._pp = TitanPipeline(self)
+            if self._watchdog is not None:  # a peer's death is the pipeline's business (live state, then exit);
+                self._watchdog.exit_on_dist_error = False  # the watchdog still ends a rank stuck in a hang
+            first_window = self._pp.recover(tier, self._attempt)
+            self.recovery_report = self._pp.report
+            # Plans over this stage's operators; retention and bandwidth agreed over the whole pipeline.
+            self.sparse = SparseCheckpointer(self.model, _OptimizerView(self.optimizers), self.compute_dtype,
+                                             sc.core_config(), group=self._pp.stage_group, host_tier=tier,
+                                             first_window_id=first_window, agree_group=None).attach(self)
+            if self._pp.completed:
+                self.checkpointer.restored_step = self._pp.completed
+        else:
+            committed = self._recover(tier, replicator, store)
+            self.sparse = SparseCheckpointer(self.model, _OptimizerView(self.optimizers), self.compute_dtype,
+                                             sc.core_config(), committed=committed, host_tier=tier,
+                                             replicator=replicator, store=store).attach(self)
+            if committed is not None:  # newer than any TorchTitan checkpoint: its load is skipped
+                self.checkpointer.restored_step = self.recovery_report["recovered_step"]
         try:
             super().train()
             self.sparse.close()
@@ -520,4 +564,6 @@ class TitanReplayable:
     def train_step(self, replay=None):
         tr = self.trainer
         tr.step += 1
-        return tr.sparse_step(replay=replay)
+        res = tr.sparse_step(replay=replay)
+        tr._losses[res.step] = res.loss  # replayed losses are compared with the fault-free run too
+        return res

@@ -173,7 +173,10 @@ def validate(args: list[str]) -> None:
         logging.disable(logging.WARNING)  # config-construction warnings are repeated by the real run
         try:
             ensure_assets()
-            load_job(os.environ[JOB_ENV])  # unknown keys in TorchTitan's sections, model flavour, ...
+            config = load_job(os.environ[JOB_ENV])  # unknown keys in TorchTitan's sections, model flavour, ...
+            from titan_integration.pipeline_recovery import check_pipeline_job
+
+            check_pipeline_job(config, int(os.environ.get("WORLD_SIZE", "1")))
         except (AssetError, JobConfigError) as e:
             raise UsageError(str(e)) from e
         finally:
@@ -256,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torchtitan.train
 
+    from titan_integration import pipeline_compat
+
+    pipeline_compat.install()
     sys.argv = [sys.argv[0]] + args
     torchtitan.train.main()
     if "RANK" in os.environ:

@@ -1,38 +1,90 @@
-"""Boundary logging for `torch.distributed.pipelining`'s stock schedules (ScheduleGPipe, Schedule1F1B,
-ScheduleInterleaved1F1B and the other runtime schedules).
+"""Boundary logging and localized replay on `torch.distributed.pipelining`'s stock schedules.
 
-Every stock schedule gets its sends from `stage.get_fwd_send_ops(mb)` and `stage.get_bwd_send_ops(mb)`.
-`LoggingPipelineStage` logs each tensor of those ops on the sender, tagged (iteration, micro-batch,
-direction), into a `BoundaryLog`: the same host-memory log, byte accounting, bound and collection as the
-explicit schedule of `pipeline.py`. With interleaving, each virtual stage has its own log (its own stage
-index). The caller sets `stage.iteration` before each `schedule.step()`.
+Every stock schedule gets its sends from `stage.get_fwd_send_ops(mb)` / `stage.get_bwd_send_ops(mb)` and
+its receives from `stage.get_fwd_recv_ops(mb)` / `stage.get_bwd_recv_ops(mb)`, and runs the stage's
+arithmetic itself (`forward_one_chunk`, the loss, `backward_one_chunk`, gradient scaling).
+`LoggingPipelineStage` hooks those four methods:
 
-What this does not give: a localized *replay* through the stock schedule. The replay is done by
-`pipeline.StageTrainer`, which must reproduce the stock arithmetic (loss scaling by `scale_grads`, the
-gradient division in `perform_reduce_grad`) to be exact; that equivalence is not built or tested.
+* **Logging** (always): each tensor of a send op is logged on the sender, tagged (iteration, micro-batch,
+  direction), into a `BoundaryLog` (host memory, off the training thread, bounded). With interleaving each
+  virtual stage has its own log. The caller sets `stage.iteration` before each `schedule.step()`.
+* **Replay** (`stage.replay_io` set): a stage whose neighbour is not running takes what it would have
+  received from that neighbour's log instead: the logged activation (or gradient) becomes the receive
+  buffer and no receive op is issued; the send towards that neighbour is logged but not issued. Sends and
+  receives to a neighbour that replays too (inside a jointly recovering segment) stay live. So a replayed
+  stage runs the *same schedule code* on bit-identical inputs as in training: same micro-batch order, same
+  loss call, same gradient accumulation. Replay is exact for a stage trained by that schedule.
+
+Replay needs static shapes (`_user_meta`, e.g. `titan_integration.pipeline_compat.set_static_shapes`):
+with `local_vote` the warm-up vote of the stock schedule is decided locally (every stage is STATIC), so a
+stage that replays alone never waits for a peer's vote. Only one tensor per boundary is supported (what
+TorchTitan's stages send).
 """
 from __future__ import annotations
 
-from torch.distributed.pipelining import PipelineStage
+from dataclasses import dataclass
 
-from .pipeline_log import BoundaryLog
+import torch
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._utils import InferenceMode
+
+from .pipeline_log import BoundaryLog, LogReader
+
+
+@dataclass
+class ReplayIO:
+    """Where a replaying stage's inputs come from: a neighbour's log, or None (live peer / pipeline end)."""
+    up: LogReader | None      # forward activations entering this stage (the upstream stage's forward log)
+    down: LogReader | None    # gradients entering this stage (the downstream stage's backward log)
 
 
 class LoggingPipelineStage(PipelineStage):
     def __init__(self, *args, boundary_log: BoundaryLog, **kwargs):
         super().__init__(*args, **kwargs)
-        self.boundary_log = boundary_log
-        self.iteration = 0  # set by the training loop before each schedule.step()
+        self._init_logging(boundary_log)
 
+    @classmethod
+    def adopt(cls, stage: PipelineStage, boundary_log: BoundaryLog, local_vote: bool = False) -> "LoggingPipelineStage":
+        """Turn a stage someone else built (TorchTitan's pipeline split) into a logging one, in place."""
+        if type(stage) is not PipelineStage:
+            raise TypeError(f"boundary logging wraps torch's PipelineStage, got {type(stage).__name__}")
+        stage.__class__ = cls
+        stage._init_logging(boundary_log, local_vote)
+        return stage
+
+    def _init_logging(self, boundary_log: BoundaryLog, local_vote: bool = False) -> None:
+        self.boundary_log = boundary_log
+        self.iteration = 0      # set by the training loop before each schedule.step()
+        self.replay_io: ReplayIO | None = None
+        self.local_vote = local_vote
+
+    # ---- receives: from a log while replaying --------------------------------------------------------
+    def get_fwd_recv_ops(self, fwd_chunk_id: int):
+        io = self.replay_io
+        if io is None or io.up is None or self.is_first:
+            return super().get_fwd_recv_ops(fwd_chunk_id)
+        for info in self.args_recv_info[fwd_chunk_id]:
+            info.buffer = io.up.get(self.iteration, fwd_chunk_id, "fwd").to(self.device)
+        return []
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int):
+        io = self.replay_io
+        if io is None or io.down is None or self.is_last or not self.has_backward:
+            return super().get_bwd_recv_ops(bwd_chunk_id)
+        for info in self.grad_recv_info[bwd_chunk_id]:
+            info.buffer = io.down.get(self.iteration, bwd_chunk_id, "bwd").to(self.device)
+        return []
+
+    # ---- sends: always logged; not issued towards a neighbour that is not running ----------------------
     def get_fwd_send_ops(self, fwd_chunk_id: int):
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         self._log(ops, fwd_chunk_id, "fwd")
-        return ops
+        return [] if self.replay_io is not None and self.replay_io.down is not None else ops
 
     def get_bwd_send_ops(self, bwd_chunk_id: int):
         ops = super().get_bwd_send_ops(bwd_chunk_id)
         self._log(ops, bwd_chunk_id, "bwd")
-        return ops
+        return [] if self.replay_io is not None and self.replay_io.up is not None else ops
 
     def _log(self, ops, mb: int, direction: str) -> None:
         if len(ops) > 1:
@@ -41,3 +93,17 @@ class LoggingPipelineStage(PipelineStage):
                                       f"boundary logging supports one")
         for op in ops:
             self.boundary_log.record(self.iteration, mb, direction, op.tensor)
+
+    # ---- the warm-up vote, decided locally when every stage has static shapes --------------------------
+    def _warmup_forward_vote(self, has_backward: bool, received_acc: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.local_vote:
+            return super()._warmup_forward_vote(has_backward, received_acc)
+        if InferenceMode.needs_dynamic(self._user_meta, has_backward):
+            raise RuntimeError(f"stage {self.stage_index}: local_vote needs static shapes (_user_meta)")
+        return torch.ones(1, dtype=torch.int32, device=self.device)
+
+    def _warmup_backward_result(self, received_result: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.local_vote:
+            return super()._warmup_backward_result(received_result)
+        return received_result if received_result is not None else torch.ones(1, dtype=torch.int32,
+                                                                                 device=self.device)
