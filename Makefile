@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 
 demo: setup
-	$(BIN)/python -m titan_integration.recovery_demo
+	$(BIN)/python -m titan_integration.recovery_demo $(DEMO_ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q tests

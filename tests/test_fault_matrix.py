@@ -28,7 +28,7 @@ CASES = {  # name: (TORCHMOE_FAULT, host-tier extras, torchrun restarts it cause
 
 
 # Four kill points between the two the default suite covers (forward, snapshot_copy) are in the `matrix` set.
-MATRIX_ONLY = ("backward", "optimizer", "persist", "manifest")
+MATRIX_ONLY = ("backward", "optimizer", "persist", "manifest", "replication")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.matrix] if c in MATRIX_ONLY else [])

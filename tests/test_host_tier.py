@@ -12,6 +12,7 @@ def spec(root, failures, steps=14, dtype="bf16", hsdp=1):
             "failures": failures, "host_tier": {"root": str(root), "run_id": "t"}}
 
 
+@pytest.mark.matrix  # the kill -9 test below recovers from the host tier too
 def test_recovery_reads_the_window_back_from_the_host_tier(tmp_path, reference):
     ref = reference(2, {"steps": 14, "dtype": "bf16"})
     run = run_torchrun(2, spec(tmp_path / "shm", [{"step": 9, "phase": "update"}]), tmp_path / "run")

@@ -115,6 +115,7 @@ def test_neighbour_fails_during_recovery_widens(tmp_path, reference, fault_summa
     assert replayed[0] == 0, replayed
 
 
+@pytest.mark.matrix  # the planner's fallbacks: test_pipeline_units.py; under TorchTitan: test_titan_pipeline.py
 def test_no_live_neighbour_global(tmp_path, reference, fault_summary):
     faults = ";".join(f"kill:point=forward:rank={r}:step=8" for r in range(3))
     run = run_pp(tmp_path, spec(tmp_path, 3), faults, restarts=1)
@@ -123,6 +124,7 @@ def test_no_live_neighbour_global(tmp_path, reference, fault_summary):
     assert "event=pp_recovery mode=global" in run.log
 
 
+@pytest.mark.matrix
 def test_log_bound_hit_falls_back_to_global(tmp_path, reference, fault_summary):
     s = spec(tmp_path, 3, log_max_bytes=40_000)  # ~2.5 iterations of stage 1's log: overflows mid-window
     run = run_pp(tmp_path, s, "kill:point=forward:rank=1:step=8", restarts=1)

@@ -29,7 +29,8 @@ def spec(hsdp, dtype, checkpoint=None, failures=(), steps=STEPS):
     return s
 
 
-@pytest.mark.parametrize("world,hsdp,dtype", CASES, ids=IDS)
+@pytest.mark.parametrize("world,hsdp,dtype", [pytest.param(*c, id=i, marks=[pytest.mark.matrix] if i == "ws4-fsdp-bf16" else [])
+                                              for c, i in zip(CASES, IDS)])
 def test_failures_at_every_slot_position_recover_bit_exactly(world, hsdp, dtype, tmp_path, reference):
     ref = reference(world, spec(hsdp, dtype)["run"])
     run = run_torchrun(world, spec(hsdp, dtype, {"window": W}, FAILURES), tmp_path / "fail")

@@ -85,6 +85,7 @@ def test_unknown_config_gives_one_clear_error_line(tmp_path, env):
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.matrix
 @pytest.mark.timeout(60)
 def test_demo_unknown_config_under_torchrun_is_one_line(tmp_path, env):
     # Through the demo (real torchrun, 2 ranks): torchrun's failure report is suppressed.

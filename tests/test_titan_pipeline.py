@@ -116,6 +116,11 @@ def test_pp2_kill_one_stage_recovers_alone(tmp_path, tmp_path_factory, env, vict
     assert roles[other] == ("healthy", 0), roles   # zero recomputation on the healthy stage
     assert roles[victim][0] == "recovered" and roles[victim][1] >= 1, roles
     assert f"event=pp_stage_recovered stage={victim}" in out
+    ranks = recovery_demo.compare(reference, tmp_path, 2)
+    report = recovery_demo.format_report(ranks, layout="pp2", fault="kill", window=3, kill_step=7,
+                                         wall_reference=0.0, wall_failure=0.0)
+    assert "BIT-EXACT" in report and "plan           local" in report
+    assert f"stage {other}        healthy" in report and "recomputed 0 iterations" in report
 
 
 @pytest.mark.matrix
@@ -195,6 +200,7 @@ def test_unsupported_pipeline_jobs_are_rejected_with_the_fix(tmp_path, env):
             assert msg.startswith("JobConfigError: ") and needle in msg and "\n" not in msg, msg
 
 
+@pytest.mark.matrix  # the launcher's one-line path: test_titan_sparse.py; the checks: the test above
 def test_unsupported_pipeline_job_is_one_error_line_at_launch(tmp_path, env):
     job = _job(tmp_path / "job", "pp2", "replicas = 1")
     proc = subprocess.run([sys.executable, "-m", "titan_integration.train", "--config", str(job)], cwd=tmp_path,

@@ -149,7 +149,9 @@ def _layouts():
     # HSDP 2x2 needs 4 ranks: 4 TorchTitan processes on 2 cores spend ~25 s just starting, twice in the kill
     # run, so it cannot fit the suite's 60 s per test: opt-in (TORCHMOE_TITAN_SLOW=1), see docs/torchtitan.md.
     slow = [pytest.mark.skipif(not SLOW, reason="4 ranks; set TORCHMOE_TITAN_SLOW=1"), pytest.mark.timeout(300)]
-    return [pytest.param(name, marks=slow if LAYOUTS[name][0] > 2 else ()) for name in sorted(LAYOUTS)]
+    # (pipeline layouts have their own tests: tests/test_titan_pipeline.py)
+    return [pytest.param(name, marks=slow if LAYOUTS[name][0] > 2 else ()) for name in sorted(LAYOUTS)
+            if not name.startswith("pp")]
 
 
 def _run(d: Path, env: dict[str, str], layout: str, fault: str | None = None) -> str:

@@ -83,7 +83,6 @@ class TitanPipeline:
             raise ValueError(str(exc)) from None
         sc = trainer.sc
         self.trainer = trainer
-        self.schedule = trainer.pp_schedule
         self.stage = trainer.pp_schedule._stage
         self.index, self.n = self.stage.stage_index, self.stage.num_stages
         self.microbatches = trainer.num_pipeline_parallel_microbatches
@@ -106,10 +105,9 @@ class TitanPipeline:
         signal.signal(signal.SIGTERM, _on_term)
 
     # ---- training hooks ---------------------------------------------------------------------------------
-    def before_step(self, step: int) -> None:
+    def before_step(self) -> None:
         if _TERM["flag"]:
             raise PeerFailure("SIGTERM from torchrun: a peer failed")
-        self.stage.iteration = step
 
     def after_update(self, step: int, grad_norm: torch.Tensor, loss: torch.Tensor) -> None:
         self.completed = step

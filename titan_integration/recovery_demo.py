@@ -38,6 +38,8 @@ LAYOUTS = {  # name: (ranks, job-file lines)
     "fsdp2": (2, ""),
     "ep2": (2, "[parallelism]\nexpert_parallel_degree = 2"),
     "hsdp2x2": (4, "[parallelism]\ndata_parallel_replicate_degree = 2\ndata_parallel_shard_degree = 2"),
+    "pp2": (2, "[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = \"1F1B\"\n"
+               "pipeline_parallel_microbatch_size = 2"),
 }
 DEFAULT_OUT = "outputs/titan-recovery-demo"
 
@@ -148,6 +150,23 @@ def compare(reference: Path, run: Path, nproc: int) -> list[RankComparison]:
     return out
 
 
+def _pipeline_lines(rec: dict) -> list[str]:
+    plan = rec.get("plan") or {}
+    lines = [f"plan           {plan.get('mode')}: {plan.get('reason')}"]
+    for st in rec["stages"]:
+        role = st.get("role", "-")
+        what = {"healthy": "kept its live state, waited for the others",
+                "recovered": "replayed alone from its window and its neighbours' logs",
+                "global": "rolled back to the common window, replayed it with every stage"}.get(role, role)
+        extra = ""
+        if role in ("recovered", "global"):
+            extra = (f"; window {st['window_id']} (from iteration {st['window_start']}) -> iteration "
+                     f"{st['target_step']} in {st['seconds']:.2f} s")
+        lines.append(f"stage {st['stage']}        {role}: {what}; recomputed {st['replayed_total']} iterations; "
+                     f"waited/recovered {st['wait_or_recovery_s']:.2f} s{extra}")
+    return lines
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
@@ -161,7 +180,9 @@ def format_report(ranks: list[RankComparison], *, layout: str, fault: str, windo
     lines = ["", "== recovery report " + "=" * 60,
              f"job            TorchTitan deepseek_v3 tiny, {len(ranks)} ranks ({layout}), sparse window W={window}",
              f"failure        {fault}; torchrun restarted the workers (attempt {r0.attempt})"]
-    if rec.get("window_id") is not None:
+    if "stages" in rec:  # pipeline parallelism: a plan and one role per stage
+        lines += _pipeline_lines(rec)
+    elif rec.get("window_id") is not None:
         lines += [
             f"window         {rec['window_id']} (state after iteration {rec['start_step']} + "
             f"{rec['window'] - 1} sparse slots), newest committed",
@@ -202,6 +223,7 @@ def _progress(prefix: str) -> Callable[[str], None]:
     def echo(line: str) -> None:
         line = ansi.sub("", line)
         keep = ("event=fault_injected" in line or "torchmoe:" in line or "will restart worker group" in line
+                or "event=pp_" in line
                 or ("[default0]" in line and " step:" in line))
         if keep:
             print(f"{prefix} {line.split(']:', 1)[-1].strip()}", flush=True)

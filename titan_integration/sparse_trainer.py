@@ -269,7 +269,7 @@ class SparseTrainer(Trainer):
         t0 = time.perf_counter()
         if self._pp is not None:
             try:
-                self._pp.before_step(self.step)
+                self._pp.before_step()
                 res = self._step_and_checkpoint(data_iterator)
             except ReplayDivergence:
                 raise
