@@ -185,7 +185,7 @@ def test_unsupported_pipeline_jobs_are_rejected_with_the_fix(tmp_path, env):
             "from titan_integration.pipeline_recovery import check_pipeline_job\n"
             "out = []\n"
             "for path, n in json.loads(sys.argv[1]):\n"
-            "    try:\n        check_pipeline_job(load_job(path), n); out.append(None)\n"
+            "    try:\n        c = load_job(path); check_pipeline_job(c, c.sparse_checkpoint, n); out.append(None)\n"
             "    except Exception as e:\n        out.append(type(e).__name__ + ': ' + str(e))\n"
             "print(json.dumps(out))\n")
     import json

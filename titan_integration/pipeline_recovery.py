@@ -50,9 +50,10 @@ class PeerFailure(RuntimeError):
     pass
 
 
-def check_pipeline_job(config, world_size: int) -> None:
-    """What this integration supports under pipeline parallelism; anything else is one line with the fix."""
-    par, sc = config.parallelism, config.sparse_checkpoint
+def check_pipeline_job(config, sc, world_size: int) -> None:
+    """What this integration supports under pipeline parallelism (``sc``: the [sparse_checkpoint] section);
+    anything else is one line with the fix."""
+    par = config.parallelism
     pp = par.pipeline_parallel_degree
     if pp <= 1 or not sc.enable:
         return
@@ -78,7 +79,7 @@ def check_pipeline_job(config, world_size: int) -> None:
 class TitanPipeline:
     def __init__(self, trainer):
         try:
-            check_pipeline_job(trainer.config, dist.get_world_size())
+            check_pipeline_job(trainer.config, trainer.sc, dist.get_world_size())
         except JobConfigError as exc:  # the override path skips the launcher's check
             raise ValueError(str(exc)) from None
         sc = trainer.sc

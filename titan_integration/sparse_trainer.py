@@ -23,6 +23,10 @@ With ``enable = false`` it trains exactly like the stock Trainer. With ``enable 
 
 :class:`TitanReplayable` is the ``torchmoe_ckpt.recovery.Replayable`` adapter over a SparseTrainer.
 
+Under pipeline parallelism (one rank per stage) :class:`titan_integration.pipeline_recovery.TitanPipeline`
+adds stage-boundary logs, the live state of healthy stages and localized recovery of failed stages; the
+step above is the same, with the pipeline's loss recorded on every stage.
+
 Test/diagnostic knobs (environment variables, all off by default):
   ``TORCHMOE_FAULT="kill:point=backward:rank=R:step=S"``  the library's fault injection
                                            (:mod:`torchmoe_ckpt.faults`); this trainer reaches the points
@@ -56,6 +60,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from titan_integration import pipeline_compat
 from titan_integration.checkpoint_manager import SparseCheckpointManager
 from titan_integration.sparse_config import SparseCheckpointSection
 from torchmoe_ckpt import faults
@@ -64,6 +69,7 @@ from torchmoe_ckpt.recovery import ReplayDivergence
 __all__ = ["SparseTrainer", "TitanReplayable", "TitanStepResult"]
 
 log = logging.getLogger("torchmoe_ckpt.titan")
+pipeline_compat.install()  # also on the --override.imports path, which does not go through our launcher
 IGNORE_INDEX = -100
 
 
@@ -406,7 +412,8 @@ class SparseTrainer(Trainer):
     def batch_generator(self, data_iterable):
         # A recovery that already read batches from the data loader hands over its iterator: TorchTitan's
         # datasets keep their position, so a second iterator would not start from the beginning.
-        it, self._resume_iter = (self._resume_iter, None) if self._resume_iter is not None else (iter(data_iterable), None)
+        it = self._resume_iter if self._resume_iter is not None else iter(data_iterable)
+        self._resume_iter = None
         skip, self._skip_batches = self._skip_batches, 0
         for _ in range(skip):  # resume after recovery: the replayed iterations' batches came from the log
             try:

@@ -176,7 +176,7 @@ def validate(args: list[str]) -> None:
             config = load_job(os.environ[JOB_ENV])  # unknown keys in TorchTitan's sections, model flavour, ...
             from titan_integration.pipeline_recovery import check_pipeline_job
 
-            check_pipeline_job(config, int(os.environ.get("WORLD_SIZE", "1")))
+            check_pipeline_job(config, config.sparse_checkpoint, int(os.environ.get("WORLD_SIZE", "1")))
         except (AssetError, JobConfigError) as e:
             raise UsageError(str(e)) from e
         finally:
