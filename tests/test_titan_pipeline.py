@@ -43,8 +43,9 @@ def _job(d: Path, layout: str, extra_sparse: str = "", extra: str = "") -> Path:
                                    extra=par)
 
 
-def _run(d: Path, env: dict[str, str], layout: str, fault: str | None = None) -> str:
-    rc, out = recovery_demo.torchrun(d, env, _job(d, layout), nproc=LAYOUTS[layout][0], fault=fault, timeout=55)
+def _run(d: Path, env: dict[str, str], layout: str, fault: str | None = None, max_restarts: int = 1) -> str:
+    rc, out = recovery_demo.torchrun(d, env, _job(d, layout), nproc=LAYOUTS[layout][0], fault=fault, timeout=55,
+                                     max_restarts=max_restarts)
     assert rc == 0, out[-5000:]
     return out
 
@@ -57,11 +58,11 @@ def _reference(tmp_path_factory, env, layout: str) -> Path:
     return _REFERENCES[layout]
 
 
-def _check_exact(reference: Path, d: Path, layout: str) -> dict:
+def _check_exact(reference: Path, d: Path, layout: str, attempts: int = 1) -> dict:
     stages = LAYOUTS[layout][0]
     ranks = recovery_demo.compare(reference, d, stages)
     for r in ranks:
-        assert r.attempt == 1, "torchrun restarted the workers once"
+        assert r.attempt == attempts, f"torchrun restarted the workers {attempts} time(s)"
         assert not r.differing, f"stage {r.rank}: {len(r.differing)} tensors differ, e.g. {r.differing[:4]}"
         assert r.losses_equal and r.losses_compared, r.losses_compared
         state, _ = recovery_demo.load_rank(d, r.rank)
@@ -142,18 +143,33 @@ def test_pp2_every_stage_killed_falls_back_to_global(tmp_path, tmp_path_factory,
 
 
 @pytest.mark.matrix
-@pytest.mark.parametrize("victims", [(1,), (1, 2)])
-def test_pp3_middle_and_adjacent_stages(tmp_path, tmp_path_factory, env, victims):
-    """PP=3: the middle stage alone (activations from stage 0's log, gradients from stage 2's), or stages 1
-    and 2 together (one segment, live exchange inside, stage 0's log at its border)."""
+@pytest.mark.parametrize("victims, segments", [((1,), [(1, 1)]), ((1, 2), [(1, 2)]), ((0, 2), [(0, 0), (2, 2)])])
+def test_pp3_middle_adjacent_and_disjoint_stages(tmp_path, tmp_path_factory, env, victims, segments):
+    """PP=3: the middle stage alone (activations from stage 0's log, gradients from stage 2's); stages 1 and
+    2 together (one segment, live exchange inside, stage 0's log at its border); stages 0 and 2 (two
+    independent segments, in parallel, both fed by stage 1's logs)."""
     reference = _reference(tmp_path_factory, env, "pp3")
     _run(tmp_path, env, "pp3", fault=";".join(f"kill:point=forward:rank={v}:step=7" for v in victims))
     rec = _check_exact(reference, tmp_path, "pp3")
-    seg = rec["plan"]["segments"]
-    assert rec["plan"]["mode"] == "local" and [(s["first"], s["last"]) for s in seg] == [(victims[0], victims[-1])]
+    assert rec["plan"]["mode"] == "local"
+    assert [(s["first"], s["last"]) for s in rec["plan"]["segments"]] == segments
     roles = _roles(rec)
-    assert roles[0] == ("healthy", 0), roles
+    healthy = [s for s in range(3) if s not in victims]
+    assert all(roles[s] == ("healthy", 0) for s in healthy), roles
     assert all(roles[v][0] == "recovered" for v in victims), roles
+
+
+@pytest.mark.matrix
+def test_pp2_failure_during_recovery_restarts_it(tmp_path, tmp_path_factory, env):
+    """Stage 1 is killed in iteration 7, then again half-way through its replay (attempt 1): the healthy stage
+    keeps its live state a second time, and the next attempt plans and recovers again, exactly."""
+    reference = _reference(tmp_path_factory, env, "pp2")
+    out = _run(tmp_path, env, "pp2", fault="kill:point=backward:rank=1:step=7;kill:point=recovery:rank=1:attempt=1",
+               max_restarts=2)
+    assert "point=recovery rank=1" in out and out.count("event=pp_peer_failure stage=0") == 2
+    rec = _check_exact(reference, tmp_path, "pp2", attempts=2)
+    roles = _roles(rec)
+    assert roles[0] == ("healthy", 0) and roles[1][0] == "recovered", roles
 
 
 _BAD = [  # (extra [sparse_checkpoint] lines, extra [parallelism] lines, ranks, what the one line says)

@@ -78,7 +78,7 @@ def child_env() -> dict[str, str]:
 
 def torchrun(d: Path, env: dict[str, str], job: Path | None, *, nproc: int, fault: str | None = None,
              timeout: float = 280, echo: Callable[[str], None] | None = None, train_args: list[str] = (),
-             script: str | None = None) -> tuple[int, str]:
+             script: str | None = None, max_restarts: int = 1) -> tuple[int, str]:
     """``torchrun --max-restarts 1`` of ``titan_integration.train --config job`` (plus ``train_args``; or of
     ``script``); a SparseTrainer exports each rank's final state and run record into ``d/export``.
     Returns (exit status, combined output)."""
@@ -88,7 +88,7 @@ def torchrun(d: Path, env: dict[str, str], job: Path | None, *, nproc: int, faul
     bin_torchrun = Path(sys.executable).parent / "torchrun"
     launcher = [str(bin_torchrun)] if bin_torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
     target = [script] if script else ["-m", "titan_integration.train"] + (["--config", str(job)] if job else [])
-    cmd = launcher + ["--standalone", "--nproc_per_node", str(nproc), "--max-restarts", "1", "--tee", "3",
+    cmd = launcher + ["--standalone", "--nproc_per_node", str(nproc), "--max-restarts", str(max_restarts), "--tee", "3",
                       *target, *train_args]
     proc = subprocess.Popen(cmd, cwd=d, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1)
