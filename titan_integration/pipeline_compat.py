@@ -11,8 +11,8 @@
    ``PipelineStage`` without static shapes infers them by running its module once, and a stage that is not
    the first runs it on ``torch.empty`` inputs. TorchTitan's MoE layers count routed tokens in forward
    (``tokens_per_expert_E``, the expert-bias signal), so that extra forward adds counts decided by whatever
-   the memory held to the first bias update: the first iteration is not reproducible, and a restarted
-   pipeline would add such counts again at its first step. :func:`set_static_shapes` gives each stage its
+   the memory held to the first bias update, and a restarted pipeline would add such counts again at its
+   first step (where the fault-free run had none). :func:`set_static_shapes` gives each stage its
    shapes up front (from one no-grad forward on zeros whose counter side effects are undone), so the
    stages vote STATIC and no inference forward ever runs.
 """
