@@ -29,7 +29,7 @@ def spec(hsdp, dtype, checkpoint=None, failures=(), steps=STEPS):
     return s
 
 
-@pytest.mark.parametrize("world,hsdp,dtype", [pytest.param(*c, id=i, marks=[pytest.mark.matrix] if i == "ws4-fsdp-bf16" else [])
+@pytest.mark.parametrize("world,hsdp,dtype", [pytest.param(*c, id=i, marks=[pytest.mark.matrix] if i.startswith("ws4") else [])
                                               for c, i in zip(CASES, IDS)])
 def test_failures_at_every_slot_position_recover_bit_exactly(world, hsdp, dtype, tmp_path, reference):
     ref = reference(world, spec(hsdp, dtype)["run"])
