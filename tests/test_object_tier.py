@@ -118,6 +118,21 @@ def test_bad_store_settings_fail_at_start_with_one_clear_message(tmp_path, moto)
         ObjectTier("s3://tmoe-bucket/x", "run", 0, storage_options=dead)
 
 
+def test_error_explanations_do_not_read_port_numbers_as_http_status():
+    from torchmoe_ckpt.dcp.object_tier import _explain
+
+    class EndpointConnectionError(Exception):  # botocore's name; only the text and name are read
+        pass
+
+    # a free port like 44033 once made an unreachable endpoint read as "403: authentication failed"
+    down = _explain("s3://b/x", EndpointConnectionError('Could not connect to the endpoint URL: '
+                                                         '"http://127.0.0.1:44033/b/x/.probe"'))
+    assert "not reachable" in down and "authentication" not in down
+    assert "authentication failed" in _explain("s3://b/x", OSError("An error occurred (403) when calling "
+                                                                     "the PutObject operation: Forbidden"))
+    assert "does not exist" in _explain("s3://b/x", FileNotFoundError("NoSuchBucket"))
+
+
 def test_store_down_never_blocks_and_upload_catches_up(tmp_path, moto):
     from torchmoe_ckpt.harness.servers import create_bucket
     create_bucket(moto.storage_options, "down-bucket")

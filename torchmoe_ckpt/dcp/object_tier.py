@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 import uuid
@@ -60,8 +61,13 @@ def _explain(uri: str, exc: BaseException) -> str:
     """One message naming the likely fix for a store that cannot be written at start."""
     text = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
     low = text.lower()
-    if isinstance(exc, PermissionError) or any(w in low for w in (
-            "credential", "authenticat", "signature", "accessdenied", "forbidden", "invalidaccesskeyid", "403")):
+    if isinstance(exc, ConnectionError) or any(w in low for w in (
+            "could not connect", "connection refused", "endpointconnectionerror", "name or service not known")):
+        return (f"object store {uri!r}: the endpoint is not reachable ({text}); check endpoint_url / "
+                f"connection_string in storage_options and that the service is running and reachable")
+    # "403" as an HTTP status, not inside a port number or an id
+    if isinstance(exc, PermissionError) or re.search(r"(?<![:\d])403(?!\d)", low) or any(w in low for w in (
+            "credential", "authenticat", "signature", "accessdenied", "forbidden", "invalidaccesskeyid")):
         return (f"object store {uri!r}: authentication failed ({text}); check the credentials in storage_options "
                 f"(s3: key/secret; az/abfs: connection_string or account_name + account_key/sas_token)")
     if isinstance(exc, FileNotFoundError) or any(w in low for w in ("nosuchbucket", "containernotfound",
