@@ -9,7 +9,7 @@ copied; the newest committed window and the one in flight are kept, older buffer
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,9 +17,10 @@ from torch import nn
 
 from .operators import Operator, discover_operators, expert_grid
 from .popularity import PopularityTracker, order_experts, reorder_needed
-from .replay_log import IterationRecord, ReplayLog
+from .replay_log import IterationRecord
 from .schedule import WindowPlan, copy_budget, measure_copy_bandwidth, plan_window
 from .snapshot import Slot, SnapshotEngine, StateAccess, build_slot
+from .window import Window
 
 log = logging.getLogger("torchmoe_ckpt")
 
@@ -40,25 +41,6 @@ class SparseConfig:
             raise ValueError(f"window must be >= 1 or None (auto), got {self.window}")
         if not 0 < self.overlap:
             raise ValueError(f"overlap must be > 0, got {self.overlap}")
-
-
-@dataclass
-class Window:
-    id: int
-    start_step: int          # slot 0 holds the state after this iteration
-    plan: WindowPlan
-    slots: list[Slot]
-    log: ReplayLog = field(default_factory=ReplayLog)
-    captured: int = 0        # slots handed to the copy engine
-
-    @property
-    def committed(self) -> bool:
-        w = self.plan.window
-        return (self.captured == w and all(s.complete for s in self.slots)
-                and self.log.has(range(self.start_step + 1, self.start_step + w)))
-
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.slots)
 
 
 _SAME_GROUP = object()  # agree_group not given: the planning group

@@ -29,6 +29,7 @@ from .. import faults
 from ..replay_log import IterationRecord, ReplayLog
 from ..schedule import WindowPlan
 from ..snapshot import Slot, build_slot
+from ..window import Window
 from .manifest import FileEntry, WindowManifest, crc32_stream, parse_window_dirname, window_dirname
 from .planner import SlotLoadPlanner, SlotSavePlanner, verify_items
 
@@ -145,7 +146,6 @@ class HostTier:
 
     def load_window(self, window_id: int, ops: dict, compute_dtype: torch.dtype):
         """Read this rank's copy of a committed window back into fresh slot buffers (verified first)."""
-        from ..checkpointer import Window
         problems = self.verify(window_id)
         if problems:
             raise CorruptCopyError(f"window {window_id} on host tier {self.dir} is unusable: {problems[0]}"
