@@ -28,8 +28,8 @@ $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@echo "[setup] installing torch==2.13.0 (CPU) and the project's dependencies into $(VENV)"
 	$(PIP) install -c constraints.txt torch==2.13.0 2>&1 | sed '/is ignored: it is neither/d'
-	$(PIP) install -c constraints.txt -e '.[dev,titan,s3,azure,tensorstore]' 2>&1 | sed '/is ignored: it is neither/d'
-	@$(BIN)/python -c "import torch, torchtitan, s3fs, moto, tensorstore; print('[setup] ok: torch', torch.__version__)"
+	$(PIP) install -c constraints.txt -e '.[dev,titan,s3,azure,tensorstore,hf]' 2>&1 | sed '/is ignored: it is neither/d'
+	@$(BIN)/python -c "import torch, torchtitan, s3fs, moto, tensorstore, transformers; print('[setup] ok: torch', torch.__version__)"
 	@touch $(STAMP)
 
 demo: setup

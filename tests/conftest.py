@@ -10,7 +10,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def reference(tmp_path_factory):
     """Fault-free reference runs, cached per (world size, run spec) for the whole session: every recovery
     test compares against the same deterministic oracle, so there is no need to train it twice."""
-    from torchmoe_ckpt.harness.launch import run_torchrun
+    from torchmoe_harness.launch import run_torchrun
     cache: dict = {}
 
     def get(world: int, run: dict):
@@ -25,15 +25,10 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="session")
 def one_rank_group():
     """A 1-rank gloo process group in the test process, for in-process tests of distributed code."""
-    import socket
-
     import torch.distributed as dist
 
-    from torchmoe_ckpt.harness.parallel import init_distributed
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    init_distributed()
+    from torchmoe_ckpt import init_process_group
+    init_process_group("gloo")  # outside torchrun: a one-process group on an in-memory store
     yield
     dist.destroy_process_group()
 
@@ -41,7 +36,7 @@ def one_rank_group():
 @pytest.fixture(scope="session")
 def moto():
     """A real moto S3 server on 127.0.0.1 with the bucket `tmoe-bucket` (a MotoServer: .storage_options)."""
-    from torchmoe_ckpt.harness.servers import create_bucket, moto_server
+    from torchmoe_harness.servers import create_bucket, moto_server
     with moto_server() as server:
         create_bucket(server.storage_options, "tmoe-bucket")
         yield server
@@ -50,7 +45,7 @@ def moto():
 @pytest.fixture(scope="session")
 def azurite():
     """A real Azurite blob server (installed into .azurite/ by `make setup`) with the container `tmoe`."""
-    from torchmoe_ckpt.harness.servers import azurite_server, create_container
+    from torchmoe_harness.servers import azurite_server, create_container
     with azurite_server() as server:
         create_container(server.connection_string, "tmoe")
         yield server

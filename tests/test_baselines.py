@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchmoe_ckpt.baselines.runner import run_system
-from torchmoe_ckpt.harness.launch import compare
+from torchmoe_harness.baselines.runner import run_system
+from torchmoe_harness.launch import compare
 
 RUN = {"steps": 12, "batch_size": 2, "seq_len": 16, "dtype": "bf16"}
 SYSTEMS = {
@@ -64,7 +64,7 @@ def test_gemini_bytes_are_the_dense_state(results):
 
 
 def test_moetion_allocation_is_proportional_and_capped():
-    from torchmoe_ckpt.baselines.moetion import MoEtion
+    from torchmoe_harness.baselines.moetion import MoEtion
     m = MoEtion.__new__(MoEtion)
     m.n_layers, m.n_experts, m.s_total = 3, 4, 5
     m.unsaved = torch.tensor([[10.0, 0, 0, 0], [30, 20, 10, 0], [0, 0, 0, 0]], dtype=torch.float64)

@@ -3,7 +3,7 @@ training, a fresh job started from it continues bit-exactly, and stock `dcp.load
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchmoe_ckpt.harness.launch import compare, run_torchrun
+from torchmoe_harness.launch import compare, run_torchrun
 
 RUN = {"steps": 12, "dtype": "fp32"}
 
@@ -48,7 +48,7 @@ def test_an_export_of_another_model_or_a_torn_one_is_refused_clearly(tmp_path, o
     import pytest
 
     from torchmoe_ckpt.dcp.dense_export import export_dense, load_dense
-    from torchmoe_ckpt.harness.trainer import RunConfig, Trainer
+    from torchmoe_harness.trainer import RunConfig, Trainer
     t = Trainer(RunConfig(steps=2))
     t.train_step()
     export_dense(t.model, t.optimizer, str(tmp_path / "step-1"), 1)

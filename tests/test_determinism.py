@@ -2,7 +2,7 @@
 Every recovery test compares against this harness, so its determinism is tested first, on real torchrun."""
 import pytest
 
-from torchmoe_ckpt.harness.launch import compare, run_torchrun
+from torchmoe_harness.launch import compare, run_torchrun
 
 CASES = [  # (world size, hsdp replicate degree, compute dtype)
     (2, 1, "fp32"), (2, 2, "bf16"), (4, 1, "bf16"), (4, 2, "fp32"),
@@ -41,7 +41,7 @@ def test_comparison_detects_a_different_run(tmp_path):
 
 def test_expert_sharding_layouts(tmp_path):
     """4 shard ranks and 2 experts: experts are split on dim 1 (Shard(1)); with 4 experts on dim 0."""
-    from torchmoe_ckpt.harness.trainer import RunConfig
+    from torchmoe_harness.trainer import RunConfig
     s = spec(1, "fp32", steps=1)
     s["run"]["model"] = {"num_experts": 2, "top_k": 1}
     r = run_torchrun(4, s, tmp_path / "a")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from torchmoe_ckpt.ettr import (LossyModel, SystemProfile, best_interval, ettr_exact, ettr_paper,
+from torchmoe_harness.ettr import (LossyModel, SystemProfile, best_interval, ettr_exact, ettr_paper,
                                 overhead_capped_interval, periodic_trace, poisson_trace, simulate, table3)
 
 PROFILES = [
@@ -93,7 +93,7 @@ def test_poisson_trace_rate():
 def test_simulated_ettr_of_a_real_run_within_5_percent(tmp_path):
     """A 2-rank CPU run (tiny model, our checkpointer, W=4) with failures injected at Poisson wall-clock
     times (MTBF 25 iterations): the simulator, fed the run's figures and the same trace, is within 5% of its ETTR."""
-    from torchmoe_ckpt.baselines.ettr_run import measure_and_simulate
+    from torchmoe_harness.baselines.ettr_run import measure_and_simulate
     res = measure_and_simulate(out_dir=str(tmp_path))
     (tmp_path / "ettr_check.json").write_text(json.dumps(res, indent=1))
     assert res["measured"]["failures"] >= 3, res["measured"]

@@ -3,7 +3,7 @@
 and every loss `torch.equal` to the run that never failed. The session prints a summary (conftest)."""
 import pytest
 
-from torchmoe_ckpt.harness.launch import compare, run_torchrun
+from torchmoe_harness.launch import compare, run_torchrun
 
 RUN = {"steps": 12, "dtype": "fp32"}
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchmoe_ckpt.harness.launch import compare, run_torchrun
+from torchmoe_harness.launch import compare, run_torchrun
 
 
 def spec(root, failures, steps=14, dtype="bf16", hsdp=1):
@@ -45,8 +45,9 @@ def test_corrupt_or_torn_copy_is_reported_and_never_loaded(tmp_path, how, refere
 
 def test_stock_dcp_load_reads_a_slot(tmp_path, one_rank_group):
     from torchmoe_ckpt.checkpointer import SparseCheckpointer, SparseConfig
-    from torchmoe_ckpt.dcp.host_tier import HostTier, slot_rank_dir
-    from torchmoe_ckpt.harness.trainer import RunConfig, Trainer
+    from torchmoe_ckpt.dcp.host_tier import HostTier
+    from torchmoe_ckpt.dcp.manifest import slot_rank_dir
+    from torchmoe_harness.trainer import RunConfig, Trainer
     t = Trainer(RunConfig(steps=4))
     tier = HostTier(tmp_path, "run", 0, 1)
     ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), host_tier=tier).attach(t)

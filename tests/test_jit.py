@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from torchmoe_ckpt.harness.launch import compare, launch, load_result, processes_mentioning, run_torchrun
+from torchmoe_harness.launch import compare, launch, load_result, processes_mentioning, run_torchrun
 
 RUN = {"steps": 6, "dtype": "fp32", "hsdp": 2}  # world 4: replicas {0,2} hold shard 0, {1,3} shard 1
 FAIL_AT = 4
@@ -155,7 +155,7 @@ def test_pure_fsdp_says_jit_is_off(tmp_path, reference):
 
 
 def test_bad_jit_spec_fails_at_start(tmp_path):
-    from torchmoe_ckpt.harness.scenario import _check_jit
+    from torchmoe_harness.scenario import _check_jit
     with pytest.raises(ValueError, match="needs a 'host_tier'"):
         _check_jit({"jit": True, "watchdog_timeout_s": 5})
     with pytest.raises(ValueError, match="needs 'watchdog_timeout_s'"):

@@ -5,10 +5,11 @@ import json
 
 import pytest
 
-from torchmoe_ckpt.dcp.host_tier import HostTier, rank_manifest_name
-from torchmoe_ckpt.dcp.manifest import FileEntry, WindowManifest, crc32_bytes
-from torchmoe_ckpt.dcp.object_tier import ObjectTier, StoreConfigError, Uploader
-from torchmoe_ckpt.harness.launch import compare, run_torchrun
+from torchmoe_ckpt.dcp.host_tier import HostTier
+from torchmoe_ckpt.dcp.manifest import FileEntry, WindowManifest, crc32_bytes, rank_manifest_name
+from torchmoe_ckpt.dcp.object_tier import ObjectTier, StoreConfigError
+from torchmoe_ckpt.dcp.uploader import Uploader
+from torchmoe_harness.launch import compare, run_torchrun
 
 
 def test_azure_blob_round_trip_on_azurite(tmp_path, azurite):
@@ -112,14 +113,14 @@ def test_bad_store_settings_fail_at_start_with_one_clear_message(tmp_path, moto)
     no_creds = {"client_kwargs": opts["client_kwargs"]}  # moto takes any key; a missing one is detectable
     with pytest.raises(StoreConfigError, match="credentials"):
         ObjectTier("s3://tmoe-bucket/x", "run", 0, storage_options=no_creds)
-    from torchmoe_ckpt.harness.servers import free_port
+    from torchmoe_harness.servers import free_port
     dead = dict(opts, client_kwargs={"endpoint_url": f"http://127.0.0.1:{free_port()}"})
     with pytest.raises(StoreConfigError, match="reachable"):
         ObjectTier("s3://tmoe-bucket/x", "run", 0, storage_options=dead)
 
 
 def test_error_explanations_do_not_read_port_numbers_as_http_status():
-    from torchmoe_ckpt.dcp.object_tier import _explain
+    from torchmoe_ckpt.dcp.store_errors import explain as _explain
 
     class EndpointConnectionError(Exception):  # botocore's name; only the text and name are read
         pass
@@ -134,7 +135,7 @@ def test_error_explanations_do_not_read_port_numbers_as_http_status():
 
 
 def test_store_down_never_blocks_and_upload_catches_up(tmp_path, moto):
-    from torchmoe_ckpt.harness.servers import create_bucket
+    from torchmoe_harness.servers import create_bucket
     create_bucket(moto.storage_options, "down-bucket")
     tier = HostTier(tmp_path / "host", "run", 0, 1)
     store = ObjectTier("s3://down-bucket/run", "run", 0, storage_options=moto.storage_options, attempts=2,

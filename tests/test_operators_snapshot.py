@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from torchmoe_ckpt.harness.trainer import RunConfig, Trainer
 from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.recovery import init_optimizer_state
 from torchmoe_ckpt.snapshot import SimulatedCopyFault, SnapshotEngine, StateAccess, build_slot, restore_slot
+from torchmoe_harness.trainer import RunConfig, Trainer
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_every_parameter_element_belongs_to_exactly_one_operator(trainer):
 
 def test_expert_pieces_have_global_offsets(trainer):
     ops = {o.name: o for o in discover_operators(trainer.model)}
-    e2 = ops["layers.1.experts.2"]
+    e2 = ops["layers.1.moe.experts.2"]
     assert {p.fqn.rsplit(".", 1)[-1] for p in e2.pieces} == {"w1_EFD", "w2_EDF", "w3_EFD"}
     for p in e2.pieces:
         assert p.global_offset[0] == 2 and p.shape[0] == 1

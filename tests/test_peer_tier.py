@@ -3,7 +3,7 @@ directories on this machine). Losing a node wipes its directory; its ranks pull 
 their peers and recovery is still bit-exact. Under HSDP the peers are replicas: no slot data is sent."""
 import pytest
 
-from torchmoe_ckpt.harness.launch import compare, run_torchrun
+from torchmoe_harness.launch import compare, run_torchrun
 
 
 def spec(root, hsdp, lose_node=1, steps=12, dtype="fp32"):

@@ -6,9 +6,9 @@ the fault-free run of the same spec."""
 
 import pytest
 
-from torchmoe_ckpt.harness.launch import compare, launch, load_result
+from torchmoe_harness.launch import compare, launch, load_result
 
-MODULE = "torchmoe_ckpt.harness.pipeline_worker"
+MODULE = "torchmoe_harness.pipeline_worker"
 RUN = {"steps": 9, "model": {"n_layers": 3}, "batch_size": 4}
 
 

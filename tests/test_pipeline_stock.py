@@ -4,8 +4,8 @@ tagged (iteration, micro-batch, direction), and `torch.equal` to what the receiv
 import pytest
 import torch
 
-from torchmoe_ckpt.harness.launch import launch
 from torchmoe_ckpt.pipeline_log import LogReader
+from torchmoe_harness.launch import launch
 
 RUN = {"model": {"n_layers": 4}, "batch_size": 4}
 M, STEPS = 2, 2
@@ -16,7 +16,7 @@ def test_stock_schedule_logs_what_was_sent(tmp_path, schedule, per_rank):
     spec = {"run": RUN, "schedule": schedule, "stages_per_rank": per_rank, "microbatches": M, "steps": STEPS,
             "log_root": str(tmp_path / "shm"), "timeout_s": 30}
     out = tmp_path / "run"
-    launch(2, spec, out, timeout=55, module="torchmoe_ckpt.harness.pipeline_stock_worker")
+    launch(2, spec, out, timeout=55, module="torchmoe_harness.pipeline_stock_worker")
     n = 2 * per_rank
     got = {s: torch.load(out / f"received-{s}.pt", weights_only=True) for s in range(n)}
     checked = 0

@@ -6,10 +6,11 @@ import logging
 import pytest
 import torch
 
-from torchmoe_ckpt.harness.trainer import RunConfig
-from torchmoe_ckpt.pipeline import PipelineConfig, actions
+from torchmoe_ckpt.pipeline import actions
 from torchmoe_ckpt.pipeline_log import BoundaryLog, LogReader
 from torchmoe_ckpt.pipeline_recovery import StageStatus, contiguous_runs, plan_recovery
+from torchmoe_harness.pipeline_trainer import PipelineConfig
+from torchmoe_harness.trainer import RunConfig
 
 
 def fill(log: BoundaryLog, its, mbs=2, shape=(2, 4)):

@@ -3,7 +3,7 @@ state torch.equal to a run that never failed, with identical losses. FSDP2 and H
 fp32 and bf16 compute, gradient clipping on, skewed routing."""
 import pytest
 
-from torchmoe_ckpt.harness.launch import compare, run_torchrun
+from torchmoe_harness.launch import compare, run_torchrun
 
 STEPS = 16
 W = 3

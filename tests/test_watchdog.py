@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from torchmoe_ckpt.harness.launch import compare, processes_mentioning, run_torchrun
 from torchmoe_ckpt.watchdog import EXIT_COLLECTIVE_ERROR, EXIT_HANG
+from torchmoe_harness.launch import compare, processes_mentioning, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 SLACK_S = 1.5  # detection may lag the deadline by scheduling on a loaded 2-core machine, not by polling

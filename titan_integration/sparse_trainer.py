@@ -362,6 +362,9 @@ class SparseTrainer(Trainer):
         counts = self._expert_counts()
         for hook in self.before_update:
             hook()
+        if replay is not None:  # the original iteration's LRs, even if the schedule changed since (extended run)
+            for opt in self.optimizers.optimizers:
+                replay.apply_lrs(opt)
         lr = float(self.optimizers.optimizers[0].param_groups[0]["lr"])
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()       # TorchTitan's expert-bias update runs here, as a step pre-hook
@@ -479,29 +482,28 @@ class SparseTrainer(Trainer):
         return build_tiers(self.sc.tiers_config(), rank, world, hsdp)
 
     def _recover(self, tier, replicator, store):
-        from torchmoe_ckpt.dcp.tiers import recover_from_tiers
+        from torchmoe_ckpt.dcp.tiers import Tiers
         from torchmoe_ckpt.operators import discover_operators
-        from torchmoe_ckpt.recovery import sparse_to_dense
+        from torchmoe_ckpt.resume import recover
 
-        t0 = time.perf_counter()
         ops = {o.name: o for o in discover_operators(self.model)}
-        window, found = recover_from_tiers(tier, replicator, ops, self.compute_dtype, store=store)
-        if window is None:
+        # Tests scramble the live weights once a window is found: what recovery forgets shows up as a mismatch.
+        scramble = (lambda _w: self._scramble()) if os.environ.get("TORCHMOE_TITAN_SCRAMBLE") == "1" else None
+        res = recover(TitanReplayable(self), Tiers(tier, replicator, store), ops, self.compute_dtype,
+                      rank=torch.distributed.get_rank(), before_replay=scramble)
+        if res.window is None:
             if self._attempt > 0:
                 logger.warning("torchmoe: no committed window on any tier; starting from scratch")
-                self.recovery_report = dict(found, cold_start=True, recovered_step=0, attempt=self._attempt)
+                self.recovery_report = dict(res.report, cold_start=True, recovered_step=0, attempt=self._attempt)
             return None
-        if os.environ.get("TORCHMOE_TITAN_SCRAMBLE") == "1":
-            self._scramble()
-        rep = sparse_to_dense(TitanReplayable(self), window).to_dict()
+        rep = dict(res.report, attempt=self._attempt, restart_seconds=res.report["total_seconds"])
         self._skip_batches = rep["recovered_step"] * self.gradient_accumulation_steps \
             * self.num_pipeline_parallel_microbatches
-        rep.update(found, attempt=self._attempt, restart_seconds=time.perf_counter() - t0)
         self.recovery_report = rep
         logger.info(f"torchmoe: recovered step {rep['recovered_step']} from window {rep['window_id']} "
                     f"({rep['source']}), replayed {rep['replayed_iterations']} iterations in "
-                    f"{rep['seconds']:.2f} s")
-        return window
+                    f"{rep['seconds']:.2f} s; every replayed loss matched the original run bit for bit")
+        return res.window
 
     @torch.no_grad()
     def _scramble(self) -> None:

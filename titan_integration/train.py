@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ:
         # Training finished and every result is written. Leave without running interpreter teardown: gloo's
         # C++ threads occasionally abort the process at exit ("terminate called without an active
-        # exception"), which torchrun would report as a failed worker (same as torchmoe_ckpt.harness.worker).
+        # exception"), which torchrun would report as a failed worker (same as torchmoe_harness.worker).
         import logging
 
         logging.shutdown()

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .dcp.host_tier import HostTier, TierWriter
+from .errors import ConfigError
 from .operators import Operator, discover_operators, expert_grid
 from .popularity import PopularityTracker, order_experts, reorder_needed
 from .replay_log import IterationRecord
@@ -38,9 +40,11 @@ class SparseConfig:
 
     def __post_init__(self):
         if self.window is not None and self.window < 1:
-            raise ValueError(f"window must be >= 1 or None (auto), got {self.window}")
+            raise ConfigError(f"window must be >= 1 or None (auto), got {self.window}")
         if not 0 < self.overlap:
-            raise ValueError(f"overlap must be > 0, got {self.overlap}")
+            raise ConfigError(f"overlap must be > 0, got {self.overlap}")
+        if self.popularity not in ("hard", "soft", "decayed", "capacity"):
+            raise ConfigError(f"popularity {self.popularity!r} is not one of hard, soft, decayed, capacity")
 
 
 _SAME_GROUP = object()  # agree_group not given: the planning group
@@ -50,16 +54,18 @@ class SparseCheckpointer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, compute_dtype: torch.dtype,
                  cfg: SparseConfig | None = None, group: dist.ProcessGroup | None = None,
                  committed: Window | None = None, host_tier=None, replicator=None, store=None,
-                 first_window_id: int | None = None, agree_group: dist.ProcessGroup | None | object = _SAME_GROUP):
+                 first_window_id: int | None = None, agree_group: dist.ProcessGroup | None | object = _SAME_GROUP,
+                 ops: list[Operator] | None = None):
         """`group`: the ranks that plan windows together (same operators). `agree_group` (default: `group`;
         None = all ranks): the ranks that agree on the retention floor and copy bandwidth, wider under
         pipeline parallelism (every stage keeps the windows any stage may need). `first_window_id`: where
-        window ids start when windows already exist on the tiers (default: after `committed`, else 0)."""
+        window ids start when windows already exist on the tiers (default: after `committed`, else 0). `ops`: the
+        model's operators when the caller discovered them already (e.g. with an `OperatorSpec`)."""
         self.cfg = cfg or SparseConfig()
         self.group = group
         self.agree_group = group if agree_group is _SAME_GROUP else agree_group
         self.compute_dtype = compute_dtype
-        self.ops: list[Operator] = discover_operators(model)
+        self.ops: list[Operator] = ops if ops is not None else discover_operators(model)
         self.op_by_name = {o.name: o for o in self.ops}
         self.grid = expert_grid(self.ops)
         n_layers = 1 + max((l for l, _ in self.grid), default=-1)
@@ -76,8 +82,10 @@ class SparseCheckpointer:
         self._inherited = committed  # a window handed over after a restart (still the recovery fallback)
         # Optional host-memory tier (dcp.host_tier.HostTier): slots persisted off the training thread.
         self.tier_writer = None
+        if host_tier is not None and not isinstance(host_tier, HostTier):
+            raise ConfigError(f"host_tier must be a HostTier, got {type(host_tier).__name__}: build the tiers with "
+                              "build_tiers(TierConfig(...)), or use torchmoe_ckpt.Checkpointer, which owns them")
         if host_tier is not None:
-            from .dcp.host_tier import TierWriter
             self.tier_writer = TierWriter(host_tier, replicator, store)
         self._order: list[str] | None = None
         self._order_freq: torch.Tensor | None = None
@@ -111,7 +119,8 @@ class SparseCheckpointer:
         t = res.step
         cur = self.current
         if cur is not None and cur.start_step < t < cur.start_step + cur.plan.window:
-            cur.log.add(IterationRecord(t, res.tokens, res.grad_norm, res.lr, res.loss, res.rng_state))
+            cur.log.add(IterationRecord(t, res.tokens, res.grad_norm, res.lr, res.loss, res.rng_state,
+                                        lrs=getattr(res, "lrs", None)))
         if cur is None or cur.captured >= cur.plan.window:
             cur = self._start_window(t)
         slot = cur.slots[t - cur.start_step]

@@ -35,11 +35,14 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 
 from .dcp.manifest import crc32_bytes
+from .dcp.object_tier import _is_local, open_store
 from .dcp.tiers import all_gather_objects
+from .recovery import init_optimizer_state
 
 log = logging.getLogger("torchmoe_ckpt.jit")
 MARKER = "COMPLETE.json"
@@ -80,7 +83,6 @@ class JitStore:
     """The object-store side: same layout as the host side, under `<uri>/<run>/jit/`."""
 
     def __init__(self, cfg: dict, run_id: str):
-        from .dcp.object_tier import _is_local, open_store
         self.fs, root = open_store(cfg["uri"], cfg.get("storage_options"), probe=False)
         self.local = _is_local(self.fs)
         self.base = f"{root.rstrip('/')}/{run_id}/jit"
@@ -313,7 +315,6 @@ def choose(everyone: list[tuple[str, list[dict]]]) -> tuple[int | None, dict]:
 
 
 def apply_state(trainer, blob: dict) -> None:
-    from .recovery import init_optimizer_state
     tensors = blob["tensors"]
     init_optimizer_state(trainer.optimizer)
     want = set()
@@ -341,11 +342,15 @@ def apply_state(trainer, blob: dict) -> None:
                          f"the JIT copy saved {blob['lr']!r}: not the same run configuration")
 
 
-def resume(trainer, host_cfg: dict, tier) -> tuple[object, dict | None]:
+T = TypeVar("T")
+
+
+def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tuple[T, dict | None]:
     """At process start: load the newest all-shard JIT copy if it beats the last committed window.
     Returns (trainer, report) -- report None means "use the window path". Collective; every rank takes the
-    same branch."""
-    from .harness.trainer import Trainer
+    same branch. `rebuild(for_copy)` builds a fresh trainer of the same run: for_copy=True, the one the copy
+    is loaded into (its initial values must not matter: everything comes from the copy); for_copy=False,
+    the normal initial state, used when some shard's copy cannot be loaded (the window path follows)."""
     t0 = time.perf_counter()
     key, _ = shard_layout(trainer.mesh)
     jit_dir = Path(tier.dir) / "jit"
@@ -365,9 +370,8 @@ def resume(trainer, host_cfg: dict, tier) -> tuple[object, dict | None]:
     # host memory before the store; among host copies this rank's own, then the lowest replica rank
     me = trainer.rank
     mine = sorted(shards[key], key=lambda c: (c["where"] != "host", c["rank"] != me, c["rank"]))
-    cfg = trainer.cfg
     del trainer
-    fresh = Trainer(cfg, init_seed=cfg.seed + 7777)  # everything must come from the copy
+    fresh = rebuild(True)  # everything must come from the copy
     used = None
     for c in mine:
         try:
@@ -380,7 +384,7 @@ def resume(trainer, host_cfg: dict, tier) -> tuple[object, dict | None]:
     if not all(all_gather_objects(used is not None)):
         # Some shard could not be loaded: the window path, from the deterministic init again (this trainer
         # is half-loaded; with no window either, that is the cold start).
-        return Trainer(cfg), None
+        return rebuild(False), None
     begun = max(c["begun"] for cs in shards.values() for c in cs)
     rep = {"source": "jit", "jit_step": step, "recovered_step": step, "replayed_iterations": begun - step,
            "failed_iteration": begun, "window_step": bound, "jit_copy_rank": used["rank"], "jit_copy_where": used["where"],

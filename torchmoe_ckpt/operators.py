@@ -1,10 +1,15 @@
 """Operators: the units that sparse checkpointing schedules.
 
-An operator is one expert of one MoE layer (a slice of the grouped `w1/w2/w3` tensors along the expert
-dimension), one router (gate weight + the MoE's `expert_bias`), the non-expert parameters of one
-transformer block, or a top-level module (embeddings, final norm, output head). Each operator is mapped to
-the pieces of *this rank's* local shards that it owns, with global offsets taken from the DTensor
-placement, so FSDP2 `Shard(0)`, `Shard(1)` (more shard ranks than experts) and HSDP replicas all work.
+An operator is one expert of one MoE layer (a slice of the grouped `[E, ...]` tensors along the expert
+dimension, or one module of an `nn.ModuleList` of experts), one router (gate weight, its bias and buffers,
+and the MoE's own `[E]` tensors such as an expert bias), the non-expert state of one repeated block, or a
+top-level module (embeddings, final norm, output head). Where the MoE layers are is found by structure
+(`moe_structure.py`) or given by an `OperatorSpec`. Every parameter and persistent buffer lands in exactly
+one operator. Each operator is mapped to the pieces of *this rank's* local shards that it owns, with global
+offsets taken from the DTensor placement, so FSDP2 `Shard(0)`, `Shard(1)` (more shard ranks than experts)
+and HSDP replicas all work.
+
+Names are module paths: `<moe>.experts.<e>`, `<moe>.router`, `<block>.dense`, `<top-level module>`.
 """
 from __future__ import annotations
 
@@ -14,10 +19,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .moe_structure import OperatorDiscoveryError, OperatorSpec, ancestors, find_moe_blocks
+
+__all__ = ["Piece", "Operator", "OperatorSpec", "OperatorDiscoveryError", "discover_operators", "expert_grid",
+           "moe_order", "local_tensor", "EXPERT_PARAM_NAMES"]
+
+# Grouped expert tensor names of TorchTitan and the harness (the tensorstore layout keys on them).
 EXPERT_PARAM_NAMES = ("w1_EFD", "w2_EDF", "w3_EFD", "w1", "w2", "w3")
-ROUTER_BUFFER_NAMES = ("expert_bias_E", "expert_bias")
-_LAYER_RE = re.compile(r"^(.*?layers\.(\d+))\.")
+# Wrapper path components (activation checkpointing, torch.compile) left out of operator names.
+_WRAPPER_PARTS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)(?=\.|$)")
 
 
 @dataclass(frozen=True)
@@ -29,6 +41,7 @@ class Piece:
     global_offset: tuple[int, ...]  # offset of this piece in the global tensor
     local_slices: tuple[slice, ...] # where this piece sits in the rank-local tensor
     shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32  # the tensor's own dtype (buffers are copied in it: int64 counters)
 
     @property
     def numel(self) -> int:
@@ -42,9 +55,11 @@ class Piece:
 class Operator:
     name: str
     kind: str                       # "expert" | "router" | "dense"
-    layer: int | None = None
+    layer: int | None = None        # index of the repeated block (or MoE) it belongs to; None: top level
     expert: int | None = None
     pieces: list[Piece] = field(default_factory=list)
+    moe: str | None = None          # module path of its MoE block (expert and router operators)
+    modules: tuple[str, ...] = ()   # router operators: the modules whose forward routes (for hooks)
 
     def param_numel(self) -> int:
         return sum(p.numel for p in self.pieces if p.is_param)
@@ -60,7 +75,7 @@ class Operator:
         return self.param_numel() * compute_itemsize + self.buffer_bytes()
 
     def buffer_bytes(self) -> int:
-        return sum(p.numel * 4 for p in self.pieces if not p.is_param)
+        return sum(p.numel * p.dtype.itemsize for p in self.pieces if not p.is_param)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -70,7 +85,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _local_offset(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(global offset, local shape) of this rank's shard of `t`."""
     if isinstance(t, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         return tuple(offset), tuple(shape)
     return (0,) * t.dim(), tuple(t.shape)
@@ -80,79 +94,93 @@ def _whole_piece(fqn: str, t: torch.Tensor, is_param: bool) -> Piece | None:
     offset, shape = _local_offset(t)
     if any(s == 0 for s in shape) and t.dim() > 0:
         return None  # uneven sharding left this rank empty
-    return Piece(fqn, is_param, tuple(t.shape), offset, tuple(slice(0, s) for s in shape), shape)
+    return Piece(fqn, is_param, tuple(t.shape), offset, tuple(slice(0, s) for s in shape), shape, t.dtype)
 
 
-def _expert_piece(fqn: str, t: torch.Tensor, expert: int) -> Piece | None:
+def _expert_piece(fqn: str, t: torch.Tensor, expert: int, is_param: bool) -> Piece | None:
     """The rows of expert `expert` (dim 0) held by this rank, whatever dim the tensor is sharded on."""
     offset, shape = _local_offset(t)
     lo = expert - offset[0]
-    if lo < 0 or lo >= shape[0]:
+    if lo < 0 or lo >= shape[0] or any(s == 0 for s in shape[1:]):
         return None
     slices = (slice(lo, lo + 1),) + tuple(slice(0, s) for s in shape[1:])
-    return Piece(fqn, True, tuple(t.shape), (expert,) + offset[1:], slices, (1,) + shape[1:])
+    return Piece(fqn, is_param, tuple(t.shape), (expert,) + offset[1:], slices, (1,) + shape[1:], t.dtype)
 
 
-def discover_operators(model: nn.Module) -> list[Operator]:
+def _clean(path: str) -> str:
+    return _WRAPPER_PARTS.sub("", path).lstrip(".")
+
+
+def discover_operators(model: nn.Module, spec: OperatorSpec | None = None) -> list[Operator]:
     """All operators of `model`, in a canonical order (by layer, then experts, router, dense), each with the
-    pieces this rank holds. Every rank returns the same names in the same order (pieces may differ)."""
+    pieces this rank holds. Every rank returns the same names in the same order (pieces may differ).
+    Raises `OperatorDiscoveryError` (one line: the module and the fix) when MoE-looking modules match no
+    experts, or a spec pattern matches nothing."""
+    moes, blocks, tensors = find_moe_blocks(model, spec)
+    params = {n for n, _ in model.named_parameters()}
+    # Layer index: position of the repeated block (or of an MoE outside any block) in module order.
+    inside = set(blocks)
+    units = blocks + [m.path for m in moes if m.path not in inside and not any(a in inside for a in ancestors(m.path))]
+    order = {p: i for i, p in enumerate(dict(model.named_modules()))}
+    units.sort(key=order.__getitem__)
+    layer_of = {u: i for i, u in enumerate(units)}
+    holders = {a for u in units for a in [u, *ancestors(u)]}  # modules that hold a block or an MoE
+
+    def unit(fqn: str) -> str | None:
+        return next((a for a in ancestors(fqn) if a in layer_of), None)
+
     ops: dict[str, Operator] = {}
     claimed: set[str] = set()
 
-    def op(name: str, kind: str, layer=None, expert=None) -> Operator:
-        if name not in ops:
-            ops[name] = Operator(name, kind, layer, expert)
-        return ops[name]
-
-    def layer_of(fqn: str) -> tuple[str | None, int | None]:
-        m = _LAYER_RE.match(fqn)
-        return (m.group(1), int(m.group(2))) if m else (None, None)
-
-    params = dict(model.named_parameters())
-    buffers = {n: b for n, b in model.named_buffers() if b is not None}
-    # Experts: grouped tensors whose leading dim is the expert count of their MoE.
-    for fqn, p in params.items():
-        leaf = fqn.rsplit(".", 1)[-1]
-        if leaf in EXPERT_PARAM_NAMES and p.dim() == 3:
-            prefix, layer = layer_of(fqn)
-            for e in range(p.shape[0]):
-                o = op(f"{prefix or 'model'}.experts.{e}", "expert", layer, e)
-                piece = _expert_piece(fqn, p, e)
-                if piece is not None:
-                    o.pieces.append(piece)
-            claimed.add(fqn)
-    # Routers: gate parameters plus the load-balancing bias buffer of the same MoE.
-    for fqn, t in list(params.items()) + list(buffers.items()):
-        leaf = fqn.rsplit(".", 1)[-1]
-        is_router = ".router." in f".{fqn}" or leaf in ROUTER_BUFFER_NAMES
-        if fqn in claimed or not is_router:
-            continue
-        prefix, layer = layer_of(fqn)
-        piece = _whole_piece(fqn, t, fqn in params)
-        o = op(f"{prefix or 'model'}.router", "router", layer)
+    def add(name: str, kind: str, fqn: str, piece: Piece | None, **kw) -> None:
+        o = ops.setdefault(name, Operator(name, kind, **kw))
+        claimed.add(fqn)
         if piece is not None:
             o.pieces.append(piece)
-        claimed.add(fqn)
-    # Everything else: one dense operator per transformer block, one per top-level module.
-    for fqn, p in params.items():
+
+    for moe in moes:
+        layer, base = layer_of[moe.path if moe.path in layer_of else unit(moe.path)], _clean(moe.path)
+        for e in range(moe.num_experts):
+            name = f"{base}.experts.{e}" if base else f"experts.{e}"
+            ops[name] = Operator(name, "expert", layer, e, moe=moe.path)
+            for fqn in moe.grouped:
+                add(name, "expert", fqn, _expert_piece(fqn, tensors[fqn], e, fqn in params))
+            for fqn in (moe.per_expert[e] if moe.per_expert else ()):
+                add(name, "expert", fqn, _whole_piece(fqn, tensors[fqn], fqn in params))
+        if moe.router:
+            name = f"{base}.router" if base else "router"
+            ops[name] = Operator(name, "router", layer, moe=moe.path, modules=tuple(moe.router_modules))
+            for fqn in moe.router:
+                add(name, "router", fqn, _whole_piece(fqn, tensors[fqn], fqn in params))
+    for fqn, t in tensors.items():
         if fqn in claimed:
             continue
-        prefix, layer = layer_of(fqn)
-        name = f"{prefix}.dense" if prefix else fqn.split(".", 1)[0]
-        o = op(name, "dense", layer)
-        piece = _whole_piece(fqn, p, True)
-        if piece is not None:
-            o.pieces.append(piece)
+        u = unit(fqn)
+        if u is not None:
+            name, layer = f"{_clean(u)}.dense", layer_of[u]
+        else:  # the outermost module on the way down that holds no block and no MoE (else the tensor itself)
+            name = next((a for a in reversed(list(ancestors(fqn))) if a and a not in holders), fqn)
+            name, layer = _clean(name), None
+        add(name, "dense", fqn, _whole_piece(fqn, t, fqn in params), layer=layer)
     kind_rank = {"expert": 0, "router": 1, "dense": 2}
     return sorted(ops.values(), key=lambda o: (o.layer if o.layer is not None else 1 << 30, kind_rank[o.kind],
                                                o.expert if o.expert is not None else 0, o.name))
 
 
+def moe_order(ops: list[Operator]) -> list[str]:
+    """The MoE blocks' module paths in MoE-layer order (the row order of `expert_grid` and of routed-token
+    counts)."""
+    seen: dict[str, int] = {}
+    for o in ops:
+        if o.kind == "expert" and o.moe not in seen:
+            seen[o.moe] = o.layer if o.layer is not None else 1 << 30
+    return sorted(seen, key=lambda m: (seen[m], m))
+
+
 def expert_grid(ops: list[Operator]) -> dict[tuple[int, int], str]:
     """(layer index among MoE layers, expert) -> operator name."""
-    layers = sorted({o.layer for o in ops if o.kind == "expert"})
-    idx = {layer: i for i, layer in enumerate(layers)}
-    return {(idx[o.layer], o.expert): o.name for o in ops if o.kind == "expert"}
+    idx = {m: i for i, m in enumerate(moe_order(ops))}
+    return {(idx[o.moe], o.expert): o.name for o in ops if o.kind == "expert"}
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

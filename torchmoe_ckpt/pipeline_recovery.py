@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .pipeline import Logged, Peer, StageIO, StageTrainer
+from .pipeline import Logged, Peer, StageIO, StageReplayable
 from .pipeline_log import LogReader
 from .recovery import sparse_to_dense
 from .replay_log import Replay
@@ -126,7 +126,7 @@ def plan_recovery(statuses: list[StageStatus], log_dirs: list, microbatches: int
                         reason=f"stages {failed} failed; segments {[(s.first, s.last) for s in segments]}")
 
 
-def segment_io(trainer: StageTrainer, seg: Segment, log_dirs: list) -> StageIO:
+def segment_io(trainer: StageReplayable, seg: Segment, log_dirs: list) -> StageIO:
     """Inside the segment: live neighbours; at its borders: the border stages' logs."""
     s = trainer.stage
     if s == 0:
@@ -135,7 +135,7 @@ def segment_io(trainer: StageTrainer, seg: Segment, log_dirs: list) -> StageIO:
         up = Peer(trainer.ranks[s - 1])
     else:
         up = Logged(LogReader(log_dirs[seg.up]), "fwd")
-    if s == trainer.pp.stages - 1:
+    if s == trainer.n_stages - 1:
         down = None
     elif s + 1 <= seg.last:
         down = Peer(trainer.ranks[s + 1])
@@ -145,7 +145,7 @@ def segment_io(trainer: StageTrainer, seg: Segment, log_dirs: list) -> StageIO:
     return StageIO(up, down, meta=LogReader(log_dirs[border]))
 
 
-def recover_in_segment(trainer: StageTrainer, window, seg: Segment, target: int, log_dirs: list) -> dict:
+def recover_in_segment(trainer: StageReplayable, window, seg: Segment, target: int, log_dirs: list) -> dict:
     """Phase 1: sparse-to-dense over the window; phase 2: replay to the healthy stages' iteration."""
     t_start = time.perf_counter()
     trainer.replay_io = segment_io(trainer, seg, log_dirs)
@@ -156,7 +156,7 @@ def recover_in_segment(trainer: StageTrainer, window, seg: Segment, target: int,
     for t in range(trainer.step + 1, target + 1):
         rec = meta.meta(t)
         # No operator here draws random numbers; the state is passed only to keep the replay contract.
-        trainer.train_step(Replay(trainer.stream.batch(t, 0), rec["grad_norm"], torch.get_rng_state()))
+        trainer.train_step(Replay(trainer.batch(t), rec["grad_norm"], torch.get_rng_state()))
     trainer.replay_io = None
     rep.update(mode="local", segment=[seg.first, seg.last], phase2_iterations=target - window.start_step - window.plan.window + 1,
                replayed_total=trainer.replayed_iterations, recovered_step=trainer.step,
@@ -167,7 +167,7 @@ def recover_in_segment(trainer: StageTrainer, window, seg: Segment, target: int,
     return rep
 
 
-def recover_global(trainer: StageTrainer, window) -> dict:
+def recover_global(trainer: StageReplayable, window) -> dict:
     """Every stage rolls back to `window` and replays it jointly, live, like training."""
     t_start = time.perf_counter()
     io = trainer.live_io

@@ -30,16 +30,26 @@ log = logging.getLogger("torchmoe_ckpt.recovery")
 
 
 class ReplayDivergence(RuntimeError):
-    """A replayed iteration did not reproduce the logged loss: the window or the log is not from this run."""
+    """A replayed iteration did not reproduce the logged loss, so the rebuilt state would not be the run's."""
+
+
+class ReplayedStep(Protocol):
+    loss: torch.Tensor               # this rank's loss of the replayed iteration, compared bit for bit
 
 
 class Replayable(Protocol):
-    """What recovery needs from a trainer (the harness Trainer and the TorchTitan hook provide it)."""
+    """What recovery needs from a trainer. The own-loop `Checkpointer` implements it for any model; the
+    harness Trainer and TorchTitan's `SparseTrainer` (through `TitanReplayable`) implement it for theirs.
+
+    `set_step(n)`: put the iteration counter and the LR schedule where n completed iterations leave them.
+    `train_step(replay)`: run one iteration exactly as training does, except that it takes the batch, the RNG
+    state, the global gradient norm (for clipping) and every param group's LR from `replay` instead of
+    computing them, and it captures no checkpoint. It returns an object with this rank's `loss`."""
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
 
     def set_step(self, step: int) -> None: ...
-    def train_step(self, replay=None): ...
+    def train_step(self, replay: Replay | None = None) -> ReplayedStep: ...
 
 
 @dataclass
@@ -92,8 +102,12 @@ def sparse_to_dense(trainer: Replayable, window) -> RecoveryReport:
         replay_s += time.perf_counter() - r0
         if not torch.equal(res.loss, rec.loss):
             raise ReplayDivergence(
-                f"replay of iteration {t0 + i} gave loss {res.loss.item()!r}, the original run logged "
-                f"{rec.loss.item()!r}: the window does not belong to this model/data; not loading it")
+                f"replay of iteration {t0 + i} (window {window.id}, replay {i} of {w - 1}) gave loss "
+                f"{res.loss.item()!r}, the original run logged {rec.loss.item()!r}. Likely causes: state the "
+                "checkpoint does not capture (a non-persistent buffer or a Python attribute that changes during "
+                "training), a non-deterministic kernel or a different thread count, randomness not drawn from "
+                "torch's CPU generator, or a model/data/world size other than the run that wrote the window. "
+                "The window is not loaded")
         nbytes += load_window_slot(window.slots[i], access)
         faults.point("recovery")
     trainer.set_step(t0 + w - 1)

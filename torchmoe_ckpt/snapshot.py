@@ -107,7 +107,7 @@ def build_slot(index: int, active: tuple[str, ...], frozen: tuple[str, ...], ops
     for name in active:
         for pc in ops[name].pieces:
             if not pc.is_param:
-                items.append(SlotItem(f"model.{pc.fqn}", "buffer", name, pc, alloc(pc.shape, torch.float32)))
+                items.append(SlotItem(f"model.{pc.fqn}", "buffer", name, pc, alloc(pc.shape, pc.dtype)))
                 continue
             items.append(SlotItem(f"model.{pc.fqn}", "master", name, pc, alloc(pc.shape, torch.float32)))
             items.append(SlotItem(f"optim.{pc.fqn}.exp_avg", "exp_avg", name, pc, alloc(pc.shape, torch.float32)))
@@ -118,7 +118,7 @@ def build_slot(index: int, active: tuple[str, ...], frozen: tuple[str, ...], ops
     for name in frozen:
         for pc in ops[name].pieces:
             role, dtype, key = ("compute", compute_dtype, f"compute.{pc.fqn}") if pc.is_param else \
-                ("buffer", torch.float32, f"model.{pc.fqn}")
+                ("buffer", pc.dtype, f"model.{pc.fqn}")
             items.append(SlotItem(key, role, name, pc, alloc(pc.shape, dtype)))
     return Slot(index, tuple(active), tuple(frozen), items)
 
@@ -148,7 +148,15 @@ class SnapshotEngine:
         self.wait()
         slot.done.clear()
         slot.error, slot.step = None, None
-        pairs = [(self.access.source(it), it.buffer) for it in slot.items]
+        pairs = []
+        with torch.no_grad():
+            for it in slot.items:
+                if it.role == "buffer":
+                    # Buffers may change in the next forward (counters, running stats), before the next update
+                    # that the copy thread is ordered against: copy them now, they are small.
+                    it.buffer.copy_(self.access.source(it))
+                else:
+                    pairs.append((self.access.source(it), it.buffer))
         self.inflight = slot
         if self._stream is not None:
             # Side stream: ordered after the optimizer step, overlapping the next forward/backward.

@@ -30,28 +30,16 @@ from ..replay_log import IterationRecord, ReplayLog
 from ..schedule import WindowPlan
 from ..snapshot import Slot, build_slot
 from ..window import Window
-from .manifest import FileEntry, WindowManifest, crc32_stream, parse_window_dirname, window_dirname
+from .manifest import (FileEntry, WindowManifest, file_entry, parse_window_dirname, rank_manifest_name, slot_rank_dir,
+                       window_dirname)
 from .planner import SlotLoadPlanner, SlotSavePlanner, verify_items
+from .uploader import Uploader
 
 log = logging.getLogger("torchmoe_ckpt.host_tier")
 # Each rank deliberately saves its own pieces without collectives (no_dist=True); DCP warns about that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 DEFAULT_ROOT = "/dev/shm/torchmoe-ckpt"
 MAX_UPLOAD_BACKLOG = 4  # windows kept in host memory for a slow or unreachable object store
-
-
-def rank_manifest_name(rank: int) -> str:
-    return f"MANIFEST.rank-{rank:05d}.json"
-
-
-def slot_rank_dir(window_dir: Path, slot: int, rank: int) -> Path:
-    return window_dir / f"slot-{slot:02d}" / f"rank-{rank:05d}"
-
-
-def _file_entry(path: Path) -> FileEntry:
-    with open(path, "rb") as f:
-        crc, size = crc32_stream(iter(lambda: f.read(1 << 22), b""))
-    return FileEntry(size, crc)
 
 
 class HostTier:
@@ -84,8 +72,8 @@ class HostTier:
         for i in range(plan.window):
             d = slot_rank_dir(wdir, i, self.rank)
             for f in sorted(d.iterdir()):
-                files[str(f.relative_to(wdir))] = _file_entry(f)
-        files[str(replay.relative_to(wdir))] = _file_entry(replay)
+                files[str(f.relative_to(wdir))] = file_entry(f)
+        files[str(replay.relative_to(wdir))] = file_entry(replay)
         man = WindowManifest(window_id, start_step, plan.window, self.world_size, plan.to_dict(), files,
                              dict(extra, rank=self.rank))
         faults.point("manifest")
@@ -137,7 +125,7 @@ class HostTier:
             if not f.exists():
                 problems.append(f"{rel}: missing")
                 continue
-            got = _file_entry(f)
+            got = file_entry(f)
             if got.bytes != want.bytes:
                 problems.append(f"{rel}: {got.bytes} bytes, manifest says {want.bytes} (torn)")
             elif got.crc32 != want.crc32:
@@ -178,10 +166,8 @@ class TierWriter:
 
     def __init__(self, tier: HostTier, replicator=None, store=None):
         self.tier = tier
-        self.uploader = None  # object_tier.Uploader: uploads each committed window in the background
-        if store is not None:
-            from .object_tier import Uploader
-            self.uploader = Uploader(store, tier)
+        # Uploads each committed window to the object store (object_tier / tensorstore_format) in the background.
+        self.uploader = Uploader(store, tier) if store is not None else None
         self.replicator = replicator  # peer_tier.PeerReplicator: pushes each committed window to peers
         self.jobs: queue.Queue = queue.Queue()
         self.persisted: set[int] = set()   # window ids whose rank manifest is written

@@ -7,6 +7,7 @@ A window is stored as a directory (on any tier) of plain files:
         slot-01/...
         replay/rank-00000.pt, ...                      per-rank replay records
         MANIFEST.json                                  written last, after every other file
+                                                       (per rank on a host tier: MANIFEST.rank-RRRRR.json)
 
 MANIFEST.json lists every other file with its size and CRC32. Readers treat a window without a manifest
 as invisible (half-written), and verify each file against the manifest before using it: a torn or
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable
 
 FORMAT = "torchmoe-ckpt/window/1"
@@ -31,6 +33,16 @@ def parse_window_dirname(name: str) -> int | None:
     if name.startswith("window-") and name[7:].isdigit():
         return int(name[7:])
     return None
+
+
+def rank_manifest_name(rank: int) -> str:
+    """A rank's manifest of a window on a host tier (each rank commits its own files)."""
+    return f"MANIFEST.rank-{rank:05d}.json"
+
+
+def slot_rank_dir(window_dir: Path, slot: int, rank: int) -> Path:
+    """Where one rank's DCP checkpoint of one slot lives inside a window directory on a host tier."""
+    return window_dir / f"slot-{slot:02d}" / f"rank-{rank:05d}"
 
 
 def crc32_bytes(data: bytes | memoryview, crc: int = 0) -> int:
@@ -50,6 +62,13 @@ def crc32_stream(chunks: Iterable[bytes]) -> tuple[int, int]:
 class FileEntry:
     bytes: int
     crc32: int
+
+
+def file_entry(path: Path) -> FileEntry:
+    """Size and CRC32 of a file on disk, read in 4 MiB chunks."""
+    with open(path, "rb") as f:
+        crc, size = crc32_stream(iter(lambda: f.read(1 << 22), b""))
+    return FileEntry(size, crc)
 
 
 @dataclass

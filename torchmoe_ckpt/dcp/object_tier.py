@@ -9,24 +9,20 @@ is down or slow only delays the upload queue, never training (the queue keeps th
 from __future__ import annotations
 
 import logging
-import queue
-import re
-import threading
 import time
 import uuid
 
 from .. import faults
-from .host_tier import HostTier, rank_manifest_name
-from .manifest import MANIFEST_NAME, WindowManifest, crc32_bytes, parse_window_dirname, window_dirname
+from .host_tier import HostTier
+from .manifest import (MANIFEST_NAME, WindowManifest, crc32_bytes, parse_window_dirname, rank_manifest_name,
+                       window_dirname)
+from .store_errors import StoreConfigError, explain
+from .tensorstore_format import NoTensorstoreDriver, TensorstoreTier
 
 log = logging.getLogger("torchmoe_ckpt.object_tier")
 KNOWN = {"file": None, "memory": None, "s3": "s3fs (pip install 'torchmoe-ckpt[s3]')",
          "s3a": "s3fs (pip install 'torchmoe-ckpt[s3]')", "az": "adlfs (pip install 'torchmoe-ckpt[azure]')",
          "abfs": "adlfs (pip install 'torchmoe-ckpt[azure]')", "abfss": "adlfs (pip install 'torchmoe-ckpt[azure]')"}
-
-
-class StoreConfigError(ValueError):
-    """The object-store URI or its options cannot work; the message names the fix."""
 
 
 def open_store(uri: str, storage_options: dict | None = None, probe: bool = True):
@@ -53,29 +49,8 @@ def open_store(uri: str, storage_options: dict | None = None, probe: bool = True
             fs.pipe_file(probe_path, b"ok")
             fs.rm_file(probe_path)
         except Exception as exc:  # credentials, endpoint, missing bucket/container
-            raise StoreConfigError(_explain(uri, exc)) from None
+            raise StoreConfigError(explain(uri, exc)) from None
     return fs, root
-
-
-def _explain(uri: str, exc: BaseException) -> str:
-    """One message naming the likely fix for a store that cannot be written at start."""
-    text = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-    low = text.lower()
-    if isinstance(exc, ConnectionError) or any(w in low for w in (
-            "could not connect", "connection refused", "endpointconnectionerror", "name or service not known")):
-        return (f"object store {uri!r}: the endpoint is not reachable ({text}); check endpoint_url / "
-                f"connection_string in storage_options and that the service is running and reachable")
-    # "403" as an HTTP status, not inside a port number or an id
-    if isinstance(exc, PermissionError) or re.search(r"(?<![:\d])403(?!\d)", low) or any(w in low for w in (
-            "credential", "authenticat", "signature", "accessdenied", "forbidden", "invalidaccesskeyid")):
-        return (f"object store {uri!r}: authentication failed ({text}); check the credentials in storage_options "
-                f"(s3: key/secret; az/abfs: connection_string or account_name + account_key/sas_token)")
-    if isinstance(exc, FileNotFoundError) or any(w in low for w in ("nosuchbucket", "containernotfound",
-                                                                     "does not exist", "not found")):
-        return (f"object store {uri!r}: the bucket/container does not exist ({text}); create it first, or "
-                f"check the bucket/container exists under that name in the URI")
-    return (f"cannot write to {uri!r} ({text}); check the bucket/container exists and the credentials/endpoint "
-            f"(endpoint_url, connection_string) in storage_options, and that the service is reachable")
 
 
 def _shorten_azure_retry(fs) -> None:
@@ -105,7 +80,6 @@ def make_store(uri: str, run_id: str, rank: int, storage_options: dict | None = 
     if format not in FORMATS:
         raise StoreConfigError(f"unknown object-store format {format!r}: use one of {', '.join(FORMATS)}")
     if format == "tensorstore":
-        from .tensorstore_format import NoTensorstoreDriver, TensorstoreTier
         try:
             return TensorstoreTier(uri, run_id, rank, storage_options, keep_windows=keep_windows, **kw)
         except NoTensorstoreDriver as exc:
@@ -206,78 +180,3 @@ class ObjectTier:
             self._retry("delete", self.fs.rm, f"{d}/{MANIFEST_NAME}")  # manifest first: never half-visible
             self._retry("delete", self.fs.rm, d, True)
         return gone
-
-
-class Uploader:
-    """Background uploads of committed windows; never blocks the caller."""
-
-    def __init__(self, store: ObjectTier, tier: HostTier, max_pending: int = 2):
-        self.store, self.tier = store, tier
-        self.q: queue.Queue = queue.Queue()
-        self.max_pending = max_pending
-        self.uploaded: list[int] = []
-        self.dropped = 0
-        self.lag_seconds: list[float] = []
-        self.bytes = 0
-        self.errors: list[str] = []
-        self._pending: list = []
-        self._lock = threading.Condition()
-        threading.Thread(target=self._run, name="tmoe-upload", daemon=True).start()
-
-    def stats(self) -> dict:
-        return {"windows_uploaded": len(self.uploaded), "last_window": self.uploaded[-1] if self.uploaded else None,
-                "bytes": self.bytes, "dropped": self.dropped,
-                "upload_lag_s_max": max(self.lag_seconds, default=0.0), "errors": self.errors[-3:],
-                "upload_lag_s": [round(x, 4) for x in self.lag_seconds]}
-
-    def submit(self, window_id: int) -> None:
-        with self._lock:
-            self._pending.append((window_id, time.perf_counter()))
-            while len(self._pending) > self.max_pending:  # a newer window supersedes the oldest pending one
-                self._pending.pop(0)
-                self.dropped += 1
-            self._lock.notify()
-
-    def flush(self, timeout: float = 60.0) -> bool:
-        end = time.monotonic() + timeout
-        with self._lock:
-            while (self._pending or self._busy) and time.monotonic() < end:
-                self._lock.wait(0.05)
-            return not self._pending and not self._busy
-
-    _busy = False
-    _current: int | None = None
-
-    def oldest_needed(self) -> int | None:
-        """The oldest window still to be uploaded (the host tier must not collect it yet), or None."""
-        with self._lock:
-            ids = [w for w, _ in self._pending] + ([self._current] if self._busy else [])
-        return min(ids) if ids else None
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._pending:
-                    self._lock.wait()
-                wid, t0 = self._pending.pop(0)
-                self._busy, self._current = True, wid
-            while True:  # the store may be down: keep trying (capped backoff) until it is back
-                try:
-                    self.bytes += self.store.upload(self.tier, wid)
-                    self.store.apply_retention()
-                    self.uploaded.append(wid)
-                    self.lag_seconds.append(time.perf_counter() - t0)
-                    break
-                except FileNotFoundError as exc:  # the local window was collected meanwhile: nothing to upload
-                    self.errors.append(str(exc))
-                    break
-                except Exception as exc:
-                    self.errors.append(str(exc)[:200])
-                    time.sleep(1.0)
-                    with self._lock:
-                        if self._pending:  # a newer window is waiting: it supersedes this one
-                            self.dropped += 1
-                            break
-            with self._lock:
-                self._busy = False
-                self._lock.notify_all()

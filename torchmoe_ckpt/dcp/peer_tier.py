@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from .. import faults
-from .host_tier import HostTier, rank_manifest_name
-from .manifest import WindowManifest, window_dirname
+from .host_tier import HostTier
+from .manifest import WindowManifest, rank_manifest_name, window_dirname
 
 log = logging.getLogger("torchmoe_ckpt.peer_tier")
 

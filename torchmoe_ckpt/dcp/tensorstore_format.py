@@ -31,11 +31,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import faults
-from ..snapshot import Slot, SlotItem
 from ..operators import EXPERT_PARAM_NAMES, Piece
-from .manifest import FileEntry, WindowManifest, crc32_bytes, parse_window_dirname, window_dirname
+from ..snapshot import Slot, SlotItem
+from .manifest import (FileEntry, WindowManifest, crc32_bytes, file_entry, parse_window_dirname, rank_manifest_name,
+                       window_dirname)
+from .planner import PLANNER_KEY, SlotLoadPlanner, SlotSavePlanner, verify_items
+from .store_errors import StoreConfigError, explain
 
 log = logging.getLogger("torchmoe_ckpt.tensorstore_format")
 TS_SCHEMES = ("file", "memory", "s3")
@@ -152,10 +158,6 @@ def _region(offset, shape) -> tuple:
 def slot_from_dcp(index: int, path: Path) -> tuple[Slot, dict]:
     """Read one host-tier slot checkpoint (a DCP directory) into a Slot of plain items, verified against the
     CRC32s recorded at save time; returns (slot, the DCP planner info without the checksums)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from .planner import PLANNER_KEY, SlotLoadPlanner, verify_items
     reader = FileSystemReader(path)
     md = reader.read_metadata()
     items = []
@@ -178,9 +180,6 @@ def slot_from_dcp(index: int, path: Path) -> tuple[Slot, dict]:
 
 def write_slot_dcp(slot: Slot, info: dict, path: Path) -> None:
     """Write a Slot as a host-tier slot checkpoint (what HostTier.write_slot produces)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-    from .planner import SlotSavePlanner
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
@@ -203,14 +202,13 @@ class TensorstoreTier:
             self._probe()
 
     def _probe(self) -> None:
-        from .object_tier import StoreConfigError, _explain
         try:
             kv = self._kv(self.root)
             key = f".probe-{os.getpid()}-{time.monotonic_ns()}"
             kv.write(key, b"ok").result()
             kv.write(key, None).result()
         except Exception as exc:
-            raise StoreConfigError(_explain(self.uri, exc)) from None
+            raise StoreConfigError(explain(self.uri, exc)) from None
 
     def _kv(self, spec: dict):
         return _ts().KvStore.open(spec, context=context()).result()
@@ -363,7 +361,6 @@ class TensorstoreTier:
     def download(self, window_id: int, tier) -> list[str]:
         """Fetch this rank's copy into the host tier (as DCP slot checkpoints), verifying every piece;
         returns problems (empty = ok). The local rank manifest is written only after everything verified."""
-        from .host_tier import _file_entry, rank_manifest_name
         try:
             meta = self._read_meta(window_id)
         except Exception as exc:
@@ -390,7 +387,7 @@ class TensorstoreTier:
             out = wdir / f"slot-{s['slot']:02d}" / f"rank-{self.rank:05d}"
             write_slot_dcp(Slot(s["slot"], (), (), items), s["info"], out)
             for f in sorted(out.iterdir()):
-                files[str(f.relative_to(wdir))] = _file_entry(f)
+                files[str(f.relative_to(wdir))] = file_entry(f)
         try:
             r = self._kv(self._db(window_id)).read(REPLAY_KEY).result()
             replay = bytes(r.value)
@@ -403,7 +400,7 @@ class TensorstoreTier:
         rp = wdir / "replay" / f"rank-{self.rank:05d}.pt"
         rp.parent.mkdir(parents=True, exist_ok=True)
         rp.write_bytes(replay)
-        files[str(rp.relative_to(wdir))] = _file_entry(rp)
+        files[str(rp.relative_to(wdir))] = file_entry(rp)
         m = meta["manifest"]
         man = WindowManifest(m["window_id"], m["start_step"], m["window"], m["world_size"], m["plan"], files, m["extra"])
         tmp = wdir / (rank_manifest_name(self.rank) + ".tmp")

@@ -1,6 +1,6 @@
-"""Build the storage tiers of one rank from a small config, and find + fetch the window to recover from.
+"""Build the storage tiers of one rank from a `TierConfig`, and find + fetch the window to recover from.
 
-    {"root": "/dev/shm/torchmoe-ckpt", "run_id": "job", "ranks_per_node": 2, "replicas": 1}
+    TierConfig(root="/dev/shm/torchmoe-ckpt", run_id="job", ranks_per_node=2, replicas=1)
 
 `ranks_per_node` sets the failure domains (default: LOCAL_WORLD_SIZE, i.e. one node per torchrun agent).
 Each node gets its own host directory `<root>/node-N/` -- on one machine this emulates separate nodes, so a
@@ -10,37 +10,46 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from ..config import TierConfig
+from ..placement import Topology, place_replicas
 from .host_tier import HostTier
+from .object_tier import make_store
+from .peer_tier import PeerReplicator
 
 
 def node_of(rank: int, ranks_per_node: int) -> int:
     return rank // ranks_per_node
 
 
-def build_tiers(cfg: dict, rank: int, world: int, hsdp_replicate: int = 1):
+class Tiers(NamedTuple):
+    """One rank's storage tiers: host memory (always), peers and object store (optional)."""
+    host: HostTier
+    replicator: "PeerReplicator | None"
+    store: object | None  # object_tier.ObjectTier / tensorstore_format.TensorstoreTier
+
+
+def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: int = 1) -> Tiers:
     """(HostTier, PeerReplicator or None, ObjectTier or None). Collective when replicas > 0 (creates the
-    peer gloo group). `cfg["object_store"] = {"uri": ..., "storage_options": {...}}` adds the store
-    (`"format": "tensorstore"` picks the tensorstore on-store format; default "dcp")."""
-    rpn = int(cfg.get("ranks_per_node") or os.environ.get("LOCAL_WORLD_SIZE", world))
-    tier = HostTier(Path(cfg["root"]) / f"node-{node_of(rank, rpn)}", cfg.get("run_id", "run"), rank, world)
+    peer gloo group). A dict is read as `TierConfig.from_dict` (the job-spec form)."""
+    if isinstance(cfg, dict):
+        cfg = TierConfig.from_dict(cfg)
+    rpn = int(cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", world))
+    run_id = cfg.resolved_run_id()
+    tier = HostTier(Path(cfg.root) / f"node-{node_of(rank, rpn)}", run_id, rank, world)
     store = None
-    if cfg.get("object_store"):
-        from .object_tier import make_store
-        o = cfg["object_store"]
-        store = make_store(o["uri"], cfg.get("run_id", "run"), rank, o.get("storage_options"),
-                           keep_windows=int(o.get("keep", 2)), format=o.get("format", "dcp"))
-    r = int(cfg.get("replicas", 0))
-    if r <= 0:
-        return tier, None, store
-    from ..placement import Topology, place_replicas
-    from .peer_tier import PeerReplicator
-    placement = place_replicas(Topology.from_mesh_shape(world, hsdp_replicate, rpn), r)
+    if cfg.object_store is not None:
+        o = cfg.object_store
+        store = make_store(o.uri, run_id, rank, o.storage_options or None, keep_windows=o.keep, format=o.format)
+    if cfg.replicas <= 0:
+        return Tiers(tier, None, store)
+    placement = place_replicas(Topology.from_mesh_shape(world, hsdp_replicate, rpn), cfg.replicas)
     group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-    return tier, PeerReplicator(tier, placement, group), store
+    return Tiers(tier, PeerReplicator(tier, placement, group), store)
 
 
 def recover_from_tiers(tier: HostTier, replicator, ops: dict, compute_dtype: torch.dtype, rounds: int = 3,

@@ -1,0 +1,67 @@
+"""Your own FSDP2 training loop on a Hugging Face MoE model (Mixtral), checkpointed every iteration.
+
+    torchrun --nproc_per_node 2 --max-restarts 1 examples/own_loop.py --steps 20 --run-id demo
+
+Kill any rank with `kill -9` while it trains: torchrun restarts the workers, `ckpt.resume()` rebuilds the
+exact state of the last committed window from host memory and training goes on as if nothing happened.
+The lines marked `# ckpt` are all the checkpointing code; the rest is a plain loop.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from transformers import MixtralConfig, MixtralForCausalLM
+
+import torchmoe_ckpt as tmc  # ckpt
+
+
+def main(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--run-id", default=None, help="default: torchrun's run id (one per launch)")
+    ap.add_argument("--host-dir", default="/dev/shm/torchmoe-ckpt")
+    ap.add_argument("--window", type=int, default=3)
+    args = ap.parse_args(argv)
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("torchmoe_ckpt").setLevel(logging.INFO)  # windows committed, recovery: one line each
+
+    rank, world = tmc.init_process_group()  # ckpt: dist.init_process_group that survives torchrun restarts
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=64)
+    model = MixtralForCausalLM(cfg)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
+
+    def batch_for(step: int) -> torch.Tensor:  # the data position is the step: any rank, any attempt
+        g = torch.Generator().manual_seed(step * 1000 + rank)
+        return torch.randint(0, cfg.vocab_size, (2, 17), generator=g)
+
+    def forward_backward(tokens: torch.Tensor) -> torch.Tensor:
+        logits = model(tokens[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        return loss
+
+    losses = {}
+    config = tmc.CheckpointConfig(tiers=tmc.TierConfig(root=args.host_dir, run_id=args.run_id),  # ckpt
+                                  window=tmc.SparseConfig(window=args.window), max_grad_norm=1.0)  # ckpt
+    with tmc.Checkpointer(model, optimizer, forward_backward, scheduler, config) as ckpt:  # ckpt
+        for step in range(ckpt.resume() + 1, args.steps + 1):  # ckpt: resume() = last completed step
+            # ckpt.step = forward_backward + clip_grad_norm_ + optimizer.step + scheduler.step + zero_grad
+            losses[step] = ckpt.step(batch_for(step))  # ckpt
+            if rank == 0:
+                print(f"step {step} loss {losses[step].item():.6f}", flush=True)
+    return model, optimizer, scheduler, losses
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Typed configuration of the checkpointer and its storage tiers, validated at construction.
+
+Every mistake that can be seen without touching storage (a negative count, an unknown format, an empty run
+id) raises `ConfigError` with one line that names the field and the fix. Reachability of a store and
+writability of a directory are checked when the tiers are built (`Checkpointer.resume`).
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .checkpointer import SparseConfig
+from .errors import ConfigError
+from .operators import OperatorSpec
+
+__all__ = ["ConfigError", "ObjectStoreConfig", "TierConfig", "CheckpointConfig", "DEFAULT_HOST_ROOT"]
+
+DEFAULT_HOST_ROOT = "/dev/shm/torchmoe-ckpt"
+STORE_FORMATS = ("dcp", "tensorstore")
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass
+class ObjectStoreConfig:
+    """Where committed windows are uploaded in the background (file://, s3://, az://, abfs://, memory://)."""
+    uri: str
+    storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec (credentials, endpoint)
+    keep: int = 2               # windows kept in the store; older ones are deleted
+    format: str = "dcp"         # "dcp" (standard DCP files) | "tensorstore" (zarr3 + OCDBT, one expert per chunk)
+
+    def __post_init__(self):
+        if not isinstance(self.uri, str) or not self.uri:
+            raise ConfigError("object_store.uri is empty: give a URI such as s3://bucket/prefix or file:///path")
+        if self.keep < 1:
+            raise ConfigError(f"object_store.keep must be >= 1 (windows kept in the store), got {self.keep}")
+        if self.format not in STORE_FORMATS:
+            raise ConfigError(f"object_store.format {self.format!r} is not one of {STORE_FORMATS}")
+        if not isinstance(self.storage_options, dict):
+            raise ConfigError("object_store.storage_options must be a dict of fsspec options, got "
+                              f"{type(self.storage_options).__name__}")
+
+
+@dataclass
+class TierConfig:
+    """Host memory of this node, r peers, and optionally an object store."""
+    root: str = DEFAULT_HOST_ROOT      # node-local directory; shared memory survives a worker restart
+    run_id: str | None = None          # windows of one run live under <root>/node-N/<run_id>; None: torchrun's
+                                       # run id (same in every restart of one launch, new for a new launch)
+    ranks_per_node: int | None = None  # failure domains; default LOCAL_WORLD_SIZE (one node per torchrun agent)
+    replicas: int = 0                  # r: peers that hold a copy of each window (HSDP replicas first)
+    object_store: ObjectStoreConfig | None = None
+
+    def __post_init__(self):
+        if isinstance(self.object_store, dict):
+            self.object_store = _from_dict(ObjectStoreConfig, self.object_store, "object_store")
+        if self.run_id is not None and (not isinstance(self.run_id, str) or not _RUN_ID.match(self.run_id)):
+            raise ConfigError(f"run_id {self.run_id!r} must be 1-128 characters of letters, digits, '.', '_' "
+                              "or '-' (it names a directory)")
+        if not self.root:
+            raise ConfigError(f"root is empty: give a node-local directory, e.g. {DEFAULT_HOST_ROOT}")
+        if self.replicas < 0:
+            raise ConfigError(f"replicas must be >= 0 (peers holding a copy of each window), got {self.replicas}")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ConfigError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+
+    def resolved_run_id(self) -> str:
+        """The explicit run id, else torchrun's; a run id shared by unrelated jobs would mix their windows."""
+        rid = self.run_id or default_run_id()
+        if rid is None:
+            raise ConfigError("run_id is not set and there is no torchrun run id (TORCHELASTIC_RUN_ID) to derive "
+                              "one from: set TierConfig(run_id=...) to a name unique to this training run")
+        return rid
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TierConfig":
+        """The dict form used by job specs: {"root":..., "run_id":..., "object_store": {"uri": ...}}."""
+        return _from_dict(cls, d, "host_tier")
+
+
+def default_run_id() -> str | None:
+    """torchrun's run id: the same in every attempt of one launch, different between launches."""
+    rid = os.environ.get("TORCHELASTIC_RUN_ID")
+    return re.sub(r"[^A-Za-z0-9._-]", "-", rid)[:128] if rid and rid != "none" else None
+
+
+@dataclass
+class CheckpointConfig:
+    """Everything `Checkpointer` needs besides the model, optimizer and step function.
+
+    `tiers=None` keeps windows in this process only (recovery after an in-process failure; nothing survives
+    a restart). `max_grad_norm` turns on clipping by the global gradient norm; the library clips, because
+    replay must reuse the logged norm. `compute_dtype` is the dtype forward runs in (default: FSDP2's
+    mixed-precision param dtype if set, else the parameters' dtype)."""
+    tiers: TierConfig | None = None
+    window: SparseConfig = field(default_factory=SparseConfig)
+    max_grad_norm: float | None = None
+    operators: OperatorSpec | None = None
+    router_top_k: int | None = None    # experts per token, for popularity counts when the router returns only
+                                       # logits and the model config does not say it
+    compute_dtype: Any = None          # torch.dtype
+
+    def __post_init__(self):
+        if isinstance(self.tiers, dict):
+            self.tiers = TierConfig.from_dict(self.tiers)
+        if isinstance(self.window, dict):
+            self.window = _from_dict(SparseConfig, self.window, "window")
+        if self.router_top_k is not None and self.router_top_k < 1:
+            raise ConfigError(f"router_top_k must be >= 1 or None, got {self.router_top_k}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm}")
+
+
+def _from_dict(cls, d: dict, where: str):
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where} must be a table/dict, got {type(d).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in {where}: known keys are {sorted(known)}")
+    try:
+        return cls(**d)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None

@@ -1,0 +1,223 @@
+"""`Checkpointer`: per-iteration sparse checkpointing and exact recovery for your own training loop.
+
+    ckpt = Checkpointer(model, optimizer, forward_backward, scheduler, CheckpointConfig(tiers=TierConfig(...)))
+    start = ckpt.resume()                 # collective: recovers the newest window, returns the completed step
+    for step in range(start + 1, steps + 1):
+        loss = ckpt.step(batch_for(step))  # forward_backward(batch), clip, optimizer + scheduler step, slot
+    ckpt.close()
+
+The library owns what exact replay needs, so the step function only computes the loss and calls backward:
+the RNG state and the batch are logged, the global gradient norm is computed (and logged) for clipping, the
+optimizer and scheduler are stepped here with the logged LRs on replay, and the step counter lives here.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from . import faults
+from .capture import SchedulerPosition, check_coverage, check_optimizer, check_optimizer_state, infer_compute_dtype
+from .checkpointer import SparseCheckpointer
+from .config import CheckpointConfig
+from .dcp.tiers import Tiers, build_tiers
+from .errors import ConfigError
+from .operators import discover_operators
+from .recovery import ReplayDivergence
+from .replay_log import Replay
+from .resume import ResumeResult, recover
+from .routing import RouterCounter
+
+log = logging.getLogger("torchmoe_ckpt.loop")
+
+__all__ = ["Checkpointer", "StepResult"]
+
+
+@dataclass
+class StepResult:
+    """One iteration as the checkpointer logs it (also what `SparseCheckpointer.after_step` reads)."""
+    step: int
+    loss: torch.Tensor            # this rank's loss, detached
+    grad_norm: torch.Tensor       # global gradient norm before clipping (zero when clipping is off)
+    lr: float
+    lrs: tuple[float, ...]
+    tokens: Any                   # the batch
+    rng_state: torch.Tensor
+    expert_counts: torch.Tensor   # [MoE layers, experts], routed tokens summed over all ranks
+    expert_probs: torch.Tensor
+    seconds: float
+
+
+class Checkpointer:
+    """Owns the sparse checkpointer, its storage tiers and the training step. Use `with Checkpointer(...)` or
+    call `close()` at the end (flushes the host tier and uploads, stops the threads)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 forward_backward: Callable[[Any], torch.Tensor], scheduler=None,
+                 config: CheckpointConfig | None = None, group: dist.ProcessGroup | None = None):
+        """`forward_backward(batch)` runs forward and `loss.backward()` and returns the loss; it must not
+        step the optimizer or scheduler, clip, zero gradients or change state outside forward/backward."""
+        self.config = config or CheckpointConfig()
+        if not callable(forward_backward):
+            raise ConfigError("forward_backward must be a function batch -> loss that also calls loss.backward()")
+        check_optimizer(model, optimizer)
+        self.schedule = SchedulerPosition(optimizer, scheduler)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.forward_backward, self.group = forward_backward, group
+        self.compute_dtype = self.config.compute_dtype or infer_compute_dtype(model)
+        self.ops = discover_operators(model, self.config.operators)
+        self.op_by_name = {o.name: o for o in self.ops}
+        check_coverage(model, self.ops)
+        self.params = [p for p in model.parameters()]
+        self.routers = RouterCounter(model, self.ops, top_k=self.config.router_top_k)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.step_count = 0
+        self.tiers: Tiers | None = None
+        self.sparse: SparseCheckpointer | None = None
+        self.resumed: ResumeResult | None = None
+        self._checked_state = False
+        self._closed = False
+
+    # ---- public --------------------------------------------------------------------------------------
+    def resume(self) -> int:
+        """Collective; call once before the first `step`. Recovers the newest window any tier holds (exact
+        state, replayed) and returns the number of completed iterations to continue after (0: a new run)."""
+        if self.sparse is not None:
+            raise RuntimeError("resume() was already called: call it once, before the first step()")
+        window = None
+        if self.config.tiers is not None:
+            self.tiers = build_tiers(self.config.tiers, self.rank, self.world, _hsdp_replicate(self.model))
+            self.resumed = recover(_Replay(self), self.tiers, self.op_by_name, self.compute_dtype, self.rank)
+            window = self.resumed.window
+        t = self.tiers
+        self.sparse = SparseCheckpointer(
+            self.model, self.optimizer, self.compute_dtype, self.config.window, group=self.group, committed=window,
+            host_tier=t.host if t else None, replicator=t.replicator if t else None, store=t.store if t else None,
+            ops=self.ops)
+        return self.step_count
+
+    def step(self, batch: Any) -> torch.Tensor:
+        """One training iteration on `batch`, checkpointed. Returns this rank's loss (detached)."""
+        if self.sparse is None:
+            raise RuntimeError("call ckpt.resume() once before the first step(): it recovers a previous attempt "
+                               "and returns the step to continue from")
+        if self._closed:
+            raise RuntimeError("step() after close(): the checkpointer's threads are stopped")
+        res = self._iteration(batch, None)
+        if not self._checked_state:
+            check_optimizer_state(self.optimizer)
+            self._checked_state = True
+        self.sparse.after_step(res)
+        return res.loss
+
+    def stats(self) -> dict:
+        out = self.sparse.stats() if self.sparse is not None else {}
+        out["recovery"] = self.resumed.report if self.resumed is not None else None
+        return out
+
+    def close(self, upload_timeout_s: float = 30.0) -> None:
+        """Finish the in-flight copy, write what is committed to the host tier, give the object store up to
+        `upload_timeout_s` to catch up, and stop the threads. Idempotent."""
+        sp = self.sparse
+        if sp is None or self._closed:
+            self.routers.close()
+            return
+        self._closed = True
+        try:
+            sp.close()
+            if sp.tier_writer is not None:
+                sp.tier_writer.flush()
+                if sp.tier_writer.uploader is not None:
+                    sp.tier_writer.uploader.flush(upload_timeout_s)
+                sp.tier_writer.shutdown()
+        finally:
+            sp.engine.shutdown()
+            self.routers.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- one iteration, for training and for replay ----------------------------------------------------
+    def _iteration(self, batch: Any, replay: Replay | None) -> StepResult:
+        t_start = time.perf_counter()
+        step = self.step_count + 1
+        faults.set_iteration(step)
+        faults.point("forward")
+        if replay is None:
+            rng_state = torch.get_rng_state()
+        else:
+            batch, rng_state = replay.tokens, replay.rng_state
+            torch.set_rng_state(rng_state)
+        loss = self.forward_backward(batch)
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise TypeError(f"forward_backward must return the loss as a one-element tensor, got {type(loss).__name__}")
+        faults.point("backward")
+        norm = self._grad_norm(replay)
+        if self.config.max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_grad_norm, norm)
+        if self.sparse is not None:
+            self.sparse.before_update()  # the next update overwrites what the in-flight copy reads
+        counts, probs = self._routed_tokens()
+        if replay is not None:
+            replay.apply_lrs(self.optimizer)
+        lrs = tuple(float(g["lr"]) for g in self.optimizer.param_groups)
+        self.optimizer.step()
+        faults.point("optimizer")
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count = step
+        return StepResult(step, loss.detach().clone(), norm.detach().clone(), lrs[0], lrs, batch, rng_state, counts,
+                          probs, time.perf_counter() - t_start)
+
+    def _grad_norm(self, replay: Replay | None) -> torch.Tensor:
+        if replay is not None:
+            return replay.grad_norm  # frozen operators compute no trustworthy weight gradients: use the log
+        if self.config.max_grad_norm is None:
+            return torch.zeros((), dtype=torch.float32)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def _routed_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        counts, probs = self.routers.take()
+        if counts.numel() == 0:
+            return torch.zeros(1, 1, dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64)
+        stats = torch.stack([counts, probs]).cpu()  # gloo reduces CPU tensors; the tracker lives on CPU
+        if dist.is_initialized() and self.world > 1:
+            dist.all_reduce(stats, group=self.group)
+        return stats[0], stats[1]
+
+
+class _Replay:
+    """The `Replayable` view recovery drives: the same iteration, fed from the window's log."""
+
+    def __init__(self, ck: Checkpointer):
+        self.ck, self.model, self.optimizer = ck, ck.model, ck.optimizer
+
+    def set_step(self, step: int) -> None:
+        self.ck.step_count = step
+        self.ck.schedule.seek(step)
+
+    def train_step(self, replay: Replay | None = None) -> StepResult:
+        if replay is None:
+            raise ReplayDivergence("recovery replays logged iterations only")
+        return self.ck._iteration(None, replay)
+
+
+def _hsdp_replicate(model: nn.Module) -> int:
+    """The replicate degree of an HSDP mesh (1 for FSDP2 or no sharding): peers that already hold a copy."""
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.device_mesh.ndim == 2:
+            return p.device_mesh.size(0)
+    return 1

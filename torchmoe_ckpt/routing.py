@@ -1,0 +1,159 @@
+"""Routed-token counts gathered by the library: forward hooks on each MoE layer's router.
+
+Popularity ordering needs, per MoE layer and expert, how many tokens were routed there (hard top-k) and
+the summed routing probability. `RouterCounter` reads both from what the router module returns:
+
+- the selected expert indices, when the router returns an integer tensor (Hugging Face 5.x TopK routers
+  return `(logits, weights, indices)`, TorchTitan and the harness `(scores, indices, scores)`);
+- otherwise top-k of the router's `[..., E]` output, with k given, or read from the router / MoE module
+  (`top_k`, `num_experts_per_tok`, ...) or the model config; k = 1 (with a warning) when none says it.
+
+Probabilities are the router's `[..., E]` output per token: normalised to sum 1 when it is non-negative
+(softmax or sigmoid scores), else its softmax (logits). Columns past E (zero/null experts some families add)
+are dropped. Counting skips eval-mode forwards and activation-checkpoint recomputation in backward. No
+collectives here: `take()` returns this rank's counts; the caller all-reduces.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .operators import Operator, moe_order
+
+__all__ = ["RouterCounter", "TOP_K_KEYS"]
+
+log = logging.getLogger(__name__)
+
+# Where families keep the number of experts per token (module attributes and config fields).
+TOP_K_KEYS = ("num_experts_per_tok", "top_k", "moe_topk", "moe_k", "num_experts_per_token", "top_k_experts",
+              "moe_top_k", "topk", "k")
+
+
+def _config_k(model: nn.Module) -> int | None:
+    cfg = getattr(model, "config", None)
+    for c in (cfg, getattr(cfg, "text_config", None), getattr(cfg, "ffn_config", None)):
+        for key in TOP_K_KEYS[:-2]:
+            v = getattr(c, key, None) if c is not None else None
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
+
+
+def _module_k(*modules: nn.Module) -> int | None:
+    for m in modules:
+        for key in TOP_K_KEYS:
+            v = getattr(m, key, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (activation checkpointing recomputes forwards there)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+class _Layer:
+    def __init__(self, row: int, experts: int, k: int | None):
+        self.row, self.experts, self.k = row, experts, k
+        self.warned = False
+
+
+class RouterCounter:
+    """Per-MoE-layer routed-token counts and summed probabilities, [L, E] in `expert_grid` layer order."""
+
+    def __init__(self, model: nn.Module, ops: list[Operator], top_k: int | Sequence[int] | None = None):
+        order = moe_order(ops)
+        experts = {m: sum(1 for o in ops if o.kind == "expert" and o.moe == m) for m in order}
+        routers = {o.moe: o for o in ops if o.kind == "router"}
+        width = max(experts.values(), default=0)
+        self.counts = torch.zeros(len(order), width, dtype=torch.float64)
+        self.probs = torch.zeros_like(self.counts)
+        self.unhooked: list[str] = []
+        self._hooks = []
+        modules = dict(model.named_modules())
+        given = [top_k] * len(order) if top_k is None or isinstance(top_k, int) else list(top_k)
+        if len(given) != len(order):
+            raise ValueError(f"top_k has {len(given)} entries for {len(order)} MoE layers")
+        cfg_k = _config_k(model)
+        for row, moe in enumerate(order):
+            router = routers.get(moe)
+            if router is None or not router.modules:
+                self.unhooked.append(moe)  # a router with no module of its own: nothing to hook, counts stay 0
+                continue
+            module = modules[router.modules[0]]
+            k = given[row] or _module_k(module, modules.get(moe, module)) or cfg_k
+            layer = _Layer(row, experts[moe], k)
+            self._hooks.append(module.register_forward_hook(self._hook(layer)))
+        if self.unhooked:
+            log.warning("routed-token counts unavailable (no router module) for MoE layers %s: their experts "
+                        "are ordered as equally popular", self.unhooked)
+
+    def _hook(self, layer: _Layer):
+        def hook(module: nn.Module, args, output) -> None:
+            if not module.training or _in_backward():
+                return  # evaluation, or activation checkpointing recomputing the forward in backward
+            with torch.no_grad():
+                self._count(layer, [t.to_local() if isinstance(t, DTensor) else t for t in _tensors(output)])
+        return hook
+
+    def _count(self, layer: _Layer, outs: list[torch.Tensor]) -> None:
+        e = layer.experts
+        scores = [t for t in outs if t.is_floating_point() and t.dim() >= 2 and t.shape[-1] >= e]
+        scores.sort(key=lambda t: t.shape[-1] != e)  # exactly E columns first, then E + extra experts
+        # Selected experts come as [..., k] (a 1-D int output is a permutation or a count, not a choice).
+        width = scores[0].shape[-1] if scores else e
+        ids = next((t for t in outs if not t.is_floating_point() and t.dtype != torch.bool and t.dim() >= 2
+                    and 1 <= t.shape[-1] <= width), None)
+        score = scores[0].reshape(-1, scores[0].shape[-1]).float() if scores else None
+        if ids is None:
+            if score is None:
+                return
+            k = layer.k
+            if k is None:
+                k = 1
+                if not layer.warned:
+                    layer.warned = True
+                    log.warning("router of MoE layer %d returns no expert indices and no top-k is known: "
+                                "counting its top-1 expert (pass RouterCounter(top_k=...))", layer.row)
+            ids = score.topk(min(k, score.shape[-1]), dim=-1).indices
+        # Ids outside [0, E) (dropped tokens, zero experts) go to a spare bin; scatter_add: no host sync.
+        ids = ids.reshape(-1).long()
+        ids = torch.where((ids >= 0) & (ids < e), ids, e)
+        counts = torch.zeros(e + 1, dtype=torch.float64, device=ids.device).scatter_add_(
+            0, ids, torch.ones_like(ids, dtype=torch.float64))[:e]
+        if self.counts.device != counts.device:  # accumulate where the router runs: no host sync per layer
+            self.counts, self.probs = self.counts.to(counts.device), self.probs.to(counts.device)
+        self.counts[layer.row, :e] += counts
+        if score is not None:  # chosen on the device (no host sync): scores as they are, or logits' softmax
+            total = score.sum(-1, keepdim=True)
+            is_prob = (score >= 0).all() & (total > 0).all()
+            p = torch.where(is_prob, score / total.clamp_min(1e-30), score.softmax(-1))
+            self.probs[layer.row, :e] += p[:, :e].sum(0).to(self.probs)
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(counts, probs) since the last take, [MoE layers, experts] float64 on this rank; then reset."""
+        counts, probs = self.counts.clone(), self.probs.clone()
+        self.counts.zero_()
+        self.probs.zero_()
+        return counts, probs
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

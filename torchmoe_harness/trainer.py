@@ -1,0 +1,192 @@
+"""The harness trainer: one deterministic training iteration, usable for normal steps and for replay.
+
+Replay runs the very same code path with the logged batch, RNG state and global gradient norm, so a
+replayed iteration is bit-identical to the original one on CPU."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from torchmoe_ckpt import faults
+from torchmoe_ckpt.replay_log import Replay
+from torchmoe_harness.data import TokenStream
+from torchmoe_harness.model import TinyMoE, TinyMoEConfig
+from torchmoe_harness.parallel import apply_fsdp, build_mesh
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class RunConfig:
+    model: TinyMoEConfig = field(default_factory=TinyMoEConfig)
+    steps: int = 12
+    batch_size: int = 2
+    seq_len: int = 16
+    seed: int = 0
+    lr: float = 3e-3
+    warmup: int = 3
+    weight_decay: float = 0.1
+    max_norm: float = 0.5  # small enough that clipping is active on most steps
+    dtype: str = "fp32"
+    hsdp: int = 1  # replicate degree; 1 = plain FSDP2
+
+    def __post_init__(self):
+        if isinstance(self.model, dict):
+            self.model = TinyMoEConfig(**self.model)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.seq_len > self.model.max_seq_len:
+            raise ValueError(f"seq_len {self.seq_len} exceeds model max_seq_len {self.model.max_seq_len}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: torch.Tensor          # this rank's loss (fp32 scalar)
+    grad_norm: torch.Tensor     # global norm before clipping (fp32 scalar)
+    lr: float
+    tokens: torch.Tensor        # the batch this rank trained on
+    rng_state: torch.Tensor
+    expert_counts: torch.Tensor  # [layers, experts] routed tokens, summed over all ranks
+    expert_probs: torch.Tensor   # [layers, experts] summed gating probabilities, over all ranks
+    seconds: float = 0.0
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, init_seed: int | None = None):
+        self.cfg = cfg
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.compute_dtype = DTYPES[cfg.dtype]
+        self.mesh = build_mesh(self.world, cfg.hsdp)
+        torch.manual_seed(cfg.seed)
+        model = TinyMoE(cfg.model)
+        model.init_weights(cfg.seed if init_seed is None else init_seed)
+        apply_fsdp(model, self.mesh, self.compute_dtype)
+        self.model = model
+        self.params = [p for p in model.parameters()]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                                           weight_decay=cfg.weight_decay, foreach=False)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.stream = TokenStream(cfg.model.vocab_size, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
+        self.step = 0  # iterations completed
+        # Called after clipping and before anything mutates the training state (bias update, optimizer step):
+        # the snapshot copy of the previous iteration must be finished by then.
+        self.before_update: list[Callable[[], None]] = []
+        self.update_lock = threading.Lock()  # held while the state mutates (see train_step)
+
+    def _lr_factor(self, it: int) -> float:
+        warm = max(1, self.cfg.warmup)
+        if it < warm:
+            return (it + 1) / warm
+        return max(0.1, 1.0 - (it - warm) / max(1, 4 * self.cfg.steps))
+
+    # ---- one iteration -------------------------------------------------------------------------------
+    def train_step(self, replay: Replay | None = None) -> StepResult:
+        t_start = time.perf_counter()
+        step = self.step + 1
+        faults.set_iteration(step)
+        faults.point("forward")
+        if replay is None:
+            tokens = self.stream.batch(step, self.rank)
+            rng_state = torch.get_rng_state()
+        else:
+            tokens, rng_state = replay.tokens, replay.rng_state
+            torch.set_rng_state(rng_state)
+        logits = self.model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        faults.point("backward")  # as backward starts: the peers are about to block in its reduce-scatter
+        loss.backward()
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if replay is None:
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+        else:
+            norm = replay.grad_norm  # frozen operators compute no trustworthy weight gradient: reuse the log
+        torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_norm, norm)
+        for hook in self.before_update:
+            hook()
+        stats = self._reduce_expert_stats()  # the iteration's last collective
+        # Everything that mutates the training state runs under update_lock, with no collective inside: a
+        # just-in-time checkpoint (jit.py) taken from another thread sees iteration `step`'s start or end.
+        with self.update_lock:
+            counts, probs = self._apply_expert_bias(stats)
+            if replay is not None:
+                replay.apply_lrs(self.optimizer)  # the original iteration's LR, whatever the schedule says now
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.step()
+            faults.point("optimizer")  # the update is applied, the snapshot of this iteration not yet taken
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step = step
+        return StepResult(step, loss.detach(), norm.detach().clone(), lr, tokens, rng_state, counts, probs,
+                          time.perf_counter() - t_start)
+
+    @torch.no_grad()
+    def _reduce_expert_stats(self) -> torch.Tensor:
+        moes = self.model.moe_layers()
+        stats = torch.stack([torch.stack([m.tokens_per_expert_E, m.router_prob_E]) for m in moes])  # [L,2,E]
+        dist.all_reduce(stats)
+        return stats
+
+    @torch.no_grad()
+    def _apply_expert_bias(self, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """TorchTitan's aux-loss-free balancing: global token counts move each expert's routing bias.
+        The counts are also what popularity ordering reads, before they are zeroed."""
+        moes = self.model.moe_layers()
+        for m, s in zip(moes, stats):
+            if m.expert_bias_E is not None and m.load_balance_coeff:
+                delta = m.load_balance_coeff * torch.sign(s[0].mean() - s[0])
+                m.expert_bias_E.add_(delta - delta.mean())
+            m.tokens_per_expert_E.zero_()
+            m.router_prob_E.zero_()
+        return stats[:, 0].clone(), stats[:, 1].clone()
+
+    # ---- state access --------------------------------------------------------------------------------
+    def set_step(self, step: int) -> None:
+        """Position the iteration counter and LR schedule at `step` completed iterations."""
+        self.step = step
+        position_schedule(self.optimizer, self.scheduler, step)
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """Every tensor that defines the training state on this rank, for torch.equal comparisons."""
+        return training_state(self.model, self.optimizer, self.step)
+
+
+def position_schedule(optimizer: torch.optim.Optimizer, scheduler, step: int) -> None:
+    """Put a LambdaLR-style schedule (and the optimizer's LR) where `step` scheduler steps would have."""
+    scheduler.last_epoch = step
+    for group, lr in zip(optimizer.param_groups, scheduler.get_lr()):
+        group["lr"] = lr
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, torch.Tensor]:
+    """Every tensor that defines a rank's training state (local shards): parameters, optimizer state,
+    buffers (router_prob_E is per-iteration scratch), LR and step."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        out[f"param/{name}"] = local(p).clone()
+        for key, val in optimizer.state.get(p, {}).items():
+            out[f"optim/{name}/{key}"] = local(val).clone() if torch.is_tensor(val) else torch.tensor(val)
+    for name, b in model.named_buffers():
+        if b is not None and not name.endswith("router_prob_E"):
+            out[f"buffer/{name}"] = b.clone()
+    out["lr"] = torch.tensor(optimizer.param_groups[0]["lr"], dtype=torch.float64)
+    out["step"] = torch.tensor(step)
+    return out
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor that backs `t` (aliases its storage)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
