@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .dcp.host_tier import HostTier, TierWriter
+from .dcp.host_tier import HostTier
+from .dcp.tier_writer import TierWriter
 from .errors import ConfigError
 from .operators import Operator, discover_operators, expert_grid
 from .popularity import PopularityTracker, order_experts, reorder_needed
