@@ -56,7 +56,9 @@ _FAULTS: list[tuple[str, int, str]] = []  # (case, faults injected, outcome) fro
 
 @pytest.fixture
 def fault_summary():
-    """Record one failure-test outcome: "recovered exactly", "failed loudly" or "silently wrong"."""
+    """Record one failure-test outcome: "recovered exactly", "refused with one line" (another run's state
+    refused at start, nothing loaded), "started fresh" (a new run, nothing of another loaded), "failed loudly"
+    or "silently wrong"."""
     return lambda case, injected, outcome: _FAULTS.append((case, injected, outcome))
 
 
@@ -69,5 +71,7 @@ def pytest_terminal_summary(terminalreporter):
     for case, injected, outcome in _FAULTS:
         tr.write_line(f"  {case}: {injected} fault(s) injected -> {outcome}")
     tr.write_line(f"faults injected: {sum(f[1] for f in _FAULTS)}, jobs: {len(_FAULTS)}, recovered exactly: "
-                  f"{count('recovered exactly')}, failed loudly: {count('failed loudly')}, "
+                  f"{count('recovered exactly')}, refused with one line: {count('refused with one line')}, "
+                  f"started fresh: {count('started fresh')}, "
+                  f"failed loudly: {count('failed loudly')}, "
                   f"silently wrong: {count('silently wrong')} (must be 0)")

@@ -43,7 +43,8 @@ def assert_covered_once(model: nn.Module, ops) -> None:
             numel[pc.fqn] += pc.numel
             if o.kind == "expert" and pc.shape != tuple(tensors[pc.fqn].shape):
                 rows[pc.fqn].append(pc.global_offset[0])
-            assert pc.dtype == tensors[pc.fqn].dtype and pc.is_param == isinstance(tensors[pc.fqn], nn.Parameter)
+            trains = isinstance(tensors[pc.fqn], nn.Parameter) and tensors[pc.fqn].requires_grad
+            assert pc.dtype == tensors[pc.fqn].dtype and pc.is_param == trains  # no-grad params held by value
     assert set(owners) == names - aliases
     for fqn, who in owners.items():
         assert len(who) == 1, (fqn, who)

@@ -87,3 +87,16 @@ def test_torn_copy_is_reported_not_committed(trainer):
         engine.wait()
     assert not slot.complete
     engine.shutdown()
+
+
+def test_empty_shard_keeps_its_step_counter():
+    """Uneven FSDP2 sharding can leave a rank no rows of a small parameter (e.g. [1, D] on 2 ranks); its
+    optimizer state still has a step counter, which a slot must hold (seen on DeepSeek-V4 / HY-V4 before)."""
+    from torchmoe_ckpt.operators import Operator, Piece
+    empty = Piece("gate.weight", True, (1, 4), (1, 0), (slice(0, 0), slice(0, 4)), (0, 4))
+    full = Piece("norm.weight", True, (4,), (0,), (slice(0, 4),), (4,))
+    ops = {"a": Operator("a", "dense", 0, pieces=[empty, full])}
+    slot = build_slot(0, ("a",), (), ops, torch.bfloat16)
+    assert [(i.key, i.role) for i in slot.items if i.piece is empty] == [("optim.gate.weight.step", "step")]
+    frozen = build_slot(0, (), ("a",), ops, torch.bfloat16)
+    assert [i.piece for i in frozen.items] == [full]

@@ -38,7 +38,8 @@ def test_deepseek_v3_bf16_router_bias_buffer(tmp_path):
 @pytest.mark.matrix
 @pytest.mark.parametrize("model_type,dtype,layers", [("mixtral", "bf16", 2), ("deepseek_v3", "fp32", 1),
                                                      ("qwen2_moe", "fp32", 2), ("olmoe", "bf16", 2),
-                                                     ("gpt_oss", "fp32", 2)])
+                                                     ("gpt_oss", "fp32", 2), ("deepseek_v4", "fp32", 2),
+                                                     ("afmoe", "fp32", 1)])
 def test_more_families(tmp_path, model_type, dtype, layers):
     check(selftest_hf(model_type, dtype=dtype, steps=10, fail_at=7, out_dir=str(tmp_path), verbose=False), layers)
 

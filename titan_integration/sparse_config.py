@@ -5,7 +5,7 @@
     window = "auto"            # or an int >= 1 (forced window size W)
     replicas = 0               # peers holding a copy of every window (0 = this node's host memory only)
     host_dir = "/dev/shm/torchmoe-ckpt"
-    run_id = "job"
+    run_id = ""                # "" = torchrun's run id (new for every launch); set a name to resume across launches
     object_store_uri = ""      # "" = none; file://, s3://, az://, abfs://, memory://
     storage_options = {}       # passed to fsspec as-is (endpoint_url, key, secret, connection_string ...)
     persist_interval = 1       # persist every window to the storage tiers (only 1 is supported so far)
@@ -39,7 +39,7 @@ class SparseCheckpointSection:
     window: int | str = "auto"
     replicas: int = 0
     host_dir: str = "/dev/shm/torchmoe-ckpt"
-    run_id: str = "job"
+    run_id: str = ""              # "": derived from torchrun's TORCHELASTIC_RUN_ID (never shared between jobs)
     object_store_uri: str = ""
     storage_options: dict[str, Any] = field(default_factory=dict)
     persist_interval: int = 1
@@ -87,8 +87,8 @@ class SparseCheckpointSection:
                 raise bad(key, "must be a string", f'{key} = "..."')
         if not self.host_dir:
             raise bad("host_dir", "must not be empty", 'host_dir = "/dev/shm/torchmoe-ckpt"')
-        if not self.run_id or "/" in self.run_id:
-            raise bad("run_id", "must be a non-empty name without '/'", 'run_id = "my-job"')
+        if "/" in self.run_id:
+            raise bad("run_id", "must be a name without '/' (or empty: torchrun's run id)", 'run_id = "my-job"')
         if not isinstance(self.storage_options, dict):
             raise bad("storage_options", "must be a table", "storage_options = { endpoint_url = \"...\" }")
         if (isinstance(self.persist_interval, bool) or not isinstance(self.persist_interval, int)
@@ -138,9 +138,20 @@ class SparseCheckpointSection:
 
         return SparseConfig(window=None if self.window == "auto" else int(self.window), popularity=self.ordering)
 
+    def resolved_run_id(self) -> str:
+        """The run id windows are kept under: the job file's, else torchrun's (the same in every restart of
+        one launch, new for every launch), so two jobs never share a default."""
+        from torchmoe_ckpt.config import default_run_id
+
+        rid = self.run_id or default_run_id()
+        if not rid:
+            raise JobConfigError("[sparse_checkpoint] run_id is empty and there is no torchrun run id "
+                                 "(TORCHELASTIC_RUN_ID) to derive one from; fix: run_id = \"my-job\" (unique per run)")
+        return rid
+
     def tiers_config(self, ranks_per_node: int | None = None) -> dict:
         """The dict torchmoe_ckpt.dcp.tiers.build_tiers takes."""
-        cfg: dict[str, Any] = {"root": self.host_dir, "run_id": self.run_id, "replicas": self.replicas}
+        cfg: dict[str, Any] = {"root": self.host_dir, "run_id": self.resolved_run_id(), "replicas": self.replicas}
         if ranks_per_node:
             cfg["ranks_per_node"] = ranks_per_node
         if self.object_store_uri:

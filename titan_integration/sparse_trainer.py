@@ -169,6 +169,8 @@ class SparseTrainer(Trainer):
             raise TypeError(f"config.checkpoint is a {type(self.checkpointer).__name__}; sparse checkpointing needs "
                             "SparseCheckpointManager.Config there (fix: build the config with "
                             "titan_integration.job_toml.load_job, or derive(cfg, SparseCheckpointManager.Config))")
+        if section.enable:  # resolved once, inside the worker: the pipeline's paths use it too
+            section.run_id = section.resolved_run_id()
         self._sparse_section = section
         self.before_update: list[Callable[[], None]] = []
         self.sparse = None               # SparseCheckpointer once train() starts with enable = true
@@ -454,10 +456,11 @@ class SparseTrainer(Trainer):
             if self._pp.completed:
                 self.checkpointer.restored_step = self._pp.completed
         else:
-            committed = self._recover(tier, replicator, store)
+            identity = self._identity()
+            committed = self._recover(tier, replicator, store, identity)
             self.sparse = SparseCheckpointer(self.model, _OptimizerView(self.optimizers), self.compute_dtype,
                                              sc.core_config(), committed=committed, host_tier=tier,
-                                             replicator=replicator, store=store).attach(self)
+                                             replicator=replicator, store=store, identity=identity).attach(self)
             if committed is not None:  # newer than any TorchTitan checkpoint: its load is skipped
                 self.checkpointer.restored_step = self.recovery_report["recovered_step"]
         try:
@@ -481,7 +484,21 @@ class SparseTrainer(Trainer):
         hsdp = self.config.parallelism.data_parallel_replicate_degree
         return build_tiers(self.sc.tiers_config(), rank, world, hsdp)
 
-    def _recover(self, tier, replicator, store):
+    def _identity(self):
+        """This run's identity (torchmoe_ckpt.identity): the same object for what is written and what is
+        accepted on recovery; the data identity is the dataset and seed of the job file."""
+        from torchmoe_ckpt.identity import build_identity
+        from torchmoe_ckpt.operators import discover_operators
+
+        c = self.config
+        data = (f"dataset={getattr(getattr(c, 'training', None), 'dataset', None)} "
+                f"seed={getattr(getattr(c, 'debug', None), 'seed', None)}")
+        return build_identity(self.model, _OptimizerView(self.optimizers), self.compute_dtype,
+                              discover_operators(self.model), self.sc.resolved_run_id(),
+                              torch.distributed.get_world_size(), c.parallelism.data_parallel_replicate_degree,
+                              data=data, steps=getattr(getattr(c, 'training', None), 'steps', None))
+
+    def _recover(self, tier, replicator, store, identity=None):
         from torchmoe_ckpt.dcp.tiers import Tiers
         from torchmoe_ckpt.operators import discover_operators
         from torchmoe_ckpt.resume import recover
@@ -490,7 +507,7 @@ class SparseTrainer(Trainer):
         # Tests scramble the live weights once a window is found: what recovery forgets shows up as a mismatch.
         scramble = (lambda _w: self._scramble()) if os.environ.get("TORCHMOE_TITAN_SCRAMBLE") == "1" else None
         res = recover(TitanReplayable(self), Tiers(tier, replicator, store), ops, self.compute_dtype,
-                      rank=torch.distributed.get_rank(), before_replay=scramble)
+                      rank=torch.distributed.get_rank(), before_replay=scramble, identity=identity)
         if res.window is None:
             if self._attempt > 0:
                 logger.warning("torchmoe: no committed window on any tier; starting from scratch")

@@ -15,6 +15,8 @@ Frameworks (TorchTitan) implement `Replayable` and drive `SparseCheckpointer` an
 from .capture import SchedulerPosition
 from .checkpointer import SparseCheckpointer, SparseConfig
 from .config import CheckpointConfig, ObjectStoreConfig, TierConfig
+from .dcp.run_lock import RunLockedError
+from .dcp.tier_health import CheckpointStallError
 from .dcp.tiers import Tiers, build_tiers
 from .distributed import init_process_group, restart_attempt
 from .errors import ConfigError, UncapturedStateError
@@ -34,5 +36,6 @@ __all__ = [
     "SparseCheckpointer", "Replayable", "Replay", "recover", "ResumeResult", "sparse_to_dense", "RecoveryReport",
     "Tiers", "build_tiers", "Window", "SchedulerPosition", "RouterCounter", "discover_operators", "Operator",
     # errors
-    "ConfigError", "UncapturedStateError", "OperatorDiscoveryError", "ReplayDivergence",
+    "ConfigError", "UncapturedStateError", "OperatorDiscoveryError", "ReplayDivergence", "RunLockedError",
+    "CheckpointStallError",
 ]

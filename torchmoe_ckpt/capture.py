@@ -32,10 +32,10 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         raise UncapturedStateError("AdamW(amsgrad=True) keeps max_exp_avg_sq, which slots do not hold: use amsgrad=False")
     in_optim = {id(p) for g in optimizer.param_groups for p in g["params"]}
     for name, p in model.named_parameters():
-        if id(p) not in in_optim:
+        if id(p) not in in_optim and p.requires_grad:
             raise UncapturedStateError(
                 f"parameter {name} is not in the optimizer, so the slot format has no optimizer state for it: pass "
-                "every model parameter to the optimizer (a frozen parameter can be a buffer instead)")
+                "every trainable parameter to the optimizer, or set requires_grad=False (then it is held by value)")
 
 
 def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -17,7 +17,9 @@ from torch import nn
 
 from .dcp.host_tier import HostTier
 from .dcp.tier_writer import TierWriter
+from .dcp.manifest import plan_digest
 from .errors import ConfigError
+from .identity import RunIdentity, build_identity
 from .operators import Operator, discover_operators, expert_grid
 from .popularity import PopularityTracker, order_experts, reorder_needed
 from .replay_log import IterationRecord
@@ -56,12 +58,14 @@ class SparseCheckpointer:
                  cfg: SparseConfig | None = None, group: dist.ProcessGroup | None = None,
                  committed: Window | None = None, host_tier=None, replicator=None, store=None,
                  first_window_id: int | None = None, agree_group: dist.ProcessGroup | None | object = _SAME_GROUP,
-                 ops: list[Operator] | None = None):
+                 ops: list[Operator] | None = None, identity: RunIdentity | None = None):
         """`group`: the ranks that plan windows together (same operators). `agree_group` (default: `group`;
         None = all ranks): the ranks that agree on the retention floor and copy bandwidth, wider under
         pipeline parallelism (every stage keeps the windows any stage may need). `first_window_id`: where
         window ids start when windows already exist on the tiers (default: after `committed`, else 0). `ops`: the
-        model's operators when the caller discovered them already (e.g. with an `OperatorSpec`)."""
+        model's operators when the caller discovered them already (e.g. with an `OperatorSpec`). `identity`: the
+        run identity written into every manifest and slot (default: built from the model, optimizer, compute
+        dtype and world size, with the host tier's run id); recovery refuses windows of another identity."""
         self.cfg = cfg or SparseConfig()
         self.group = group
         self.agree_group = group if agree_group is _SAME_GROUP else agree_group
@@ -75,6 +79,12 @@ class SparseCheckpointer:
         self.tracker = PopularityTracker(max(n_layers, 1), max(n_experts, 1), policy=self.cfg.popularity,
                                          decay=self.cfg.decay, capacity=cap)
         self.access = StateAccess(model, optimizer)
+        if identity is None:
+            identity = build_identity(model, optimizer, compute_dtype, self.ops,
+                                      host_tier.dir.name if isinstance(host_tier, HostTier) else None,
+                                      dist.get_world_size() if dist.is_initialized() else 1)
+        self.identity = identity
+        self._identity_dict = identity.to_dict()
         use_cuda = any(p.is_cuda for p in model.parameters())
         self.pin_memory = use_cuda
         self.engine = SnapshotEngine(self.access, use_cuda=use_cuda)
@@ -94,6 +104,7 @@ class SparseCheckpointer:
         self._next_id = first_window_id if first_window_id is not None else (committed.id + 1) if committed else 0
         self.t_iter: float | None = None
         self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._level = logging.INFO if self._rank == 0 else logging.DEBUG  # one line per window, not one per rank
         self._warned_unfit = False  # an impossible copy budget is reported once, not every window
         self.bandwidth = self.cfg.bandwidth_bytes_per_s or self._agree(measure_copy_bandwidth(), dist.ReduceOp.MIN)
         self.counters = {"slots": 0, "windows_committed": 0, "reorders": 0, "slot_bytes": [], "copy_seconds": [],
@@ -128,7 +139,8 @@ class SparseCheckpointer:
         self.engine.capture(slot, t)
         if self.tier_writer is not None:
             self.tier_writer.slot(cur.id, slot, {"window": cur.id, "slot": slot.index, "start_step": cur.start_step,
-                                                 "window_size": cur.plan.window})
+                                                 "window_size": cur.plan.window, "plan": plan_digest(cur.plan.to_dict()),
+                                                 "run": self._identity_dict["fingerprint"]})
         cur.captured += 1
         self.counters["slots"] += 1
         self.counters["slot_bytes"].append(slot.nbytes)
@@ -145,14 +157,15 @@ class SparseCheckpointer:
         old, self.committed, self.current = self.committed, cur, None
         self.counters["windows_committed"] += 1
         self.counters["copy_seconds"].extend(s.copy_seconds for s in cur.slots)
-        log.info("window committed id=%d steps=%d..%d W=%d bytes=%d", cur.id, cur.start_step,
+        log.log(self._level, "window committed id=%d steps=%d..%d W=%d bytes=%d", cur.id, cur.start_step,
                  cur.start_step + cur.plan.window - 1, cur.plan.window, cur.nbytes())
         if self.tier_writer is not None:
             # Keep every window from the newest one that *all* ranks have persisted: a rank ahead of the
             # others must not delete the only window they can all recover from.
             mine = max(self.tier_writer.persisted, default=-1)
             floor = int(self._agree(float(mine), dist.ReduceOp.MIN))
-            self.tier_writer.commit(cur, {"dtype": str(self.compute_dtype)}, keep_from=floor)
+            self.tier_writer.commit(cur, {"dtype": str(self.compute_dtype), "identity": self._identity_dict},
+                                    keep_from=floor)
         # Reuse the old window's buffers unless they are inherited or still being written to the host tier.
         reusable = old is not None and old is not self._inherited and (
             self.tier_writer is None or old.id in self.tier_writer.persisted)
@@ -200,7 +213,7 @@ class SparseCheckpointer:
         self.current = win
         self.counters["windows"].append({"id": win.id, "start": t, "W": plan.window, "fits": plan.fits,
                                          "worst_slot_bytes": plan.worst_slot_bytes})
-        log.info("window start id=%d t0=%d W=%d fits=%s budget=%.3g worst_slot=%d", win.id, t, plan.window,
+        log.log(self._level, "window start id=%d t0=%d W=%d fits=%s budget=%.3g worst_slot=%d", win.id, t, plan.window,
                  plan.fits, budget, plan.worst_slot_bytes)
         return win
 

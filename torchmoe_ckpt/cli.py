@@ -13,6 +13,32 @@ from importlib.metadata import entry_points
 COMMANDS_GROUP = "torchmoe_ckpt.commands"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (`torchmoe-ckpt verify: error: ...`) and exit 2, like every
+    other error of the command; `--help` still shows the usage. Subparsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
+def bounded(kind, low=None, high=None, low_open: bool = False):
+    """An argparse `type=` that converts with `kind` and checks low <= value <= high (low < value when
+    `low_open`): a count of 0 or a negative duration fails at parse time with the range it needs."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
+        if value != value or (low is not None and (value <= low if low_open else value < low)) \
+                or (high is not None and value > high):
+            want = (f"> {low}" if low_open else f">= {low}") if high is None else \
+                f"in {'(' if low_open else '['}{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"{text} is out of range: must be {want}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def _json_arg(text: str) -> dict:
     try:
         value = json.loads(open(text[1:]).read() if text.startswith("@") else text)
@@ -34,8 +60,10 @@ def _verify(a) -> int:
     from .inspect import format_inspect, main_json, verify_location
     ok, info = verify_location(a.location, a.storage_options)
     print(main_json(info) if a.json else format_inspect(info))
-    print("verify: OK, every file matches its manifest" if ok else "verify: FAILED (see problems above)",
-          file=sys.stderr)
+    for problem in info["problems"]:
+        print(f"verify: problem: {problem}", file=sys.stderr)
+    print("verify: OK, every committed window is complete and every file matches its manifest" if ok else
+          f"verify: FAILED ({len(info['problems'])} problem(s) listed above)", file=sys.stderr)
     return 0 if ok else 1
 
 
@@ -57,7 +85,7 @@ def register_plugins(sub: argparse._SubParsersAction) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="torchmoe-ckpt", description="Sparse per-iteration checkpointing for MoE training")
+    ap = OneLineParser(prog="torchmoe-ckpt", description="Sparse per-iteration checkpointing for MoE training")
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, fn, text in (("inspect", _inspect, "windows, slots, operators, sizes and checksum status"),
                            ("verify", _verify, "exit 0 only if every file of every committed window verifies")):
@@ -73,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return a.fn(a)
-    except (ValueError, RuntimeError) as exc:
-        print(f"torchmoe-ckpt {a.cmd}: error: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc}",
-              file=sys.stderr)
+    except Exception as exc:  # every error is one line and exit 2; a traceback is for our bugs, not user input
+        text = " ".join(str(exc).split())
+        kind = "" if isinstance(exc, (ValueError, RuntimeError, OSError)) else f"{type(exc).__name__}: "
+        print(f"torchmoe-ckpt {a.cmd}: error: {kind}{text or type(exc).__name__}", file=sys.stderr)
         return 2
 
 

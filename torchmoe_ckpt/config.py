@@ -51,6 +51,9 @@ class TierConfig:
     ranks_per_node: int | None = None  # failure domains; default LOCAL_WORLD_SIZE (one node per torchrun agent)
     replicas: int = 0                  # r: peers that hold a copy of each window (HSDP replicas first)
     object_store: ObjectStoreConfig | None = None
+    stall_iterations: int | None = 50  # no window committed durably for this many iterations = stalled (a tier
+                                       # that cannot write); keep it above 2 x the window size. None: no check
+    on_stall: str = "warn"             # "warn" (log once per stall) | "fail" (raise in the training thread)
 
     def __post_init__(self):
         if isinstance(self.object_store, dict):
@@ -64,6 +67,12 @@ class TierConfig:
             raise ConfigError(f"replicas must be >= 0 (peers holding a copy of each window), got {self.replicas}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ConfigError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+        if self.stall_iterations is not None and (not isinstance(self.stall_iterations, int)
+                                                  or self.stall_iterations < 1):
+            raise ConfigError(f"stall_iterations must be an integer >= 1 (iterations without a durable window "
+                              f"before on_stall applies) or None (no check), got {self.stall_iterations!r}")
+        if self.on_stall not in ("warn", "fail"):
+            raise ConfigError(f"on_stall {self.on_stall!r} must be 'warn' (log it) or 'fail' (end the job)")
 
     def resolved_run_id(self) -> str:
         """The explicit run id, else torchrun's; a run id shared by unrelated jobs would mix their windows."""

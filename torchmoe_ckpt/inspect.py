@@ -10,22 +10,57 @@ from __future__ import annotations
 import json
 import re
 
-from .dcp.manifest import MANIFEST_NAME, WindowManifest, crc32_bytes, parse_window_dirname
-from .dcp.planner import PLANNER_KEY
+from .dcp.manifest import MANIFEST_NAME, WindowManifest, check_window, crc32_bytes, parse_window_dirname
+from .dcp.planner import PLANNER_KEY, slot_info
 
 _HOST_MANIFEST = re.compile(r"^MANIFEST\.rank-(\d+)\.json$")
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_RANK_FILE = re.compile(r"^(?:MANIFEST\.)?rank-(\d+)(?:\.pt|\.json)?$")  # a rank's files in either layout
 
 
 def _open(location: str, storage_options: dict | None):
     from .dcp.object_tier import open_store
+    from .dcp.store_errors import explain
+    if not isinstance(location, str) or not location.strip():
+        raise ValueError("the location is empty: give a host-tier run directory, e.g. "
+                         "/dev/shm/torchmoe-ckpt/node-0/<run>, or the object-store URI of the run")
     fs, root = open_store(location, storage_options, probe=False)
     root = root.rstrip("/")
-    if not fs.exists(root):
+    try:  # a dead endpoint or missing credentials surface here: one line naming the fix, not a traceback
+        exists, is_dir = fs.exists(root), fs.isdir(root)
+    except Exception as exc:
+        raise ValueError(explain(location, exc)) from None
+    if not exists:
         raise ValueError(f"{location}: no such checkpoint location (give a host-tier run directory, e.g. "
                          f"/dev/shm/torchmoe-ckpt/node-0/<run>, or the object-store URI of the run)")
+    if not is_dir:
+        raise ValueError(f"{location}: is a file, not a checkpoint location (give a host-tier run directory, "
+                         f"e.g. /dev/shm/torchmoe-ckpt/node-0/<run>, or the object-store URI of the run)")
     return fs, root
+
+
+def _run_of(rel_parts: list[str]) -> str:
+    """The run a window belongs to, from its path below the location (the parts before `window-N`, without
+    the object store's `rank-R`): "" when the location itself is the run."""
+    if rel_parts and _RANK_DIR.match(rel_parts[-1]):
+        rel_parts = rel_parts[:-1]
+    return "/".join(rel_parts)
+
+
+def _runs(files: list[str], root: str) -> set[str]:
+    runs = set()
+    for f in files:
+        parts = f[len(root):].strip("/").split("/")
+        for j, p in enumerate(parts[:-1]):
+            if parse_window_dirname(p) is not None:
+                runs.add(_run_of(parts[:j]))
+                break
+    return runs
+
+
+def _sub_location(location: str, run: str) -> str:
+    return f"{location.rstrip('/')}/{run}"
 
 
 def _manifests(files: list[str]) -> dict[tuple[str, int], str]:
@@ -72,17 +107,40 @@ def _slots(fs, wdir: str, man: WindowManifest) -> list[dict]:
 
 
 def inspect_location(location: str, storage_options: dict | None = None) -> dict:
+    """What one run holds; a location that holds several runs (a host root, an object-store prefix) gives
+    `{"location", "runs": [one entry per run, with "run"]}`: windows of different runs are never merged."""
     fs, root = _open(location, storage_options)
-    files = [f.rstrip("/") for f in fs.find(root)]
+    try:
+        files = [f.rstrip("/") for f in fs.find(root)]
+    except Exception as exc:
+        from .dcp.store_errors import explain
+        raise ValueError(explain(location, exc)) from None
+    runs = _runs(files, root)
+    exports_here = any(f.endswith("/.metadata") and _STEP_DIR.match(f.rsplit("/", 2)[-2]) for f in files)
+    if not runs and not exports_here:
+        raise ValueError(f"{location}: not a checkpoint run (no window-N directories and no dense exports "
+                         f"below it); give a host-tier run directory, e.g. /dev/shm/torchmoe-ckpt/node-0/<run>, "
+                         f"or the object-store URI of the run")
+    if len(runs) > 1:
+        return {"location": location, "runs": [dict(inspect_location(_sub_location(location, r), storage_options),
+                                                     run=r) for r in sorted(runs)]}
+    return _inspect_run(location, storage_options, fs, root, files)
+
+
+def _inspect_run(location: str, storage_options: dict | None, fs, root: str, files: list[str]) -> dict:
     manifests = _manifests(files)
     windows: dict[int, dict] = {}
+    root_parts = root.split("/")
     for f in files:  # every window directory, with or without a manifest
         parts = f.split("/")
         for j, p in enumerate(parts):
             wid = parse_window_dirname(p)
             if wid is not None:
-                windows.setdefault(wid, {"window_id": wid, "paths": set(), "committed_ranks": [], "problems": {},
-                                         "slots": [], "bytes": 0})["paths"].add("/".join(parts[: j + 1]))
+                entry = windows.setdefault(wid, {"window_id": wid, "paths": set(), "committed_ranks": [],
+                                                 "problems": {}, "slots": [], "bytes": 0, "ranks_with_files": set()})
+                entry["paths"].add("/".join(parts[: j + 1]))
+                entry["ranks_with_files"].update(int(m.group(1)) for q in parts[len(root_parts):]
+                                                 if (m := _RANK_FILE.match(q)))
                 break
     for (wdir, rank), mpath in sorted(manifests.items()):
         entry = windows[parse_window_dirname(wdir.rsplit("/", 1)[-1])]
@@ -92,7 +150,8 @@ def inspect_location(location: str, storage_options: dict | None = None) -> dict
             entry["problems"][rank] = [f"bad manifest: {exc}"]
             continue
         entry["committed_ranks"].append(rank)
-        problems = _verify_files(fs, wdir, man)
+        problems = _verify_files(fs, wdir, man) or check_window(  # where each file sits (window/slot/step/run)
+            man, entry["window_id"], rank, None, lambda rel: slot_info(fs.cat_file(f"{wdir}/{rel}")))
         if problems:
             entry["problems"][rank] = problems
         entry.update(start_step=man.start_step, window=man.window, world_size=man.world_size,
@@ -110,6 +169,7 @@ def inspect_location(location: str, storage_options: dict | None = None) -> dict
             entry.update({k: v for k, v in got.items() if k != "slots"})
     for entry in windows.values():
         entry["paths"] = sorted(entry["paths"])
+        entry["ranks_with_files"] = sorted(entry["ranks_with_files"])
         entry["status"] = ("uncommitted (no manifest: never used)" if not entry["committed_ranks"] else
                            "corrupt" if entry["problems"] else "verified")
     exports = sorted({(int(m.group(1)), f.rsplit("/", 1)[0]) for f in files
@@ -119,6 +179,10 @@ def inspect_location(location: str, storage_options: dict | None = None) -> dict
 
 
 def format_inspect(info: dict) -> str:
+    if "runs" in info:  # several runs under one location: each listed on its own
+        head = (f"{info['location']}: {len(info['runs'])} runs (listed separately; give one run's path to "
+                f"inspect it alone)")
+        return "\n".join([head] + [f"run {r['run']}:\n" + format_inspect(r) for r in info["runs"]])
     lines = [f"{info['location']}: {len(info['windows'])} window(s), {len(info['dense_exports'])} dense export(s)"]
     for w in info["windows"]:
         if not w["committed_ranks"]:
@@ -133,18 +197,46 @@ def format_inspect(info: dict) -> str:
                          f"(largest rank); {s['items_with_checksum']} checksummed items")
         for rank, probs in w["problems"].items():
             for p in probs:
-                lines.append(f"    rank {rank}: {p}")
+                lines.append(f"    rank {rank}: {p}" if isinstance(rank, int) else f"    {p}")
     for e in info["dense_exports"]:
         lines.append(f"  dense export at step {e['step']}: {e['path']} (complete: DCP .metadata present)")
     return "\n".join(lines)
 
 
 def verify_location(location: str, storage_options: dict | None = None) -> tuple[bool, dict]:
-    """OK only if there is at least one committed window and every committed copy verifies."""
+    """OK only if there is at least one committed window, every committed copy verifies and every committed
+    window was committed by every rank of the run. Every problem found is listed in `info["problems"]`."""
     info = inspect_location(location, storage_options)
-    committed = [w for w in info["windows"] if w["committed_ranks"]]
-    ok = bool(committed) and all(not w["problems"] for w in committed)
-    return ok, info
+    runs = info["runs"] if "runs" in info else [info]
+    problems = []
+    for run in runs:
+        prefix = f"run {run['run']}: " if "run" in run else ""
+        # A window whose manifest is unreadable (bad checksum: edited) is reported too, not taken as uncommitted.
+        committed = [w for w in run["windows"] if w["committed_ranks"] or w["problems"]]
+        if not committed:
+            problems.append(f"{prefix}no committed window")
+        for w in committed:
+            w["problems"].update(_missing_ranks(w, run["windows"]))
+            for rank, probs in sorted(w["problems"].items(), key=lambda kv: str(kv[0])):
+                problems += [f"{prefix}window {w['window_id']} rank {rank}: {p}" for p in probs]
+            if w["problems"]:
+                w["status"] = "corrupt" if any(isinstance(r, int) for r in w["problems"]) else "incomplete"
+    info["problems"] = problems
+    return not problems, info
+
+
+def _missing_ranks(window: dict, windows: list[dict]) -> dict[str, list[str]]:
+    """A window is usable only when every rank committed it. The ranks expected: every rank of the world
+    size the manifests record when they are all in this location, else every rank seen committing here
+    (a host directory of one node holds that node's ranks only)."""
+    seen = {r for w in windows for r in w["committed_ranks"]} | set(window["ranks_with_files"])
+    world = window.get("world_size") or 0
+    expected = set(range(world)) if seen >= set(range(world)) else seen
+    missing = sorted(expected - set(window["committed_ranks"]))
+    if not missing:
+        return {}
+    return {"all": [f"not committed by rank(s) {missing} (committed by {sorted(window['committed_ranks'])} of "
+                    f"{world}): unusable, recovery skips it"]}
 
 
 def main_json(info: dict) -> str:

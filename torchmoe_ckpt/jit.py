@@ -39,6 +39,7 @@ from typing import Callable, TypeVar
 
 import torch
 
+from .config import TierConfig
 from .dcp.manifest import crc32_bytes
 from .dcp.object_tier import _is_local, open_store
 from .dcp.tiers import all_gather_objects
@@ -111,7 +112,7 @@ class JitCheckpointer:
     def __init__(self, trainer, host_cfg: dict, jit_dir: Path):
         self.set_trainer(trainer)
         self.dir = Path(jit_dir)
-        self.run_id = host_cfg.get("run_id", "run")
+        self.run_id = TierConfig.from_dict(host_cfg).resolved_run_id()
         self.shard, self.replicas = shard_layout(trainer.mesh)
         self.enabled = self.replicas > 1
         # opened now, not on the failure path (fsspec imports and connects)
@@ -354,7 +355,7 @@ def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tu
     t0 = time.perf_counter()
     key, _ = shard_layout(trainer.mesh)
     jit_dir = Path(tier.dir) / "jit"
-    store = JitStore(host_cfg["object_store"], host_cfg.get("run_id", "run")) if host_cfg.get("object_store") else None
+    store = JitStore(host_cfg["object_store"], TierConfig.from_dict(host_cfg).resolved_run_id()) if host_cfg.get("object_store") else None
     everyone = all_gather_objects((key, list_copies(jit_dir, store)))
     step, shards = choose(everyone)
     bound = window_step_bound(tier)

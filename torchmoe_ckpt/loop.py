@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 
 from . import faults
 from .capture import SchedulerPosition, check_coverage, check_optimizer, check_optimizer_state, infer_compute_dtype
@@ -28,8 +29,9 @@ from .checkpointer import SparseCheckpointer
 from .config import CheckpointConfig
 from .dcp.tiers import Tiers, build_tiers
 from .errors import ConfigError
+from .identity import build_identity
 from .operators import discover_operators
-from .recovery import ReplayDivergence
+from .recovery import ReplayDivergence, init_optimizer_state
 from .replay_log import Replay
 from .resume import ResumeResult, recover
 from .routing import RouterCounter
@@ -60,16 +62,21 @@ class Checkpointer:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  forward_backward: Callable[[Any], torch.Tensor], scheduler=None,
-                 config: CheckpointConfig | None = None, group: dist.ProcessGroup | None = None):
+                 config: CheckpointConfig | None = None, group: dist.ProcessGroup | None = None,
+                 data_identity: str | None = None):
         """`forward_backward(batch)` runs forward and `loss.backward()` and returns the loss; it must not
-        step the optimizer or scheduler, clip, zero gradients or change state outside forward/backward."""
+        step the optimizer or scheduler, clip, zero gradients or change state outside forward/backward.
+        `data_identity`: a string naming the data order (dataset, seed); part of the run identity, so windows
+        of a run on other data are never loaded."""
         self.config = config or CheckpointConfig()
         if not callable(forward_backward):
             raise ConfigError("forward_backward must be a function batch -> loss that also calls loss.backward()")
         check_optimizer(model, optimizer)
+        init_optimizer_state(optimizer)  # every parameter has state from the start, even before its first gradient
         self.schedule = SchedulerPosition(optimizer, scheduler)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.forward_backward, self.group = forward_backward, group
+        self.data_identity = data_identity
         self.compute_dtype = self.config.compute_dtype or infer_compute_dtype(model)
         self.ops = discover_operators(model, self.config.operators)
         self.op_by_name = {o.name: o for o in self.ops}
@@ -92,15 +99,20 @@ class Checkpointer:
         if self.sparse is not None:
             raise RuntimeError("resume() was already called: call it once, before the first step()")
         window = None
+        # Who this run is (identity.py): written into every window, and what a window must match to be loaded.
+        self.identity = build_identity(self.model, self.optimizer, self.compute_dtype, self.ops,
+                                       self.config.tiers.resolved_run_id() if self.config.tiers else None, self.world,
+                                       _hsdp_replicate(self.model), data=self.data_identity)
         if self.config.tiers is not None:
             self.tiers = build_tiers(self.config.tiers, self.rank, self.world, _hsdp_replicate(self.model))
-            self.resumed = recover(_Replay(self), self.tiers, self.op_by_name, self.compute_dtype, self.rank)
+            self.resumed = recover(_Replay(self), self.tiers, self.op_by_name, self.compute_dtype, self.rank,
+                                   identity=self.identity)
             window = self.resumed.window
         t = self.tiers
         self.sparse = SparseCheckpointer(
             self.model, self.optimizer, self.compute_dtype, self.config.window, group=self.group, committed=window,
             host_tier=t.host if t else None, replicator=t.replicator if t else None, store=t.store if t else None,
-            ops=self.ops)
+            ops=self.ops, identity=self.identity)
         return self.step_count
 
     def step(self, batch: Any) -> torch.Tensor:
@@ -155,8 +167,10 @@ class Checkpointer:
         faults.point("forward")
         if replay is None:
             rng_state = torch.get_rng_state()
+            logged = tree_map(_host_copy, batch)  # the caller may reuse its batch buffers: keep our own copy
         else:
-            batch, rng_state = replay.tokens, replay.rng_state
+            batch = logged = replay.tokens
+            rng_state = replay.rng_state
             torch.set_rng_state(rng_state)
         loss = self.forward_backward(batch)
         if not torch.is_tensor(loss) or loss.numel() != 1:
@@ -177,7 +191,7 @@ class Checkpointer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count = step
-        return StepResult(step, loss.detach().clone(), norm.detach().clone(), lrs[0], lrs, batch, rng_state, counts,
+        return StepResult(step, loss.detach().clone(), norm.detach().clone(), lrs[0], lrs, logged, rng_state, counts,
                           probs, time.perf_counter() - t_start)
 
     def _grad_norm(self, replay: Replay | None) -> torch.Tensor:
@@ -213,6 +227,10 @@ class _Replay:
         if replay is None:
             raise ReplayDivergence("recovery replays logged iterations only")
         return self.ck._iteration(None, replay)
+
+
+def _host_copy(x):
+    return x.detach().to("cpu", copy=True) if torch.is_tensor(x) else x
 
 
 def _hsdp_replicate(model: nn.Module) -> int:

@@ -92,8 +92,9 @@ def _local_offset(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def _whole_piece(fqn: str, t: torch.Tensor, is_param: bool) -> Piece | None:
     offset, shape = _local_offset(t)
-    if any(s == 0 for s in shape) and t.dim() > 0:
+    if any(s == 0 for s in shape) and t.dim() > 0 and not is_param:
         return None  # uneven sharding left this rank empty
+    # An empty shard of a parameter still has optimizer state on this rank: its step counter (a slot holds it).
     return Piece(fqn, is_param, tuple(t.shape), offset, tuple(slice(0, s) for s in shape), shape, t.dtype)
 
 
@@ -117,7 +118,9 @@ def discover_operators(model: nn.Module, spec: OperatorSpec | None = None) -> li
     Raises `OperatorDiscoveryError` (one line: the module and the fix) when MoE-looking modules match no
     experts, or a spec pattern matches nothing."""
     moes, blocks, tensors = find_moe_blocks(model, spec)
-    params = {n for n, _ in model.named_parameters()}
+    # A parameter that never trains (requires_grad=False, e.g. a load-balancing bias kept as a Parameter) has
+    # no optimizer state: it is held like a buffer, by value.
+    params = {n for n, p in model.named_parameters() if p.requires_grad}
     # Layer index: position of the repeated block (or of an MoE outside any block) in module order.
     inside = set(blocks)
     units = blocks + [m.path for m in moes if m.path not in inside and not any(a in inside for a in ancestors(m.path))]

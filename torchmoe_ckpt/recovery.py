@@ -68,10 +68,14 @@ class RecoveryReport:
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create AdamW state for every parameter (zeros), so slots can be loaded into it in place.
-    FROZEN slices keep placeholder values until their operator becomes ACTIVE."""
+    """Create AdamW state for every trainable parameter (zeros, step 0: what AdamW's lazy init creates), so
+    slots can be loaded into it in place, and so a parameter that got no gradient yet (an expert no token
+    reached) still has state a slot can copy. FROZEN slices keep placeholder values until their operator
+    becomes ACTIVE."""
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if not p.requires_grad:
+                continue  # never updated, so no state (and no empty entry in state_dict)
             st = optimizer.state[p]
             if "exp_avg" not in st:
                 st["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -112,5 +116,5 @@ def sparse_to_dense(trainer: Replayable, window) -> RecoveryReport:
         faults.point("recovery")
     trainer.set_step(t0 + w - 1)
     rep = RecoveryReport(window.id, w, t0, t0 + w - 1, w - 1, nbytes, time.perf_counter() - t_start, replay_s)
-    log.info("recovered %s", rep.to_dict())
+    log.debug("recovered %s", rep.to_dict())
     return rep

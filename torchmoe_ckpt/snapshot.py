@@ -80,12 +80,13 @@ class StateAccess:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.params = dict(model.named_parameters())
         self.buffers = {n: b for n, b in model.named_buffers() if b is not None}
+        self.buffers.update((n, p) for n, p in self.params.items() if not p.requires_grad)  # held by value
         self.optimizer = optimizer
 
     def source(self, item: SlotItem) -> torch.Tensor:
         piece = item.piece
         if item.role == "buffer":
-            return self.buffers[piece.fqn][piece.local_slices]
+            return local_tensor(self.buffers[piece.fqn])[piece.local_slices]
         p = self.params[piece.fqn]
         if item.role in ("master", "compute"):
             return local_tensor(p)[piece.local_slices]
@@ -109,6 +110,11 @@ def build_slot(index: int, active: tuple[str, ...], frozen: tuple[str, ...], ops
             if not pc.is_param:
                 items.append(SlotItem(f"model.{pc.fqn}", "buffer", name, pc, alloc(pc.shape, pc.dtype)))
                 continue
+            if pc.numel == 0:  # uneven sharding left this rank no elements, but a step counter
+                if pc.fqn not in seen_steps:
+                    seen_steps.add(pc.fqn)
+                    items.append(SlotItem(f"optim.{pc.fqn}.step", "step", name, pc, alloc((), torch.float32)))
+                continue
             items.append(SlotItem(f"model.{pc.fqn}", "master", name, pc, alloc(pc.shape, torch.float32)))
             items.append(SlotItem(f"optim.{pc.fqn}.exp_avg", "exp_avg", name, pc, alloc(pc.shape, torch.float32)))
             items.append(SlotItem(f"optim.{pc.fqn}.exp_avg_sq", "exp_avg_sq", name, pc, alloc(pc.shape, torch.float32)))
@@ -117,6 +123,8 @@ def build_slot(index: int, active: tuple[str, ...], frozen: tuple[str, ...], ops
                 items.append(SlotItem(f"optim.{pc.fqn}.step", "step", name, pc, alloc((), torch.float32)))
     for name in frozen:
         for pc in ops[name].pieces:
+            if pc.numel == 0:
+                continue
             role, dtype, key = ("compute", compute_dtype, f"compute.{pc.fqn}") if pc.is_param else \
                 ("buffer", pc.dtype, f"model.{pc.fqn}")
             items.append(SlotItem(key, role, name, pc, alloc(pc.shape, dtype)))

@@ -9,8 +9,20 @@ from __future__ import annotations
 import argparse
 import json
 
+from torchmoe_ckpt.cli import bounded
+
+_positive = bounded(int, 1)
+
+
+def _window(text: str):
+    return None if text == "auto" else bounded(int, 1)(text)
+
 
 def _selftest(a) -> int:
+    if not 1 <= a.fail_at <= a.steps:
+        raise ValueError(f"--fail-at {a.fail_at} must be in [1, --steps {a.steps}] (the iteration that fails)")
+    if a.nproc % a.hsdp:
+        raise ValueError(f"--hsdp {a.hsdp} must divide --nproc {a.nproc} (replicas x shards = ranks)")
     if a.model.startswith("hf:"):
         from torchmoe_harness.selftest_hf import selftest_hf
         if a.hsdp != 1 or a.phase != "update":
@@ -52,17 +64,17 @@ def register_selftest(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--model", default="harness",
                    help="'harness' (default), or hf:<model_type>: any transformers MoE model type built tiny, e.g. "
                         "hf:mixtral, hf:deepseek_v3 (trained through the own-loop Checkpointer, killed with kill -9)")
-    s.add_argument("--nproc", type=int, default=2)
-    s.add_argument("--experts", type=int, default=4)
-    s.add_argument("--layers", type=int, default=2)
-    s.add_argument("--steps", type=int, default=12)
-    s.add_argument("--fail-at", type=int, default=8)
+    s.add_argument("--nproc", type=_positive, default=2)
+    s.add_argument("--experts", type=_positive, default=4)
+    s.add_argument("--layers", type=_positive, default=2)
+    s.add_argument("--steps", type=_positive, default=12)
+    s.add_argument("--fail-at", type=_positive, default=8)
     s.add_argument("--phase", choices=("update", "copy"), default="update",
                    help="fail before the optimizer step, or tear that iteration's snapshot copy")
-    s.add_argument("--hsdp", type=int, default=1, help="replicate degree (HSDP); 1 = FSDP2")
+    s.add_argument("--hsdp", type=_positive, default=1, help="replicate degree (HSDP); 1 = FSDP2")
     s.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    s.add_argument("--window", type=lambda v: None if v == "auto" else int(v), default=3, help="W, or 'auto'")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--window", type=_window, default=3, help="W, or 'auto'")
+    s.add_argument("--seed", type=bounded(int, 0), default=0)
     s.add_argument("--out", default=None, help="keep run outputs here")
     s.add_argument("--json", action="store_true")
     s.add_argument("--quiet", action="store_true")
@@ -73,8 +85,9 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="measure slot bytes, training-thread wait and recovery cost")
     b.add_argument("--out", default="benchmarks/results")
     b.add_argument("--models", default="tiny,cpu-large")
-    b.add_argument("--nproc", type=int, default=2)
-    b.add_argument("--overlap", type=float, default=0.05, help="share of an iteration one slot copy may take")
+    b.add_argument("--nproc", type=_positive, default=2)
+    b.add_argument("--overlap", type=bounded(float, 0.0, 1.0, low_open=True), default=0.05,
+                   help="share of an iteration one slot copy may take, in (0, 1]")
     b.add_argument("--json", action="store_true")
     b.add_argument("--quiet", action="store_true")
     b.set_defaults(fn=_bench)
@@ -84,8 +97,8 @@ def register_simulate(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser("simulate", help="ETTR simulator: MoEvement Table 3's shape (DeepSeek-MoE), measured systems")
     m.add_argument("--out", default="benchmarks/results/simulate.json")
     m.add_argument("--failures", choices=("poisson", "periodic"), default="poisson")
-    m.add_argument("--seeds", type=int, default=20, help="Poisson runs averaged per cell")
-    m.add_argument("--hours", type=float, default=12.0)
+    m.add_argument("--seeds", type=_positive, default=20, help="Poisson runs averaged per cell")
+    m.add_argument("--hours", type=bounded(float, 0.0, low_open=True), default=12.0)
     m.add_argument("--bench", default=None, help="bench.json: also the ETTR of its measured systems")
     m.add_argument("--json", action="store_true")
     m.set_defaults(fn=_simulate)

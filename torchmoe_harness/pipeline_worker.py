@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from torchmoe_ckpt.checkpointer import SparseCheckpointer, SparseConfig
+from torchmoe_ckpt.config import TierConfig
 from torchmoe_ckpt.dcp.host_tier import HostTier
 from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.pipeline_log import BoundaryLog, LogReader
@@ -44,11 +45,12 @@ _TERM = {"flag": False}
 
 class Paths:
     def __init__(self, host: dict, stages: int):
-        self.root = Path(host["root"]) / host.get("run_id", "run")
+        # No shared default: the spec's run id, else torchrun's (new for every launch), else an error.
+        self.run_id = TierConfig(root=host["root"], run_id=host.get("run_id")).resolved_run_id()
+        self.root = Path(host["root"]) / self.run_id
         self.logs = [self.root / "pplog" / f"stage-{s}" for s in range(stages)]
         self.live = [self.root / "live" / f"stage-{s}.pt" for s in range(stages)]
         self.tier_root = Path(host["root"]) / "node-0"
-        self.run_id = host.get("run_id", "run")
         self.recoveries = self.root / "recoveries.jsonl"
 
 

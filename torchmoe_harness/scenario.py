@@ -23,12 +23,16 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from torchmoe_ckpt.checkpointer import SparseCheckpointer, SparseConfig
-from torchmoe_ckpt.dcp.tiers import Tiers, build_tiers
+from torchmoe_ckpt.config import TierConfig
+from torchmoe_ckpt.dcp.tiers import Tiers, build_tiers, node_of
+from torchmoe_ckpt.identity import IdentityMismatch, RunIdentity, build_identity
 from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.recovery import sparse_to_dense
 from torchmoe_ckpt.resume import recover
@@ -68,11 +72,27 @@ def _tiers(trainer: Trainer, host: dict | None) -> Tiers:
     return build_tiers(host, trainer.rank, trainer.world, trainer.cfg.hsdp)
 
 
-def _lose_node(tier, node: int | None) -> str:
+def run_identity(trainer: Trainer, host: dict | None) -> RunIdentity:
+    """This run's identity (identity.py). The data seed is part of it: a job on other data with the same run
+    id never resumes this one's windows. The planned steps and the LR are not (they may change)."""
+    cfg = trainer.cfg
+    run_id = TierConfig.from_dict(host).resolved_run_id() if host else None
+    ops = discover_operators(trainer.model)
+    return build_identity(trainer.model, trainer.optimizer, trainer.compute_dtype, ops, run_id, trainer.world,
+                          cfg.hsdp, data=f"seed={cfg.seed}", steps=cfg.steps)
+
+
+def _node_dir(trainer: Trainer, host: dict) -> Path:
+    """This rank's node directory, as build_tiers lays it out."""
+    cfg = TierConfig.from_dict(host)
+    rpn = int(cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", trainer.world))
+    return Path(cfg.root) / f"node-{node_of(trainer.rank, rpn)}"
+
+
+def _lose_node(node_dir: Path, node: int | None) -> str:
     """Emulate losing node `node` (None: every node): its host directory, with every copy on it, is wiped."""
     import shutil
     import torch.distributed as dist
-    node_dir = tier.dir.parent
     if node is None or node_dir.name == f"node-{node}":
         shutil.rmtree(node_dir, ignore_errors=True)
     dist.barrier()
@@ -95,7 +115,7 @@ def _corrupt(tier, how: str) -> str:
 
 
 def restart(trainer: Trainer, ck: SparseCheckpointer, ck_cfg: SparseConfig, host: dict | None = None,
-            fail: dict | None = None) -> tuple[Trainer, SparseCheckpointer, dict]:
+            fail: dict | None = None, wd: CollectiveWatchdog | None = None) -> tuple[Trainer, SparseCheckpointer, dict]:
     """Drop the live state; rebuild from the newest committed window (from the storage tiers if configured,
     else the in-memory one), or cold-start when there is none."""
     committed = ck.committed
@@ -106,22 +126,24 @@ def restart(trainer: Trainer, ck: SparseCheckpointer, ck_cfg: SparseConfig, host
     rep: dict = {}
     fail = fail or {}
     if host:
+        if ck.tier_writer is not None and ck.tier_writer.uploader is not None:
+            ck.tier_writer.uploader.flush(30)  # the test waits for the store to catch up, training never does
+        # Nodes are lost before the restarted job opens its tiers (and takes the run lock), as in reality.
+        if fail.get("lose_node") is not None:
+            rep["lost"] = _lose_node(_node_dir(trainer, host), fail["lose_node"])
+        if fail.get("lose_all_hosts"):
+            rep["lost"] = _lose_node(_node_dir(trainer, host), None)
         tier, replicator, store = _tiers(trainer, host)
         if fail.get("corrupt"):
             import torch.distributed as dist
             rep["corrupted"] = _corrupt(tier, fail["corrupt"]) if trainer.rank == 0 else None
             dist.barrier()
-        if fail.get("lose_node") is not None:
-            rep["lost"] = _lose_node(tier, fail["lose_node"])
-        if fail.get("lose_all_hosts"):
-            rep["lost"] = _lose_node(tier, None)
-        if store is not None:
-            ck.tier_writer.uploader.flush(30)  # the test waits for the store to catch up, training never does
     del trainer
     t0 = time.perf_counter()
     fresh = Trainer(cfg, init_seed=cfg.seed + 7777)  # another init: what recovery forgets shows as a mismatch
     if host:
-        res = recover(fresh, Tiers(tier, replicator, store), ck.op_by_name, fresh.compute_dtype, fresh.rank)
+        res = recover(fresh, Tiers(tier, replicator, store), ck.op_by_name, fresh.compute_dtype, fresh.rank,
+                      identity=ck.identity, watchdog=wd)
         committed = res.window
         rep.update(res.report)
     elif committed is not None:
@@ -132,16 +154,23 @@ def restart(trainer: Trainer, ck: SparseCheckpointer, ck_cfg: SparseConfig, host
     rep["restart_seconds"] = time.perf_counter() - t0
     tier, replicator, store = _tiers(fresh, host)
     new_ck = SparseCheckpointer(fresh.model, fresh.optimizer, fresh.compute_dtype, ck_cfg, committed=committed,
-                                host_tier=tier, replicator=replicator, store=store).inherit_counters(ck)
+                                host_tier=tier, replicator=replicator, store=store,
+                                identity=run_identity(fresh, host)).inherit_counters(ck)
     return fresh, new_ck.attach(fresh), rep
 
 
-def resume_from_host_tier(trainer: Trainer, host: dict):
+def resume_from_host_tier(trainer: Trainer, host: dict, wd: CollectiveWatchdog | None = None):
     """Process start: recover from the newest window every rank can get from the tiers, if any."""
     t0 = time.perf_counter()
     ops = {o.name: o for o in discover_operators(trainer.model)}
     fresh = Trainer(trainer.cfg, init_seed=trainer.cfg.seed + 7777)
-    res = recover(fresh, _tiers(trainer, host), ops, fresh.compute_dtype, fresh.rank)
+    try:
+        res = recover(fresh, _tiers(trainer, host), ops, fresh.compute_dtype, fresh.rank,
+                      identity=run_identity(trainer, host), watchdog=wd)
+    except IdentityMismatch as exc:  # windows of another run under this run id: one line, no traceback
+        log.error("event=refused rank=%d: %s", trainer.rank, exc)
+        sys.stderr.flush()
+        os._exit(2)
     if res.window is None:
         return trainer, None, None  # nothing to recover from: a fresh start from the deterministic init
     return fresh, res.window, dict(res.report, restart_seconds=time.perf_counter() - t0)
@@ -171,6 +200,9 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
     recoveries: list[dict] = []
     committed = None
     use_jit, jit_rep = _check_jit(spec), None
+    # Recovery (fetch, agreement, replay) is watched like training: a rank frozen in replay ends the job.
+    wd = CollectiveWatchdog(spec.get("watchdog_timeout_s"), rank=trainer.rank,
+                            events_path=spec.get("watchdog_events"))
     if use_jit and host and spec.get("resume"):
         from torchmoe_ckpt.jit import resume as jit_resume
         # A copy is loaded into a trainer with other initial weights: anything it fails to restore shows.
@@ -179,23 +211,21 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
         if jit_rep is not None:
             recoveries.append(dict(jit_rep, attempt=attempt))
     if host and spec.get("resume") and jit_rep is None:
-        trainer, committed, rep = resume_from_host_tier(trainer, host)
+        trainer, committed, rep = resume_from_host_tier(trainer, host, wd)
         if rep is None:  # no window anywhere: say what this run starts from
             src = (f"dense export {spec['initial_load']['uri']} (step {trainer.step})" if spec.get("initial_load")
                    else "the initialisation")
-            log.warning("event=cold_start rank=%d attempt=%d from=%r: no committed window in any tier", trainer.rank,
-                        attempt, src)
+            log.warning("event=cold_start rank=%d attempt=%d run=%s from=%r: no committed window in any tier: a new run "
+                        "starts", trainer.rank, attempt, TierConfig.from_dict(host).resolved_run_id(), src)
             rep = {"cold_start": src, "recovered_step": trainer.step} if attempt > 0 or spec.get("initial_load") else None
         if rep is not None:
             recoveries.append(dict(rep, attempt=attempt))
     tier, replicator, store = _tiers(trainer, host)
     # After a JIT resume, new windows must sort after the ones already on the tiers.
     ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, ck_cfg, committed=committed,
-                            host_tier=tier, replicator=replicator, store=store,
+                            host_tier=tier, replicator=replicator, store=store, identity=run_identity(trainer, host),
                             first_window_id=None if jit_rep is None else jit_rep["next_window_id"]).attach(trainer)
     step_seconds: list[float] = []
-    wd = CollectiveWatchdog(spec.get("watchdog_timeout_s"), rank=trainer.rank,
-                            events_path=spec.get("watchdog_events"))
     jit = None
     if use_jit:
         from torchmoe_ckpt.jit import JitCheckpointer
@@ -241,7 +271,7 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
             inflight_id = inflight.id if inflight is not None else None
             if isinstance(exc, SimulatedCopyFault) and inflight is not None:
                 position -= 1  # the torn slot was never captured
-            trainer, ck, rep = restart(trainer, ck, ck_cfg, host, fail)
+            trainer, ck, rep = restart(trainer, ck, ck_cfg, host, fail, wd)
             if jit is not None:
                 jit.set_trainer(trainer)
             rep.update(failed_at=nxt, error=str(exc), slot_position=position, inflight_window_id=inflight_id)

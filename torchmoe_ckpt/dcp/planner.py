@@ -13,6 +13,7 @@ plain full-size tensors: regions no chunk covers are left untouched.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import zlib
 
 import torch
@@ -139,3 +140,9 @@ def verify_items(slot: Slot, metadata: Metadata) -> list[str]:
         if name not in sums or sums[name] != item_crc32(it.buffer):
             bad.append(name)
     return bad
+
+
+def slot_info(metadata_bytes: bytes) -> dict:
+    """The planner info (window, slot, step, run, plan, checksums) of a slot's pickled DCP `.metadata`."""
+    md = pickle.loads(metadata_bytes)
+    return (getattr(md, "planner_data", None) or {}).get(PLANNER_KEY) or {}

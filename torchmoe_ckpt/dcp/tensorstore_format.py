@@ -402,7 +402,8 @@ class TensorstoreTier:
         rp.write_bytes(replay)
         files[str(rp.relative_to(wdir))] = file_entry(rp)
         m = meta["manifest"]
-        man = WindowManifest(m["window_id"], m["start_step"], m["window"], m["world_size"], m["plan"], files, m["extra"])
+        # The store's copy of the manifest (identity, slot records) with the files just written here.
+        man = WindowManifest.from_dict(dict(m, files={k: {"bytes": v.bytes, "crc32": v.crc32} for k, v in files.items()}))
         tmp = wdir / (rank_manifest_name(self.rank) + ".tmp")
         tmp.write_text(man.to_json())
         tmp.rename(wdir / rank_manifest_name(self.rank))

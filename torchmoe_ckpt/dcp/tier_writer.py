@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import logging
 import queue
+import shutil
 import threading
 import time
 
 from ..snapshot import Slot
 from .host_tier import HostTier
+from .manifest import rank_manifest_name
+from .tier_health import TierHealth
 from .uploader import Uploader
 
 log = logging.getLogger("torchmoe_ckpt.host_tier")
 MAX_UPLOAD_BACKLOG = 4  # windows kept in host memory for a slow or unreachable object store
+DEFAULT_STALL = (50, "warn")  # TierConfig's defaults, for a HostTier built without build_tiers
 
 
 class TierWriter:
@@ -21,6 +25,11 @@ class TierWriter:
 
     def __init__(self, tier: HostTier, replicator=None, store=None):
         self.tier = tier
+        # A tier that cannot write is a visible state (tier_health.py); build_tiers sets the stall policy.
+        stall_iterations, on_stall = getattr(tier, "stall_policy", None) or DEFAULT_STALL
+        self.health = TierHealth("host", tier.rank, stall_iterations, on_stall)
+        self._failed: set[int] = set()     # windows with a failed or skipped write: never committed here
+        self._attempted: set[int] = set()  # windows whose writing started
         # Uploads each committed window to the object store (object_tier / tensorstore_format) in the background.
         self.uploader = Uploader(store, tier) if store is not None else None
         self.replicator = replicator  # peer_tier.PeerReplicator: pushes each committed window to peers
@@ -36,7 +45,18 @@ class TierWriter:
 
     def stats(self) -> dict:
         return {"windows_persisted": len(self.persisted), "bytes_written": self.bytes_written,
-                "lag_seconds_max": max(self.lag_seconds, default=0.0), "errors": self.errors}
+                "lag_seconds_max": max(self.lag_seconds, default=0.0), "errors": self.errors[-5:],
+                "health": self.health.stats(), "last_durable_window": self.health.stats()["last_durable_window"]}
+
+    def summary(self) -> str:
+        """One line for the exit summary: the last durable window and the tier's state."""
+        h = self.health.stats()
+        last = h["last_durable_window"]
+        text = (f"last durable window {last['window_id']} (step {last['last_step']})" if last else
+                "no window persisted")
+        bad = f"; {h['failed_writes']} failed write(s), now {h['state']}" if h["failed_writes"] else ""
+        return f"host tier {self.tier.dir} rank {self.tier.rank}: {text}{bad}" + (
+            f" ({h['reason']})" if h["state"] != "ok" else "")
 
     def replication_stats(self) -> dict | None:
         rep = self.replicator
@@ -51,6 +71,8 @@ class TierWriter:
                 "replication_lag_s": [round(x, 4) for x in self.replication_lag_seconds]}
 
     def slot(self, window_id: int, slot: Slot, info: dict) -> None:
+        if "start_step" in info and "slot" in info:  # the training thread: the stall policy may end the job here
+            self.health.check_stall(info["start_step"] + info["slot"])
         self.jobs.put(("slot", window_id, slot, info))
 
     def commit(self, window, extra: dict, keep_from: int) -> None:
@@ -70,6 +92,7 @@ class TierWriter:
         self.jobs.put(None)  # not joined: a job blocked on a peer that "died" must not block the restart
 
     _dead = False
+    _man = None  # the manifest of the window just committed (handed to the peers)
 
     def _run(self) -> None:
         while True:
@@ -80,17 +103,14 @@ class TierWriter:
                 continue
             try:
                 if job[0] == "slot":
-                    _, wid, slot, info = job
-                    slot.done.wait()
-                    if slot.complete:  # a torn copy is never persisted
-                        self.bytes_written += self.tier.write_slot(wid, slot, dict(info, step=slot.step))
+                    self._write_slot(*job[1:])
                 elif job[0] == "commit":
                     _, win, extra, keep, t0 = job
-                    man = self.tier.write_commit(win.id, win.start_step, win.plan, win.log, extra)
-                    self.persisted.add(win.id)
+                    if not self._write_commit(win, extra):
+                        continue
                     self.lag_seconds.append(time.perf_counter() - t0)
                     if self.replicator is not None:
-                        self.replicator.push(win.id, man)
+                        self.replicator.push(win.id, self._man)
                         self.replicated.add(win.id)
                         self.replication_lag_seconds.append(time.perf_counter() - t0)
                     if self.uploader is not None:
@@ -102,6 +122,54 @@ class TierWriter:
                 else:
                     job[1].set()
             except BaseException as exc:  # DCP's CheckpointException is a BaseException
-                # Keep training; the window simply never becomes visible on this tier.
+                # Keep training; peers / the store / retention failing must not stop the writer thread.
                 log.warning("host tier write failed: %s", exc)
                 self.errors.append(str(exc))
+
+    def _write_slot(self, wid: int, slot: Slot, info: dict) -> None:
+        slot.done.wait()
+        if wid in self._failed or not slot.complete:  # a torn copy is never persisted
+            return
+        if wid not in self._attempted:  # a window's first slot: back off after failures
+            if not self.health.try_window():
+                self._failed.add(wid)
+                return
+            self._attempted.add(wid)
+        try:
+            self.bytes_written += self.tier.write_slot(wid, slot, dict(info, step=slot.step))
+        except BaseException as exc:  # ENOSPC, EACCES, DCP's CheckpointException (a BaseException)
+            self._give_up(wid, f"window {wid} slot {slot.index}", exc)
+
+    def _write_commit(self, win, extra: dict) -> bool:
+        """Commit a window whose every slot was written; False when it cannot be (then nothing of it is left)."""
+        self._attempted.discard(win.id)
+        if win.id in self._failed:
+            self._failed.discard(win.id)
+            return False
+        try:
+            self._man = self.tier.write_commit(win.id, win.start_step, win.plan, win.log, extra)
+        except BaseException as exc:
+            self._give_up(win.id, f"window {win.id} commit", exc)
+            self._failed.discard(win.id)
+            return False
+        self.persisted.add(win.id)
+        self.health.succeeded(win.id, win.start_step + win.plan.window - 1)
+        return True
+
+    def _give_up(self, wid: int, what: str, exc: BaseException) -> None:
+        self._failed.add(wid)
+        self.errors.append(f"{what}: {exc}"[:300])
+        self.health.failed(what, exc)
+        remove_rank_files(self.tier, wid)
+
+
+def remove_rank_files(tier: HostTier, wid: int) -> None:
+    """Remove this rank's part of a window whose write failed, so nothing torn is left (and space comes back)."""
+    wdir = tier.window_dir(wid)
+    (wdir / rank_manifest_name(tier.rank)).unlink(missing_ok=True)
+    (wdir / (rank_manifest_name(tier.rank) + ".tmp")).unlink(missing_ok=True)
+    for slot_dir in wdir.glob("slot-*"):
+        shutil.rmtree(slot_dir / f"rank-{tier.rank:05d}", ignore_errors=True)
+    (wdir / "replay" / f"rank-{tier.rank:05d}.pt").unlink(missing_ok=True)
+    if wdir.exists() and not any(p.is_file() for p in wdir.rglob("*")):
+        shutil.rmtree(wdir, ignore_errors=True)

@@ -8,6 +8,7 @@ Each node gets its own host directory `<root>/node-N/` -- on one machine this em
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -16,10 +17,14 @@ import torch
 import torch.distributed as dist
 
 from ..config import TierConfig
+from ..identity import RunIdentity
 from ..placement import Topology, place_replicas
-from .host_tier import HostTier
+from . import run_lock
+from .host_tier import CorruptCopyError, HostTier
 from .object_tier import make_store
 from .peer_tier import PeerReplicator
+
+log = logging.getLogger("torchmoe_ckpt.tiers")
 
 
 def node_of(rank: int, ranks_per_node: int) -> int:
@@ -41,6 +46,8 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
     rpn = int(cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", world))
     run_id = cfg.resolved_run_id()
     tier = HostTier(Path(cfg.root) / f"node-{node_of(rank, rpn)}", run_id, rank, world)
+    run_lock.acquire(tier.dir, leader=rank % rpn == 0, world=world)  # one job per run directory (run_lock.py)
+    tier.stall_policy = (cfg.stall_iterations, cfg.on_stall)  # read by its TierWriter (tier_health.py)
     store = None
     if cfg.object_store is not None:
         o = cfg.object_store
@@ -52,16 +59,23 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
     return Tiers(tier, PeerReplicator(tier, placement, group), store)
 
 
-def recover_from_tiers(tier: HostTier, replicator, ops: dict, compute_dtype: torch.dtype, rounds: int = 3,
-                       store=None):
-    """Agree on the newest window every rank can get (its own verified copy, or a peer's), pull the missing
-    copies from peers, check that every rank now has a verified copy, and load this rank's. A window that
-    fails after the pull is excluded and the next newest is tried. Returns (Window or None, report).
+def recover_from_tiers(tier: HostTier, replicator, ops: dict, compute_dtype: torch.dtype, rounds: int | None = None,
+                       store=None, identity: RunIdentity | None = None, use=None):
+    """Agree on the newest window every rank can get (its own checked copy, or a peer's), pull the missing
+    copies from peers, load this rank's and hand it to `use(window)` (the replay). Any failure on any rank
+    while fetching, checking, loading or using a window (every exception but a process exit) excludes that
+    window on every rank and the next newest is tried, host and peers first, then the object store, until
+    one works or none is left. `identity`: windows of another run are rejected. Returns (Window or None,
+    report); report["rejected"] says, per rank, which windows were rejected and why, and report["outcome"]
+    is "recovered", "no window" (none anywhere) or "no usable window" (some existed, all rejected).
     Collective."""
-    report: dict = {"unusable_copies": {w: p[0] for w in tier.window_ids() if (p := tier.verify(w))}}
+    report: dict = {"unusable_copies": {}, "rejected": {}}
+    for w in tier.window_ids():
+        if p := tier.check(w, identity):
+            report["unusable_copies"][w] = p[0]
     excluded: set[int] = set()
-    for _ in range(rounds):
-        local = [w for w in tier.window_ids() if not tier.verify(w)]
+    for _ in range(rounds or 1 << 30):
+        local = [w for w in tier.window_ids() if w not in excluded and w not in report["unusable_copies"]]
         held = replicator.holdings() if replicator is not None else {}
         everyone = all_gather_objects((local, held))
         world = len(everyone)
@@ -69,34 +83,97 @@ def recover_from_tiers(tier: HostTier, replicator, ops: dict, compute_dtype: tor
                  for r in range(world)]
         common = set.intersection(*avail)
         if not common:
-            return _from_store(tier, store, ops, compute_dtype, report)
+            break
         wid = max(common)
         needers = {r: min(h for h in range(world) if wid in everyone[h][1].get(r, ()))
                    for r in range(world) if wid not in everyone[r][0]}
-        if needers:
-            replicator.pull(wid, needers)
-        problems = tier.verify(wid)
-        if not any(all_gather_objects(bool(problems))):
-            src = f"peer {needers[tier.rank]}" if tier.rank in needers else "host"
+        src = f"peer {needers[tier.rank]}" if tier.rank in needers else "host"
+        window = _attempt(wid, report, lambda: _pull_and_load(tier, replicator, wid, needers, ops, compute_dtype,
+                                                              identity), use)
+        if window is not None:
             report.update(source=src, pulled_from_peers={str(k): v for k, v in needers.items()})
-            return tier.load_window(wid, ops, compute_dtype), report
-        report.setdefault("failed_pulls", {})[wid] = problems[:1]
+            return window, _outcome(report)
         excluded.add(wid)
-    return _from_store(tier, store, ops, compute_dtype, report)
+    return _from_store(tier, store, ops, compute_dtype, report, identity, use, excluded)
 
 
-def _from_store(tier: HostTier, store, ops: dict, compute_dtype: torch.dtype, report: dict):
-    """Last tier: the newest window every rank has in the object store, downloaded and verified."""
+def _pull_and_load(tier: HostTier, replicator, wid: int, needers: dict, ops, compute_dtype, identity):
+    if needers:
+        replicator.pull(wid, needers)
+    return tier.load_window(wid, ops, compute_dtype, identity)
+
+
+def _attempt(wid: int, report: dict, fetch, use):
+    """Fetch + load `wid` on this rank, agree, then `use` it, agree again: the window, or None when any rank
+    failed (the reasons are in report["rejected"][wid], per rank)."""
+    window, why = None, None
+    try:
+        window = fetch()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        why = _reason(exc)
+    if not _agree(wid, why, report, "load"):
+        return None
+    if use is not None:
+        try:
+            use(window)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:
+            why = _reason(exc)
+        if not _agree(wid, why, report, "replay"):
+            return None
+    return window
+
+
+def _agree(wid: int, why: str | None, report: dict, phase: str) -> bool:
+    reasons = all_gather_objects(why)
+    bad = {str(r): f"{phase}: {w}" for r, w in enumerate(reasons) if w is not None}
+    if bad:
+        report["rejected"].setdefault(wid, {}).update(bad)
+        log.warning("event=window_rejected window=%d %s: trying the next newest window", wid,
+                    " ".join(f"rank{r}={w!r}" for r, w in bad.items()))
+    return not bad
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+def _outcome(report: dict) -> dict:
+    if report.get("source"):
+        report["outcome"] = "recovered"
+    else:
+        report["outcome"] = "no usable window" if report["rejected"] or report["unusable_copies"] else "no window"
+    return report
+
+
+def _from_store(tier: HostTier, store, ops: dict, compute_dtype: torch.dtype, report: dict,
+                identity: RunIdentity | None = None, use=None, excluded: set[int] = frozenset()):
+    """Last tier: the newest window every rank has in the object store, downloaded and checked."""
     if store is None:
-        return None, dict(report, source=None)
-    listed = all_gather_objects(store.window_ids())
-    candidates = sorted(set.intersection(*map(set, listed)), reverse=True)
+        return None, _outcome(dict(report, source=None))
+    try:
+        mine, why = store.window_ids(), None
+    except Exception as exc:  # a store that cannot be listed is a tier without windows, said in the report
+        mine, why = [], _reason(exc)
+    listed = all_gather_objects(mine)
+    if why is not None:
+        report["store_unreachable"] = why
+    candidates = sorted(set.intersection(*map(set, listed)) - set(excluded), reverse=True)
     for wid in candidates:
-        problems = store.download(wid, tier)
-        if not any(all_gather_objects(bool(problems))):
-            return tier.load_window(wid, ops, compute_dtype), dict(report, source="object store")
-        report.setdefault("failed_downloads", {})[wid] = problems[:1]
-    return None, dict(report, source=None)
+        def fetch(wid=wid):
+            problems = store.download(wid, tier)
+            if problems:
+                raise CorruptCopyError(f"object store copy of window {wid}: {problems[0]}")
+            return tier.load_window(wid, ops, compute_dtype, identity)
+        window = _attempt(wid, report, fetch, use)
+        if window is not None:
+            return window, _outcome(dict(report, source="object store"))
+        report.setdefault("failed_downloads", {})[wid] = next(iter(report["rejected"].get(wid, {}).values()), None)
+    return None, _outcome(dict(report, source=None))
 
 
 def all_gather_objects(obj) -> list:

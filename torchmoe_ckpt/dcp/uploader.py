@@ -10,6 +10,8 @@ import threading
 import time
 from typing import Protocol
 
+from .tier_health import TierHealth
+
 
 class WindowStore(Protocol):
     """An object-store tier as the uploader sees it."""
@@ -30,13 +32,14 @@ class Uploader:
         self.lag_seconds: list[float] = []
         self.bytes = 0
         self.errors: list[str] = []
+        self.health = TierHealth("object store", getattr(tier, "rank", 0))  # a store that is down is visible
         self._pending: list = []
         self._lock = threading.Condition()
         threading.Thread(target=self._run, name="tmoe-upload", daemon=True).start()
 
     def stats(self) -> dict:
         return {"windows_uploaded": len(self.uploaded), "last_window": self.uploaded[-1] if self.uploaded else None,
-                "bytes": self.bytes, "dropped": self.dropped,
+                "bytes": self.bytes, "dropped": self.dropped, "health": self.health.stats(),
                 "upload_lag_s_max": max(self.lag_seconds, default=0.0), "errors": self.errors[-3:],
                 "upload_lag_s": [round(x, 4) for x in self.lag_seconds]}
 
@@ -77,13 +80,15 @@ class Uploader:
                     self.store.apply_retention()
                     self.uploaded.append(wid)
                     self.lag_seconds.append(time.perf_counter() - t0)
+                    self.health.succeeded(wid)
                     break
                 except FileNotFoundError as exc:  # the local window was collected meanwhile: nothing to upload
                     self.errors.append(str(exc))
                     break
                 except Exception as exc:
                     self.errors.append(str(exc)[:200])
-                    time.sleep(1.0)
+                    self.health.failed(f"upload of window {wid}", exc)  # warns once, then backs off (capped)
+                    time.sleep(self.health.retry_delay_s)
                     with self._lock:
                         if self._pending:  # a newer window is waiting: it supersedes this one
                             self.dropped += 1

@@ -1,0 +1,149 @@
+"""One writer per run: a lock file in the run's host directory, so a second job on the same run id and
+directory fails at start with one line instead of mixing its windows with the first job's.
+
+    <root>/node-N/<run>/LOCK.json   {"job", "owner", "host", "pid", "pid_start", "worker_pid", "started", ...}
+
+The job is torchrun's agent on this node (`TORCHELASTIC_RUN_ID` plus the agent's pid, the workers' parent:
+the same across restarts of one launch, different for every launch, even when `--rdzv-id` is left at its
+default "none"); without torchrun it is this process. One lock per node directory: the node's local rank 0
+takes it, the other local ranks wait until it names their job. A lock is taken over, and the log says so,
+when it is stale (its job's process is gone from this host, or its pid was recycled) or when it is this
+job's own (a torchrun restart, an in-process restart). `build_tiers` calls `acquire`.
+"""
+from __future__ import annotations
+
+import getpass
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+from ..errors import ConfigError
+
+log = logging.getLogger("torchmoe_ckpt.run_lock")
+LOCK_NAME = "LOCK.json"
+
+
+class RunLockedError(ConfigError):
+    """Another live job holds this run directory; the message names the holder and the fix."""
+
+
+def _pid_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc), to tell a recycled pid from the holder."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    now = _pid_start(pid)
+    return start is None or now is None or now == start
+
+
+def this_job(world: int = 1) -> dict:
+    """Who this process writes for: torchrun's agent on this node (the workers' parent; also the launcher of
+    a multi-process job started otherwise, e.g. mp.spawn), else this process."""
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    pid = os.getppid() if under_torchrun or world > 1 else os.getpid()
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return {"job": f"{run}@{socket.gethostname()}:{pid}", "torchrun_run_id": run if under_torchrun else None,
+            "owner": _user(), "host": socket.gethostname(), "pid": pid, "pid_start": _pid_start(pid),
+            "worker_pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry in some containers
+        return str(os.getuid())
+
+
+def read(run_dir: str | Path) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / LOCK_NAME).read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError:  # torn by a crash mid-write (we write atomically, so only a foreign file): stale
+        return {"job": "unreadable", "host": None, "pid": -1}
+
+
+def _verdict(holder: dict | None, me: dict) -> str:
+    """"free", "mine" (this job's own: a restart), "stale" (its job is gone) or "held"."""
+    if holder is None:
+        return "free"
+    if holder.get("job") == me["job"]:
+        return "mine"
+    if holder.get("job") == "unreadable":
+        return "stale"
+    if holder.get("host") == me["host"] and not _alive(int(holder.get("pid", -1)), holder.get("pid_start")):
+        return "stale"
+    return "held"
+
+
+def _refuse(run_dir: Path, holder: dict) -> RunLockedError:
+    return RunLockedError(
+        f"run directory {run_dir} is in use by another job (torchrun run id {holder.get('torchrun_run_id')}, "
+        f"pid {holder.get('pid')} on host {holder.get('host')}, owner {holder.get('owner')}, started "
+        f"{holder.get('started')}): two jobs on one run would mix their windows; give this job another run_id "
+        f"(TierConfig.run_id) or root, or stop that job (if it is gone, delete {run_dir / LOCK_NAME})")
+
+
+def _write(run_dir: Path, me: dict, exclusive: bool) -> bool:
+    """Write the lock atomically: a fresh lock by link (fails if one appeared meanwhile), a takeover by rename."""
+    tmp = run_dir / f".{LOCK_NAME}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(me, indent=1))
+    try:
+        if exclusive:
+            os.link(tmp, run_dir / LOCK_NAME)
+        else:
+            os.replace(tmp, run_dir / LOCK_NAME)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def acquire(run_dir: str | Path, leader: bool, world: int = 1, wait_s: float = 60.0) -> dict:
+    """Take (leader: this node's local rank 0) or join (the other local ranks) the run's lock. Returns the
+    lock's content; raises `RunLockedError` (one line: holder and fix) when another live job holds it."""
+    run_dir, me = Path(run_dir), this_job(world)
+    deadline = time.monotonic() + wait_s
+    while True:
+        holder = read(run_dir)
+        verdict = _verdict(holder, me)
+        if verdict == "held":
+            raise _refuse(run_dir, holder)
+        if not leader:  # wait for this node's local rank 0 to take it for this job
+            if verdict == "mine":
+                return holder
+            if time.monotonic() > deadline:
+                raise RunLockedError(f"run directory {run_dir}: this node's local rank 0 did not take the run lock "
+                                     f"within {wait_s:.0f} s (it holds {holder}); check that rank's log")
+            time.sleep(0.05)
+            continue
+        if verdict == "free" and not _write(run_dir, me, exclusive=True):
+            continue  # another job created it between our read and link: judge that one
+        if verdict == "stale":
+            log.warning("event=run_lock_takeover run_dir=%s reason=stale: the holder (pid %s on host %s, run id %s, "
+                        "started %s) is gone", run_dir, holder.get("pid"), holder.get("host"),
+                        holder.get("torchrun_run_id"), holder.get("started"))
+        elif verdict == "mine" and holder.get("worker_pid") != me["worker_pid"]:
+            log.warning("event=run_lock_takeover run_dir=%s reason=restart: same job (run id %s), attempt %d",
+                        run_dir, me["torchrun_run_id"], me["attempt"])
+        if verdict in ("stale", "mine"):
+            _write(run_dir, me, exclusive=False)
+        got = read(run_dir)
+        if got is not None and got.get("job") == me["job"]:
+            return got
+        # a concurrent job replaced our takeover: loop and judge it (refused while it lives)

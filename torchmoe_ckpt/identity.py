@@ -1,0 +1,191 @@
+"""Run identity: what makes a checkpointed state belong to one training run.
+
+A window is loaded only into the run that wrote it. The identity is the explicit run id plus a fingerprint
+(SHA-256 of a canonical JSON) of its parts: operator names, every model tensor's name, global shape and
+dtype, the expert count of every MoE block, the optimizer kind and the hyper-parameters that shape its state
+(betas, eps, weight_decay, amsgrad, ...; not the LR, which a schedule changes anyway), the compute dtype,
+the world size and mesh layout (HSDP replicate degree), and a data/seed identity when the caller gives one.
+The parts are kept next to the fingerprint in every manifest, so a mismatch is *named*
+("expert count 4 != 8 in layers.0.moe", "world size 2 != 4") instead of surfacing later as a bad load.
+
+What may legitimately change between attempts is not in the fingerprint: more steps, another LR or LR
+schedule (`free` parts: recorded and reported in the log when they changed, never refused).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .errors import ConfigError
+
+__all__ = ["RunIdentity", "IdentityMismatch", "build_identity", "identity_mismatch", "allowed_changes",
+           "mesh_replicate"]
+
+# Optimizer param-group keys that do not shape the state (the LR is scheduled; the rest are kernel choices).
+_NOT_STATE = frozenset({"params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable", "name"})
+
+
+class IdentityMismatch(ConfigError):
+    """Windows exist for this run id but were written by another run (other model, optimizer, dtype, world
+    size or data): refused with one line naming the difference and the fix."""
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    run_id: str | None
+    parts: dict                                    # what the fingerprint covers (JSON-able)
+    free: dict = field(default_factory=dict)       # recorded, allowed to change: LRs, planned steps
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(_canonical(dict(self.parts, run_id=self.run_id)).encode()).hexdigest()
+
+    def to_dict(self) -> dict:
+        return {"run_id": self.run_id, "fingerprint": self.fingerprint, "parts": self.parts, "free": self.free}
+
+    @staticmethod
+    def from_dict(d: dict) -> "RunIdentity":
+        return RunIdentity(d.get("run_id"), json.loads(_canonical(d.get("parts") or {})), dict(d.get("free") or {}))
+
+    def with_run_id(self, run_id: str | None) -> "RunIdentity":
+        return RunIdentity(run_id, self.parts, self.free)
+
+
+def _canonical(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def mesh_replicate(model: nn.Module) -> int:
+    """The replicate degree of an HSDP mesh (1 for FSDP2 or no sharding)."""
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.device_mesh.ndim == 2:
+            return p.device_mesh.size(0)
+    return 1
+
+
+def _optimizers(optimizer) -> list:
+    # TorchTitan's container (and its view) hold one optimizer per model part.
+    inner = getattr(optimizer, "optimizers", None)
+    return list(inner) if inner is not None else [optimizer]
+
+
+def _hyper(group: dict) -> dict:
+    out = {}
+    for k, v in sorted(group.items()):
+        if k in _NOT_STATE or torch.is_tensor(v):
+            continue
+        if isinstance(v, (bool, int, float, str)) or v is None:
+            out[k] = v
+        elif isinstance(v, (tuple, list)) and all(isinstance(x, (bool, int, float)) for x in v):
+            out[k] = list(v)
+    return out
+
+
+def build_identity(model: nn.Module, optimizer, compute_dtype: torch.dtype, ops, run_id: str | None = None,
+                   world_size: int = 1, hsdp_replicate: int | None = None, data: str | None = None,
+                   steps: int | None = None) -> RunIdentity:
+    """The identity of a run from what it trains. `ops`: the model's operators (list or name -> Operator);
+    `data`: an identity of the data order / seed when the caller has one (part of the fingerprint);
+    `steps`: the planned number of iterations (free: may grow between attempts)."""
+    op_list = list(ops.values()) if isinstance(ops, dict) else list(ops)
+    experts: dict[str, int] = {}
+    for o in op_list:
+        if o.kind == "expert":
+            experts[o.moe or ""] = experts.get(o.moe or "", 0) + 1
+    tensors = {n: [list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in model.named_parameters()}
+    opts = _optimizers(optimizer)
+    parts = {
+        "world_size": int(world_size),
+        "hsdp_replicate": int(hsdp_replicate if hsdp_replicate is not None else mesh_replicate(model)),
+        "compute_dtype": str(compute_dtype).replace("torch.", ""),
+        "experts": experts,
+        "operators": [o.name for o in op_list],
+        "tensors": tensors,
+        "optimizer": [type(o).__name__ for o in opts],
+        "optimizer_hyper": [_hyper(g) for o in opts for g in o.param_groups],
+        "data": data,
+    }
+    # The base LR (a scheduler's initial_lr): the current LR depends on where the schedule is.
+    lrs = [g.get("initial_lr", g.get("lr")) for o in opts for g in o.param_groups]
+    free = {"lrs": [float(x) for x in lrs if isinstance(x, (int, float))], "steps": steps}
+    return RunIdentity(run_id, json.loads(_canonical(parts)), free)
+
+
+def _short(v) -> str:
+    if isinstance(v, list) and all(not isinstance(x, (list, dict)) for x in v):
+        return "(" + ", ".join(str(x) for x in v) + ")"
+    s = json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else str(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def _diff(found: dict, want: dict) -> str | None:
+    """The first difference between two identities' parts, in words (found != expected)."""
+    simple = [("world_size", "world size"), ("hsdp_replicate", "HSDP replicate degree"), ("compute_dtype", "dtype"),
+              ("data", "data/seed identity"), ("optimizer", "optimizer")]
+    for key, name in simple:
+        if found.get(key) != want.get(key):
+            return f"{name} {_short(found.get(key))} != {_short(want.get(key))}"
+    fe, we = found.get("experts") or {}, want.get("experts") or {}
+    for moe in sorted(set(fe) | set(we)):
+        if fe.get(moe) != we.get(moe):
+            return f"expert count {fe.get(moe, 0)} != {we.get(moe, 0)} in {moe or 'the model'}"
+    ft, wt = found.get("tensors") or {}, want.get("tensors") or {}
+    for name in sorted(set(ft) | set(wt)):
+        if name not in wt:
+            return f"tensor {name} is not in this model"
+        if name not in ft:
+            return f"tensor {name} of this model is not in the window"
+        if ft[name][0] != wt[name][0]:
+            return f"shape of {name} {_short(ft[name][0])} != {_short(wt[name][0])}"
+        if ft[name][1] != wt[name][1]:
+            return f"dtype of {name} {ft[name][1]} != {wt[name][1]}"
+    if found.get("operators") != want.get("operators"):
+        return "operator names differ"
+    fh, wh = found.get("optimizer_hyper") or [], want.get("optimizer_hyper") or []
+    if len(fh) != len(wh):
+        return f"optimizer param groups {len(fh)} != {len(wh)}"
+    for i, (a, b) in enumerate(zip(fh, wh)):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                where = f" (param group {i})" if len(fh) > 1 else ""
+                return f"optimizer {k} {_short(a.get(k))} != {_short(b.get(k))}{where}"
+    for k in sorted(set(found) | set(want)):
+        if found.get(k) != want.get(k):
+            return f"{k} {_short(found.get(k))} != {_short(want.get(k))}"
+    return None
+
+
+def identity_mismatch(found: dict | None, expected: RunIdentity) -> str | None:
+    """Why a window written with identity `found` (a manifest's dict) is not `expected`'s; None = same run.
+    The words read "window value != this run's value"."""
+    if not found:
+        return "the window records no run identity (written by another version or tool)"
+    if found.get("run_id") != expected.run_id:
+        return f"run id {found.get('run_id')!r} != {expected.run_id!r}"
+    parts = found.get("parts") or {}
+    if found.get("fingerprint") == expected.fingerprint and RunIdentity.from_dict(found).fingerprint == found.get(
+            "fingerprint"):
+        return None
+    return _diff(parts, expected.parts) or "run fingerprint differs"
+
+
+def allowed_changes(found: dict | None, expected: RunIdentity) -> list[str]:
+    """What changed between the window's run and this attempt that is allowed (said in the log)."""
+    was = (found or {}).get("free") or {}
+    out = []
+    if was.get("lrs") is not None and expected.free.get("lrs") is not None and was["lrs"] != expected.free["lrs"]:
+        out.append(f"learning rate {_short(was['lrs'])} -> {_short(expected.free['lrs'])}")
+    if was.get("steps") is not None and expected.free.get("steps") is not None and was["steps"] != expected.free["steps"]:
+        out.append(f"steps {was['steps']} -> {expected.free['steps']}")
+    return out
+
+
+def refusal(run_id: str | None, reason: str) -> str:
+    """The one line that refuses another run's windows, with the fix."""
+    return (f"run id {run_id!r} holds windows of another run ({reason} [window != this run]); refusing to load "
+            f"them: start this job with a new run id (or delete that run's windows if they are no longer needed)")
