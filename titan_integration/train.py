@@ -259,11 +259,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import torchtitan.train
 
+    from torchmoe_ckpt import IdentityMismatch, RunLockedError
+
     from titan_integration import pipeline_compat
 
     pipeline_compat.install()
     sys.argv = [sys.argv[0]] + args
-    torchtitan.train.main()
+    try:
+        torchtitan.train.main()
+    except (IdentityMismatch, RunLockedError) as e:  # windows of another run, or another job on this run
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
     if "RANK" in os.environ:
         # Training finished and every result is written. Leave without running interpreter teardown: gloo's
         # C++ threads occasionally abort the process at exit ("terminate called without an active

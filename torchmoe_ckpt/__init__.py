@@ -20,6 +20,7 @@ from .dcp.tier_health import CheckpointStallError
 from .dcp.tiers import Tiers, build_tiers
 from .distributed import init_process_group, restart_attempt
 from .errors import ConfigError, UncapturedStateError
+from .identity import IdentityMismatch, RunIdentity
 from .loop import Checkpointer, StepResult
 from .operators import Operator, OperatorDiscoveryError, OperatorSpec, discover_operators
 from .recovery import RecoveryReport, ReplayDivergence, Replayable, sparse_to_dense
@@ -37,5 +38,5 @@ __all__ = [
     "Tiers", "build_tiers", "Window", "SchedulerPosition", "RouterCounter", "discover_operators", "Operator",
     # errors
     "ConfigError", "UncapturedStateError", "OperatorDiscoveryError", "ReplayDivergence", "RunLockedError",
-    "CheckpointStallError",
+    "CheckpointStallError", "IdentityMismatch", "RunIdentity",
 ]

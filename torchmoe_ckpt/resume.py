@@ -122,12 +122,17 @@ def _params(trainer) -> list:
 
 
 def _snapshot(trainer) -> tuple[list, dict]:
-    """A copy of what a replay changes: parameters, buffers, optimizer state (taken once per recovery)."""
+    """A host-memory copy of what a replay changes: parameters, buffers, optimizer state (taken once per
+    recovery, in host memory so that a GPU run does not need twice its state on the device)."""
     m, o = trainer.model, trainer.optimizer
-    tensors = [t.detach().clone() for t in [*m.parameters(), *m.buffers()]]
-    state = {id(p): {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in o.state[p].items()}
+    tensors = [_host(t) for t in [*m.parameters(), *m.buffers()]]
+    state = {id(p): {k: _host(v) if torch.is_tensor(v) else v for k, v in o.state[p].items()}
              for p in _params(trainer) if p in o.state}
     return tensors, state
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
 
 
 @torch.no_grad()
