@@ -240,14 +240,16 @@ OVERRIDE = "titan_integration.overrides.sparse_checkpoint"
 
 def _override_run(tmp_path_factory, env) -> Path:
     """TorchTitan's stock Trainer (registry config, no job file) with sparse checkpointing switched on by
-    --override.imports, and a dense export at the last step."""
+    --override.imports, and a dense export at the last step. Two keys come as --sparse_checkpoint.* flags,
+    which the launcher merges into the override's JSON."""
     if "fsdp2" not in _OVERRIDE_RUNS:
         d = tmp_path_factory.mktemp("override")
-        kwargs = {"window": WINDOW, "host_dir": str(d / "host"), "run_id": "override", "fault_timeout_s": 60,
-                  "dense_export_uri": f"file://{d / 'dense'}", "dense_export_every": STEPS}
+        kwargs = {"window": WINDOW, "host_dir": str(d / "host"), "fault_timeout_s": 60,
+                  "dense_export_uri": f"file://{d / 'dense'}"}
         args = ["--module", "titan_integration.config_registry", "--config", "deepseek_v3_tiny",
                 "--training.steps", str(STEPS), "--debug.seed", "7", "--debug.deterministic",
-                "--dump_folder", str(d / "dump"), "--override.imports", f"{OVERRIDE}={json.dumps(kwargs)}"]
+                "--dump_folder", str(d / "dump"), "--override.imports", f"{OVERRIDE}={json.dumps(kwargs)}",
+                "--sparse_checkpoint.run_id", "override", "--sparse_checkpoint.dense_export_every", str(STEPS)]
         rc, out = recovery_demo.torchrun(d, env, None, nproc=2, train_args=args, timeout=55)
         assert rc == 0, out[-5000:]
         _OVERRIDE_RUNS["fsdp2"] = d

@@ -13,7 +13,8 @@ TorchTitan 0.3.0 dropped TOML (configs are Python functions). A job file here st
     [lr_scheduler] warmup_steps = 1  decay_ratio = 0.8 ...                             (LRSchedulersContainer.Config)
     [metrics] [debug] [compile] [comm] [dataloader] [profiler] [validator]              (their dataclasses)
     [activation_checkpoint] mode = "none" | "full" | "selective"
-    [sparse_checkpoint]  see titan_integration.sparse_config
+    [sparse_checkpoint]  see titan_integration.sparse_config (``--sparse_checkpoint.KEY VALUE`` flags override it,
+                         see titan_integration.sparse_cli)
 
 Any unknown section or key is a :class:`JobConfigError` naming it and the valid keys. The result is a
 ``SparseTrainer.Config``, so ``config.build()`` gives a :class:`titan_integration.sparse_trainer.SparseTrainer`.
@@ -29,6 +30,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from titan_integration.sparse_cli import env_overrides
 from titan_integration.sparse_config import JobConfigError, SparseCheckpointSection
 
 __all__ = ["read_job", "load_job", "from_toml", "JOB_ENV", "SECTIONS"]
@@ -69,7 +71,12 @@ def check_sections(job: dict[str, Any]) -> None:
 
 
 def sparse_section(job: dict[str, Any]) -> SparseCheckpointSection:
-    return SparseCheckpointSection.from_table(job.get("sparse_checkpoint", {}))
+    """The file's [sparse_checkpoint] with the launcher's ``--sparse_checkpoint.KEY VALUE`` flags over it."""
+    table = job.get("sparse_checkpoint", {})
+    cli = env_overrides(os.environ)
+    if cli and isinstance(table, dict):
+        table = {**table, **cli}
+    return SparseCheckpointSection.from_table(table)
 
 
 def _type_ok(cur: Any, val: Any) -> bool:

@@ -8,7 +8,9 @@
 triton; on CPU its entry point fails at ``import triton`` before any of our code runs, so use our launcher.)
 
 The JSON object holds ``[sparse_checkpoint]`` keys (see :mod:`titan_integration.sparse_config`); ``enable``
-defaults to true here. TorchTitan applies the override inside ``Trainer.__init__`` before it builds the
+defaults to true here. Through our launcher, ``--sparse_checkpoint.KEY VALUE`` flags are merged into it (and the
+entry is added when absent: :mod:`titan_integration.sparse_cli`); the launcher checks the section before
+TorchTitan is imported. TorchTitan applies the override inside ``Trainer.__init__`` before it builds the
 checkpointer: the factory swaps ``CheckpointManager.Config`` for :class:`SparseCheckpointManager.Config`, and
 that manager turns the (stock) Trainer into a :class:`SparseTrainer` as it is built. Caveat: the gloo
 rendezvous keyed by torchrun attempt (``SparseTrainer.init_distributed``) is not in effect on this path,

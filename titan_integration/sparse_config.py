@@ -8,6 +8,7 @@
     run_id = ""                # "" = torchrun's run id (new for every launch); set a name to resume across launches
     object_store_uri = ""      # "" = none; file://, s3://, az://, abfs://, memory://
     storage_options = {}       # passed to fsspec as-is (endpoint_url, key, secret, connection_string ...)
+    object_store_format = "dcp" # on-store format: "dcp" (DCP files) | "tensorstore" (zarr3 + OCDBT; file, memory, s3)
     persist_interval = 1       # persist every window to the storage tiers (only 1 is supported so far)
     ordering = "hard"          # expert popularity: hard | soft | decayed | capacity
     fault_timeout_s = 0        # > 0: a collective that hangs this long ends the rank (torchrun restarts)
@@ -18,15 +19,23 @@
 
 Everything is checked before training starts; a bad value raises :class:`JobConfigError` whose message is
 one line ``... ; fix: ...`` (the launcher prints it as ``error: <message>`` and exits with status 2).
+:meth:`SparseCheckpointSection.check_resources` is what the launcher runs first, before TorchTitan is imported:
+the host directory (created and probe-written), the on-store format (tensorstore importable, a driver for
+the URI) and the object store / dense-export location (opened and probe-written).
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+import uuid
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
-__all__ = ["JobConfigError", "SparseCheckpointSection", "ORDERINGS"]
+__all__ = ["JobConfigError", "SparseCheckpointSection", "ORDERINGS", "STORE_FORMATS"]
 
 ORDERINGS = ("hard", "soft", "decayed", "capacity")
+STORE_FORMATS = ("dcp", "tensorstore")  # torchmoe_ckpt.config.ObjectStoreConfig.format
 
 
 class JobConfigError(ValueError):
@@ -42,6 +51,7 @@ class SparseCheckpointSection:
     run_id: str = ""              # "": derived from torchrun's TORCHELASTIC_RUN_ID (never shared between jobs)
     object_store_uri: str = ""
     storage_options: dict[str, Any] = field(default_factory=dict)
+    object_store_format: str = "dcp"
     persist_interval: int = 1
     ordering: str = "hard"
     fault_timeout_s: float = 0.0
@@ -112,6 +122,49 @@ class SparseCheckpointSection:
         if self.storage_options and not (self.object_store_uri or self.dense_export_uri):
             raise JobConfigError(f"[{section}] storage_options is set but object_store_uri is empty; "
                                  "fix: set object_store_uri or remove storage_options")
+        if self.object_store_format not in STORE_FORMATS:
+            raise bad("object_store_format", "unknown format", f"use one of {', '.join(STORE_FORMATS)}")
+        if self.object_store_format != "dcp" and not self.object_store_uri:
+            raise bad("object_store_format", "is set but object_store_uri is empty",
+                      'set object_store_uri or remove object_store_format')
+
+    # ---- launch-time checks (touch the file system / the store) -------------------------------------------
+    def check_resources(self, probe: bool = True) -> None:
+        """Everything a run needs from outside, checked in the launcher's first seconds (one line each)."""
+        if self.enable:
+            self.check_host_dir()
+        self.check_format()
+        self.check_store(probe=probe)
+
+    def check_host_dir(self) -> None:
+        """The host directory exists (created if missing) and takes a file; else raw FileNotFoundError /
+        NotADirectoryError / PermissionError would come from the host tier after the model is built."""
+        root = Path(self.host_dir)
+        probe = root / f".probe-{os.getpid()}-{uuid.uuid4().hex}"  # unique: every rank probes at once
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            raise JobConfigError(f"[sparse_checkpoint] host_dir = {self.host_dir!r}: cannot create or write it "
+                                 f"({type(exc).__name__}: {why}); fix: host_dir = a writable node-local "
+                                 'directory, e.g. "/dev/shm/torchmoe-ckpt"') from None
+
+    def check_format(self) -> None:
+        """The tensorstore format needs the tensorstore package and a kvstore driver for the URI's scheme."""
+        if self.object_store_format != "tensorstore" or not self.object_store_uri:
+            return
+        key = f"[sparse_checkpoint] object_store_format = {self.object_store_format!r}"
+        if importlib.util.find_spec("tensorstore") is None:
+            raise JobConfigError(f"{key}: the tensorstore package is not installed; fix: pip install "
+                                 "'torchmoe-ckpt[tensorstore]' or object_store_format = \"dcp\"")
+        from torchmoe_ckpt.dcp.tensorstore_format import NoTensorstoreDriver, kvstore_spec
+
+        try:
+            kvstore_spec(self.object_store_uri)  # no storage options: nothing but the scheme is looked at
+        except NoTensorstoreDriver as exc:
+            raise JobConfigError(f"{key}: {exc}; fix: object_store_format = \"dcp\" for this store") from None
 
     def check_store(self, probe: bool = True) -> None:
         """Open (and by default probe-write) the object store and the dense-export location once; raises
@@ -155,7 +208,8 @@ class SparseCheckpointSection:
         if ranks_per_node:
             cfg["ranks_per_node"] = ranks_per_node
         if self.object_store_uri:
-            cfg["object_store"] = {"uri": self.object_store_uri, "storage_options": dict(self.storage_options)}
+            cfg["object_store"] = {"uri": self.object_store_uri, "storage_options": dict(self.storage_options),
+                                   "format": self.object_store_format}
         return cfg
 
     def to_dict(self) -> dict:

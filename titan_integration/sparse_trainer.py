@@ -36,7 +36,7 @@ Test/diagnostic knobs (environment variables, all off by default):
                                            manifest, ...) work too. First torchrun attempt only by default.
   ``TORCHMOE_TITAN_EXPORT=DIR``            at the end, each rank writes DIR/state-rank-R.pt (its local model,
                                            optimizer state, buffers, step, LR) and DIR/run-rank-R-attempt-A.json
-                                           (losses bits, recovery report, step times, checkpointer stats).
+                                           (losses bits, LRs, recovery report, step times, checkpointer stats).
   ``TORCHMOE_TITAN_SCRAMBLE=1``            before recovery, overwrite every parameter with noise, so anything
                                            recovery fails to restore shows up as a mismatch.
 """
@@ -177,6 +177,7 @@ class SparseTrainer(Trainer):
         self.recovery_report: dict | None = None
         self._skip_batches = 0
         self._losses: dict[int, torch.Tensor] = {}
+        self._lrs: dict[int, float] = {}  # the LR each iteration used (replayed ones: the logged LR)
         self._step_seconds: list[float] = []
         self._attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._watchdog = None
@@ -286,7 +287,7 @@ class SparseTrainer(Trainer):
             self._pp.after_step()
         else:
             res = self._step_and_checkpoint(data_iterator)
-        self._losses[res.step] = res.loss
+        self._losses[res.step], self._lrs[res.step] = res.loss, res.lr
         self._step_seconds.append(time.perf_counter() - t0)
 
     def _step_and_checkpoint(self, data_iterator) -> TitanStepResult:
@@ -557,6 +558,7 @@ class SparseTrainer(Trainer):
             "rank": rank, "attempt": self._attempt,
             "losses": {str(k): v.item() for k, v in sorted(self._losses.items())},
             "loss_bits": {str(k): v.view(torch.int32).item() for k, v in sorted(self._losses.items())},
+            "lrs": {str(k): v for k, v in sorted(self._lrs.items())},
             "step_seconds": self._step_seconds,
             "recovery": self.recovery_report,
             "checkpoint": {k: st.get(k) for k in ("slots_captured", "windows_committed", "dense_bytes",
@@ -591,5 +593,5 @@ class TitanReplayable:
         tr = self.trainer
         tr.step += 1
         res = tr.sparse_step(replay=replay)
-        tr._losses[res.step] = res.loss  # replayed losses are compared with the fault-free run too
+        tr._losses[res.step], tr._lrs[res.step] = res.loss, res.lr  # compared with the fault-free run too
         return res

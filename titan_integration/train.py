@@ -17,13 +17,22 @@ Run under torchrun::
   (:mod:`titan_integration.sparse_trainer`). The whole file is checked before training (unknown
   sections/keys, bad values, an object store that cannot be reached): one ``error: ... fix: ...``
   line and exit status 2. Later ``--section.option`` flags still override the file.
+* ``--sparse_checkpoint.KEY VALUE`` flags (:mod:`titan_integration.sparse_cli`) override the job file's
+  ``[sparse_checkpoint]``, or, without a job file, go into the ``--override.imports`` entry (added if absent).
+* Every ``[sparse_checkpoint]`` value (however given) is checked first, before CPU mode and TorchTitan are
+  imported: its values, the host directory (created, probe-written), the on-store format and the object
+  store (probe-written). A problem is one ``error: ... fix: ...`` line, exit status 2, on every rank.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
+
+from titan_integration.sparse_cli import SPARSE_ENV, merge_into_override, override_section, split_args
+from titan_integration.sparse_config import JobConfigError  # neither imports torch or TorchTitan
 
 DEFAULT_MODULE = "titan_integration.config_registry"
 DEFAULT_CONFIG = "deepseek_v3_tiny"
@@ -58,18 +67,32 @@ def _drop_opt(args: list[str], name: str) -> list[str]:
     return out
 
 
-def check_job_file(path: str) -> None:
+def check_job_file(path: str, sparse_args: dict | None = None) -> None:
     """Everything that can be checked before TorchTitan is imported: TOML syntax, sections, the
-    [sparse_checkpoint] section, and the object store (opened and probe-written once)."""
+    [sparse_checkpoint] section with the ``--sparse_checkpoint.*`` flags over it (handed on to the loader in
+    ``$TORCHMOE_TITAN_SPARSE_ARGS``), the host directory, the format and the object store."""
     from titan_integration.job_toml import check_sections, read_job, sparse_section
-    from titan_integration.sparse_config import JobConfigError
 
+    os.environ[SPARSE_ENV] = json.dumps(sparse_args or {})
     try:
         job = read_job(path)
         check_sections(job)
-        sparse_section(job).check_store(probe=True)
+        sparse_section(job).check_resources(probe=True)
     except JobConfigError as e:
         raise UsageError(str(e)) from e
+
+
+def check_sparse_args(argv: list[str], values: dict) -> list[str]:
+    """Without a job file: the ``--sparse_checkpoint.*`` values into our override's JSON, then that section
+    checked like a job file's (values, host directory, format, store). Returns the new argv."""
+    try:
+        argv = merge_into_override(argv, values)
+        section = override_section(argv)
+        if section is not None:
+            section.check_resources(probe=True)
+    except JobConfigError as e:
+        raise UsageError(str(e)) from e
+    return argv
 
 
 def resolve_args(argv: list[str]) -> list[str]:
@@ -113,60 +136,15 @@ def _config_functions(module) -> list[str]:
     )
 
 
-def _override_tokens(args: list[str]) -> list[str]:
-    tokens, grab = [], False
-    for a in args:
-        if a.startswith("--override.imports"):
-            grab = True
-            if "=" in a and a.index("=") == len("--override.imports"):
-                tokens.append(a.split("=", 1)[1])
-            continue
-        if grab and a.startswith("--"):
-            grab = False
-        if grab:
-            tokens.append(a)
-    return tokens
-
-
-def validate_overrides(args: list[str]) -> None:
-    """Our override's JSON is checked here (one line, exit 2) rather than deep inside Trainer.__init__."""
-    tokens = _override_tokens(args)
-    if not any(t.startswith("titan_integration.overrides.") for t in tokens):
-        return
-    import json
-
-    from torchtitan.config.override import parse_cli_imports
-
-    from titan_integration.overrides import TARGET, section_from_kwargs
-    from titan_integration.sparse_config import JobConfigError
-    try:
-        entries = parse_cli_imports(tokens)
-    except (ValueError, json.JSONDecodeError) as e:
-        raise UsageError(f"--override.imports: {e}; fix: quote it as one token: "
-                         f"'{TARGET}={{\"window\": 3}}'") from e
-    for entry in entries:
-        target, kwargs = (entry, {}) if isinstance(entry, str) else entry
-        if target.startswith("titan_integration.overrides.") and target != TARGET:
-            raise UsageError(f"--override.imports {target}: no such override; fix: use {TARGET}")
-        if target == TARGET:
-            try:
-                section_from_kwargs(kwargs).check_store()
-            except JobConfigError as e:
-                raise UsageError(str(e)) from e
-
-
 def validate(args: list[str]) -> None:
     """Import the config module and check the config function exists (one-line errors)."""
     from titan_integration.assets import AssetError, ensure_assets
-
-    validate_overrides(args)
 
     module_name = _get_opt(args, "--module")
     config_name = _get_opt(args, "--config")
     assert module_name is not None and config_name is not None
     if module_name == TOML_MODULE:
         from titan_integration.job_toml import JOB_ENV, load_job
-        from titan_integration.sparse_config import JobConfigError
 
         import logging
 
@@ -229,10 +207,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("WANDB_MODE", "disabled")
+    os.environ.pop(SPARSE_ENV, None)
     try:
+        try:
+            argv, sparse_args = split_args(argv)  # --sparse_checkpoint.KEY VALUE: not TorchTitan's (tyro's) flags
+        except JobConfigError as e:
+            raise UsageError(str(e)) from e
         config = _get_opt(argv, "--config")
         if config is not None and config.endswith(".toml"):
-            check_job_file(config)
+            check_job_file(config, sparse_args)
+        else:
+            argv = check_sparse_args(argv, sparse_args)
         args = resolve_args(argv)
         cpu_mode = want_cpu_mode()
         if cpu_mode:

@@ -23,11 +23,30 @@ log = logging.getLogger("torchmoe_ckpt.object_tier")
 KNOWN = {"file": None, "memory": None, "s3": "s3fs (pip install 'torchmoe-ckpt[s3]')",
          "s3a": "s3fs (pip install 'torchmoe-ckpt[s3]')", "az": "adlfs (pip install 'torchmoe-ckpt[azure]')",
          "abfs": "adlfs (pip install 'torchmoe-ckpt[azure]')", "abfss": "adlfs (pip install 'torchmoe-ckpt[azure]')"}
+# Store clients that log every HTTP request at INFO (azure-core: thousands of lines per run under a framework
+# that sets the root logger to INFO). Parents first: a child whose parent is set inherits it.
+QUIET_LOGGERS = ("azure", "azure.core.pipeline.policies.http_logging_policy", "botocore", "aiobotocore", "s3fs",
+                 "fsspec")
+
+
+def quiet_third_party_loggers() -> None:
+    """Set the store clients' loggers to WARNING, except where the user configured them or an ancestor
+    (any level other than NOTSET): theirs wins. Idempotent."""
+    root = logging.getLogger()
+    for name in QUIET_LOGGERS:
+        lg: logging.Logger | None = logging.getLogger(name)
+        configured = False
+        while lg is not None and lg is not root:
+            configured = configured or lg.level != logging.NOTSET
+            lg = lg.parent
+        if not configured:
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def open_store(uri: str, storage_options: dict | None = None, probe: bool = True):
     """(fsspec filesystem, root path) for `uri`, checked once at start."""
     import fsspec
+    quiet_third_party_loggers()
     scheme = uri.split("://", 1)[0] if "://" in uri else "file"
     if scheme not in KNOWN:
         raise StoreConfigError(f"unknown object-store URI scheme {scheme!r} in {uri!r}: use one of "
@@ -79,6 +98,7 @@ def make_store(uri: str, run_id: str, rank: int, storage_options: dict | None = 
     those stores say so once and keep the DCP format."""
     if format not in FORMATS:
         raise StoreConfigError(f"unknown object-store format {format!r}: use one of {', '.join(FORMATS)}")
+    quiet_third_party_loggers()
     if format == "tensorstore":
         try:
             return TensorstoreTier(uri, run_id, rank, storage_options, keep_windows=keep_windows, **kw)
