@@ -64,6 +64,7 @@ from titan_integration import pipeline_compat
 from titan_integration.checkpoint_manager import SparseCheckpointManager
 from titan_integration.sparse_config import SparseCheckpointSection
 from torchmoe_ckpt import faults
+from torchmoe_ckpt.capture import position_lambda_lr
 from torchmoe_ckpt.recovery import ReplayDivergence
 
 __all__ = ["SparseTrainer", "TitanReplayable", "TitanStepResult"]
@@ -265,11 +266,7 @@ class SparseTrainer(Trainer):
     def set_lr_step(self, step: int) -> None:
         """Position every LambdaLR at `step` completed iterations (what `step` scheduler.step() calls give)."""
         for sched in self.lr_schedulers:
-            sched.last_epoch = step
-            lrs = [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
-            for group, lr in zip(sched.optimizer.param_groups, lrs):
-                group["lr"] = lr
-            sched._last_lr = list(lrs)
+            position_lambda_lr(sched, step)
 
     # ---- one iteration --------------------------------------------------------------------------------
     def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]):

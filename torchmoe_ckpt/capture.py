@@ -17,7 +17,8 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 from .errors import UncapturedStateError
 from .operators import Operator, local_tensor
 
-__all__ = ["check_optimizer", "check_optimizer_state", "check_coverage", "infer_compute_dtype", "SchedulerPosition"]
+__all__ = ["check_optimizer", "check_optimizer_state", "check_coverage", "infer_compute_dtype", "SchedulerPosition",
+           "position_lambda_lr"]
 
 ADAM_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
 
@@ -74,6 +75,17 @@ def infer_compute_dtype(model: nn.Module) -> torch.dtype:
     return p.dtype if p is not None else torch.float32
 
 
+def position_lambda_lr(sched: LambdaLR, step: int) -> None:
+    """Put a LambdaLR and its optimizer's LRs where `step` calls of `step()` leave them, from the closed form
+    base_lr x lambda(step): O(1), and a changed lambda (an extended run) takes effect from here on."""
+    sched.last_epoch = step
+    sched._step_count = step + 1  # construction counts as one call of step()
+    lrs = [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+    for group, lr in zip(sched.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    sched._last_lr = list(lrs)
+
+
 class SchedulerPosition:
     """Put an LR scheduler (and the optimizer's LRs) where `step` completed iterations leave it.
 
@@ -97,14 +109,7 @@ class SchedulerPosition:
         if sched is None:
             return
         if type(sched) is LambdaLR:
-            sched.last_epoch = step
-            sched._step_count = step + 1  # construction counts as one call of step()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # get_lr() outside step() warns; it is the closed form here
-                lrs = sched.get_lr()
-            for group, lr in zip(groups, lrs):
-                group["lr"] = lr
-            sched._last_lr = [g["lr"] for g in groups]
+            position_lambda_lr(sched, step)
             return
         sched.load_state_dict(copy.deepcopy(self._initial))
         for group, lr in zip(groups, self._initial_lrs):

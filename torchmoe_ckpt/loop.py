@@ -98,13 +98,13 @@ class Checkpointer:
         state, replayed) and returns the number of completed iterations to continue after (0: a new run)."""
         if self.sparse is not None:
             raise RuntimeError("resume() was already called: call it once, before the first step()")
-        window = None
+        window, hsdp = None, _hsdp_replicate(self.model)
         # Who this run is (identity.py): written into every window, and what a window must match to be loaded.
         self.identity = build_identity(self.model, self.optimizer, self.compute_dtype, self.ops,
                                        self.config.tiers.resolved_run_id() if self.config.tiers else None, self.world,
-                                       _hsdp_replicate(self.model), data=self.data_identity)
+                                       hsdp, data=self.data_identity)
         if self.config.tiers is not None:
-            self.tiers = build_tiers(self.config.tiers, self.rank, self.world, _hsdp_replicate(self.model))
+            self.tiers = build_tiers(self.config.tiers, self.rank, self.world, hsdp)
             self.resumed = recover(_Replay(self), self.tiers, self.op_by_name, self.compute_dtype, self.rank,
                                    identity=self.identity)
             window = self.resumed.window
@@ -175,7 +175,7 @@ class Checkpointer:
         loss = self.forward_backward(batch)
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise TypeError(f"forward_backward must return the loss as a one-element tensor, got {type(loss).__name__}")
-        faults.point("backward")
+        faults.point("backward")  # here after backward (it runs inside forward_backward), before the norm's collective
         norm = self._grad_norm(replay)
         if self.config.max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_grad_norm, norm)

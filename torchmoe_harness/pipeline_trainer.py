@@ -19,12 +19,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from torchmoe_ckpt import faults
+from torchmoe_ckpt.capture import position_lambda_lr
 from torchmoe_ckpt.pipeline import SCHEDULES, Peer, StageIO, actions, boundary_tag
 from torchmoe_ckpt.pipeline_log import BoundaryLog
 from torchmoe_ckpt.recovery import ReplayDivergence, init_optimizer_state
 from torchmoe_harness.data import TokenStream
 from torchmoe_harness.model import TinyMoE
-from torchmoe_harness.trainer import DTYPES, RunConfig, position_schedule, training_state
+from torchmoe_harness.trainer import DTYPES, RunConfig, training_state
 
 
 @dataclass
@@ -271,7 +272,7 @@ class StageTrainer:
 
     def set_step(self, step: int) -> None:
         self.step = step
-        position_schedule(self.optimizer, self.scheduler, step)
+        position_lambda_lr(self.scheduler, step)
 
     def export_state(self) -> dict[str, torch.Tensor]:
         return training_state(self.model, self.optimizer, self.step)

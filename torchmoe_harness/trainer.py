@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from torchmoe_ckpt import faults
+from torchmoe_ckpt.capture import position_lambda_lr
 from torchmoe_ckpt.replay_log import Replay
 from torchmoe_harness.data import TokenStream
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
@@ -156,19 +157,11 @@ class Trainer:
     def set_step(self, step: int) -> None:
         """Position the iteration counter and LR schedule at `step` completed iterations."""
         self.step = step
-        position_schedule(self.optimizer, self.scheduler, step)
+        position_lambda_lr(self.scheduler, step)
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """Every tensor that defines the training state on this rank, for torch.equal comparisons."""
         return training_state(self.model, self.optimizer, self.step)
-
-
-def position_schedule(optimizer: torch.optim.Optimizer, scheduler, step: int) -> None:
-    """Put a LambdaLR-style schedule (and the optimizer's LR) where `step` scheduler steps would have."""
-    scheduler.last_epoch = step
-    for group, lr in zip(optimizer.param_groups, scheduler.get_lr()):
-        group["lr"] = lr
-    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, torch.Tensor]:
