@@ -61,3 +61,63 @@ def test_an_export_of_another_model_or_a_torn_one_is_refused_clearly(tmp_path, o
         load_dense(t.model, t.optimizer, str(tmp_path / "step-1"))
     after = other.export_state()  # the refused load changed nothing it could not finish
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("param/"))
+
+
+# ---- TorchTitan: the export is a complete TorchTitan checkpoint ------------------------------------------------
+# Two items, one torchrun job each (the exporting run is cached for the second): every test stays < 60 s.
+TITAN_STEPS, TITAN_EXPORT_AT = 8, 4
+_TITAN_RUN: dict = {}
+
+
+def _titan_exporting_run(tmp_path_factory) -> tuple:
+    """A TorchTitan job (job file, sparse checkpointing on) that writes a dense export at step 4 of 8."""
+    if "a" not in _TITAN_RUN:
+        from titan_integration import recovery_demo
+        a = tmp_path_factory.mktemp("titan-export")
+        job = recovery_demo.write_job(a, steps=TITAN_STEPS, window=2, host_dir=a / "host", extra_sparse=(
+            f'dense_export_uri = "file://{a / "dense"}"\ndense_export_every = {TITAN_EXPORT_AT}'))
+        rc, out = recovery_demo.torchrun(a, recovery_demo.child_env(), job, nproc=2, timeout=55)
+        assert rc == 0, out[-5000:]
+        _TITAN_RUN["a"] = (a / "dense" / f"step-{TITAN_EXPORT_AT}", out)
+    return _TITAN_RUN["a"]
+
+
+def _printed_losses(out: str) -> dict[int, str]:
+    """Rank 0's printed step/loss pairs (TorchTitan's metric logger), as printed."""
+    import re
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
+    return {int(s): loss for s, loss in re.findall(r"\[default0\].*step:\s+(\d+)\s+loss:\s+([-\d.]+)", plain)}
+
+
+def test_torchtitan_dense_export_holds_every_entry_torchtitan_saves(tmp_path_factory):
+    """train_state, dataloader (each rank's dp_rank_N) and lr_scheduler beside the model and optimizer: what
+    TorchTitan's CheckpointManager saves and a full resume loads."""
+    import pytest
+    pytest.importorskip("torchtitan")
+    export, _ = _titan_exporting_run(tmp_path_factory)
+    keys = set(dcp.FileSystemReader(str(export)).read_metadata().state_dict_metadata)
+    for key in ("train_state.step", "train_state.ntokens_seen", "dataloader.dp_rank_0", "dataloader.dp_rank_1",
+                "lr_scheduler.last_epoch", "torchmoe_train_state.step", "tok_embeddings.weight"):
+        assert key in keys, (key, sorted(k for k in keys if not k.startswith(("layers.", "optimizer."))))
+    assert any(k.startswith("optimizer.state.") for k in keys)
+
+
+def test_torchtitan_full_resume_from_a_dense_export_with_its_own_flags(tmp_path, tmp_path_factory):
+    """Stock TorchTitan resumes from the export with its own flags (`--checkpoint.initial_load_path DIR
+    --checkpoint.no-initial_load_model_only`, no exclusions) -- model, optimizer, LR schedule, step and
+    data-loader position -- and trains on with the same losses as the exporting run."""
+    import pytest
+    pytest.importorskip("torchtitan")
+    from titan_integration import recovery_demo
+
+    export, out_a = _titan_exporting_run(tmp_path_factory)
+    args = ["--module", "titan_integration.config_registry", "--config", "deepseek_v3_tiny", "--dump_folder",
+            str(tmp_path / "dump"), "--training.steps", str(TITAN_STEPS), "--debug.seed", "7", "--debug.deterministic",
+            "--checkpoint.enable", "--checkpoint.initial_load_path", str(export),
+            "--checkpoint.no-initial_load_model_only"]
+    rc, out_b = recovery_demo.torchrun(tmp_path, recovery_demo.child_env(), None, nproc=2, train_args=args, timeout=55)
+    assert rc == 0 and "Missing key" not in out_b, out_b[-5000:]
+    assert f"Loading the checkpoint from {export}" in out_b, out_b[-5000:]
+    la, lb = _printed_losses(out_a), _printed_losses(out_b)
+    assert sorted(lb) == list(range(TITAN_EXPORT_AT + 1, TITAN_STEPS + 1)), lb  # resumed at step 5
+    assert all(lb[s] == la[s] for s in lb), (la, lb)  # same losses as the exporting run from there on

@@ -102,3 +102,12 @@ def test_simulated_ettr_of_a_real_run_agrees(tmp_path):
     # it); here a bound that still catches a simulator that models the run wrongly (a missed failure, recovery
     # or lost-iteration term is worth > 20%).
     assert res["relative_error"] <= 0.2, {k: res[k] for k in ("measured", "simulated", "relative_error")}
+
+
+def test_trace_replay_with_each_failures_own_recovery_time():
+    p = SystemProfile("x", 1.0, interval=10, restart_s=5.0)
+    sim = simulate(p, iterations=100, trace=[15.5, 40.0], recoveries=[2.0, 7.0])
+    # 15.5: 5 iterations lost, recovery 2 s to 17.5; 40.0: segment 3 started at 27.5: 12 done, 2 of segment 4 lost
+    assert sim.failures == 2 and sim.lost_iterations == 5 + 2
+    assert sim.recovery_s == pytest.approx(9.0)
+    assert sim.wall_s == pytest.approx(100 + 5.5 + 2 + 2.5 + 7)

@@ -47,6 +47,7 @@ def test_stock_dcp_load_reads_a_slot(tmp_path, one_rank_group):
     from torchmoe_ckpt.checkpointer import SparseCheckpointer, SparseConfig
     from torchmoe_ckpt.dcp.host_tier import HostTier
     from torchmoe_ckpt.dcp.manifest import slot_rank_dir
+    from torchmoe_ckpt.dcp.raw_storage import RawReader
     from torchmoe_harness.trainer import RunConfig, Trainer
     t = Trainer(RunConfig(steps=4))
     tier = HostTier(tmp_path, "run", 0, 1)
@@ -65,7 +66,8 @@ def test_stock_dcp_load_reads_a_slot(tmp_path, one_rank_group):
     last = win.slots[-1]
     item = next(i for i in last.items if i.role == "master")
     full = torch.zeros(item.piece.global_shape)
-    dcp.load({item.key: full}, checkpoint_id=slot_rank_dir(tier.window_dir(0), 2, 0), no_dist=True)
+    # (the slot is raw bytes: stock dcp.load and DefaultLoadPlanner, with our reader)
+    dcp.load({item.key: full}, storage_reader=RawReader(slot_rank_dir(tier.window_dir(0), 2, 0)), no_dist=True)
     region = full[tuple(slice(o, o + s) for o, s in zip(item.piece.global_offset, item.piece.shape))]
     assert torch.equal(region, item.buffer)
     ck.engine.shutdown()

@@ -148,3 +148,73 @@ def test_store_down_never_blocks_and_upload_catches_up(tmp_path, moto):
     # the store is back (same port; moto keeps its buckets in this process)
     assert up.flush(timeout=30) and up.uploaded == [1]
     assert store.window_ids() == [1]
+
+
+def test_a_store_that_loses_files_mid_upload_gets_the_whole_window_again(tmp_path, moto):
+    """The store restarts (empty) while a window is being uploaded: the files written before are gone. The
+    manifest must not go up over them (inspect would list a torn window as good): the upload fails, the
+    uploader uploads the whole window again, and `verify` passes."""
+    from torchmoe_ckpt.inspect import inspect_location
+    tier = HostTier(tmp_path / "host", "run", 0, 1)
+    wdir, files = tier.window_dir(1), {}
+    for i in range(2):
+        rel = f"slot-0{i}/rank-00000/__0_0.distcp"
+        (wdir / rel).parent.mkdir(parents=True)
+        (wdir / rel).write_bytes(bytes([i + 1]) * 3000)
+        files[rel] = FileEntry(3000, crc32_bytes(bytes([i + 1]) * 3000))
+    (wdir / rank_manifest_name(0)).write_text(WindowManifest(1, 1, 2, 1, {"slots": []}, files).to_json())
+    uri = f"s3://tmoe-bucket/{tmp_path.name}"
+    store = ObjectTier(uri, "run", 0, storage_options=moto.storage_options)
+    real_put, lost = store._put, []
+
+    def put_and_lose_the_first_file(path: str, data: bytes) -> None:  # a restart between the two files
+        real_put(path, data)
+        if path.endswith("slot-01/rank-00000/__0_0.distcp") and not lost:
+            lost.append(path.replace("slot-01", "slot-00"))
+            store.fs.rm(lost[0])
+
+    store._put = put_and_lose_the_first_file
+    up = Uploader(store, tier)
+    up.submit(1)
+    assert up.flush(timeout=30) and up.uploaded == [1] and lost
+    assert any("torn in the store" in e for e in up.errors), up.errors  # the first attempt was refused
+    info = inspect_location(uri, moto.storage_options)
+    assert [(w["window_id"], w["status"]) for w in info["windows"]] == [(1, "verified")], info
+    assert main_verify(uri, moto.storage_options) == 0
+
+
+def main_verify(uri: str, opts: dict) -> int:
+    from torchmoe_ckpt.cli import main
+    return main(["verify", uri, "--storage-options", json.dumps(opts)])
+
+
+def test_status_lines_say_each_window_once_and_store_changes_once(caplog):
+    """RunStatus (what rank 0 prints): a healthy window's line waits for its upload; while the store fails,
+    lines say pending at once; one warning per change of state; the exit summary names the pending windows."""
+    import logging
+
+    from torchmoe_ckpt.status import RunStatus, recovery_line
+    st = RunStatus(0, peers=1, store="s3://b/x")
+    with caplog.at_level(logging.INFO, logger="torchmoe_ckpt"):
+        st.window_committed(0, 1, 2, 3 * 2 ** 20, 1)
+        assert not st.lines                                     # said when uploaded
+        st.uploaded_window(0, 0.25)
+        st.window_committed(1, 3, 4, 3 * 2 ** 20, 1)
+        for _ in range(3):                                      # retries: one warning, not three
+            st.upload_failed(1, "upload of window 1: EndpointConnectionError: down", 5.0)
+        st.window_committed(2, 5, 6, 3 * 2 ** 20, 1)
+        st.uploaded_window(1, 9.0)                              # back: window 2 still pending
+        summary = st.exit_summary(4.0, 4.0, "/dev/shm/x")
+    assert st.lines[0] == "window 0 steps 1..2 bytes 3.0 MiB host ok peers 1/1 store uploaded (lag 0.25 s)"
+    assert st.lines[1] == "window 1 steps 3..4 bytes 3.0 MiB host ok peers 1/1 store pending"
+    assert st.lines[2].startswith("object store failing: upload of window 1: EndpointConnectionError: down;")
+    assert st.lines[3].startswith("window 2 steps 5..6 bytes 3.0 MiB host ok peers 1/1 store pending (2 behind, lag")
+    assert st.lines[4].startswith("object store back: window 1 uploaded after 3 failed attempt(s)")
+    assert "1 pending (window 2) after waiting 4.0 s of store_exit_wait_s = 4" in st.lines[5], st.lines[5]
+    assert summary["pending"] == [2] and summary["uploaded"] == 2 and len(st.lines) == 6
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3  # failing, back, exit with pending windows
+    assert recovery_line({"recovered_step": 6, "window_id": 1, "source": "peer 1", "replayed_iterations": 2,
+                          "seconds": 0.5}) == ("recovered step 6 from window 1 (copy from the host memory of rank 1), "
+                                               "replayed 2 iteration(s) in 0.50 s; every replayed loss matched the "
+                                               "original run bit for bit")

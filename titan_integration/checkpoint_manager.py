@@ -28,6 +28,7 @@ from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.tools.logging import logger
 
 from titan_integration.sparse_config import SparseCheckpointSection
+from titan_integration.titan_export import titan_entries
 
 __all__ = ["SparseCheckpointManager"]
 
@@ -48,6 +49,7 @@ class SparseCheckpointManager(CheckpointManager):
         self.trainer = states.get("train_state")
         self.export_parts = model_parts
         self.export_optimizers = optimizers
+        self.export_states = dict(states, dataloader=dataloader, lr_scheduler=lr_schedulers)  # titan_export.py
         self.restored_step: int | None = None  # set by the trainer when sparse recovery restored a state
         self.dense_exporter = None
         if config.sparse is not None and config.sparse.enable:
@@ -65,7 +67,8 @@ class SparseCheckpointManager(CheckpointManager):
     def save(self, curr_step: int, last_step: bool = False) -> bool:
         sc = getattr(self.trainer, "sc", None)
         if sc is not None and sc.enable and sc.dense_export_every:
-            self._exporter(sc).maybe_export(self._model(), self._optimizer(), curr_step)
+            self._exporter(sc).maybe_export(self._model(), self._optimizer(), curr_step,
+                                            extra=lambda: titan_entries(self.export_states))  # complete for TorchTitan
         return super().save(curr_step, last_step)
 
     def close(self) -> None:

@@ -38,6 +38,8 @@ from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.trainer import Trainer
 
+from torchmoe_ckpt.distributed import key_rendezvous_by_attempt
+
 __all__ = ["deepseek_v3_tiny", "deepseek_v3_tiny_ep2", "TINY", "DEFAULT_CONFIG", "DATASET_NAME"]
 
 DEFAULT_CONFIG = "deepseek_v3_tiny"
@@ -146,6 +148,10 @@ def _register() -> None:
 
 
 _register()
+# ConfigManager imports this module before the Trainer exists, so also on TorchTitan's stock entry point
+# (python -m torchtitan.train --module titan_integration.config_registry) every process group is keyed by
+# torchrun attempt (torchmoe_ckpt.distributed: why a restart fails without it).
+key_rendezvous_by_attempt()
 
 
 def deepseek_v3_tiny() -> Trainer.Config:

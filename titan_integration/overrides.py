@@ -12,21 +12,42 @@ defaults to true here. Through our launcher, ``--sparse_checkpoint.KEY VALUE`` f
 entry is added when absent: :mod:`titan_integration.sparse_cli`); the launcher checks the section before
 TorchTitan is imported. TorchTitan applies the override inside ``Trainer.__init__`` before it builds the
 checkpointer: the factory swaps ``CheckpointManager.Config`` for :class:`SparseCheckpointManager.Config`, and
-that manager turns the (stock) Trainer into a :class:`SparseTrainer` as it is built. Caveat: the gloo
-rendezvous keyed by torchrun attempt (``SparseTrainer.init_distributed``) is not in effect on this path,
-because TorchTitan sets up the process group before any override runs.
+that manager turns the (stock) Trainer into a :class:`SparseTrainer` as it is built.
+
+Restarts: every process group must be keyed by torchrun attempt, or a restarted worker reads the previous
+attempt's store keys (:mod:`torchmoe_ckpt.distributed`). TorchTitan sets up its process group *before* it
+imports override modules, so the keying is installed earlier: by our launcher before TorchTitan is imported,
+and by :mod:`titan_integration.config_registry` when ConfigManager imports it. With neither (stock
+``torchtitan.train`` and a TorchTitan model registry) this module keys every group created after it (ours,
+TorchTitan's later ones) and says on rank 0 how to make the default group safe too.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import torch
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.config import derive, override
+from torchtitan.tools.logging import logger
 
+from titan_integration import restart_timing
 from titan_integration.checkpoint_manager import SparseCheckpointManager
 from titan_integration.sparse_config import SparseCheckpointSection
+from torchmoe_ckpt.distributed import key_groups_by_attempt
 
 TARGET = f"{__name__}.sparse_checkpoint"
+
+# Imported by TorchTitan's apply_overrides inside Trainer.__init__ (right after its init_distributed), on every
+# rank at the same point.
+if torch.distributed.is_initialized():
+    restart_timing.mark("pg_ready")
+if key_groups_by_attempt() and os.environ.get("RANK", "0") == "0":
+    logger.warning("torchmoe: TorchTitan set up its process group before torchmoe could key it by torchrun "
+                   "attempt; groups created from now on are keyed, but a restart can still read the previous "
+                   "attempt's keys in TorchTitan's init_distributed (Gloo connectFullMesh failed / a hang); fix: "
+                   "launch with python -m titan_integration.train, or --module titan_integration.config_registry,"
+                   " or set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun")
 
 
 def section_from_kwargs(kwargs: dict[str, Any]) -> SparseCheckpointSection:

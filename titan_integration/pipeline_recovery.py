@@ -34,7 +34,9 @@ import torch.distributed as dist
 
 from titan_integration.pipeline_compat import set_static_shapes
 from titan_integration.sparse_config import JobConfigError
+from titan_integration.titan_replay import TitanReplayable, pack_batches
 from torchmoe_ckpt import faults
+from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.pipeline_log import BoundaryLog, LogReader
 from torchmoe_ckpt.pipeline_recovery import StageStatus, plan_recovery
 from torchmoe_ckpt.pipeline_stock import LoggingPipelineStage, ReplayIO
@@ -269,11 +271,9 @@ class TitanPipeline:
                     tr._losses[k] = v
 
     def _ops(self):
-        from torchmoe_ckpt.operators import discover_operators
         return {o.name: o for o in discover_operators(self.trainer.model)}
 
     def _recover_segment(self, tier, plan) -> dict:
-        from titan_integration.sparse_trainer import TitanReplayable, pack_batches
 
         tr, seg, target = self.trainer, plan.segment_of(self.index), plan.target_step
         t0 = time.perf_counter()
@@ -313,7 +313,6 @@ class TitanPipeline:
         return out
 
     def _recover_global(self, tier, plan) -> dict:
-        from titan_integration.sparse_trainer import TitanReplayable
 
         tr = self.trainer
         t0 = time.perf_counter()

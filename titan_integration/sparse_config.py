@@ -9,6 +9,7 @@
     object_store_uri = ""      # "" = none; file://, s3://, az://, abfs://, memory://
     storage_options = {}       # passed to fsspec as-is (endpoint_url, key, secret, connection_string ...)
     object_store_format = "dcp" # on-store format: "dcp" (DCP files) | "tensorstore" (zarr3 + OCDBT; file, memory, s3)
+    store_exit_wait_s = 30     # at exit, wait at most this long for pending uploads (a store that is down)
     persist_interval = 1       # persist every window to the storage tiers (only 1 is supported so far)
     ordering = "hard"          # expert popularity: hard | soft | decayed | capacity
     fault_timeout_s = 0        # > 0: a collective that hangs this long ends the rank (torchrun restarts)
@@ -52,6 +53,7 @@ class SparseCheckpointSection:
     object_store_uri: str = ""
     storage_options: dict[str, Any] = field(default_factory=dict)
     object_store_format: str = "dcp"
+    store_exit_wait_s: float = 30.0   # bounded wait for pending uploads at exit (ObjectStoreConfig.exit_wait_s)
     persist_interval: int = 1
     ordering: str = "hard"
     fault_timeout_s: float = 0.0
@@ -112,6 +114,10 @@ class SparseCheckpointSection:
         if (isinstance(self.fault_timeout_s, bool) or not isinstance(self.fault_timeout_s, (int, float))
                 or self.fault_timeout_s < 0):
             raise bad("fault_timeout_s", "must be a number >= 0", "fault_timeout_s = 0 (off) or e.g. 60")
+        if (isinstance(self.store_exit_wait_s, bool) or not isinstance(self.store_exit_wait_s, (int, float))
+                or self.store_exit_wait_s < 0):
+            raise bad("store_exit_wait_s", "must be a number of seconds >= 0",
+                      "store_exit_wait_s = 30 (0: do not wait for pending uploads at exit)")
         for key in ("dense_export_every", "dense_export_keep", "pipeline_log_max_bytes"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -209,7 +215,8 @@ class SparseCheckpointSection:
             cfg["ranks_per_node"] = ranks_per_node
         if self.object_store_uri:
             cfg["object_store"] = {"uri": self.object_store_uri, "storage_options": dict(self.storage_options),
-                                   "format": self.object_store_format}
+                                   "format": self.object_store_format,
+                                   "exit_wait_s": float(self.store_exit_wait_s)}
         return cfg
 
     def to_dict(self) -> dict:

@@ -42,13 +42,11 @@ Test/diagnostic knobs (environment variables, all off by default):
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Callable, Iterator
 
 import torch
@@ -60,96 +58,28 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from titan_integration import pipeline_compat
+from titan_integration import pipeline_compat, restart_timing
 from titan_integration.checkpoint_manager import SparseCheckpointManager
+from titan_integration.pipeline_recovery import TitanPipeline
 from titan_integration.sparse_config import SparseCheckpointSection
+from titan_integration.titan_replay import OptimizerView, TitanReplayable, TitanStepResult, pack_batches, unpack_batches
+from titan_integration.titan_state_export import state_tensors, write_export
 from torchmoe_ckpt import faults
 from torchmoe_ckpt.capture import position_lambda_lr
+from torchmoe_ckpt.checkpointer import SparseCheckpointer
+from torchmoe_ckpt.dcp.tiers import Tiers, build_tiers
+from torchmoe_ckpt.distributed import key_rendezvous_by_attempt
+from torchmoe_ckpt.identity import build_identity
+from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.recovery import ReplayDivergence
+from torchmoe_ckpt.resume import recover
+from torchmoe_ckpt.status import log_recovery
 
 __all__ = ["SparseTrainer", "TitanReplayable", "TitanStepResult"]
 
 log = logging.getLogger("torchmoe_ckpt.titan")
 pipeline_compat.install()  # also on the --override.imports path, which does not go through our launcher
 IGNORE_INDEX = -100
-
-
-# ---- batch packing for the replay log -----------------------------------------------------------------
-# The text data loader yields ({"input": [B,S] int64, "positions": [B,S] int64}, labels [B,S] int64). The replay
-# log holds one tensor per iteration: [microbatches, 1 + len(BATCH_KEYS), B, S] int64 = input, positions, labels.
-BATCH_KEYS = ("input", "positions")
-
-
-def pack_batches(groups: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> torch.Tensor:
-    rows = []
-    for input_dict, labels in groups:
-        keys = tuple(k for k in BATCH_KEYS if k in input_dict)
-        if set(input_dict) != set(keys) or keys[:1] != ("input",):
-            raise NotImplementedError(f"replay logs {BATCH_KEYS} and labels; this data loader yields "
-                                      f"{sorted(input_dict)}")
-        parts = [input_dict[k] for k in keys] + [labels]
-        if any(t.dtype != torch.int64 or t.shape != labels.shape for t in parts):
-            raise NotImplementedError("replay logs int64 [B, S] batch tensors only")
-        rows.append(torch.stack(parts))
-    return torch.stack(rows)
-
-
-def unpack_batches(tokens: torch.Tensor) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-    keys = BATCH_KEYS[: tokens.shape[1] - 1]
-    return [({k: mb[i].clone() for i, k in enumerate(keys)}, mb[-1].clone()) for mb in tokens]
-
-
-# ---- per-step result (what SparseCheckpointer.after_step and recovery read) ----------------------------
-@dataclass
-class TitanStepResult:
-    step: int
-    loss: torch.Tensor           # this rank's loss contribution (local sum / global valid tokens), fp32
-    grad_norm: torch.Tensor      # global norm before clipping
-    lr: float
-    tokens: torch.Tensor         # [microbatches, 2, B, S]: input and labels, the batch this rank trained on
-    rng_state: torch.Tensor
-    expert_counts: torch.Tensor  # [moe layers, experts], summed over all ranks
-    expert_probs: torch.Tensor   # TorchTitan keeps no router-probability sums: the counts again
-    seconds: float = 0.0
-
-
-class _OptimizerView:
-    """One ``torch.optim.Optimizer``-like view over TorchTitan's OptimizersContainer (state + param_groups of
-    all inner optimizers), which is what the core's StateAccess and init_optimizer_state read."""
-
-    class _State(dict):
-        pass
-
-    def __init__(self, container):
-        self.container = container
-        self.optimizers = list(container)
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    @property
-    def state(self):
-        if len(self.optimizers) == 1:
-            return self.optimizers[0].state
-        return _MergedState(self.optimizers)
-
-
-class _MergedState:
-    def __init__(self, optimizers):
-        self._owner = {id(p): o for o in optimizers for g in o.param_groups for p in g["params"]}
-        self._optimizers = optimizers
-
-    def __getitem__(self, p):
-        return self._owner[id(p)].state[p]
-
-    def get(self, p, default=None):
-        o = self._owner.get(id(p))
-        return default if o is None or p not in o.state else o.state[p]
-
-    def __contains__(self, p) -> bool:
-        o = self._owner.get(id(p))
-        return o is not None and p in o.state
 
 
 class SparseTrainer(Trainer):
@@ -166,6 +96,7 @@ class SparseTrainer(Trainer):
         self._init_sparse(config.sparse_checkpoint)
 
     def _init_sparse(self, section: SparseCheckpointSection, check: bool = True) -> None:
+        restart_timing.mark("model_built")  # called once Trainer.__init__ has built model, optimizer, data loader
         if check and section.enable and not isinstance(self.checkpointer, SparseCheckpointManager):
             raise TypeError(f"config.checkpoint is a {type(self.checkpointer).__name__}; sparse checkpointing needs "
                             "SparseCheckpointManager.Config there (fix: build the config with "
@@ -203,25 +134,12 @@ class SparseTrainer(Trainer):
         trainer._init_sparse(section, check=False)  # the caller is the SparseCheckpointManager being built
 
     def init_distributed(self):
-        """After a torchrun restart, key the gloo rendezvous by attempt (as the harness does): otherwise
-        gloo sometimes finds the previous attempt's dead peer addresses in the store and hangs or fails.
-        TorchTitan's own init_distributed then sees an initialised group and only builds the meshes."""
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        if attempt != "0" and not torch.distributed.is_initialized() and "RANK" in os.environ:
-            from datetime import timedelta
-
-            from torchtitan.tools import utils as tt_utils
-
-            dist = torch.distributed
-            timeout = timedelta(seconds=float(self.config.comm.init_timeout_seconds))
-            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                  is_master=(rank == 0 and not agent), timeout=timeout, multi_tenant=not agent)
-            backend = dist.Backend.default_device_backend_map.get(tt_utils.device_type, "nccl")
-            dist.init_process_group(backend, store=dist.PrefixStore(f"/torchmoe/attempt-{attempt}", store),
-                                    rank=rank, world_size=world, timeout=timeout)
-        return super().init_distributed()
+        """TorchTitan's own init_distributed with every process group keyed by torchrun attempt (the shared
+        agent store otherwise hands a restart the previous attempt's keys: torchmoe_ckpt.distributed)."""
+        key_rendezvous_by_attempt()
+        dims = super().init_distributed()
+        restart_timing.mark("pg_ready")
+        return dims
 
     # ---- helpers ------------------------------------------------------------------------------------
     @property
@@ -286,6 +204,7 @@ class SparseTrainer(Trainer):
             res = self._step_and_checkpoint(data_iterator)
         self._losses[res.step], self._lrs[res.step] = res.loss, res.lr
         self._step_seconds.append(time.perf_counter() - t0)
+        restart_timing.after_step(self.recovery_report, torch.distributed.get_rank(), self._attempt)
 
     def _step_and_checkpoint(self, data_iterator) -> TitanStepResult:
         if self._watchdog is not None:
@@ -429,7 +348,6 @@ class SparseTrainer(Trainer):
     def train(self):
         if not self.sc.enable:
             return super().train()
-        from torchmoe_ckpt.checkpointer import SparseCheckpointer
 
         sc = self.sc
         if sc.fault_timeout_s:
@@ -440,7 +358,6 @@ class SparseTrainer(Trainer):
                 logger.warning("fault_timeout_s set but torchmoe_ckpt.watchdog is not available; ignored")
         tier, replicator, store = self._build_tiers()
         if self.parallel_dims.pp_enabled:
-            from titan_integration.pipeline_recovery import TitanPipeline
 
             self._pp = TitanPipeline(self)
             if self._watchdog is not None:  # a peer's death is the pipeline's business (live state, then exit);
@@ -448,7 +365,7 @@ class SparseTrainer(Trainer):
             first_window = self._pp.recover(tier, self._attempt)
             self.recovery_report = self._pp.report
             # Plans over this stage's operators; retention and bandwidth agreed over the whole pipeline.
-            self.sparse = SparseCheckpointer(self.model, _OptimizerView(self.optimizers), self.compute_dtype,
+            self.sparse = SparseCheckpointer(self.model, OptimizerView(self.optimizers), self.compute_dtype,
                                              sc.core_config(), group=self._pp.stage_group, host_tier=tier,
                                              first_window_id=first_window, agree_group=None).attach(self)
             if self._pp.completed:
@@ -456,19 +373,17 @@ class SparseTrainer(Trainer):
         else:
             identity = self._identity()
             committed = self._recover(tier, replicator, store, identity)
-            self.sparse = SparseCheckpointer(self.model, _OptimizerView(self.optimizers), self.compute_dtype,
+            self.sparse = SparseCheckpointer(self.model, OptimizerView(self.optimizers), self.compute_dtype,
                                              sc.core_config(), committed=committed, host_tier=tier,
                                              replicator=replicator, store=store, identity=identity).attach(self)
             if committed is not None:  # newer than any TorchTitan checkpoint: its load is skipped
                 self.checkpointer.restored_step = self.recovery_report["recovered_step"]
+        restart_timing.mark("recovered")
         try:
             super().train()
             self.sparse.close()
-            tw = self.sparse.tier_writer
-            if tw is not None:
-                tw.flush()
-                if tw.uploader is not None:
-                    tw.uploader.flush(30)
+            if self.sparse.tier_writer is not None:  # bounded wait for the store, then the exit summary (status.py)
+                self.sparse.tier_writer.finish(float(sc.store_exit_wait_s))
             self._export()
         finally:
             self.sparse.engine.shutdown()
@@ -476,7 +391,6 @@ class SparseTrainer(Trainer):
                 self.sparse.tier_writer.shutdown()
 
     def _build_tiers(self):
-        from torchmoe_ckpt.dcp.tiers import build_tiers
 
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         hsdp = self.config.parallelism.data_parallel_replicate_degree
@@ -485,21 +399,16 @@ class SparseTrainer(Trainer):
     def _identity(self):
         """This run's identity (torchmoe_ckpt.identity): the same object for what is written and what is
         accepted on recovery; the data identity is the dataset and seed of the job file."""
-        from torchmoe_ckpt.identity import build_identity
-        from torchmoe_ckpt.operators import discover_operators
 
         c = self.config
         data = (f"dataset={getattr(getattr(c, 'training', None), 'dataset', None)} "
                 f"seed={getattr(getattr(c, 'debug', None), 'seed', None)}")
-        return build_identity(self.model, _OptimizerView(self.optimizers), self.compute_dtype,
+        return build_identity(self.model, OptimizerView(self.optimizers), self.compute_dtype,
                               discover_operators(self.model), self.sc.resolved_run_id(),
                               torch.distributed.get_world_size(), c.parallelism.data_parallel_replicate_degree,
                               data=data, steps=getattr(getattr(c, 'training', None), 'steps', None))
 
     def _recover(self, tier, replicator, store, identity=None):
-        from torchmoe_ckpt.dcp.tiers import Tiers
-        from torchmoe_ckpt.operators import discover_operators
-        from torchmoe_ckpt.resume import recover
 
         ops = {o.name: o for o in discover_operators(self.model)}
         # Tests scramble the live weights once a window is found: what recovery forgets shows up as a mismatch.
@@ -515,9 +424,7 @@ class SparseTrainer(Trainer):
         self._skip_batches = rep["recovered_step"] * self.gradient_accumulation_steps \
             * self.num_pipeline_parallel_microbatches
         self.recovery_report = rep
-        logger.info(f"torchmoe: recovered step {rep['recovered_step']} from window {rep['window_id']} "
-                    f"({rep['source']}), replayed {rep['replayed_iterations']} iterations in "
-                    f"{rep['seconds']:.2f} s; every replayed loss matched the original run bit for bit")
+        log_recovery(rep, torch.distributed.get_rank())  # where the copy came from; every replayed loss matched
         return res.window
 
     @torch.no_grad()
@@ -529,66 +436,7 @@ class SparseTrainer(Trainer):
 
     # ---- export (tests, diagnostics) -------------------------------------------------------------------
     def export_state(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        opt = _OptimizerView(self.optimizers)
-        for name, p in self.model.named_parameters():
-            out[f"param/{name}"] = _local(p).detach().clone()
-            for key, val in opt.state.get(p, {}).items():
-                out[f"optim/{name}/{key}"] = _local(val).clone() if torch.is_tensor(val) else torch.tensor(val)
-        for name, b in self.model.named_buffers():
-            if b is not None:
-                out[f"buffer/{name}"] = _local(b).clone()
-        out["lr"] = torch.tensor(opt.param_groups[0]["lr"], dtype=torch.float64)
-        out["step"] = torch.tensor(self.step)
-        return out
+        return state_tensors(self.model, OptimizerView(self.optimizers), self.step)
 
     def _export(self) -> None:
-        d = os.environ.get("TORCHMOE_TITAN_EXPORT")
-        if not d:
-            return
-        rank = torch.distributed.get_rank()
-        path = Path(d)
-        path.mkdir(parents=True, exist_ok=True)
-        torch.save(self.export_state(), path / f"state-rank-{rank}.pt")
-        st = self.sparse.stats() if self.sparse is not None else {}
-        info = {
-            "rank": rank, "attempt": self._attempt,
-            "losses": {str(k): v.item() for k, v in sorted(self._losses.items())},
-            "loss_bits": {str(k): v.view(torch.int32).item() for k, v in sorted(self._losses.items())},
-            "lrs": {str(k): v for k, v in sorted(self._lrs.items())},
-            "step_seconds": self._step_seconds,
-            "recovery": self.recovery_report,
-            "checkpoint": {k: st.get(k) for k in ("slots_captured", "windows_committed", "dense_bytes",
-                                                   "mean_slot_bytes", "max_slot_bytes", "wait_seconds_total",
-                                                   "wait_seconds_max", "copy_seconds_mean", "windows",
-                                                   "host_tier")},
-        }
-        (path / f"run-rank-{rank}-attempt-{self._attempt}.json").write_text(json.dumps(info, default=str))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-class TitanReplayable:
-    """``torchmoe_ckpt.recovery.Replayable`` over a SparseTrainer: replays TorchTitan iterations."""
-
-    def __init__(self, trainer: SparseTrainer):
-        self.trainer = trainer
-        self.model = trainer.model
-        self.optimizer = _OptimizerView(trainer.optimizers)
-
-    def set_step(self, step: int) -> None:
-        tr = self.trainer
-        tr.step = step
-        tr.set_lr_step(step)
-        tokens_per_step = (tr.config.training.local_batch_size * tr.config.training.seq_len
-                           * tr.gradient_accumulation_steps)
-        tr.ntokens_seen = step * tokens_per_step
-
-    def train_step(self, replay=None):
-        tr = self.trainer
-        tr.step += 1
-        res = tr.sparse_step(replay=replay)
-        tr._losses[res.step], tr._lrs[res.step] = res.loss, res.lr  # compared with the fault-free run too
-        return res
+        write_export(self)  # only with $TORCHMOE_TITAN_EXPORT (titan_state_export.py)

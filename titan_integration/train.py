@@ -21,7 +21,11 @@ Run under torchrun::
   ``[sparse_checkpoint]``, or, without a job file, go into the ``--override.imports`` entry (added if absent).
 * Every ``[sparse_checkpoint]`` value (however given) is checked first, before CPU mode and TorchTitan are
   imported: its values, the host directory (created, probe-written), the on-store format and the object
-  store (probe-written). A problem is one ``error: ... fix: ...`` line, exit status 2, on every rank.
+  store (probe-written in torchrun's first attempt; a restart only opens it). A problem is one
+  ``error: ... fix: ...`` line, exit status 2, on every rank.
+* Before TorchTitan is imported, every process group this process will create is keyed by torchrun attempt
+  (:func:`torchmoe_ckpt.distributed.key_rendezvous_by_attempt`): a restart must not read the previous
+  attempt's rendezvous keys (the cause of "Gloo connectFullMesh failed" on restart).
 """
 
 from __future__ import annotations
@@ -67,6 +71,12 @@ def _drop_opt(args: list[str], name: str) -> list[str]:
     return out
 
 
+def _first_attempt() -> bool:
+    """Probe-write the object store only in torchrun's first attempt: a restart has the same settings, already
+    probed, and waits for nothing but training (an outage during the run is the uploader's to report)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
 def check_job_file(path: str, sparse_args: dict | None = None) -> None:
     """Everything that can be checked before TorchTitan is imported: TOML syntax, sections, the
     [sparse_checkpoint] section with the ``--sparse_checkpoint.*`` flags over it (handed on to the loader in
@@ -77,7 +87,7 @@ def check_job_file(path: str, sparse_args: dict | None = None) -> None:
     try:
         job = read_job(path)
         check_sections(job)
-        sparse_section(job).check_resources(probe=True)
+        sparse_section(job).check_resources(probe=_first_attempt())
     except JobConfigError as e:
         raise UsageError(str(e)) from e
 
@@ -89,7 +99,7 @@ def check_sparse_args(argv: list[str], values: dict) -> list[str]:
         argv = merge_into_override(argv, values)
         section = override_section(argv)
         if section is not None:
-            section.check_resources(probe=True)
+            section.check_resources(probe=_first_attempt())
     except JobConfigError as e:
         raise UsageError(str(e)) from e
     return argv
@@ -242,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
 
         args = cpu_cli_flags(expert_parallel_degree=2) + args
 
+    from torchmoe_ckpt.distributed import key_rendezvous_by_attempt
+
+    key_rendezvous_by_attempt()  # before TorchTitan's init_distributed: a restart must not read stale store keys
     import torchtitan.train
 
     from torchmoe_ckpt import IdentityMismatch, RunLockedError
@@ -249,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     from titan_integration import pipeline_compat
 
     pipeline_compat.install()
+    from titan_integration import restart_timing
+
+    restart_timing.mark("titan_main")  # every import and check done: TorchTitan's own start from here
     sys.argv = [sys.argv[0]] + args
     try:
         torchtitan.train.main()

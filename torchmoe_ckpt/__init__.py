@@ -15,7 +15,11 @@ Frameworks (TorchTitan) implement `Replayable` and drive `SparseCheckpointer` an
 from .capture import SchedulerPosition
 from .checkpointer import SparseCheckpointer, SparseConfig
 from .config import CheckpointConfig, ObjectStoreConfig, TierConfig
+from .dcp.peer_storage import PeerReader, PeerWriter, held_copies
+from .dcp.raw_storage import CorruptItemError, RawReader, RawWriter, has_checkpoint
 from .dcp.run_lock import RunLockedError
+from .dcp.sparse_planner import SparseLoadPlanner, SparseSavePlanner, SparseSchedule, load_sparse_window
+from .dcp.tier_storage import HostReader, HostWriter, StoreReader, StoreWriter, TieredReader, TieredWriter
 from .dcp.tier_health import CheckpointStallError
 from .dcp.tiers import Tiers, build_tiers
 from .distributed import init_process_group, restart_attempt
@@ -23,6 +27,7 @@ from .errors import ConfigError, UncapturedStateError
 from .identity import IdentityMismatch, RunIdentity
 from .loop import Checkpointer, StepResult
 from .operators import Operator, OperatorDiscoveryError, OperatorSpec, discover_operators
+from .placement import Placement, Topology, place_replicas
 from .recovery import RecoveryReport, ReplayDivergence, Replayable, sparse_to_dense
 from .replay_log import Replay
 from .resume import ResumeResult, recover
@@ -36,7 +41,11 @@ __all__ = [
     # frameworks
     "SparseCheckpointer", "Replayable", "Replay", "recover", "ResumeResult", "sparse_to_dense", "RecoveryReport",
     "Tiers", "build_tiers", "Window", "SchedulerPosition", "RouterCounter", "discover_operators", "Operator",
+    # DCP users: sparse planners on a standard state dict, one StorageWriter/Reader per tier
+    "SparseSchedule", "SparseSavePlanner", "SparseLoadPlanner", "load_sparse_window", "HostWriter", "HostReader",
+    "StoreWriter", "StoreReader", "TieredWriter", "TieredReader", "RawWriter", "RawReader", "has_checkpoint",
+    "PeerWriter", "PeerReader", "held_copies", "Topology", "place_replicas", "Placement",
     # errors
     "ConfigError", "UncapturedStateError", "OperatorDiscoveryError", "ReplayDivergence", "RunLockedError",
-    "CheckpointStallError", "IdentityMismatch", "RunIdentity",
+    "CheckpointStallError", "IdentityMismatch", "RunIdentity", "CorruptItemError",
 ]

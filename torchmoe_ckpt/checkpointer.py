@@ -9,6 +9,8 @@ copied; the newest committed window and the one in flight are kept, older buffer
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +25,7 @@ from .identity import RunIdentity, build_identity
 from .operators import Operator, discover_operators, expert_grid
 from .popularity import PopularityTracker, order_experts, reorder_needed
 from .replay_log import IterationRecord
-from .schedule import WindowPlan, copy_budget, measure_copy_bandwidth, plan_window
+from .schedule import CopyCost, WindowPlan, choose_window, copy_budget, measure_copy_bandwidth, plan_window
 from .snapshot import Slot, SnapshotEngine, StateAccess, build_slot
 from .window import Window
 
@@ -32,9 +34,11 @@ log = logging.getLogger("torchmoe_ckpt")
 
 @dataclass
 class SparseConfig:
-    window: int | None = None              # force W; None = Algorithm 1 with measured T_iter and bandwidth
+    window: int | None = None              # force W; None = Algorithm 1 priced with the observed copy cost
     overlap: float = 1.0                   # share of one iteration a slot copy may take
-    bandwidth_bytes_per_s: float | None = None  # None = measured at start
+    # None: price slots by what copies cost under training (copy-thread time per byte, iteration time with
+    # checkpointing; an idle memcpy figure only until the first copy); a number: that fixed bandwidth
+    bandwidth_bytes_per_s: float | None = None
     popularity: str = "hard"               # hard | soft | decayed | capacity
     decay: float = 0.9
     reorder_change: float = 0.10
@@ -107,8 +111,15 @@ class SparseCheckpointer:
         self._level = logging.INFO if self._rank == 0 else logging.DEBUG  # one line per window, not one per rank
         self._warned_unfit = False  # an impossible copy budget is reported once, not every window
         self.bandwidth = self.cfg.bandwidth_bytes_per_s or self._agree(measure_copy_bandwidth(), dist.ReduceOp.MIN)
+        self.cost = CopyCost(self.bandwidth)  # the prior until copies under training are observed
+        self._copies_seen = 0
+        self._auto_w: int | None = None
+        self._w_pending: tuple | None = None  # (async all-reduce, tensor): the next window's agreed W
+        self._slot_bytes: dict[tuple, list[int]] = {}  # the last plan's bytes per slot on this rank
+        self._cur_slot_bytes: list[int] = []
+        self._sizes: tuple[dict[str, int], dict[str, int]] | None = None
         self.counters = {"slots": 0, "windows_committed": 0, "reorders": 0, "slot_bytes": [], "copy_seconds": [],
-                         "windows": []}
+                         "windows": [], "plans": 0, "plan_s_total": 0.0, "plan_s_max": 0.0}
         full = [o.full_bytes() for o in self.ops]
         self.dense_bytes = sum(full)  # what one dense snapshot of this rank copies
 
@@ -126,7 +137,9 @@ class SparseCheckpointer:
         """Call right after the optimizer step of iteration `res.step` (a harness StepResult or alike)."""
         self.t_iter = res.seconds if self.t_iter is None else 0.7 * self.t_iter + 0.3 * res.seconds
         self.tracker.update(res.expert_counts.double(), res.expert_probs.double())
+        self.cost.observe_step(res.seconds)
         self.engine.wait()
+        self._observe_copy()
         self._maybe_commit()
         t = res.step
         cur = self.current
@@ -134,7 +147,13 @@ class SparseCheckpointer:
             cur.log.add(IterationRecord(t, res.tokens, res.grad_norm, res.lr, res.loss, res.rng_state,
                                         lrs=getattr(res, "lrs", None)))
         if cur is None or cur.captured >= cur.plan.window:
+            t0 = time.perf_counter()
             cur = self._start_window(t)
+            dt = time.perf_counter() - t0
+            self.counters["plans"] += 1
+            self.counters["plan_s_total"] += dt
+            self.counters["plan_s_max"] = max(self.counters["plan_s_max"], dt)
+            self.counters["plan_s_recent"] = (self.counters.get("plan_s_recent", []) + [dt])[-64:]
         slot = cur.slots[t - cur.start_step]
         self.engine.capture(slot, t)
         if self.tier_writer is not None:
@@ -143,11 +162,35 @@ class SparseCheckpointer:
                                                  "run": self._identity_dict["fingerprint"]})
         cur.captured += 1
         self.counters["slots"] += 1
-        self.counters["slot_bytes"].append(slot.nbytes)
+        self.counters["slot_bytes"].append(self._cur_slot_bytes[t - cur.start_step])
 
     def close(self) -> None:
         self.engine.wait()
+        self._observe_copy()
         self._maybe_commit()
+
+    def abandon_window(self) -> None:
+        """Finish the copy in flight, then drop the window being filled if it is not complete (its buffers go
+        back to the pool): the next `after_step` starts a new window. For a loop that pauses checkpointing."""
+        self.close()
+        cur, self.current = self.current, None
+        if cur is not None and self.tier_writer is None:
+            self._keep_buffers(cur)
+
+    def _observe_copy(self) -> None:
+        """Feed the copy that just finished (bytes, copy-thread wall time, the wait it caused) to the pricing."""
+        n = self.engine.copy_totals["copies"]
+        if n != self._copies_seen and self.engine.last_copy is not None:
+            self._copies_seen = n
+            nbytes, wall, _cpu = self.engine.last_copy
+            self.cost.observe_copy(nbytes, wall, self.engine.waits[-1] if self.engine.waits else 0.0)
+
+    def _keep_buffers(self, win: Window) -> None:
+        # At most two plans' buffers are kept: W (or the order) may change and must not pile up memory.
+        self._pool.pop(self._signature(win.plan), None)
+        self._pool[self._signature(win.plan)] = win.slots
+        while len(self._pool) > 2:
+            self._pool.pop(next(iter(self._pool)))
 
     # ---- windows -------------------------------------------------------------------------------------
     def _maybe_commit(self) -> None:
@@ -170,13 +213,13 @@ class SparseCheckpointer:
         reusable = old is not None and old is not self._inherited and (
             self.tier_writer is None or old.id in self.tier_writer.persisted)
         if reusable:
-            self._pool[self._signature(old.plan)] = old.slots
+            self._keep_buffers(old)
 
-    def _agree(self, value: float, op) -> float:
+    def _agree(self, value: float, op, group: object = _SAME_GROUP) -> float:
         if not dist.is_initialized():
             return value
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=op, group=self.agree_group)
+        dist.all_reduce(t, op=op, group=self.agree_group if group is _SAME_GROUP else group)
         return float(t.item())
 
     def _operator_order(self) -> list[str]:
@@ -191,31 +234,80 @@ class SparseCheckpointer:
             self._order, self._order_freq = experts + routers + dense, freq.clone()
         return self._order
 
+    def _op_sizes(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Full and compute bytes per operator, the max over the planning group so every rank plans the same
+        window. Sizes never change during a run: agreed once (one collective), not at every window."""
+        if self._sizes is None:
+            names = [o.name for o in self.ops]
+            sizes = torch.tensor([[self.op_by_name[n].full_bytes(), self.op_by_name[n].compute_bytes(
+                self.compute_dtype.itemsize)] for n in names], dtype=torch.float64)
+            if dist.is_initialized():
+                dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.group)
+            self._sizes = ({n: int(sizes[i, 0]) for i, n in enumerate(names)},
+                           {n: int(sizes[i, 1]) for i, n in enumerate(names)})
+        return self._sizes
+
     def _start_window(self, t: int) -> Window:
         order = self._operator_order()
-        # Sizes and budget agreed across ranks so every rank computes the identical plan.
-        sizes = torch.tensor([[self.op_by_name[n].full_bytes(), self.op_by_name[n].compute_bytes(
-            self.compute_dtype.itemsize)] for n in order], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.group)
-        full = {n: int(sizes[i, 0]) for i, n in enumerate(order)}
-        comp = {n: int(sizes[i, 1]) for i, n in enumerate(order)}
-        budget = float("inf")
+        full, comp = self._op_sizes()
+        budget, auto_w = float("inf"), None
         if self.cfg.window is None:
-            budget = self._agree(copy_budget(self.t_iter, self.bandwidth, self.cfg.overlap), dist.ReduceOp.MIN)
-        plan = plan_window(order, full, comp, budget, forced_window=self.cfg.window, warn=not self._warned_unfit and self._rank == 0)
+            if self.cfg.bandwidth_bytes_per_s is None:  # priced by what copies cost under training
+                budget = self.cost.budget_bytes(self.cfg.overlap)
+            else:
+                budget = copy_budget(self.t_iter, self.bandwidth, self.cfg.overlap)
+            # Every rank plans the same window: W is the largest any rank proposed. Proposals are agreed in the
+            # background during the window before (an async 8-byte all-reduce), so no rank waits here for a
+            # slower one; only the first window agrees on the spot.
+            proposal = float(choose_window(order, full, comp, budget, self._auto_w))
+            if self._w_pending is None:
+                auto_w = int(self._agree(proposal, dist.ReduceOp.MAX, self.group))
+            else:
+                work, agreed = self._w_pending
+                if work is not None:
+                    work.wait()
+                auto_w = int(agreed.item())
+            nxt = torch.tensor([proposal], dtype=torch.float64)
+            self._w_pending = (dist.all_reduce(nxt, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+                               if dist.is_initialized() else None, nxt)
+            self._auto_w = auto_w
+        plan = plan_window(order, full, comp, budget, forced_window=self.cfg.window, auto_window=auto_w,
+                           warn=not self._warned_unfit and self._rank == 0)
         self._warned_unfit = self._warned_unfit or not plan.fits
-        slots = self._pool.pop(self._signature(plan), None) or [
-            build_slot(i, sp.active, sp.frozen, self.op_by_name, self.compute_dtype, self.pin_memory)
-            for i, sp in enumerate(plan.slots)]
+        slots = self._pool.pop(self._signature(plan), None) or self._build_slots(plan)
         win = Window(self._next_id, t, plan, slots)
+        self._cur_slot_bytes = self._slot_sizes(plan, slots)
         self._next_id += 1
         self.current = win
         self.counters["windows"].append({"id": win.id, "start": t, "W": plan.window, "fits": plan.fits,
-                                         "worst_slot_bytes": plan.worst_slot_bytes})
+                                         "worst_slot_bytes": plan.worst_slot_bytes,
+                                         "mean_slot_bytes": sum(self._cur_slot_bytes) / plan.window})
         log.log(self._level, "window start id=%d t0=%d W=%d fits=%s budget=%.3g worst_slot=%d", win.id, t, plan.window,
                  plan.fits, budget, plan.worst_slot_bytes)
         return win
+
+    def _build_slots(self, plan: WindowPlan) -> list[Slot]:
+        """Slot buffers for a new plan (another W, or a popularity reorder), recycled by shape and dtype from
+        the free buffers of the pooled plans: no allocation and no first-touch page faults on the copy thread."""
+        free: dict[tuple, list[torch.Tensor]] = {}
+        for old in self._pool.values():
+            for sl in old:
+                for it in sl.items:
+                    free.setdefault((tuple(it.buffer.shape), it.buffer.dtype), []).append(it.buffer)
+        self._pool.clear()  # their buffers now belong to the new plan (or are let go)
+
+        def alloc(shape, dtype) -> torch.Tensor:
+            spare = free.get((tuple(shape), dtype))
+            return spare.pop() if spare else torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
+        return [build_slot(i, sp.active, sp.frozen, self.op_by_name, self.compute_dtype, self.pin_memory, alloc=alloc)
+                for i, sp in enumerate(plan.slots)]
+
+    def _slot_sizes(self, plan: WindowPlan, slots: list[Slot]) -> list[int]:
+        # this rank's bytes per slot, summed once per plan (~1,000 items each: ~1 ms), not at every iteration
+        sig = self._signature(plan)
+        if sig not in self._slot_bytes:
+            self._slot_bytes = {sig: [sl.nbytes for sl in slots]}
+        return self._slot_bytes[sig]
 
     @staticmethod
     def _signature(plan: WindowPlan) -> tuple:
@@ -229,6 +321,12 @@ class SparseCheckpointer:
             self.counters[k] = old.counters[k] + self.counters[k]
         self.engine.waits = old.engine.waits + self.engine.waits
         self.engine.wait_seconds_total += old.engine.wait_seconds_total
+        for k, v in old.engine.copy_totals.items():
+            self.engine.copy_totals[k] += v
+        for k in ("plans", "plan_s_total"):
+            self.counters[k] += old.counters[k]
+        self.counters["plan_s_max"] = max(self.counters["plan_s_max"], old.counters["plan_s_max"])
+        self.cost, self._auto_w = old.cost, old._auto_w  # what copies cost is learned once, not per restart
         return self
 
     # ---- reporting -----------------------------------------------------------------------------------
@@ -247,6 +345,11 @@ class SparseCheckpointer:
             "copy_seconds_mean": (sum(self.counters["copy_seconds"]) / len(self.counters["copy_seconds"])
                                   if self.counters["copy_seconds"] else 0.0),
             "t_iter": self.t_iter, "bandwidth_bytes_per_s": self.bandwidth,
+            # what the copies cost under training (copy thread), what auto W priced them at, planning time
+            "copy": dict(self.engine.copy_totals), "priced_bytes_per_s": self.cost.bytes_per_s,
+            "priced_t_iter": self.cost.t_iter, "auto_window": self._auto_w,
+            "plan_seconds": dict({k: self.counters[k] for k in ("plans", "plan_s_total", "plan_s_max")},
+                                 median_recent=statistics.median(self.counters.get("plan_s_recent") or [0.0])),
             "windows": self.counters["windows"][-5:],
             "host_tier": None if self.tier_writer is None else self.tier_writer.stats(),
             "peers": None if self.tier_writer is None else self.tier_writer.replication_stats(),

@@ -29,6 +29,8 @@ class ObjectStoreConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec (credentials, endpoint)
     keep: int = 2               # windows kept in the store; older ones are deleted
     format: str = "dcp"         # "dcp" (standard DCP files) | "tensorstore" (zarr3 + OCDBT, one expert per chunk)
+    exit_wait_s: float = 30.0   # at the end of a run, wait at most this long for pending uploads (then exit;
+                                # what is left stays in host memory and the next run with this run_id uploads it)
 
     def __post_init__(self):
         if not isinstance(self.uri, str) or not self.uri:
@@ -37,6 +39,9 @@ class ObjectStoreConfig:
             raise ConfigError(f"object_store.keep must be >= 1 (windows kept in the store), got {self.keep}")
         if self.format not in STORE_FORMATS:
             raise ConfigError(f"object_store.format {self.format!r} is not one of {STORE_FORMATS}")
+        if isinstance(self.exit_wait_s, bool) or not isinstance(self.exit_wait_s, (int, float)) or self.exit_wait_s < 0:
+            raise ConfigError(f"object_store.exit_wait_s must be a number of seconds >= 0 (the bounded wait for "
+                              f"pending uploads at exit), got {self.exit_wait_s!r}")
         if not isinstance(self.storage_options, dict):
             raise ConfigError("object_store.storage_options must be a dict of fsspec options, got "
                               f"{type(self.storage_options).__name__}")

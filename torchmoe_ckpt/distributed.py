@@ -1,25 +1,94 @@
-"""A process group that comes back after a torchrun restart.
+"""Process groups that come back after a torchrun restart.
 
-Under `torchrun --max-restarts N` every attempt rendezvouses through the same agent store. A plain
-`dist.init_process_group("gloo")` in attempt k > 0 sometimes reads the *previous* attempt's peer addresses
-from that store (the keys are not namespaced by attempt) and fails with "Gloo connectFullMesh failed ...
-Connection refused", about half the time in our runs. Keying the whole group (and every sub-group created
-from it, whose keys live under the same prefix) by the attempt number removes the stale keys from view.
+Root cause of "Gloo connectFullMesh failed ... Connection refused" (or a hang) in attempt k > 0: with its
+default c10d rendezvous, torchrun's agent hosts ONE TCPStore for the whole job and every attempt's workers
+use it (`TORCHELASTIC_USE_AGENT_STORE=True`); torch >= 2.5 no longer prefixes the workers' keys by attempt
+(`torch.distributed.rendezvous._create_c10d_store`: "we create a new TCPStore for every retry", which the
+shared agent store does not do; pytorch/pytorch#135712). So attempt k finds attempt k-1's keys: gloo reads a
+dead peer's address before the live peer has overwritten it (refused, or a hang until the init timeout), and
+NCCL can read the previous unique id. Every sub-group (`new_group`, DeviceMesh) keeps its keys under the
+default group's store, with names from a counter that restarts at 0: the same stale keys again.
+
+`key_rendezvous_by_attempt()` puts the attempt back into the store's key prefix, as torch < 2.5 did, for
+every env:// or tcp:// process group this process creates afterwards (TorchTitan's own init_distributed
+included) and therefore for every sub-group. `key_groups_by_attempt()` is the late fallback for a default group
+created before that (sub-groups created afterwards are keyed). Launching torchrun with
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (torch's own opt-out: a fresh store per attempt) fixes it too.
 """
 from __future__ import annotations
 
+import importlib
 import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["init_process_group", "restart_attempt"]
+# `torch.distributed.rendezvous` the attribute is a function that shadows the module of that name.
+rdzv = importlib.import_module("torch.distributed.rendezvous")
+
+__all__ = ["init_process_group", "restart_attempt", "key_rendezvous_by_attempt", "key_groups_by_attempt",
+           "default_group_keyed", "attempt_prefix"]
 
 
 def restart_attempt() -> int:
     """Which torchrun attempt this process belongs to (0 = the first launch, or not under torchrun)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def attempt_prefix() -> str:
+    return f"/torchmoe/attempt-{restart_attempt()}"
+
+
+def _shared_agent_store() -> bool:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def key_rendezvous_by_attempt() -> None:
+    """From now on, every process group created through env:// or tcp:// rendezvous in this process keys its
+    store by the torchrun attempt (no effect without torchrun's shared agent store). Idempotent; every rank
+    must do the same, which it does when every rank runs the same code."""
+    create = rdzv._create_c10d_store
+    if getattr(create, "torchmoe_keyed", False):
+        return
+
+    def keyed(*args, **kwargs):
+        store = create(*args, **kwargs)
+        if _shared_agent_store():
+            keyed.used = True
+            return dist.PrefixStore(attempt_prefix(), store)
+        return store
+
+    keyed.torchmoe_keyed = True
+    keyed.used = False
+    rdzv._create_c10d_store = keyed
+
+
+_late_keyed: list = []  # the default group keyed by key_groups_by_attempt (pybind stores take no attributes)
+
+
+def default_group_keyed() -> bool:
+    """Whether the default group's keys are this attempt's own: its rendezvous was keyed, it was keyed late,
+    or there is no shared agent store (then each attempt has a fresh store). True before any group exists."""
+    if not dist.is_initialized() or not _shared_agent_store():
+        return True
+    return bool(getattr(rdzv._create_c10d_store, "used", False)) or c10d._get_default_group() in _late_keyed
+
+
+def key_groups_by_attempt() -> bool:
+    """For a default group that was created before `key_rendezvous_by_attempt` (TorchTitan's stock entry point
+    sets it up before any override module is imported): key every sub-group created from now on by attempt.
+    Returns True when it had to (the default group itself was not keyed: its own rendezvous could have read
+    the previous attempt's keys). Every rank must call it at the same point, as every rank does."""
+    key_rendezvous_by_attempt()
+    if default_group_keyed():
+        return False
+    pg = c10d._get_default_group()
+    backend, store = c10d._world.pg_map[pg]
+    c10d._world.pg_map[pg] = (backend, dist.PrefixStore(attempt_prefix(), store))
+    _late_keyed.append(pg)
+    return True
 
 
 def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> tuple[int, int]:
@@ -34,14 +103,6 @@ def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> 
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
         return 0, 1
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    attempt = restart_attempt()
-    if attempt == 0:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                              is_master=(rank == 0 and not agent), timeout=timeout, multi_tenant=not agent)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"/torchmoe/attempt-{attempt}", store),
-                                rank=rank, world_size=world, timeout=timeout)
-    return rank, world
+    key_rendezvous_by_attempt()
+    dist.init_process_group(backend, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()

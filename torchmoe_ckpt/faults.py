@@ -18,6 +18,9 @@ A fault fires once, at the first matching point reached in or after iteration `s
 TORCHMOE_FAULT_STATE=<dir> "once" means once per job, in whichever attempt reaches it first (a marker file
 per fault), and `attempt` is ignored: restarts that fail for other reasons do not shift the plan. Library code calls
 `point(name)`; with no fault armed that is one attribute check.
+
+The event line carries the kill's wall-clock time (`time=`), and under torchrun the time is also left in torchrun's
+log folder of this job (`last_kill_time()`), from which the next attempt measures its restart.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger("torchmoe_ckpt.faults")
@@ -88,6 +92,40 @@ def point(name: str) -> None:
             except FileExistsError:
                 continue  # fired in an earlier attempt of this job
         # One line on stderr first: the test summary and the user see what was injected where.
+        now = time.time()
         print(f"event=fault_injected action={f.action} point={name} rank={rank} iteration={_iteration} "
-              f"attempt={attempt}", file=sys.stderr, flush=True)
+              f"attempt={attempt} time={now:.3f}", file=sys.stderr, flush=True)
+        _write_kill_time(now)
         os.kill(os.getpid(), ACTIONS[f.action])
+
+
+def _kill_time_file() -> str | None:
+    """In torchrun's own log folder of this job (error file: <job>/attempt_K/<rank>/error.json), which every
+    attempt shares and torchrun already leaves behind; None outside torchrun."""
+    attempt_dir = os.path.dirname(os.path.dirname(os.environ.get("TORCHELASTIC_ERROR_FILE", "")))
+    if not os.path.basename(attempt_dir).startswith("attempt_"):
+        return None  # not torchrun's layout: leave nothing anywhere
+    return os.path.join(os.path.dirname(attempt_dir), "torchmoe-last-kill.time")
+
+
+def _write_kill_time(now: float) -> None:
+    path = _kill_time_file()
+    if path:
+        try:
+            with open(path, "w") as fh:
+                fh.write(f"{now:.6f}")
+        except OSError:
+            pass  # only a measurement is lost
+
+
+def last_kill_time(consume: bool = False) -> float | None:
+    """Wall-clock time of the newest fault injected in this torchrun job (None if none); `consume` removes it."""
+    path = _kill_time_file()
+    try:
+        with open(path) as fh:  # type: ignore[arg-type]
+            t = float(fh.read())
+        if consume:
+            os.unlink(path)  # type: ignore[arg-type]
+        return t
+    except (OSError, TypeError, ValueError):
+        return None

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import re
 
-from .dcp.manifest import MANIFEST_NAME, WindowManifest, check_window, crc32_bytes, parse_window_dirname
+from .dcp.checksums import digest
+from .dcp.manifest import MANIFEST_NAME, WindowManifest, check_window, parse_window_dirname
 from .dcp.planner import PLANNER_KEY, slot_info
 
 _HOST_MANIFEST = re.compile(r"^MANIFEST\.rank-(\d+)\.json$")
@@ -87,8 +88,8 @@ def _verify_files(fs, wdir: str, man: WindowManifest) -> list[str]:
             continue
         if len(data) != want.bytes:
             problems.append(f"{rel}: {len(data)} bytes, manifest says {want.bytes} (torn)")
-        elif crc32_bytes(data) != want.crc32:
-            problems.append(f"{rel}: CRC32 {crc32_bytes(data):08x} != {want.crc32:08x} (corrupt)")
+        elif not want.matches(data):  # CRC32, or the digest algorithm the entry names
+            problems.append(f"{rel}: {want.algo} {digest(data, want.algo):08x} != {want.crc32:08x} (corrupt)")
     return problems
 
 

@@ -34,6 +34,7 @@ from .operators import discover_operators
 from .recovery import ReplayDivergence, init_optimizer_state
 from .replay_log import Replay
 from .resume import ResumeResult, recover
+from .status import log_recovery
 from .routing import RouterCounter
 
 log = logging.getLogger("torchmoe_ckpt.loop")
@@ -108,6 +109,8 @@ class Checkpointer:
             self.resumed = recover(_Replay(self), self.tiers, self.op_by_name, self.compute_dtype, self.rank,
                                    identity=self.identity)
             window = self.resumed.window
+            if window is not None:
+                log_recovery(self.resumed.report, self.rank)  # where the copy came from; the losses matched
         t = self.tiers
         self.sparse = SparseCheckpointer(
             self.model, self.optimizer, self.compute_dtype, self.config.window, group=self.group, committed=window,
@@ -134,20 +137,22 @@ class Checkpointer:
         out["recovery"] = self.resumed.report if self.resumed is not None else None
         return out
 
-    def close(self, upload_timeout_s: float = 30.0) -> None:
+    def close(self, upload_timeout_s: float | None = None) -> None:
         """Finish the in-flight copy, write what is committed to the host tier, give the object store up to
-        `upload_timeout_s` to catch up, and stop the threads. Idempotent."""
+        `upload_timeout_s` (default: `ObjectStoreConfig.exit_wait_s`) to catch up, log the exit summary
+        (status.py) and stop the threads. Idempotent."""
         sp = self.sparse
         if sp is None or self._closed:
             self.routers.close()
             return
         self._closed = True
+        store_cfg = self.config.tiers.object_store if self.config.tiers is not None else None
+        if upload_timeout_s is None:
+            upload_timeout_s = store_cfg.exit_wait_s if store_cfg is not None else 30.0
         try:
             sp.close()
             if sp.tier_writer is not None:
-                sp.tier_writer.flush()
-                if sp.tier_writer.uploader is not None:
-                    sp.tier_writer.uploader.flush(upload_timeout_s)
+                sp.tier_writer.finish(upload_timeout_s)
                 sp.tier_writer.shutdown()
         finally:
             sp.engine.shutdown()

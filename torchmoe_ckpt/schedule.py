@@ -115,7 +115,8 @@ def _check_sizes(order: list[str], full: dict[str, int], comp: dict[str, int]) -
 
 
 def plan_window(order: list[str], full_bytes: dict[str, int], compute_bytes: dict[str, int],
-                budget_bytes: float, forced_window: int | None = None, warn: bool = True) -> WindowPlan:
+                budget_bytes: float, forced_window: int | None = None, warn: bool = True,
+                auto_window: int | None = None) -> WindowPlan:
     """Plan one window over `order` (already in checkpoint order).
 
     Slot i costs the full bytes of its active set plus the compute bytes of every operator after it.
@@ -125,7 +126,9 @@ def plan_window(order: list[str], full_bytes: dict[str, int], compute_bytes: dic
     and it finishes in no more slots. If a single operator does not fit, its slot still takes just that
     operator, `fits` is False and one warning is logged. Forced mode gives exactly `forced_window` slots
     with the smallest possible worst slot. `warn=False` lets a caller that re-plans every window report an
-    impossible budget only once.
+    impossible budget only once. `auto_window`: auto mode whose W was already chosen (`choose_window`): split
+    like a forced window (the split depends only on W and the order, so slot buffers are reused while W
+    holds), reported as auto.
     """
     if not order:
         raise ValueError("cannot plan a window without operators")
@@ -134,7 +137,11 @@ def plan_window(order: list[str], full_bytes: dict[str, int], compute_bytes: dic
     order = list(order)
     _check_sizes(order, full_bytes, compute_bytes)
     n = len(order)
-    if forced_window is None:
+    if auto_window is not None:
+        if not isinstance(auto_window, numbers.Integral) or not 1 <= auto_window <= n:
+            raise ValueError(f"auto window {auto_window!r} is impossible with {n} operators: use 1..{n}")
+        ends = _forced_ends(order, full_bytes, compute_bytes, int(auto_window))
+    elif forced_window is None:
         ends = _greedy_ends(order, full_bytes, compute_bytes, budget_bytes)
     else:
         if not isinstance(forced_window, numbers.Integral) or not 1 <= forced_window <= n:
@@ -146,7 +153,7 @@ def plan_window(order: list[str], full_bytes: dict[str, int], compute_bytes: dic
     if not fits and warn:  # one message per call, naming the worst slot, however many slots are over
         i, worst = max(enumerate(slots), key=lambda x: x[1].bytes)
         names = ", ".join(worst.active[:3]) + (", ..." if len(worst.active) > 3 else "")
-        fix = "a larger forced window or auto (None)" if forced_window is not None else (
+        fix = "a larger forced window or auto (None)" if forced_window is not None and auto_window is None else (
             "set a forced window to accept the wait")
         # "do not fit the copy budget" is matched by tests/test_recovery.py: keep the phrase.
         log.warning("sparse checkpoint slots do not fit the copy budget: slot %d of W=%d (active: %s) copies %d "
@@ -173,6 +180,65 @@ def _forced_ends(order: list[str], full: dict[str, int], comp: dict[str, int], w
         i = max(range(len(ends)), key=lambda k: ends[k] - starts[k])
         ends.insert(i, starts[i] + (ends[i] - starts[i]) // 2)
     return ends
+
+
+class CopyCost:
+    """What a slot copy costs while training runs, learned from the copies themselves (Algorithm 1's budget,
+    priced by observation instead of an idle memcpy figure).
+
+    `seconds_per_byte`: EWMA over finished slot copies of copy-thread wall seconds / bytes. Wall clock, not CPU:
+    on a CPU the copy shares cores (and memory bandwidth) with compute, so the time it occupies under training
+    includes that contention; on a GPU it is the side stream's time. `t_iter`: EWMA of the iteration time with
+    checkpointing on, so a step-time slowdown caused by copying shrinks nothing it should not. A copy the
+    training thread had to wait for is priced at least at its wait. Until the first copy is observed,
+    `prior_bytes_per_s` (e.g. `measure_copy_bandwidth()`) stands in."""
+
+    def __init__(self, prior_bytes_per_s: float, alpha: float = 0.3):
+        if not prior_bytes_per_s > 0:
+            raise ValueError(f"prior bandwidth must be > 0, got {prior_bytes_per_s}")
+        self.prior_s_per_byte = 1.0 / prior_bytes_per_s
+        self.alpha = alpha
+        self.seconds_per_byte: float | None = None
+        self.t_iter: float | None = None
+        self.copies = 0
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def observe_step(self, seconds: float) -> None:
+        if seconds > 0:
+            self.t_iter = self._ewma(self.t_iter, seconds)
+
+    def observe_copy(self, nbytes: int, seconds: float, waited_s: float = 0.0) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.seconds_per_byte = self._ewma(self.seconds_per_byte, max(seconds, waited_s) / nbytes)
+            self.copies += 1
+
+    @property
+    def bytes_per_s(self) -> float:
+        return 1.0 / (self.seconds_per_byte if self.seconds_per_byte is not None else self.prior_s_per_byte)
+
+    def budget_bytes(self, overlap: float) -> float:
+        """Bytes one slot may copy for its copy to take `overlap` x T_iter."""
+        return copy_budget(self.t_iter, self.bytes_per_s, overlap)
+
+
+def choose_window(order: list[str], full: dict[str, int], comp: dict[str, int], budget_bytes: float,
+                  current: int | None = None, hysteresis: float = 0.15) -> int:
+    """The smallest W whose greedy slots fit `budget_bytes` (Algorithm 1). Against `current` (the W in use), a
+    larger W is taken at once (the copies got dearer), a smaller one only if it fits with `hysteresis` to spare,
+    so measurement noise does not flip W (and the slot buffers with it) at every window. A budget no W can meet
+    (below the compute weights of every other operator, which slot 0 always copies) stops W where its worst
+    slot is within 25% of the least possible: a larger W would buy almost nothing and add replay."""
+    order = list(order)
+    _check_sizes(order, full, comp)
+    suffix = _suffix_compute(order, comp)
+    floor = max(full[o] + suffix[k + 1] for k, o in enumerate(order))  # worst slot with one operator per slot
+    budget_bytes = max(budget_bytes, 1.25 * floor)
+    w = len(_greedy_ends(order, full, comp, budget_bytes))
+    if current is None or w >= current:
+        return w
+    return min(current, len(_greedy_ends(order, full, comp, budget_bytes / (1 + hysteresis))))
 
 
 def measure_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 3) -> float:

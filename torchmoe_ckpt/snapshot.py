@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -97,13 +98,15 @@ class StateAccess:
 
 
 def build_slot(index: int, active: tuple[str, ...], frozen: tuple[str, ...], ops: dict[str, Operator],
-               compute_dtype: torch.dtype, pin_memory: bool = False) -> Slot:
-    """Allocate the host buffers of one slot (done once per window plan, then reused)."""
+               compute_dtype: torch.dtype, pin_memory: bool = False,
+               alloc: Callable[[tuple, torch.dtype], torch.Tensor] | None = None) -> Slot:
+    """Allocate the host buffers of one slot (done once per window plan, then reused). `alloc(shape, dtype)`
+    replaces the allocator (meta tensors: the slot's layout without memory, as DCP planners use it)."""
     items: list[SlotItem] = []
     seen_steps: set[str] = set()
-
-    def alloc(shape, dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+    if alloc is None:
+        def alloc(shape, dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
 
     for name in active:
         for pc in ops[name].pieces:
@@ -144,6 +147,11 @@ class SnapshotEngine:
         self.inflight: Slot | None = None
         self.wait_seconds_total = 0.0
         self.waits: list[float] = []
+        # What copies cost under training (for pricing the window): the last one as (bytes, wall s, copy-thread
+        # CPU s), and totals over every finished copy.
+        self.last_copy: tuple[int, float, float] | None = None
+        self.copy_totals = {"copies": 0, "bytes": 0, "wall_s": 0.0, "cpu_s": 0.0}
+        self._sources: dict[int, tuple] = {}  # id(slot) -> (slot ref, state key, source views): see capture
         # One-shot hook called with (slot, items_copied); may raise SimulatedCopyFault to tear the copy.
         self.fault_hook: Callable[[Slot, int], None] | None = None
         self._jobs: queue.Queue = queue.Queue()
@@ -156,15 +164,27 @@ class SnapshotEngine:
         self.wait()
         slot.done.clear()
         slot.error, slot.step = None, None
+        # Resolving each item to its live tensor (lookups and a slice, ~4 us) costs milliseconds per capture for
+        # hundreds of items on the training thread: resolve a slot once and reuse the views while the model's
+        # and optimizer's tensors are the same storage (a new optimizer state or a reload changes the key).
+        acc = self.access
+        key = tuple(local_tensor(t).data_ptr() for t in acc.params.values()) + tuple(
+            local_tensor(v).data_ptr() for st in acc.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+        hit = self._sources.get(id(slot))
+        if hit is None or hit[0]() is not slot or hit[1] != key:
+            srcs = [None if it.role == "buffer" else acc.source(it) for it in slot.items]
+            self._sources[id(slot)] = hit = (weakref.ref(slot), key, srcs)
+            while len(self._sources) > 64:  # slots dropped from the pool leave stale entries behind
+                self._sources.pop(next(iter(self._sources)))
         pairs = []
         with torch.no_grad():
-            for it in slot.items:
-                if it.role == "buffer":
+            for it, src in zip(slot.items, hit[2]):
+                if src is None:
                     # Buffers may change in the next forward (counters, running stats), before the next update
                     # that the copy thread is ordered against: copy them now, they are small.
-                    it.buffer.copy_(self.access.source(it))
+                    it.buffer.copy_(acc.source(it))
                 else:
-                    pairs.append((self.access.source(it), it.buffer))
+                    pairs.append((src, it.buffer))
         self.inflight = slot
         if self._stream is not None:
             # Side stream: ordered after the optimizer step, overlapping the next forward/backward.
@@ -181,7 +201,7 @@ class SnapshotEngine:
             if job is None:
                 return
             slot, step, pairs = job
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 with torch.no_grad():
                     if self._stream is not None:
@@ -190,17 +210,29 @@ class SnapshotEngine:
                                 dst.copy_(src, non_blocking=True)
                         self._stream.synchronize()
                     else:
-                        for n, (src, dst) in enumerate(pairs):
-                            if n == len(pairs) // 2:
-                                faults.point("snapshot_copy")
-                            if self.fault_hook is not None and n == len(pairs) // 2:
+                        # Two batched calls instead of one Python call per item: each call drops the GIL once
+                        # for the whole batch (per-item calls contend for it with the training thread).
+                        half = len(pairs) // 2
+                        if half:
+                            torch._foreach_copy_([d for _, d in pairs[:half]], [s for s, _ in pairs[:half]])
+                        if pairs:  # the tear point: half-way through the items, as before
+                            faults.point("snapshot_copy")
+                            if self.fault_hook is not None:
                                 hook, self.fault_hook = self.fault_hook, None
-                                hook(slot, n)
-                            dst.copy_(src)
+                                hook(slot, half)
+                            torch._foreach_copy_([d for _, d in pairs[half:]], [s for s, _ in pairs[half:]])
                 slot.step = step
             except BaseException as exc:  # surfaced to the training thread by wait()
                 slot.error = exc
             slot.copy_seconds = time.perf_counter() - t0
+            if slot.error is None:
+                last = (sum(d.numel() * d.element_size() for _, d in pairs), slot.copy_seconds, time.thread_time() - c0)
+                tot = self.copy_totals
+                tot["copies"] += 1
+                tot["bytes"] += last[0]
+                tot["wall_s"] += last[1]
+                tot["cpu_s"] += last[2]
+                self.last_copy = last
             slot.done.set()
 
     def wait(self) -> float:

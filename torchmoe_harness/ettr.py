@@ -153,10 +153,12 @@ class SimResult:
 
 
 def simulate(p: SystemProfile, horizon_s: float | None = None, iterations: int | None = None,
-             mtbf_s: float | None = None, trace: list[float] | None = None, seed: int = 0) -> SimResult:
+             mtbf_s: float | None = None, trace: list[float] | None = None, seed: int = 0,
+             recoveries: list[float] | None = None) -> SimResult:
     """Run `p` until `horizon_s` of wall time or until `iterations` are done, with failures at the times of
     `trace` (seconds of wall time) or Poisson at `mtbf_s`. Progress advances one segment (`interval`
-    iterations + stall) at a time; a failure inside a segment or a recovery loses the unfinished segment."""
+    iterations + stall) at a time; a failure inside a segment or a recovery loses the unfinished segment.
+    `recoveries`: the recovery seconds of the 1st, 2nd, ... failure (a replayed run's own; `p`'s after them)."""
     if (horizon_s is None) == (iterations is None):
         raise ValueError("give exactly one of horizon_s, iterations")
     if trace is None:
@@ -179,7 +181,7 @@ def simulate(p: SystemProfile, horizon_s: float | None = None, iterations: int |
     now = done = lost_it = 0
     now = 0.0
     rec_s = ck_s = lost_tok = 0.0
-    n_fail = 0
+    n_fail = n_rec = 0
     end_t = horizon_s if horizon_s is not None else math.inf
     goal = iterations if iterations is not None else math.inf
     a = p.iter_s
@@ -204,9 +206,10 @@ def simulate(p: SystemProfile, horizon_s: float | None = None, iterations: int |
         n_fail += 1
         if lossy:
             lost_tok += lossy.lost_intervals_per_failure(k)
+        n_rec += 1
+        r = recoveries[n_rec - 1] if recoveries and n_rec <= len(recoveries) else p.recovery_s()
         while True:  # recovery; a failure during it restarts it
             nxt = next(fail_iter, math.inf)
-            r = p.recovery_s()
             if now + r <= nxt:
                 now += r
                 rec_s += r

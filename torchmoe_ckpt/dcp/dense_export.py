@@ -2,9 +2,10 @@
 
 After sparse-to-dense conversion (or at any iteration boundary) every rank holds the exact dense state; we
 write it with `dcp.save` in TorchTitan's layout: model tensors at the top level under their FQNs (what
-`--checkpoint.initial_load_path` with `initial_load_model_only` reads), the optimizer under `optimizer` with flattened keys
-as TorchTitan's OptimizersContainer saves it, and our `torchmoe_train_state` (step, LR). Any world size or mesh can read it
-back (DCP reshards).
+`--checkpoint.initial_load_path` with `initial_load_model_only` reads), the optimizer under `optimizer` with
+flattened keys as TorchTitan's OptimizersContainer saves it, and our `torchmoe_train_state` (step, LR); a framework
+adds its own entries (`extra`: TorchTitan's `train_state`, `dataloader`, `lr_scheduler`), so that its full resume
+finds every key. Any world size or mesh can read it back (DCP reshards).
 `load_dense` puts it back through `set_state_dict`, which goes through FSDP2's own load path
 (`FSDPParam.reset_sharded_param`): loading with `dcp.load` into the live parameters alone changes the
 values FSDP2 reads, but not necessarily the padded storage it all-gathers from.
@@ -39,18 +40,25 @@ def _train_state(step: int, lr: float) -> dict:
     return {"step": torch.tensor(step), "lr": torch.tensor(lr, dtype=torch.float64)}
 
 
-def _export_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict:
+def _export_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, extra=None) -> dict:
+    """`extra`: more top-level entries (a dict, or a function returning one at export time), e.g. a framework's
+    data-loader position and step counter, so that its own full resume finds every key it expects."""
     state = _state(model, optimizer)
     state[TRAIN_STATE] = _train_state(step, float(optimizer.param_groups[0]["lr"]))
+    more = extra() if callable(extra) else (extra or {})
+    clash = sorted(set(more) & set(state))
+    if clash:
+        raise ValueError(f"dense export: extra entries {clash} would overwrite the model/optimizer state")
+    state.update(more)
     return state
 
 
 def export_dense(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: str, step: int,
-                 storage_options: dict | None = None) -> float:
+                 storage_options: dict | None = None, extra=None) -> float:
     """Collective and synchronous (e.g. right after recovery): every rank calls it. Returns seconds."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
     t0 = time.perf_counter()
-    dcp.save(_export_state(model, optimizer, step), storage_writer=FsspecWriter(uri, **(storage_options or {})))
+    dcp.save(_export_state(model, optimizer, step, extra), storage_writer=FsspecWriter(uri, **(storage_options or {})))
     seconds = time.perf_counter() - t0
     log.info("event=dense_export step=%d path=%s seconds=%.3f", step, uri, seconds)
     return seconds
@@ -110,16 +118,16 @@ class DenseExporter:
     def path(self, step: int) -> str:
         return f"{self.uri}/{step_dirname(step)}"
 
-    def maybe_export(self, model, optimizer, step: int) -> None:
+    def maybe_export(self, model, optimizer, step: int, extra=None) -> None:
         if self.every and step % self.every == 0:
-            self.export(model, optimizer, step)
+            self.export(model, optimizer, step, extra)
 
-    def export(self, model, optimizer, step: int) -> None:
+    def export(self, model, optimizer, step: int, extra=None) -> None:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
         self.wait()  # one export at a time
         t0 = time.perf_counter()
         writer = FsspecWriter(self.path(step), **self.opts)
-        self._future = dcp.async_save(_export_state(model, optimizer, step), storage_writer=writer,
+        self._future = dcp.async_save(_export_state(model, optimizer, step, extra), storage_writer=writer,
                                       process_group=self.pg)
         self._pending_step, self._t0 = step, t0
         self.stage_seconds.append(time.perf_counter() - t0)

@@ -1,5 +1,7 @@
-"""Host-memory tier: each rank writes its slots, through DCP, into a node-local directory (default under
-/dev/shm, so a copy survives a worker restart by torchrun but not a node loss).
+"""Host-memory tier: each rank writes its slots, through DCP (raw bytes: raw_storage.RawWriter), into a
+node-local directory (default under /dev/shm, so a copy survives a worker restart by torchrun but not a node
+loss). The data files of collected windows are kept aside (`.spare/`) and reused, so persisting a slot
+allocates no shared-memory page again.
 
 Layout, per window (every rank writes only its own files, so no collective runs off the training thread):
 
@@ -25,7 +27,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from .. import faults
 from ..replay_log import IterationRecord, ReplayLog
@@ -36,11 +37,15 @@ from ..identity import RunIdentity, identity_mismatch
 from .manifest import (FileEntry, WindowManifest, check_window, crc32_bytes, file_entry, parse_window_dirname,
                        plan_digest, rank_manifest_name, slot_rank_dir, slot_record, window_dirname)
 from .planner import PLANNER_KEY, SlotLoadPlanner, SlotSavePlanner, verify_items
+from .mapped_files import MappedFiles
+from .raw_storage import RawReader, RawWriter
 
 log = logging.getLogger("torchmoe_ckpt.host_tier")
 # Each rank deliberately saves its own pieces without collectives (no_dist=True); DCP warns about that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 DEFAULT_ROOT = "/dev/shm/torchmoe-ckpt"
+DATA_FILE = "__0_0.distcp"  # a rank's slot data file (RawWriter's name for a one-rank save)
+MAX_SPARES = 16  # data files of collected windows kept per rank for reuse
 
 
 class HostTier:
@@ -50,6 +55,8 @@ class HostTier:
         self.dir.mkdir(parents=True, exist_ok=True)
         # (window, slot) -> what that slot's write reported: its files (size, CRC32) and its DCP info.
         self._written: dict[tuple[int, int], tuple[dict[str, FileEntry], dict]] = {}
+        # Data files stay mapped across reuse (mapped_files.py): a persist is one memcpy plus one summing pass.
+        self._maps = MappedFiles(limit=MAX_SPARES + 64)
 
     def window_dir(self, window_id: int) -> Path:
         return self.dir / window_dirname(window_id)
@@ -60,16 +67,28 @@ class HostTier:
         wdir = self.window_dir(window_id)
         out = slot_rank_dir(wdir, slot.index, self.rank)
         if out.exists():  # left over by a run that died before committing this window id
+            self._maps.forget(out / DATA_FILE)
             shutil.rmtree(out)
             (wdir / rank_manifest_name(self.rank)).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
-        dcp.save({}, storage_writer=FileSystemWriter(out, sync_files=False, overwrite=True),
-                 planner=SlotSavePlanner(slot, info), no_dist=True)
-        # Hashed here, in the call that wrote them: the commit lists these entries, not a later re-read.
-        files = {str(f.relative_to(wdir)): file_entry(f) for f in sorted(out.iterdir())}
+        nbytes = slot.nbytes  # a sum over the slot's items: once
+        spare = self._take_spare(nbytes)
+        if spare is not None:  # a collected window's file: its shared-memory pages are reused, not faulted in
+            spare.rename(out / DATA_FILE)
+        # Raw bytes (raw_storage.py) through a kept shared mapping: one copy_ per item, no torch.save, no write();
+        # one summing pass gives every item's sum64b512 and the file's (checksums.py).
+        writer = RawWriter(out, item_checksums=True, checksum_algo="sum64b512", planner_checksums=True,
+                           mapped=self._maps)
+        save_local(writer, SlotSavePlanner(slot, info, checksums=False))
+        # Reported by the call that wrote them: the commit lists these entries, not a later re-read.
+        files = {str((out / rel).relative_to(wdir)): FileEntry(n, writer.file_checksum[rel][1],
+                                                                writer.file_checksum[rel][0])
+                 for rel, n in writer.written.items()}
+        files[str((out / ".metadata").relative_to(wdir))] = FileEntry(len(writer.metadata_bytes),
+                                                                     crc32_bytes(writer.metadata_bytes))
         self._written[(window_id, slot.index)] = (files, dict(info))
         faults.point("persist")
-        return slot.nbytes
+        return nbytes
 
     def write_commit(self, window_id: int, start_step: int, plan: WindowPlan, log_: ReplayLog, extra: dict) -> WindowManifest:
         """Commit this rank's copy of a window: only if every slot write of it succeeded in this process.
@@ -109,6 +128,27 @@ class HostTier:
             del self._written[key]
         return man
 
+    def _spare_dir(self) -> Path:
+        return self.dir / ".spare" / f"rank-{self.rank:05d}"
+
+    def _take_spare(self, nbytes: int) -> Path | None:
+        """The kept data file whose size is closest to `nbytes` (None when there is none)."""
+        files = list(self._spare_dir().glob("*.distcp")) if self._spare_dir().is_dir() else []
+        if not files:
+            return None
+        return min(files, key=lambda f: abs(f.stat().st_size - nbytes))
+
+    def _keep_spares(self, wdir: Path) -> None:
+        """Move this rank's data files of a collected window aside for reuse (bounded)."""
+        spare = self._spare_dir()
+        spare.mkdir(parents=True, exist_ok=True)
+        room = MAX_SPARES - len(list(spare.glob("*.distcp")))
+        files = sorted(wdir.glob(f"slot-*/rank-{self.rank:05d}/*.distcp"))
+        for f in files[:max(0, room)]:
+            f.rename(spare / f"spare-{wdir.name[7:]}-{f.parent.parent.name}.distcp")  # not a window-* name
+        for f in files[max(0, room):]:
+            self._maps.forget(f)  # deleted below: its mapping would pin the pages
+
     def collect(self, keep_from: int) -> list[int]:
         """Delete this rank's files of windows older than `keep_from` (manifest first); returns deleted ids."""
         gone = []
@@ -117,6 +157,7 @@ class HostTier:
                 continue
             wdir = self.window_dir(wid)
             (wdir / rank_manifest_name(self.rank)).unlink(missing_ok=True)
+            self._keep_spares(wdir)
             for slot_dir in wdir.glob("slot-*"):
                 shutil.rmtree(slot_dir / f"rank-{self.rank:05d}", ignore_errors=True)
             (wdir / "replay" / f"rank-{self.rank:05d}.pt").unlink(missing_ok=True)
@@ -152,11 +193,11 @@ class HostTier:
             if not f.exists():
                 problems.append(f"{rel}: missing")
                 continue
-            got = file_entry(f)
+            got = file_entry(f, want.algo)
             if got.bytes != want.bytes:
                 problems.append(f"{rel}: {got.bytes} bytes, manifest says {want.bytes} (torn)")
             elif got.crc32 != want.crc32:
-                problems.append(f"{rel}: CRC32 {got.crc32:08x} != {want.crc32:08x} (corrupt)")
+                problems.append(f"{rel}: {want.algo} {got.crc32:08x} != {want.crc32:08x} (corrupt)")
         return problems
 
     def check(self, window_id: int, identity: RunIdentity | None = None, rank: int | None = None) -> list[str]:
@@ -172,7 +213,7 @@ class HostTier:
         return check_window(man, window_id, rank, self.world_size, lambda rel: self._slot_info(window_id, rel))
 
     def _slot_info(self, window_id: int, rel: str) -> dict:
-        md = FileSystemReader(self.window_dir(window_id) / rel.rsplit("/", 1)[0]).read_metadata()
+        md = RawReader(self.window_dir(window_id) / rel.rsplit("/", 1)[0]).read_metadata()
         return (md.planner_data or {}).get(PLANNER_KEY) or {}
 
     def load_window(self, window_id: int, ops: dict, compute_dtype: torch.dtype, identity: RunIdentity | None = None):
@@ -186,7 +227,9 @@ class HostTier:
         slots = []
         for i, sp in enumerate(plan.slots):
             slot = build_slot(i, sp.active, sp.frozen, ops, compute_dtype)
-            reader = FileSystemReader(slot_rank_dir(self.window_dir(window_id), i, self.rank))
+            # Reads DCP's own format too. Items are checked by verify_items below (one clear CorruptCopyError),
+            # not inside dcp.load (which would wrap the reason into a CheckpointException).
+            reader = RawReader(slot_rank_dir(self.window_dir(window_id), i, self.rank), verify=False)
             dcp.load({}, storage_reader=reader, planner=SlotLoadPlanner(slot), no_dist=True)
             bad = verify_items(slot, reader.read_metadata())
             if bad:
@@ -202,6 +245,19 @@ class HostTier:
             raise CorruptCopyError(f"window {window_id}: replay records do not cover steps {man.start_step + 1}.."
                                    f"{man.start_step + plan.window - 1}")
         return win
+
+
+def save_local(writer: RawWriter, planner) -> None:
+    """`dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)`, call for call: DCP's SavePlanner and
+    StorageWriter contract in DCP's order, the same files, without dcp.save's per-call wrappers (API-usage and
+    per-step event logging, signature inspection, warnings, profiler), ~1 ms of each slot's persist."""
+    planner.set_up_planner(state_dict={}, storage_meta=writer.storage_meta(), is_coordinator=True)
+    writer.set_up_storage_writer(True, rank=0, use_collectives=True)
+    plans, metadata = planner.create_global_plan([writer.prepare_local_plan(planner.create_local_plan())])
+    plans = writer.prepare_global_plan(plans)
+    writes = writer.write_data(planner.finish_plan(plans[0]), planner)
+    writes.wait()
+    writer.finish(metadata=metadata, results=[writes.value()])
 
 
 class UncommittableWindow(RuntimeError):

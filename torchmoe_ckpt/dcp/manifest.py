@@ -9,7 +9,8 @@ A window is stored as a directory (on any tier) of plain files:
         MANIFEST.json                                  written last, after every other file
                                                        (per rank on a host tier: MANIFEST.rank-RRRRR.json)
 
-MANIFEST.json lists every other file with its size and CRC32 (as reported by the write that produced it,
+MANIFEST.json lists every other file with its size and digest (CRC32, or for host-tier data files the
+memory-speed sum64b512 of checksums.py, named in the entry; as reported by the write that produced it,
 never re-read from disk), the run identity of the writer (identity.py), the window/slot/step each slot file
 was written for, and a SHA-256 of its own canonical content: an edited manifest (a start step changed by one
 bit, a plan edited) no longer matches its checksum and is refused. Readers treat a window without a
@@ -18,12 +19,15 @@ corrupt file makes the window unusable on that tier, and the reader moves on to 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
+
+from .checksums import CRC32, digest
 
 FORMAT = "torchmoe-ckpt/window/2"  # 2: identity, slot records and a self-checksum
 MANIFEST_NAME = "MANIFEST.json"
@@ -53,6 +57,63 @@ def crc32_bytes(data: bytes | memoryview, crc: int = 0) -> int:
     return zlib.crc32(data, crc) & 0xFFFFFFFF
 
 
+def _gf2_times(mat: tuple, vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: tuple) -> tuple:
+    return tuple(_gf2_times(mat, mat[n]) for n in range(32))
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_tables(nbytes: int) -> tuple:
+    """`_zeros_operator(nbytes)` as four 256-entry tables (one per CRC byte): applying it is four lookups."""
+    rows = _zeros_operator(nbytes)
+    tables = []
+    for k in range(4):
+        t = [0] * 256
+        for b in range(1, 256):
+            low = (b & -b).bit_length() - 1
+            t[b] = t[b & (b - 1)] ^ rows[8 * k + low]
+        tables.append(t)
+    return tuple(tables)
+
+
+def _zeros_operator(nbytes: int) -> tuple:
+    """The GF(2) matrix that advances a CRC32 over `nbytes` zero bytes (zlib's crc32_combine, composed once
+    per length; `_zeros_tables` caches it: a slot's item sizes repeat every window)."""
+    odd = (0xEDB88320,) + tuple(1 << n for n in range(31))  # one zero bit
+    even = _gf2_square(odd)                                 # two
+    odd = _gf2_square(even)                                 # four
+    op = tuple(1 << n for n in range(32))                   # identity
+    while nbytes:
+        even = _gf2_square(odd)
+        if nbytes & 1:
+            op = tuple(_gf2_times(even, op[n]) for n in range(32))
+        nbytes >>= 1
+        if not nbytes:
+            break
+        odd = _gf2_square(even)
+        if nbytes & 1:
+            op = tuple(_gf2_times(odd, op[n]) for n in range(32))
+        nbytes >>= 1
+    return op
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of A+B from crc32(A), crc32(B) and len(B), without reading any byte again."""
+    if len2 <= 0:
+        return crc1
+    t0, t1, t2, t3 = _zeros_tables(len2)
+    return (t0[crc1 & 0xFF] ^ t1[(crc1 >> 8) & 0xFF] ^ t2[(crc1 >> 16) & 0xFF] ^ t3[crc1 >> 24] ^ crc2) & 0xFFFFFFFF
+
+
 def crc32_stream(chunks: Iterable[bytes]) -> tuple[int, int]:
     """(crc32, size) of a stream of byte chunks."""
     crc, size = 0, 0
@@ -65,14 +126,28 @@ def crc32_stream(chunks: Iterable[bytes]) -> tuple[int, int]:
 @dataclass
 class FileEntry:
     bytes: int
-    crc32: int
+    crc32: int          # the file's 32-bit digest under `algo` (a CRC32 unless `algo` names another one)
+    algo: str = CRC32   # checksums.py: "sum64b512" for host-tier data files (computed at memory speed)
+
+    def matches(self, data) -> bool:
+        """Whether `data` (the whole file) has this entry's size and digest."""
+        return len(data) == self.bytes and digest(data, self.algo) == self.crc32
 
 
-def file_entry(path: Path) -> FileEntry:
-    """Size and CRC32 of a file on disk, read in 4 MiB chunks."""
+def file_entry(path: Path, algo: str = CRC32) -> FileEntry:
+    """Size and digest of a file on disk (CRC32 read in 4 MiB chunks)."""
+    if algo != CRC32:
+        data = Path(path).read_bytes()
+        return FileEntry(len(data), digest(data, algo), algo)
     with open(path, "rb") as f:
         crc, size = crc32_stream(iter(lambda: f.read(1 << 22), b""))
     return FileEntry(size, crc)
+
+
+def _entry_dict(v: FileEntry) -> dict:
+    # "algo" only when not CRC32: manifests of CRC32 files stay byte-identical to earlier versions
+    return {"bytes": v.bytes, "crc32": v.crc32} if v.algo == CRC32 else {"bytes": v.bytes, "crc32": v.crc32,
+                                                                         "algo": v.algo}
 
 
 class ManifestError(ValueError):
@@ -95,7 +170,7 @@ class WindowManifest:
     def to_dict(self) -> dict:
         d = {"format": self.format, "window_id": self.window_id, "start_step": self.start_step,
              "window": self.window, "world_size": self.world_size, "plan": self.plan,
-             "files": {k: {"bytes": v.bytes, "crc32": v.crc32} for k, v in sorted(self.files.items())},
+             "files": {k: _entry_dict(v) for k, v in sorted(self.files.items())},
              "extra": self.extra, "identity": self.identity, "slots": self.slots}
         d["checksum"] = content_checksum(d)
         return d
@@ -120,7 +195,7 @@ class WindowManifest:
     def from_dict(d: dict) -> "WindowManifest":
         """Fields of a manifest dict, unchecked (the tensorstore tier rebuilds a manifest with new files)."""
         try:
-            files = {k: FileEntry(int(v["bytes"]), int(v["crc32"])) for k, v in d["files"].items()}
+            files = {k: FileEntry(int(v["bytes"]), int(v["crc32"]), str(v.get("algo", CRC32))) for k, v in d["files"].items()}
             return WindowManifest(int(d["window_id"]), int(d["start_step"]), int(d["window"]), int(d["world_size"]),
                                   d["plan"], files, d.get("extra", {}), d["format"], d.get("identity") or {},
                                   list(d.get("slots") or []))

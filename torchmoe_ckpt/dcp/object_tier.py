@@ -14,7 +14,7 @@ import uuid
 
 from .. import faults
 from .host_tier import HostTier
-from .manifest import (MANIFEST_NAME, WindowManifest, crc32_bytes, parse_window_dirname, rank_manifest_name,
+from .manifest import (MANIFEST_NAME, WindowManifest, parse_window_dirname, rank_manifest_name,
                        window_dirname)
 from .store_errors import StoreConfigError, explain
 from .tensorstore_format import NoTensorstoreDriver, TensorstoreTier
@@ -51,6 +51,8 @@ def open_store(uri: str, storage_options: dict | None = None, probe: bool = True
     if scheme not in KNOWN:
         raise StoreConfigError(f"unknown object-store URI scheme {scheme!r} in {uri!r}: use one of "
                                f"{', '.join(s + '://' for s in KNOWN)}")
+    if scheme in ("s3", "s3a"):
+        storage_options = _short_s3_retry(storage_options)
     try:
         fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
     except ImportError as exc:
@@ -84,6 +86,18 @@ def _shorten_azure_retry(fs) -> None:
             setattr(pol, name, 1)
 
 
+def _short_s3_retry(options: dict | None) -> dict:
+    """botocore retries a refused connection 4 times with exponential backoff (up to ~15 s per call) and our
+    uploads retry every call again: a store that is down would be noticed only a minute later. One inner
+    retry and a 5 s connect timeout (the uploader retries whole windows anyway), unless the user set them."""
+    opts = dict(options or {})
+    cfg = dict(opts.get("config_kwargs") or {})
+    cfg.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+    cfg.setdefault("connect_timeout", 5)
+    opts["config_kwargs"] = cfg
+    return opts
+
+
 def _is_local(fs) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
@@ -110,8 +124,9 @@ def make_store(uri: str, run_id: str, rank: int, storage_options: dict | None = 
 
 class ObjectTier:
     def __init__(self, uri: str, run_id: str, rank: int, storage_options: dict | None = None,
-                 keep_windows: int = 2, attempts: int = 4, backoff_s: float = 0.2, probe: bool = True):
+                 keep_windows: int = 2, attempts: int = 2, backoff_s: float = 0.2, probe: bool = True):
         self.fs, root = open_store(uri, storage_options, probe)
+        self.uri = uri
         self.base = f"{root.rstrip('/')}/{run_id}/rank-{rank:05d}"
         self.rank, self.keep, self.attempts, self.backoff = rank, keep_windows, attempts, backoff_s
 
@@ -122,7 +137,8 @@ class ObjectTier:
             except Exception as exc:
                 if i == self.attempts - 1:
                     raise
-                log.warning("object store %s failed (%s), retry %d/%d", what, exc, i + 1, self.attempts - 1)
+                # DEBUG: the uploader's TierHealth / RunStatus warn once per outage, not once per retry
+                log.debug("object store %s failed (%s), retry %d/%d", what, exc, i + 1, self.attempts - 1)
                 time.sleep(self.backoff * 2 ** i)
 
     def upload(self, tier: HostTier, window_id: int) -> int:
@@ -134,14 +150,27 @@ class ObjectTier:
         nbytes = 0
         for rel, entry in man.files.items():
             data = (wdir / rel).read_bytes()
-            if len(data) != entry.bytes or crc32_bytes(data) != entry.crc32:
+            if not entry.matches(data):  # size and digest (CRC32, or the algorithm the entry names)
                 raise RuntimeError(f"local copy of window {window_id} changed under the uploader: {rel}")
             self._retry("upload", self._put, f"{dest}/{rel}", data)
             nbytes += len(data)
         faults.point("upload")
+        self._check_complete(dest, man, window_id)
         self._retry("commit", self._put, f"{dest}/{MANIFEST_NAME}", man.to_json().encode())
         self._invalidate()
         return nbytes
+
+    def _check_complete(self, dest: str, man: WindowManifest, window_id: int) -> None:
+        """Before the manifest: every file is in the store at its size. A store that restarted (even empty)
+        during the upload lost the files written before; a manifest over them would list a torn window as good.
+        Raises, so the uploader uploads the whole window again."""
+        self._invalidate()
+        found = self._retry("list", lambda: self.fs.find(dest, detail=True))
+        sizes = {p[len(dest) + 1:] if p.startswith(dest + "/") else p: info.get("size") for p, info in found.items()}
+        torn = [rel for rel, e in man.files.items() if sizes.get(rel) != e.bytes]
+        if torn:
+            raise RuntimeError(f"window {window_id} is torn in the store ({len(torn)} of {len(man.files)} file(s) "
+                               f"missing or short, e.g. {torn[0]}; did the store restart?): uploading it again")
 
     def _put(self, path: str, data: bytes) -> None:
         if _is_local(self.fs):
@@ -183,7 +212,7 @@ class ObjectTier:
             except Exception as exc:
                 problems.append(f"{rel}: {exc}")
                 continue
-            if len(data) != entry.bytes or crc32_bytes(data) != entry.crc32:
+            if not entry.matches(data):
                 problems.append(f"{rel}: does not match the manifest (torn or corrupt)")
                 continue
             (wdir / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -199,4 +228,19 @@ class ObjectTier:
             d = f"{self.base}/{window_dirname(wid)}"
             self._retry("delete", self.fs.rm, f"{d}/{MANIFEST_NAME}")  # manifest first: never half-visible
             self._retry("delete", self.fs.rm, d, True)
+        self._remove_leftovers(ids[-self.keep:] if ids else [])
         return gone
+
+    def _remove_leftovers(self, kept: list[int]) -> None:
+        """Window directories without a manifest older than the oldest kept window: uploads cut off by an outage
+        or an exit (invisible to recovery, but they take space). Only this rank writes under `base`."""
+        if not kept:
+            return
+        try:
+            entries = self.fs.ls(self.base, detail=False)
+        except FileNotFoundError:
+            return
+        for e in entries:
+            wid = parse_window_dirname(e.rstrip("/").rsplit("/", 1)[-1])
+            if wid is not None and wid < min(kept) and not self.fs.exists(f"{e.rstrip('/')}/{MANIFEST_NAME}"):
+                self._retry("delete", self.fs.rm, e.rstrip("/"), True)

@@ -70,6 +70,39 @@ def _recv(src: int, group) -> torch.Tensor:
     return t
 
 
+def pack_files(files: list[tuple[str, bytes]]) -> torch.Tensor:
+    """Named files as one uint8 tensor (same framing as `pack`, without a window manifest)."""
+    header = json.dumps({"files": [[r, len(b)] for r, b in files]}).encode()
+    raw = len(header).to_bytes(8, "little") + header + b"".join(b for _, b in files)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def unpack_files(payload: torch.Tensor) -> list[tuple[str, bytes]]:
+    raw = payload.numpy().tobytes()
+    n = int.from_bytes(raw[:8], "little")
+    pos, out = 8 + n, []
+    for rel, size in json.loads(raw[8:8 + n])["files"]:
+        out.append((rel, raw[pos:pos + size]))
+        pos += size
+    return out
+
+
+def exchange(pairs: list[tuple[int, int]], payload_for, on_recv, group=None) -> int:
+    """Point-to-point transfers `(src, dst)` in one global order: every rank walks the same list, so matching
+    send/recv calls never deadlock. `payload_for(dst)` builds what this rank sends, `on_recv(src, tensor)` stores
+    what it gets. Collective over `group`; returns the bytes this rank sent."""
+    me, sent = dist.get_rank(), 0
+    for src, dst in pairs:
+        if me == src:
+            t = payload_for(dst)
+            faults.point("replication")
+            _send(t, dst, group)
+            sent += t.numel()
+        elif me == dst:
+            on_recv(src, _recv(src, group))
+    return sent
+
+
 class PeerReplicator:
     def __init__(self, tier: HostTier, placement, group=None):
         self.tier, self.placement, self.group = tier, placement, group

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, W
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..snapshot import Slot, SlotItem
-
-PLANNER_KEY = "torchmoe_ckpt"
+from . import checksums
+from .raw_storage import PLANNER_KEY, checksum_name as _checksum_name
 
 
 def item_crc32(buf: torch.Tensor) -> int:
@@ -40,32 +40,46 @@ def _index_key(fqn: str, offset) -> tuple:
 
 
 class SlotSavePlanner(DefaultSavePlanner):
-    def __init__(self, slot: Slot, info: dict):
+    def __init__(self, slot: Slot, info: dict, checksums: bool = True):
+        """`checksums=False`: the writer records the item CRC32s (RawWriter(planner_checksums=True)) while it
+        copies the bytes, instead of a separate pass here."""
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
-        self.slot, self.info = slot, info
+        self.slot, self.info, self.checksums = slot, info, checksums
         self._buffers: dict[tuple, torch.Tensor] = {}
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         self.state_dict, self.is_coordinator = state_dict, is_coordinator
 
     def create_local_plan(self) -> SavePlan:
-        items: list[WriteItem] = []
+        # The items of a slot object never change (its buffers are allocated once per window plan and reused),
+        # so they are planned once and cached on the slot: later windows re-plan nothing.
+        cached = getattr(self.slot, "_dcp_local", None)
+        if cached is None or cached[0] != len(self.slot.items):
+            items = [it.write_item() for it in self.slot.items]
+            buffers = {_index_key(wi.index.fqn, wi.index.offset): it.buffer for wi, it in zip(items, self.slot.items)}
+            cached = self.slot._dcp_local = (len(self.slot.items), items, buffers)
+        _, items, self._buffers = cached
         sums: dict[str, int] = {}
-        for it in self.slot.items:
-            wi = it.write_item()
-            items.append(wi)
-            self._buffers[_index_key(wi.index.fqn, wi.index.offset)] = it.buffer
-            sums[_checksum_name(wi.index.fqn, wi.index.offset)] = item_crc32(it.buffer)
+        if self.checksums:
+            sums = {_checksum_name(wi.index.fqn, wi.index.offset): item_crc32(it.buffer)
+                    for wi, it in zip(items, self.slot.items)}
         self.plan = SavePlan(items, planner_data={"checksums": sums})
         return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         from torch.distributed.checkpoint.default_planner import _validate_global_plan
-        plans = self._dedup_save_plans(all_plans)
-        global_plan, md = create_default_global_save_plan(plans)
-        errors = [e for e in _validate_global_plan(global_plan, md) if "invalid fill tensor-volume" not in e]
-        if errors:
-            raise ValueError(f"slot plan is inconsistent across ranks: {'; '.join(errors)[:500]}")
+        cached = getattr(self.slot, "_dcp_global", None)
+        if cached is not None and len(all_plans) == 1 and all_plans[0].items is cached[0]:
+            _, plans, global_plan, md = cached  # one rank, the same cached items: the same global plan
+        else:
+            plans = self._dedup_save_plans(all_plans)
+            global_plan, md = create_default_global_save_plan(plans)
+            errors = [e for e in _validate_global_plan(global_plan, md) if "invalid fill tensor-volume" not in e]
+            if errors:
+                raise ValueError(f"slot plan is inconsistent across ranks: {'; '.join(errors)[:500]}")
+            if len(all_plans) == 1:
+                self.slot._dcp_global = (all_plans[0].items, plans, global_plan, md)
+        plans = [dataclasses.replace(p, planner_data=a.planner_data) for p, a in zip(plans, all_plans)]
         sums: dict[str, int] = {}
         for p in plans:
             sums.update((p.planner_data or {}).get("checksums", {}))
@@ -81,10 +95,6 @@ class SlotSavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         return self._buffers[_index_key(write_item.index.fqn, write_item.index.offset)]
-
-
-def _checksum_name(fqn: str, offset) -> str:
-    return f"{fqn}@{','.join(str(o) for o in (offset or ()))}"
 
 
 class SlotLoadPlanner(DefaultLoadPlanner):
@@ -131,13 +141,18 @@ class SlotLoadPlanner(DefaultLoadPlanner):
 
 
 def verify_items(slot: Slot, metadata: Metadata) -> list[str]:
-    """Keys of `slot` items whose loaded bytes do not match the CRC32 recorded when the slot was saved."""
+    """Keys of `slot` items whose loaded bytes do not match the checksum recorded when the slot was saved."""
     sums = ((metadata.planner_data or {}).get(PLANNER_KEY) or {}).get("checksums", {})
     bad = []
     for it in slot.items:
         wi = it.write_item()
         name = _checksum_name(wi.index.fqn, wi.index.offset)
-        if name not in sums or sums[name] != item_crc32(it.buffer):
+        want = sums.get(name)  # a CRC32 int, or an algorithm-named string (checksums.py: "sum64b512:...")
+        if isinstance(want, str):
+            ok = checksums.matches(it.buffer.detach().contiguous().reshape(-1).view(torch.uint8).numpy(), want)
+        else:
+            ok = want is not None and want == item_crc32(it.buffer)
+        if not ok:
             bad.append(name)
     return bad
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import faults
@@ -41,6 +41,7 @@ from ..snapshot import Slot, SlotItem
 from .manifest import (FileEntry, WindowManifest, crc32_bytes, file_entry, parse_window_dirname, rank_manifest_name,
                        window_dirname)
 from .planner import PLANNER_KEY, SlotLoadPlanner, SlotSavePlanner, verify_items
+from .raw_storage import RawReader
 from .store_errors import StoreConfigError, explain
 
 log = logging.getLogger("torchmoe_ckpt.tensorstore_format")
@@ -158,7 +159,7 @@ def _region(offset, shape) -> tuple:
 def slot_from_dcp(index: int, path: Path) -> tuple[Slot, dict]:
     """Read one host-tier slot checkpoint (a DCP directory) into a Slot of plain items, verified against the
     CRC32s recorded at save time; returns (slot, the DCP planner info without the checksums)."""
-    reader = FileSystemReader(path)
+    reader = RawReader(path, verify=False)  # raw-bytes slots or DCP format; verify_items checks below
     md = reader.read_metadata()
     items = []
     for fqn, tm in md.state_dict_metadata.items():

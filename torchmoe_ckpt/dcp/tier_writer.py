@@ -10,6 +10,7 @@ import threading
 import time
 
 from ..snapshot import Slot
+from ..status import RunStatus
 from .host_tier import HostTier
 from .manifest import rank_manifest_name
 from .tier_health import TierHealth
@@ -30,8 +31,17 @@ class TierWriter:
         self.health = TierHealth("host", tier.rank, stall_iterations, on_stall)
         self._failed: set[int] = set()     # windows with a failed or skipped write: never committed here
         self._attempted: set[int] = set()  # windows whose writing started
-        # Uploads each committed window to the object store (object_tier / tensorstore_format) in the background.
-        self.uploader = Uploader(store, tier) if store is not None else None
+        # What the user reads: a line per committed window, store warnings, the exit summary (status.py).
+        pl = None if replicator is None else replicator.placement
+        self._peers_here = None if pl is None else len(pl.peers[tier.rank])  # k of the r requested (placement)
+        peers = None if pl is None else getattr(pl, "r", self._peers_here)
+        self.status = RunStatus(tier.rank, peers, None if store is None else
+                                str(getattr(store, "uri", None) or type(store).__name__))
+        # Uploads each committed window to the object store (object_tier / tensorstore_format) in the background;
+        # first what a previous run committed but could not upload (an outage, an exit before the store caught up).
+        self.uploader = Uploader(store, tier, status=self.status) if store is not None else None
+        if self.uploader is not None:
+            self.uploader.catch_up()
         self.replicator = replicator  # peer_tier.PeerReplicator: pushes each committed window to peers
         self.jobs: queue.Queue = queue.Queue()
         self.persisted: set[int] = set()   # window ids whose rank manifest is written
@@ -83,6 +93,15 @@ class TierWriter:
         self.jobs.put(("flush", done))
         done.wait()
 
+    def finish(self, wait_s: float) -> dict:
+        """At the end of a run: write what is committed to the host tier, give the object store up to `wait_s`
+        seconds to take the pending uploads (exit stays bounded when it is down), and log the exit summary."""
+        self.flush()
+        t0 = time.monotonic()
+        if self.uploader is not None:
+            self.uploader.flush(wait_s)
+        return self.status.exit_summary(time.monotonic() - t0, wait_s, str(self.tier.dir))
+
     def shutdown(self) -> None:
         self.jobs.put(None)
 
@@ -113,6 +132,8 @@ class TierWriter:
                         self.replicator.push(win.id, self._man)
                         self.replicated.add(win.id)
                         self.replication_lag_seconds.append(time.perf_counter() - t0)
+                    self.status.window_committed(win.id, win.start_step, win.start_step + win.plan.window - 1,
+                                                 self._man.total_bytes, self._peers_here)
                     if self.uploader is not None:
                         self.uploader.submit(win.id)
                         needed = self.uploader.oldest_needed()

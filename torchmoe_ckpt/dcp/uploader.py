@@ -1,7 +1,10 @@
 """Background uploads of committed host-tier windows to an object store, off the training path.
 
-The store is any object with `upload(tier, window_id) -> bytes` and `apply_retention()`: `object_tier.ObjectTier`
-(DCP files) or `tensorstore_format.TensorstoreTier`. The host tier's writer (`host_tier.TierWriter`) owns one.
+The store is any object with `upload(tier, window_id) -> bytes`, `apply_retention()` and `window_ids()`:
+`object_tier.ObjectTier` (DCP files) or `tensorstore_format.TensorstoreTier`. The host tier's writer
+(`tier_writer.TierWriter`) owns one. A store that is down is retried with capped backoff, whole windows at a
+time (a window the store lost part of is uploaded again); `catch_up()` queues what a previous run left
+behind; every outcome goes to the `status.RunStatus` the user reads.
 """
 from __future__ import annotations
 
@@ -13,18 +16,23 @@ from typing import Protocol
 from .tier_health import TierHealth
 
 
+CATCH_UP = "catch-up"  # a queue entry: list the store and queue what it lacks
+
+
 class WindowStore(Protocol):
     """An object-store tier as the uploader sees it."""
 
     def upload(self, tier, window_id: int) -> int: ...   # bytes uploaded; the manifest goes last
     def apply_retention(self) -> list[int]: ...          # window ids deleted from the store
+    def window_ids(self) -> list[int]: ...               # windows whose manifest is in the store
 
 
 class Uploader:
     """Background uploads of committed windows; never blocks the caller."""
 
-    def __init__(self, store: WindowStore, tier, max_pending: int = 2):  # tier: the host_tier.HostTier read from
-        self.store, self.tier = store, tier
+    def __init__(self, store: WindowStore, tier, max_pending: int = 2, status=None):
+        # tier: the host_tier.HostTier read from; status: a torchmoe_ckpt.status.RunStatus (what the user reads)
+        self.store, self.tier, self.status = store, tier, status
         self.q: queue.Queue = queue.Queue()
         self.max_pending = max_pending
         self.uploaded: list[int] = []
@@ -47,9 +55,28 @@ class Uploader:
         with self._lock:
             self._pending.append((window_id, time.perf_counter()))
             while len(self._pending) > self.max_pending:  # a newer window supersedes the oldest pending one
-                self._pending.pop(0)
+                old, _ = self._pending.pop(0)
                 self.dropped += 1
+                if self.status is not None:
+                    self.status.superseded(old, window_id)
             self._lock.notify()
+
+    def catch_up(self) -> None:
+        """Queue this rank's committed host windows that the store lacks (newest `max_pending`), e.g. those a
+        previous run could not upload before it exited; the listing runs on the upload thread."""
+        with self._lock:
+            self._pending.insert(0, (CATCH_UP, time.perf_counter()))
+            self._lock.notify()
+
+    def _catch_up(self) -> None:
+        try:
+            have = set(self.store.window_ids())
+        except Exception as exc:  # the store is down: the next committed window will find out, with a warning
+            self.errors.append(f"catch-up listing: {exc}"[:200])
+            return
+        missing = [w for w in self.tier.window_ids() if w not in have and w > max(have, default=-1)]
+        for wid in missing[-self.max_pending:]:
+            self.submit(wid)
 
     def flush(self, timeout: float = 60.0) -> bool:
         end = time.monotonic() + timeout
@@ -64,7 +91,8 @@ class Uploader:
     def oldest_needed(self) -> int | None:
         """The oldest window still to be uploaded (the host tier must not collect it yet), or None."""
         with self._lock:
-            ids = [w for w, _ in self._pending] + ([self._current] if self._busy else [])
+            ids = [w for w, _ in self._pending if w is not CATCH_UP] + (
+                [self._current] if self._busy and self._current is not None else [])
         return min(ids) if ids else None
 
     def _run(self) -> None:
@@ -73,25 +101,35 @@ class Uploader:
                 while not self._pending:
                     self._lock.wait()
                 wid, t0 = self._pending.pop(0)
-                self._busy, self._current = True, wid
-            while True:  # the store may be down: keep trying (capped backoff) until it is back
+                self._busy, self._current = True, (None if wid is CATCH_UP else wid)
+            if wid is CATCH_UP:
+                self._catch_up()
+            while wid is not CATCH_UP:  # the store may be down: keep trying (capped backoff) until it is back
                 try:
-                    self.bytes += self.store.upload(self.tier, wid)
+                    self.bytes += self.store.upload(self.tier, wid)  # a torn copy raises: the window is redone
                     self.store.apply_retention()
                     self.uploaded.append(wid)
                     self.lag_seconds.append(time.perf_counter() - t0)
                     self.health.succeeded(wid)
+                    if self.status is not None:
+                        self.status.uploaded_window(wid, self.lag_seconds[-1])
                     break
                 except FileNotFoundError as exc:  # the local window was collected meanwhile: nothing to upload
                     self.errors.append(str(exc))
+                    if self.status is not None:
+                        self.status.superseded(wid, None)
                     break
                 except Exception as exc:
                     self.errors.append(str(exc)[:200])
                     self.health.failed(f"upload of window {wid}", exc)  # warns once, then backs off (capped)
+                    if self.status is not None:
+                        self.status.upload_failed(wid, self.health.reason, self.health.backoff_cap_s)
                     time.sleep(self.health.retry_delay_s)
                     with self._lock:
                         if self._pending:  # a newer window is waiting: it supersedes this one
                             self.dropped += 1
+                            if self.status is not None:
+                                self.status.superseded(wid, self._pending[-1][0])
                             break
             with self._lock:
                 self._busy = False

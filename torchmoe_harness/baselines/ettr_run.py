@@ -32,8 +32,14 @@ def measure_and_simulate(steps: int = 120, mtbf_iterations: float = 25, window: 
     ]}
     res = run_system(nproc, spec, Path(out_dir or tempfile.mkdtemp(prefix="tmoe-ettr-")), timeout=300)
     base, meas = (res[k].report for k in ("base", "run"))
+    return dict(compare_run(base, meas, steps, window, "ours"), window=window)
+
+
+def compare_run(base: dict, meas: dict, steps: int, interval: int, name: str) -> dict:
+    """Measured ETTR of a run with injected failures (runner report `meas`) next to the simulator's, fed with
+    the run's own figures (`base`: the same model without checkpointing, for t_iter)."""
     trace, mtbf_s = meas["failure_times_s"], meas["mtbf_s"]
-    t_iter = statistics.mean(base["step_seconds"][5:])
+    t_iter = statistics.mean(base["step_seconds"][5:] or base["step_seconds"])
     recs = meas["recoveries"]
     # A failure is injected at the first step boundary after its Poisson time and crashes that step before
     # its update: replay the failures as they happened, each at the middle of the step it interrupted, and
@@ -42,20 +48,23 @@ def measure_and_simulate(steps: int = 120, mtbf_iterations: float = 25, window: 
     a = (meas["wall_s"] - sum(lost_s)) / len(meas["step_seconds"])  # the loop's time per iteration
     happened = [r["at_s"] - r["failed_step_s"] + a / 2 for r in recs]
     r_mean = statistics.mean(lost_s) - a / 2 if recs else 0.0
-    profile = SystemProfile("ours", t_iter, interval=window, per_iter_overhead_s=a - t_iter, restart_s=r_mean,
+    profile = SystemProfile(name, t_iter, interval=interval, per_iter_overhead_s=a - t_iter, restart_s=r_mean,
                             note="measured in the run")
-    sim = simulate(profile, iterations=steps, trace=happened)
+    # each failure's own recovery time, as it happened (from the middle of the failed step to training again):
+    # recoveries differ (a sparse window replays W-1 iterations, the first windows of a run are smaller)
+    sim = simulate(profile, iterations=steps, trace=happened, recoveries=[x - a / 2 for x in lost_s])
     sim_ettr = sim.ettr
     # the planned Poisson times instead, averaged over 16 phases (their phase to iterations is not known)
     seg = profile.segment_s()
     planned = statistics.mean(simulate(profile, iterations=steps, trace=[t + seg * j / 16 for t in trace]).ettr
                               for j in range(16))
     measured = steps * t_iter / meas["wall_s"]
-    return {"steps": steps, "mtbf_s": mtbf_s, "window": window, "t_iter": t_iter, "iter_with_ckpt_s": a,
+    return {"steps": steps, "mtbf_s": mtbf_s, "interval": interval, "t_iter": t_iter, "iter_with_ckpt_s": a,
             "recovery_s": r_mean, "trace": [t for t in trace if t < meas["wall_s"]], "failures_at_s": happened,
             "ettr_planned_trace": planned,
             "measured": {"wall_s": meas["wall_s"], "ettr": measured, "failures": len(meas["recoveries"]),
                          "lost_iterations": sum(r["lost_iterations"] for r in meas["recoveries"]),
+                         "replayed_iterations": sum(r.get("replayed_iterations", 0) for r in meas["recoveries"]),
                          "recovery_s": sum(r["wall_seconds"] for r in meas["recoveries"])},
             "simulated": {"wall_s": steps * t_iter / sim_ettr, "ettr": sim_ettr, "failures": sim.failures,
                           "lost_iterations": sim.lost_iterations, "recovery_s": sim.recovery_s},

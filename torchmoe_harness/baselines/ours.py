@@ -41,4 +41,6 @@ class Ours:
         w = s["windows"][-1]["W"] if s["windows"] else None
         return {"checkpoints": s["slots_captured"], "interval": w, "window": w,
                 "wait_seconds_total": s["wait_seconds_total"], "wait_seconds_max": s["wait_seconds_max"],
-                "bytes_per_checkpoint": s["mean_slot_bytes"], "dense_bytes": s["dense_bytes"]}
+                "bytes_per_checkpoint": s["mean_slot_bytes"], "dense_bytes": s["dense_bytes"],
+                # a whole window's mean slot (what an iteration copies in steady state), as planned
+                "planned_mean_slot_bytes": s["windows"][-1]["mean_slot_bytes"] if s["windows"] else None}

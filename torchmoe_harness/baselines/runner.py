@@ -10,7 +10,8 @@ start; each phase "name" writes under DIR/<name>/), or one phase:
        "failure_times_s": [seconds, ...]       at these wall-clock times since the loop started (rank 0's
                                                clock, agreed every step; for the ETTR validation), or
        "poisson_failures": {"mtbf_iterations": n, "seed": s}   Poisson times at an MTBF of n mean step
-                                               times of the previous phase (reported as failure_times_s)}
+                                               times of the previous phase, or of the phase named "of_phase"
+                                               (reported as failure_times_s)}
 A failure throws the live state away: the system rebuilds a trainer with *different* initial weights from
 what survives (host memory, files). Writes rank{r}.pt (final state and losses, as the harness worker does,
 so `launch.compare` checks exactness against a fault-free run) and rank 0's report.json."""
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torchmoe_harness.baselines import make_system
 
 _last_step_mean = 0.05  # mean step seconds of the previous phase in this process
+_step_means: dict[str, float] = {}  # by phase name, for an MTBF taken from a named phase ("of_phase")
 
 
 class Crash(RuntimeError):
@@ -51,8 +53,9 @@ def run(spec: dict, out: Path) -> dict:
     if spec.get("poisson_failures"):  # MTBF in iterations of the previous phase, made seconds on rank 0's clock
         from torchmoe_harness.ettr import poisson_trace
         pf = spec["poisson_failures"]
-        mtbf_s = pf["mtbf_iterations"] * _last_step_mean
-        box = [poisson_trace(mtbf_s, 20 * cfg.steps * _last_step_mean, pf.get("seed", 0))]
+        t_ref = _step_means[pf["of_phase"]] if pf.get("of_phase") else _last_step_mean
+        mtbf_s = pf["mtbf_iterations"] * t_ref
+        box = [poisson_trace(mtbf_s, 20 * cfg.steps * t_ref, pf.get("seed", 0))]
         dist.broadcast_object_list(box, src=0)
         by_time = box[0]
     trace = list(by_time)
@@ -92,7 +95,9 @@ def run(spec: dict, out: Path) -> dict:
     if system is not None:
         system.close()
     wall = time.perf_counter() - t_start
-    _last_step_mean = sum(step_seconds[5:]) / max(1, len(step_seconds[5:]))
+    steady = step_seconds[5:] or step_seconds[1:] or step_seconds  # a short phase: all but its first step
+    _last_step_mean = sum(steady) / max(1, len(steady))
+    _step_means[spec.get("name", "")] = _last_step_mean
     report = {"system": kind, "params": sysspec, "steps": cfg.steps, "world_size": trainer.world, "wall_s": wall,
               "step_seconds": step_seconds, "recoveries": recoveries,
               "checkpoint": system.stats() if system is not None else None,

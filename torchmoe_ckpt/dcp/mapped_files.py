@@ -1,0 +1,116 @@
+"""Data files written through a shared mapping, kept per file: persisting into node-local shared memory at
+the cost of one memcpy.
+
+The host tier reuses its data files (`.spare/` of collected windows), so a file is mapped once (MAP_SHARED:
+the mapping *is* the tmpfs page cache, no write() copy, no page fault on a reused file) and every later slot
+written into it is one `copy_` per item into views laid out once per layout. The same pass that follows the
+copy gives the block sums of the whole file (checksums.py), from which every item's digest and the file's are
+derived. A mapping is keyed by the file's inode, so it survives the renames the host tier does (spare ->
+window dir -> spare); a mapping of a file deleted meanwhile (by anyone) is dropped on the next write, and
+`forget` drops it at once (its pages stay pinned while it is mapped).
+Readers, in this process or after a restart, read the files normally.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .checksums import BLOCK, tensor_block_sums
+
+
+@dataclass
+class _Map:
+    mm: mmap.mmap
+    fd: int                              # kept open: st_nlink == 0 tells that the file was deleted
+    t: torch.Tensor                      # uint8 view of the whole file
+    size: int
+    sig: tuple = ()                      # the item layout the views below were made for
+    key: object = None                   # the caller's layout key of `sig` (compared by identity: no re-hash)
+    views: list = field(default_factory=list)
+
+
+class MappedFiles:
+    def __init__(self, limit: int = 64):
+        self._maps: dict[tuple[int, int], _Map] = {}
+        self.limit = limit  # mappings kept (oldest dropped first): bounds pinned shared memory
+        self.layouts: dict[int, tuple] = {}  # callers' layouts, by id() of a key object they keep alive here
+        self._lock = threading.Lock()  # the persist thread writes while another may collect (forget)
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def _drop(self, key) -> None:
+        m = self._maps.pop(key, None)
+        if m is not None:
+            os.close(m.fd)  # the mapping itself goes with its last tensor view
+
+    def _map(self, path: str, size: int) -> _Map:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        with self._lock:
+            for k in [k for k, m in self._maps.items() if os.fstat(m.fd).st_nlink == 0]:
+                self._drop(k)  # deleted since: do not pin its pages
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            m = self._maps.get(key)
+            if m is not None and m.size == size:
+                os.close(fd)
+                return m
+            self._drop(key)
+            try:
+                if st.st_size != size:
+                    os.ftruncate(fd, size)
+                # Every page allocated now: a full /dev/shm is an OSError (ENOSPC) here, never a SIGBUS when the
+                # copy touches a page tmpfs cannot allocate. Once per mapping; a reused file has its pages already.
+                os.posix_fallocate(fd, 0, size)
+                mm = mmap.mmap(fd, size)  # shared, read/write
+            except BaseException:
+                os.close(fd)
+                raise
+            m = self._maps[key] = _Map(mm, fd, torch.frombuffer(mm, dtype=torch.uint8), size)
+            while len(self._maps) > self.limit:
+                self._drop(next(iter(self._maps)))
+            return m
+
+    def write(self, path: str, size: int, items: list, key: object = None) -> np.ndarray:
+        """Write `items` [(offset, nbytes, tensor or bytes-like)] into file `path` of `size` bytes (a multiple of
+        BLOCK; offsets BLOCK-aligned); bytes between items read as zeros. Returns the file's block sums.
+        `key`: an object standing for this layout (the same object = the same offsets, dtypes, shapes)."""
+        assert size % BLOCK == 0, size
+        if size == 0:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+            return np.zeros(0, dtype="<i8")
+        m = self._map(path, size)
+        sig = m.sig if key is not None and m.key is key else tuple(
+            (off, n, src.dtype, tuple(src.shape)) if isinstance(src, torch.Tensor) else (off, n) for off, n, src in items)
+        m.key = key
+        if m.sig != sig:  # a new layout (or a reused file of another one): padding must read as zeros
+            m.t.zero_()
+            m.views = [m.t[off:off + n].view(src.dtype).view(src.shape) if isinstance(src, torch.Tensor) and n
+                       else m.t[off:off + n] for off, n, src in items]
+            m.sig = sig
+        dst, src = [], []
+        for v, (off, n, s) in zip(m.views, items):
+            if not n:
+                continue
+            if isinstance(s, torch.Tensor):
+                dst.append(v)
+                src.append(s if s.device.type == "cpu" else s.cpu())
+            else:
+                v.copy_(torch.frombuffer(s, dtype=torch.uint8))
+        if dst:
+            torch._foreach_copy_(dst, src)  # one memcpy per item, no Python per byte
+        return tensor_block_sums(m.t).numpy()
+
+    def forget(self, path) -> None:
+        """Drop the mapping of a file about to be deleted (no-op when there is none)."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        with self._lock:
+            self._drop((st.st_dev, st.st_ino))

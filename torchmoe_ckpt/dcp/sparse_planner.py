@@ -1,0 +1,291 @@
+"""Sparse DCP planners on a *standard* state dict: what a DCP user passes to `dcp.save` / `dcp.load` to
+checkpoint every iteration sparsely, without our `Slot` objects.
+
+    sd = {"model": model_sd, "optim": optim_sd}          # get_state_dict(model, optimizer): DTensors under FSDP2/HSDP
+    schedule = SparseSchedule(model, window=3, compute_dtype=torch.bfloat16)   # once (collective: agrees sizes)
+    dcp.save(sd, planner=SparseSavePlanner(schedule, step, record),
+             storage_writer=HostWriter(schedule.slot_path(root, step)))
+
+Iteration `step` writes exactly its slot of the window plan: the full state (fp32 master weight, AdamW
+exp_avg/exp_avg_sq, step, buffers) of the slot's ACTIVE operators under the keys a dense save uses
+(`model.<fqn>`, `optim.state.<fqn>.exp_avg`, ...), and the compute weights of the operators whose full copy
+comes later under `compute.<fqn>` (in the compute dtype), one chunk per expert with global offsets. The
+window/slot/step/plan go into `Metadata.planner_data`; our writers add a checksum per item in
+`Metadata.storage_data`. `record` (this rank's replay record: batch, grad norm, LR, RNG, loss) is saved as
+one bytes item per rank; sparse-to-dense replay needs it.
+
+`SparseLoadPlanner` reads one slot back, either into a standard state dict (ACTIVE operators get their full
+state, the later ones their compute weights, cast up) or into a `Slot`'s buffers; `load_sparse_window`
+reads the W slots of a window into a `Window` that `torchmoe_ckpt.sparse_to_dense` replays.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
+                                                          _validate_global_plan, create_default_global_save_plan)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (BytesIOWriteData, LoadItemType, LoadPlan, ReadItem, SavePlan,
+                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from ..operators import discover_operators, local_tensor
+from ..replay_log import IterationRecord, ReplayLog
+from ..schedule import plan_window
+from ..snapshot import Slot, SlotItem, build_slot
+from ..window import Window
+from .manifest import plan_digest
+from .planner import PLANNER_KEY
+
+# DCP's state-dict helpers drop these wrapper names from FQNs (torch.compile, activation checkpointing).
+_WRAPPERS = re.compile(r"(^|\.)(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)(?=\.|$)")
+
+
+def _meta(shape, dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")  # shape and dtype only: planning allocates nothing
+
+
+def replay_key(rank: int) -> str:
+    return f"replay.rank-{rank:05d}"
+
+
+class SparseSchedule:
+    """The window plan a DCP user's loop follows: operator order, W slots, and which slot step t writes.
+    Windows start at `first_step`, `first_step + W`, ...; slot i of a window holds the state after iteration
+    `start_step + i`. Collective when a process group is up (the per-operator sizes are agreed, so every
+    rank computes the same plan)."""
+
+    def __init__(self, model: torch.nn.Module, window: int, compute_dtype: torch.dtype, first_step: int = 1,
+                 ops=None, group=None):
+        ops = ops if ops is not None else discover_operators(model)
+        self.ops = {o.name: o for o in ops}
+        self.compute_dtype, self.first_step = compute_dtype, first_step
+        kind = {"expert": 0, "router": 1, "dense": 2}
+        order = [o.name for o in sorted(ops, key=lambda o: kind[o.kind])]  # experts, routers, dense (stable)
+        sizes = torch.tensor([[self.ops[n].full_bytes(), self.ops[n].compute_bytes(compute_dtype.itemsize)]
+                              for n in order], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+        full = {n: int(sizes[i, 0]) for i, n in enumerate(order)}
+        comp = {n: int(sizes[i, 1]) for i, n in enumerate(order)}
+        self.plan = plan_window(order, full, comp, float("inf"), forced_window=window, warn=False)
+        self.digest = plan_digest(self.plan.to_dict())
+
+    @property
+    def window(self) -> int:
+        return self.plan.window
+
+    def locate(self, step: int) -> tuple[int, int, int]:
+        """(window id, slot index, window start step) of iteration `step`."""
+        if step < self.first_step:
+            raise ValueError(f"step {step} is before the first checkpointed step {self.first_step}")
+        wid, slot = divmod(step - self.first_step, self.window)
+        return wid, slot, self.first_step + wid * self.window
+
+    def slot_items(self, slot: int, alloc=None) -> Slot:
+        """The items slot `slot` holds on this rank (meta tensors unless `alloc` gives real buffers)."""
+        sp = self.plan.slots[slot]
+        return build_slot(slot, sp.active, sp.frozen, self.ops, self.compute_dtype, alloc=alloc or _meta)
+
+    def slot_name(self, step: int) -> str:
+        """Where step's slot goes under a tier's root: `window-NNNNNN/slot-SS`."""
+        wid, slot, _ = self.locate(step)
+        return f"window-{wid:06d}/slot-{slot:02d}"
+
+    def slot_path(self, root: str | Path, step: int) -> str:
+        return f"{str(root).rstrip('/')}/{self.slot_name(step)}"
+
+    def info(self, step: int, run: str = "") -> dict:
+        wid, slot, start = self.locate(step)
+        return {"window": wid, "slot": slot, "step": step, "start_step": start, "window_size": self.window,
+                "plan": self.digest, "run": run}
+
+
+def dcp_key(item: SlotItem, model_key: str = "model", optim_key: str = "optim") -> str:
+    """The key of a slot item in a standard (flattened) DCP state dict; compute weights get their own."""
+    fqn = _WRAPPERS.sub("", item.piece.fqn).lstrip(".")
+    if item.role in ("master", "buffer"):
+        return f"{model_key}.{fqn}"
+    if item.role == "compute":
+        return f"compute.{fqn}"
+    return f"{optim_key}.state.{fqn}.{item.role}"  # exp_avg | exp_avg_sq | step
+
+
+def _source(sd: dict, item: SlotItem, model_key: str, optim_key: str) -> torch.Tensor:
+    """The live tensor region of a standard state dict that `item` captures (a view, no copy)."""
+    fqn = _WRAPPERS.sub("", item.piece.fqn).lstrip(".")
+    try:
+        if item.role in ("master", "buffer", "compute"):
+            t = sd[model_key][fqn]
+        else:
+            t = sd[optim_key]["state"][fqn][item.role]
+    except KeyError:
+        raise KeyError(f"state dict has no {dcp_key(item, model_key, optim_key)!r}: pass get_state_dict(model, "
+                       f"optimizer) as {{{model_key!r}: ..., {optim_key!r}: ...}}, after the first optimizer "
+                       "step") from None
+    if item.role == "step":
+        return t if torch.is_tensor(t) else torch.tensor(float(t))
+    return local_tensor(t)[item.piece.local_slices]
+
+
+class SparseSavePlanner(DefaultSavePlanner):
+    """Emit only iteration `step`'s slot of `schedule` from a standard state dict (see the module doc)."""
+
+    def __init__(self, schedule: SparseSchedule, step: int, record: IterationRecord | None = None,
+                 run: str = "", model_key: str = "model", optim_key: str = "optim"):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
+        self.schedule, self.step, self.record, self.keys = schedule, step, record, (model_key, optim_key)
+        self.info = schedule.info(step, run)
+        self.slot = schedule.slot_items(self.info["slot"])
+        self._items: dict[tuple, SlotItem] = {}
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        self.state_dict, self.is_coordinator = state_dict, is_coordinator
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def create_local_plan(self) -> SavePlan:
+        items: list[WriteItem] = []
+        for it in self.slot.items:
+            wi = it.write_item()
+            index = MetadataIndex(dcp_key(it, *self.keys), wi.index.offset)
+            items.append(dataclasses.replace(wi, index=index))
+            self._items[(index.fqn, tuple(index.offset or ()))] = it
+        if self.record is not None:
+            buf = io.BytesIO()
+            torch.save(self.record.to_dict(), buf)
+            self._record_bytes = buf
+            items.append(WriteItem(index=MetadataIndex(replay_key(self.rank)), type=WriteItemType.BYTE_IO,
+                                   bytes_io_data=BytesIOWriteData(nbytes=len(buf.getbuffer()))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans = self._dedup_save_plans(all_plans)  # HSDP replicas and step counters are written once
+        global_plan, md = create_default_global_save_plan(plans)
+        # A slot covers only part of most tensors by design: only DCP's "fill" check is relaxed.
+        quiet = logging.getLogger(_validate_global_plan.__module__)
+        level, quiet.level = quiet.level, logging.ERROR  # DCP logs every (expected) partial tensor
+        try:
+            errors = [e for e in _validate_global_plan(global_plan, md) if "invalid fill tensor-volume" not in e]
+        finally:
+            quiet.setLevel(level)
+        if errors:
+            raise ValueError(f"sparse slot plan is inconsistent across ranks: {'; '.join(errors)[:500]}")
+        md = dataclasses.replace(md, planner_data={PLANNER_KEY: dict(self.info)})
+        self.global_plan, self.metadata = global_plan, md
+        return global_plan, md
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        self.plan = new_plan
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            self._record_bytes.seek(0)
+            return self._record_bytes
+        it = self._items[(write_item.index.fqn, tuple(write_item.index.offset or ()))]
+        src = _source(self.state_dict, it, *self.keys)
+        if it.role == "compute":
+            return src.to(self.schedule.compute_dtype)  # the only copy the planner makes (a cast)
+        return src.detach()
+
+
+class SparseLoadPlanner(DefaultLoadPlanner):
+    """Read iteration `step`'s slot back: into the standard state dict given to `dcp.load` (ACTIVE operators
+    get their full state, later ones their compute weights), or, with `into=Slot`, into that slot's buffers
+    (plus this rank's replay record into `self.record`)."""
+
+    def __init__(self, schedule: SparseSchedule, step: int, into: Slot | None = None, model_key: str = "model",
+                 optim_key: str = "optim"):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.schedule, self.step, self.keys, self.into = schedule, step, (model_key, optim_key), into
+        self.slot = into if into is not None else schedule.slot_items(schedule.locate(step)[1])
+        self.record: IterationRecord | None = None
+        self._dest: dict[tuple, SlotItem] = {}
+        self._pending: dict[tuple, torch.Tensor] = {}
+
+    def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        info = ((metadata.planner_data or {}).get(PLANNER_KEY) or {}) if metadata is not None else {}
+        want = self.schedule.info(self.step)
+        bad = [k for k in ("window", "slot", "step", "plan") if info.get(k) != want[k]]
+        if bad:
+            raise ValueError(f"checkpoint holds {', '.join(f'{k} {info.get(k)!r}' for k in bad)}, expected "
+                             f"{', '.join(f'{want[k]!r}' for k in bad)}: a slot of another step or plan")
+
+    def create_local_plan(self) -> LoadPlan:
+        reads: list[ReadItem] = []
+        md = self.metadata.state_dict_metadata
+        for it in self.slot.items:
+            key, wi = dcp_key(it, *self.keys), it.write_item()
+            if key not in md:
+                raise KeyError(f"slot checkpoint has no {key!r}: written for another model or plan")
+            chunk = ChunkStorageMetadata(wi.tensor_data.chunk.offsets, wi.tensor_data.chunk.sizes)
+            found = create_read_items_for_chunk_list(key, md[key], [chunk])
+            got = sum(int(torch.Size(r.lengths).numel()) for r in found)
+            if got != torch.Size(chunk.sizes).numel():
+                raise KeyError(f"slot checkpoint covers {got} elements of {key} at {tuple(chunk.offsets)}")
+            dest = MetadataIndex(key, chunk.offsets)
+            reads += [dataclasses.replace(r, dest_index=dest) for r in found]
+            self._dest[(key, tuple(chunk.offsets))] = it
+        rk = replay_key(self.rank)
+        if rk in md:
+            reads.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(rk), dest_offsets=torch.Size(()),
+                                  storage_index=MetadataIndex(rk), storage_offsets=torch.Size(()),
+                                  lengths=torch.Size(())))
+        self.plan = LoadPlan(reads)
+        return self.plan
+
+    def _target(self, item: SlotItem) -> torch.Tensor:
+        if self.into is not None:
+            return item.buffer
+        return _source(self.state_dict, item, *self.keys)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        it = self._dest[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset or ()))]
+        view = self._target(it)
+        for dim, (off, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(dim, off, length)
+        if it.role == "compute" and self.into is None:  # read in the compute dtype, cast up in commit_tensor
+            tmp = torch.empty(view.shape, dtype=self.schedule.compute_dtype)
+            self._pending[id(tmp)] = view
+            return tmp
+        return view
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        view = self._pending.pop(id(tensor), None)
+        if view is not None:
+            view.copy_(tensor)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.record = IterationRecord.from_dict(torch.load(value, weights_only=True))
+
+
+def load_sparse_window(schedule: SparseSchedule, window_id: int, reader_for, pin_memory: bool = False) -> Window:
+    """The W slots of window `window_id` (each read with `dcp.load` through `reader_for(step)`, a
+    StorageReader) as a `Window` for `torchmoe_ckpt.sparse_to_dense`. Collective like `dcp.load`."""
+    start = schedule.first_step + window_id * schedule.window
+    slots, log = [], ReplayLog()
+    for i in range(schedule.window):
+        slot = schedule.slot_items(i, alloc=lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin_memory))
+        planner = SparseLoadPlanner(schedule, start + i, into=slot)
+        dcp.load({}, storage_reader=reader_for(start + i), planner=planner)
+        if planner.record is not None:
+            log.add(planner.record)
+        slot.step = start + i
+        slot.done.set()
+        slots.append(slot)
+    win = Window(window_id, start, schedule.plan, slots, log, captured=schedule.window)
+    if not win.committed:
+        raise ValueError(f"window {window_id}: replay records do not cover steps "
+                         f"{start + 1}..{start + schedule.window - 1}"
+                         " (save each step with SparseSavePlanner(schedule, step, record))")
+    return win
