@@ -13,8 +13,9 @@ attempt here starts a new default group, device meshes and our own gloo groups, 
 
 Time: a TorchTitan restart on this 2-core machine costs 5.5 s when it is idle and 15-25 s while other jobs
 run, three quarters of it imports of torch and TorchTitan (the breakdown each restart logs, checked below).
-Three kills in a row (four attempts, 60-100 s loaded) do not fit the suite's 60 s per test, so the 3-kill
-cases are ``matrix`` (``make test-all``) and the default suite runs 2 kills per entry point (45-55 s loaded).
+On an idle CI machine 2 kills took 20 s per entry point, so the default suite runs the 3 kills the issue
+asks for (four attempts); on a machine shared with other jobs they can take 60-100 s, and the 2-kill cases
+(``matrix``) are the quicker check there.
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def test_fault_free_reference_run(tmp_path_factory, env):
         assert sorted(map(int, run["loss_bits"])) == list(range(1, STEPS + 1))
 
 
-@pytest.mark.parametrize("kills", [pytest.param(3, marks=[pytest.mark.matrix, pytest.mark.timeout(240)]), 2])
+@pytest.mark.parametrize("kills", [3, pytest.param(2, marks=pytest.mark.matrix)])
 def test_override_imports_survives_repeated_kills(tmp_path, tmp_path_factory, env, kills):
     reference = _reference(tmp_path_factory, env)
     faults = OVERRIDE_KILLS[:kills]
@@ -123,7 +124,7 @@ def test_override_imports_survives_repeated_kills(tmp_path, tmp_path_factory, en
     _check(reference, tmp_path / "run", out, faults)
 
 
-@pytest.mark.parametrize("kills", [pytest.param(3, marks=[pytest.mark.matrix, pytest.mark.timeout(240)]), 2])
+@pytest.mark.parametrize("kills", [3, pytest.param(2, marks=pytest.mark.matrix)])
 def test_job_file_survives_repeated_kills(tmp_path, tmp_path_factory, env, kills):
     reference = _reference(tmp_path_factory, env)
     faults = JOB_KILLS[:kills]
