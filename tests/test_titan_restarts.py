@@ -117,18 +117,12 @@ def test_fault_free_reference_run(tmp_path_factory, env):
 
 
 @pytest.mark.parametrize("kills", [3, pytest.param(2, marks=pytest.mark.matrix)])
-def test_override_imports_survives_repeated_kills(tmp_path, tmp_path_factory, env, kills):
+@pytest.mark.parametrize("entry", ["override_imports", "job_file"])
+def test_survives_repeated_kills(tmp_path, tmp_path_factory, env, entry, kills):
     reference = _reference(tmp_path_factory, env)
-    faults = OVERRIDE_KILLS[:kills]
-    out = _override_run(tmp_path / "run", env, faults, timeout=55 if kills == 2 else 230)
-    _check(reference, tmp_path / "run", out, faults)
-
-
-@pytest.mark.parametrize("kills", [3, pytest.param(2, marks=pytest.mark.matrix)])
-def test_job_file_survives_repeated_kills(tmp_path, tmp_path_factory, env, kills):
-    reference = _reference(tmp_path_factory, env)
-    faults = JOB_KILLS[:kills]
-    out = _job_run(tmp_path / "run", env, faults, timeout=55 if kills == 2 else 230)
+    launch, plan = {"override_imports": (_override_run, OVERRIDE_KILLS), "job_file": (_job_run, JOB_KILLS)}[entry]
+    faults = plan[:kills]
+    out = launch(tmp_path / "run", env, faults, timeout=55)  # inside the suite's 60 s per test
     _check(reference, tmp_path / "run", out, faults)
 
 

@@ -22,7 +22,7 @@ from .dcp.tier_writer import TierWriter
 from .dcp.manifest import plan_digest
 from .errors import ConfigError
 from .identity import RunIdentity, build_identity
-from .operators import Operator, discover_operators, expert_grid
+from .operators import Operator, agreed_sizes, discover_operators, expert_grid
 from .popularity import PopularityTracker, order_experts, reorder_needed
 from .replay_log import IterationRecord
 from .schedule import CopyCost, WindowPlan, choose_window, copy_budget, measure_copy_bandwidth, plan_window
@@ -235,16 +235,9 @@ class SparseCheckpointer:
         return self._order
 
     def _op_sizes(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Full and compute bytes per operator, the max over the planning group so every rank plans the same
-        window. Sizes never change during a run: agreed once (one collective), not at every window."""
+        # Sizes never change during a run: agreed once (one collective), not at every window.
         if self._sizes is None:
-            names = [o.name for o in self.ops]
-            sizes = torch.tensor([[self.op_by_name[n].full_bytes(), self.op_by_name[n].compute_bytes(
-                self.compute_dtype.itemsize)] for n in names], dtype=torch.float64)
-            if dist.is_initialized():
-                dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.group)
-            self._sizes = ({n: int(sizes[i, 0]) for i, n in enumerate(names)},
-                           {n: int(sizes[i, 1]) for i, n in enumerate(names)})
+            self._sizes = agreed_sizes(self.op_by_name, self.compute_dtype, self.group)
         return self._sizes
 
     def _start_window(self, t: int) -> Window:

@@ -33,13 +33,13 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, StorageMeta,
                                                    TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..placement import Placement
 from .peer_tier import exchange, pack_files, unpack_files
-from .raw_storage import PLANNER_KEY
+from .raw_storage import PLANNER_KEY, done
 from .tier_storage import HostReader, HostWriter
 
 RANK_MD = "_0.rankmd"
@@ -114,9 +114,7 @@ class PeerWriter(HostWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results = super().write_data(plan, planner).wait()
         self._replicate(plan, results, planner)
-        fut: Future = Future()
-        fut.set_result(results)
-        return fut
+        return done(results)
 
     def write_from(self, first, plan: SavePlan, results: list[WriteResult], planner: SavePlanner) -> int:
         """As a later tier of a TieredWriter: take the files the first (host) tier just wrote, then push them.
@@ -206,17 +204,8 @@ class PeerReader(HostReader):
         self._where = {rel: held_copies(self.path).get(src) for rel, src in self.owner.items()}
         return plan
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list] = {}
-        for req in plan.items:
-            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-        for rel, reqs in per_file.items():
-            d = self._where.get(rel)
-            if d is None:
-                raise FileNotFoundError(f"{self.path}: no node holds {rel} (rank {self.owner.get(rel)}'s copy)")
-            raw = bytearray((d / rel).read_bytes())
-            for req in reqs:
-                self._read_item(raw, rel, req, planner)  # verifies each item's checksum
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
+    def read_file(self, rel: str) -> bytearray:
+        d = self._where.get(rel)
+        if d is None:
+            raise FileNotFoundError(f"{self.path}: no node holds {rel} (rank {self.owner.get(rel)}'s copy)")
+        return bytearray((d / rel).read_bytes())  # RawReader.read_data verifies each item's checksum

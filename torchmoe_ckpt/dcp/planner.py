@@ -13,6 +13,7 @@ plain full-size tensors: regions no chunk covers are left untouched.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pickle
 import zlib
 
@@ -20,6 +21,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
+    _validate_global_plan,
     create_default_global_save_plan,
 )
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
@@ -33,6 +35,24 @@ from .raw_storage import PLANNER_KEY, checksum_name as _checksum_name
 
 def item_crc32(buf: torch.Tensor) -> int:
     return zlib.crc32(buf.detach().contiguous().reshape(-1).view(torch.uint8).numpy()) & 0xFFFFFFFF
+
+
+def partial_global_plan(planner: DefaultSavePlanner, all_plans: list[SavePlan], what: str
+                        ) -> tuple[list[SavePlan], list[SavePlan], Metadata]:
+    """(deduplicated local plans, global plan, metadata) of a sparse slot save. A slot covers only part of
+    most tensors by design: of DCP's checks only "invalid fill tensor-volume" is relaxed (and not logged,
+    DCP would log every expected partial tensor); out-of-bounds and overlapping chunks still raise."""
+    plans = planner._dedup_save_plans(all_plans)  # HSDP replicas and step counters are written once
+    global_plan, md = create_default_global_save_plan(plans)
+    quiet = logging.getLogger(_validate_global_plan.__module__)
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        errors = [e for e in _validate_global_plan(global_plan, md) if "invalid fill tensor-volume" not in e]
+    finally:
+        quiet.setLevel(level)
+    if errors:
+        raise ValueError(f"{what} is inconsistent across ranks: {'; '.join(errors)[:500]}")
+    return plans, global_plan, md
 
 
 def _index_key(fqn: str, offset) -> tuple:
@@ -67,16 +87,11 @@ class SlotSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        from torch.distributed.checkpoint.default_planner import _validate_global_plan
         cached = getattr(self.slot, "_dcp_global", None)
         if cached is not None and len(all_plans) == 1 and all_plans[0].items is cached[0]:
             _, plans, global_plan, md = cached  # one rank, the same cached items: the same global plan
         else:
-            plans = self._dedup_save_plans(all_plans)
-            global_plan, md = create_default_global_save_plan(plans)
-            errors = [e for e in _validate_global_plan(global_plan, md) if "invalid fill tensor-volume" not in e]
-            if errors:
-                raise ValueError(f"slot plan is inconsistent across ranks: {'; '.join(errors)[:500]}")
+            plans, global_plan, md = partial_global_plan(self, all_plans, "slot plan")
             if len(all_plans) == 1:
                 self.slot._dcp_global = (all_plans[0].items, plans, global_plan, md)
         plans = [dataclasses.replace(p, planner_data=a.planner_data) for p, a in zip(plans, all_plans)]

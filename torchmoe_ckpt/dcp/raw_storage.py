@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
                                                   WriteItemType)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -39,11 +39,6 @@ PLANNER_KEY = "torchmoe_ckpt"  # = planner.PLANNER_KEY (planner.py builds on thi
 METADATA = ".metadata"
 ALIGN = 64  # item start alignment in a data file (cache line; lets readers view items in place)
 IOV_BATCH = 512  # buffers per pwritev (below IOV_MAX)
-
-
-def checksum(data, algo: str = "crc32") -> str:
-    """'<algo>:<hex>' of a bytes-like object (checksums.py: "crc32" or "sum64b512"; readers check either)."""
-    return checksums.checksum(data, "crc32" if algo == "auto" else algo)
 
 
 def checksum_matches(data, want: str) -> bool:
@@ -66,6 +61,13 @@ class RawItem:
     offset: int
     length: int
     checksum: str | None = None
+
+
+def done(value=None) -> Future:
+    """A Future that already holds `value`: these writers and readers finish their I/O before returning."""
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
 
 
 class CorruptItemError(RuntimeError):
@@ -248,18 +250,16 @@ class RawWriter(StorageWriter):
             end = layout[k + 1][2] if k + 1 < len(layout) else pos
             pad = bytes(end - off - n)  # alignment padding, written as zeros (a recycled file holds old bytes)
             chunks += [src, pad] if pad else [src]
-            ck = checksum(src, self.algo) if self.item_checksums or self.algo == "crc32" else None
-            if ck is not None and ck.startswith("crc32:"):
-                crc = zlib.crc32(pad, crc32_combine(crc, int(ck[6:], 16), n)) & 0xFFFFFFFF
+            ck = checksums.checksum(src, self.algo) if self.item_checksums or self.algo == "crc32" else None
+            if ck is not None and self.algo == "crc32":
+                crc = zlib.crc32(pad, crc32_combine(crc, checksums.parse(ck)[1], n)) & 0xFFFFFFFF
             keep = ck if self.item_checksums or self.planner_checksums else None
             results.append(WriteResult(index=wi.index, size_in_bytes=n, storage_data=RawItem(rel, off, n, keep)))
-        self.files().write_data(rel, pos, chunks)
+        files.write_data(rel, pos, chunks)
         self.written[rel] = pos
         if self.algo == "crc32":
             self.file_crc32[rel] = crc
-        fut: Future = Future()
-        fut.set_result(results)
-        return fut
+        return done(results)
 
     def _write_mapped(self, files: "_Local", rel: str, layout: list, pos: int, key, spans) -> Future[list[WriteResult]]:
         """One copy_ per item into the kept mapping, then one summing pass: every item's sum64b512 and the
@@ -274,9 +274,7 @@ class RawWriter(StorageWriter):
         self._names = (results, [sp[3] for sp in spans])  # finish() names the checksums without re-deriving
         self.written[rel] = pos
         self.file_checksum[rel] = (SUM64, digest_blocks(sums, pos))
-        fut: Future = Future()
-        fut.set_result(results)
-        return fut
+        return done(results)
 
     def metadata_name(self) -> str:
         return METADATA if self.use_collectives else f"__{self.rank}{METADATA}"
@@ -289,7 +287,7 @@ class RawWriter(StorageWriter):
             info["checksums"] = {name: r.storage_data.checksum for name, r in zip(cached[1], cached[0])}
         elif self.planner_checksums and isinstance(info, dict):
             # CRC32s as ints (what planner.verify_items always read), other algorithms as named strings
-            info["checksums"] = {checksum_name(i.fqn, i.offset): int(d.checksum[6:], 16)
+            info["checksums"] = {checksum_name(i.fqn, i.offset): checksums.parse(d.checksum)[1]
                                  if d.checksum.startswith("crc32:") else d.checksum
                                  for i, d in metadata.storage_data.items() if isinstance(d, RawItem) and d.checksum}
         metadata.storage_meta = self.storage_meta()
@@ -341,14 +339,15 @@ class RawReader(StorageReader):
         per_file: dict[str, list] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-        files = self.files()
         for rel, reqs in per_file.items():
-            raw = files.read(rel)
+            raw = self.read_file(rel)
             for req in reqs:
                 self._read_item(raw, rel, req, planner)
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
+        return done()
+
+    def read_file(self, rel: str) -> bytearray:
+        """The bytes of data file `rel` (PeerReader reads them from wherever a copy is held)."""
+        return self.files().read(rel)
 
     def _read_item(self, raw: bytearray, rel: str, req, planner: LoadPlanner) -> None:
         info = self.storage_data[req.storage_index]

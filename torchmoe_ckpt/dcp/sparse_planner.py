@@ -22,27 +22,25 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import logging
 import re
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
-                                                          _validate_global_plan, create_default_global_save_plan)
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (BytesIOWriteData, LoadItemType, LoadPlan, ReadItem, SavePlan,
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..operators import discover_operators, local_tensor
+from ..operators import agreed_sizes, discover_operators, local_tensor
 from ..replay_log import IterationRecord, ReplayLog
 from ..schedule import plan_window
 from ..snapshot import Slot, SlotItem, build_slot
 from ..window import Window
 from .manifest import plan_digest
-from .planner import PLANNER_KEY
+from .planner import PLANNER_KEY, partial_global_plan
 
 # DCP's state-dict helpers drop these wrapper names from FQNs (torch.compile, activation checkpointing).
 _WRAPPERS = re.compile(r"(^|\.)(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)(?=\.|$)")
@@ -69,12 +67,7 @@ class SparseSchedule:
         self.compute_dtype, self.first_step = compute_dtype, first_step
         kind = {"expert": 0, "router": 1, "dense": 2}
         order = [o.name for o in sorted(ops, key=lambda o: kind[o.kind])]  # experts, routers, dense (stable)
-        sizes = torch.tensor([[self.ops[n].full_bytes(), self.ops[n].compute_bytes(compute_dtype.itemsize)]
-                              for n in order], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
-        full = {n: int(sizes[i, 0]) for i, n in enumerate(order)}
-        comp = {n: int(sizes[i, 1]) for i, n in enumerate(order)}
+        full, comp = agreed_sizes(self.ops, compute_dtype, group)
         self.plan = plan_window(order, full, comp, float("inf"), forced_window=window, warn=False)
         self.digest = plan_digest(self.plan.to_dict())
 
@@ -167,17 +160,7 @@ class SparseSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        plans = self._dedup_save_plans(all_plans)  # HSDP replicas and step counters are written once
-        global_plan, md = create_default_global_save_plan(plans)
-        # A slot covers only part of most tensors by design: only DCP's "fill" check is relaxed.
-        quiet = logging.getLogger(_validate_global_plan.__module__)
-        level, quiet.level = quiet.level, logging.ERROR  # DCP logs every (expected) partial tensor
-        try:
-            errors = [e for e in _validate_global_plan(global_plan, md) if "invalid fill tensor-volume" not in e]
-        finally:
-            quiet.setLevel(level)
-        if errors:
-            raise ValueError(f"sparse slot plan is inconsistent across ranks: {'; '.join(errors)[:500]}")
+        _, global_plan, md = partial_global_plan(self, all_plans, "sparse slot plan")
         md = dataclasses.replace(md, planner_data={PLANNER_KEY: dict(self.info)})
         self.global_plan, self.metadata = global_plan, md
         return global_plan, md

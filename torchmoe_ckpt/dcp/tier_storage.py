@@ -22,10 +22,15 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .raw_storage import CorruptItemError, RawReader, RawWriter, _Local
+from .raw_storage import CorruptItemError, RawReader, RawWriter, _Local, done
 
 log = logging.getLogger("torchmoe_ckpt.tier_storage")
 DEFAULT_HOST_ROOT = "/dev/shm/torchmoe-ckpt"
+
+
+def _under(base: str, checkpoint_id) -> str | None:
+    """A tier's own path for `checkpoint_id` (joined under the tier's base path), None to keep it."""
+    return f"{base.rstrip('/')}/{str(checkpoint_id).lstrip('/')}" if checkpoint_id else None
 
 
 def _local_path(path: str) -> str:
@@ -76,7 +81,7 @@ class TieredWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         for w, base in zip(self.writers, self.bases):
-            w.reset(f"{base.rstrip('/')}/{str(checkpoint_id).lstrip('/')}" if checkpoint_id else None)
+            w.reset(_under(base, checkpoint_id))
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
         for w in self.writers:
@@ -110,9 +115,7 @@ class TieredWriter(StorageWriter):
                     dst.write_data(rel, len(data), [data])
                 self.bytes_per_tier[i] += n
         self.bytes_per_tier[0] += sum(first.written.values())
-        fut: Future = Future()
-        fut.set_result(results)
-        return fut
+        return done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         failed = []
@@ -143,7 +146,7 @@ class TieredReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         for r, base in zip(self.readers, self.bases):
-            r.reset(f"{base.rstrip('/')}/{str(checkpoint_id).lstrip('/')}" if checkpoint_id else None)
+            r.reset(_under(base, checkpoint_id))
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         self._mds: list = []
