@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import torchmoe_ckpt as tmc
-from torchmoe_ckpt.replay_log import IterationRecord
 from torchmoe_harness.trainer import RunConfig, Trainer
 
 
@@ -122,7 +122,16 @@ def main() -> None:
             def reader_for(s: int) -> dcp.StorageReader:
                 readers.append(tier_reader(args, schedule.slot_name(s)))
                 return readers[-1]
-            window = tmc.load_sparse_window(schedule, wid, reader_for)
+            try:
+                window = tmc.load_sparse_window(schedule, wid, reader_for)
+            except (tmc.CorruptItemError, CheckpointException) as exc:  # DCP raises it on every rank (collective)
+                if wid == 0:
+                    raise
+                if rank == 0:  # no tier holds a verified copy of a slot: the previous window is still whole
+                    print(f"window {wid} is unusable ({' '.join(str(exc).split())[:300]}); falling back to window "
+                          f"{wid - 1}", flush=True)
+                wid, readers[:] = wid - 1, []
+                window = tmc.load_sparse_window(schedule, wid, reader_for)
             fetched = {k: v for r in readers for p in getattr(r, "readers", [r]) for k, v in
                        getattr(p, "fetched", {}).items()}
             if fetched:
@@ -138,7 +147,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # a real crash in the middle of the run
         res = trainer.train_step()
         losses[step] = res.loss
-        record = IterationRecord(res.step, res.tokens, res.grad_norm, res.lr, res.loss, res.rng_state)
+        record = tmc.IterationRecord(res.step, res.tokens, res.grad_norm, res.lr, res.loss, res.rng_state)
         model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
         # The only change a DCP user makes: our planner (this iteration's slot) and our storage writer.
         dcp.save({"model": model_sd, "optim": optim_sd},

@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--run-id", default=None, help="default: torchrun's run id (one per launch)")
     ap.add_argument("--host-dir", default="/dev/shm/torchmoe-ckpt")
     ap.add_argument("--window", type=int, default=3)
+    ap.add_argument("--on-unusable-checkpoint", choices=("fail", "restart"), default="fail",
+                    help="windows exist but every one is rejected (corrupt, replay diverged): refuse (default) or "
+                         "start over from step 0, overwriting them")
     args = ap.parse_args(argv)
     logging.basicConfig(format="%(message)s")
     logging.getLogger("torchmoe_ckpt").setLevel(logging.INFO)  # windows committed, recovery: one line each
@@ -53,7 +56,8 @@ def main(argv: list[str] | None = None):
 
     losses = {}
     config = tmc.CheckpointConfig(tiers=tmc.TierConfig(root=args.host_dir, run_id=args.run_id),  # ckpt
-                                  window=tmc.SparseConfig(window=args.window), max_grad_norm=1.0)  # ckpt
+                                  window=tmc.SparseConfig(window=args.window), max_grad_norm=1.0,  # ckpt
+                                  on_unusable_checkpoint=args.on_unusable_checkpoint)  # ckpt
     with tmc.Checkpointer(model, optimizer, forward_backward, scheduler, config) as ckpt:  # ckpt
         for step in range(ckpt.resume() + 1, args.steps + 1):  # ckpt: resume() = last completed step
             # ckpt.step = forward_backward + clip_grad_norm_ + optimizer.step + scheduler.step + zero_grad

@@ -152,6 +152,19 @@ def test_refused_up_front():
         tmc.CheckpointConfig(tiers={"root": "/tmp/x", "replica": 1})
     with pytest.raises(tmc.ConfigError, match="format"):
         tmc.ObjectStoreConfig(uri="s3://b/p", format="zarr")
+    # a value of the wrong type (a job file's "3") names its field, not a TypeError from a comparison
+    with pytest.raises(tmc.ConfigError, match=r"SparseConfig.window must be an integer or None, got '3'"):
+        tmc.SparseConfig(window="3")
+    with pytest.raises(tmc.ConfigError, match="SparseConfig.overlap must be a number"):
+        tmc.CheckpointConfig(window={"overlap": "1"})
+    with pytest.raises(tmc.ConfigError, match="replicas must be an integer"):
+        tmc.TierConfig(replicas="1")
+    with pytest.raises(tmc.ConfigError, match="object_store.keep must be an integer"):
+        tmc.ObjectStoreConfig(uri="s3://b/p", keep="2")
+    with pytest.raises(tmc.ConfigError, match="window must be a SparseConfig"):
+        tmc.CheckpointConfig(window=3)
+    with pytest.raises(tmc.ConfigError, match="on_unusable_checkpoint 'never' must be 'fail'"):
+        tmc.CheckpointConfig(on_unusable_checkpoint="never")
     ck = tmc.Checkpointer(model, opt, fb)
     with pytest.raises(RuntimeError, match="resume"):
         ck.step(batch_for(1))

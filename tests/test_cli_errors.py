@@ -39,6 +39,7 @@ def one_line_error(rc: int, err: str, *needles: str) -> None:
     (["inspect", "/etc/passwd"], "is a file, not a checkpoint location"),
     (["verify", "/no/such/dir"], "no such checkpoint location"),
     (["inspect", "gs://bucket/x"], "unknown object-store URI scheme"),
+    (["verify", "s3:/bucket/x"], "did you mean 's3://bucket/x'?"),
     (["verify", "/tmp", "--storage-options", "{not json"], "--storage-options"),
     (["simulate", "--seeds", "0"], "--seeds: 0 is out of range: must be >= 1"),
     (["simulate", "--hours", "-5"], "--hours: -5 is out of range: must be > 0"),

@@ -219,3 +219,33 @@ def test_store_writer_and_reader_on_s3(tmp_path, one_rank_group, moto):
     live = dict(t.model.named_parameters())
     for it in (i for i in slot.items if i.role == "master"):
         assert torch.equal(it.buffer, local_tensor(live[it.piece.fqn])[it.piece.local_slices])
+
+
+def test_cli_inspect_and_verify_say_a_dcp_user_slot_directory_is_checked_by_loading(tmp_path, one_rank_group, capsys):
+    """The CLI reads the Checkpointer/TorchTitan layout (windows with manifests); on a DCP user's slots it
+    says, in one line, what the location is and how to check it, instead of "uncommitted" for every window."""
+    from torchmoe_ckpt.cli import main
+    _saved_slot(tmp_path)
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "shm")]) == 1
+    out, err = capsys.readouterr()
+    assert not out and len(err.strip().splitlines()) == 1, err
+    assert "written by dcp.save with SparseSavePlanner" in err and "load_sparse_window" in err, err
+    assert "CorruptItemError" in err and "uncommitted" not in err, err
+    assert main(["inspect", str(tmp_path / "shm")]) == 0
+    out, _ = capsys.readouterr()
+    assert len(out.strip().splitlines()) == 1 and "1 window(s), 3 slot(s)" in out, out
+
+
+def test_a_corrupt_newest_window_falls_back_to_the_previous_one(tmp_path, reference):
+    """What docs/dcp-user.md tells a DCP user to do when load_sparse_window raises CorruptItemError (no tier
+    holds a verified copy of a slot): load the previous window; examples/dcp_user.py does it, bit-exactly."""
+    run(tmp_path, "stopped", "--stop-at", "9", *tiers(tmp_path, "host"))
+    data = max((tmp_path / "shm" / "window-000002" / "slot-01").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    got, log = run(tmp_path, "resumed", "--resume", *tiers(tmp_path, "host"))
+    assert "window 2 is unusable" in log and "falling back to window 1" in log, log[-3000:]
+    assert "recovered window 1" in log, log[-3000:]
+    assert_bit_exact(reference(1), got)

@@ -119,6 +119,22 @@ def test_bad_store_settings_fail_at_start_with_one_clear_message(tmp_path, moto)
         ObjectTier("s3://tmoe-bucket/x", "run", 0, storage_options=dead)
 
 
+@pytest.mark.parametrize("uri,meant", [("s3:/bucket", "s3://bucket"), ("s3:bucket/ckpt", "s3://bucket/ckpt"),
+                                       ("az:/c/p", "az://c/p"), ("file:/tmp/x", "file:///tmp/x")])
+def test_a_scheme_without_slashes_is_refused_naming_the_uri_meant(tmp_path, monkeypatch, uri, meant):
+    """fsspec reads "s3:/bucket" as the local directory ./s3:/bucket: uploads would "succeed" into it."""
+    import torchmoe_ckpt as tmc
+    from torchmoe_ckpt.dcp.object_tier import make_store
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(tmc.ConfigError, match=f"did you mean '{meant}'"):
+        tmc.ObjectStoreConfig(uri=uri)
+    with pytest.raises(StoreConfigError, match=f"did you mean '{meant}'"):
+        make_store(uri, "run", 0)
+    with pytest.raises(StoreConfigError, match=f"did you mean '{meant}'"):
+        ObjectTier(uri, "run", 0)
+    assert not list(tmp_path.iterdir())  # no local directory named after the typo
+
+
 def test_error_explanations_do_not_read_port_numbers_as_http_status():
     from torchmoe_ckpt.dcp.store_errors import explain as _explain
 
@@ -218,3 +234,15 @@ def test_status_lines_say_each_window_once_and_store_changes_once(caplog):
                           "seconds": 0.5}) == ("recovered step 6 from window 1 (copy from the host memory of rank 1), "
                                                "replayed 2 iteration(s) in 0.50 s; every replayed loss matched the "
                                                "original run bit for bit")
+
+
+def test_exit_with_no_window_committed_is_a_warning_that_says_why(caplog):
+    import logging
+
+    from torchmoe_ckpt.status import RunStatus
+    with caplog.at_level(logging.INFO, logger="torchmoe_ckpt"):
+        RunStatus(0).exit_summary(0.0, 30.0, "/dev/shm/x")
+        RunStatus(1).exit_summary(0.0, 30.0, "/dev/shm/x")  # other ranks: the same line at DEBUG
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "exit: 0 window(s) committed" in warned[0], warned
+    assert "nothing a restart could resume from" in warned[0] and "shorter than one window" in warned[0], warned

@@ -297,3 +297,18 @@ def test_bad_override_json_is_one_error_line(tmp_path, env):
     err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(err) == 1, proc.stderr[-3000:]
     assert err[0].startswith("error: [override sparse_checkpoint] window = 0: must be >= 1; fix:"), err
+
+
+def test_on_unusable_checkpoint_is_a_checked_key_passed_to_recovery():
+    """[sparse_checkpoint] on_unusable_checkpoint: "fail" (default, like the own-loop CheckpointConfig) or
+    "restart"; the trainer passes it to torchmoe_ckpt.recover (sparse_trainer.py), train.py prints the refusal."""
+    from titan_integration.sparse_cli import split_args
+
+    assert SparseCheckpointSection().on_unusable_checkpoint == "fail"
+    assert split_args(["--sparse_checkpoint.on_unusable_checkpoint", "restart"])[1] == {
+        "on_unusable_checkpoint": "restart"}
+    assert SparseCheckpointSection.from_table({"on_unusable_checkpoint": "restart"}).on_unusable_checkpoint == "restart"
+    with pytest.raises(JobConfigError, match=r'on_unusable_checkpoint = .never.: must be "fail" or "restart"; fix:'):
+        SparseCheckpointSection.from_table({"on_unusable_checkpoint": "never"})
+    src = (Path(__file__).resolve().parent.parent / "titan_integration" / "sparse_trainer.py").read_text()
+    assert "on_unusable=self.sc.on_unusable_checkpoint" in src

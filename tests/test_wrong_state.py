@@ -238,19 +238,55 @@ def test_damaged_window_falls_back_to_the_older_one(written, tmp_path, damage, f
     assert exact
 
 
-def test_every_window_damaged_is_no_usable_window_not_no_window(written, tmp_path, caplog):
+def _files(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.glob("window-*/**/*")) if p.is_file()}
+
+
+def _flip_data_file(wdir: Path) -> None:
+    data = max((p for p in (wdir / "slot-00").rglob("*") if p.is_file() and p.name != ".metadata"),
+               key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", ["replay_diverges", "flip_one_byte"])
+def test_every_window_damaged_is_refused_with_the_reasons_and_nothing_touched(written, tmp_path, damage):
+    root = copy_run(written, tmp_path)
+    for w in (1, 2):
+        (_replay_diverges if damage == "replay_diverges" else _flip_data_file)(run_dir(root) / f"window-00000{w}")
+    before_files = _files(run_dir(root))
+    model, opt, sched, fb = build(seed=7777)
+    before = state_of(model, opt, sched)
+    with tmc.Checkpointer(model, opt, fb, sched, config(root), data_identity="data=0") as ck:
+        with pytest.raises(tmc.UnusableCheckpointError) as exc:
+            ck.resume()
+    msg = str(exc.value)
+    assert "window 2: " in msg and "window 1: " in msg and "new run id" in msg, msg
+    assert "on_unusable_checkpoint='restart'" in msg and "Nothing was deleted or overwritten" in msg, msg
+    if damage == "replay_diverges":  # the usual cause is named, and the library's own reason is not cut
+        assert "ReplayDivergence" in msg and "randomness outside torch's CPU generator" in msg, msg
+        assert "The window is not loaded" in msg, msg
+    else:
+        assert "(corrupt)" in msg and "damaged" in msg, msg
+    assert _files(run_dir(root)) == before_files  # nothing deleted or overwritten
+    after = state_of(model, opt, sched)  # the failed replays left nothing behind
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("model."))
+
+
+def test_every_window_damaged_with_restart_opt_in_starts_over(written, tmp_path, caplog):
     root = copy_run(written, tmp_path)
     for w in (1, 2):
         _replay_diverges(run_dir(root) / f"window-00000{w}")
     model, opt, sched, fb = build(seed=7777)
-    before = state_of(model, opt, sched)
+    cfg = config(root, on_unusable_checkpoint="restart")
     with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.resume"):
-        with tmc.Checkpointer(model, opt, fb, sched, config(root), data_identity="data=0") as ck:
+        with tmc.Checkpointer(model, opt, fb, sched, cfg, data_identity="data=0") as ck:
             assert ck.resume() == 0
     assert ck.resumed.report["outcome"] == "no usable window"
     assert "event=no_usable_window" in caplog.text and "ReplayDivergence" in caplog.text
-    after = state_of(model, opt, sched)  # the failed replays left nothing behind
-    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("model."))
+    assert "randomness outside torch's CPU generator" in caplog.text  # reasons are never cut
+    assert "a new run starts from step 0" in caplog.text
 
 
 # ---- (f) same run id, another model / optimizer / dtype / world size: one line, no load -----------------

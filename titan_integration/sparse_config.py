@@ -17,6 +17,8 @@
     dense_export_every = 0     # > 0: export every N iterations (dcp.async_save, off the training thread)
     dense_export_keep = 2      # newest exports kept; older ones deleted
     pipeline_log_max_bytes = 0 # with pipeline parallelism: bound on each stage's boundary log (0 = none)
+    on_unusable_checkpoint = "fail" # windows exist but every one is rejected (corrupt, torn, replay diverged):
+                               # "fail" = refuse with the reasons (exit 2), "restart" = start over from step 0
 
 Everything is checked before training starts; a bad value raises :class:`JobConfigError` whose message is
 one line ``... ; fix: ...`` (the launcher prints it as ``error: <message>`` and exits with status 2).
@@ -61,6 +63,7 @@ class SparseCheckpointSection:
     dense_export_every: int = 0
     dense_export_keep: int = 2
     pipeline_log_max_bytes: int = 0   # bound on each pipeline stage's boundary log (0: unbounded)
+    on_unusable_checkpoint: str = "fail"  # torchmoe_ckpt.CheckpointConfig.on_unusable_checkpoint: "fail" | "restart"
 
     # ---- construction from a TOML table ------------------------------------------------------------
     @classmethod
@@ -128,6 +131,10 @@ class SparseCheckpointSection:
         if self.storage_options and not (self.object_store_uri or self.dense_export_uri):
             raise JobConfigError(f"[{section}] storage_options is set but object_store_uri is empty; "
                                  "fix: set object_store_uri or remove storage_options")
+        if self.on_unusable_checkpoint not in ("fail", "restart"):
+            raise bad("on_unusable_checkpoint", 'must be "fail" or "restart"',
+                      'on_unusable_checkpoint = "fail" (refuse when every window is rejected) or "restart" '
+                      "(start over from step 0, overwriting them)")
         if self.object_store_format not in STORE_FORMATS:
             raise bad("object_store_format", "unknown format", f"use one of {', '.join(STORE_FORMATS)}")
         if self.object_store_format != "dcp" and not self.object_store_uri:

@@ -414,7 +414,8 @@ class SparseTrainer(Trainer):
         # Tests scramble the live weights once a window is found: what recovery forgets shows up as a mismatch.
         scramble = (lambda _w: self._scramble()) if os.environ.get("TORCHMOE_TITAN_SCRAMBLE") == "1" else None
         res = recover(TitanReplayable(self), Tiers(tier, replicator, store), ops, self.compute_dtype,
-                      rank=torch.distributed.get_rank(), before_replay=scramble, identity=identity)
+                      rank=torch.distributed.get_rank(), before_replay=scramble, identity=identity,
+                      on_unusable=self.sc.on_unusable_checkpoint)
         if res.window is None:
             if self._attempt > 0:
                 logger.warning("torchmoe: no committed window on any tier; starting from scratch")

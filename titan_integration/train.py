@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     key_rendezvous_by_attempt()  # before TorchTitan's init_distributed: a restart must not read stale store keys
     import torchtitan.train
 
-    from torchmoe_ckpt import IdentityMismatch, RunLockedError
+    from torchmoe_ckpt import IdentityMismatch, RunLockedError, UnusableCheckpointError
 
     from titan_integration import pipeline_compat
 
@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = [sys.argv[0]] + args
     try:
         torchtitan.train.main()
-    except (IdentityMismatch, RunLockedError) as e:  # windows of another run, or another job on this run
+    except (IdentityMismatch, RunLockedError, UnusableCheckpointError) as e:  # another run's windows, another job
+                                                                            # on this run, every window rejected
         print(f"error: {e}", file=sys.stderr, flush=True)
         os._exit(2)
     if "RANK" in os.environ:

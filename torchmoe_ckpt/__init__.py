@@ -23,13 +23,13 @@ from .dcp.tier_storage import HostReader, HostWriter, StoreReader, StoreWriter, 
 from .dcp.tier_health import CheckpointStallError
 from .dcp.tiers import Tiers, build_tiers
 from .distributed import init_process_group, restart_attempt
-from .errors import ConfigError, UncapturedStateError
+from .errors import ConfigError, UncapturedStateError, UnusableCheckpointError
 from .identity import IdentityMismatch, RunIdentity
 from .loop import Checkpointer, StepResult
 from .operators import Operator, OperatorDiscoveryError, OperatorSpec, discover_operators
 from .placement import Placement, Topology, place_replicas
 from .recovery import RecoveryReport, ReplayDivergence, Replayable, sparse_to_dense
-from .replay_log import Replay
+from .replay_log import IterationRecord, Replay
 from .resume import ResumeResult, recover
 from .routing import RouterCounter
 from .window import Window
@@ -44,8 +44,8 @@ __all__ = [
     # DCP users: sparse planners on a standard state dict, one StorageWriter/Reader per tier
     "SparseSchedule", "SparseSavePlanner", "SparseLoadPlanner", "load_sparse_window", "HostWriter", "HostReader",
     "StoreWriter", "StoreReader", "TieredWriter", "TieredReader", "RawWriter", "RawReader", "has_checkpoint",
-    "PeerWriter", "PeerReader", "held_copies", "Topology", "place_replicas", "Placement",
+    "PeerWriter", "PeerReader", "held_copies", "Topology", "place_replicas", "Placement", "IterationRecord",
     # errors
     "ConfigError", "UncapturedStateError", "OperatorDiscoveryError", "ReplayDivergence", "RunLockedError",
-    "CheckpointStallError", "IdentityMismatch", "RunIdentity", "CorruptItemError",
+    "CheckpointStallError", "IdentityMismatch", "RunIdentity", "CorruptItemError", "UnusableCheckpointError",
 ]

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .dcp.host_tier import HostTier
+from .dcp.slot_files import all_free, backing
 from .dcp.tier_writer import TierWriter
 from .dcp.manifest import plan_digest
 from .errors import ConfigError
@@ -26,10 +27,12 @@ from .operators import Operator, agreed_sizes, discover_operators, expert_grid
 from .popularity import PopularityTracker, order_experts, reorder_needed
 from .replay_log import IterationRecord
 from .schedule import CopyCost, WindowPlan, choose_window, copy_budget, measure_copy_bandwidth, plan_window
+from .slot_pool import SlotPool
 from .snapshot import Slot, SnapshotEngine, StateAccess, build_slot
 from .window import Window
 
 log = logging.getLogger("torchmoe_ckpt")
+DIRECT_SETS = 6  # shared-memory slot sets kept per plan: committed + being written + upload backlog + current
 
 
 @dataclass
@@ -46,6 +49,12 @@ class SparseConfig:
     expert_capacity: list[list[float]] | None = None  # [moe layers][experts], for popularity "capacity"
 
     def __post_init__(self):
+        for name in ("window", "overlap", "bandwidth_bytes_per_s", "decay", "reorder_change", "reorder_fraction"):
+            v, kinds = getattr(self, name), (int,) if name == "window" else (int, float)
+            if (v is not None or name not in ("window", "bandwidth_bytes_per_s")) and (
+                    isinstance(v, bool) or not isinstance(v, kinds)):  # "3" from a job file: one clear line
+                raise ConfigError(f"SparseConfig.{name} must be {'an integer' if name == 'window' else 'a number'}"
+                                  f"{' or None' if name in ('window', 'bandwidth_bytes_per_s') else ''}, got {v!r}")
         if self.window is not None and self.window < 1:
             raise ConfigError(f"window must be >= 1 or None (auto), got {self.window}")
         if not 0 < self.overlap:
@@ -104,7 +113,14 @@ class SparseCheckpointer:
             self.tier_writer = TierWriter(host_tier, replicator, store)
         self._order: list[str] | None = None
         self._order_freq: torch.Tensor | None = None
-        self._pool: dict[tuple, list[Slot]] = {}  # free slot buffers by plan, reused
+        # Slot buffer sets by plan, reused. With the host tier on CPU they are views of shared-memory data files
+        # (dcp/slot_files.py: the snapshot copy is the persist); a set is reused only once the host tier has
+        # unlinked its files from every window (collected), so a committed window is never overwritten.
+        self._pool: dict[tuple, list[list[Slot]]] = {}
+        self._direct = host_tier.slot_files if host_tier is not None and not use_cuda else None
+        # Otherwise slots are assembled from per-operator groups of buffers (slot_pool.py): a reorder or a new W
+        # reuses them whole instead of rebuilding ~2,000 items on the training thread at each window start.
+        self._groups = SlotPool(self.op_by_name, self.compute_dtype, self.pin_memory) if self._direct is None else None
         self._next_id = first_window_id if first_window_id is not None else (committed.id + 1) if committed else 0
         self.t_iter: float | None = None
         self._rank = dist.get_rank() if dist.is_initialized() else 0
@@ -176,6 +192,8 @@ class SparseCheckpointer:
         cur, self.current = self.current, None
         if cur is not None and self.tier_writer is None:
             self._keep_buffers(cur)
+        elif cur is not None and self._groups is not None:
+            self._groups.forget(cur.slots)  # may still be written to the host tier: never handed out again
 
     def _observe_copy(self) -> None:
         """Feed the copy that just finished (bytes, copy-thread wall time, the wait it caused) to the pricing."""
@@ -186,11 +204,26 @@ class SparseCheckpointer:
             self.cost.observe_copy(nbytes, wall, self.engine.waits[-1] if self.engine.waits else 0.0)
 
     def _keep_buffers(self, win: Window) -> None:
-        # At most two plans' buffers are kept: W (or the order) may change and must not pile up memory.
-        self._pool.pop(self._signature(win.plan), None)
-        self._pool[self._signature(win.plan)] = win.slots
+        # At most two plans' buffers are kept: W (or the order) may change and must not pile up memory. Per plan
+        # one set, or with shared-memory slot files enough sets to rotate through the windows the host tier
+        # still holds (the last committed one, the one being written, an upload backlog).
+        if self._groups is not None:
+            self._groups.give_back(win.slots)
+            return
+        sig = self._signature(win.plan)
+        sets = self._pool.pop(sig, [])
+        sets.append(win.slots)
+        self._pool[sig] = sets[-(DIRECT_SETS if self._direct is not None else 1):]
         while len(self._pool) > 2:
             self._pool.pop(next(iter(self._pool)))
+
+    def _take_pooled(self, plan: WindowPlan) -> list[Slot] | None:
+        """A pooled set of this plan's slot buffers that no window on the host tier links any more."""
+        sets = self._pool.get(self._signature(plan)) or []
+        for k, slots in enumerate(sets):
+            if all_free(slots):
+                return sets.pop(k)
+        return None
 
     # ---- windows -------------------------------------------------------------------------------------
     def _maybe_commit(self) -> None:
@@ -214,6 +247,8 @@ class SparseCheckpointer:
             self.tier_writer is None or old.id in self.tier_writer.persisted)
         if reusable:
             self._keep_buffers(old)
+        elif old is not None and self._groups is not None:
+            self._groups.forget(old.slots)
 
     def _agree(self, value: float, op, group: object = _SAME_GROUP) -> float:
         if not dist.is_initialized():
@@ -267,7 +302,8 @@ class SparseCheckpointer:
         plan = plan_window(order, full, comp, budget, forced_window=self.cfg.window, auto_window=auto_w,
                            warn=not self._warned_unfit and self._rank == 0)
         self._warned_unfit = self._warned_unfit or not plan.fits
-        slots = self._pool.pop(self._signature(plan), None) or self._build_slots(plan)
+        slots = self._groups.build(plan) if self._groups is not None else (
+            self._take_pooled(plan) or self._build_direct(plan))
         win = Window(self._next_id, t, plan, slots)
         self._cur_slot_bytes = self._slot_sizes(plan, slots)
         self._next_id += 1
@@ -279,24 +315,28 @@ class SparseCheckpointer:
                  plan.fits, budget, plan.worst_slot_bytes)
         return win
 
-    def _build_slots(self, plan: WindowPlan) -> list[Slot]:
-        """Slot buffers for a new plan (another W, or a popularity reorder), recycled by shape and dtype from
-        the free buffers of the pooled plans: no allocation and no first-touch page faults on the copy thread."""
-        free: dict[tuple, list[torch.Tensor]] = {}
-        for old in self._pool.values():
-            for sl in old:
-                for it in sl.items:
-                    free.setdefault((tuple(it.buffer.shape), it.buffer.dtype), []).append(it.buffer)
-        self._pool.clear()  # their buffers now belong to the new plan (or are let go)
-
-        def alloc(shape, dtype) -> torch.Tensor:
-            spare = free.get((tuple(shape), dtype))
-            return spare.pop() if spare else torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
-        return [build_slot(i, sp.active, sp.frozen, self.op_by_name, self.compute_dtype, self.pin_memory, alloc=alloc)
-                for i, sp in enumerate(plan.slots)]
+    def _build_direct(self, plan: WindowPlan) -> list[Slot]:
+        """Slot files for a new plan. The free sets of other plans give their files (pages allocated already: no
+        fallocate on the training thread); a set none of whose files was taken goes back to the pool."""
+        spent = [(sig, old) for sig, sets in self._pool.items() for old in sets if all_free(old)]
+        for sig in self._pool:
+            self._pool[sig] = [old for old in self._pool[sig] if not any(old is o for _, o in spent)]
+        try:
+            return self._direct.build(plan, self.op_by_name, self.compute_dtype, [o for _, o in spent])
+        except OSError as exc:  # shared memory full or read-only: train on, the host tier reports its state
+            log.debug("slot files not allocated (%s): slots in plain memory for this plan", exc)
+            # fresh buffers: pooled ones may be views of files a committed window still links
+            return [build_slot(i, sp.active, sp.frozen, self.op_by_name, self.compute_dtype)
+                    for i, sp in enumerate(plan.slots)]
+        finally:
+            for sig, old in spent:
+                if sig in self._pool and all(b is None or b.finalizer.alive for b in map(backing, old)):
+                    self._pool[sig].append(old)
 
     def _slot_sizes(self, plan: WindowPlan, slots: list[Slot]) -> list[int]:
         # this rank's bytes per slot, summed once per plan (~1,000 items each: ~1 ms), not at every iteration
+        if self._groups is not None:
+            return [self._groups.nbytes(sl) for sl in slots]
         sig = self._signature(plan)
         if sig not in self._slot_bytes:
             self._slot_bytes = {sig: [sl.nbytes for sl in slots]}

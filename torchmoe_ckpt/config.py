@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .checkpointer import SparseConfig
+from .dcp.object_tier import check_uri
+from .dcp.store_errors import StoreConfigError
 from .errors import ConfigError
 from .operators import OperatorSpec
 
@@ -19,6 +21,7 @@ __all__ = ["ConfigError", "ObjectStoreConfig", "TierConfig", "CheckpointConfig",
 
 DEFAULT_HOST_ROOT = "/dev/shm/torchmoe-ckpt"
 STORE_FORMATS = ("dcp", "tensorstore")
+UNUSABLE_POLICIES = ("fail", "restart")  # CheckpointConfig.on_unusable_checkpoint (resume.recover's on_unusable)
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -35,6 +38,11 @@ class ObjectStoreConfig:
     def __post_init__(self):
         if not isinstance(self.uri, str) or not self.uri:
             raise ConfigError("object_store.uri is empty: give a URI such as s3://bucket/prefix or file:///path")
+        try:
+            check_uri(self.uri)  # "s3:/bucket" would be a local directory: said now, not after a run of "uploads"
+        except StoreConfigError as exc:
+            raise ConfigError(f"object_store.uri: {exc}") from None
+        _whole("object_store.keep", self.keep)
         if self.keep < 1:
             raise ConfigError(f"object_store.keep must be >= 1 (windows kept in the store), got {self.keep}")
         if self.format not in STORE_FORMATS:
@@ -66,8 +74,10 @@ class TierConfig:
         if self.run_id is not None and (not isinstance(self.run_id, str) or not _RUN_ID.match(self.run_id)):
             raise ConfigError(f"run_id {self.run_id!r} must be 1-128 characters of letters, digits, '.', '_' "
                               "or '-' (it names a directory)")
-        if not self.root:
+        if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
             raise ConfigError(f"root is empty: give a node-local directory, e.g. {DEFAULT_HOST_ROOT}")
+        _whole("replicas", self.replicas)
+        _whole("ranks_per_node", self.ranks_per_node, none_ok=True)
         if self.replicas < 0:
             raise ConfigError(f"replicas must be >= 0 (peers holding a copy of each window), got {self.replicas}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
@@ -114,16 +124,40 @@ class CheckpointConfig:
     router_top_k: int | None = None    # experts per token, for popularity counts when the router returns only
                                        # logits and the model config does not say it
     compute_dtype: Any = None          # torch.dtype
+    on_unusable_checkpoint: str = "fail"  # windows exist but every one is rejected (corrupt, torn, replay
+                                       # diverged): "fail" raises UnusableCheckpointError on every rank, nothing
+                                       # touched; "restart" starts from step 0 and overwrites them
 
     def __post_init__(self):
+        if self.on_unusable_checkpoint not in UNUSABLE_POLICIES:
+            raise ConfigError(f"on_unusable_checkpoint {self.on_unusable_checkpoint!r} must be 'fail' (refuse to "
+                              "resume when every window is rejected) or 'restart' (start over from step 0)")
         if isinstance(self.tiers, dict):
             self.tiers = TierConfig.from_dict(self.tiers)
         if isinstance(self.window, dict):
             self.window = _from_dict(SparseConfig, self.window, "window")
+        if not isinstance(self.window, SparseConfig):
+            raise ConfigError(f"window must be a SparseConfig (e.g. SparseConfig(window=3)) or a dict, got "
+                              f"{self.window!r}")
+        if self.tiers is not None and not isinstance(self.tiers, TierConfig):
+            raise ConfigError(f"tiers must be a TierConfig, a dict or None, got {type(self.tiers).__name__}")
+        _whole("router_top_k", self.router_top_k, none_ok=True)
+        if self.max_grad_norm is not None and (isinstance(self.max_grad_norm, bool)
+                                               or not isinstance(self.max_grad_norm, (int, float))):
+            raise ConfigError(f"max_grad_norm must be a number > 0 or None (no clipping), got {self.max_grad_norm!r}")
         if self.router_top_k is not None and self.router_top_k < 1:
             raise ConfigError(f"router_top_k must be >= 1 or None, got {self.router_top_k}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm}")
+
+
+def _whole(name: str, value, none_ok: bool = False) -> None:
+    """An integer field given as "2" or 2.0 (a job file, the command line) fails here with its name, not as a
+    TypeError in a comparison."""
+    if (value is None and none_ok) or (isinstance(value, int) and not isinstance(value, bool)):
+        return
+    raise ConfigError(f"{name} must be an integer{' or None' if none_ok else ''}, got {value!r} "
+                      f"({type(value).__name__})")
 
 
 def _from_dict(cls, d: dict, where: str):

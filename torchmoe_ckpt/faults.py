@@ -87,6 +87,7 @@ def point(name: str) -> None:
             continue
         f.fired = True
         if state:
+            os.makedirs(state, exist_ok=True)  # a missing marker folder must not make the fault silently not fire
             try:
                 os.close(os.open(os.path.join(state, f"fault-{i}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:

@@ -18,6 +18,7 @@ _HOST_MANIFEST = re.compile(r"^MANIFEST\.rank-(\d+)\.json$")
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _RANK_FILE = re.compile(r"^(?:MANIFEST\.)?rank-(\d+)(?:\.pt|\.json)?$")  # a rank's files in either layout
+_SLOT_METADATA = re.compile(r"/window-\d+/slot-\d+/\.metadata$")  # a DCP user's slot: dcp.save, no manifest
 
 
 def _open(location: str, storage_options: dict | None):
@@ -175,8 +176,16 @@ def _inspect_run(location: str, storage_options: dict | None, fs, root: str, fil
                            "corrupt" if entry["problems"] else "verified")
     exports = sorted({(int(m.group(1)), f.rsplit("/", 1)[0]) for f in files
                       if f.endswith("/.metadata") and (m := _STEP_DIR.match(f.rsplit("/", 2)[-2]))})
-    return {"location": location, "windows": [windows[k] for k in sorted(windows)],
-            "dense_exports": [{"step": s, "path": p} for s, p in exports]}
+    out = {"location": location, "windows": [windows[k] for k in sorted(windows)],
+           "dense_exports": [{"step": s, "path": p} for s, p in exports]}
+    slots = sum(1 for f in files if _SLOT_METADATA.search(f))
+    if slots and not any(w["committed_ranks"] or w["problems"] for w in windows.values()):
+        out["layout"] = "dcp-user"  # windows of `dcp.save(planner=SparseSavePlanner)`: no manifests to check
+        out["note"] = (f"{location}: {len(windows)} window(s), {slots} slot(s) written by dcp.save with "
+                       "SparseSavePlanner (the DCP-user layout: no window manifests, so inspect/verify cannot check "
+                       "them); check a window by loading it: tmc.load_sparse_window verifies every item's checksum "
+                       "(CorruptItemError names a bad one: fall back to the previous window), see docs/dcp-user.md")
+    return out
 
 
 def format_inspect(info: dict) -> str:
@@ -184,6 +193,8 @@ def format_inspect(info: dict) -> str:
         head = (f"{info['location']}: {len(info['runs'])} runs (listed separately; give one run's path to "
                 f"inspect it alone)")
         return "\n".join([head] + [f"run {r['run']}:\n" + format_inspect(r) for r in info["runs"]])
+    if info.get("layout") == "dcp-user":
+        return info["note"]
     lines = [f"{info['location']}: {len(info['windows'])} window(s), {len(info['dense_exports'])} dense export(s)"]
     for w in info["windows"]:
         if not w["committed_ranks"]:
@@ -214,7 +225,9 @@ def verify_location(location: str, storage_options: dict | None = None) -> tuple
         prefix = f"run {run['run']}: " if "run" in run else ""
         # A window whose manifest is unreadable (bad checksum: edited) is reported too, not taken as uncommitted.
         committed = [w for w in run["windows"] if w["committed_ranks"] or w["problems"]]
-        if not committed:
+        if run.get("layout") == "dcp-user":
+            problems.append(f"{prefix}not verifiable here: {run['note']}")
+        elif not committed:
             problems.append(f"{prefix}no committed window")
         for w in committed:
             w["problems"].update(_missing_ranks(w, run["windows"]))

@@ -107,7 +107,7 @@ class Checkpointer:
         if self.config.tiers is not None:
             self.tiers = build_tiers(self.config.tiers, self.rank, self.world, hsdp)
             self.resumed = recover(_Replay(self), self.tiers, self.op_by_name, self.compute_dtype, self.rank,
-                                   identity=self.identity)
+                                   identity=self.identity, on_unusable=self.config.on_unusable_checkpoint)
             window = self.resumed.window
             if window is not None:
                 log_recovery(self.resumed.report, self.rank)  # where the copy came from; the losses matched

@@ -107,11 +107,11 @@ def sparse_to_dense(trainer: Replayable, window) -> RecoveryReport:
         if not torch.equal(res.loss, rec.loss):
             raise ReplayDivergence(
                 f"replay of iteration {t0 + i} (window {window.id}, replay {i} of {w - 1}) gave loss "
-                f"{res.loss.item()!r}, the original run logged {rec.loss.item()!r}. Likely causes: state the "
-                "checkpoint does not capture (a non-persistent buffer or a Python attribute that changes during "
-                "training), a non-deterministic kernel or a different thread count, randomness not drawn from "
-                "torch's CPU generator, or a model/data/world size other than the run that wrote the window. "
-                "The window is not loaded")
+                f"{res.loss.item()!r}, the original run logged {rec.loss.item()!r}. Likely causes (most usual "
+                "first): randomness outside torch's CPU generator (random.random(), numpy or an RNG of your own "
+                "inside forward), state the checkpoint does not capture (a non-persistent buffer or a Python "
+                "attribute that changes during training), a non-deterministic kernel or a different thread count, "
+                "or a model/data/world size other than the run that wrote the window. The window is not loaded")
         nbytes += load_window_slot(window.slots[i], access)
         faults.point("recovery")
     trainer.set_step(t0 + w - 1)

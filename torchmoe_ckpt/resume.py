@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .dcp.tiers import Tiers, all_gather_objects, recover_from_tiers
+from .errors import UnusableCheckpointError
 from .identity import IdentityMismatch, RunIdentity, allowed_changes, build_identity, refusal
 from .operators import Operator
 from .recovery import Replayable, sparse_to_dense
@@ -38,7 +39,7 @@ class ResumeResult:
 
 def recover(trainer: Replayable, tiers: Tiers, ops: dict[str, Operator], compute_dtype: torch.dtype,
             rank: int = 0, before_replay: Callable[[Window], None] | None = None,
-            identity: RunIdentity | None = None, watchdog=None) -> ResumeResult:
+            identity: RunIdentity | None = None, watchdog=None, on_unusable: str = "fail") -> ResumeResult:
     """Collective. Loads the newest usable window into `trainer` (freshly built) and replays it; with no
     window on any tier returns `recovered_step=None` and leaves the trainer untouched. `before_replay` is
     called with the fetched window before anything is loaded into the trainer.
@@ -47,14 +48,16 @@ def recover(trainer: Replayable, tiers: Tiers, ops: dict[str, Operator], compute
     host tier's run id) is what a window must have been written by. A window that fails any check, load or
     its replay is rejected on every rank and the next newest is tried (a failed replay leaves nothing behind:
     the next window's load overwrites every operator's state). When windows exist but all belong to another
-    run, `IdentityMismatch` is raised with one line naming the difference and the fix."""
+    run, `IdentityMismatch` is raised with one line naming the difference and the fix. When windows exist but
+    every one is rejected (corrupt, torn, replay diverged), `on_unusable="fail"` raises `UnusableCheckpointError`
+    on every rank (each window and why, and the fixes; nothing is deleted), "restart" starts over (step 0)."""
     # `watchdog` (a CollectiveWatchdog) watches the whole recovery: a rank frozen during fetch, agreement or
     # replay ends the others within its timeout instead of the process-group timeout.
     with watchdog.watch("recovery") if watchdog is not None else nullcontext():
-        return _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity)
+        return _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity, on_unusable)
 
 
-def _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity) -> ResumeResult:
+def _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity, on_unusable) -> ResumeResult:
     t0 = time.perf_counter()
     if identity is None:
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -74,11 +77,12 @@ def _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity) 
     if window is None:
         if "saved" in done:  # every window tried failed its replay: give the caller its trainer back as it was
             _restore(trainer, done["saved"])
-        _no_window(found, tiers, identity, rank)
+        _no_window(found, tiers, identity, rank, on_unusable)
         return ResumeResult(None, None, dict(found, fetch_seconds=fetch_s))
     rep = done["report"]
     report = dict(rep.to_dict(), **found, fetch_seconds=fetch_s, total_seconds=time.perf_counter() - t0)
     if rank == 0:
+        rejected = sorted(w for w in _rejected_windows(found) if w != window.id)  # by any rank (gathered)
         changed = allowed_changes(_identity_of(tiers, window.id), identity)
         if changed:
             report["allowed_changes"] = changed
@@ -87,7 +91,7 @@ def _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity) 
         log.info("event=recovered run=%s window=%d source=%s steps=%d..%d replayed=%d bytes=%d seconds=%.3f rejected=%s: "
                  "every replayed loss matched the original run bit for bit", identity.run_id, window.id,
                  found.get("source"), rep.start_step, rep.recovered_step, rep.replayed_iterations, rep.bytes_loaded,
-                 report["total_seconds"], sorted(found.get("rejected", {})) or "none")
+                 report["total_seconds"], rejected or "none")
     return ResumeResult(window, rep.recovered_step, report)
 
 
@@ -98,8 +102,9 @@ def _identity_of(tiers: Tiers, window_id: int) -> dict | None:
         return None
 
 
-def _no_window(found: dict, tiers: Tiers, identity: RunIdentity, rank: int) -> None:
-    """Say why nothing was recovered; refuse (one line) when every window there belongs to another run."""
+def _no_window(found: dict, tiers: Tiers, identity: RunIdentity, rank: int, on_unusable: str) -> None:
+    """Say why nothing was recovered; refuse (one line) when every window there belongs to another run, and
+    (by default) when windows exist but every one was rejected: restarting from step 0 would overwrite them."""
     rejected = {w: why for w, why in found.get("unusable_copies", {}).items()}
     for w, per_rank in found.get("rejected", {}).items():
         rejected.setdefault(w, next(iter(per_rank.values())))
@@ -108,13 +113,67 @@ def _no_window(found: dict, tiers: Tiers, identity: RunIdentity, rank: int) -> N
     refuse = [f for f in all_gather_objects(foreign[-1] if foreign and len(foreign) == len(rejected) else None) if f]
     if refuse:
         raise IdentityMismatch(refusal(identity.run_id, foreign[-1] if foreign else refuse[0]))
-    if found.get("outcome") == "no usable window" and rank == 0:
-        log.warning("event=no_usable_window run=%s run_dir=%s: windows exist but every one was rejected (%s); "
-                    "a new run starts", identity.run_id, tiers.host.dir,
-                    "; ".join(f"window {w}: {why}" for w, why in sorted(rejected.items())))
+    # "no usable window" is the same on every rank (tiers.py gathers every rank's damaged copies): agreed.
+    if found.get("outcome") == "no usable window":
+        windows = _rejected_windows(found)
+        if on_unusable != "restart":
+            raise UnusableCheckpointError(unusable_message(identity.run_id, tiers.host.dir, windows))
+        if rank == 0:
+            log.warning("event=no_usable_window run=%s run_dir=%s: windows exist but every one was rejected (%s); "
+                        "on_unusable_checkpoint='restart': a new run starts from step 0 and overwrites them",
+                        identity.run_id, tiers.host.dir, _listing(windows, "; "))
     elif rank == 0:
         log.info("event=no_window run=%s run_dir=%s: nothing to recover, a new run starts", identity.run_id,
                  tiers.host.dir)
+
+
+def _rejected_windows(found: dict) -> dict[int, dict[str, list]]:
+    """window -> {reason: [ranks]}: every rank's damaged copies and every window rejected by agreement."""
+    out: dict[int, dict[str, list]] = {}
+    by_rank = found.get("unusable_by_rank") or {"this rank": found.get("unusable_copies", {})}
+    for r, copies in by_rank.items():
+        for w, why in copies.items():
+            out.setdefault(w, {}).setdefault(why, []).append(r)
+    for w, per_rank in found.get("rejected", {}).items():
+        for r, why in per_rank.items():
+            out.setdefault(w, {}).setdefault(why, []).append(r)
+    return out
+
+
+MAX_LISTED = 6  # windows listed in a message; the rest are counted (a reason is never cut)
+
+
+def _listing(windows: dict[int, dict[str, list]], sep: str) -> str:
+    ids = sorted(windows, reverse=True)
+    parts = []
+    for w in ids[:MAX_LISTED]:
+        whys = [f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: {why}" if ranks != ["this rank"] else why
+                for why, ranks in windows[w].items()]
+        parts.append(f"window {w}: " + " | ".join(whys[:2]) + (f" (+{len(whys) - 2} more)" if len(whys) > 2 else ""))
+    if len(ids) > MAX_LISTED:
+        parts.append(f"... and {len(ids) - MAX_LISTED} older window(s): {', '.join(map(str, ids[MAX_LISTED:]))}")
+    return sep.join(parts)
+
+
+def unusable_message(run_id: str | None, run_dir, windows: dict[int, dict[str, list]]) -> str:
+    """The refusal: each window and why, the likely cause, and how to start over deliberately."""
+    text = " ".join(why for whys in windows.values() for why in whys)
+    if "ReplayDivergence" in text:
+        cause = ("a replay did not reproduce the logged loss: the step function depends on something the checkpoint "
+                 "does not capture, most often randomness outside torch's CPU generator (random.random(), numpy, "
+                 "an RNG of your own inside forward: draw it from torch instead), a non-persistent buffer or Python "
+                 "attribute that changes during training, or a non-deterministic kernel; fix that and the next run's "
+                 "windows replay exactly")
+    else:
+        cause = ("the copies are damaged (a corrupt or torn file, e.g. a disk or memory error, or files changed "
+                 "after they were written); every tier that holds the window was tried")
+    listed = _listing(windows, "\n  ")
+    return (f"run id {run_id!r} has checkpoint windows in {run_dir} but every one was rejected; refusing to "
+            f"resume (starting over from step 0 would overwrite them):\n  {listed}\n"
+            f"Cause: {cause}.\nTo start over deliberately: start this job with a new run id (TierConfig(run_id=...), "
+            "[sparse_checkpoint] run_id), or set on_unusable_checkpoint='restart' (CheckpointConfig, "
+            "[sparse_checkpoint] on_unusable_checkpoint = \"restart\"), which starts from step 0 and overwrites these "
+            "windows. Nothing was deleted or overwritten.")
 
 
 def _params(trainer) -> list:

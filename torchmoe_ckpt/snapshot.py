@@ -152,6 +152,8 @@ class SnapshotEngine:
         self.last_copy: tuple[int, float, float] | None = None
         self.copy_totals = {"copies": 0, "bytes": 0, "wall_s": 0.0, "cpu_s": 0.0}
         self._sources: dict[int, tuple] = {}  # id(slot) -> (slot ref, state key, source views): see capture
+        self._views_key: tuple | None = None  # the state key the per-piece views below were resolved under
+        self._views: dict[tuple, tuple] = {}  # (id(piece), role) -> (piece, live view)
         # One-shot hook called with (slot, items_copied); may raise SimulatedCopyFault to tear the copy.
         self.fault_hook: Callable[[Slot, int], None] | None = None
         self._jobs: queue.Queue = queue.Queue()
@@ -172,7 +174,21 @@ class SnapshotEngine:
             local_tensor(v).data_ptr() for st in acc.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
         hit = self._sources.get(id(slot))
         if hit is None or hit[0]() is not slot or hit[1] != key:
-            srcs = [None if it.role == "buffer" else acc.source(it) for it in slot.items]
+            # A new plan (another W, a popularity reorder) brings new slots made of the same pieces: their views
+            # are cached per (piece, role) while the storage key holds, so a window start resolves nothing anew.
+            if self._views_key != key:
+                self._views_key, self._views = key, {}
+            views = self._views
+            srcs = []
+            for it in slot.items:
+                if it.role == "buffer":
+                    srcs.append(None)
+                    continue
+                vk = (id(it.piece), it.role)
+                got = views.get(vk)
+                if got is None or got[0] is not it.piece:  # the piece is held, so its id is not reused
+                    got = views[vk] = (it.piece, acc.source(it))
+                srcs.append(got[1])
             self._sources[id(slot)] = hit = (weakref.ref(slot), key, srcs)
             while len(self._sources) > 64:  # slots dropped from the pool leave stale entries behind
                 self._sources.pop(next(iter(self._sources)))

@@ -158,6 +158,12 @@ class RunStatus:
                 first, last, _ = self.committed[newest]
                 text += f" (newest {newest}, steps {first}..{last})"
             text += " on the host tier" + (f" {host_dir}" if host_dir else "")
+            if not self.committed_count:  # nothing to resume from: a restart of this run would start over
+                self.say(text + ": nothing a restart could resume from. A window commits once all W iterations "
+                         "of it are copied and written, so the run was shorter than one window (fewer iterations "
+                         "than W, or it stopped before the copies finished) or every host-tier write failed (see "
+                         "the warnings above)", self.warn_level)
+                return summ
             if self.store is None:
                 self.say(text)
                 return summ

@@ -63,6 +63,9 @@ def markdown(res: dict) -> list[str]:
     for g in res["goals"].values():
         extra = f" (wall clock: {g['wall_value']:.3g})" if "wall_value" in g else (
             f" (W = 4: {g['w4_value']:.3f})" if "w4_value" in g else "")
+        if "vs_idle_memcpy" in g:
+            extra = (f" (dense snapshot's copy: {g['dense_value']:.3g}; against an idle memcpy: ours "
+                     f"{g['vs_idle_memcpy']:.3g}, the plain memcpy under training {g['reference_vs_idle_memcpy']:.3g})")
         lines.append(f"| {g['what']} | {g['value']:.4g}{extra} | {g['goal']} | {'met' if g['met'] else 'MISSED'} |")
     return lines + [""]
 

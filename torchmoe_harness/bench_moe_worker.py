@@ -67,6 +67,7 @@ def _turn(trainer: Trainer, system, warmup: int, measure: int) -> dict:
             system.after_step(trainer, res)
     eng = _engine(system)
     cpu0 = dict(eng.copy_totals) if eng is not None else None
+    wait0 = getattr(eng, "wait_seconds_total", None)
     wall, thread_cpu, proc_cpu, hook_cpu = [], [], [], []
     for _ in range(measure):
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
@@ -83,6 +84,8 @@ def _turn(trainer: Trainer, system, warmup: int, measure: int) -> dict:
         out["copy_cpu_s"] = eng.copy_totals["cpu_s"] - cpu0["cpu_s"]
         out["copy_wall_s"] = eng.copy_totals["wall_s"] - cpu0["wall_s"]
         out["copy_bytes"] = eng.copy_totals["bytes"] - cpu0["bytes"]
+    if wait0 is not None:  # the training thread's waits in the timed steps (not the flush at the turn's end)
+        out["wait_s"] = eng.wait_seconds_total - wait0
     t0 = time.perf_counter()
     _detach(system, trainer)
     out["detach_s"] = time.perf_counter() - t0

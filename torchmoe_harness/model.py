@@ -66,16 +66,30 @@ class GroupedExperts(nn.Module):
         self.w1_EFD = nn.Parameter(torch.empty(e, f, d))
         self.w2_EDF = nn.Parameter(torch.empty(e, d, f))
         self.w3_EFD = nn.Parameter(torch.empty(e, f, d))
+        # Expert parallelism (parallel.apply_expert_parallel) sets this: the weights are then rank-local DTensor
+        # shards and the tokens travel to the rank that owns their expert.
+        self.dispatch = None
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        # A per-expert loop (TorchTitan's for-loop path): deterministic on CPU, no grouped-mm kernel needed.
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            xe = x_sorted[start:start + n]
-            start += n
-            h = F.silu(xe @ self.w1_EFD[e].transpose(0, 1)) * (xe @ self.w3_EFD[e].transpose(0, 1))
-            outs.append(h @ self.w2_EDF[e].transpose(0, 1))
-        return torch.cat(outs, dim=0)
+        if self.dispatch is not None:
+            return self.dispatch(self, x_sorted, counts)
+        return expert_mlp(x_sorted, counts, self.w1_EFD, self.w2_EDF, self.w3_EFD)
+
+
+def expert_mlp(x_sorted: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
+               w3: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each expert e on its `counts[e]` consecutive rows of `x_sorted`."""
+    # A per-expert loop (TorchTitan's for-loop path): deterministic on CPU, no grouped-mm kernel needed.
+    # unbind, not w[e]: the backward of E selects zero-fills E full-size gradients (unbind's stacks one), the
+    # step's largest cost once the experts stop moving; the gradient values are the same.
+    w1, w2, w3 = w1.unbind(0), w2.unbind(0), w3.unbind(0)
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        xe = x_sorted[start:start + n]
+        start += n
+        h = F.silu(xe @ w1[e].transpose(0, 1)) * (xe @ w3[e].transpose(0, 1))
+        outs.append(h @ w2[e].transpose(0, 1))
+    return torch.cat(outs, dim=0)
 
 
 class RoutedExperts(nn.Module):

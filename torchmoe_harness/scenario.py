@@ -32,6 +32,7 @@ import torch
 from torchmoe_ckpt.checkpointer import SparseCheckpointer, SparseConfig
 from torchmoe_ckpt.config import TierConfig
 from torchmoe_ckpt.dcp.tiers import Tiers, build_tiers, node_of
+from torchmoe_ckpt.errors import UnusableCheckpointError
 from torchmoe_ckpt.identity import IdentityMismatch, RunIdentity, build_identity
 from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.recovery import sparse_to_dense
@@ -167,7 +168,7 @@ def resume_from_host_tier(trainer: Trainer, host: dict, wd: CollectiveWatchdog |
     try:
         res = recover(fresh, _tiers(trainer, host), ops, fresh.compute_dtype, fresh.rank,
                       identity=run_identity(trainer, host), watchdog=wd)
-    except IdentityMismatch as exc:  # windows of another run under this run id: one line, no traceback
+    except (IdentityMismatch, UnusableCheckpointError) as exc:  # another run's, or none usable: one line, exit 2
         log.error("event=refused rank=%d: %s", trainer.rank, exc)
         sys.stderr.flush()
         os._exit(2)
@@ -226,6 +227,7 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
                             host_tier=tier, replicator=replicator, store=store, identity=run_identity(trainer, host),
                             first_window_id=None if jit_rep is None else jit_rep["next_window_id"]).attach(trainer)
     step_seconds: list[float] = []
+    step_cpu: list[float] = []  # process CPU (every thread: training, copy, tier threads) per step
     jit = None
     if use_jit:
         from torchmoe_ckpt.jit import JitCheckpointer
@@ -253,7 +255,7 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
                         trainer.before_update.append(_freeze_self)
                     else:
                         _freeze_self()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if jit is not None:
                 jit.begin(nxt)
             with wd.watch(f"train_step {nxt}"):
@@ -264,6 +266,7 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
             with wd.watch(f"checkpoint.after_step {nxt}"):
                 ck.after_step(res)
             step_seconds.append(time.perf_counter() - t0)
+            step_cpu.append(time.process_time() - c0)
         except (SimulatedCrash, SimulatedCopyFault) as exc:
             log.info("failure at iteration %d: %s", nxt, exc)
             inflight = ck.current
@@ -284,7 +287,7 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
     stats = ck.stats()
     ck.engine.shutdown()
     wd.close()
-    out = {"recoveries": recoveries, "checkpoint": stats, "step_seconds": step_seconds}
+    out = {"recoveries": recoveries, "checkpoint": stats, "step_seconds": step_seconds, "step_cpu_s": step_cpu}
     if jit is not None:
         jit.disarm()
         out["jit"] = {"enabled": jit.enabled, "shard": jit.shard, "replicas": jit.replicas}

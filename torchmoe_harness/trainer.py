@@ -19,7 +19,7 @@ from torchmoe_ckpt.capture import position_lambda_lr
 from torchmoe_ckpt.replay_log import Replay
 from torchmoe_harness.data import TokenStream
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
-from torchmoe_harness.parallel import apply_fsdp, build_mesh
+from torchmoe_harness.parallel import apply_expert_parallel, apply_fsdp, build_mesh
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -37,6 +37,8 @@ class RunConfig:
     max_norm: float = 0.5  # small enough that clipping is active on most steps
     dtype: str = "fp32"
     hsdp: int = 1  # replicate degree; 1 = plain FSDP2
+    # Experts owned whole by one rank each, tokens sent to them (parallel.apply_expert_parallel); the rest FSDP2.
+    expert_parallel: bool = False
 
     def __post_init__(self):
         if isinstance(self.model, dict):
@@ -45,6 +47,8 @@ class RunConfig:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
         if self.seq_len > self.model.max_seq_len:
             raise ValueError(f"seq_len {self.seq_len} exceeds model max_seq_len {self.model.max_seq_len}")
+        if self.expert_parallel and self.hsdp != 1:
+            raise ValueError(f"expert_parallel supports plain FSDP2 only (hsdp = 1), not hsdp = {self.hsdp}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,7 +76,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model = TinyMoE(cfg.model)
         model.init_weights(cfg.seed if init_seed is None else init_seed)
-        apply_fsdp(model, self.mesh, self.compute_dtype)
+        ignored = apply_expert_parallel(model, self.mesh, self.compute_dtype) if cfg.expert_parallel else None
+        apply_fsdp(model, self.mesh, self.compute_dtype, ignored)
         self.model = model
         self.params = [p for p in model.parameters()]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,

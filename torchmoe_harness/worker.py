@@ -31,18 +31,19 @@ def run(spec: dict, out: Path) -> dict:
     if spec.get("checkpoint") is None:
         from torchmoe_ckpt.dcp.dense_export import DenseExporter
         exporter = DenseExporter(**spec["dense_export"]) if spec.get("dense_export") else None
-        step_seconds = []
+        step_seconds, step_cpu = [], []  # wall and process CPU (every thread) per step
         while trainer.step < cfg.steps:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             res = trainer.train_step()
             if exporter is not None:
                 exporter.maybe_export(trainer.model, trainer.optimizer, trainer.step)
             step_seconds.append(time.perf_counter() - t0)
+            step_cpu.append(time.process_time() - c0)
             losses[res.step] = res.loss
         if exporter is not None:
             exporter.wait()
             report["dense_export"] = exporter.stats()
-        report["step_seconds"] = step_seconds
+        report["step_seconds"], report["step_cpu_s"] = step_seconds, step_cpu
     else:
         from torchmoe_harness.scenario import run_with_checkpointing  # the checkpointing + failure scenario
         trainer, extra = run_with_checkpointing(trainer, spec, losses)

@@ -81,6 +81,8 @@ def load_dense(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: st
         dcp.load(state, storage_reader=FsspecReader(uri, **(storage_options or {})))
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         failures = getattr(exc, "failures", None)  # rank -> the exception it hit
+        if any(isinstance(e, dist.DistError) for e in (failures.values() if failures else (exc,))):
+            raise  # a peer died or the network failed: nothing is known about the export, say what happened
         why = "; ".join(sorted({str(e) for e in failures.values()})) if failures else str(exc)
         why = " ".join(why.split())[:300]
         raise ValueError(f"{uri} does not fit this model ({why}); it was written by another model or "
@@ -143,7 +145,10 @@ class DenseExporter:
         log.info("event=dense_export step=%d path=%s seconds=%.3f", step, self.path(step), self.export_seconds[-1])
         if (not dist.is_initialized() or dist.get_rank() == 0) and self.keep > 0:
             for old in self.exported[:-self.keep]:
-                self.fs.rm(f"{self.root.rstrip('/')}/{step_dirname(old)}", recursive=True)
+                try:
+                    self.fs.rm(f"{self.root.rstrip('/')}/{step_dirname(old)}", recursive=True)
+                except FileNotFoundError:  # gone already (a restarted exporter listed it again): retention is done
+                    pass
             self.exported = self.exported[-self.keep:]
 
     def stats(self) -> dict:

@@ -1,7 +1,13 @@
-"""Host-memory tier: each rank writes its slots, through DCP (raw bytes: raw_storage.RawWriter), into a
-node-local directory (default under /dev/shm, so a copy survives a worker restart by torchrun but not a node
-loss). The data files of collected windows are kept aside (`.spare/`) and reused, so persisting a slot
-allocates no shared-memory page again.
+"""Host-memory tier: each rank writes its slots as raw-bytes DCP checkpoints (the format of
+raw_storage.RawWriter, readable by stock `dcp.load` with RawReader) into a node-local directory (default under
+/dev/shm, so a copy survives a worker restart by torchrun but not a node loss).
+
+Persisting costs about one summing pass: with the checkpointer on CPU, a slot's buffers ARE a mapped data file
+of this directory (slot_files.py), so the snapshot copy writes the bytes and the persist hard-links the file
+into the window, sums it once (sum64b512, checksums.py) and writes a small `.metadata` record; the DCP plan and
+metadata are computed and pickled once per slot layout (raw_layout.py). Slots in plain memory (pinned CUDA
+buffers, other callers) are copied into a kept mapping of a collected window's data file (`.spare/`,
+mapped_files.py): one memcpy more, no shared-memory page allocated again.
 
 Layout, per window (every rank writes only its own files, so no collective runs off the training thread):
 
@@ -21,7 +27,9 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import shutil
+import uuid
 import warnings
 from pathlib import Path
 
@@ -36,15 +44,17 @@ from ..window import Window
 from ..identity import RunIdentity, identity_mismatch
 from .manifest import (FileEntry, WindowManifest, check_window, crc32_bytes, file_entry, parse_window_dirname,
                        plan_digest, rank_manifest_name, slot_rank_dir, slot_record, window_dirname)
-from .planner import PLANNER_KEY, SlotLoadPlanner, SlotSavePlanner, verify_items
+from .planner import PLANNER_KEY, SlotLoadPlanner, verify_items
+from .checksums import SUM64, tensor_block_sums
 from .mapped_files import MappedFiles
-from .raw_storage import RawReader, RawWriter
+from .raw_layout import DATA_FILE, RawLayout, layout_key
+from .raw_storage import RawReader
+from .slot_files import SlotFiles, backing
 
 log = logging.getLogger("torchmoe_ckpt.host_tier")
 # Each rank deliberately saves its own pieces without collectives (no_dist=True); DCP warns about that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 DEFAULT_ROOT = "/dev/shm/torchmoe-ckpt"
-DATA_FILE = "__0_0.distcp"  # a rank's slot data file (RawWriter's name for a one-rank save)
 MAX_SPARES = 16  # data files of collected windows kept per rank for reuse
 
 
@@ -57,6 +67,8 @@ class HostTier:
         self._written: dict[tuple[int, int], tuple[dict[str, FileEntry], dict]] = {}
         # Data files stay mapped across reuse (mapped_files.py): a persist is one memcpy plus one summing pass.
         self._maps = MappedFiles(limit=MAX_SPARES + 64)
+        self._slot_files: SlotFiles | None = None
+        self._layouts: dict[tuple, RawLayout] = {}  # by layout_key: planned once per layout, not per slot object
 
     def window_dir(self, window_id: int) -> Path:
         return self.dir / window_dirname(window_id)
@@ -71,24 +83,55 @@ class HostTier:
             shutil.rmtree(out)
             (wdir / rank_manifest_name(self.rank)).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
-        nbytes = slot.nbytes  # a sum over the slot's items: once
-        spare = self._take_spare(nbytes)
-        if spare is not None:  # a collected window's file: its shared-memory pages are reused, not faulted in
-            spare.rename(out / DATA_FILE)
-        # Raw bytes (raw_storage.py) through a kept shared mapping: one copy_ per item, no torch.save, no write();
-        # one summing pass gives every item's sum64b512 and the file's (checksums.py).
-        writer = RawWriter(out, item_checksums=True, checksum_algo="sum64b512", planner_checksums=True,
-                           mapped=self._maps)
-        save_local(writer, SlotSavePlanner(slot, info, checksums=False))
+        lay = self._layout(slot)
+        data = os.path.join(out, DATA_FILE)
+        back = backing(slot)
+        if back is not None:
+            # The snapshot copy already wrote the bytes into this file (slot_files.py): link it into the window
+            # (it is not reused until collect unlinks it) and sum it once for the checksums.
+            os.link(back.path, data)
+            sums = tensor_block_sums(back.t).numpy()
+        else:
+            spare = self._take_spare(lay.size)
+            if spare is not None:  # a collected window's file: its shared-memory pages are reused, not faulted in
+                os.rename(spare, data)
+            # One copy_ per item into a kept shared mapping, one summing pass (mapped_files.py).
+            sums = self._maps.write(data, lay.size, lay.items, lay)
+        # DCP metadata planned and pickled once per layout (raw_layout.py); per save only ids and digests.
+        meta, file_digest = lay.save_record(sums, info, str(out), uuid.uuid4().hex)
+        tmp = os.path.join(out, ".metadata.tmp")
+        with open(tmp, "wb") as f:
+            f.write(meta)
+        os.replace(tmp, os.path.join(out, ".metadata"))  # last: the slot checkpoint is complete
         # Reported by the call that wrote them: the commit lists these entries, not a later re-read.
-        files = {str((out / rel).relative_to(wdir)): FileEntry(n, writer.file_checksum[rel][1],
-                                                                writer.file_checksum[rel][0])
-                 for rel, n in writer.written.items()}
-        files[str((out / ".metadata").relative_to(wdir))] = FileEntry(len(writer.metadata_bytes),
-                                                                     crc32_bytes(writer.metadata_bytes))
+        rel = f"slot-{slot.index:02d}/rank-{self.rank:05d}"
+        files = {f"{rel}/{DATA_FILE}": FileEntry(lay.size, file_digest, SUM64),
+                 f"{rel}/.metadata": FileEntry(len(meta), crc32_bytes(meta))}
         self._written[(window_id, slot.index)] = (files, dict(info))
         faults.point("persist")
-        return nbytes
+        return lay.nbytes
+
+    def _layout(self, slot: Slot) -> RawLayout:
+        """The slot's raw layout, computed once per slot object (its items never change)."""
+        got = getattr(slot, "_raw_layout", None)
+        if got is None or got[0] != len(slot.items):
+            base = None if backing(slot) is None else backing(slot).t
+            key = layout_key(slot, base)  # the sets of one plan rotate: they share one planned layout
+            tpl = self._layouts.get(key)
+            lay = RawLayout(slot, base) if tpl is None else tpl.for_slot(slot)
+            if tpl is None:
+                if len(self._layouts) >= 64:
+                    self._layouts.clear()
+                self._layouts[key] = lay.template()  # no buffers: a dropped set's memory is not pinned
+            got = slot._raw_layout = (len(slot.items), lay)
+        return got[1]
+
+    @property
+    def slot_files(self) -> SlotFiles:
+        """Allocator of slot buffers backed by this rank's data files (the checkpointer's, on CPU)."""
+        if self._slot_files is None:
+            self._slot_files = SlotFiles(self.dir, self.rank)
+        return self._slot_files
 
     def write_commit(self, window_id: int, start_step: int, plan: WindowPlan, log_: ReplayLog, extra: dict) -> WindowManifest:
         """Commit this rank's copy of a window: only if every slot write of it succeeded in this process.
@@ -140,10 +183,17 @@ class HostTier:
 
     def _keep_spares(self, wdir: Path) -> None:
         """Move this rank's data files of a collected window aside for reuse (bounded)."""
+        if self._slot_files is not None:
+            return  # slots are shared-memory files of their own (slot_files.py): spares would never be taken
         spare = self._spare_dir()
         spare.mkdir(parents=True, exist_ok=True)
         room = MAX_SPARES - len(list(spare.glob("*.distcp")))
-        files = sorted(wdir.glob(f"slot-*/rank-{self.rank:05d}/*.distcp"))
+        files = []
+        for f in sorted(wdir.glob(f"slot-*/rank-{self.rank:05d}/*.distcp")):
+            if f.stat().st_nlink > 1:  # a live slot file's link (slot_files.py): unlinking frees it for reuse
+                f.unlink()
+            else:
+                files.append(f)
         for f in files[:max(0, room)]:
             f.rename(spare / f"spare-{wdir.name[7:]}-{f.parent.parent.name}.distcp")  # not a window-* name
         for f in files[max(0, room):]:
@@ -245,19 +295,6 @@ class HostTier:
             raise CorruptCopyError(f"window {window_id}: replay records do not cover steps {man.start_step + 1}.."
                                    f"{man.start_step + plan.window - 1}")
         return win
-
-
-def save_local(writer: RawWriter, planner) -> None:
-    """`dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)`, call for call: DCP's SavePlanner and
-    StorageWriter contract in DCP's order, the same files, without dcp.save's per-call wrappers (API-usage and
-    per-step event logging, signature inspection, warnings, profiler), ~1 ms of each slot's persist."""
-    planner.set_up_planner(state_dict={}, storage_meta=writer.storage_meta(), is_coordinator=True)
-    writer.set_up_storage_writer(True, rank=0, use_collectives=True)
-    plans, metadata = planner.create_global_plan([writer.prepare_local_plan(planner.create_local_plan())])
-    plans = writer.prepare_global_plan(plans)
-    writes = writer.write_data(planner.finish_plan(plans[0]), planner)
-    writes.wait()
-    writer.finish(metadata=metadata, results=[writes.value()])
 
 
 class UncommittableWindow(RuntimeError):

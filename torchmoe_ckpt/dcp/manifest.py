@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from .checksums import CRC32, digest
+import numpy as np
+
+from .checksums import BLOCK, CRC32, SUM64, UnknownChecksum, block_sums, digest, digest_blocks
 
 FORMAT = "torchmoe-ckpt/window/2"  # 2: identity, slot records and a self-checksum
 MANIFEST_NAME = "MANIFEST.json"
@@ -134,14 +136,41 @@ class FileEntry:
         return len(data) == self.bytes and digest(data, self.algo) == self.crc32
 
 
+class Digester:
+    """A file's digest under `algo`, fed chunk by chunk (every chunk but the last a multiple of 512 bytes), so a
+    copy loop checksums each chunk while it is in cache instead of in a second pass over the file."""
+
+    def __init__(self, algo: str = CRC32):
+        if algo not in (CRC32, SUM64):
+            raise UnknownChecksum(f"unknown checksum algorithm {algo!r}")
+        self.algo, self.size, self._crc, self._sums = algo, 0, 0, []
+
+    def update(self, chunk) -> None:
+        if self.size % BLOCK and self.algo == SUM64:
+            raise ValueError("sum64b512 chunks must be multiples of 512 bytes, all but the last")
+        if self.algo == CRC32:
+            self._crc = zlib.crc32(chunk, self._crc)
+        else:
+            self._sums.append(block_sums(chunk))
+        self.size += len(memoryview(chunk).cast("B"))
+
+    def entry(self) -> FileEntry:
+        if self.algo == CRC32:
+            return FileEntry(self.size, self._crc & 0xFFFFFFFF)
+        sums = np.concatenate(self._sums) if self._sums else np.zeros(0, dtype="<i8")
+        return FileEntry(self.size, digest_blocks(sums, self.size), self.algo)
+
+
+CHUNK = 1 << 20  # bytes per read of a streamed file: one chunk stays in cache between its copy and its checksum
+
+
 def file_entry(path: Path, algo: str = CRC32) -> FileEntry:
-    """Size and digest of a file on disk (CRC32 read in 4 MiB chunks)."""
-    if algo != CRC32:
-        data = Path(path).read_bytes()
-        return FileEntry(len(data), digest(data, algo), algo)
-    with open(path, "rb") as f:
-        crc, size = crc32_stream(iter(lambda: f.read(1 << 22), b""))
-    return FileEntry(size, crc)
+    """Size and digest of a file on disk, read in chunks into one reused buffer."""
+    d, buf = Digester(algo), bytearray(CHUNK)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            d.update(memoryview(buf)[:n])
+    return d.entry()
 
 
 def _entry_dict(v: FileEntry) -> dict:

@@ -9,13 +9,16 @@ is down or slow only delays the upload queue, never training (the queue keeps th
 from __future__ import annotations
 
 import logging
+import os
+import re
 import time
 import uuid
+from pathlib import Path
 
 from .. import faults
 from .host_tier import HostTier
-from .manifest import (MANIFEST_NAME, WindowManifest, parse_window_dirname, rank_manifest_name,
-                       window_dirname)
+from .manifest import (CHUNK, MANIFEST_NAME, Digester, FileEntry, WindowManifest, parse_window_dirname,
+                       rank_manifest_name, window_dirname)
 from .store_errors import StoreConfigError, explain
 from .tensorstore_format import NoTensorstoreDriver, TensorstoreTier
 
@@ -43,9 +46,27 @@ def quiet_third_party_loggers() -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
+_SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)(.*)$")
+
+
+def check_uri(uri: str) -> None:
+    """A scheme without '//' ("s3:/bucket", "s3:bucket", "file:/tmp/x") is a typo that fsspec reads as a local
+    path (./s3:/bucket), so uploads would "succeed" into a directory of the working dir: refused, naming the
+    URI meant. (One letter before ':' is a Windows drive, not a scheme.)"""
+    m = _SCHEME_WITHOUT_SLASHES.match(uri) if isinstance(uri, str) else None
+    if m is None:
+        return
+    scheme, rest = m.group(1), m.group(2).lstrip("/")
+    meant = f"{scheme}:///{rest}" if scheme.lower() == "file" else f"{scheme}://{rest}"
+    raise StoreConfigError(f"object-store URI {uri!r} has a scheme ({scheme}:) but no '//' after it, so it would "
+                           f"be read as a local directory named {uri!r}: did you mean {meant!r}? (a local "
+                           "directory: give its path, or file:///absolute/path)")
+
+
 def open_store(uri: str, storage_options: dict | None = None, probe: bool = True):
     """(fsspec filesystem, root path) for `uri`, checked once at start."""
     import fsspec
+    check_uri(uri)
     quiet_third_party_loggers()
     scheme = uri.split("://", 1)[0] if "://" in uri else "file"
     if scheme not in KNOWN:
@@ -103,6 +124,7 @@ def _is_local(fs) -> bool:
 
 
 FORMATS = ("dcp", "tensorstore")
+MAX_SPARES = 8  # data files of deleted windows kept per rank in a local store, to be written over
 
 
 def make_store(uri: str, run_id: str, rank: int, storage_options: dict | None = None, keep_windows: int = 2,
@@ -112,6 +134,7 @@ def make_store(uri: str, run_id: str, rank: int, storage_options: dict | None = 
     those stores say so once and keep the DCP format."""
     if format not in FORMATS:
         raise StoreConfigError(f"unknown object-store format {format!r}: use one of {', '.join(FORMATS)}")
+    check_uri(uri)
     quiet_third_party_loggers()
     if format == "tensorstore":
         try:
@@ -129,6 +152,7 @@ class ObjectTier:
         self.uri = uri
         self.base = f"{root.rstrip('/')}/{run_id}/rank-{rank:05d}"
         self.rank, self.keep, self.attempts, self.backoff = rank, keep_windows, attempts, backoff_s
+        self._buf = bytearray(CHUNK)  # the upload thread's one chunk buffer (a local store streams through it)
 
     def _retry(self, what: str, fn, *args):
         for i in range(self.attempts):
@@ -149,11 +173,14 @@ class ObjectTier:
         self._retry("delete", lambda: self.fs.rm(f"{dest}/{MANIFEST_NAME}") if self.fs.exists(f"{dest}/{MANIFEST_NAME}") else None)
         nbytes = 0
         for rel, entry in man.files.items():
-            data = (wdir / rel).read_bytes()
-            if not entry.matches(data):  # size and digest (CRC32, or the algorithm the entry names)
-                raise RuntimeError(f"local copy of window {window_id} changed under the uploader: {rel}")
-            self._retry("upload", self._put, f"{dest}/{rel}", data)
-            nbytes += len(data)
+            if _is_local(self.fs):  # one pass: each chunk is copied, checksummed and written while in cache
+                self._retry("upload", self._stream, wdir / rel, f"{dest}/{rel}", entry, window_id)
+            else:
+                data = (wdir / rel).read_bytes()
+                if not entry.matches(data):  # size and digest (CRC32, or the algorithm the entry names)
+                    raise RuntimeError(f"local copy of window {window_id} changed under the uploader: {rel}")
+                self._retry("upload", self._put, f"{dest}/{rel}", data)
+            nbytes += entry.bytes
         faults.point("upload")
         self._check_complete(dest, man, window_id)
         self._retry("commit", self._put, f"{dest}/{MANIFEST_NAME}", man.to_json().encode())
@@ -171,6 +198,45 @@ class ObjectTier:
         if torn:
             raise RuntimeError(f"window {window_id} is torn in the store ({len(torn)} of {len(man.files)} file(s) "
                                f"missing or short, e.g. {torn[0]}; did the store restart?): uploading it again")
+
+    def _stream(self, src, path: str, entry: FileEntry, window_id: int) -> None:
+        """Copy a host-tier file to a local store through one reused buffer, checksumming exactly the bytes
+        written; a file that does not match its manifest entry raises (no manifest is written over it). A data
+        file is written over a spare (a deleted window's file): on a page-cache or tmpfs store that reuses its
+        pages instead of allocating and zeroing new ones."""
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        spares = sorted(self._spare_dir().glob("*.distcp")) if path.endswith(".distcp") else []
+        if spares:
+            os.replace(spares[-1], path)
+        elif os.path.lexists(path):
+            os.unlink(path)  # a new file, never written into one a reader may hold
+        d, mv = Digester(entry.algo), memoryview(self._buf)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            with open(src, "rb", buffering=0) as f:
+                pos = 0
+                while n := f.readinto(self._buf):
+                    d.update(mv[:n])
+                    done = 0
+                    while done < n:  # a regular file takes it all at once; a short write is only resumed
+                        done += os.pwrite(fd, mv[done:n], pos + done)
+                    pos += n
+            os.ftruncate(fd, pos)  # a longer spare's tail
+        finally:
+            os.close(fd)
+        if d.entry() != entry:  # size and digest (CRC32, or the algorithm the entry names)
+            raise RuntimeError(f"local copy of window {window_id} changed under the uploader: {path}")
+
+    def _spare_dir(self):
+        return Path(f"{self.base}/.spare")  # not a window-* name: never listed as a window
+
+    def _keep_spares(self, window_dir: str) -> None:
+        """A deleted window's data files, kept (bounded) to be written over by the next uploads (local stores)."""
+        spare = self._spare_dir()
+        spare.mkdir(parents=True, exist_ok=True)
+        room = MAX_SPARES - len(list(spare.glob("*.distcp")))
+        for i, f in enumerate(sorted(Path(window_dir).glob("**/*.distcp"))[:max(0, room)]):
+            f.rename(spare / f"{Path(window_dir).name}-{i}.distcp")
 
     def _put(self, path: str, data: bytes) -> None:
         if _is_local(self.fs):
@@ -215,8 +281,11 @@ class ObjectTier:
             if not entry.matches(data):
                 problems.append(f"{rel}: does not match the manifest (torn or corrupt)")
                 continue
-            (wdir / rel).parent.mkdir(parents=True, exist_ok=True)
-            (wdir / rel).write_bytes(data)
+            out = wdir / rel
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_name(f".{out.name}.download")
+            tmp.write_bytes(data)
+            os.replace(tmp, out)  # a new file: never written into one at that name (it may link live slot buffers)
         if not problems:
             (wdir / rank_manifest_name(self.rank)).write_text(man.to_json())
         return problems
@@ -227,6 +296,8 @@ class ObjectTier:
         for wid in gone:
             d = f"{self.base}/{window_dirname(wid)}"
             self._retry("delete", self.fs.rm, f"{d}/{MANIFEST_NAME}")  # manifest first: never half-visible
+            if _is_local(self.fs):
+                self._keep_spares(d)
             self._retry("delete", self.fs.rm, d, True)
         self._remove_leftovers(ids[-self.keep:] if ids else [])
         return gone

@@ -2,7 +2,7 @@
 
     PeerWriter  writes this rank's host copy (a HostWriter's raw bytes in node-local shared memory) and pushes
                 it to the peers `torchmoe_ckpt.placement` picked for the rank (r copies on other failure
-                domains, HSDP replicas first), over `peer_tier.exchange`, the same point-to-point transfer the
+                domains, HSDP replicas first), over `peer_tier.send_files`, the same point-to-point transfer the
                 SparseCheckpointer's peer tier uses.
     PeerReader  reads a slot back on every rank: a rank whose own copy is gone (a restarted node with an empty
                 /dev/shm) fetches it from the host memory of a peer that holds it, then reads and verifies the
@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..placement import Placement
-from .peer_tier import exchange, pack_files, unpack_files
+from .. import faults
+from .peer_tier import Buffer, Inbox, exchange, pack_files, send_files, unpack_files, write_file
 from .raw_storage import PLANNER_KEY, done
 from .tier_storage import HostReader, HostWriter
 
@@ -59,6 +60,13 @@ def _commit(dest: Path, files: list[tuple[str, bytes]]) -> None:
         tmp = dest / f".{rel}.tmp"
         tmp.write_bytes(data)
         os.replace(tmp, dest / rel)
+
+
+def _put(dest: Path, rel: str, data) -> None:
+    """One received file, renamed into place (a rank metadata, sent last, commits the copy)."""
+    tmp = dest / f".{rel}.tmp"
+    write_file(tmp, data)
+    os.replace(tmp, dest / rel)
 
 
 def held_copies(path: str | os.PathLike) -> dict[int, Path]:
@@ -110,6 +118,7 @@ class PeerWriter(HostWriter):
         super().__init__(path, item_checksums)
         self.placement, self.group = placement, group
         self.bytes_sent = 0  # to peers, this save
+        self._out, self._in = Buffer(), Inbox()  # reused across saves: no allocation per transfer
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results = super().write_data(plan, planner).wait()
@@ -131,15 +140,22 @@ class PeerWriter(HostWriter):
     def _replicate(self, plan: SavePlan, results: list[WriteResult], planner: SavePlanner) -> None:
         me = dist.get_rank()
         root = Path(self.path)
-        mine = [(rel, (root / rel).read_bytes()) for rel in self.written]
-        mine.append((rank_md_name(me), pickle.dumps(rank_metadata(plan, results, planner))))
-        _commit(root, mine[-1:])  # this rank's host copy is complete
+        md = rank_md_name(me)
+        _commit(root, [(md, pickle.dumps(rank_metadata(plan, results, planner)))])  # this rank's host copy is complete
+        mine = [(rel, root / rel) for rel in self.written] + [(md, root / md)]  # the rank metadata last
         pairs = [(src, dst) for src in range(len(self.placement.peers)) for dst in self.placement.peers[src]]
-        payload = pack_files(mine)
         # Every rank is inside write_data here (between DCP's plan scatter and result gather): a safe point.
-        self.bytes_sent = exchange(pairs, lambda dst: payload,
-                                   lambda src, t: _commit(root / "peers" / f"from-{src:05d}", unpack_files(t)),
-                                   self.group)
+        # The files stream from this node's copy to the peer's (send_files: one reused buffer each side).
+        self.bytes_sent = 0
+        for src, dst in pairs:
+            if me == src:
+                faults.point("replication")
+                self.bytes_sent += send_files(mine, dst, self.group, buf=self._out)
+            elif me == dst:
+                dest = root / "peers" / f"from-{src:05d}"
+                dest.mkdir(parents=True, exist_ok=True)
+                (dest / rank_md_name(src)).unlink(missing_ok=True)  # uncommitted until its rank metadata is back
+                self._in.recv(src, self.group, lambda rel, data, dest=dest: _put(dest, rel, data))
 
 
 class PeerReader(HostReader):

@@ -50,11 +50,14 @@ class TierWriter:
         self.bytes_written = 0
         self.replicated: set[int] = set()
         self.replication_lag_seconds: list[float] = []  # window committed in memory -> on all its peers
+        # CPU seconds this thread spent per tier (time.thread_time): what the tiers take from training
+        self.cpu_s = {"host": 0.0, "peers": 0.0}
         self._thread = threading.Thread(target=self._run, name="tmoe-host-tier", daemon=True)
         self._thread.start()
 
     def stats(self) -> dict:
         return {"windows_persisted": len(self.persisted), "bytes_written": self.bytes_written,
+                "cpu_s": round(self.cpu_s["host"], 6),
                 "lag_seconds_max": max(self.lag_seconds, default=0.0), "errors": self.errors[-5:],
                 "health": self.health.stats(), "last_durable_window": self.health.stats()["last_durable_window"]}
 
@@ -73,6 +76,7 @@ class TierWriter:
         if rep is None:
             return None
         return {"bytes_sent": rep.bytes_sent, "data_bytes_sent": rep.data_bytes_sent,
+                "cpu_s": round(self.cpu_s["peers"], 6),  # this thread's; gloo's own I/O threads not included
                 "own_data_bytes": rep.own_data_bytes,
                 "replicas": max((len(p) for p in rep.placement.peers), default=0),
                 "replica_verified": rep.replica_verified, "replica_mismatch": rep.replica_mismatch,
@@ -120,6 +124,7 @@ class TierWriter:
                 return
             if self._dead:
                 continue
+            c0 = time.thread_time()
             try:
                 if job[0] == "slot":
                     self._write_slot(*job[1:])
@@ -129,7 +134,11 @@ class TierWriter:
                         continue
                     self.lag_seconds.append(time.perf_counter() - t0)
                     if self.replicator is not None:
+                        c1 = time.thread_time()
+                        self.cpu_s["host"] += c1 - c0
                         self.replicator.push(win.id, self._man)
+                        c0 = time.thread_time()
+                        self.cpu_s["peers"] += c0 - c1
                         self.replicated.add(win.id)
                         self.replication_lag_seconds.append(time.perf_counter() - t0)
                     self.status.window_committed(win.id, win.start_step, win.start_step + win.plan.window - 1,
@@ -146,6 +155,8 @@ class TierWriter:
                 # Keep training; peers / the store / retention failing must not stop the writer thread.
                 log.warning("host tier write failed: %s", exc)
                 self.errors.append(str(exc))
+            finally:
+                self.cpu_s["host"] += time.thread_time() - c0
 
     def _write_slot(self, wid: int, slot: Slot, info: dict) -> None:
         slot.done.wait()

@@ -67,18 +67,24 @@ def recover_from_tiers(tier: HostTier, replicator, ops: dict, compute_dtype: tor
     window on every rank and the next newest is tried, host and peers first, then the object store, until
     one works or none is left. `identity`: windows of another run are rejected. Returns (Window or None,
     report); report["rejected"] says, per rank, which windows were rejected and why, and report["outcome"]
-    is "recovered", "no window" (none anywhere) or "no usable window" (some existed, all rejected).
-    Collective."""
-    report: dict = {"unusable_copies": {}, "rejected": {}}
+    is "recovered", "no window" (none anywhere) or "no usable window" (some existed, all rejected; the same
+    on every rank). report["unusable_copies"] is this rank's damaged copies, report["unusable_by_rank"] every
+    rank's (gathered with the first agreement round). Collective."""
+    report: dict = {"unusable_copies": {}, "rejected": {}, "unusable_by_rank": {}}
     for w in tier.window_ids():
         if p := tier.check(w, identity):
             report["unusable_copies"][w] = p[0]
+            # Every rank says its own (rank 0 alone would hide a damaged copy on another rank).
+            log.warning("event=unusable_copy rank=%d window=%d dir=%s: %s%s; this copy is skipped", tier.rank, w,
+                        tier.window_dir(w), p[0], f" (+{len(p) - 1} more)" if len(p) > 1 else "")
     excluded: set[int] = set()
-    for _ in range(rounds or 1 << 30):
+    for i in range(rounds or 1 << 30):
         local = [w for w in tier.window_ids() if w not in excluded and w not in report["unusable_copies"]]
         held = replicator.holdings() if replicator is not None else {}
-        everyone = all_gather_objects((local, held))
+        everyone = all_gather_objects((local, held, report["unusable_copies"] if i == 0 else None))
         world = len(everyone)
+        if i == 0:
+            report["unusable_by_rank"] = {r: e[2] for r, e in enumerate(everyone) if e[2]}
         avail = [set(everyone[r][0]).union(*(everyone[h][1].get(r, ()) for h in range(world))) - excluded
                  for r in range(world)]
         common = set.intersection(*avail)
@@ -127,26 +133,34 @@ def _attempt(wid: int, report: dict, fetch, use):
     return window
 
 
+MAX_RANKS_LISTED = 4  # ranks whose reason a window_rejected line quotes (all are in the report)
+
+
 def _agree(wid: int, why: str | None, report: dict, phase: str) -> bool:
     reasons = all_gather_objects(why)
     bad = {str(r): f"{phase}: {w}" for r, w in enumerate(reasons) if w is not None}
     if bad:
         report["rejected"].setdefault(wid, {}).update(bad)
-        log.warning("event=window_rejected window=%d %s: trying the next newest window", wid,
-                    " ".join(f"rank{r}={w!r}" for r, w in bad.items()))
+        shown = list(bad.items())[:MAX_RANKS_LISTED]  # the ranks are bounded, each reason is said whole
+        more = f" (+{len(bad) - len(shown)} more rank(s))" if len(bad) > len(shown) else ""
+        log.warning("event=window_rejected window=%d %s%s: trying the next newest window", wid,
+                    " ".join(f"rank{r}={w!r}" for r, w in shown), more)
     return not bad
 
 
 def _reason(exc: BaseException) -> str:
+    # Never cut: the end of a reason is often its point (ReplayDivergence's likely causes). The lists of
+    # windows that carry reasons are bounded instead (resume.py).
     text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}"[:300]
+    return f"{type(exc).__name__}: {text}"
 
 
 def _outcome(report: dict) -> dict:
     if report.get("source"):
         report["outcome"] = "recovered"
     else:
-        report["outcome"] = "no usable window" if report["rejected"] or report["unusable_copies"] else "no window"
+        damaged = report["rejected"] or report.get("unusable_by_rank") or report["unusable_copies"]
+        report["outcome"] = "no usable window" if damaged else "no window"
     return report
 
 

@@ -39,6 +39,7 @@ class Uploader:
         self.dropped = 0
         self.lag_seconds: list[float] = []
         self.bytes = 0
+        self.cpu_s = 0.0  # the upload thread's CPU (time.thread_time): what the store tier takes from training
         self.errors: list[str] = []
         self.health = TierHealth("object store", getattr(tier, "rank", 0))  # a store that is down is visible
         self._pending: list = []
@@ -47,7 +48,8 @@ class Uploader:
 
     def stats(self) -> dict:
         return {"windows_uploaded": len(self.uploaded), "last_window": self.uploaded[-1] if self.uploaded else None,
-                "bytes": self.bytes, "dropped": self.dropped, "health": self.health.stats(),
+                "bytes": self.bytes, "cpu_s": round(self.cpu_s, 6), "dropped": self.dropped,
+                "health": self.health.stats(),
                 "upload_lag_s_max": max(self.lag_seconds, default=0.0), "errors": self.errors[-3:],
                 "upload_lag_s": [round(x, 4) for x in self.lag_seconds]}
 
@@ -102,6 +104,7 @@ class Uploader:
                     self._lock.wait()
                 wid, t0 = self._pending.pop(0)
                 self._busy, self._current = True, (None if wid is CATCH_UP else wid)
+            c0 = time.thread_time()
             if wid is CATCH_UP:
                 self._catch_up()
             while wid is not CATCH_UP:  # the store may be down: keep trying (capped backoff) until it is back
@@ -131,6 +134,7 @@ class Uploader:
                             if self.status is not None:
                                 self.status.superseded(wid, self._pending[-1][0])
                             break
+            self.cpu_s += time.thread_time() - c0
             with self._lock:
                 self._busy = False
                 self._lock.notify_all()

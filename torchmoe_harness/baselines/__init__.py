@@ -7,6 +7,8 @@
   moetion     MoEtion selective checkpointing: top-S experts by tokens since their last save, S per layer
               proportional to the layer's token risk, within a byte budget; lossy
   ours        the sparse per-iteration checkpointer of this package (exact)
+  memcpy_ref  not a checkpoint: one plain memcpy of a dense snapshot's bytes per iteration, the copy roofline
+              under training (the bench's reference for copy throughput)
 
 `runner` drives the harness Trainer with any of them under torchrun, injects failures (at given iterations
 or at wall-clock times), recovers in process and reports bytes, waits, recovery time and what was lost.
@@ -32,6 +34,9 @@ def make_system(kind: str, trainer, params: dict, workdir: str):
     if kind == "ours":
         from torchmoe_harness.baselines.ours import Ours
         return Ours(trainer, **params)
+    if kind == "memcpy_ref":
+        from torchmoe_harness.baselines.memcpy_ref import MemcpyRef
+        return MemcpyRef(trainer, **params)
     if kind == "none":
         return None
     raise ValueError(f"unknown system {kind!r}")

@@ -68,7 +68,11 @@ class DenseDcp:
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         step = int(done)
         if self.exporter is not None and self.exporter._future is not None:
-            self.exporter.wait()  # join the background writer of the lost export (not part of recovery)
+            # Join the background writer of the lost export (not part of recovery), without its retention: that
+            # would delete the export chosen above, which is older than the one just finished.
+            keep, self.exporter.keep = self.exporter.keep, 0
+            self.exporter.wait()
+            self.exporter.keep = keep
             if self.rank == 0 and self.exporter.exported:
                 self.bytes.append(_dir_bytes(self.root / step_dirname(self.exporter.exported[-1])) // self.world)
         t0 = time.perf_counter()
