@@ -23,13 +23,15 @@ def ep(dtype: str, **extra) -> dict:
     return dict(RUN, dtype=dtype, **extra)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_ep_failures_at_every_slot_position_recover_bit_exactly(dtype, tmp_path, reference):
-    ref = reference(2, ep(dtype))
+@pytest.mark.parametrize("dtype,optimizer", [("fp32", "single"), ("bf16", "single"), ("fp32", "fused")])
+def test_ep_failures_at_every_slot_position_recover_bit_exactly(dtype, optimizer, tmp_path, reference):
+    """Fused AdamW (the MoE-regime bench's optimizer) replays exactly too: one kernel, same order every time."""
+    ref = reference(2, ep(dtype, optimizer=optimizer))
     # as in test_recovery: the in-flight window met at every slot position (6: 2, 7: 0, 11: 1), then a torn copy
     failures = [{"step": 6, "phase": "update"}, {"step": 7, "phase": "update"}, {"step": 11, "phase": "update"},
                 {"step": 15, "phase": "copy"}]
-    run = run_torchrun(2, {"run": ep(dtype), "checkpoint": {"window": 3}, "failures": failures}, tmp_path / "f")
+    run = run_torchrun(2, {"run": ep(dtype, optimizer=optimizer), "checkpoint": {"window": 3}, "failures": failures},
+                       tmp_path / "f")
     recs = run.report["recoveries"]
     assert [r["failed_at"] for r in recs] == [6, 7, 11, 16], recs  # the torn copy of 15 surfaces in 16
     assert [r["recovered_step"] for r in recs] == [3, 6, 9, 12], recs

@@ -30,7 +30,9 @@ MODEL = {"vocab_size": 256, "dim": 128, "n_layers": 2, "n_heads": 4, "num_expert
          "max_seq_len": 64}
 # 32 tokens per rank and step: 1 per expert at top-2. Expert parallel (parallel.apply_expert_parallel): each rank
 # owns half the experts whole and only tokens move, so the step is no longer FSDP2 moving every expert over gloo.
-RUN = {"model": MODEL, "batch_size": 1, "seq_len": 33, "expert_parallel": True}
+# Fused AdamW (one pass over param, grad and moments; TorchTitan's default implementation): with the per-tensor
+# loop's ~14 passes the optimizer alone took several dense copies' time.
+RUN = {"model": MODEL, "batch_size": 1, "seq_len": 33, "expert_parallel": True, "optimizer": "fused"}
 OVERLAP = 0.01  # auto W: a slot may cost 1% of an iteration (on CPU the copy takes cores from compute)
 FORCED = (2, 4, 8)
 SYSTEMS = {
@@ -47,11 +49,11 @@ PERIODIC = {"gemini_best": {"kind": "gemini", "of": "gemini_k1"},
             "dcp_async_best": {"kind": "dcp_async", "of": "dcp_async_k1"}}
 BF16_SYSTEMS = ("ours_auto", "ours_W4", "gemini_k1")
 REPS, WARMUP, MEASURE = 5, 1, 2
-# Scaled-down MTBF of the failure runs (and of the periodic systems' interval choice). In iterations: with EP's
-# ~0.15-0.25 s step, 40 keeps it at ~6-10 s, near what 10 FSDP2 steps were, so a ~1-2 s restart stays a
-# fraction of it; 120 iterations then see several failures per run.
-MTBF_ITERATIONS = 40
-ETTR_STEPS = 120
+# Scaled-down MTBF of the failure runs (and of the periodic systems' interval choice), in iterations: with the
+# EP + fused-AdamW step (~80-110 ms) 100 iterations are ~8-11 s, so a ~0.5-1 s recovery stays a fraction of it
+# (at 40 a failure came every ~3 s and recoveries cascaded); 250 iterations then see several failures per run.
+MTBF_ITERATIONS = 100
+ETTR_STEPS = 250
 BASE_STEPS = 5  # no-checkpoint steps before and after each failure run (median of the last 4)
 GOALS = {  # key -> (description, bound, "<=" or ">=")
     "overhead_ratio_vs_dense": ("checkpoint CPU ours (auto W) / dense snapshot every iteration", 0.5, "<="),

@@ -39,6 +39,9 @@ class RunConfig:
     hsdp: int = 1  # replicate degree; 1 = plain FSDP2
     # Experts owned whole by one rank each, tokens sent to them (parallel.apply_expert_parallel); the rest FSDP2.
     expert_parallel: bool = False
+    # AdamW implementation: "single" (per-tensor loop, the default everywhere), "foreach" or "fused" (one pass
+    # over param, grad and moments, TorchTitan's default; the MoE-regime bench uses it).
+    optimizer: str = "single"
 
     def __post_init__(self):
         if isinstance(self.model, dict):
@@ -47,6 +50,8 @@ class RunConfig:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
         if self.seq_len > self.model.max_seq_len:
             raise ValueError(f"seq_len {self.seq_len} exceeds model max_seq_len {self.model.max_seq_len}")
+        if self.optimizer not in ("single", "foreach", "fused"):
+            raise ValueError(f"optimizer {self.optimizer!r}: use 'single', 'foreach' or 'fused' (AdamW implementations)")
         if self.expert_parallel and self.hsdp != 1:
             raise ValueError(f"expert_parallel supports plain FSDP2 only (hsdp = 1), not hsdp = {self.hsdp}")
 
@@ -80,8 +85,9 @@ class Trainer:
         apply_fsdp(model, self.mesh, self.compute_dtype, ignored)
         self.model = model
         self.params = [p for p in model.parameters()]
+        impl = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[cfg.optimizer]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                                           weight_decay=cfg.weight_decay, foreach=False)
+                                           weight_decay=cfg.weight_decay, **impl)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.stream = TokenStream(cfg.model.vocab_size, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
         self.step = 0  # iterations completed
