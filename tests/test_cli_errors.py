@@ -92,13 +92,13 @@ def test_s3_without_credentials_is_one_line(moto):
     one_line_error(p.returncode, p.stderr, "authentication failed", "credentials")
 
 
-def _two_rank_run(root: Path):
+def _two_rank_run(root: Path, **run):
     """A run of 2 ranks (each a 1-process checkpointer writing as rank r of 2) with windows 0 and 1."""
     from torchmoe_ckpt.checkpointer import SparseCheckpointer, SparseConfig
     from torchmoe_ckpt.dcp.host_tier import HostTier
     from torchmoe_harness.trainer import RunConfig, Trainer
     for rank in (0, 1):
-        t = Trainer(RunConfig(steps=6))
+        t = Trainer(RunConfig(steps=6, **run))
         ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3),
                                 host_tier=HostTier(root, "run", rank, 2)).attach(t)
         for _ in range(7):
@@ -125,6 +125,19 @@ def test_verify_fails_on_a_window_not_committed_by_every_rank(capsys, tmp_path, 
     data.write_bytes(bytes(raw))
     rc, out, err = run_cli(capsys, "verify", str(run))
     assert rc == 1 and "FAILED (2 problem(s)" in err and "window 0 rank 0:" in err, err
+
+
+def test_verify_names_a_window_copied_in_from_another_run(capsys, tmp_path, one_rank_group):
+    """A window of another model's run copied into this run's directory verifies file by file, but recovery
+    would refuse it (IdentityMismatch): verify says so, naming the run each belongs to."""
+    import shutil
+    run = _two_rank_run(tmp_path / "a")
+    other = _two_rank_run(tmp_path / "b", model={"n_layers": 3})
+    shutil.rmtree(run / "window-000001")
+    shutil.copytree(other / "window-000001", run / "window-000001")
+    rc, out, err = run_cli(capsys, "verify", str(run))
+    assert rc == 1, (out, err)
+    assert "recovery refuses it" in err and "window 0: written by run" in err, err
 
 
 def test_inspect_of_a_root_lists_each_run_separately(capsys, tmp_path, one_rank_group):

@@ -156,8 +156,10 @@ def _inspect_run(location: str, storage_options: dict | None, fs, root: str, fil
             man, entry["window_id"], rank, None, lambda rel: slot_info(fs.cat_file(f"{wdir}/{rel}")))
         if problems:
             entry["problems"][rank] = problems
+        ident = man.identity or {}
         entry.update(start_step=man.start_step, window=man.window, world_size=man.world_size,
-                     bytes=entry["bytes"] + man.total_bytes)
+                     bytes=entry["bytes"] + man.total_bytes, run_id=ident.get("run_id"),
+                     fingerprint=ident.get("fingerprint"))
         if not entry["slots"] and not problems:
             entry["slots"] = _slots(fs, wdir, man)
     if any(f.endswith("/manifest.ocdbt") for f in files):  # tensorstore-format windows (OCDBT databases)
@@ -202,7 +204,8 @@ def format_inspect(info: dict) -> str:
             continue
         lines.append(f"  window {w['window_id']}: {w['status']}; steps {w.get('start_step')}.."
                      f"{(w.get('start_step') or 0) + (w.get('window') or 1) - 1}, W={w.get('window')}, "
-                     f"ranks {w['committed_ranks']}/{w.get('world_size')}, {w.get('bytes', 0)} bytes")
+                     f"ranks {w['committed_ranks']}/{w.get('world_size')}, {w.get('bytes', 0)} bytes"
+                     + (f", run {w['run_id']!r}" if w.get("run_id") else ""))
         for s in w["slots"]:
             lines.append(f"    slot {s['slot']} (after iteration {s['step']}): full state of {', '.join(s['active'])};"
                          f" compute weights of {s['frozen_count']} later operator(s); {s['planned_bytes']} bytes "
@@ -229,6 +232,7 @@ def verify_location(location: str, storage_options: dict | None = None) -> tuple
             problems.append(f"{prefix}not verifiable here: {run['note']}")
         elif not committed:
             problems.append(f"{prefix}no committed window")
+        problems += [prefix + p for p in _foreign_windows(committed)]
         for w in committed:
             w["problems"].update(_missing_ranks(w, run["windows"]))
             for rank, probs in sorted(w["problems"].items(), key=lambda kv: str(kv[0])):
@@ -237,6 +241,19 @@ def verify_location(location: str, storage_options: dict | None = None) -> tuple
                 w["status"] = "corrupt" if any(isinstance(r, int) for r in w["problems"]) else "incomplete"
     info["problems"] = problems
     return not problems, info
+
+
+def _foreign_windows(windows: list[dict]) -> list[str]:
+    """Windows of one run directory written by different runs (a copied-in window, a reused run id with another
+    model): recovery refuses them (IdentityMismatch), so verify names them and the run they belong to."""
+    idents = [(w.get("run_id"), w.get("fingerprint")) for w in windows if w.get("fingerprint")]
+    if len(set(idents)) < 2:
+        return []
+    newest = next(i for w in reversed(windows) if (i := (w.get("run_id"), w.get("fingerprint")))[1])
+    return [f"window {w['window_id']}: written by run {w.get('run_id')!r} (identity {str(w['fingerprint'])[:12]}), "
+            f"the newest window here by run {newest[0]!r} (identity {str(newest[1])[:12]}): recovery refuses it; "
+            f"remove the window that does not belong here" for w in windows
+            if w.get("fingerprint") and (w.get("run_id"), w.get("fingerprint")) != newest]
 
 
 def _missing_ranks(window: dict, windows: list[dict]) -> dict[str, list[str]]:

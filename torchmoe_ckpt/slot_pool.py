@@ -13,6 +13,8 @@ shared by the experts sliced from that tensor). Slots built here hold the same i
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .operators import Operator, Piece
@@ -30,8 +32,8 @@ class SlotPool:
         # relabelled to the operator that takes them (a reorder changes how many compute copies each needs).
         self._free: dict[tuple, list[Group]] = {}
         self._specs: dict[tuple[str, str], list[tuple]] = {}  # (form, op) -> [(key, role, piece, shape, dtype)]
-        self._groups: dict[int, list[tuple[tuple, Group]]] = {}  # id(slot) -> its groups, by pool key
-        self._bytes: dict[int, int] = {}  # id(slot) -> bytes
+        # id(slot) -> (the slot, weakly: an id is reused once its slot is gone; its groups by pool key; its bytes)
+        self._groups: dict[int, tuple[weakref.ref, list[tuple[tuple, Group]], int]] = {}
         self.allocated_groups = 0  # groups made with new buffers (the rest were reused)
 
     def build(self, plan: WindowPlan) -> list[Slot]:
@@ -59,8 +61,7 @@ class SlotPool:
                 items.extend(its)
                 total += n
             slot = Slot(i, tuple(sp.active), tuple(sp.frozen), items)
-            self._groups[id(slot)] = groups
-            self._bytes[id(slot)] = total
+            self._groups[id(slot)] = (weakref.ref(slot), groups, total)
             slots.append(slot)
         for key, free in self._free.items():
             del free[need.get(key, 0):]
@@ -69,19 +70,19 @@ class SlotPool:
     def give_back(self, slots: list[Slot]) -> None:
         """The groups of slots whose window is gone (their buffers are overwritten by later windows)."""
         for sl in slots:
-            for key, g in self._groups.pop(id(sl), ()):
-                self._free.setdefault(key, []).append(g)
-            self._bytes.pop(id(sl), None)
+            ref, groups, _ = self._groups.pop(id(sl), (None, (), 0))
+            if ref is not None and ref() is sl:  # not a slot of another owner that took a dead slot's id
+                for key, g in groups:
+                    self._free.setdefault(key, []).append(g)
 
     def forget(self, slots: list[Slot]) -> None:
         """Slots that leave the pool's care for good (inherited by another owner, or dropped)."""
         for sl in slots:
             self._groups.pop(id(sl), None)
-            self._bytes.pop(id(sl), None)
 
     def nbytes(self, slot: Slot) -> int:
-        n = self._bytes.get(id(slot))
-        return slot.nbytes if n is None else n
+        got = self._groups.get(id(slot))
+        return got[2] if got is not None and got[0]() is slot else slot.nbytes
 
     # ---- groups --------------------------------------------------------------------------------------
     def _take(self, form: str, name: str, need: dict, piece: Piece | None = None) -> tuple[tuple, Group]:

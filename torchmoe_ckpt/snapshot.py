@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from . import faults
+from .background import stop_at_exit
 from .operators import Operator, Piece, local_tensor
 
 ROLES_FULL = ("master", "exp_avg", "exp_avg_sq")
@@ -160,6 +161,7 @@ class SnapshotEngine:
         self._stream = torch.cuda.Stream() if self.use_cuda else None
         self._thread = threading.Thread(target=self._run, name="tmoe-snapshot", daemon=True)
         self._thread.start()
+        stop_at_exit(self)
 
     def capture(self, slot: Slot, step: int) -> None:
         """Start copying the live state into `slot` (call right after the optimizer step)."""
@@ -210,6 +212,11 @@ class SnapshotEngine:
     def shutdown(self) -> None:
         """Stop the copy thread (after a simulated crash, or at exit)."""
         self._jobs.put(None)
+
+    def stop(self, timeout_s: float) -> None:
+        """Finish the copy in flight, then stop the thread (at interpreter exit: background.py)."""
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while True:

@@ -1,7 +1,7 @@
 """What a user reads while a job runs: one status line per committed window, a warning when the object store
 fails or falls behind (once per change of state, and a line when it recovers), a summary at exit, and a line
 after a recovery. TorchTitan style: rank 0 speaks, other ranks log the same lines at DEBUG (a rank's own
-failure is logged by `tier_health.TierHealth` on that rank). Logger "torchmoe_ckpt", lines start "torchmoe:".
+failure is logged by `tier_health.TierHealth` on that rank): a window line is rank 0's commit, not every rank's. Logger "torchmoe_ckpt", lines start "torchmoe:".
 
     torchmoe: window 3 steps 7..8 bytes 2.3 MiB host ok peers 1/1 store uploaded (lag 0.08 s)
     torchmoe: window 4 steps 9..10 bytes 2.3 MiB host ok peers 1/1 store pending (2 behind, lag 6.1 s)

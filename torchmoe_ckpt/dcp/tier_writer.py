@@ -9,6 +9,7 @@ import shutil
 import threading
 import time
 
+from ..background import stop_at_exit
 from ..snapshot import Slot
 from ..status import RunStatus
 from .host_tier import HostTier
@@ -54,6 +55,7 @@ class TierWriter:
         self.cpu_s = {"host": 0.0, "peers": 0.0}
         self._thread = threading.Thread(target=self._run, name="tmoe-host-tier", daemon=True)
         self._thread.start()
+        stop_at_exit(self)
 
     def stats(self) -> dict:
         return {"windows_persisted": len(self.persisted), "bytes_written": self.bytes_written,
@@ -108,6 +110,14 @@ class TierWriter:
 
     def shutdown(self) -> None:
         self.jobs.put(None)
+
+    def stop(self, timeout_s: float) -> None:
+        """Finish the job in flight, then stop the thread (at interpreter exit: background.py). An abandoned
+        writer (an emulated dead process) may be blocked on a peer that is gone: left as it is."""
+        if self._dead:
+            return
+        self.jobs.put(None)
+        self._thread.join(timeout_s)
 
     def abandon(self) -> None:
         """Emulate this process dying: drop the queued jobs (a job already running finishes) and stop."""
