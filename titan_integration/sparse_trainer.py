@@ -27,18 +27,8 @@ Under pipeline parallelism (one rank per stage) :class:`titan_integration.pipeli
 adds stage-boundary logs, the live state of healthy stages and localized recovery of failed stages; the
 step above is the same, with the pipeline's loss recorded on every stage.
 
-Test/diagnostic knobs (environment variables, all off by default):
-  ``TORCHMOE_FAULT="kill:point=backward:rank=R:step=S"``  the library's fault injection
-                                           (:mod:`torchmoe_ckpt.faults`); this trainer reaches the points
-                                           ``forward`` (step start), ``backward`` (before forward+backward,
-                                           which TorchTitan runs as one call) and ``optimizer`` (after the
-                                           update); the library's own points (snapshot_copy, persist,
-                                           manifest, ...) work too. First torchrun attempt only by default.
-  ``TORCHMOE_TITAN_EXPORT=DIR``            at the end, each rank writes DIR/state-rank-R.pt (its local model,
-                                           optimizer state, buffers, step, LR) and DIR/run-rank-R-attempt-A.json
-                                           (losses bits, LRs, recovery report, step times, checkpointer stats).
-  ``TORCHMOE_TITAN_SCRAMBLE=1``            before recovery, overwrite every parameter with noise, so anything
-                                           recovery fails to restore shows up as a mismatch.
+Test/diagnostic environment variables (off by default: ``TORCHMOE_FAULT``, ``TORCHMOE_TITAN_EXPORT``,
+``TORCHMOE_TITAN_SCRAMBLE``) are described in docs/torchtitan-internals.md.
 """
 from __future__ import annotations
 
