@@ -50,6 +50,7 @@ from .mapped_files import MappedFiles
 from .raw_layout import DATA_FILE, RawLayout, layout_key
 from .raw_storage import RawReader
 from .slot_files import SlotFiles, backing
+from .spare_files import keep_spares, spares
 
 log = logging.getLogger("torchmoe_ckpt.host_tier")
 # Each rank deliberately saves its own pieces without collectives (no_dist=True); DCP warns about that.
@@ -176,7 +177,7 @@ class HostTier:
 
     def _take_spare(self, nbytes: int) -> Path | None:
         """The kept data file whose size is closest to `nbytes` (None when there is none)."""
-        files = list(self._spare_dir().glob("*.distcp")) if self._spare_dir().is_dir() else []
+        files = spares(self._spare_dir())
         if not files:
             return None
         return min(files, key=lambda f: abs(f.stat().st_size - nbytes))
@@ -185,18 +186,13 @@ class HostTier:
         """Move this rank's data files of a collected window aside for reuse (bounded)."""
         if self._slot_files is not None:
             return  # slots are shared-memory files of their own (slot_files.py): spares would never be taken
-        spare = self._spare_dir()
-        spare.mkdir(parents=True, exist_ok=True)
-        room = MAX_SPARES - len(list(spare.glob("*.distcp")))
         files = []
         for f in sorted(wdir.glob(f"slot-*/rank-{self.rank:05d}/*.distcp")):
             if f.stat().st_nlink > 1:  # a live slot file's link (slot_files.py): unlinking frees it for reuse
                 f.unlink()
             else:
                 files.append(f)
-        for f in files[:max(0, room)]:
-            f.rename(spare / f"spare-{wdir.name[7:]}-{f.parent.parent.name}.distcp")  # not a window-* name
-        for f in files[max(0, room):]:
+        for f in keep_spares(files, self._spare_dir(), MAX_SPARES, wdir.name):
             self._maps.forget(f)  # deleted below: its mapping would pin the pages
 
     def collect(self, keep_from: int) -> list[int]:

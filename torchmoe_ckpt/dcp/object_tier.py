@@ -19,6 +19,7 @@ from .. import faults
 from .host_tier import HostTier
 from .manifest import (CHUNK, MANIFEST_NAME, Digester, FileEntry, WindowManifest, parse_window_dirname,
                        rank_manifest_name, window_dirname)
+from .spare_files import keep_spares, place_new_file, pwrite_all, spares
 from .store_errors import StoreConfigError, explain
 from .tensorstore_format import NoTensorstoreDriver, TensorstoreTier
 
@@ -204,12 +205,8 @@ class ObjectTier:
         written; a file that does not match its manifest entry raises (no manifest is written over it). A data
         file is written over a spare (a deleted window's file): on a page-cache or tmpfs store that reuses its
         pages instead of allocating and zeroing new ones."""
-        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        spares = sorted(self._spare_dir().glob("*.distcp")) if path.endswith(".distcp") else []
-        if spares:
-            os.replace(spares[-1], path)
-        elif os.path.lexists(path):
-            os.unlink(path)  # a new file, never written into one a reader may hold
+        kept = spares(self._spare_dir()) if path.endswith(".distcp") else []
+        place_new_file(Path(path), kept[-1] if kept else None)
         d, mv = Digester(entry.algo), memoryview(self._buf)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
@@ -217,9 +214,7 @@ class ObjectTier:
                 pos = 0
                 while n := f.readinto(self._buf):
                     d.update(mv[:n])
-                    done = 0
-                    while done < n:  # a regular file takes it all at once; a short write is only resumed
-                        done += os.pwrite(fd, mv[done:n], pos + done)
+                    pwrite_all(fd, mv[:n], pos)
                     pos += n
             os.ftruncate(fd, pos)  # a longer spare's tail
         finally:
@@ -232,11 +227,8 @@ class ObjectTier:
 
     def _keep_spares(self, window_dir: str) -> None:
         """A deleted window's data files, kept (bounded) to be written over by the next uploads (local stores)."""
-        spare = self._spare_dir()
-        spare.mkdir(parents=True, exist_ok=True)
-        room = MAX_SPARES - len(list(spare.glob("*.distcp")))
-        for i, f in enumerate(sorted(Path(window_dir).glob("**/*.distcp"))[:max(0, room)]):
-            f.rename(spare / f"{Path(window_dir).name}-{i}.distcp")
+        d = Path(window_dir)
+        keep_spares(sorted(d.glob("**/*.distcp")), self._spare_dir(), MAX_SPARES, d.name)
 
     def _put(self, path: str, data: bytes) -> None:
         if _is_local(self.fs):

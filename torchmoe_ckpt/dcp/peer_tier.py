@@ -30,6 +30,7 @@ import torch.distributed as dist
 from .. import faults
 from .host_tier import HostTier
 from .manifest import WindowManifest, rank_manifest_name, window_dirname
+from .spare_files import keep_spares, place_new_file, pwrite_all, spares as spare_list
 
 log = logging.getLogger("torchmoe_ckpt.peer_tier")
 MAX_SPARES = 8  # data files of collected peer copies kept per sender for reuse
@@ -94,16 +95,10 @@ def write_file(path: Path, data: memoryview, spare: Path | None = None) -> None:
     """Write `data` to `path`, over `spare` (a collected copy's file, renamed into place) when given: writing
     over existing shared-memory pages skips allocating and zeroing new ones. Never writes into another file
     that was at `path` (on a host tier it may be a link to live slot buffers): that name is replaced."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if spare is not None:
-        os.replace(spare, path)
-    else:
-        path.unlink(missing_ok=True)
+    place_new_file(path, spare)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        pos = 0
-        while pos < len(data):
-            pos += os.pwrite(fd, data[pos:], pos)
+        pwrite_all(fd, data, 0)
         os.ftruncate(fd, len(data))
     finally:
         os.close(fd)
@@ -216,7 +211,7 @@ class PeerReplicator:
         """One window copy of `rank` from `holder` into `dest`, its data files written over spares when there
         are; the rank manifest goes last (a torn copy has none and is not held)."""
         (dest / rank_manifest_name(rank)).unlink(missing_ok=True)  # incomplete until the manifest is back
-        kept = sorted(spares.glob("*.distcp")) if spares is not None and spares.is_dir() else []
+        kept = spare_list(spares) if spares is not None else []
 
         def write(rel: str, data: memoryview) -> None:
             write_file(dest / rel, data, kept.pop() if kept and _is_data(rel) else None)
@@ -233,10 +228,7 @@ class PeerReplicator:
         for p in base.glob("window-*"):
             if int(p.name[7:]) < newest - 1:
                 (p / rank_manifest_name(src)).unlink(missing_ok=True)  # first: never a half-deleted copy held
-                spare.mkdir(parents=True, exist_ok=True)
-                room = MAX_SPARES - len(list(spare.glob("*.distcp")))
-                for i, f in enumerate(sorted(p.glob("slot-*/rank-*/*.distcp"))[:max(0, room)]):
-                    f.rename(spare / f"{p.name}-{i}.distcp")
+                keep_spares(sorted(p.glob("slot-*/rank-*/*.distcp")), spare, MAX_SPARES, p.name)
                 shutil.rmtree(p, ignore_errors=True)
 
     def holdings(self) -> dict[int, list[int]]:
