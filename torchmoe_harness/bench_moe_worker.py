@@ -27,7 +27,7 @@ from torchmoe_ckpt.schedule import measure_copy_bandwidth
 from torchmoe_harness.baselines import make_system
 from torchmoe_harness.ettr import SystemProfile, best_interval
 from torchmoe_harness.trainer import RunConfig, Trainer
-from torchmoe_harness.worker import leave, start, write_report
+from torchmoe_harness.worker import serve
 
 MAX_INTERVAL = 8  # a periodic system's turn spans whole intervals: longer ones would not fit the bench's time
 
@@ -159,9 +159,7 @@ def run(spec: dict, out: Path) -> dict:
 
 
 def main() -> None:
-    spec, out = start()
-    write_report(out / "report.json", run(spec, out))
-    leave()
+    serve(run)
 
 
 if __name__ == "__main__":

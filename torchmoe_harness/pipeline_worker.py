@@ -37,7 +37,7 @@ from torchmoe_ckpt.pipeline_recovery import StageStatus, plan_recovery, recover_
 from torchmoe_ckpt.recovery import ReplayDivergence
 from torchmoe_harness.pipeline_trainer import PipelineConfig, StageTrainer
 from torchmoe_harness.trainer import RunConfig
-from torchmoe_harness.worker import leave, start
+from torchmoe_harness.worker import serve
 
 log = logging.getLogger("torchmoe_ckpt.pipeline_worker")
 _TERM = {"flag": False}
@@ -328,11 +328,7 @@ def _exit(code: int) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    spec, out = start()
-    report = run(spec, out)
-    from torchmoe_harness.worker import write_report
-    write_report(out / "report.json", report)
-    leave()
+    serve(run)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -79,10 +80,15 @@ def leave() -> None:
     os._exit(0)
 
 
-def main() -> None:
+def serve(run_fn: Callable[[dict, Path], dict]) -> None:
+    """A torchrun entry point of the harness: start, `run_fn(spec, out)`, its report written by rank 0, leave."""
     spec, out = start()
-    write_report(out / "report.json", run(spec, out))
+    write_report(out / "report.json", run_fn(spec, out))
     leave()
+
+
+def main() -> None:
+    serve(run)
 
 
 if __name__ == "__main__":
