@@ -1,5 +1,6 @@
 # make setup: .venv with everything (idempotent; quick when nothing changed)
-# make demo:  setup, then the main job          make test: setup, then the tests (make test-all: and the matrix)
+# make demo:  setup, then the main job          make test: setup, lint, then the tests (make test-all: and the matrix)
+# make lint:  ruff check + ruff format --check   make test-fast: the unit tests alone (in-process, under a minute)
 # make bench: setup, then the benchmark suite (JSON + report in benchmarks/results/)
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
@@ -13,7 +14,7 @@ export HF_HUB_OFFLINE := 1
 export WANDB_MODE := disabled
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-all bench clean
+.PHONY: setup demo lint test test-fast test-all bench clean
 
 AZURITE := .azurite/node_modules/.bin/azurite-blob
 
@@ -35,8 +36,16 @@ $(STAMP): pyproject.toml constraints.txt
 demo: setup
 	$(BIN)/python -m titan_integration.recovery_demo $(DEMO_ARGS)
 
-test: setup
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: setup lint
 	$(BIN)/python -m pytest -q tests
+
+# tests/unit: in-process, no torchrun, no servers (tests/distributed and tests/titan start real processes)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
 
 # the default suite plus the `matrix` cases (more of each kind; ~7 minutes more)
 test-all: setup

@@ -15,6 +15,7 @@ loop that keeps a replay record per iteration (batch, gradient norm, LR, RNG sta
 `--kill-at N`: rank 1 SIGKILLs itself in iteration N (first attempt only); torchrun restarts every rank,
 they agree on the newest window every rank can read and convert it to dense, then training goes on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,9 @@ def tier_writer(args, path: str, placement) -> dcp.StorageWriter:
     the peer tier (host copy, r peer copies placed by failure domain, the store)."""
     if args.tier == "peer":
         host = f"{node_dir(args)}/{path}"
-        return tmc.TieredWriter([tmc.HostWriter(host), tmc.PeerWriter(host, placement),
-                                 tmc.StoreWriter(f"{args.store}/{path}")])
+        return tmc.TieredWriter(
+            [tmc.HostWriter(host), tmc.PeerWriter(host, placement), tmc.StoreWriter(f"{args.store}/{path}")]
+        )
     if args.tier == "host":
         return tmc.HostWriter(f"{args.host}/{path}")
     if args.tier == "store":
@@ -66,22 +68,35 @@ def tier_reader(args, path: str) -> dcp.StorageReader:
 def newest_window(args, schedule: tmc.SparseSchedule) -> int | None:
     """The newest window whose every slot is committed on some tier of this rank, agreed by all ranks."""
     if args.tier == "peer":  # complete when, for every slot, some node holds each rank's copy
-        held = {(s, src) for s in range(1, args.steps + 1)
-                for src in tmc.held_copies(f"{node_dir(args)}/{schedule.slot_name(s)}")}
+        held = {
+            (s, src)
+            for s in range(1, args.steps + 1)
+            for src in tmc.held_copies(f"{node_dir(args)}/{schedule.slot_name(s)}")
+        }
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, held)
         union, ws = set().union(*every), dist.get_world_size()
-        ok = [w for w in range(args.steps // schedule.window + 1)
-              if all((s, r) in union for s in range(schedule.first_step + w * schedule.window,
-                                                     schedule.first_step + (w + 1) * schedule.window)
-                     for r in range(ws))]
+        ok = [
+            w
+            for w in range(args.steps // schedule.window + 1)
+            if all(
+                (s, r) in union
+                for s in range(
+                    schedule.first_step + w * schedule.window, schedule.first_step + (w + 1) * schedule.window
+                )
+                for r in range(ws)
+            )
+        ]
         return max(ok) if ok else None
 
     def complete(w: int) -> bool:
         start = schedule.first_step + w * schedule.window
         bases = {"host": [args.host], "store": [args.store], "tiered": [args.host, args.store]}[args.tier]
-        return all(any(tmc.has_checkpoint(f"{b}/{schedule.slot_name(s)}") for b in bases)
-                   for s in range(start, start + schedule.window))
+        return all(
+            any(tmc.has_checkpoint(f"{b}/{schedule.slot_name(s)}") for b in bases)
+            for s in range(start, start + schedule.window)
+        )
+
     mine = {w for w in range(args.steps // schedule.window + 1) if complete(w)}
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
@@ -95,8 +110,11 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=3)
     ap.add_argument("--hsdp", type=int, default=1)
     ap.add_argument("--tier", choices=("host", "store", "tiered", "peer"), default="host")
-    ap.add_argument("--wipe-host", action="store_true", help="peer tier: the killed rank's node comes back with "
-                    "empty shared memory (its host copies are gone)")
+    ap.add_argument(
+        "--wipe-host",
+        action="store_true",
+        help="peer tier: the killed rank's node comes back with empty shared memory (its host copies are gone)",
+    )
     ap.add_argument("--host", default="/dev/shm/dcp-user")
     ap.add_argument("--store", default="file:///tmp/dcp-user-store")
     ap.add_argument("--kill-at", type=int, default=0)
@@ -122,26 +140,37 @@ def main() -> None:
             def reader_for(s: int) -> dcp.StorageReader:
                 readers.append(tier_reader(args, schedule.slot_name(s)))
                 return readers[-1]
+
             try:
                 window = tmc.load_sparse_window(schedule, wid, reader_for)
             except (tmc.CorruptItemError, CheckpointException) as exc:  # DCP raises it on every rank (collective)
                 if wid == 0:
                     raise
                 if rank == 0:  # no tier holds a verified copy of a slot: the previous window is still whole
-                    print(f"window {wid} is unusable ({' '.join(str(exc).split())[:300]}); falling back to window "
-                          f"{wid - 1}", flush=True)
+                    print(
+                        f"window {wid} is unusable ({' '.join(str(exc).split())[:300]}); falling back to window "
+                        f"{wid - 1}",
+                        flush=True,
+                    )
                 wid, readers[:] = wid - 1, []
                 window = tmc.load_sparse_window(schedule, wid, reader_for)
-            fetched = {k: v for r in readers for p in getattr(r, "readers", [r]) for k, v in
-                       getattr(p, "fetched", {}).items()}
+            fetched = {
+                k: v for r in readers for p in getattr(r, "readers", [r]) for k, v in getattr(p, "fetched", {}).items()
+            }
             if fetched:
-                print(f"rank {rank} fetched the copies of ranks {sorted(fetched)} from peers "
-                      f"{sorted(set(fetched.values()))}", flush=True)
+                print(
+                    f"rank {rank} fetched the copies of ranks {sorted(fetched)} from peers "
+                    f"{sorted(set(fetched.values()))}",
+                    flush=True,
+                )
             report = tmc.sparse_to_dense(trainer, window)  # replays the window with frozen operators
             start = report.recovered_step + 1
             if rank == 0:
-                print(f"recovered window {wid}: state after iteration {report.recovered_step}, "
-                      f"{report.replayed_iterations} replayed", flush=True)
+                print(
+                    f"recovered window {wid}: state after iteration {report.recovered_step}, "
+                    f"{report.replayed_iterations} replayed",
+                    flush=True,
+                )
     for step in range(start, args.steps + 1):
         if step == args.kill_at and rank == 1 and tmc.restart_attempt() == 0:
             os.kill(os.getpid(), signal.SIGKILL)  # a real crash in the middle of the run
@@ -150,9 +179,11 @@ def main() -> None:
         record = tmc.IterationRecord(res.step, res.tokens, res.grad_norm, res.lr, res.loss, res.rng_state)
         model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
         # The only change a DCP user makes: our planner (this iteration's slot) and our storage writer.
-        dcp.save({"model": model_sd, "optim": optim_sd},
-                 planner=tmc.SparseSavePlanner(schedule, step, record),
-                 storage_writer=tier_writer(args, schedule.slot_name(step), placement))
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd},
+            planner=tmc.SparseSavePlanner(schedule, step, record),
+            storage_writer=tier_writer(args, schedule.slot_name(step), placement),
+        )
         wid, slot, _ = schedule.locate(step)
         if slot == schedule.window - 1 and wid >= 2 and (rank == 0 or args.tier == "peer") and args.tier != "store":
             shutil.rmtree(f"{node_dir(args)}/window-{wid - 2:06d}", ignore_errors=True)  # keep the last two windows

@@ -6,6 +6,7 @@ Kill any rank with `kill -9` while it trains: torchrun restarts the workers, `ck
 exact state of the last committed window from host memory and training goes on as if nothing happened.
 The lines marked `# ckpt` are all the checkpointing code; the rest is a plain loop.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,18 +26,30 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--run-id", default=None, help="default: torchrun's run id (one per launch)")
     ap.add_argument("--host-dir", default="/dev/shm/torchmoe-ckpt")
     ap.add_argument("--window", type=int, default=3)
-    ap.add_argument("--on-unusable-checkpoint", choices=("fail", "restart"), default="fail",
-                    help="windows exist but every one is rejected (corrupt, replay diverged): refuse (default) or "
-                         "start over from step 0, overwriting them")
+    ap.add_argument(
+        "--on-unusable-checkpoint",
+        choices=("fail", "restart"),
+        default="fail",
+        help="windows exist but every one is rejected (corrupt, replay diverged): refuse (default) or "
+        "start over from step 0, overwriting them",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(format="%(message)s")
     logging.getLogger("torchmoe_ckpt").setLevel(logging.INFO)  # windows committed, recovery: one line each
 
     rank, world = tmc.init_process_group()  # ckpt: dist.init_process_group that survives torchrun restarts
     torch.manual_seed(0)
-    cfg = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                        max_position_embeddings=64)
+    cfg = MixtralConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
     model = MixtralForCausalLM(cfg)
     for layer in model.model.layers:
         fully_shard(layer)
@@ -55,9 +68,12 @@ def main(argv: list[str] | None = None):
         return loss
 
     losses = {}
-    config = tmc.CheckpointConfig(tiers=tmc.TierConfig(root=args.host_dir, run_id=args.run_id),  # ckpt
-                                  window=tmc.SparseConfig(window=args.window), max_grad_norm=1.0,  # ckpt
-                                  on_unusable_checkpoint=args.on_unusable_checkpoint)  # ckpt
+    config = tmc.CheckpointConfig(
+        tiers=tmc.TierConfig(root=args.host_dir, run_id=args.run_id),  # ckpt
+        window=tmc.SparseConfig(window=args.window),
+        max_grad_norm=1.0,  # ckpt
+        on_unusable_checkpoint=args.on_unusable_checkpoint,
+    )  # ckpt
     with tmc.Checkpointer(model, optimizer, forward_backward, scheduler, config) as ckpt:  # ckpt
         for step in range(ckpt.resume() + 1, args.steps + 1):  # ckpt: resume() = last completed step
             # ckpt.step = forward_backward + clip_grad_norm_ + optimizer.step + scheduler.step + zero_grad

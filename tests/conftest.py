@@ -11,6 +11,7 @@ def reference(tmp_path_factory):
     """Fault-free reference runs, cached per (world size, run spec) for the whole session: every recovery
     test compares against the same deterministic oracle, so there is no need to train it twice."""
     from torchmoe_harness.launch import run_torchrun
+
     cache: dict = {}
 
     def get(world: int, run: dict):
@@ -28,6 +29,7 @@ def one_rank_group():
     import torch.distributed as dist
 
     from torchmoe_ckpt import init_process_group
+
     init_process_group("gloo")  # outside torchrun: a one-process group on an in-memory store
     yield
     dist.destroy_process_group()
@@ -37,6 +39,7 @@ def one_rank_group():
 def moto():
     """A real moto S3 server on 127.0.0.1 with the bucket `tmoe-bucket` (a MotoServer: .storage_options)."""
     from torchmoe_harness.servers import create_bucket, moto_server
+
     with moto_server() as server:
         create_bucket(server.storage_options, "tmoe-bucket")
         yield server
@@ -46,6 +49,7 @@ def moto():
 def azurite():
     """A real Azurite blob server (installed into .azurite/ by `make setup`) with the container `tmoe`."""
     from torchmoe_harness.servers import azurite_server, create_container
+
     with azurite_server() as server:
         create_container(server.connection_string, "tmoe")
         yield server
@@ -70,8 +74,10 @@ def pytest_terminal_summary(terminalreporter):
     tr.section("fault injection summary")
     for case, injected, outcome in _FAULTS:
         tr.write_line(f"  {case}: {injected} fault(s) injected -> {outcome}")
-    tr.write_line(f"faults injected: {sum(f[1] for f in _FAULTS)}, jobs: {len(_FAULTS)}, recovered exactly: "
-                  f"{count('recovered exactly')}, refused with one line: {count('refused with one line')}, "
-                  f"started fresh: {count('started fresh')}, "
-                  f"failed loudly: {count('failed loudly')}, "
-                  f"silently wrong: {count('silently wrong')} (must be 0)")
+    tr.write_line(
+        f"faults injected: {sum(f[1] for f in _FAULTS)}, jobs: {len(_FAULTS)}, recovered exactly: "
+        f"{count('recovered exactly')}, refused with one line: {count('refused with one line')}, "
+        f"started fresh: {count('started fresh')}, "
+        f"failed loudly: {count('failed loudly')}, "
+        f"silently wrong: {count('silently wrong')} (must be 0)"
+    )

@@ -17,11 +17,11 @@ CLI: ``python -m titan_integration.assets [--force]`` prints the directory.
 from __future__ import annotations
 
 import argparse
-import sys
 import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,16 +77,65 @@ def assets_root() -> Path:
 # Deterministic synthetic corpus: simple English-like sentences about training MoE models. It
 # has enough structure (fixed grammar, Zipf-ish word choice) that the loss visibly drops within
 # a handful of steps.
-_SUBJECTS = ["the model", "the router", "each expert", "the optimizer", "a token", "the trainer",
-             "the checkpoint", "every rank", "the gradient", "the scheduler", "the loss", "a layer"]
-_VERBS = ["sends", "updates", "stores", "reads", "routes", "saves", "loads", "averages",
-          "balances", "selects", "computes", "restores", "shards", "writes"]
-_OBJECTS = ["the weights", "two experts", "the next batch", "its state", "a small shard",
-            "the learning rate", "the token counts", "the expert bias", "the moments",
-            "the parameters", "a snapshot", "the logits"]
-_TAILS = ["after every step", "on each rank", "before the backward pass", "in fp32",
-          "without a GPU", "to local disk", "when a rank fails", "for the next iteration",
-          "with gloo", "in a few milliseconds", "", "", ""]
+_SUBJECTS = [
+    "the model",
+    "the router",
+    "each expert",
+    "the optimizer",
+    "a token",
+    "the trainer",
+    "the checkpoint",
+    "every rank",
+    "the gradient",
+    "the scheduler",
+    "the loss",
+    "a layer",
+]
+_VERBS = [
+    "sends",
+    "updates",
+    "stores",
+    "reads",
+    "routes",
+    "saves",
+    "loads",
+    "averages",
+    "balances",
+    "selects",
+    "computes",
+    "restores",
+    "shards",
+    "writes",
+]
+_OBJECTS = [
+    "the weights",
+    "two experts",
+    "the next batch",
+    "its state",
+    "a small shard",
+    "the learning rate",
+    "the token counts",
+    "the expert bias",
+    "the moments",
+    "the parameters",
+    "a snapshot",
+    "the logits",
+]
+_TAILS = [
+    "after every step",
+    "on each rank",
+    "before the backward pass",
+    "in fp32",
+    "without a GPU",
+    "to local disk",
+    "when a rank fails",
+    "for the next iteration",
+    "with gloo",
+    "in a few milliseconds",
+    "",
+    "",
+    "",
+]
 
 
 def _sentence(rng: random.Random) -> str:
@@ -174,9 +223,7 @@ def ensure_assets(force: bool = False) -> TitanAssets:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     except ImportError as e:
-        raise AssetError(
-            f"cannot generate TorchTitan assets ({e}); fix: run `make setup` (installs tokenizers)"
-        ) from e
+        raise AssetError(f"cannot generate TorchTitan assets ({e}); fix: run `make setup` (installs tokenizers)") from e
     except OSError as e:
         raise AssetError(
             f"cannot write TorchTitan assets under {parent} ({e.strerror or e}); "

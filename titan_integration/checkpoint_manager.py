@@ -18,6 +18,7 @@ The public ``load/save/close`` are overridden (TorchTitan's base class asks subc
 ``_``-hooks instead) because our part must run even when TorchTitan's own checkpointing is disabled; the
 base class's guard still runs for TorchTitan's part through ``super()``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,18 +35,34 @@ __all__ = ["SparseCheckpointManager"]
 
 
 class SparseCheckpointManager(CheckpointManager):
-
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
         sparse: Annotated[SparseCheckpointSection | None, tyro.conf.Suppress] = field(default=None)
         """The [sparse_checkpoint] settings when they come through ``--override.imports`` (a stock Trainer);
         with a job file they live on ``SparseTrainer.Config.sparse_checkpoint``."""
 
-    def __init__(self, config: Config, *, dataloader, model_parts, optimizers, lr_schedulers, states,
-                 sd_adapter, base_folder: str = "") -> None:
-        super().__init__(config, dataloader=dataloader, model_parts=model_parts, optimizers=optimizers,
-                         lr_schedulers=lr_schedulers, states=states, sd_adapter=sd_adapter,
-                         base_folder=base_folder)
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dataloader,
+        model_parts,
+        optimizers,
+        lr_schedulers,
+        states,
+        sd_adapter,
+        base_folder: str = "",
+    ) -> None:
+        super().__init__(
+            config,
+            dataloader=dataloader,
+            model_parts=model_parts,
+            optimizers=optimizers,
+            lr_schedulers=lr_schedulers,
+            states=states,
+            sd_adapter=sd_adapter,
+            base_folder=base_folder,
+        )
         self.trainer = states.get("train_state")
         self.export_parts = model_parts
         self.export_optimizers = optimizers
@@ -54,29 +71,35 @@ class SparseCheckpointManager(CheckpointManager):
         self.dense_exporter = None
         if config.sparse is not None and config.sparse.enable:
             from titan_integration.sparse_trainer import SparseTrainer
+
             SparseTrainer.adopt(self.trainer, config.sparse)
 
     # ---- TorchTitan's entry points --------------------------------------------------------------------
     def load(self, step: int = -1) -> bool:
         if self.restored_step is not None:
-            logger.info(f"torchmoe: TorchTitan checkpoint load skipped: sparse recovery restored step "
-                        f"{self.restored_step}, newer than any periodic checkpoint")
+            logger.info(
+                f"torchmoe: TorchTitan checkpoint load skipped: sparse recovery restored step "
+                f"{self.restored_step}, newer than any periodic checkpoint"
+            )
             return False
         return super().load(step)
 
     def save(self, curr_step: int, last_step: bool = False) -> bool:
         sc = getattr(self.trainer, "sc", None)
         if sc is not None and sc.enable and sc.dense_export_every:
-            self._exporter(sc).maybe_export(self._model(), self._optimizer(), curr_step,
-                                            extra=lambda: titan_entries(self.export_states))  # complete for TorchTitan
+            self._exporter(sc).maybe_export(
+                self._model(), self._optimizer(), curr_step, extra=lambda: titan_entries(self.export_states)
+            )  # complete for TorchTitan
         return super().save(curr_step, last_step)
 
     def close(self) -> None:
         if self.dense_exporter is not None:
             self.dense_exporter.wait()
             st = self.dense_exporter.stats()
-            logger.info(f"torchmoe: dense exports {st['exports']}, latest {st['latest']}, training thread "
-                        f"waited at most {st['stage_s_max']:.3f} s, export took at most {st['export_s_max']:.3f} s")
+            logger.info(
+                f"torchmoe: dense exports {st['exports']}, latest {st['latest']}, training thread "
+                f"waited at most {st['stage_s_max']:.3f} s, export took at most {st['export_s_max']:.3f} s"
+            )
             self.dense_exporter = None
         super().close()
 
@@ -84,14 +107,18 @@ class SparseCheckpointManager(CheckpointManager):
     def _exporter(self, sc: SparseCheckpointSection):
         if self.dense_exporter is None:
             from torchmoe_ckpt.dcp.dense_export import DenseExporter
-            self.dense_exporter = DenseExporter(sc.dense_export_uri, sc.storage_options or None,
-                                                every=sc.dense_export_every, keep=sc.dense_export_keep)
+
+            self.dense_exporter = DenseExporter(
+                sc.dense_export_uri, sc.storage_options or None, every=sc.dense_export_every, keep=sc.dense_export_keep
+            )
         return self.dense_exporter
 
     def _model(self):
         if len(self.export_parts) != 1:
-            raise NotImplementedError("dense export with pipeline parallelism (several model parts) is not "
-                                      "wired in yet; use TorchTitan's own [checkpoint] for PP")
+            raise NotImplementedError(
+                "dense export with pipeline parallelism (several model parts) is not "
+                "wired in yet; use TorchTitan's own [checkpoint] for PP"
+            )
         return self.export_parts[0]
 
     def _optimizer(self):

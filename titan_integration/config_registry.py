@@ -20,10 +20,6 @@ The dump folder defaults to ``./outputs/titan`` (override with ``--dump_folder``
 from __future__ import annotations
 
 import torch
-
-from titan_integration.assets import TOKENIZER_VOCAB_SIZE, ensure_assets
-from titan_integration.cpu_mode import apply_cpu_config, cpu_mode_enabled
-
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
@@ -38,6 +34,8 @@ from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.trainer import Trainer
 
+from titan_integration.assets import TOKENIZER_VOCAB_SIZE, ensure_assets
+from titan_integration.cpu_mode import apply_cpu_config, cpu_mode_enabled
 from torchmoe_ckpt.distributed import key_rendezvous_by_attempt
 
 __all__ = ["deepseek_v3_tiny", "deepseek_v3_tiny_ep2", "TINY", "DEFAULT_CONFIG", "DATASET_NAME"]
@@ -110,13 +108,9 @@ def _tiny(
     return DeepSeekV3Model.Config(
         vocab_size=vocab_size,
         dim=dim,
-        tok_embeddings=Embedding.Config(
-            num_embeddings=vocab_size, embedding_dim=dim, param_init=_dsv3._EMBEDDING_INIT
-        ),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim, param_init=_dsv3._EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=dim, param_init=_dsv3._NORM_INIT),
-        lm_head=Linear.Config(
-            in_features=dim, out_features=vocab_size, param_init=_dsv3._output_linear_init(dim)
-        ),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=_dsv3._output_linear_init(dim)),
         layers=layers,
         mtp_layers=_dsv3._build_mtp_layers(layers[-1], dim=dim, num_mtp_layers=num_mtp_layers),
     )
@@ -166,16 +160,12 @@ def deepseek_v3_tiny() -> Trainer.Config:
         dump_folder="./outputs/titan",
         metrics=MetricsProcessor.Config(log_freq=1),
         model_spec=model_spec,
-        dataloader=HuggingFaceTextDataLoader.Config(
-            dataset=DATASET_NAME, dataset_path=str(assets.dataset_file)
-        ),
+        dataloader=HuggingFaceTextDataLoader.Config(dataset=DATASET_NAME, dataset_path=str(assets.dataset_file)),
         optimizer=default_adamw(lr=3e-3),
         lr_scheduler=LRSchedulersContainer.Config(
             warmup_steps=1, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.1
         ),
-        training=TrainingConfig(
-            local_batch_size=TINY["local_batch_size"], seq_len=TINY["seq_len"], steps=10
-        ),
+        training=TrainingConfig(local_batch_size=TINY["local_batch_size"], seq_len=TINY["seq_len"], steps=10),
         parallelism=ParallelismConfig(expert_parallel_degree=1),
         checkpoint=CheckpointManager.Config(interval=10, last_save_model_only=False),
         # No activation checkpointing: activations are tiny, and recompute only costs time.

@@ -62,9 +62,7 @@ def _install_triton_shim() -> None:
 
     def _make(name: str):
         def _unavailable(*_args: Any, **_kwargs: Any):
-            raise RuntimeError(
-                f"{name} needs triton (minimal_async_ep MoE backend); it is not available in CPU mode"
-            )
+            raise RuntimeError(f"{name} needs triton (minimal_async_ep MoE backend); it is not available in CPU mode")
 
         _unavailable.__name__ = name
         return _unavailable
@@ -171,11 +169,7 @@ def cpu_flex_attention(
 
     L, S = query.size(-2), key.size(-2)
     want_max = return_aux is not None and return_aux.max_scores
-    if (
-        score_mod is not None
-        or want_max
-        or (block_mask is not None and tuple(block_mask.seq_lengths) != (L, S))
-    ):
+    if score_mod is not None or want_max or (block_mask is not None and tuple(block_mask.seq_lengths) != (L, S)):
         return flex_attention(
             query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
             enable_gqa=enable_gqa, return_lse=return_lse, kernel_options=kernel_options,
@@ -189,9 +183,7 @@ def cpu_flex_attention(
     has_empty_rows = mask is not None and not bool(mask.any(-1).all())
 
     if not want_lse and not has_empty_rows:
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
-        )
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
         lse = None
     else:
         k, v = key, value

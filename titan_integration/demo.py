@@ -29,9 +29,7 @@ DEFAULT_DUMP = "outputs/titan-demo"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RANK_PREFIX = re.compile(r"^\[(?:default|rank)(\d+)\]:")
 _TS = r"(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
-_STEP_LINE = re.compile(
-    _TS + r".*?step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>\S+)\s+grad_norm:\s*(?P<gn>\S+)"
-)
+_STEP_LINE = re.compile(_TS + r".*?step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>\S+)\s+grad_norm:\s*(?P<gn>\S+)")
 _START_LINE = re.compile(_TS + r".*Training starts at step")
 
 
@@ -80,9 +78,7 @@ def format_summary(records: list[StepRecord]) -> str:
         out.append(f"{r.step:4d}  {r.loss:8.4f}  {r.grad_norm:9.4f}  {secs}")
     steady = [r.seconds for r in records[1:] if r.seconds is not None]
     if steady:
-        out.append(
-            f"median step time (steps 2..{records[-1].step}): {statistics.median(steady):.3f} s"
-        )
+        out.append(f"median step time (steps 2..{records[-1].step}): {statistics.median(steady):.3f} s")
     if len(records) >= 2:
         out.append(f"loss {records[0].loss:.4f} -> {records[-1].loss:.4f}")
     return "\n".join(out)
@@ -134,15 +130,13 @@ def run(cmd: list[str], env: dict[str, str], echo: bool = True) -> tuple[int, li
     rank0: list[str] = []
     launcher: list[str] = []
     error_line: str | None = None
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-    )
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     assert proc.stdout is not None
     for raw in proc.stdout:
         line = raw.rstrip("\n")
         m = _RANK_PREFIX.match(line)
         if m:
-            line = line[m.end():]
+            line = line[m.end() :]
             rank0.append(line)
             if line.startswith("error: ") and error_line is None:
                 error_line = line
@@ -159,15 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     extra: list[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(
-        prog="python -m titan_integration.demo", description=__doc__.splitlines()[0]
-    )
+        argv, extra = argv[:i], argv[i + 1 :]
+    p = argparse.ArgumentParser(prog="python -m titan_integration.demo", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=6, help="training steps (default 6)")
     p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--module", default="titan_integration.config_registry")
-    p.add_argument("--config", default="deepseek_v3_tiny",
-                   help="config function name, or a TOML job file (job.toml, see docs/torchtitan.md)")
+    p.add_argument(
+        "--config",
+        default="deepseek_v3_tiny",
+        help="config function name, or a TOML job file (job.toml, see docs/torchtitan.md)",
+    )
     p.add_argument(
         "--dump-folder",
         default=None,

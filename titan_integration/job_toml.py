@@ -22,6 +22,7 @@ Any unknown section or key is a :class:`JobConfigError` naming it and the valid 
 For TorchTitan's ConfigManager (so later ``--section.option`` flags still apply), :func:`from_toml` is a
 config function reading the path from ``$TORCHMOE_TITAN_JOB``; ``titan_integration.train`` sets it up.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,19 @@ __all__ = ["read_job", "load_job", "from_toml", "JOB_ENV", "SECTIONS"]
 JOB_ENV = "TORCHMOE_TITAN_JOB"
 TOP_LEVEL_KEYS = ("dump_folder", "hf_assets_path")
 # Sections that map 1:1 onto a dataclass-valued field of Trainer.Config.
-DATACLASS_SECTIONS = ("training", "parallelism", "checkpoint", "lr_scheduler", "metrics", "debug", "compile",
-                      "comm", "dataloader", "profiler", "validator")
+DATACLASS_SECTIONS = (
+    "training",
+    "parallelism",
+    "checkpoint",
+    "lr_scheduler",
+    "metrics",
+    "debug",
+    "compile",
+    "comm",
+    "dataloader",
+    "profiler",
+    "validator",
+)
 SPECIAL_SECTIONS = ("job", "model", "optimizer", "activation_checkpoint", "sparse_checkpoint")
 SECTIONS = DATACLASS_SECTIONS + SPECIAL_SECTIONS
 OPTIMIZER_KEYS = ("name", "lr", "eps", "weight_decay", "beta1", "beta2", "implementation")
@@ -63,11 +75,13 @@ def check_sections(job: dict[str, Any]) -> None:
     for key, val in job.items():
         if isinstance(val, dict):
             if key not in SECTIONS:
-                raise JobConfigError(f"unknown section [{key}]; fix: use one of "
-                                     + ", ".join(f"[{s}]" for s in SECTIONS))
+                raise JobConfigError(
+                    f"unknown section [{key}]; fix: use one of " + ", ".join(f"[{s}]" for s in SECTIONS)
+                )
         elif key not in TOP_LEVEL_KEYS:
-            raise JobConfigError(f"unknown top-level key '{key}'; fix: use one of {', '.join(TOP_LEVEL_KEYS)} "
-                                 "or put it in its section")
+            raise JobConfigError(
+                f"unknown top-level key '{key}'; fix: use one of {', '.join(TOP_LEVEL_KEYS)} or put it in its section"
+            )
 
 
 def sparse_section(job: dict[str, Any]) -> SparseCheckpointSection:
@@ -107,8 +121,7 @@ def _apply(obj: Any, table: dict[str, Any], where: str) -> None:
             _apply(cur, val, f"{where}.{key}")
             continue
         if not _type_ok(cur, val):
-            raise JobConfigError(f"[{where}] {key} = {val!r}: expected {type(cur).__name__}; "
-                                 f"fix: e.g. {key} = {cur!r}")
+            raise JobConfigError(f"[{where}] {key} = {val!r}: expected {type(cur).__name__}; fix: e.g. {key} = {cur!r}")
         setattr(obj, key, tuple(val) if isinstance(cur, tuple) else val)
 
 
@@ -122,17 +135,21 @@ def _apply_model(config, table: dict[str, Any]) -> None:
             raise JobConfigError(f"[model] unknown key '{key}'; fix: use one of {', '.join(MODEL_KEYS)}")
     name = table.get("name", "deepseek_v3")
     if name != "deepseek_v3":
-        raise JobConfigError(f"[model] name = {name!r}: job files support the DeepSeek-V3 model family only; "
-                             "fix: name = \"deepseek_v3\" (or use --module/--config for other models)")
+        raise JobConfigError(
+            f"[model] name = {name!r}: job files support the DeepSeek-V3 model family only; "
+            'fix: name = "deepseek_v3" (or use --module/--config for other models)'
+        )
     if "flavor" in table:
         flavors = sorted(_dsv3.deepseekv3_configs)
         if table["flavor"] not in flavors:
-            raise JobConfigError(f"[model] flavor = {table['flavor']!r} is unknown; fix: use one of "
-                                 f"{', '.join(flavors)}")
+            raise JobConfigError(
+                f"[model] flavor = {table['flavor']!r} is unknown; fix: use one of {', '.join(flavors)}"
+            )
         spec = _dsv3.model_registry(table["flavor"])
         config.model_spec = spec
         config.loss = ChunkedLossWrapper.Config(
-            loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec)))
+            loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))
+        )
     if "hf_assets_path" in table:
         config.hf_assets_path = table["hf_assets_path"]
 
@@ -188,10 +205,10 @@ def load_job(path: str | os.PathLike, job: dict[str, Any] | None = None):
     for key in TOP_LEVEL_KEYS:
         if key in job:
             if not isinstance(job[key], str):
-                raise JobConfigError(f"{key} = {job[key]!r}: expected a string; fix: {key} = \"...\"")
+                raise JobConfigError(f'{key} = {job[key]!r}: expected a string; fix: {key} = "..."')
             setattr(config, key, job[key])
     if "job" in job:
-        for key, val in job["job"].items():
+        for key, _val in job["job"].items():
             if key not in JOB_KEYS:
                 raise JobConfigError(f"[job] unknown key '{key}'; fix: use one of {', '.join(JOB_KEYS)}")
         if "dump_folder" in job["job"]:

@@ -21,6 +21,7 @@ and by :mod:`titan_integration.config_registry` when ConfigManager imports it. W
 ``torchtitan.train`` and a TorchTitan model registry) this module keys every group created after it (ours,
 TorchTitan's later ones) and says on rank 0 how to make the default group safe too.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,11 +44,13 @@ TARGET = f"{__name__}.sparse_checkpoint"
 if torch.distributed.is_initialized():
     restart_timing.mark("pg_ready")
 if key_groups_by_attempt() and os.environ.get("RANK", "0") == "0":
-    logger.warning("torchmoe: TorchTitan set up its process group before torchmoe could key it by torchrun "
-                   "attempt; groups created from now on are keyed, but a restart can still read the previous "
-                   "attempt's keys in TorchTitan's init_distributed (Gloo connectFullMesh failed / a hang); fix: "
-                   "launch with python -m titan_integration.train, or --module titan_integration.config_registry,"
-                   " or set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun")
+    logger.warning(
+        "torchmoe: TorchTitan set up its process group before torchmoe could key it by torchrun "
+        "attempt; groups created from now on are keyed, but a restart can still read the previous "
+        "attempt's keys in TorchTitan's init_distributed (Gloo connectFullMesh failed / a hang); fix: "
+        "launch with python -m titan_integration.train, or --module titan_integration.config_registry,"
+        " or set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun"
+    )
 
 
 def section_from_kwargs(kwargs: dict[str, Any]) -> SparseCheckpointSection:
@@ -55,7 +58,9 @@ def section_from_kwargs(kwargs: dict[str, Any]) -> SparseCheckpointSection:
     return SparseCheckpointSection.from_table({"enable": True, **kwargs}, section="override sparse_checkpoint")
 
 
-@override(target=CheckpointManager.Config,
-          description="torchmoe-ckpt: sparse per-iteration MoE checkpointing with bit-exact recovery")
+@override(
+    target=CheckpointManager.Config,
+    description="torchmoe-ckpt: sparse per-iteration MoE checkpointing with bit-exact recovery",
+)
 def sparse_checkpoint(cfg: CheckpointManager.Config, **kwargs: Any) -> SparseCheckpointManager.Config:
     return derive(cfg, SparseCheckpointManager.Config, sparse=section_from_kwargs(kwargs))

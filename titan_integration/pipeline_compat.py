@@ -16,6 +16,7 @@
    shapes up front (from one no-grad forward on zeros whose counter side effects are undone), so the
    stages vote STATIC and no inference forward ever runs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,15 @@ def install() -> None:
 
     def step(self, *args, target=None, losses=None, return_outputs=True, loss_kwargs=None, **kwargs):
         if not any(k in kwargs for k in _MB_KEYS):
-            return original(self, *args, target=target, losses=losses, return_outputs=return_outputs,
-                            loss_kwargs=loss_kwargs, **kwargs)
+            return original(
+                self,
+                *args,
+                target=target,
+                losses=losses,
+                return_outputs=return_outputs,
+                loss_kwargs=loss_kwargs,
+                **kwargs,
+            )
         arg_mbs, kwarg_mbs, target_mbs = (kwargs.pop(k, None) for k in _MB_KEYS)
         if args or kwargs or target is not None:
             raise TypeError("pass either whole-batch inputs or arg_mbs/kwarg_mbs/target_mbs, not both")
@@ -53,8 +61,9 @@ def install() -> None:
 
 
 def _meta(t: torch.Tensor, requires_grad: bool) -> _TensorMeta:
-    return _TensorMeta(shape=t.shape, stride=t.stride(), dtype=t.dtype,
-                       requires_grad=requires_grad and t.is_floating_point())
+    return _TensorMeta(
+        shape=t.shape, stride=t.stride(), dtype=t.dtype, requires_grad=requires_grad and t.is_floating_point()
+    )
 
 
 @torch.no_grad()
@@ -77,10 +86,13 @@ def set_static_shapes(stage, tokens: torch.Tensor, kwargs: dict, dim: int) -> No
         for n, b in saved.items():
             bufs[n].copy_(b)
     if not torch.is_tensor(out):
-        raise NotImplementedError(f"pipeline stage {stage.stage_index} returns {type(out).__name__}; static shapes "
-                                  "support one output tensor")
+        raise NotImplementedError(
+            f"pipeline stage {stage.stage_index} returns {type(out).__name__}; static shapes support one output tensor"
+        )
     if not stage.is_last and (tuple(out.shape) != (mb, seq, dim) or out.dtype != dtype):
-        raise RuntimeError(f"pipeline stage {stage.stage_index} outputs {tuple(out.shape)} {out.dtype}, the next "
-                           f"stage expects ({mb}, {seq}, {dim}) {dtype}")
+        raise RuntimeError(
+            f"pipeline stage {stage.stage_index} outputs {tuple(out.shape)} {out.dtype}, the next "
+            f"stage expects ({mb}, {seq}, {dim}) {dtype}"
+        )
     stage._user_meta.inputs = (_meta(x, requires_grad=not stage.is_first),)  # plain tensors: gradient shapes
-    stage._user_meta.outputs = (_meta(out, requires_grad=True),)             # follow from these
+    stage._user_meta.outputs = (_meta(out, requires_grad=True),)  # follow from these

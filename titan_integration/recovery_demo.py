@@ -18,8 +18,9 @@ every loss after the recovery are compared with ``torch.equal`` against the refe
 says which window was used, where the copy came from, how many iterations were replayed, how long recovery
 took and whether the result is bit-exact. Exit status 0 only if it is.
 
-The test suite (tests/test_titan_sparse.py) runs the same functions.
+The test suite (tests/titan/test_titan_sparse.py) runs the same functions.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,26 +31,30 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 LAYOUTS = {  # name: (ranks, job-file lines)
     "fsdp2": (2, ""),
     "ep2": (2, "[parallelism]\nexpert_parallel_degree = 2"),
     "hsdp2x2": (4, "[parallelism]\ndata_parallel_replicate_degree = 2\ndata_parallel_shard_degree = 2"),
-    "pp2": (2, "[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = \"1F1B\"\n"
-               "pipeline_parallel_microbatch_size = 2"),
+    "pp2": (
+        2,
+        '[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = "1F1B"\n'
+        "pipeline_parallel_microbatch_size = 2",
+    ),
 }
 DEFAULT_OUT = "outputs/titan-recovery-demo"
 
 
-def write_job(d: Path, *, steps: int, window: int, host_dir: Path, extra_sparse: str = "", extra: str = "",
-              seed: int = 7) -> Path:
+def write_job(
+    d: Path, *, steps: int, window: int, host_dir: Path, extra_sparse: str = "", extra: str = "", seed: int = 7
+) -> Path:
     """A TorchTitan job file (our TOML loader) with sparse checkpointing on."""
     d.mkdir(parents=True, exist_ok=True)
     text = f"""
-dump_folder = "{d / 'dump'}"
+dump_folder = "{d / "dump"}"
 [training]
 steps = {steps}
 [debug]
@@ -71,14 +76,25 @@ fault_timeout_s = 60
 
 def child_env() -> dict[str, str]:
     from titan_integration.demo import child_env as env
+
     e = env()
     e.pop("TORCHMOE_FAULT", None)
     return e
 
 
-def torchrun(d: Path, env: dict[str, str], job: Path | None, *, nproc: int, fault: str | None = None,
-             timeout: float = 280, echo: Callable[[str], None] | None = None, train_args: list[str] = (),
-             script: str | None = None, max_restarts: int = 1) -> tuple[int, str]:
+def torchrun(
+    d: Path,
+    env: dict[str, str],
+    job: Path | None,
+    *,
+    nproc: int,
+    fault: str | None = None,
+    timeout: float = 280,
+    echo: Callable[[str], None] | None = None,
+    train_args: list[str] = (),
+    script: str | None = None,
+    max_restarts: int = 1,
+) -> tuple[int, str]:
     """``torchrun --max-restarts 1`` of ``titan_integration.train --config job`` (plus ``train_args``; or of
     ``script``); a SparseTrainer exports each rank's final state and run record into ``d/export``.
     Returns (exit status, combined output)."""
@@ -88,10 +104,18 @@ def torchrun(d: Path, env: dict[str, str], job: Path | None, *, nproc: int, faul
     bin_torchrun = Path(sys.executable).parent / "torchrun"
     launcher = [str(bin_torchrun)] if bin_torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
     target = [script] if script else ["-m", "titan_integration.train"] + (["--config", str(job)] if job else [])
-    cmd = launcher + ["--standalone", "--nproc_per_node", str(nproc), "--max-restarts", str(max_restarts), "--tee", "3",
-                      *target, *train_args]
-    proc = subprocess.Popen(cmd, cwd=d, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1)
+    cmd = launcher + [
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        "--tee",
+        "3",
+        *target,
+        *train_args,
+    ]
+    proc = subprocess.Popen(cmd, cwd=d, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines: list[str] = []
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
@@ -145,8 +169,11 @@ def compare(reference: Path, run: Path, nproc: int) -> list[RankComparison]:
         first = (rec or {}).get("recovered_step", 0) + 1
         steps = sorted(int(s) for s in ref_run["loss_bits"] if int(s) >= first)
         equal = all(got_run["loss_bits"].get(str(s)) == ref_run["loss_bits"][str(s)] for s in steps)
-        out.append(RankComparison(rank, len(keys), differing, steps, equal, rec, got_run["attempt"],
-                                  got_run.get("checkpoint") or {}))
+        out.append(
+            RankComparison(
+                rank, len(keys), differing, steps, equal, rec, got_run["attempt"], got_run.get("checkpoint") or {}
+            )
+        )
     return out
 
 
@@ -155,15 +182,21 @@ def _pipeline_lines(rec: dict) -> list[str]:
     lines = [f"plan           {plan.get('mode')}: {plan.get('reason')}"]
     for st in rec["stages"]:
         role = st.get("role", "-")
-        what = {"healthy": "kept its live state, waited for the others",
-                "recovered": "replayed alone from its window and its neighbours' logs",
-                "global": "rolled back to the common window, replayed it with every stage"}.get(role, role)
+        what = {
+            "healthy": "kept its live state, waited for the others",
+            "recovered": "replayed alone from its window and its neighbours' logs",
+            "global": "rolled back to the common window, replayed it with every stage",
+        }.get(role, role)
         extra = ""
         if role in ("recovered", "global"):
-            extra = (f"; window {st['window_id']} (from iteration {st['window_start']}) -> iteration "
-                     f"{st['target_step']} in {st['seconds']:.2f} s")
-        lines.append(f"stage {st['stage']}        {role}: {what}; recomputed {st['replayed_total']} iterations; "
-                     f"waited/recovered {st['wait_or_recovery_s']:.2f} s{extra}")
+            extra = (
+                f"; window {st['window_id']} (from iteration {st['window_start']}) -> iteration "
+                f"{st['target_step']} in {st['seconds']:.2f} s"
+            )
+        lines.append(
+            f"stage {st['stage']}        {role}: {what}; recomputed {st['replayed_total']} iterations; "
+            f"waited/recovered {st['wait_or_recovery_s']:.2f} s{extra}"
+        )
     return lines
 
 
@@ -171,15 +204,26 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def format_report(ranks: list[RankComparison], *, layout: str, fault: str, window: int, kill_step: int,
-                  wall_reference: float, wall_failure: float) -> str:
+def format_report(
+    ranks: list[RankComparison],
+    *,
+    layout: str,
+    fault: str,
+    window: int,
+    kill_step: int,
+    wall_reference: float,
+    wall_failure: float,
+) -> str:
     r0 = ranks[0]
     rec = r0.recovery or {}
     ck = r0.checkpoint
     exact = all(r.exact for r in ranks)
-    lines = ["", "== recovery report " + "=" * 60,
-             f"job            TorchTitan deepseek_v3 tiny, {len(ranks)} ranks ({layout}), sparse window W={window}",
-             f"failure        {fault}; torchrun restarted the workers (attempt {r0.attempt})"]
+    lines = [
+        "",
+        "== recovery report " + "=" * 60,
+        f"job            TorchTitan deepseek_v3 tiny, {len(ranks)} ranks ({layout}), sparse window W={window}",
+        f"failure        {fault}; torchrun restarted the workers (attempt {r0.attempt})",
+    ]
     if "stages" in rec:  # pipeline parallelism: a plan and one role per stage
         lines += _pipeline_lines(rec)
     elif rec.get("window_id") is not None:
@@ -189,8 +233,12 @@ def format_report(ranks: list[RankComparison], *, layout: str, fault: str, windo
             f"copy from      {rec.get('source')} tier",
             f"replayed       {rec['replayed_iterations']} iterations with frozen operators -> state after "
             f"iteration {rec['recovered_step']}; training went on from iteration {rec['recovered_step'] + 1}",
-            "lost           " + (f"iterations {rec['recovered_step'] + 1}..{kill_step - 1} ran before the failure "
-                                  "and again after it" if rec['recovered_step'] + 1 < kill_step else "nothing")
+            "lost           "
+            + (
+                f"iterations {rec['recovered_step'] + 1}..{kill_step - 1} ran before the failure and again after it"
+                if rec["recovered_step"] + 1 < kill_step
+                else "nothing"
+            )
             + f"; iteration {kill_step} was the one that failed",
             f"recovery time  {rec['seconds']:.2f} s (load {_mib(rec['bytes_loaded'])} + replay "
             f"{rec['replay_seconds']:.2f} s); restart to trained state {rec.get('restart_seconds', 0.0):.2f} s",
@@ -198,41 +246,52 @@ def format_report(ranks: list[RankComparison], *, layout: str, fault: str, windo
     else:
         lines.append(f"window         none found: cold start ({rec})")
     if ck.get("dense_bytes"):
-        lines.append(f"checkpoint     mean slot {_mib(ck['mean_slot_bytes'])} = "
-                     f"{ck['mean_slot_bytes'] / ck['dense_bytes']:.2f} x dense state ({_mib(ck['dense_bytes'])}) "
-                     f"per rank per iteration; training thread waited {ck['wait_seconds_total'] * 1e3:.1f} ms in all")
+        lines.append(
+            f"checkpoint     mean slot {_mib(ck['mean_slot_bytes'])} = "
+            f"{ck['mean_slot_bytes'] / ck['dense_bytes']:.2f} x dense state ({_mib(ck['dense_bytes'])}) "
+            f"per rank per iteration; training thread waited {ck['wait_seconds_total'] * 1e3:.1f} ms in all"
+        )
     for r in ranks:
         what = "yes" if r.exact else "NO"
-        lines.append(f"rank {r.rank}         bit-exact: {what} ({r.tensors} tensors: params, exp_avg, exp_avg_sq, "
-                     f"step, buffers, LR; losses of iterations {r.losses_compared[0] if r.losses_compared else '-'}.."
-                     f"{r.losses_compared[-1] if r.losses_compared else '-'} "
-                     f"{'identical' if r.losses_equal else 'DIFFER'})"
-                     + ("" if not r.differing else f"; differing: {', '.join(r.differing[:4])}"))
+        lines.append(
+            f"rank {r.rank}         bit-exact: {what} ({r.tensors} tensors: params, exp_avg, exp_avg_sq, "
+            f"step, buffers, LR; losses of iterations {r.losses_compared[0] if r.losses_compared else '-'}.."
+            f"{r.losses_compared[-1] if r.losses_compared else '-'} "
+            f"{'identical' if r.losses_equal else 'DIFFER'})"
+            + ("" if not r.differing else f"; differing: {', '.join(r.differing[:4])}")
+        )
     verdict = "BIT-EXACT: the recovered run equals the run that never failed" if exact else "NOT EXACT"
-    lines += [f"wall time      reference run {wall_reference:.1f} s, run with the failure {wall_failure:.1f} s",
-              f"result         {verdict}",
-              "=" * 79]
+    lines += [
+        f"wall time      reference run {wall_reference:.1f} s, run with the failure {wall_failure:.1f} s",
+        f"result         {verdict}",
+        "=" * 79,
+    ]
     return "\n".join(lines)
 
 
 def _progress(prefix: str) -> Callable[[str], None]:
     """Show what matters from a run: torchmoe events, TorchTitan's step lines of rank 0, torchrun restarts."""
     import re
+
     ansi = re.compile(r"\x1b\[[0-9;]*m")
 
     def echo(line: str) -> None:
         line = ansi.sub("", line)
-        keep = ("event=fault_injected" in line or "torchmoe:" in line or "will restart worker group" in line
-                or "event=pp_" in line
-                or ("[default0]" in line and " step:" in line))
+        keep = (
+            "event=fault_injected" in line
+            or "torchmoe:" in line
+            or "will restart worker group" in line
+            or "event=pp_" in line
+            or ("[default0]" in line and " step:" in line)
+        )
         if keep:
             print(f"{prefix} {line.split(']:', 1)[-1].strip()}", flush=True)
+
     return echo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m titan_integration.recovery_demo",
-                                description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m titan_integration.recovery_demo", description=__doc__.splitlines()[0])
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="fsdp2")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--window", type=int, default=3)
@@ -243,8 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     nproc, extra = LAYOUTS[args.layout]
     if not (1 <= args.kill_step <= args.steps and 0 <= args.kill_rank < nproc and args.window >= 1):
-        print(f"error: need 1 <= --kill-step <= --steps, 0 <= --kill-rank < {nproc}, --window >= 1; "
-              "fix: e.g. --steps 10 --window 3 --kill-step 7 --kill-rank 1", file=sys.stderr)
+        print(
+            f"error: need 1 <= --kill-step <= --steps, 0 <= --kill-rank < {nproc}, --window >= 1; "
+            "fix: e.g. --steps 10 --window 3 --kill-step 7 --kill-rank 1",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out).absolute()
     host = Path(args.host_dir or f"/dev/shm/torchmoe-demo-{os.getuid()}")
@@ -253,8 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     env = child_env()
     fault = f"kill:point=backward:rank={args.kill_rank}:step={args.kill_step}"
     fault_text = f"kill -9 of rank {args.kill_rank} in iteration {args.kill_step} (before its backward pass)"
-    print(f"[demo] TorchTitan deepseek_v3 tiny, {nproc} ranks ({args.layout}), {args.steps} iterations, "
-          f"sparse checkpoint every iteration over a window of {args.window}", flush=True)
+    print(
+        f"[demo] TorchTitan deepseek_v3 tiny, {nproc} ranks ({args.layout}), {args.steps} iterations, "
+        f"sparse checkpoint every iteration over a window of {args.window}",
+        flush=True,
+    )
     runs = {}
     for name, f in (("reference", None), ("failure", fault)):
         d = out / name
@@ -268,8 +333,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: the {name} run failed (torchrun exit status {rc}); its log is above", file=sys.stderr)
             return rc
     ranks = compare(out / "reference", out / "failure", nproc)
-    print(format_report(ranks, layout=args.layout, fault=fault_text, window=args.window, kill_step=args.kill_step,
-                        wall_reference=runs["reference"], wall_failure=runs["failure"]))
+    print(
+        format_report(
+            ranks,
+            layout=args.layout,
+            fault=fault_text,
+            window=args.window,
+            kill_step=args.kill_step,
+            wall_reference=runs["reference"],
+            wall_failure=runs["failure"],
+        )
+    )
     shutil.rmtree(host, ignore_errors=True)
     return 0 if all(r.exact for r in ranks) else 1
 

@@ -19,6 +19,7 @@ restarted (or resumed) run. Every rank keeps the values with the absolute marks 
 ``TORCHMOE_TITAN_EXPORT=DIR``, writes them to ``DIR/restart-timing-rank-R-attempt-A.json`` (not into the
 recovery report, which is the same on every rank).
 """
+
 from __future__ import annotations
 
 import json
@@ -61,13 +62,17 @@ def breakdown(marks: dict[str, float], kill: float | None) -> dict[str, float | 
     start = marks.get("process_start")
     if kill is not None and (start is None or kill > start):
         kill = None  # a kill after this process started is not the one that restarted it
-    chain = [("agent_restart", kill, start), ("imports", start, marks.get("titan_main")),
-             ("process_group", marks.get("titan_main") or start, marks.get("pg_ready")),
-             ("model_build", marks.get("pg_ready"), marks.get("model_built")),
-             ("recovery", marks.get("model_built"), marks.get("recovered")),
-             ("first_step", marks.get("recovered"), marks.get("first_step"))]
-    out: dict[str, float | None] = {name: (round(b - a, 3) if a is not None and b is not None else None)
-                                    for name, a, b in chain}
+    chain = [
+        ("agent_restart", kill, start),
+        ("imports", start, marks.get("titan_main")),
+        ("process_group", marks.get("titan_main") or start, marks.get("pg_ready")),
+        ("model_build", marks.get("pg_ready"), marks.get("model_built")),
+        ("recovery", marks.get("model_built"), marks.get("recovered")),
+        ("first_step", marks.get("recovered"), marks.get("first_step")),
+    ]
+    out: dict[str, float | None] = {
+        name: (round(b - a, 3) if a is not None and b is not None else None) for name, a, b in chain
+    }
     first, end = kill if kill is not None else start, marks.get("first_step")
     out["total"] = round(end - first, 3) if first is not None and end is not None else None
     out["from"] = "kill" if kill is not None else "process_start"
@@ -101,5 +106,7 @@ def after_step(report: dict | None, rank: int, attempt: int) -> None:
         (Path(out) / f"restart-timing-rank-{rank}-attempt-{attempt}.json").write_text(json.dumps(_result))
     if rank == 0 and (attempt > 0 or report is not None):
         vals = " ".join(f"{k}={'-' if res[k] is None else format(res[k], '.2f')}" for k in (*PHASES, "total"))
-        logger.info(f"torchmoe: event=restart_timing attempt={attempt} {vals} (seconds, total from the "
-                    f"{res['from'].replace('_', ' ')} to the first trained iteration)")
+        logger.info(
+            f"torchmoe: event=restart_timing attempt={attempt} {vals} (seconds, total from the "
+            f"{res['from'].replace('_', ' ')} to the first trained iteration)"
+        )

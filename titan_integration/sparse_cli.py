@@ -16,6 +16,7 @@ own validation then applies, so a bad value is the same one line as in a job fil
 
 Nothing here imports TorchTitan (CPU mode must be set up before it is imported) or torch.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,16 @@ from typing import Any
 
 from titan_integration.sparse_config import JobConfigError, SparseCheckpointSection
 
-__all__ = ["PREFIX", "SPARSE_ENV", "OVERRIDE_TARGET", "split_args", "override_entries", "override_section",
-           "merge_into_override", "env_overrides"]
+__all__ = [
+    "PREFIX",
+    "SPARSE_ENV",
+    "OVERRIDE_TARGET",
+    "split_args",
+    "override_entries",
+    "override_section",
+    "merge_into_override",
+    "env_overrides",
+]
 
 PREFIX = "--sparse_checkpoint."
 SPARSE_ENV = "TORCHMOE_TITAN_SPARSE_ARGS"
@@ -64,8 +73,9 @@ def _typed(key: str, raw: str) -> Any:
         except json.JSONDecodeError:
             val = None
         if not isinstance(val, dict):
-            raise JobConfigError(f"{PREFIX}{key} {raw!r}: not a JSON object; fix: {PREFIX}{key} "
-                                 "'{\"endpoint_url\": \"http://...\"}'")
+            raise JobConfigError(
+                f'{PREFIX}{key} {raw!r}: not a JSON object; fix: {PREFIX}{key} \'{{"endpoint_url": "http://..."}}\''
+            )
         return val
     return raw
 
@@ -82,13 +92,12 @@ def split_args(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
         if not arg.startswith(PREFIX):
             rest.append(arg)
             continue
-        name, eq, raw = arg[len(PREFIX):].partition("=")
+        name, eq, raw = arg[len(PREFIX) :].partition("=")
         name = name.replace("-", "_")
         negated = name.startswith("no_") and name[3:] in _DEFAULTS and _kind(name[3:]) == "bool"
         key = name[3:] if negated else name
         if key not in _DEFAULTS:
-            raise JobConfigError(f"{PREFIX}{name}: unknown [sparse_checkpoint] key; fix: use one of "
-                                 f"{', '.join(valid)}")
+            raise JobConfigError(f"{PREFIX}{name}: unknown [sparse_checkpoint] key; fix: use one of {', '.join(valid)}")
         if _kind(key) == "bool" and not eq:
             if negated:
                 out[key] = False
@@ -131,7 +140,7 @@ def _override_span(args: list[str]) -> tuple[int, int] | None:
 
 def _tokens(args: list[str], span: tuple[int, int]) -> list[str]:
     first = args[span[0]]
-    return ([first.split("=", 1)[1]] if "=" in first else []) + args[span[0] + 1:span[1]]
+    return ([first.split("=", 1)[1]] if "=" in first else []) + args[span[0] + 1 : span[1]]
 
 
 def override_entries(args: list[str]) -> list[tuple[str, dict]]:
@@ -150,8 +159,9 @@ def override_entries(args: list[str]) -> list[tuple[str, dict]]:
         else:
             why = "not a JSON object"
         if not isinstance(kwargs, dict):
-            raise JobConfigError(f"--override.imports {target}: {why}; fix: quote it as one token: "
-                                 f"'{OVERRIDE_TARGET}={{\"window\": 3}}'")
+            raise JobConfigError(
+                f"--override.imports {target}: {why}; fix: quote it as one token: '{OVERRIDE_TARGET}={{\"window\": 3}}'"
+            )
         entries.append((target, kwargs))
     return entries
 
@@ -163,8 +173,9 @@ def override_section(args: list[str]) -> SparseCheckpointSection | None:
         if target.startswith("titan_integration.overrides.") and target != OVERRIDE_TARGET:
             raise JobConfigError(f"--override.imports {target}: no such override; fix: use {OVERRIDE_TARGET}")
         if target == OVERRIDE_TARGET:
-            section = SparseCheckpointSection.from_table({"enable": True, **kwargs},
-                                                         section="override sparse_checkpoint")
+            section = SparseCheckpointSection.from_table(
+                {"enable": True, **kwargs}, section="override sparse_checkpoint"
+            )
     return section
 
 
@@ -183,4 +194,4 @@ def merge_into_override(args: list[str], values: dict[str, Any]) -> list[str]:
     tokens = others + [f"{OVERRIDE_TARGET}={json.dumps(kwargs)}"]
     if span is None:
         return list(args) + [OVERRIDE_FLAG, *tokens]
-    return list(args[:span[0]]) + [OVERRIDE_FLAG, *tokens] + list(args[span[1]:])
+    return list(args[: span[0]]) + [OVERRIDE_FLAG, *tokens] + list(args[span[1] :])

@@ -26,6 +26,7 @@ one line ``... ; fix: ...`` (the launcher prints it as ``error: <message>`` and 
 the host directory (created and probe-written), the on-store format (tensorstore importable, a driver for
 the URI) and the object store / dense-export location (opened and probe-written).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -51,18 +52,18 @@ class SparseCheckpointSection:
     window: int | str = "auto"
     replicas: int = 0
     host_dir: str = "/dev/shm/torchmoe-ckpt"
-    run_id: str = ""              # "": derived from torchrun's TORCHELASTIC_RUN_ID (never shared between jobs)
+    run_id: str = ""  # "": derived from torchrun's TORCHELASTIC_RUN_ID (never shared between jobs)
     object_store_uri: str = ""
     storage_options: dict[str, Any] = field(default_factory=dict)
     object_store_format: str = "dcp"
-    store_exit_wait_s: float = 30.0   # bounded wait for pending uploads at exit (ObjectStoreConfig.exit_wait_s)
+    store_exit_wait_s: float = 30.0  # bounded wait for pending uploads at exit (ObjectStoreConfig.exit_wait_s)
     persist_interval: int = 1
     ordering: str = "hard"
     fault_timeout_s: float = 0.0
     dense_export_uri: str = ""
     dense_export_every: int = 0
     dense_export_keep: int = 2
-    pipeline_log_max_bytes: int = 0   # bound on each pipeline stage's boundary log (0: unbounded)
+    pipeline_log_max_bytes: int = 0  # bound on each pipeline stage's boundary log (0: unbounded)
     on_unusable_checkpoint: str = "fail"  # torchmoe_ckpt.CheckpointConfig.on_unusable_checkpoint: "fail" | "restart"
 
     # ---- construction from a TOML table ------------------------------------------------------------
@@ -71,15 +72,14 @@ class SparseCheckpointSection:
         return [f.name for f in fields(cls)]
 
     @classmethod
-    def from_table(cls, table: dict[str, Any], *, section: str = "sparse_checkpoint") -> "SparseCheckpointSection":
+    def from_table(cls, table: dict[str, Any], *, section: str = "sparse_checkpoint") -> SparseCheckpointSection:
         """Build and validate from a parsed TOML table. Raises JobConfigError (one line)."""
         if not isinstance(table, dict):
             raise JobConfigError(f"[{section}] must be a table; fix: write it as a [{section}] section")
         valid = cls.keys()
         unknown = [k for k in table if k not in valid]
         if unknown:
-            raise JobConfigError(
-                f"[{section}] unknown key '{unknown[0]}'; fix: use one of {', '.join(valid)}")
+            raise JobConfigError(f"[{section}] unknown key '{unknown[0]}'; fix: use one of {', '.join(valid)}")
         sec = cls(**table)
         sec.validate(section)
         return sec
@@ -105,41 +105,64 @@ class SparseCheckpointSection:
         if "/" in self.run_id:
             raise bad("run_id", "must be a name without '/' (or empty: torchrun's run id)", 'run_id = "my-job"')
         if not isinstance(self.storage_options, dict):
-            raise bad("storage_options", "must be a table", "storage_options = { endpoint_url = \"...\" }")
-        if (isinstance(self.persist_interval, bool) or not isinstance(self.persist_interval, int)
-                or self.persist_interval < 1):
+            raise bad("storage_options", "must be a table", 'storage_options = { endpoint_url = "..." }')
+        if (
+            isinstance(self.persist_interval, bool)
+            or not isinstance(self.persist_interval, int)
+            or self.persist_interval < 1
+        ):
             raise bad("persist_interval", "must be an integer >= 1", "persist_interval = 1")
         if self.persist_interval != 1:
             # The core's TierWriter persists every committed window; skipping windows needs a core change.
             raise bad("persist_interval", "only 1 (persist every window) is supported so far", "persist_interval = 1")
         if self.ordering not in ORDERINGS:
             raise bad("ordering", "unknown ordering", f"use one of {', '.join(ORDERINGS)}")
-        if (isinstance(self.fault_timeout_s, bool) or not isinstance(self.fault_timeout_s, (int, float))
-                or self.fault_timeout_s < 0):
+        if (
+            isinstance(self.fault_timeout_s, bool)
+            or not isinstance(self.fault_timeout_s, (int, float))
+            or self.fault_timeout_s < 0
+        ):
             raise bad("fault_timeout_s", "must be a number >= 0", "fault_timeout_s = 0 (off) or e.g. 60")
-        if (isinstance(self.store_exit_wait_s, bool) or not isinstance(self.store_exit_wait_s, (int, float))
-                or self.store_exit_wait_s < 0):
-            raise bad("store_exit_wait_s", "must be a number of seconds >= 0",
-                      "store_exit_wait_s = 30 (0: do not wait for pending uploads at exit)")
+        if (
+            isinstance(self.store_exit_wait_s, bool)
+            or not isinstance(self.store_exit_wait_s, (int, float))
+            or self.store_exit_wait_s < 0
+        ):
+            raise bad(
+                "store_exit_wait_s",
+                "must be a number of seconds >= 0",
+                "store_exit_wait_s = 30 (0: do not wait for pending uploads at exit)",
+            )
         for key in ("dense_export_every", "dense_export_keep", "pipeline_log_max_bytes"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(key, "must be an integer >= 0", f"{key} = 0 (off) or e.g. 100")
         if self.dense_export_every and not self.dense_export_uri:
-            raise bad("dense_export_every", "needs a place to write", 'set dense_export_uri = "file:///..." '
-                      "(any fsspec URI) or dense_export_every = 0")
+            raise bad(
+                "dense_export_every",
+                "needs a place to write",
+                'set dense_export_uri = "file:///..." (any fsspec URI) or dense_export_every = 0',
+            )
         if self.storage_options and not (self.object_store_uri or self.dense_export_uri):
-            raise JobConfigError(f"[{section}] storage_options is set but object_store_uri is empty; "
-                                 "fix: set object_store_uri or remove storage_options")
+            raise JobConfigError(
+                f"[{section}] storage_options is set but object_store_uri is empty; "
+                "fix: set object_store_uri or remove storage_options"
+            )
         if self.on_unusable_checkpoint not in ("fail", "restart"):
-            raise bad("on_unusable_checkpoint", 'must be "fail" or "restart"',
-                      'on_unusable_checkpoint = "fail" (refuse when every window is rejected) or "restart" '
-                      "(start over from step 0, overwriting them)")
+            raise bad(
+                "on_unusable_checkpoint",
+                'must be "fail" or "restart"',
+                'on_unusable_checkpoint = "fail" (refuse when every window is rejected) or "restart" '
+                "(start over from step 0, overwriting them)",
+            )
         if self.object_store_format not in STORE_FORMATS:
             raise bad("object_store_format", "unknown format", f"use one of {', '.join(STORE_FORMATS)}")
         if self.object_store_format != "dcp" and not self.object_store_uri:
-            raise bad("object_store_format", "is set but object_store_uri is empty",
-                      'set object_store_uri or remove object_store_format')
+            raise bad(
+                "object_store_format",
+                "is set but object_store_uri is empty",
+                "set object_store_uri or remove object_store_format",
+            )
 
     # ---- launch-time checks (touch the file system / the store) -------------------------------------------
     def check_resources(self, probe: bool = True) -> None:
@@ -160,9 +183,11 @@ class SparseCheckpointSection:
             probe.unlink()
         except OSError as exc:
             why = exc.strerror or str(exc)
-            raise JobConfigError(f"[sparse_checkpoint] host_dir = {self.host_dir!r}: cannot create or write it "
-                                 f"({type(exc).__name__}: {why}); fix: host_dir = a writable node-local "
-                                 'directory, e.g. "/dev/shm/torchmoe-ckpt"') from None
+            raise JobConfigError(
+                f"[sparse_checkpoint] host_dir = {self.host_dir!r}: cannot create or write it "
+                f"({type(exc).__name__}: {why}); fix: host_dir = a writable node-local "
+                'directory, e.g. "/dev/shm/torchmoe-ckpt"'
+            ) from None
 
     def check_format(self) -> None:
         """The tensorstore format needs the tensorstore package and a kvstore driver for the URI's scheme."""
@@ -170,14 +195,16 @@ class SparseCheckpointSection:
             return
         key = f"[sparse_checkpoint] object_store_format = {self.object_store_format!r}"
         if importlib.util.find_spec("tensorstore") is None:
-            raise JobConfigError(f"{key}: the tensorstore package is not installed; fix: pip install "
-                                 "'torchmoe-ckpt[tensorstore]' or object_store_format = \"dcp\"")
+            raise JobConfigError(
+                f"{key}: the tensorstore package is not installed; fix: pip install "
+                "'torchmoe-ckpt[tensorstore]' or object_store_format = \"dcp\""
+            )
         from torchmoe_ckpt.dcp.tensorstore_format import NoTensorstoreDriver, kvstore_spec
 
         try:
             kvstore_spec(self.object_store_uri)  # no storage options: nothing but the scheme is looked at
         except NoTensorstoreDriver as exc:
-            raise JobConfigError(f"{key}: {exc}; fix: object_store_format = \"dcp\" for this store") from None
+            raise JobConfigError(f'{key}: {exc}; fix: object_store_format = "dcp" for this store') from None
 
     def check_store(self, probe: bool = True) -> None:
         """Open (and by default probe-write) the object store and the dense-export location once; raises
@@ -193,14 +220,17 @@ class SparseCheckpointSection:
             except StoreConfigError as exc:
                 msg = str(exc)
                 if "fix:" not in msg:
-                    msg = msg.replace(": use one of", "; fix: use one of", 1) if ": use one of" in msg else (
-                        f"{msg}; fix: correct [sparse_checkpoint] {key} / storage_options")
+                    msg = (
+                        msg.replace(": use one of", "; fix: use one of", 1)
+                        if ": use one of" in msg
+                        else (f"{msg}; fix: correct [sparse_checkpoint] {key} / storage_options")
+                    )
                 raise JobConfigError(f"[sparse_checkpoint] {key}: {msg}") from None
 
     # ---- mapping onto the core ---------------------------------------------------------------------
     def core_config(self):
         """The library's SparseConfig for this section."""
-        from torchmoe_ckpt.checkpointer import SparseConfig
+        from torchmoe_ckpt.config import SparseConfig
 
         return SparseConfig(window=None if self.window == "auto" else int(self.window), popularity=self.ordering)
 
@@ -211,8 +241,10 @@ class SparseCheckpointSection:
 
         rid = self.run_id or default_run_id()
         if not rid:
-            raise JobConfigError("[sparse_checkpoint] run_id is empty and there is no torchrun run id "
-                                 "(TORCHELASTIC_RUN_ID) to derive one from; fix: run_id = \"my-job\" (unique per run)")
+            raise JobConfigError(
+                "[sparse_checkpoint] run_id is empty and there is no torchrun run id "
+                '(TORCHELASTIC_RUN_ID) to derive one from; fix: run_id = "my-job" (unique per run)'
+            )
         return rid
 
     def tiers_config(self, ranks_per_node: int | None = None) -> dict:
@@ -221,9 +253,12 @@ class SparseCheckpointSection:
         if ranks_per_node:
             cfg["ranks_per_node"] = ranks_per_node
         if self.object_store_uri:
-            cfg["object_store"] = {"uri": self.object_store_uri, "storage_options": dict(self.storage_options),
-                                   "format": self.object_store_format,
-                                   "exit_wait_s": float(self.store_exit_wait_s)}
+            cfg["object_store"] = {
+                "uri": self.object_store_uri,
+                "storage_options": dict(self.storage_options),
+                "format": self.object_store_format,
+                "exit_wait_s": float(self.store_exit_wait_s),
+            }
         return cfg
 
     def to_dict(self) -> dict:

@@ -21,27 +21,28 @@ With ``enable = false`` it trains exactly like the stock Trainer. With ``enable 
   window's iterations with frozen operators, grad norm taken from the log), skips the data loader past the
   recovered step and continues. TorchTitan's own checkpoint load is skipped then (it would be older).
 
-:class:`TitanReplayable` is the ``torchmoe_ckpt.recovery.Replayable`` adapter over a SparseTrainer.
+:class:`TitanReplayable` is the ``torchmoe_ckpt.sparse_to_dense.Replayable`` adapter over a SparseTrainer.
 
-Under pipeline parallelism (one rank per stage) :class:`titan_integration.pipeline_recovery.TitanPipeline`
+Under pipeline parallelism (one rank per stage) :class:`titan_integration.titan_pipeline_recovery.TitanPipeline`
 adds stage-boundary logs, the live state of healthy stages and localized recovery of failed stages; the
 step above is the same, with the pipeline's loss recorded on every stage.
 
 Test/diagnostic environment variables (off by default: ``TORCHMOE_FAULT``, ``TORCHMOE_TITAN_EXPORT``,
 ``TORCHMOE_TITAN_SCRAMBLE``) are described in docs/torchtitan-internals.md.
 """
+
 from __future__ import annotations
 
 import logging
 import math
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Annotated, Callable, Iterator
+from typing import Annotated
 
 import torch
 import tyro
-
 from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import utils as dist_utils
@@ -50,19 +51,19 @@ from torchtitan.trainer import Trainer
 
 from titan_integration import pipeline_compat, restart_timing
 from titan_integration.checkpoint_manager import SparseCheckpointManager
-from titan_integration.pipeline_recovery import TitanPipeline
 from titan_integration.sparse_config import SparseCheckpointSection
+from titan_integration.titan_pipeline_recovery import TitanPipeline
 from titan_integration.titan_replay import OptimizerView, TitanReplayable, TitanStepResult, pack_batches, unpack_batches
 from titan_integration.titan_state_export import state_tensors, write_export
 from torchmoe_ckpt import faults
 from torchmoe_ckpt.capture import position_lambda_lr
-from torchmoe_ckpt.checkpointer import SparseCheckpointer
 from torchmoe_ckpt.dcp.tiers import Tiers, build_tiers
 from torchmoe_ckpt.distributed import key_rendezvous_by_attempt
 from torchmoe_ckpt.identity import build_identity
 from torchmoe_ckpt.operators import discover_operators
-from torchmoe_ckpt.recovery import ReplayDivergence
-from torchmoe_ckpt.resume import recover
+from torchmoe_ckpt.recovery import recover
+from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.sparse_to_dense import ReplayDivergence
 from torchmoe_ckpt.status import log_recovery
 
 __all__ = ["SparseTrainer", "TitanReplayable", "TitanStepResult"]
@@ -78,7 +79,8 @@ class SparseTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         sparse_checkpoint: Annotated[SparseCheckpointSection, tyro.conf.Suppress] = field(
-            default_factory=SparseCheckpointSection)
+            default_factory=SparseCheckpointSection
+        )
         checkpoint: SparseCheckpointManager.Config = field(default_factory=SparseCheckpointManager.Config)
 
     def __init__(self, config: Config):
@@ -88,14 +90,16 @@ class SparseTrainer(Trainer):
     def _init_sparse(self, section: SparseCheckpointSection, check: bool = True) -> None:
         restart_timing.mark("model_built")  # called once Trainer.__init__ has built model, optimizer, data loader
         if check and section.enable and not isinstance(self.checkpointer, SparseCheckpointManager):
-            raise TypeError(f"config.checkpoint is a {type(self.checkpointer).__name__}; sparse checkpointing needs "
-                            "SparseCheckpointManager.Config there (fix: build the config with "
-                            "titan_integration.job_toml.load_job, or derive(cfg, SparseCheckpointManager.Config))")
+            raise TypeError(
+                f"config.checkpoint is a {type(self.checkpointer).__name__}; sparse checkpointing needs "
+                "SparseCheckpointManager.Config there (fix: build the config with "
+                "titan_integration.job_toml.load_job, or derive(cfg, SparseCheckpointManager.Config))"
+            )
         if section.enable:  # resolved once, inside the worker: the pipeline's paths use it too
             section.run_id = section.resolved_run_id()
         self._sparse_section = section
         self.before_update: list[Callable[[], None]] = []
-        self.sparse = None               # SparseCheckpointer once train() starts with enable = true
+        self.sparse = None  # SparseCheckpointer once train() starts with enable = true
         self.recovery_report: dict | None = None
         self._skip_batches = 0
         self._losses: dict[int, torch.Tensor] = {}
@@ -103,7 +107,7 @@ class SparseTrainer(Trainer):
         self._step_seconds: list[float] = []
         self._attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._watchdog = None
-        self._pp = None                  # TitanPipeline under pipeline parallelism
+        self._pp = None  # TitanPipeline under pipeline parallelism
         self._resume_iter = None
 
     @classmethod
@@ -113,13 +117,17 @@ class SparseTrainer(Trainer):
         constructor, i.e. from inside ``Trainer.__init__``; ``train()`` runs ours afterwards."""
         if isinstance(trainer, cls):
             if trainer.config.sparse_checkpoint.enable:
-                raise ValueError("sparse checkpointing is configured twice ([sparse_checkpoint] in the job file and "
-                                 "--override.imports); fix: keep one of them")
+                raise ValueError(
+                    "sparse checkpointing is configured twice ([sparse_checkpoint] in the job file and "
+                    "--override.imports); fix: keep one of them"
+                )
             trainer.config.sparse_checkpoint = section
             return
         if type(trainer) is not Trainer:
-            raise TypeError(f"--override.imports sparse checkpointing needs TorchTitan's own Trainer, got "
-                            f"{type(trainer).__name__}; fix: use titan_integration.train --config job.toml instead")
+            raise TypeError(
+                f"--override.imports sparse checkpointing needs TorchTitan's own Trainer, got "
+                f"{type(trainer).__name__}; fix: use titan_integration.train --config job.toml instead"
+            )
         trainer.__class__ = cls  # same instance layout: Trainer plus the attributes _init_sparse adds
         trainer._init_sparse(section, check=False)  # the caller is the SparseCheckpointManager being built
 
@@ -139,8 +147,10 @@ class SparseTrainer(Trainer):
     @property
     def model(self) -> torch.nn.Module:
         if len(self.model_parts) != 1:
-            raise NotImplementedError("sparse checkpointing with several model parts per rank (looped pipeline "
-                                      "schedules) is not supported; fix: pipeline_parallel_schedule = \"1F1B\"")
+            raise NotImplementedError(
+                "sparse checkpointing with several model parts per rank (looped pipeline "
+                'schedules) is not supported; fix: pipeline_parallel_schedule = "1F1B"'
+            )
         return self.model_parts[0]
 
     @property
@@ -235,7 +245,8 @@ class SparseTrainer(Trainer):
             local_valid_tokens += (labels != IGNORE_INDEX).sum()
         if parallel_dims.dp_enabled:
             global_valid_tokens = dist_utils.dist_sum_tensor(
-                local_valid_tokens.to(self.device), parallel_dims.get_mesh("batch"))
+                local_valid_tokens.to(self.device), parallel_dims.get_mesh("batch")
+            )
         else:
             global_valid_tokens = local_valid_tokens.to(self.device)
 
@@ -243,15 +254,18 @@ class SparseTrainer(Trainer):
         faults.point("backward")  # fires before the forward here: TorchTitan runs forward+backward in one call
         per_call = self.num_pipeline_parallel_microbatches if parallel_dims.pp_enabled else 1
         for i in range(0, len(groups), per_call):
-            dicts = [{k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
-                     for d, _ in groups[i:i + per_call]]
-            labels = [lab.to(self.device) for _, lab in groups[i:i + per_call]]
+            dicts = [
+                {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+                for d, _ in groups[i : i + per_call]
+            ]
+            labels = [lab.to(self.device) for _, lab in groups[i : i + per_call]]
             if self._pp is not None:
                 self._pp.before_forward(self.step, dicts[0], labels[0])
             if not parallel_dims.pp_enabled:
                 dicts, labels = dicts[0], labels[0]
-            loss = self.forward_backward_step(input_dict=dicts, labels=labels,
-                                              global_valid_tokens=global_valid_tokens).detach()
+            loss = self.forward_backward_step(
+                input_dict=dicts, labels=labels, global_valid_tokens=global_valid_tokens
+            ).detach()
             accumulated_loss = loss.clone() if accumulated_loss is None else accumulated_loss.add_(loss)
         assert accumulated_loss is not None
         if self._pp is not None:  # every stage records the pipeline's loss (only the last stage computes it)
@@ -260,8 +274,12 @@ class SparseTrainer(Trainer):
         params = [p for m in self.model_parts for p in m.parameters()]
         if replay is None:
             grad_norm = dist_utils.clip_grad_norm_(
-                params, self.config.training.max_norm, foreach=True,
-                pp_mesh=parallel_dims.get_optional_mesh("pp"), ep_enabled=parallel_dims.ep_enabled)
+                params,
+                self.config.training.max_norm,
+                foreach=True,
+                pp_mesh=parallel_dims.get_optional_mesh("pp"),
+                ep_enabled=parallel_dims.ep_enabled,
+            )
         else:
             # Frozen operators compute no trustworthy weight gradients: clip with the logged global norm,
             # split exactly like dist_utils.clip_grad_norm_ does.
@@ -276,7 +294,7 @@ class SparseTrainer(Trainer):
                 replay.apply_lrs(opt)
         lr = float(self.optimizers.optimizers[0].param_groups[0]["lr"])
         self.checkpointer.maybe_wait_for_staging()
-        self.optimizers.step()       # TorchTitan's expert-bias update runs here, as a step pre-hook
+        self.optimizers.step()  # TorchTitan's expert-bias update runs here, as a step pre-hook
         faults.point("optimizer")  # the update is applied, this iteration's snapshot not yet taken
         self.lr_schedulers.step()
         if self._pp is not None:
@@ -284,9 +302,17 @@ class SparseTrainer(Trainer):
 
         if should_log:
             self._log_metrics(accumulated_loss, local_valid_tokens, global_valid_tokens, grad_norm, lr_metrics)
-        return TitanStepResult(self.step, accumulated_loss.detach().float().cpu().clone(),
-                               grad_norm.detach().float().cpu().clone(), lr, tokens, rng_state,
-                               counts, counts.clone(), time.perf_counter() - t_start)
+        return TitanStepResult(
+            self.step,
+            accumulated_loss.detach().float().cpu().clone(),
+            grad_norm.detach().float().cpu().clone(),
+            lr,
+            tokens,
+            rng_state,
+            counts,
+            counts.clone(),
+            time.perf_counter() - t_start,
+        )
 
     def _clip_with_norm(self, params: list[torch.Tensor], total_norm: torch.Tensor) -> None:
         max_norm = self.config.training.max_norm
@@ -308,17 +334,22 @@ class SparseTrainer(Trainer):
             global_avg_loss, global_max_loss, global_ntokens_seen = (
                 dist_utils.dist_sum(accumulated_loss, loss_mesh),
                 dist_utils.dist_max(local_avg_loss, loss_mesh),
-                dist_utils.dist_sum(torch.tensor(self.ntokens_seen, dtype=torch.int64, device=self.device),
-                                    loss_mesh),
+                dist_utils.dist_sum(torch.tensor(self.ntokens_seen, dtype=torch.int64, device=self.device), loss_mesh),
             )
         else:
             global_avg_loss = global_max_loss = float(accumulated_loss.item())
             global_ntokens_seen = self.ntokens_seen
         if not math.isfinite(global_avg_loss):
-            raise RuntimeError(f"Loss is not finite (global_avg_loss={global_avg_loss}) at step {self.step}. "
-                               "Stopping training.")
-        self.metrics_processor.log(self.step, global_avg_loss, global_max_loss, float(grad_norm.item()),
-                                   extra_metrics={"n_tokens_seen": global_ntokens_seen, **lr_metrics})
+            raise RuntimeError(
+                f"Loss is not finite (global_avg_loss={global_avg_loss}) at step {self.step}. Stopping training."
+            )
+        self.metrics_processor.log(
+            self.step,
+            global_avg_loss,
+            global_max_loss,
+            float(grad_norm.item()),
+            extra_metrics={"n_tokens_seen": global_ntokens_seen, **lr_metrics},
+        )
 
     # ---- data ---------------------------------------------------------------------------------------
     def batch_generator(self, data_iterable):
@@ -343,29 +374,44 @@ class SparseTrainer(Trainer):
         if sc.fault_timeout_s:
             try:
                 from torchmoe_ckpt.watchdog import CollectiveWatchdog
+
                 self._watchdog = CollectiveWatchdog(timeout_s=float(sc.fault_timeout_s))
             except ImportError:  # pragma: no cover - older core without the watchdog
                 logger.warning("fault_timeout_s set but torchmoe_ckpt.watchdog is not available; ignored")
         tier, replicator, store = self._build_tiers()
         if self.parallel_dims.pp_enabled:
-
             self._pp = TitanPipeline(self)
             if self._watchdog is not None:  # a peer's death is the pipeline's business (live state, then exit);
                 self._watchdog.exit_on_dist_error = False  # the watchdog still ends a rank stuck in a hang
             first_window = self._pp.recover(tier, self._attempt)
             self.recovery_report = self._pp.report
             # Plans over this stage's operators; retention and bandwidth agreed over the whole pipeline.
-            self.sparse = SparseCheckpointer(self.model, OptimizerView(self.optimizers), self.compute_dtype,
-                                             sc.core_config(), group=self._pp.stage_group, host_tier=tier,
-                                             first_window_id=first_window, agree_group=None).attach(self)
+            self.sparse = SparseCheckpointer(
+                self.model,
+                OptimizerView(self.optimizers),
+                self.compute_dtype,
+                sc.core_config(),
+                group=self._pp.stage_group,
+                host_tier=tier,
+                first_window_id=first_window,
+                agree_group=None,
+            ).attach(self)
             if self._pp.completed:
                 self.checkpointer.restored_step = self._pp.completed
         else:
             identity = self._identity()
             committed = self._recover(tier, replicator, store, identity)
-            self.sparse = SparseCheckpointer(self.model, OptimizerView(self.optimizers), self.compute_dtype,
-                                             sc.core_config(), committed=committed, host_tier=tier,
-                                             replicator=replicator, store=store, identity=identity).attach(self)
+            self.sparse = SparseCheckpointer(
+                self.model,
+                OptimizerView(self.optimizers),
+                self.compute_dtype,
+                sc.core_config(),
+                committed=committed,
+                host_tier=tier,
+                replicator=replicator,
+                store=store,
+                identity=identity,
+            ).attach(self)
             if committed is not None:  # newer than any TorchTitan checkpoint: its load is skipped
                 self.checkpointer.restored_step = self.recovery_report["recovered_step"]
         restart_timing.mark("recovered")
@@ -391,29 +437,46 @@ class SparseTrainer(Trainer):
         accepted on recovery; the data identity is the dataset and seed of the job file."""
 
         c = self.config
-        data = (f"dataset={getattr(getattr(c, 'training', None), 'dataset', None)} "
-                f"seed={getattr(getattr(c, 'debug', None), 'seed', None)}")
-        return build_identity(self.model, OptimizerView(self.optimizers), self.compute_dtype,
-                              discover_operators(self.model), self.sc.resolved_run_id(),
-                              torch.distributed.get_world_size(), c.parallelism.data_parallel_replicate_degree,
-                              data=data, steps=getattr(getattr(c, 'training', None), 'steps', None))
+        data = (
+            f"dataset={getattr(getattr(c, 'training', None), 'dataset', None)} "
+            f"seed={getattr(getattr(c, 'debug', None), 'seed', None)}"
+        )
+        return build_identity(
+            self.model,
+            OptimizerView(self.optimizers),
+            self.compute_dtype,
+            discover_operators(self.model),
+            self.sc.resolved_run_id(),
+            torch.distributed.get_world_size(),
+            c.parallelism.data_parallel_replicate_degree,
+            data=data,
+            steps=getattr(getattr(c, "training", None), "steps", None),
+        )
 
     def _recover(self, tier, replicator, store, identity=None):
 
         ops = {o.name: o for o in discover_operators(self.model)}
         # Tests scramble the live weights once a window is found: what recovery forgets shows up as a mismatch.
         scramble = (lambda _w: self._scramble()) if os.environ.get("TORCHMOE_TITAN_SCRAMBLE") == "1" else None
-        res = recover(TitanReplayable(self), Tiers(tier, replicator, store), ops, self.compute_dtype,
-                      rank=torch.distributed.get_rank(), before_replay=scramble, identity=identity,
-                      on_unusable=self.sc.on_unusable_checkpoint)
+        res = recover(
+            TitanReplayable(self),
+            Tiers(tier, replicator, store),
+            ops,
+            self.compute_dtype,
+            rank=torch.distributed.get_rank(),
+            before_replay=scramble,
+            identity=identity,
+            on_unusable=self.sc.on_unusable_checkpoint,
+        )
         if res.window is None:
             if self._attempt > 0:
                 logger.warning("torchmoe: no committed window on any tier; starting from scratch")
                 self.recovery_report = dict(res.report, cold_start=True, recovered_step=0, attempt=self._attempt)
             return None
         rep = dict(res.report, attempt=self._attempt, restart_seconds=res.report["total_seconds"])
-        self._skip_batches = rep["recovered_step"] * self.gradient_accumulation_steps \
-            * self.num_pipeline_parallel_microbatches
+        self._skip_batches = (
+            rep["recovered_step"] * self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches
+        )
         self.recovery_report = rep
         log_recovery(rep, torch.distributed.get_rank())  # where the copy came from; every replayed loss matched
         return res.window

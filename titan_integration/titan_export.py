@@ -7,6 +7,7 @@ TorchTitan's CheckpointManager saves, besides the flattened model and ``optimize
 without them fails with ``Missing key ... dataloader.dp_rank_0``. The library's DenseExporter writes them when
 given this function (``extra=``); TorchTitan's own ``state_dict()`` produces each one, in TorchTitan's format.
 """
+
 from __future__ import annotations
 
 from typing import Any

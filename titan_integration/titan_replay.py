@@ -1,9 +1,10 @@
 """What one TorchTitan iteration leaves for the sparse checkpointer and how recovery replays it: the batch
 packed into one int64 tensor for the replay log, the per-step result that `SparseCheckpointer.after_step` and
 recovery read, a `torch.optim.Optimizer`-like view over TorchTitan's OptimizersContainer, and
-:class:`TitanReplayable`, the `torchmoe_ckpt.recovery.Replayable` over a SparseTrainer (duck-typed: the
+:class:`TitanReplayable`, the `torchmoe_ckpt.sparse_to_dense.Replayable` over a SparseTrainer (duck-typed: the
 trainer's `sparse_step`, `set_lr_step`, `step`, `_losses`, `_lrs`; no import of the trainer module, which
 imports this one)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,9 @@ def pack_batches(groups: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> 
     for input_dict, labels in groups:
         keys = tuple(k for k in BATCH_KEYS if k in input_dict)
         if set(input_dict) != set(keys) or keys[:1] != ("input",):
-            raise NotImplementedError(f"replay logs {BATCH_KEYS} and labels; this data loader yields "
-                                      f"{sorted(input_dict)}")
+            raise NotImplementedError(
+                f"replay logs {BATCH_KEYS} and labels; this data loader yields {sorted(input_dict)}"
+            )
         parts = [input_dict[k] for k in keys] + [labels]
         if any(t.dtype != torch.int64 or t.shape != labels.shape for t in parts):
             raise NotImplementedError("replay logs int64 [B, S] batch tensors only")
@@ -42,13 +44,13 @@ def unpack_batches(tokens: torch.Tensor) -> list[tuple[dict[str, torch.Tensor], 
 @dataclass
 class TitanStepResult:
     step: int
-    loss: torch.Tensor           # this rank's loss contribution (local sum / global valid tokens), fp32
-    grad_norm: torch.Tensor      # global norm before clipping
+    loss: torch.Tensor  # this rank's loss contribution (local sum / global valid tokens), fp32
+    grad_norm: torch.Tensor  # global norm before clipping
     lr: float
-    tokens: torch.Tensor         # [microbatches, 2, B, S]: input and labels, the batch this rank trained on
+    tokens: torch.Tensor  # [microbatches, 2, B, S]: input and labels, the batch this rank trained on
     rng_state: torch.Tensor
     expert_counts: torch.Tensor  # [moe layers, experts], summed over all ranks
-    expert_probs: torch.Tensor   # TorchTitan keeps no router-probability sums: the counts again
+    expert_probs: torch.Tensor  # TorchTitan keeps no router-probability sums: the counts again
     seconds: float = 0.0
 
 
@@ -92,7 +94,7 @@ class _MergedState:
 
 
 class TitanReplayable:
-    """``torchmoe_ckpt.recovery.Replayable`` over a SparseTrainer: replays TorchTitan iterations."""
+    """``torchmoe_ckpt.sparse_to_dense.Replayable`` over a SparseTrainer: replays TorchTitan iterations."""
 
     def __init__(self, trainer):  # a SparseTrainer
         self.trainer = trainer
@@ -103,8 +105,9 @@ class TitanReplayable:
         tr = self.trainer
         tr.step = step
         tr.set_lr_step(step)
-        tokens_per_step = (tr.config.training.local_batch_size * tr.config.training.seq_len
-                           * tr.gradient_accumulation_steps)
+        tokens_per_step = (
+            tr.config.training.local_batch_size * tr.config.training.seq_len * tr.gradient_accumulation_steps
+        )
         tr.ntokens_seen = step * tokens_per_step
 
     def train_step(self, replay=None):

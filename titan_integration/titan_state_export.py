@@ -4,6 +4,7 @@
 with ``torch.equal``); ``DIR/run-rank-R-attempt-A.json``: losses and their bits, LRs, step times, the recovery
 report and the checkpointer's counters. Works on any ``SparseTrainer`` (duck-typed: no import of it here).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,18 @@ from pathlib import Path
 import torch
 
 EXPORT_ENV = "TORCHMOE_TITAN_EXPORT"
-CHECKPOINT_KEYS = ("slots_captured", "windows_committed", "dense_bytes", "mean_slot_bytes", "max_slot_bytes",
-                   "wait_seconds_total", "wait_seconds_max", "copy_seconds_mean", "windows", "host_tier")
+CHECKPOINT_KEYS = (
+    "slots_captured",
+    "windows_committed",
+    "dense_bytes",
+    "mean_slot_bytes",
+    "max_slot_bytes",
+    "wait_seconds_total",
+    "wait_seconds_max",
+    "copy_seconds_mean",
+    "windows",
+    "host_tier",
+)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -49,7 +60,8 @@ def write_export(trainer) -> None:
     st = trainer.sparse.stats() if trainer.sparse is not None else {}
     losses = sorted(trainer._losses.items())
     info = {
-        "rank": rank, "attempt": trainer._attempt,
+        "rank": rank,
+        "attempt": trainer._attempt,
         "losses": {str(k): v.item() for k, v in losses},
         "loss_bits": {str(k): v.view(torch.int32).item() for k, v in losses},
         "lrs": {str(k): v for k, v in sorted(trainer._lrs.items())},

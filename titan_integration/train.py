@@ -112,8 +112,9 @@ def resolve_args(argv: list[str]) -> list[str]:
     config = _get_opt(args, "--config")
     if config is not None and config.endswith(".toml"):
         if module is not None:
-            raise UsageError(f"--module {module} cannot be combined with a job file (--config {config}); "
-                             "fix: drop --module")
+            raise UsageError(
+                f"--module {module} cannot be combined with a job file (--config {config}); fix: drop --module"
+            )
         from titan_integration.job_toml import JOB_ENV
 
         os.environ[JOB_ENV] = os.path.abspath(config)
@@ -154,15 +155,15 @@ def validate(args: list[str]) -> None:
     config_name = _get_opt(args, "--config")
     assert module_name is not None and config_name is not None
     if module_name == TOML_MODULE:
-        from titan_integration.job_toml import JOB_ENV, load_job
-
         import logging
+
+        from titan_integration.job_toml import JOB_ENV, load_job
 
         logging.disable(logging.WARNING)  # config-construction warnings are repeated by the real run
         try:
             ensure_assets()
             config = load_job(os.environ[JOB_ENV])  # unknown keys in TorchTitan's sections, model flavour, ...
-            from titan_integration.pipeline_recovery import check_pipeline_job
+            from titan_integration.titan_pipeline_recovery import check_pipeline_job
 
             check_pipeline_job(config, config.sparse_checkpoint, int(os.environ.get("WORLD_SIZE", "1")))
         except (AssetError, JobConfigError) as e:
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             # Every rank finds the same problem; let rank 0 exit first, so torchrun does not stop it (SIGTERM)
             # before it has printed the one line. torchrun ends this rank as soon as rank 0 has exited.
             import time
+
             time.sleep(10)
         return 2
 
@@ -257,9 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     key_rendezvous_by_attempt()  # before TorchTitan's init_distributed: a restart must not read stale store keys
     import torchtitan.train
 
-    from torchmoe_ckpt import IdentityMismatch, RunLockedError, UnusableCheckpointError
-
     from titan_integration import pipeline_compat
+    from torchmoe_ckpt import IdentityMismatch, RunLockedError, UnusableCheckpointError
 
     pipeline_compat.install()
     from titan_integration import restart_timing
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torchtitan.train.main()
     except (IdentityMismatch, RunLockedError, UnusableCheckpointError) as e:  # another run's windows, another job
-                                                                            # on this run, every window rejected
+        # on this run, every window rejected
         print(f"error: {e}", file=sys.stderr, flush=True)
         os._exit(2)
     if "RANK" in os.environ:

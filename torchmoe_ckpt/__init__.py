@@ -12,40 +12,85 @@ Own training loop (FSDP2, HSDP or a single process):
 
 Frameworks (TorchTitan) implement `Replayable` and drive `SparseCheckpointer` and `recover` themselves.
 """
+
 from .capture import SchedulerPosition
-from .checkpointer import SparseCheckpointer, SparseConfig
-from .config import CheckpointConfig, ObjectStoreConfig, TierConfig
+from .checkpointer import Checkpointer, StepResult
+from .config import CheckpointConfig, ObjectStoreConfig, SparseConfig, TierConfig
 from .dcp.peer_storage import PeerReader, PeerWriter, held_copies
 from .dcp.raw_storage import CorruptItemError, RawReader, RawWriter, has_checkpoint
 from .dcp.run_lock import RunLockedError
 from .dcp.sparse_planner import SparseLoadPlanner, SparseSavePlanner, SparseSchedule, load_sparse_window
-from .dcp.tier_storage import HostReader, HostWriter, StoreReader, StoreWriter, TieredReader, TieredWriter
 from .dcp.tier_health import CheckpointStallError
+from .dcp.tier_storage import HostReader, HostWriter, StoreReader, StoreWriter, TieredReader, TieredWriter
 from .dcp.tiers import Tiers, build_tiers
 from .distributed import init_process_group, restart_attempt
 from .errors import ConfigError, UncapturedStateError, UnusableCheckpointError
 from .identity import IdentityMismatch, RunIdentity
-from .loop import Checkpointer, StepResult
 from .operators import Operator, OperatorDiscoveryError, OperatorSpec, discover_operators
 from .placement import Placement, Topology, place_replicas
-from .recovery import RecoveryReport, ReplayDivergence, Replayable, sparse_to_dense
+from .recovery import ResumeResult, recover
 from .replay_log import IterationRecord, Replay
-from .resume import ResumeResult, recover
 from .routing import RouterCounter
+from .sparse_checkpointer import SparseCheckpointer
+from .sparse_to_dense import RecoveryReport, Replayable, ReplayDivergence, sparse_to_dense
 from .window import Window
 
 __all__ = [
     # own training loop
-    "Checkpointer", "CheckpointConfig", "TierConfig", "ObjectStoreConfig", "SparseConfig", "OperatorSpec",
-    "StepResult", "init_process_group", "restart_attempt",
+    "Checkpointer",
+    "CheckpointConfig",
+    "TierConfig",
+    "ObjectStoreConfig",
+    "SparseConfig",
+    "OperatorSpec",
+    "StepResult",
+    "init_process_group",
+    "restart_attempt",
     # frameworks
-    "SparseCheckpointer", "Replayable", "Replay", "recover", "ResumeResult", "sparse_to_dense", "RecoveryReport",
-    "Tiers", "build_tiers", "Window", "SchedulerPosition", "RouterCounter", "discover_operators", "Operator",
+    "SparseCheckpointer",
+    "Replayable",
+    "Replay",
+    "recover",
+    "ResumeResult",
+    "sparse_to_dense",
+    "RecoveryReport",
+    "Tiers",
+    "build_tiers",
+    "Window",
+    "SchedulerPosition",
+    "RouterCounter",
+    "discover_operators",
+    "Operator",
     # DCP users: sparse planners on a standard state dict, one StorageWriter/Reader per tier
-    "SparseSchedule", "SparseSavePlanner", "SparseLoadPlanner", "load_sparse_window", "HostWriter", "HostReader",
-    "StoreWriter", "StoreReader", "TieredWriter", "TieredReader", "RawWriter", "RawReader", "has_checkpoint",
-    "PeerWriter", "PeerReader", "held_copies", "Topology", "place_replicas", "Placement", "IterationRecord",
+    "SparseSchedule",
+    "SparseSavePlanner",
+    "SparseLoadPlanner",
+    "load_sparse_window",
+    "HostWriter",
+    "HostReader",
+    "StoreWriter",
+    "StoreReader",
+    "TieredWriter",
+    "TieredReader",
+    "RawWriter",
+    "RawReader",
+    "has_checkpoint",
+    "PeerWriter",
+    "PeerReader",
+    "held_copies",
+    "Topology",
+    "place_replicas",
+    "Placement",
+    "IterationRecord",
     # errors
-    "ConfigError", "UncapturedStateError", "OperatorDiscoveryError", "ReplayDivergence", "RunLockedError",
-    "CheckpointStallError", "IdentityMismatch", "RunIdentity", "CorruptItemError", "UnusableCheckpointError",
+    "ConfigError",
+    "UncapturedStateError",
+    "OperatorDiscoveryError",
+    "ReplayDivergence",
+    "RunLockedError",
+    "CheckpointStallError",
+    "IdentityMismatch",
+    "RunIdentity",
+    "CorruptItemError",
+    "UnusableCheckpointError",
 ]

@@ -6,13 +6,14 @@ But a daemon thread still inside a torch or gloo call while the interpreter fina
 as failed). Their owners register here; at exit (atexit runs before finalization) each is asked to finish
 its job in flight and stop, for at most `JOIN_S` seconds.
 """
+
 from __future__ import annotations
 
 import atexit
 import weakref
 
 JOIN_S = 10.0
-_OWNERS: "weakref.WeakSet" = weakref.WeakSet()
+_OWNERS: weakref.WeakSet = weakref.WeakSet()
 
 
 def stop_at_exit(owner) -> None:

@@ -5,6 +5,7 @@ A slot holds, per operator, the parameters (fp32 master), AdamW/Adam `exp_avg`, 
 and every persistent buffer. The LR scheduler is positioned by step count (see `SchedulerPosition`), the
 batch, RNG state, gradient norm and LRs of each iteration are logged for replay.
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,8 +18,14 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 from .errors import UncapturedStateError
 from .operators import Operator, local_tensor
 
-__all__ = ["check_optimizer", "check_optimizer_state", "check_coverage", "infer_compute_dtype", "SchedulerPosition",
-           "position_lambda_lr"]
+__all__ = [
+    "check_optimizer",
+    "check_optimizer_state",
+    "check_coverage",
+    "infer_compute_dtype",
+    "SchedulerPosition",
+    "position_lambda_lr",
+]
 
 ADAM_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
 
@@ -28,24 +35,30 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise UncapturedStateError(
             f"optimizer {type(optimizer).__name__} is not supported: slots hold Adam/AdamW state (exp_avg, exp_avg_sq, "
-            "step) only; use torch.optim.AdamW or torch.optim.Adam")
+            "step) only; use torch.optim.AdamW or torch.optim.Adam"
+        )
     if any(g.get("amsgrad") for g in optimizer.param_groups):
-        raise UncapturedStateError("AdamW(amsgrad=True) keeps max_exp_avg_sq, which slots do not hold: use amsgrad=False")
+        raise UncapturedStateError(
+            "AdamW(amsgrad=True) keeps max_exp_avg_sq, which slots do not hold: use amsgrad=False"
+        )
     in_optim = {id(p) for g in optimizer.param_groups for p in g["params"]}
     for name, p in model.named_parameters():
         if id(p) not in in_optim and p.requires_grad:
             raise UncapturedStateError(
                 f"parameter {name} is not in the optimizer, so the slot format has no optimizer state for it: pass "
-                "every trainable parameter to the optimizer, or set requires_grad=False (then it is held by value)")
+                "every trainable parameter to the optimizer, or set requires_grad=False (then it is held by value)"
+            )
 
 
 def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """After the first update: the state holds nothing but what slots capture (a subclass could add keys)."""
-    for p, st in optimizer.state.items():
+    for _p, st in optimizer.state.items():
         extra = sorted(set(st) - ADAM_STATE_KEYS)
         if extra:
-            raise UncapturedStateError(f"optimizer state has keys {extra} that slots do not hold (only "
-                                       f"{sorted(ADAM_STATE_KEYS)}): use stock Adam/AdamW")
+            raise UncapturedStateError(
+                f"optimizer state has keys {extra} that slots do not hold (only "
+                f"{sorted(ADAM_STATE_KEYS)}): use stock Adam/AdamW"
+            )
 
 
 def check_coverage(model: nn.Module, ops: list[Operator]) -> None:
@@ -59,9 +72,11 @@ def check_coverage(model: nn.Module, ops: list[Operator]) -> None:
             continue
         if local_tensor(t).numel() == 0:
             continue  # uneven sharding left this rank without a piece of it
-        raise UncapturedStateError(f"{key} {tuple(t.shape)} belongs to no operator, so slots would not capture it: "
-                                   "name its module in OperatorSpec, or make the buffer non-persistent if it is "
-                                   "not training state")
+        raise UncapturedStateError(
+            f"{key} {tuple(t.shape)} belongs to no operator, so slots would not capture it: "
+            "name its module in OperatorSpec, or make the buffer non-persistent if it is "
+            "not training state"
+        )
 
 
 def infer_compute_dtype(model: nn.Module) -> torch.dtype:
@@ -96,10 +111,14 @@ class SchedulerPosition:
     not see and is refused."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None):
-        if scheduler is not None and (isinstance(scheduler, ReduceLROnPlateau) or not isinstance(scheduler, LRScheduler)):
-            raise UncapturedStateError(f"LR scheduler {type(scheduler).__name__} cannot be positioned by step count "
-                                       "(ReduceLROnPlateau follows a metric): use a step-based scheduler such as "
-                                       "LambdaLR, or none")
+        if scheduler is not None and (
+            isinstance(scheduler, ReduceLROnPlateau) or not isinstance(scheduler, LRScheduler)
+        ):
+            raise UncapturedStateError(
+                f"LR scheduler {type(scheduler).__name__} cannot be positioned by step count "
+                "(ReduceLROnPlateau follows a metric): use a step-based scheduler such as "
+                "LambdaLR, or none"
+            )
         self.optimizer, self.scheduler = optimizer, scheduler
         self._initial = None if scheduler is None else copy.deepcopy(scheduler.state_dict())
         self._initial_lrs = [g["lr"] for g in optimizer.param_groups]

@@ -2,6 +2,7 @@
 `bench`, `simulate`) come from installed packages through the entry-point group `torchmoe_ckpt.commands`
 (as fsspec finds its filesystems): each entry point names a `register(subparsers)` function that adds one
 subparser and sets `fn(args) -> exit code`. So the library never imports what sits on top of it."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,17 +25,25 @@ class OneLineParser(argparse.ArgumentParser):
 def bounded(kind, low=None, high=None, low_open: bool = False):
     """An argparse `type=` that converts with `kind` and checks low <= value <= high (low < value when
     `low_open`): a count of 0 or a negative duration fails at parse time with the range it needs."""
+
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
-        if value != value or (low is not None and (value <= low if low_open else value < low)) \
-                or (high is not None and value > high):
-            want = (f"> {low}" if low_open else f">= {low}") if high is None else \
-                f"in {'(' if low_open else '['}{low}, {high}]"
+        if (
+            value != value
+            or (low is not None and (value <= low if low_open else value < low))
+            or (high is not None and value > high)
+        ):
+            want = (
+                (f"> {low}" if low_open else f">= {low}")
+                if high is None
+                else f"in {'(' if low_open else '['}{low}, {high}]"
+            )
             raise argparse.ArgumentTypeError(f"{text} is out of range: must be {want}")
         return value
+
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
 
@@ -45,19 +54,21 @@ def _json_arg(text: str) -> dict:
     except (OSError, ValueError) as exc:
         raise argparse.ArgumentTypeError(f"not a JSON object or @file.json: {exc}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"key\": \"...\"}'")
+        raise argparse.ArgumentTypeError('must be a JSON object, e.g. \'{"key": "..."}\'')
     return value
 
 
 def _inspect(a) -> int:
-    from .inspect import format_inspect, inspect_location, main_json
+    from .inspection import format_inspect, inspect_location, main_json
+
     info = inspect_location(a.location, a.storage_options)
     print(main_json(info) if a.json else format_inspect(info))
     return 0
 
 
 def _verify(a) -> int:
-    from .inspect import format_inspect, main_json, verify_location
+    from .inspection import format_inspect, main_json, verify_location
+
     ok, info = verify_location(a.location, a.storage_options)
     runs = info.get("runs", [info])
     if not a.json and all(r.get("layout") == "dcp-user" for r in runs):  # nothing to verify: say what it is, once
@@ -66,8 +77,12 @@ def _verify(a) -> int:
     print(main_json(info) if a.json else format_inspect(info))
     for problem in info["problems"]:
         print(f"verify: problem: {problem}", file=sys.stderr)
-    print("verify: OK, every committed window is complete and every file matches its manifest" if ok else
-          f"verify: FAILED ({len(info['problems'])} problem(s) listed above)", file=sys.stderr)
+    print(
+        "verify: OK, every committed window is complete and every file matches its manifest"
+        if ok
+        else f"verify: FAILED ({len(info['problems'])} problem(s) listed above)",
+        file=sys.stderr,
+    )
     return 0 if ok else 1
 
 
@@ -81,8 +96,10 @@ def register_plugins(sub: argparse._SubParsersAction) -> list[str]:
         try:
             ep.load()(sub)
         except Exception as exc:  # a broken plugin must not take the built-in commands down with it
-            print(f"torchmoe-ckpt: command {ep.name!r} ({ep.value}) is unavailable: {type(exc).__name__}: {exc}",
-                  file=sys.stderr)
+            print(
+                f"torchmoe-ckpt: command {ep.name!r} ({ep.value}) is unavailable: {type(exc).__name__}: {exc}",
+                file=sys.stderr,
+            )
             continue
         added.append(ep.name)
     return added
@@ -91,13 +108,22 @@ def register_plugins(sub: argparse._SubParsersAction) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="torchmoe-ckpt", description="Sparse per-iteration checkpointing for MoE training")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name, fn, text in (("inspect", _inspect, "windows, slots, operators, sizes and checksum status"),
-                           ("verify", _verify, "exit 0 only if every file of every committed window verifies")):
+    for name, fn, text in (
+        ("inspect", _inspect, "windows, slots, operators, sizes and checksum status"),
+        ("verify", _verify, "exit 0 only if every file of every committed window verifies"),
+    ):
         c = sub.add_parser(name, help=text)
-        c.add_argument("location", help="host-tier run directory (e.g. /dev/shm/torchmoe-ckpt/node-0/<run>) or "
-                                        "object-store URI (s3://bucket/prefix, az://container/prefix, file://...)")
-        c.add_argument("--storage-options", type=_json_arg, default=None,
-                       help="fsspec options as JSON, or @file.json (e.g. endpoint_url, key/secret, connection_string)")
+        c.add_argument(
+            "location",
+            help="host-tier run directory (e.g. /dev/shm/torchmoe-ckpt/node-0/<run>) or "
+            "object-store URI (s3://bucket/prefix, az://container/prefix, file://...)",
+        )
+        c.add_argument(
+            "--storage-options",
+            type=_json_arg,
+            default=None,
+            help="fsspec options as JSON, or @file.json (e.g. endpoint_url, key/secret, connection_string)",
+        )
         c.add_argument("--json", action="store_true")
         c.set_defaults(fn=fn)
     register_plugins(sub)

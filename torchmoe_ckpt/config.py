@@ -4,6 +4,7 @@ Every mistake that can be seen without touching storage (a negative count, an un
 id) raises `ConfigError` with one line that names the field and the fix. Reachability of a store and
 writability of a directory are checked when the tiers are built (`Checkpointer.resume`).
 """
+
 from __future__ import annotations
 
 import os
@@ -11,13 +12,12 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .checkpointer import SparseConfig
 from .dcp.object_tier import check_uri
 from .dcp.store_errors import StoreConfigError
 from .errors import ConfigError
 from .operators import OperatorSpec
 
-__all__ = ["ConfigError", "ObjectStoreConfig", "TierConfig", "CheckpointConfig", "DEFAULT_HOST_ROOT"]
+__all__ = ["ConfigError", "SparseConfig", "ObjectStoreConfig", "TierConfig", "CheckpointConfig", "DEFAULT_HOST_ROOT"]
 
 DEFAULT_HOST_ROOT = "/dev/shm/torchmoe-ckpt"
 STORE_FORMATS = ("dcp", "tensorstore")
@@ -26,14 +26,46 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 @dataclass
+class SparseConfig:
+    window: int | None = None  # force W; None = Algorithm 1 priced with the observed copy cost
+    overlap: float = 1.0  # share of one iteration a slot copy may take
+    # None: price slots by what copies cost under training (copy-thread time per byte, iteration time with
+    # checkpointing; an idle memcpy figure only until the first copy); a number: that fixed bandwidth
+    bandwidth_bytes_per_s: float | None = None
+    popularity: str = "hard"  # hard | soft | decayed | capacity
+    decay: float = 0.9
+    reorder_change: float = 0.10
+    reorder_fraction: float = 0.25
+    expert_capacity: list[list[float]] | None = None  # [moe layers][experts], for popularity "capacity"
+
+    def __post_init__(self):
+        for name in ("window", "overlap", "bandwidth_bytes_per_s", "decay", "reorder_change", "reorder_fraction"):
+            v, kinds = getattr(self, name), (int,) if name == "window" else (int, float)
+            if (v is not None or name not in ("window", "bandwidth_bytes_per_s")) and (
+                isinstance(v, bool) or not isinstance(v, kinds)
+            ):  # "3" from a job file: one clear line
+                raise ConfigError(
+                    f"SparseConfig.{name} must be {'an integer' if name == 'window' else 'a number'}"
+                    f"{' or None' if name in ('window', 'bandwidth_bytes_per_s') else ''}, got {v!r}"
+                )
+        if self.window is not None and self.window < 1:
+            raise ConfigError(f"window must be >= 1 or None (auto), got {self.window}")
+        if not 0 < self.overlap:
+            raise ConfigError(f"overlap must be > 0, got {self.overlap}")
+        if self.popularity not in ("hard", "soft", "decayed", "capacity"):
+            raise ConfigError(f"popularity {self.popularity!r} is not one of hard, soft, decayed, capacity")
+
+
+@dataclass
 class ObjectStoreConfig:
     """Where committed windows are uploaded in the background (file://, s3://, az://, abfs://, memory://)."""
+
     uri: str
     storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec (credentials, endpoint)
-    keep: int = 2               # windows kept in the store; older ones are deleted
-    format: str = "dcp"         # "dcp" (standard DCP files) | "tensorstore" (zarr3 + OCDBT, one expert per chunk)
-    exit_wait_s: float = 30.0   # at the end of a run, wait at most this long for pending uploads (then exit;
-                                # what is left stays in host memory and the next run with this run_id uploads it)
+    keep: int = 2  # windows kept in the store; older ones are deleted
+    format: str = "dcp"  # "dcp" (standard DCP files) | "tensorstore" (zarr3 + OCDBT, one expert per chunk)
+    exit_wait_s: float = 30.0  # at the end of a run, wait at most this long for pending uploads (then exit;
+    # what is left stays in host memory and the next run with this run_id uploads it)
 
     def __post_init__(self):
         if not isinstance(self.uri, str) or not self.uri:
@@ -48,32 +80,39 @@ class ObjectStoreConfig:
         if self.format not in STORE_FORMATS:
             raise ConfigError(f"object_store.format {self.format!r} is not one of {STORE_FORMATS}")
         if isinstance(self.exit_wait_s, bool) or not isinstance(self.exit_wait_s, (int, float)) or self.exit_wait_s < 0:
-            raise ConfigError(f"object_store.exit_wait_s must be a number of seconds >= 0 (the bounded wait for "
-                              f"pending uploads at exit), got {self.exit_wait_s!r}")
+            raise ConfigError(
+                f"object_store.exit_wait_s must be a number of seconds >= 0 (the bounded wait for "
+                f"pending uploads at exit), got {self.exit_wait_s!r}"
+            )
         if not isinstance(self.storage_options, dict):
-            raise ConfigError("object_store.storage_options must be a dict of fsspec options, got "
-                              f"{type(self.storage_options).__name__}")
+            raise ConfigError(
+                "object_store.storage_options must be a dict of fsspec options, got "
+                f"{type(self.storage_options).__name__}"
+            )
 
 
 @dataclass
 class TierConfig:
     """Host memory of this node, r peers, and optionally an object store."""
-    root: str = DEFAULT_HOST_ROOT      # node-local directory; shared memory survives a worker restart
-    run_id: str | None = None          # windows of one run live under <root>/node-N/<run_id>; None: torchrun's
-                                       # run id (same in every restart of one launch, new for a new launch)
+
+    root: str = DEFAULT_HOST_ROOT  # node-local directory; shared memory survives a worker restart
+    run_id: str | None = None  # windows of one run live under <root>/node-N/<run_id>; None: torchrun's
+    # run id (same in every restart of one launch, new for a new launch)
     ranks_per_node: int | None = None  # failure domains; default LOCAL_WORLD_SIZE (one node per torchrun agent)
-    replicas: int = 0                  # r: peers that hold a copy of each window (HSDP replicas first)
+    replicas: int = 0  # r: peers that hold a copy of each window (HSDP replicas first)
     object_store: ObjectStoreConfig | None = None
     stall_iterations: int | None = 50  # no window committed durably for this many iterations = stalled (a tier
-                                       # that cannot write); keep it above 2 x the window size. None: no check
-    on_stall: str = "warn"             # "warn" (log once per stall) | "fail" (raise in the training thread)
+    # that cannot write); keep it above 2 x the window size. None: no check
+    on_stall: str = "warn"  # "warn" (log once per stall) | "fail" (raise in the training thread)
 
     def __post_init__(self):
         if isinstance(self.object_store, dict):
             self.object_store = _from_dict(ObjectStoreConfig, self.object_store, "object_store")
         if self.run_id is not None and (not isinstance(self.run_id, str) or not _RUN_ID.match(self.run_id)):
-            raise ConfigError(f"run_id {self.run_id!r} must be 1-128 characters of letters, digits, '.', '_' "
-                              "or '-' (it names a directory)")
+            raise ConfigError(
+                f"run_id {self.run_id!r} must be 1-128 characters of letters, digits, '.', '_' "
+                "or '-' (it names a directory)"
+            )
         if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
             raise ConfigError(f"root is empty: give a node-local directory, e.g. {DEFAULT_HOST_ROOT}")
         _whole("replicas", self.replicas)
@@ -82,10 +121,13 @@ class TierConfig:
             raise ConfigError(f"replicas must be >= 0 (peers holding a copy of each window), got {self.replicas}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ConfigError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
-        if self.stall_iterations is not None and (not isinstance(self.stall_iterations, int)
-                                                  or self.stall_iterations < 1):
-            raise ConfigError(f"stall_iterations must be an integer >= 1 (iterations without a durable window "
-                              f"before on_stall applies) or None (no check), got {self.stall_iterations!r}")
+        if self.stall_iterations is not None and (
+            not isinstance(self.stall_iterations, int) or self.stall_iterations < 1
+        ):
+            raise ConfigError(
+                f"stall_iterations must be an integer >= 1 (iterations without a durable window "
+                f"before on_stall applies) or None (no check), got {self.stall_iterations!r}"
+            )
         if self.on_stall not in ("warn", "fail"):
             raise ConfigError(f"on_stall {self.on_stall!r} must be 'warn' (log it) or 'fail' (end the job)")
 
@@ -93,12 +135,14 @@ class TierConfig:
         """The explicit run id, else torchrun's; a run id shared by unrelated jobs would mix their windows."""
         rid = self.run_id or default_run_id()
         if rid is None:
-            raise ConfigError("run_id is not set and there is no torchrun run id (TORCHELASTIC_RUN_ID) to derive "
-                              "one from: set TierConfig(run_id=...) to a name unique to this training run")
+            raise ConfigError(
+                "run_id is not set and there is no torchrun run id (TORCHELASTIC_RUN_ID) to derive "
+                "one from: set TierConfig(run_id=...) to a name unique to this training run"
+            )
         return rid
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TierConfig":
+    def from_dict(cls, d: dict) -> TierConfig:
         """The dict form used by job specs: {"root":..., "run_id":..., "object_store": {"uri": ...}}."""
         return _from_dict(cls, d, "host_tier")
 
@@ -117,33 +161,38 @@ class CheckpointConfig:
     a restart). `max_grad_norm` turns on clipping by the global gradient norm; the library clips, because
     replay must reuse the logged norm. `compute_dtype` is the dtype forward runs in (default: FSDP2's
     mixed-precision param dtype if set, else the parameters' dtype)."""
+
     tiers: TierConfig | None = None
     window: SparseConfig = field(default_factory=SparseConfig)
     max_grad_norm: float | None = None
     operators: OperatorSpec | None = None
-    router_top_k: int | None = None    # experts per token, for popularity counts when the router returns only
-                                       # logits and the model config does not say it
-    compute_dtype: Any = None          # torch.dtype
+    router_top_k: int | None = None  # experts per token, for popularity counts when the router returns only
+    # logits and the model config does not say it
+    compute_dtype: Any = None  # torch.dtype
     on_unusable_checkpoint: str = "fail"  # windows exist but every one is rejected (corrupt, torn, replay
-                                       # diverged): "fail" raises UnusableCheckpointError on every rank, nothing
-                                       # touched; "restart" starts from step 0 and overwrites them
+    # diverged): "fail" raises UnusableCheckpointError on every rank, nothing
+    # touched; "restart" starts from step 0 and overwrites them
 
     def __post_init__(self):
         if self.on_unusable_checkpoint not in UNUSABLE_POLICIES:
-            raise ConfigError(f"on_unusable_checkpoint {self.on_unusable_checkpoint!r} must be 'fail' (refuse to "
-                              "resume when every window is rejected) or 'restart' (start over from step 0)")
+            raise ConfigError(
+                f"on_unusable_checkpoint {self.on_unusable_checkpoint!r} must be 'fail' (refuse to "
+                "resume when every window is rejected) or 'restart' (start over from step 0)"
+            )
         if isinstance(self.tiers, dict):
             self.tiers = TierConfig.from_dict(self.tiers)
         if isinstance(self.window, dict):
             self.window = _from_dict(SparseConfig, self.window, "window")
         if not isinstance(self.window, SparseConfig):
-            raise ConfigError(f"window must be a SparseConfig (e.g. SparseConfig(window=3)) or a dict, got "
-                              f"{self.window!r}")
+            raise ConfigError(
+                f"window must be a SparseConfig (e.g. SparseConfig(window=3)) or a dict, got {self.window!r}"
+            )
         if self.tiers is not None and not isinstance(self.tiers, TierConfig):
             raise ConfigError(f"tiers must be a TierConfig, a dict or None, got {type(self.tiers).__name__}")
         _whole("router_top_k", self.router_top_k, none_ok=True)
-        if self.max_grad_norm is not None and (isinstance(self.max_grad_norm, bool)
-                                               or not isinstance(self.max_grad_norm, (int, float))):
+        if self.max_grad_norm is not None and (
+            isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float))
+        ):
             raise ConfigError(f"max_grad_norm must be a number > 0 or None (no clipping), got {self.max_grad_norm!r}")
         if self.router_top_k is not None and self.router_top_k < 1:
             raise ConfigError(f"router_top_k must be >= 1 or None, got {self.router_top_k}")
@@ -156,8 +205,9 @@ def _whole(name: str, value, none_ok: bool = False) -> None:
     TypeError in a comparison."""
     if (value is None and none_ok) or (isinstance(value, int) and not isinstance(value, bool)):
         return
-    raise ConfigError(f"{name} must be an integer{' or None' if none_ok else ''}, got {value!r} "
-                      f"({type(value).__name__})")
+    raise ConfigError(
+        f"{name} must be an integer{' or None' if none_ok else ''}, got {value!r} ({type(value).__name__})"
+    )
 
 
 def _from_dict(cls, d: dict, where: str):

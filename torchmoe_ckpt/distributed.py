@@ -15,6 +15,7 @@ included) and therefore for every sub-group. `key_groups_by_attempt()` is the la
 created before that (sub-groups created afterwards are keyed). Launching torchrun with
 `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (torch's own opt-out: a fresh store per attempt) fixes it too.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -28,8 +29,14 @@ import torch.distributed.distributed_c10d as c10d
 # `torch.distributed.rendezvous` the attribute is a function that shadows the module of that name.
 rdzv = importlib.import_module("torch.distributed.rendezvous")
 
-__all__ = ["init_process_group", "restart_attempt", "key_rendezvous_by_attempt", "key_groups_by_attempt",
-           "default_group_keyed", "attempt_prefix"]
+__all__ = [
+    "init_process_group",
+    "restart_attempt",
+    "key_rendezvous_by_attempt",
+    "key_groups_by_attempt",
+    "default_group_keyed",
+    "attempt_prefix",
+]
 
 
 def restart_attempt() -> int:

@@ -22,6 +22,7 @@ per fault), and `attempt` is ignored: restarts that fail for other reasons do no
 The event line carries the kill's wall-clock time (`time=`), and under torchrun the time is also left in torchrun's
 log folder of this job (`last_kill_time()`), from which the next attempt measures its restart.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,17 @@ import time
 from dataclasses import dataclass
 
 log = logging.getLogger("torchmoe_ckpt.faults")
-POINTS = ("forward", "backward", "optimizer", "snapshot_copy", "persist", "manifest", "replication", "upload",
-          "recovery")
+POINTS = (
+    "forward",
+    "backward",
+    "optimizer",
+    "snapshot_copy",
+    "persist",
+    "manifest",
+    "replication",
+    "upload",
+    "recovery",
+)
 ACTIONS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP}
 
 
@@ -54,10 +64,13 @@ def parse(text: str | None) -> list[Fault]:
         kv = dict(f.split("=", 1) for f in fields if "=" in f)
         bad = [f for f in fields if "=" not in f] + sorted(set(kv) - {"point", "rank", "step", "attempt"})
         if action not in ACTIONS or kv.get("point") not in POINTS or bad:
-            raise ValueError(f"bad fault {part!r}: use <{'|'.join(ACTIONS)}>:point=<{'|'.join(POINTS)}>"
-                             f"[:rank=R][:step=S][:attempt=A]")
-        out.append(Fault(action, kv["point"], int(kv.get("rank", 0)), int(kv.get("step", 1)),
-                         int(kv.get("attempt", 0))))
+            raise ValueError(
+                f"bad fault {part!r}: use <{'|'.join(ACTIONS)}>:point=<{'|'.join(POINTS)}>"
+                f"[:rank=R][:step=S][:attempt=A]"
+            )
+        out.append(
+            Fault(action, kv["point"], int(kv.get("rank", 0)), int(kv.get("step", 1)), int(kv.get("attempt", 0)))
+        )
     return out
 
 
@@ -94,8 +107,12 @@ def point(name: str) -> None:
                 continue  # fired in an earlier attempt of this job
         # One line on stderr first: the test summary and the user see what was injected where.
         now = time.time()
-        print(f"event=fault_injected action={f.action} point={name} rank={rank} iteration={_iteration} "
-              f"attempt={attempt} time={now:.3f}", file=sys.stderr, flush=True)
+        print(
+            f"event=fault_injected action={f.action} point={name} rank={rank} iteration={_iteration} "
+            f"attempt={attempt} time={now:.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
         _write_kill_time(now)
         os.kill(os.getpid(), ACTIONS[f.action])
 

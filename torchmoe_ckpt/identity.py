@@ -11,6 +11,7 @@ The parts are kept next to the fingerprint in every manifest, so a mismatch is *
 What may legitimately change between attempts is not in the fingerprint: more steps, another LR or LR
 schedule (`free` parts: recorded and reported in the log when they changed, never refused).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,8 +24,14 @@ from torch.distributed.tensor import DTensor
 
 from .errors import ConfigError
 
-__all__ = ["RunIdentity", "IdentityMismatch", "build_identity", "identity_mismatch", "allowed_changes",
-           "mesh_replicate"]
+__all__ = [
+    "RunIdentity",
+    "IdentityMismatch",
+    "build_identity",
+    "identity_mismatch",
+    "allowed_changes",
+    "mesh_replicate",
+]
 
 # Optimizer param-group keys that do not shape the state (the LR is scheduled; the rest are kernel choices).
 _NOT_STATE = frozenset({"params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable", "name"})
@@ -38,8 +45,8 @@ class IdentityMismatch(ConfigError):
 @dataclass(frozen=True)
 class RunIdentity:
     run_id: str | None
-    parts: dict                                    # what the fingerprint covers (JSON-able)
-    free: dict = field(default_factory=dict)       # recorded, allowed to change: LRs, planned steps
+    parts: dict  # what the fingerprint covers (JSON-able)
+    free: dict = field(default_factory=dict)  # recorded, allowed to change: LRs, planned steps
 
     @property
     def fingerprint(self) -> str:
@@ -49,10 +56,10 @@ class RunIdentity:
         return {"run_id": self.run_id, "fingerprint": self.fingerprint, "parts": self.parts, "free": self.free}
 
     @staticmethod
-    def from_dict(d: dict) -> "RunIdentity":
+    def from_dict(d: dict) -> RunIdentity:
         return RunIdentity(d.get("run_id"), json.loads(_canonical(d.get("parts") or {})), dict(d.get("free") or {}))
 
-    def with_run_id(self, run_id: str | None) -> "RunIdentity":
+    def with_run_id(self, run_id: str | None) -> RunIdentity:
         return RunIdentity(run_id, self.parts, self.free)
 
 
@@ -86,9 +93,17 @@ def _hyper(group: dict) -> dict:
     return out
 
 
-def build_identity(model: nn.Module, optimizer, compute_dtype: torch.dtype, ops, run_id: str | None = None,
-                   world_size: int = 1, hsdp_replicate: int | None = None, data: str | None = None,
-                   steps: int | None = None) -> RunIdentity:
+def build_identity(
+    model: nn.Module,
+    optimizer,
+    compute_dtype: torch.dtype,
+    ops,
+    run_id: str | None = None,
+    world_size: int = 1,
+    hsdp_replicate: int | None = None,
+    data: str | None = None,
+    steps: int | None = None,
+) -> RunIdentity:
     """The identity of a run from what it trains. `ops`: the model's operators (list or name -> Operator);
     `data`: an identity of the data order / seed when the caller has one (part of the fingerprint);
     `steps`: the planned number of iterations (free: may grow between attempts)."""
@@ -125,8 +140,13 @@ def _short(v) -> str:
 
 def _diff(found: dict, want: dict) -> str | None:
     """The first difference between two identities' parts, in words (found != expected)."""
-    simple = [("world_size", "world size"), ("hsdp_replicate", "HSDP replicate degree"), ("compute_dtype", "dtype"),
-              ("data", "data/seed identity"), ("optimizer", "optimizer")]
+    simple = [
+        ("world_size", "world size"),
+        ("hsdp_replicate", "HSDP replicate degree"),
+        ("compute_dtype", "dtype"),
+        ("data", "data/seed identity"),
+        ("optimizer", "optimizer"),
+    ]
     for key, name in simple:
         if found.get(key) != want.get(key):
             return f"{name} {_short(found.get(key))} != {_short(want.get(key))}"
@@ -169,7 +189,8 @@ def identity_mismatch(found: dict | None, expected: RunIdentity) -> str | None:
         return f"run id {found.get('run_id')!r} != {expected.run_id!r}"
     parts = found.get("parts") or {}
     if found.get("fingerprint") == expected.fingerprint and RunIdentity.from_dict(found).fingerprint == found.get(
-            "fingerprint"):
+        "fingerprint"
+    ):
         return None
     return _diff(parts, expected.parts) or "run fingerprint differs"
 
@@ -180,12 +201,18 @@ def allowed_changes(found: dict | None, expected: RunIdentity) -> list[str]:
     out = []
     if was.get("lrs") is not None and expected.free.get("lrs") is not None and was["lrs"] != expected.free["lrs"]:
         out.append(f"learning rate {_short(was['lrs'])} -> {_short(expected.free['lrs'])}")
-    if was.get("steps") is not None and expected.free.get("steps") is not None and was["steps"] != expected.free["steps"]:
+    if (
+        was.get("steps") is not None
+        and expected.free.get("steps") is not None
+        and was["steps"] != expected.free["steps"]
+    ):
         out.append(f"steps {was['steps']} -> {expected.free['steps']}")
     return out
 
 
 def refusal(run_id: str | None, reason: str) -> str:
     """The one line that refuses another run's windows, with the fix."""
-    return (f"run id {run_id!r} holds windows of another run ({reason} [window != this run]); refusing to load "
-            f"them: start this job with a new run id (or delete that run's windows if they are no longer needed)")
+    return (
+        f"run id {run_id!r} holds windows of another run ({reason} [window != this run]); refusing to load "
+        f"them: start this job with a new run id (or delete that run's windows if they are no longer needed)"
+    )

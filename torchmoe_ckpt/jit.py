@@ -24,6 +24,7 @@ least one replica wins if S is newer than the last committed window; each rank l
 own copy, else a replica's, else the object store. Otherwise the window path runs as before.
 Pure FSDP has no replicas: JIT is off and says so once.
 """
+
 from __future__ import annotations
 
 import io
@@ -34,8 +35,9 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -43,7 +45,7 @@ from .config import TierConfig
 from .dcp.manifest import crc32_bytes
 from .dcp.object_tier import _is_local, open_store
 from .dcp.tiers import all_gather_objects
-from .recovery import init_optimizer_state
+from .sparse_to_dense import init_optimizer_state
 
 log = logging.getLogger("torchmoe_ckpt.jit")
 MARKER = "COMPLETE.json"
@@ -101,7 +103,7 @@ class JitStore:
         if hasattr(self.fs, "invalidate_cache"):
             self.fs.invalidate_cache()
         try:
-            return [p[len(self.base) + 1:] for p in self.fs.glob(f"{self.base}/step-*/rank-*/{MARKER}")]
+            return [p[len(self.base) + 1 :] for p in self.fs.glob(f"{self.base}/step-*/rank-*/{MARKER}")]
         except FileNotFoundError:
             return []
 
@@ -116,7 +118,9 @@ class JitCheckpointer:
         self.shard, self.replicas = shard_layout(trainer.mesh)
         self.enabled = self.replicas > 1
         # opened now, not on the failure path (fsspec imports and connects)
-        self.store = JitStore(host_cfg["object_store"], self.run_id) if self.enabled and host_cfg.get("object_store") else None
+        self.store = (
+            JitStore(host_cfg["object_store"], self.run_id) if self.enabled and host_cfg.get("object_store") else None
+        )
         self.begun = trainer.step  # the newest iteration this rank started (see begin())
         self._once = threading.Lock()
         self.saved: dict | None = None
@@ -194,10 +198,20 @@ class JitCheckpointer:
                 buf = io.BytesIO()
                 torch.save({"step": step, "lr": lr, "shard": self.shard, "tensors": tensors}, buf)
                 data = buf.getvalue()
-                marker = {"format": "torchmoe-ckpt/jit/1", "step": step, "rank": rank, "shard": self.shard,
-                          "begun": max(self.begun, step), "lr": lr, "bytes": len(data), "crc32": crc32_bytes(data),
-                          "reason": reason, "op": op, "world": self.trainer.world,
-                          "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+                marker = {
+                    "format": "torchmoe-ckpt/jit/1",
+                    "step": step,
+                    "rank": rank,
+                    "shard": self.shard,
+                    "begun": max(self.begun, step),
+                    "lr": lr,
+                    "bytes": len(data),
+                    "crc32": crc32_bytes(data),
+                    "reason": reason,
+                    "op": op,
+                    "world": self.trainer.world,
+                    "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                }
                 rel = f"{step_dirname(step)}/{rank_dirname(rank)}"
                 d = self.dir / rel
                 d.mkdir(parents=True, exist_ok=True)
@@ -217,10 +231,13 @@ class JitCheckpointer:
                     except Exception as exc:  # the host copy already counts; the store is for lost nodes
                         stored = f"failed: {type(exc).__name__}: {exc}"
                 self._collect_older(step)
-                self.saved = dict(marker, host_seconds=round(host_s, 4), seconds=round(time.perf_counter() - t0, 4),
-                                  store=stored)
-                _line(f"event=jit_saved rank={rank} step={step} begun={marker['begun']} reason={reason} "
-                      f"bytes={len(data)} seconds={self.saved['seconds']} store={stored} dir={d}")
+                self.saved = dict(
+                    marker, host_seconds=round(host_s, 4), seconds=round(time.perf_counter() - t0, 4), store=stored
+                )
+                _line(
+                    f"event=jit_saved rank={rank} step={step} begun={marker['begun']} reason={reason} "
+                    f"bytes={len(data)} seconds={self.saved['seconds']} store={stored} dir={d}"
+                )
             except Exception as exc:
                 self.saved = {"error": f"{type(exc).__name__}: {exc}"}
                 _line(f"event=jit_save_failed rank={rank} reason={reason} error={type(exc).__name__}: {exc}")
@@ -239,14 +256,17 @@ def _line(text: str) -> None:
     """One structured line on stderr, with os.write: this may run while another thread holds a stream lock."""
     data = (text + "\n").encode()
     while data:
-        data = data[os.write(2, data):]
+        data = data[os.write(2, data) :]
 
 
 # ---- restart ---------------------------------------------------------------------------------------------
 def incomplete_copies(jit_dir: Path) -> list[str]:
     """Host copies without a valid marker (a save cut short, or damaged): never used, only reported."""
-    return [str(d) for d in sorted(Path(jit_dir).glob("step-*/rank-*"))
-            if not any(c["path"] == str(d) for c in list_copies(jit_dir, None))]
+    return [
+        str(d)
+        for d in sorted(Path(jit_dir).glob("step-*/rank-*"))
+        if not any(c["path"] == str(d) for c in list_copies(jit_dir, None))
+    ]
 
 
 def list_copies(jit_dir: Path, store: JitStore | None) -> list[dict]:
@@ -276,8 +296,10 @@ def _read(copy: dict, store: JitStore | None) -> dict:
     else:
         data = store.get(f"{copy['path']}/{STATE}")
     if len(data) != copy["bytes"] or crc32_bytes(data) != copy["crc32"]:
-        raise ValueError(f"JIT copy {copy['where']}:{copy['path']} does not match its marker "
-                         f"({len(data)} bytes, CRC32 {crc32_bytes(data):08x}; marker {copy['bytes']}, {copy['crc32']:08x})")
+        raise ValueError(
+            f"JIT copy {copy['where']}:{copy['path']} does not match its marker "
+            f"({len(data)} bytes, CRC32 {crc32_bytes(data):08x}; marker {copy['bytes']}, {copy['crc32']:08x})"
+        )
     blob = torch.load(io.BytesIO(data), weights_only=True)
     if blob["shard"] != copy["shard"] or blob["step"] != copy["step"]:
         raise ValueError(f"JIT copy {copy['path']} holds {blob['shard']} step {blob['step']}, marker says otherwise")
@@ -339,8 +361,10 @@ def apply_state(trainer, blob: dict) -> None:
         raise ValueError(f"JIT copy holds tensors this model does not have: {sorted(extra)[:3]}")
     trainer.set_step(blob["step"])
     if trainer.optimizer.param_groups[0]["lr"] != blob["lr"]:  # the schedule must reproduce the saved LR
-        raise ValueError(f"LR schedule gives {trainer.optimizer.param_groups[0]['lr']!r} at step {blob['step']}, "
-                         f"the JIT copy saved {blob['lr']!r}: not the same run configuration")
+        raise ValueError(
+            f"LR schedule gives {trainer.optimizer.param_groups[0]['lr']!r} at step {blob['step']}, "
+            f"the JIT copy saved {blob['lr']!r}: not the same run configuration"
+        )
 
 
 T = TypeVar("T")
@@ -355,18 +379,26 @@ def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tu
     t0 = time.perf_counter()
     key, _ = shard_layout(trainer.mesh)
     jit_dir = Path(tier.dir) / "jit"
-    store = JitStore(host_cfg["object_store"], TierConfig.from_dict(host_cfg).resolved_run_id()) if host_cfg.get("object_store") else None
+    store = (
+        JitStore(host_cfg["object_store"], TierConfig.from_dict(host_cfg).resolved_run_id())
+        if host_cfg.get("object_store")
+        else None
+    )
     everyone = all_gather_objects((key, list_copies(jit_dir, store)))
     step, shards = choose(everyone)
     bound = window_step_bound(tier)
     next_window = 1 + max(all_gather_objects(max(tier.window_ids(require_manifest=False), default=-1)))
     if step is None or step <= bound:
-        why = "no step with a complete copy of every shard" if step is None else \
-            f"JIT step {step} is not newer than the committed window's step {bound}"
+        why = (
+            "no step with a complete copy of every shard"
+            if step is None
+            else f"JIT step {step} is not newer than the committed window's step {bound}"
+        )
         incomplete = incomplete_copies(jit_dir)
         if trainer.rank == 0 and (incomplete or any(c for _, c in everyone)):
-            log.warning("event=jit_not_used reason=%r window_step=%d incomplete_copies_ignored=%d", why, bound,
-                        len(incomplete))
+            log.warning(
+                "event=jit_not_used reason=%r window_step=%d incomplete_copies_ignored=%d", why, bound, len(incomplete)
+            )
         return trainer, None
     # host memory before the store; among host copies this rank's own, then the lowest replica rank
     me = trainer.rank
@@ -380,18 +412,39 @@ def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tu
             used = c
             break
         except Exception as exc:  # torn, corrupt or foreign: try the next replica's copy
-            log.warning("event=jit_copy_rejected rank=%d copy=%s:%s error=%s: %s", fresh.rank, c["where"], c["path"],
-                        type(exc).__name__, exc)
+            log.warning(
+                "event=jit_copy_rejected rank=%d copy=%s:%s error=%s: %s",
+                fresh.rank,
+                c["where"],
+                c["path"],
+                type(exc).__name__,
+                exc,
+            )
     if not all(all_gather_objects(used is not None)):
         # Some shard could not be loaded: the window path, from the deterministic init again (this trainer
         # is half-loaded; with no window either, that is the cold start).
         return rebuild(False), None
     begun = max(c["begun"] for cs in shards.values() for c in cs)
-    rep = {"source": "jit", "jit_step": step, "recovered_step": step, "replayed_iterations": begun - step,
-           "failed_iteration": begun, "window_step": bound, "jit_copy_rank": used["rank"], "jit_copy_where": used["where"],
-           "jit_copies": sum(len(v) for v in shards.values()), "next_window_id": next_window,
-           "restart_seconds": time.perf_counter() - t0}
-    log.warning("event=jit_resumed rank=%d step=%d from_rank=%d where=%s replayed_iterations=%d window_step=%d",
-                fresh.rank, step, used["rank"], used["where"], begun - step, bound)
+    rep = {
+        "source": "jit",
+        "jit_step": step,
+        "recovered_step": step,
+        "replayed_iterations": begun - step,
+        "failed_iteration": begun,
+        "window_step": bound,
+        "jit_copy_rank": used["rank"],
+        "jit_copy_where": used["where"],
+        "jit_copies": sum(len(v) for v in shards.values()),
+        "next_window_id": next_window,
+        "restart_seconds": time.perf_counter() - t0,
+    }
+    log.warning(
+        "event=jit_resumed rank=%d step=%d from_rank=%d where=%s replayed_iterations=%d window_step=%d",
+        fresh.rank,
+        step,
+        used["rank"],
+        used["where"],
+        begun - step,
+        bound,
+    )
     return fresh, rep
-

@@ -8,6 +8,7 @@ named/typed like a router (gate, router, gating). Shared experts (anything named
 Modules that look like MoE (class name `...MoE`, `...Experts`, `...Router`, or an `experts` list) but that
 nothing matched are an error, so an unknown layout is never checkpointed with its experts merged.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -37,6 +38,7 @@ class OperatorSpec:
     e.g. `OperatorSpec(experts=("model.layers.*.mlp.experts",), routers=("model.layers.*.mlp.gate",))`.
     An experts module is an `nn.ModuleList`/`ModuleDict` (one module per expert) or a module whose tensors
     are grouped `[E, ...]`. Given patterns replace detection by structure for that role."""
+
     experts: tuple[str, ...] = ()
     routers: tuple[str, ...] = ()
 
@@ -50,12 +52,12 @@ class OperatorSpec:
 
 @dataclass
 class MoEBlock:
-    path: str                                   # module path of the MoE block (router + experts)
+    path: str  # module path of the MoE block (router + experts)
     num_experts: int
-    experts: list[str] = field(default_factory=list)         # expert module paths (list elements or grouped)
-    grouped: list[str] = field(default_factory=list)         # fqns sliced along dim 0, one slice per expert
+    experts: list[str] = field(default_factory=list)  # expert module paths (list elements or grouped)
+    grouped: list[str] = field(default_factory=list)  # fqns sliced along dim 0, one slice per expert
     per_expert: list[list[str]] = field(default_factory=list)  # list experts: expert e's own fqns
-    router: list[str] = field(default_factory=list)          # router tensors (+ MoE-level [E] tensors)
+    router: list[str] = field(default_factory=list)  # router tensors (+ MoE-level [E] tensors)
     router_modules: list[str] = field(default_factory=list)  # modules whose forward routes (hooks go there)
 
 
@@ -130,7 +132,7 @@ class _Tree:
     def looks_moe(self, path: str) -> bool:
         name = _WRAPPERS.sub("", type(self.modules[path]).__name__)
         if self.family and name.startswith(self.family):
-            name = name[len(self.family):]
+            name = name[len(self.family) :]
         listed = path in self.containers and "expert" in path.rsplit(".", 1)[-1].lower()
         return (bool(_MOE_CLASS.search(name)) or listed) and not _shared(path)
 
@@ -169,7 +171,7 @@ def _list_candidates(tree: _Tree) -> list[tuple[list[str], int]]:
         for el in elems:
             if el in tree.nested:
                 break
-            sigs.add(tuple((f[len(el):], tuple(tree.tensors[f].shape)) for f in tree.state_under(el)))
+            sigs.add(tuple((f[len(el) :], tuple(tree.tensors[f].shape)) for f in tree.state_under(el)))
         else:
             if len(sigs) == 1 and next(iter(sigs)):
                 found.append((elems, len(elems)))
@@ -178,10 +180,15 @@ def _list_candidates(tree: _Tree) -> list[tuple[list[str], int]]:
 
 def _router_at(tree: _Tree, level: str, e: int, expert_fqns: set[str], routers: list[str] | None):
     """Router modules and MoE-level [E] tensors directly under `level` (nothing that holds experts)."""
+
     def holds_experts(p: str) -> bool:
         return any(f.startswith(p + ".") for f in expert_fqns)
-    tensors = [f for f in tree.direct.get(level, []) if f not in expert_fqns
-               and _lead(tree.tensors[f]) == e and tree.tensors[f].dim() <= 2]
+
+    tensors = [
+        f
+        for f in tree.direct.get(level, [])
+        if f not in expert_fqns and _lead(tree.tensors[f]) == e and tree.tensors[f].dim() <= 2
+    ]
     if routers is not None:
         return [r for r in routers if _under(r, level) and r != level and not holds_experts(r)], tensors
     mods = []
@@ -190,13 +197,15 @@ def _router_at(tree: _Tree, level: str, e: int, expert_fqns: set[str], routers: 
             continue
         state = tree.state_under(child)
         by_shape = any(tree.tensors[f].dim() == 2 and tree.tensors[f].shape[0] == e for f in state)
-        by_name = child.rsplit(".", 1)[-1].lower() in _ROUTER_NAMES or \
-            bool(_ROUTER_CLASS.search(type(tree.modules[child]).__name__))
+        by_name = child.rsplit(".", 1)[-1].lower() in _ROUTER_NAMES or bool(
+            _ROUTER_CLASS.search(type(tree.modules[child]).__name__)
+        )
         if state and (by_shape or by_name):
             mods.append(child)
     # The gate projection first: its output is what a router hook reads.
-    mods.sort(key=lambda m: not any(tree.tensors[f].dim() == 2 and tree.tensors[f].shape[0] == e
-                                    for f in tree.state_under(m)))
+    mods.sort(
+        key=lambda m: not any(tree.tensors[f].dim() == 2 and tree.tensors[f].shape[0] == e for f in tree.state_under(m))
+    )
     return mods, tensors
 
 
@@ -219,8 +228,10 @@ def _match(tree: _Tree, patterns: tuple[str, ...], role: str) -> list[str]:
         hits = [p for p in tree.modules if p and fnmatch.fnmatchcase(p, pat)]
         if not hits:
             example = next((p for p in tree.modules if p.count(".") >= 3), "")
-            raise OperatorDiscoveryError(f"OperatorSpec.{role} pattern {pat!r} matches no module of "
-                                         f"{type(tree.model).__name__} (module names look like {example!r})")
+            raise OperatorDiscoveryError(
+                f"OperatorSpec.{role} pattern {pat!r} matches no module of "
+                f"{type(tree.model).__name__} (module names look like {example!r})"
+            )
         out += [h for h in hits if h not in out]
     # fnmatch's * also crosses dots: a pattern that matches a module and its descendants names the module.
     chosen = set(out)
@@ -236,8 +247,10 @@ def _spec_experts(tree: _Tree, paths: list[str]) -> list[tuple[list[str], int]]:
             continue
         lead = [_lead(tree.tensors[f]) for f in tree.direct.get(path, []) if tree.tensors[f].dim() >= 1]
         if not lead:
-            raise OperatorDiscoveryError(f"OperatorSpec.experts matched {path!r}, which holds no tensors of its own: "
-                                         "name the module that holds the grouped [E, ...] tensors or the expert list")
+            raise OperatorDiscoveryError(
+                f"OperatorSpec.experts matched {path!r}, which holds no tensors of its own: "
+                "name the module that holds the grouped [E, ...] tensors or the expert list"
+            )
         groups.setdefault((_parent(path), max(set(lead), key=lead.count)), []).append(path)
     return [(paths, len(paths) if e < 0 else e) for (_, e), paths in groups.items()]
 
@@ -246,13 +259,19 @@ def block_paths(tree: _Tree, skip: set[str]) -> set[str]:
     """Repeated blocks: outermost elements of a ModuleList/ModuleDict (expert lists aside). A one-element list
     counts (a pipeline stage may hold one layer) unless its element holds lists itself (a wrapper)."""
     holds_list = {a for c in tree.containers for a in ancestors(c)}
-    elems = {c for p in tree.containers if p not in skip for c in tree.children(p)
-             if len(tree.children(p)) >= 2 or c not in holds_list}
+    elems = {
+        c
+        for p in tree.containers
+        if p not in skip
+        for c in tree.children(p)
+        if len(tree.children(p)) >= 2 or c not in holds_list
+    }
     return {b for b in elems if not any(a in elems for a in ancestors(b))}
 
 
-def find_moe_blocks(model: nn.Module, spec: OperatorSpec | None = None
-                    ) -> tuple[list[MoEBlock], list[str], dict[str, torch.Tensor]]:
+def find_moe_blocks(
+    model: nn.Module, spec: OperatorSpec | None = None
+) -> tuple[list[MoEBlock], list[str], dict[str, torch.Tensor]]:
     """The MoE blocks of `model` and its repeated blocks, both in module order, and its state tensors."""
     tree = _Tree(model)
     spec = spec or OperatorSpec()
@@ -277,8 +296,10 @@ def find_moe_blocks(model: nn.Module, spec: OperatorSpec | None = None
         if not spec.experts and not (mods or tensors) and not typed:
             continue  # grouped tensors with neither a router nor an expert name: no evidence of MoE (e.g. convs)
         if level in moes:
-            raise OperatorDiscoveryError(f"module {level!r} holds two expert groups ({experts[0]!r} and another): "
-                                         "say which one with OperatorSpec(experts=...)")
+            raise OperatorDiscoveryError(
+                f"module {level!r} holds two expert groups ({experts[0]!r} and another): "
+                "say which one with OperatorSpec(experts=...)"
+            )
         moe = moes[level] = MoEBlock(level, e, experts=list(experts), router_modules=mods)
         if listed:
             moe.per_expert = per_expert
@@ -289,8 +310,10 @@ def find_moe_blocks(model: nn.Module, spec: OperatorSpec | None = None
         used = {m for moe in moes.values() for m in moe.router_modules}
         for r in routers:
             if r not in used:
-                raise OperatorDiscoveryError(f"OperatorSpec.routers matched {r!r}, which is in no MoE block that "
-                                             "holds experts: check the experts pattern too")
+                raise OperatorDiscoveryError(
+                    f"OperatorSpec.routers matched {r!r}, which is in no MoE block that "
+                    "holds experts: check the experts pattern too"
+                )
     _check_unmatched(tree, list(moes))
     order = {p: i for i, p in enumerate(tree.modules)}
     expert_lists = {_parent(m.experts[0]) for m in moes.values() if m.per_expert}
@@ -308,7 +331,8 @@ def _check_unmatched(tree: _Tree, moe_paths: list[str]) -> None:
         raise OperatorDiscoveryError(
             f"module {shown!r} ({type(tree.modules[path]).__name__}) looks like a Mixture-of-Experts layer but no "
             f"experts were found in it: name them with OperatorSpec(experts=('{_glob(path)}.<experts module>',), "
-            f"routers=('{_glob(path)}.<router module>',))")
+            f"routers=('{_glob(path)}.<router module>',))"
+        )
 
 
 def _glob(path: str) -> str:

@@ -11,6 +11,7 @@ and HSDP replicas all work.
 
 Names are module paths: `<moe>.experts.<e>`, `<moe>.router`, `<block>.dense`, `<top-level module>`.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,8 +25,17 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from .moe_structure import OperatorDiscoveryError, OperatorSpec, ancestors, find_moe_blocks
 
-__all__ = ["Piece", "Operator", "OperatorSpec", "OperatorDiscoveryError", "discover_operators", "expert_grid",
-           "moe_order", "local_tensor", "EXPERT_PARAM_NAMES"]
+__all__ = [
+    "Piece",
+    "Operator",
+    "OperatorSpec",
+    "OperatorDiscoveryError",
+    "discover_operators",
+    "expert_grid",
+    "moe_order",
+    "local_tensor",
+    "EXPERT_PARAM_NAMES",
+]
 
 # Grouped expert tensor names of TorchTitan and the harness (the tensorstore layout keys on them).
 EXPERT_PARAM_NAMES = ("w1_EFD", "w2_EDF", "w3_EFD", "w1", "w2", "w3")
@@ -36,11 +46,12 @@ _WRAPPER_PARTS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_
 @dataclass(frozen=True)
 class Piece:
     """The region of one tensor that an operator owns on this rank."""
-    fqn: str                        # parameter/buffer name in the model
+
+    fqn: str  # parameter/buffer name in the model
     is_param: bool
     global_shape: tuple[int, ...]
     global_offset: tuple[int, ...]  # offset of this piece in the global tensor
-    local_slices: tuple[slice, ...] # where this piece sits in the rank-local tensor
+    local_slices: tuple[slice, ...]  # where this piece sits in the rank-local tensor
     shape: tuple[int, ...]
     dtype: torch.dtype = torch.float32  # the tensor's own dtype (buffers are copied in it: int64 counters)
 
@@ -55,12 +66,12 @@ class Piece:
 @dataclass
 class Operator:
     name: str
-    kind: str                       # "expert" | "router" | "dense"
-    layer: int | None = None        # index of the repeated block (or MoE) it belongs to; None: top level
+    kind: str  # "expert" | "router" | "dense"
+    layer: int | None = None  # index of the repeated block (or MoE) it belongs to; None: top level
     expert: int | None = None
     pieces: list[Piece] = field(default_factory=list)
-    moe: str | None = None          # module path of its MoE block (expert and router operators)
-    modules: tuple[str, ...] = ()   # router operators: the modules whose forward routes (for hooks)
+    moe: str | None = None  # module path of its MoE block (expert and router operators)
+    modules: tuple[str, ...] = ()  # router operators: the modules whose forward routes (for hooks)
 
     def param_numel(self) -> int:
         return sum(p.numel for p in self.pieces if p.is_param)
@@ -149,7 +160,7 @@ def discover_operators(model: nn.Module, spec: OperatorSpec | None = None) -> li
             ops[name] = Operator(name, "expert", layer, e, moe=moe.path)
             for fqn in moe.grouped:
                 add(name, "expert", fqn, _expert_piece(fqn, tensors[fqn], e, fqn in params))
-            for fqn in (moe.per_expert[e] if moe.per_expert else ()):
+            for fqn in moe.per_expert[e] if moe.per_expert else ():
                 add(name, "expert", fqn, _whole_piece(fqn, tensors[fqn], fqn in params))
         if moe.router:
             name = f"{base}.router" if base else "router"
@@ -167,8 +178,15 @@ def discover_operators(model: nn.Module, spec: OperatorSpec | None = None) -> li
             name, layer = _clean(name), None
         add(name, "dense", fqn, _whole_piece(fqn, t, fqn in params), layer=layer)
     kind_rank = {"expert": 0, "router": 1, "dense": 2}
-    return sorted(ops.values(), key=lambda o: (o.layer if o.layer is not None else 1 << 30, kind_rank[o.kind],
-                                               o.expert if o.expert is not None else 0, o.name))
+    return sorted(
+        ops.values(),
+        key=lambda o: (
+            o.layer if o.layer is not None else 1 << 30,
+            kind_rank[o.kind],
+            o.expert if o.expert is not None else 0,
+            o.name,
+        ),
+    )
 
 
 def moe_order(ops: list[Operator]) -> list[str]:
@@ -191,13 +209,15 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return _local(t)
 
 
-def agreed_sizes(ops: dict[str, "Operator"], compute_dtype: torch.dtype, group=None
-                 ) -> tuple[dict[str, int], dict[str, int]]:
+def agreed_sizes(
+    ops: dict[str, Operator], compute_dtype: torch.dtype, group=None
+) -> tuple[dict[str, int], dict[str, int]]:
     """Full and compute bytes per operator, the max over `group` (one collective when a process group is
     up), so every rank plans the same window from the same sizes."""
     names = list(ops)
-    sizes = torch.tensor([[ops[n].full_bytes(), ops[n].compute_bytes(compute_dtype.itemsize)] for n in names],
-                         dtype=torch.float64)
+    sizes = torch.tensor(
+        [[ops[n].full_bytes(), ops[n].compute_bytes(compute_dtype.itemsize)] for n in names], dtype=torch.float64
+    )
     if dist.is_initialized():
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
     return ({n: int(sizes[i, 0]) for i, n in enumerate(names)}, {n: int(sizes[i, 1]) for i, n in enumerate(names)})

@@ -11,6 +11,7 @@ isend/recv, with one I/O object per direction that is either a live neighbour (`
 use either. `pipeline_recovery` drives any trainer that satisfies `StageReplayable` (the harness's
 `torchmoe_harness.pipeline_trainer.StageTrainer` is one).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .pipeline_log import BoundaryLog, LogReader
-from .recovery import Replayable
+from .sparse_to_dense import Replayable
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -83,22 +84,24 @@ def boundary_tag(it: int, mb: int, backward: bool) -> int:
 @dataclass
 class StageIO:
     """Upstream/downstream of one stage for one run mode. up/down: Peer, Logged or None (pipeline end)."""
+
     up: Peer | Logged | None
     down: Peer | Logged | None
     meta: LogReader | None = None  # replay: where the global grad norm / loss of iterations come from
-    reduce_loss: bool = False      # replay by every stage at once (global recovery): all-reduce the loss
+    reduce_loss: bool = False  # replay by every stage at once (global recovery): all-reduce the loss
 
 
 class StageReplayable(Replayable, Protocol):
     """What localized pipeline recovery needs from one stage's trainer, on top of `Replayable`: its place in
     the pipeline, its boundary log, its live and replay I/O, and the batch of any iteration."""
-    stage: int                      # this stage's index, 0..n_stages-1
+
+    stage: int  # this stage's index, 0..n_stages-1
     n_stages: int
-    ranks: list[int]                # the rank of every stage
-    step: int                       # iterations completed
-    log: BoundaryLog | None         # what this stage sends, logged (None: no logging)
-    live_io: StageIO                # the live neighbours, as in training
-    replay_io: StageIO | None       # set by recovery while this stage replays, None otherwise
-    replayed_iterations: int        # recomputation counter
+    ranks: list[int]  # the rank of every stage
+    step: int  # iterations completed
+    log: BoundaryLog | None  # what this stage sends, logged (None: no logging)
+    live_io: StageIO  # the live neighbours, as in training
+    replay_io: StageIO | None  # set by recovery while this stage replays, None otherwise
+    replayed_iterations: int  # recomputation counter
 
     def batch(self, step: int) -> torch.Tensor: ...

@@ -17,6 +17,7 @@ recorded as a gap, training is never blocked or slowed, and a failure whose repl
 the gap falls back to global recovery from the window (`event=pp_recovery mode=global reason=...`).
 Logging resumes once a collection brings the held bytes back under the bound.
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,7 +58,7 @@ class BoundaryLog:
         self._sizes: dict[str, int] = {p.name: _file_payload(p) for p in self.dir.glob("t*.pt")}
         self.held_bytes = sum(self._sizes.values())
         self.bytes_by_iteration: dict[int, int] = {}
-        self.gap_from: int | None = None      # first iteration not (fully) logged, until a collection
+        self.gap_from: int | None = None  # first iteration not (fully) logged, until a collection
         self.overflows = 0
         self.entries = 0
         self.write_seconds = 0.0
@@ -86,9 +87,15 @@ class BoundaryLog:
         if self.max_bytes is not None and self.held_bytes + n > self.max_bytes:
             self.gap_from = it
             self.overflows += 1
-            log.warning("event=pp_log_overflow dir=%s iteration=%d held_bytes=%d max_bytes=%d: logging stops "
-                        "until the next window commits; a failure needing iteration >= %d recovers globally",
-                        self.dir, it, self.held_bytes, self.max_bytes, it)
+            log.warning(
+                "event=pp_log_overflow dir=%s iteration=%d held_bytes=%d max_bytes=%d: logging stops "
+                "until the next window commits; a failure needing iteration >= %d recovers globally",
+                self.dir,
+                it,
+                self.held_bytes,
+                self.max_bytes,
+                it,
+            )
             return
         old = self._sizes.get(name, 0)  # a re-logged entry (replay) replaces the old one
         self.held_bytes += n - old
@@ -137,10 +144,16 @@ class BoundaryLog:
 
     def stats(self) -> dict:
         per_it = list(self.bytes_by_iteration.values())
-        return {"held_bytes": self.held_bytes, "max_bytes": self.max_bytes, "entries": self.entries,
-                "overflows": self.overflows, "gap_from": self.gap_from,
-                "bytes_per_iteration": max(per_it) if per_it else 0,
-                "write_seconds": round(self.write_seconds, 4), "errors": self.errors[-3:]}
+        return {
+            "held_bytes": self.held_bytes,
+            "max_bytes": self.max_bytes,
+            "entries": self.entries,
+            "overflows": self.overflows,
+            "gap_from": self.gap_from,
+            "bytes_per_iteration": max(per_it) if per_it else 0,
+            "write_seconds": round(self.write_seconds, 4),
+            "errors": self.errors[-3:],
+        }
 
     # ---- writer thread -------------------------------------------------------------------------------
     def _run(self) -> None:

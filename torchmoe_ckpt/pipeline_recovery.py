@@ -19,6 +19,7 @@ iteration T is intact) or failed, the committed windows it can load, and what it
   segment has no common window, or when a border log misses an iteration the replay needs (log bound hit
   or log lost). The reason is logged (`event=pp_recovery mode=global reason=...`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,8 @@ import torch
 
 from .pipeline import Logged, Peer, StageIO, StageReplayable
 from .pipeline_log import LogReader
-from .recovery import sparse_to_dense
 from .replay_log import Replay
+from .sparse_to_dense import sparse_to_dense
 
 log = logging.getLogger("torchmoe_ckpt.pipeline_recovery")
 
@@ -38,9 +39,9 @@ log = logging.getLogger("torchmoe_ckpt.pipeline_recovery")
 @dataclass
 class StageStatus:
     stage: int
-    healthy: bool                 # its live state after iteration `step` survived
-    step: int | None              # healthy: iterations completed
-    windows: dict[int, int]       # committed window id -> start step, verified on its host tier
+    healthy: bool  # its live state after iteration `step` survived
+    step: int | None  # healthy: iterations completed
+    windows: dict[int, int]  # committed window id -> start step, verified on its host tier
 
 
 @dataclass
@@ -49,8 +50,8 @@ class Segment:
     last: int
     window_id: int
     start_step: int
-    up: int | None                # the border stage whose forward log feeds `first` (None: pipeline start)
-    down: int | None              # the border stage whose backward log feeds `last` (None: pipeline end)
+    up: int | None  # the border stage whose forward log feeds `first` (None: pipeline start)
+    down: int | None  # the border stage whose backward log feeds `last` (None: pipeline end)
 
     @property
     def stages(self) -> list[int]:
@@ -59,7 +60,7 @@ class Segment:
 
 @dataclass
 class RecoveryPlan:
-    mode: str                     # none | local | global | cold
+    mode: str  # none | local | global | cold
     target_step: int | None = None
     segments: list[Segment] = field(default_factory=list)
     window_id: int | None = None  # global: the window every stage rolls back to
@@ -91,8 +92,11 @@ def plan_recovery(statuses: list[StageStatus], log_dirs: list, microbatches: int
     healthy_steps = {s.step for s in statuses if s.healthy}
 
     def global_plan(reason: str) -> RecoveryPlan:
-        common = [w for w in set.intersection(*(set(s.windows) for s in statuses))
-                  if len({s.windows[w] for s in statuses}) == 1]
+        common = [
+            w
+            for w in set.intersection(*(set(s.windows) for s in statuses))
+            if len({s.windows[w] for s in statuses}) == 1
+        ]
         if not common:
             return RecoveryPlan("cold", reason=f"{reason}; and no window common to all stages: start over")
         return RecoveryPlan("global", window_id=max(common), reason=reason)
@@ -104,10 +108,12 @@ def plan_recovery(statuses: list[StageStatus], log_dirs: list, microbatches: int
     target = healthy_steps.pop()
     segments = []
     for a, b in contiguous_runs(failed):
-        members = statuses[a:b + 1]
+        members = statuses[a : b + 1]
         common = set.intersection(*(set(s.windows) for s in members))
-        usable = sorted((w for w in common if len({s.windows[w] for s in members}) == 1
-                         and members[0].windows[w] < target), reverse=True)
+        usable = sorted(
+            (w for w in common if len({s.windows[w] for s in members}) == 1 and members[0].windows[w] < target),
+            reverse=True,
+        )
         if not usable:
             return global_plan(f"stages {a}..{b} have no committed window in common before iteration {target}")
         wid = usable[0]
@@ -116,14 +122,20 @@ def plan_recovery(statuses: list[StageStatus], log_dirs: list, microbatches: int
         down = b + 1 if b < n - 1 else None
         its = range(t0 + 1, target + 1)
         if up is not None and not LogReader(log_dirs[up]).has(its, microbatches, "fwd"):
-            return global_plan(f"stage {up}'s forward log misses an iteration of {t0 + 1}..{target} "
-                               f"(log bound hit or log lost)")
+            return global_plan(
+                f"stage {up}'s forward log misses an iteration of {t0 + 1}..{target} (log bound hit or log lost)"
+            )
         if down is not None and not LogReader(log_dirs[down]).has(its, microbatches, "bwd"):
-            return global_plan(f"stage {down}'s backward log misses an iteration of {t0 + 1}..{target} "
-                               f"(log bound hit or log lost)")
+            return global_plan(
+                f"stage {down}'s backward log misses an iteration of {t0 + 1}..{target} (log bound hit or log lost)"
+            )
         segments.append(Segment(a, b, wid, t0, up, down))
-    return RecoveryPlan("local", target_step=target, segments=segments,
-                        reason=f"stages {failed} failed; segments {[(s.first, s.last) for s in segments]}")
+    return RecoveryPlan(
+        "local",
+        target_step=target,
+        segments=segments,
+        reason=f"stages {failed} failed; segments {[(s.first, s.last) for s in segments]}",
+    )
 
 
 def segment_io(trainer: StageReplayable, seg: Segment, log_dirs: list) -> StageIO:
@@ -158,12 +170,25 @@ def recover_in_segment(trainer: StageReplayable, window, seg: Segment, target: i
         # No operator here draws random numbers; the state is passed only to keep the replay contract.
         trainer.train_step(Replay(trainer.batch(t), rec["grad_norm"], torch.get_rng_state()))
     trainer.replay_io = None
-    rep.update(mode="local", segment=[seg.first, seg.last], phase2_iterations=target - window.start_step - window.plan.window + 1,
-               replayed_total=trainer.replayed_iterations, recovered_step=trainer.step,
-               seconds=time.perf_counter() - t_start)
-    log.info("event=pp_stage_recovered stage=%d segment=%d..%d window=%d t0=%d target=%d replayed=%d seconds=%.3f",
-             trainer.stage, seg.first, seg.last, window.id, window.start_step, target, trainer.replayed_iterations,
-             rep["seconds"])
+    rep.update(
+        mode="local",
+        segment=[seg.first, seg.last],
+        phase2_iterations=target - window.start_step - window.plan.window + 1,
+        replayed_total=trainer.replayed_iterations,
+        recovered_step=trainer.step,
+        seconds=time.perf_counter() - t_start,
+    )
+    log.info(
+        "event=pp_stage_recovered stage=%d segment=%d..%d window=%d t0=%d target=%d replayed=%d seconds=%.3f",
+        trainer.stage,
+        seg.first,
+        seg.last,
+        window.id,
+        window.start_step,
+        target,
+        trainer.replayed_iterations,
+        rep["seconds"],
+    )
     return rep
 
 

@@ -20,6 +20,7 @@ with `local_vote` the warm-up vote of the stock schedule is decided locally (eve
 stage that replays alone never waits for a peer's vote. Only one tensor per boundary is supported (what
 TorchTitan's stages send).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,9 @@ from .pipeline_log import BoundaryLog, LogReader
 @dataclass
 class ReplayIO:
     """Where a replaying stage's inputs come from: a neighbour's log, or None (live peer / pipeline end)."""
-    up: LogReader | None      # forward activations entering this stage (the upstream stage's forward log)
-    down: LogReader | None    # gradients entering this stage (the downstream stage's backward log)
+
+    up: LogReader | None  # forward activations entering this stage (the upstream stage's forward log)
+    down: LogReader | None  # gradients entering this stage (the downstream stage's backward log)
 
 
 class LoggingPipelineStage(PipelineStage):
@@ -44,7 +46,7 @@ class LoggingPipelineStage(PipelineStage):
         self._init_logging(boundary_log)
 
     @classmethod
-    def adopt(cls, stage: PipelineStage, boundary_log: BoundaryLog, local_vote: bool = False) -> "LoggingPipelineStage":
+    def adopt(cls, stage: PipelineStage, boundary_log: BoundaryLog, local_vote: bool = False) -> LoggingPipelineStage:
         """Turn a stage someone else built (TorchTitan's pipeline split) into a logging one, in place."""
         if type(stage) is not PipelineStage:
             raise TypeError(f"boundary logging wraps torch's PipelineStage, got {type(stage).__name__}")
@@ -54,7 +56,7 @@ class LoggingPipelineStage(PipelineStage):
 
     def _init_logging(self, boundary_log: BoundaryLog, local_vote: bool = False) -> None:
         self.boundary_log = boundary_log
-        self.iteration = 0      # set by the training loop before each schedule.step()
+        self.iteration = 0  # set by the training loop before each schedule.step()
         self.replay_io: ReplayIO | None = None
         self.local_vote = local_vote
 
@@ -89,8 +91,9 @@ class LoggingPipelineStage(PipelineStage):
     def _log(self, ops, mb: int, direction: str) -> None:
         if len(ops) > 1:
             # One tensor per boundary is what the entry naming supports (TorchTitan's stages send one).
-            raise NotImplementedError(f"stage {self.stage_index} sends {len(ops)} tensors per micro-batch; "
-                                      f"boundary logging supports one")
+            raise NotImplementedError(
+                f"stage {self.stage_index} sends {len(ops)} tensors per micro-batch; boundary logging supports one"
+            )
         for op in ops:
             self.boundary_log.record(self.iteration, mb, direction, op.tensor)
 
@@ -105,5 +108,4 @@ class LoggingPipelineStage(PipelineStage):
     def _warmup_backward_result(self, received_result: torch.Tensor | None = None) -> torch.Tensor:
         if not self.local_vote:
             return super()._warmup_backward_result(received_result)
-        return received_result if received_result is not None else torch.ones(1, dtype=torch.int32,
-                                                                                 device=self.device)
+        return received_result if received_result is not None else torch.ones(1, dtype=torch.int32, device=self.device)

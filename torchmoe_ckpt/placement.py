@@ -20,6 +20,7 @@ copy in R has every eligible receiver it does not use in R, so its copies outsid
 receivers outside R: it puts the fewest copies into R any placement can. So every placement puts at least
 sum(load over R) >= |R|(M-1)+1 copies on |R| receivers: its max is >= M. Step 4 never raises the max.
 """
+
 from __future__ import annotations
 
 from bisect import insort
@@ -35,81 +36,100 @@ def _require(ok: bool, msg: str) -> None:
 @dataclass(frozen=True)
 class Topology:
     world_size: int
-    node_of: tuple[int, ...]          # node id (failure domain) per rank
-    shard_group_of: tuple[int, ...]   # equal value = bit-identical shard (HSDP replicas); all distinct in FSDP
+    node_of: tuple[int, ...]  # node id (failure domain) per rank
+    shard_group_of: tuple[int, ...]  # equal value = bit-identical shard (HSDP replicas); all distinct in FSDP
 
     def __post_init__(self):
         # normalise lists to tuples so equal topologies compare (and hash) equal on every rank
         object.__setattr__(self, "node_of", tuple(self.node_of))
         object.__setattr__(self, "shard_group_of", tuple(self.shard_group_of))
-        _require(isinstance(self.world_size, int) and self.world_size >= 1
-                 and len(self.node_of) == self.world_size and len(self.shard_group_of) == self.world_size,
-                 f"Topology needs world_size >= 1 and one node id and one shard group per rank: "
-                 f"world_size={self.world_size!r}, {len(self.node_of)} node ids, "
-                 f"{len(self.shard_group_of)} shard groups")
+        _require(
+            isinstance(self.world_size, int)
+            and self.world_size >= 1
+            and len(self.node_of) == self.world_size
+            and len(self.shard_group_of) == self.world_size,
+            f"Topology needs world_size >= 1 and one node id and one shard group per rank: "
+            f"world_size={self.world_size!r}, {len(self.node_of)} node ids, "
+            f"{len(self.shard_group_of)} shard groups",
+        )
 
     @staticmethod
     def _mesh_groups(world_size: int, replicate: int) -> tuple[int, ...]:
-        _require(isinstance(replicate, int) and replicate >= 1 and world_size >= 1 and world_size % replicate == 0,
-                 f"HSDP replicate degree {replicate!r} must be >= 1 and divide the world size {world_size}")
+        _require(
+            isinstance(replicate, int) and replicate >= 1 and world_size >= 1 and world_size % replicate == 0,
+            f"HSDP replicate degree {replicate!r} must be >= 1 and divide the world size {world_size}",
+        )
         shard = world_size // replicate
         return tuple(rank % shard for rank in range(world_size))  # mesh (replicate, shard), row-major
 
     @staticmethod
-    def from_mesh_shape(world_size: int, replicate: int, ranks_per_node: int) -> "Topology":
-        _require(isinstance(ranks_per_node, int) and ranks_per_node >= 1,
-                 f"ranks_per_node must be >= 1, got {ranks_per_node!r}")
+    def from_mesh_shape(world_size: int, replicate: int, ranks_per_node: int) -> Topology:
+        _require(
+            isinstance(ranks_per_node, int) and ranks_per_node >= 1,
+            f"ranks_per_node must be >= 1, got {ranks_per_node!r}",
+        )
         groups = Topology._mesh_groups(world_size, replicate)
         return Topology(world_size, tuple(rank // ranks_per_node for rank in range(world_size)), groups)
 
     @staticmethod
-    def from_failure_domains(domains: list, replicate: int) -> "Topology":
+    def from_failure_domains(domains: list, replicate: int) -> Topology:
         # ids in order of first appearance: the same list gives the same ids on every rank
         ids = {d: i for i, d in enumerate(dict.fromkeys(domains))}
         groups = Topology._mesh_groups(len(domains), replicate)
         return Topology(len(domains), tuple(ids[d] for d in domains), groups)
 
     @staticmethod
-    def from_env_hostnames(hostnames: list[str], replicate: int) -> "Topology":
+    def from_env_hostnames(hostnames: list[str], replicate: int) -> Topology:
         """`hostnames[rank]`, e.g. all-gathered `socket.gethostname()`: one host is one failure domain."""
         return Topology.from_failure_domains(list(hostnames), replicate)
 
 
 @dataclass(frozen=True)
 class Placement:
-    peers: tuple[tuple[int, ...], ...]          # per rank: ranks holding a copy of its slots (not itself)
+    peers: tuple[tuple[int, ...], ...]  # per rank: ranks holding a copy of its slots (not itself)
     replica_peers: tuple[tuple[int, ...], ...]  # subset of peers that are HSDP replicas: 0 bytes to send
-    send_peers: tuple[tuple[int, ...], ...]     # subset of peers that must be sent the bytes
-    load: tuple[int, ...]                       # per rank: sent copies of other ranks it receives
-    shortfall: tuple[int, ...]                  # per rank: r - peers on other nodes (> 0: r not met)
-    r: int = 0                                  # requested copies (for describe)
-    node_of: tuple[int, ...] = ()               # the topology's failure domains (for describe)
+    send_peers: tuple[tuple[int, ...], ...]  # subset of peers that must be sent the bytes
+    load: tuple[int, ...]  # per rank: sent copies of other ranks it receives
+    shortfall: tuple[int, ...]  # per rank: r - peers on other nodes (> 0: r not met)
+    r: int = 0  # requested copies (for describe)
+    node_of: tuple[int, ...] = ()  # the topology's failure domains (for describe)
 
     def survives_node_loss(self, node: int, topo: Topology) -> bool:
         """Every rank on `node` keeps at least one copy on another node."""
-        return all(any(topo.node_of[p] != node for p in self.peers[rank])
-                   for rank in range(topo.world_size) if topo.node_of[rank] == node)
+        return all(
+            any(topo.node_of[p] != node for p in self.peers[rank])
+            for rank in range(topo.world_size)
+            if topo.node_of[rank] == node
+        )
 
     def describe(self) -> str:
         node = self.node_of or tuple(range(len(self.peers)))
-        lines = [f"placement: r={self.r} copies per rank on other nodes, {len(self.peers)} ranks on "
-                 f"{len(set(node))} node(s), max receive load {max(self.load, default=0)}"]
+        lines = [
+            f"placement: r={self.r} copies per rank on other nodes, {len(self.peers)} ranks on "
+            f"{len(set(node))} node(s), max receive load {max(self.load, default=0)}"
+        ]
         for rank, (rp, sp) in enumerate(zip(self.replica_peers, self.send_peers)):
             held = sorted({node[p] for p in rp + sp})
-            lines.append(f"rank {rank} (node {node[rank]}): replicas {list(rp)} (0 bytes), sent to {list(sp)}, "
-                         f"copies on nodes {held}, receives {self.load[rank]}")
+            lines.append(
+                f"rank {rank} (node {node[rank]}): replicas {list(rp)} (0 bytes), sent to {list(sp)}, "
+                f"copies on nodes {held}, receives {self.load[rank]}"
+            )
         size, by_gap = Counter(node), {}
         for rank, s in enumerate(self.shortfall):
             if s > 0:  # group by (other nodes, ranks on them) so the report stays short
                 by_gap.setdefault((len(size) - 1, len(node) - size[node[rank]]), []).append(rank)
         for (k_nodes, k_ranks), ranks in sorted(by_gap.items()):
-            lines.append(f"r={self.r} cannot be met for ranks {ranks}: only {k_nodes} other node(s) "
-                         f"({k_ranks} rank(s)) outside their own, and copies never go to the owner's node; "
-                         f"{sum(self.shortfall[k] for k in ranks)} copies missing -- add nodes or lower r")
+            lines.append(
+                f"r={self.r} cannot be met for ranks {ranks}: only {k_nodes} other node(s) "
+                f"({k_ranks} rank(s)) outside their own, and copies never go to the owner's node; "
+                f"{sum(self.shortfall[k] for k in ranks)} copies missing -- add nodes or lower r"
+            )
         shared = [rank for rank, p in enumerate(self.peers) if len({node[q] for q in p}) < len(p)]
         if shared:
-            lines.append(f"note: copies of ranks {shared} share a node (fewer other nodes than copies, or load "
-                         f"balance won): they survive fewer simultaneous node losses than their copy count")
+            lines.append(
+                f"note: copies of ranks {shared} share a node (fewer other nodes than copies, or load "
+                f"balance won): they survive fewer simultaneous node losses than their copy count"
+            )
         return "\n".join(lines)
 
 
@@ -144,8 +164,12 @@ def place_replicas(topo: Topology, r: int = 2) -> Placement:
             best = None
             for bucket in by_load:
                 for p in bucket:
-                    if node[p] != node[o] and group[p] != group[o] and p not in sends[o] \
-                            and (best is None or count[node[p]] < count[node[best]]):
+                    if (
+                        node[p] != node[o]
+                        and group[p] != group[o]
+                        and p not in sends[o]
+                        and (best is None or count[node[p]] < count[node[best]])
+                    ):
                         best = p
                         if count[node[p]] == floor:
                             break
@@ -164,10 +188,15 @@ def place_replicas(topo: Topology, r: int = 2) -> Placement:
     _spread(n, node, group, n_other, cands, replicas, sends, load)
 
     peers = tuple(tuple(sorted(replicas[o] + sends[o])) for o in range(n))
-    return Placement(peers=peers,
-                     replica_peers=tuple(tuple(sorted(x)) for x in replicas),
-                     send_peers=tuple(tuple(sorted(x)) for x in sends),
-                     load=tuple(load), shortfall=tuple(r - len(p) for p in peers), r=r, node_of=node)
+    return Placement(
+        peers=peers,
+        replica_peers=tuple(tuple(sorted(x)) for x in replicas),
+        send_peers=tuple(tuple(sorted(x)) for x in sends),
+        load=tuple(load),
+        shortfall=tuple(r - len(p) for p in peers),
+        r=r,
+        node_of=node,
+    )
 
 
 def _rebalance(n, cands, sends, load) -> None:
@@ -253,13 +282,18 @@ def _spread(n, node, group, n_other, cands, replicas, sends, load) -> None:
                 load[a], load[b] = load[a] - 1, load[b] + 1
             for x in before:
                 spread[x] = Counter(node[q] for q in replicas[x] + sends[x])
-            if len(spread[o]) > len(count) and max(load) <= top and all(
-                    len(set(sends[x])) == len(sends[x]) and len(spread[x]) >= len(c) for x, (_, c) in before.items()):
+            if (
+                len(spread[o]) > len(count)
+                and max(load) <= top
+                and all(
+                    len(set(sends[x])) == len(sends[x]) and len(spread[x]) >= len(c) for x, (_, c) in before.items()
+                )
+            ):
                 for x, a, b in moves:
                     holders[a].discard(x)
                     holders[b].add(x)
                 return True
-            for x, a, b in moves:  # rejected (an owner repeated on the chain): undo
+            for _x, a, b in moves:  # rejected (an owner repeated on the chain): undo
                 load[a], load[b] = load[a] + 1, load[b] - 1
             for x, (old, c) in before.items():
                 sends[x], spread[x] = old, c

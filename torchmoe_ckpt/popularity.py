@@ -8,6 +8,7 @@ longer during recovery, where they cost only forward and input-gradient work. Po
   capacity  cumulative counts / expert capacity (heterogeneous experts)
 Scores live on the CPU in float64 so every rank sorts identical numbers, whatever device the counts came from.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,22 +27,32 @@ def _host64(t: torch.Tensor) -> torch.Tensor:
 
 
 class PopularityTracker:
-    def __init__(self, num_layers: int, num_experts: int, policy: str = "hard", decay: float = 0.9,
-                 capacity: torch.Tensor | None = None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        policy: str = "hard",
+        decay: float = 0.9,
+        capacity: torch.Tensor | None = None,
+    ):
         if policy not in POLICIES:
             raise ValueError(f"unknown popularity policy {policy!r}; use one of {', '.join(POLICIES)}")
         if num_layers < 1 or num_experts < 1:
-            raise ValueError(f"popularity needs at least one layer and one expert, got shape "
-                             f"({num_layers}, {num_experts})")
+            raise ValueError(
+                f"popularity needs at least one layer and one expert, got shape ({num_layers}, {num_experts})"
+            )
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay must be in (0, 1), got {decay}")
         if policy == "capacity":
             if capacity is None:
-                raise ValueError("popularity policy 'capacity' needs the experts' capacity ([layers, experts] "
-                                 "tokens per batch)")
+                raise ValueError(
+                    "popularity policy 'capacity' needs the experts' capacity ([layers, experts] tokens per batch)"
+                )
             if tuple(capacity.shape) != (num_layers, num_experts) or bool((capacity <= 0).any()):
-                raise ValueError(f"capacity must be positive with shape {(num_layers, num_experts)}, "
-                                 f"got shape {tuple(capacity.shape)}")
+                raise ValueError(
+                    f"capacity must be positive with shape {(num_layers, num_experts)}, "
+                    f"got shape {tuple(capacity.shape)}"
+                )
         self.shape = (num_layers, num_experts)
         self.policy, self.decay = policy, decay
         self.capacity = None if capacity is None else _host64(capacity)
@@ -58,8 +69,7 @@ class PopularityTracker:
         elif self.policy == "soft":
             if probs is None or tuple(probs.shape) != self.shape:
                 got = None if probs is None else tuple(probs.shape)
-                raise ValueError(f"policy 'soft' needs summed gating probabilities of shape {self.shape}, "
-                                 f"got {got}")
+                raise ValueError(f"policy 'soft' needs summed gating probabilities of shape {self.shape}, got {got}")
             self.score += _host64(probs)
         elif self.policy == "decayed":
             self.score.mul_(self.decay).add_((1.0 - self.decay) * counts)
@@ -80,20 +90,24 @@ class PopularityTracker:
 
     def load_state_dict(self, sd: dict) -> None:
         if sd["policy"] != self.policy or tuple(sd["score"].shape) != self.shape:
-            raise ValueError(f"popularity state is for policy {sd['policy']!r} shape {tuple(sd['score'].shape)}, "
-                             f"this tracker is {self.policy!r} shape {self.shape}")
+            raise ValueError(
+                f"popularity state is for policy {sd['policy']!r} shape {tuple(sd['score'].shape)}, "
+                f"this tracker is {self.policy!r} shape {self.shape}"
+            )
         self.decay = float(sd["decay"])
         self.score = _host64(sd["score"]).clone()
 
 
-def reorder_needed(old_freq: torch.Tensor | None, new_freq: torch.Tensor, change: float = 0.10,
-                   fraction: float = 0.25) -> bool:
+def reorder_needed(
+    old_freq: torch.Tensor | None, new_freq: torch.Tensor, change: float = 0.10, fraction: float = 0.25
+) -> bool:
     """True iff the relative frequency change |new - old| / old exceeds `change` (strictly) for at least
     `fraction` of all experts (all layers together). A zero old frequency counts as an infinite change if the
     new one is not zero, 0 -> 0 as none. `old_freq=None` (no order yet) always needs an order."""
     if change < 0 or not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"reorder thresholds need change >= 0 and fraction in [0, 1], got change={change}, "
-                         f"fraction={fraction}")
+        raise ValueError(
+            f"reorder thresholds need change >= 0 and fraction in [0, 1], got change={change}, fraction={fraction}"
+        )
     if old_freq is None:
         return True
     if tuple(old_freq.shape) != tuple(new_freq.shape):
@@ -101,8 +115,11 @@ def reorder_needed(old_freq: torch.Tensor | None, new_freq: torch.Tensor, change
     old, new = _host64(old_freq), _host64(new_freq)
     diff = (new - old).abs()
     # Divide by the true old frequency (however tiny, even subnormal); only exact zeros are special.
-    rel = torch.where(old > 0, diff / torch.where(old > 0, old, torch.ones_like(old)),
-                      torch.where(diff > 0, torch.full_like(new, math.inf), torch.zeros_like(new)))
+    rel = torch.where(
+        old > 0,
+        diff / torch.where(old > 0, old, torch.ones_like(old)),
+        torch.where(diff > 0, torch.full_like(new, math.inf), torch.zeros_like(new)),
+    )
     changed = int((rel > change * (1 + _EPS)).sum())
     # "At least `fraction`" as a whole number of experts; the slack keeps 0.3 * 10 = 3.0000000000000004 at 3.
     need = math.ceil(fraction * rel.numel() * (1 - _EPS))
@@ -115,4 +132,6 @@ def order_experts(scores: torch.Tensor) -> list[tuple[int, int]]:
         raise ValueError(f"scores must have shape [layers, experts], got shape {tuple(scores.shape)}")
     n_layers, n_experts = scores.shape
     vals = _host64(scores).tolist()
-    return sorted(((l, e) for l in range(n_layers) for e in range(n_experts)), key=lambda le: (vals[le[0]][le[1]], le))
+    return sorted(
+        ((layer, e) for layer in range(n_layers) for e in range(n_experts)), key=lambda le: (vals[le[0]][le[1]], le)
+    )

@@ -1,120 +1,249 @@
-"""Sparse-to-dense conversion: rebuild the exact dense training state from one committed window.
+"""The recovery sequence, written once: find the newest window every rank can get from the tiers (host
+memory, then peers, then the object store), verify it, and convert it to the dense state by replay.
 
-Load slot 0: its active operators get their full state (they are ACTIVE from now on), the others get slot
-0's compute weights (FROZEN). Replay iteration t0+1 with the logged batch, RNG state and gradient norm;
-ACTIVE operators take their optimizer step exactly as in the original run. Load slot 1: more operators
-become ACTIVE, the still-FROZEN ones get slot 1's compute weights. ... After slot W-1 is loaded every
-operator holds its exact state at iteration t0+W-1: W-1 replayed iterations in all.
-
-Why it is bit-exact: during replay every forward uses, for every operator, exactly the weights of the
-original iteration (replayed or loaded), so activations, losses and all gradients are identical. Weight
-gradients are still computed for FROZEN operators and reduced in the unchanged FSDP layout (changing the
-reduce-scatter layout changes the summation order with >= 3 ranks). Their optimizer update is computed on
-the whole grouped tensor too, but it lands only on FROZEN slices, which the next slot overwrites ("masked"):
-Adam is elementwise, so ACTIVE slices are untouched by what happens to their frozen neighbours.
+The harness, TorchTitan's trainer and the own-loop `Checkpointer` all call `recover`.
 """
+
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
-from typing import Protocol
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
-from . import faults
-from .replay_log import Replay
-from .snapshot import ROLES_FULL, StateAccess, restore_slot
+from .dcp.tiers import Tiers, all_gather_objects, recover_from_tiers
+from .errors import UnusableCheckpointError
+from .identity import IdentityMismatch, RunIdentity, allowed_changes, build_identity, refusal
+from .operators import Operator
+from .sparse_to_dense import Replayable, sparse_to_dense
+from .window import Window
 
 log = logging.getLogger("torchmoe_ckpt.recovery")
 
-
-class ReplayDivergence(RuntimeError):
-    """A replayed iteration did not reproduce the logged loss, so the rebuilt state would not be the run's."""
-
-
-class ReplayedStep(Protocol):
-    loss: torch.Tensor               # this rank's loss of the replayed iteration, compared bit for bit
-
-
-class Replayable(Protocol):
-    """What recovery needs from a trainer. The own-loop `Checkpointer` implements it for any model; the
-    harness Trainer and TorchTitan's `SparseTrainer` (through `TitanReplayable`) implement it for theirs.
-
-    `set_step(n)`: put the iteration counter and the LR schedule where n completed iterations leave them.
-    `train_step(replay)`: run one iteration exactly as training does, except that it takes the batch, the RNG
-    state, the global gradient norm (for clipping) and every param group's LR from `replay` instead of
-    computing them, and it captures no checkpoint. It returns an object with this rank's `loss`."""
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-
-    def set_step(self, step: int) -> None: ...
-    def train_step(self, replay: Replay | None = None) -> ReplayedStep: ...
+__all__ = ["ResumeResult", "recover"]
 
 
 @dataclass
-class RecoveryReport:
-    window_id: int
-    window: int
-    start_step: int                # t0: slot 0 holds the state after this iteration
-    recovered_step: int            # the dense state now equals the state after this iteration
-    replayed_iterations: int
-    bytes_loaded: int
-    seconds: float
-    replay_seconds: float
+class ResumeResult:
+    window: Window | None  # the window recovered from (the checkpointer's fallback until the next commits)
+    recovered_step: int | None  # iterations completed after recovery; None = no window anywhere
+    report: dict = field(default_factory=dict)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    @property
+    def recovered(self) -> bool:
+        return self.window is not None
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create AdamW state for every trainable parameter (zeros, step 0: what AdamW's lazy init creates), so
-    slots can be loaded into it in place, and so a parameter that got no gradient yet (an expert no token
-    reached) still has state a slot can copy. FROZEN slices keep placeholder values until their operator
-    becomes ACTIVE."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not p.requires_grad:
-                continue  # never updated, so no state (and no empty entry in state_dict)
-            st = optimizer.state[p]
-            if "exp_avg" not in st:
-                st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+def recover(
+    trainer: Replayable,
+    tiers: Tiers,
+    ops: dict[str, Operator],
+    compute_dtype: torch.dtype,
+    rank: int = 0,
+    before_replay: Callable[[Window], None] | None = None,
+    identity: RunIdentity | None = None,
+    watchdog=None,
+    on_unusable: str = "fail",
+) -> ResumeResult:
+    """Collective. Loads the newest usable window into `trainer` (freshly built) and replays it; with no
+    window on any tier returns `recovered_step=None` and leaves the trainer untouched. `before_replay` is
+    called with the fetched window before anything is loaded into the trainer.
+
+    `identity` (default: built from the trainer's model and optimizer, `compute_dtype`, the world size and the
+    host tier's run id) is what a window must have been written by. A window that fails any check, load or
+    its replay is rejected on every rank and the next newest is tried (a failed replay leaves nothing behind:
+    the next window's load overwrites every operator's state). When windows exist but all belong to another
+    run, `IdentityMismatch` is raised with one line naming the difference and the fix. When windows exist but
+    every one is rejected (corrupt, torn, replay diverged), `on_unusable="fail"` raises `UnusableCheckpointError`
+    on every rank (each window and why, and the fixes; nothing is deleted), "restart" starts over (step 0)."""
+    # `watchdog` (a CollectiveWatchdog) watches the whole recovery: a rank frozen during fetch, agreement or
+    # replay ends the others within its timeout instead of the process-group timeout.
+    with watchdog.watch("recovery") if watchdog is not None else nullcontext():
+        return _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity, on_unusable)
 
 
-def load_window_slot(slot, access: StateAccess) -> int:
-    """ACTIVE-on-this-slot operators get their full state; later operators get compute weights."""
-    return restore_slot(slot, access, roles=ROLES_FULL + ("step", "compute", "buffer"))
+def _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity, on_unusable) -> ResumeResult:
+    t0 = time.perf_counter()
+    if identity is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        identity = build_identity(trainer.model, trainer.optimizer, compute_dtype, ops, tiers.host.dir.name, world)
+    done: dict = {}
+
+    def replay(window: Window) -> None:
+        if "saved" not in done:  # a failed replay must not leave a half-replayed trainer behind
+            done["saved"] = _snapshot(trainer)
+        if before_replay is not None:
+            before_replay(window)
+        done["report"] = sparse_to_dense(trainer, window)
+
+    window, found = recover_from_tiers(
+        tiers.host, tiers.replicator, ops, compute_dtype, store=tiers.store, identity=identity, use=replay
+    )
+    fetch_s = time.perf_counter() - t0
+    if window is None:
+        if "saved" in done:  # every window tried failed its replay: give the caller its trainer back as it was
+            _restore(trainer, done["saved"])
+        _no_window(found, tiers, identity, rank, on_unusable)
+        return ResumeResult(None, None, dict(found, fetch_seconds=fetch_s))
+    rep = done["report"]
+    report = dict(rep.to_dict(), **found, fetch_seconds=fetch_s, total_seconds=time.perf_counter() - t0)
+    if rank == 0:
+        rejected = sorted(w for w in _rejected_windows(found) if w != window.id)  # by any rank (gathered)
+        changed = allowed_changes(_identity_of(tiers, window.id), identity)
+        if changed:
+            report["allowed_changes"] = changed
+            log.info(
+                "event=allowed_change run=%s window=%d: %s (not part of the run identity: accepted)",
+                identity.run_id,
+                window.id,
+                "; ".join(changed),
+            )
+        log.info(
+            "event=recovered run=%s window=%d source=%s steps=%d..%d replayed=%d bytes=%d seconds=%.3f rejected=%s: "
+            "every replayed loss matched the original run bit for bit",
+            identity.run_id,
+            window.id,
+            found.get("source"),
+            rep.start_step,
+            rep.recovered_step,
+            rep.replayed_iterations,
+            rep.bytes_loaded,
+            report["total_seconds"],
+            rejected or "none",
+        )
+    return ResumeResult(window, rep.recovered_step, report)
 
 
-def sparse_to_dense(trainer: Replayable, window) -> RecoveryReport:
-    """Run the conversion for `window` (a committed `Window`) on a freshly built trainer."""
-    t_start = time.perf_counter()
-    if not window.committed:
-        raise ValueError(f"window {window.id} is not committed (slots missing or torn); use an older one")
-    access = StateAccess(trainer.model, trainer.optimizer)
-    init_optimizer_state(trainer.optimizer)
-    t0, w = window.start_step, window.plan.window
-    trainer.set_step(t0)
-    nbytes = load_window_slot(window.slots[0], access)
-    replay_s = 0.0
-    for i in range(1, w):
-        rec = window.log.get(t0 + i)
-        r0 = time.perf_counter()
-        res = trainer.train_step(Replay.of(rec))
-        replay_s += time.perf_counter() - r0
-        if not torch.equal(res.loss, rec.loss):
-            raise ReplayDivergence(
-                f"replay of iteration {t0 + i} (window {window.id}, replay {i} of {w - 1}) gave loss "
-                f"{res.loss.item()!r}, the original run logged {rec.loss.item()!r}. Likely causes (most usual "
-                "first): randomness outside torch's CPU generator (random.random(), numpy or an RNG of your own "
-                "inside forward), state the checkpoint does not capture (a non-persistent buffer or a Python "
-                "attribute that changes during training), a non-deterministic kernel or a different thread count, "
-                "or a model/data/world size other than the run that wrote the window. The window is not loaded")
-        nbytes += load_window_slot(window.slots[i], access)
-        faults.point("recovery")
-    trainer.set_step(t0 + w - 1)
-    rep = RecoveryReport(window.id, w, t0, t0 + w - 1, w - 1, nbytes, time.perf_counter() - t_start, replay_s)
-    log.debug("recovered %s", rep.to_dict())
-    return rep
+def _identity_of(tiers: Tiers, window_id: int) -> dict | None:
+    try:
+        return tiers.host.manifest(window_id).identity
+    except (OSError, ValueError):
+        return None
+
+
+def _no_window(found: dict, tiers: Tiers, identity: RunIdentity, rank: int, on_unusable: str) -> None:
+    """Say why nothing was recovered; refuse (one line) when every window there belongs to another run, and
+    (by default) when windows exist but every one was rejected: restarting from step 0 would overwrite them."""
+    rejected = {w: why for w, why in found.get("unusable_copies", {}).items()}
+    for w, per_rank in found.get("rejected", {}).items():
+        rejected.setdefault(w, next(iter(per_rank.values())))
+    foreign = [why.split("identity: ", 1)[1] for why in rejected.values() if "identity: " in why]
+    # Agreed, so that every rank refuses or none does (a rank that went on alone would hang its peers).
+    refuse = [f for f in all_gather_objects(foreign[-1] if foreign and len(foreign) == len(rejected) else None) if f]
+    if refuse:
+        raise IdentityMismatch(refusal(identity.run_id, foreign[-1] if foreign else refuse[0]))
+    # "no usable window" is the same on every rank (tiers.py gathers every rank's damaged copies): agreed.
+    if found.get("outcome") == "no usable window":
+        windows = _rejected_windows(found)
+        if on_unusable != "restart":
+            raise UnusableCheckpointError(unusable_message(identity.run_id, tiers.host.dir, windows))
+        if rank == 0:
+            log.warning(
+                "event=no_usable_window run=%s run_dir=%s: windows exist but every one was rejected (%s); "
+                "on_unusable_checkpoint='restart': a new run starts from step 0 and overwrites them",
+                identity.run_id,
+                tiers.host.dir,
+                _listing(windows, "; "),
+            )
+    elif rank == 0:
+        log.info(
+            "event=no_window run=%s run_dir=%s: nothing to recover, a new run starts", identity.run_id, tiers.host.dir
+        )
+
+
+def _rejected_windows(found: dict) -> dict[int, dict[str, list]]:
+    """window -> {reason: [ranks]}: every rank's damaged copies and every window rejected by agreement."""
+    out: dict[int, dict[str, list]] = {}
+    by_rank = found.get("unusable_by_rank") or {"this rank": found.get("unusable_copies", {})}
+    for r, copies in by_rank.items():
+        for w, why in copies.items():
+            out.setdefault(w, {}).setdefault(why, []).append(r)
+    for w, per_rank in found.get("rejected", {}).items():
+        for r, why in per_rank.items():
+            out.setdefault(w, {}).setdefault(why, []).append(r)
+    return out
+
+
+MAX_LISTED = 6  # windows listed in a message; the rest are counted (a reason is never cut)
+
+
+def _listing(windows: dict[int, dict[str, list]], sep: str) -> str:
+    ids = sorted(windows, reverse=True)
+    parts = []
+    for w in ids[:MAX_LISTED]:
+        whys = [
+            f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: {why}" if ranks != ["this rank"] else why
+            for why, ranks in windows[w].items()
+        ]
+        parts.append(f"window {w}: " + " | ".join(whys[:2]) + (f" (+{len(whys) - 2} more)" if len(whys) > 2 else ""))
+    if len(ids) > MAX_LISTED:
+        parts.append(f"... and {len(ids) - MAX_LISTED} older window(s): {', '.join(map(str, ids[MAX_LISTED:]))}")
+    return sep.join(parts)
+
+
+def unusable_message(run_id: str | None, run_dir, windows: dict[int, dict[str, list]]) -> str:
+    """The refusal: each window and why, the likely cause, and how to start over deliberately."""
+    text = " ".join(why for whys in windows.values() for why in whys)
+    if "ReplayDivergence" in text:
+        cause = (
+            "a replay did not reproduce the logged loss: the step function depends on something the checkpoint "
+            "does not capture, most often randomness outside torch's CPU generator (random.random(), numpy, "
+            "an RNG of your own inside forward: draw it from torch instead), a non-persistent buffer or Python "
+            "attribute that changes during training, or a non-deterministic kernel; fix that and the next run's "
+            "windows replay exactly"
+        )
+    else:
+        cause = (
+            "the copies are damaged (a corrupt or torn file, e.g. a disk or memory error, or files changed "
+            "after they were written); every tier that holds the window was tried"
+        )
+    listed = _listing(windows, "\n  ")
+    return (
+        f"run id {run_id!r} has checkpoint windows in {run_dir} but every one was rejected; refusing to "
+        f"resume (starting over from step 0 would overwrite them):\n  {listed}\n"
+        f"Cause: {cause}.\nTo start over deliberately: start this job with a new run id (TierConfig(run_id=...), "
+        "[sparse_checkpoint] run_id), or set on_unusable_checkpoint='restart' (CheckpointConfig, "
+        '[sparse_checkpoint] on_unusable_checkpoint = "restart"), which starts from step 0 and overwrites these '
+        "windows. Nothing was deleted or overwritten."
+    )
+
+
+def _params(trainer) -> list:
+    return [p for g in trainer.optimizer.param_groups for p in g["params"]]
+
+
+def _snapshot(trainer) -> tuple[list, dict]:
+    """A host-memory copy of what a replay changes: parameters, buffers, optimizer state (taken once per
+    recovery, in host memory so that a GPU run does not need twice its state on the device)."""
+    m, o = trainer.model, trainer.optimizer
+    tensors = [_host(t) for t in [*m.parameters(), *m.buffers()]]
+    state = {
+        id(p): {k: _host(v) if torch.is_tensor(v) else v for k, v in o.state[p].items()}
+        for p in _params(trainer)
+        if p in o.state
+    }
+    return tensors, state
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+@torch.no_grad()
+def _restore(trainer, saved: tuple[list, dict]) -> None:
+    tensors, state = saved
+    m, o = trainer.model, trainer.optimizer
+    for t, s in zip([*m.parameters(), *m.buffers()], tensors):
+        t.copy_(s)
+    for p in _params(trainer):
+        if p not in o.state:
+            continue
+        st, was = o.state[p], state.get(id(p))
+        for k, v in st.items():
+            if torch.is_tensor(v):  # state created by the recovery attempt: back to a fresh optimizer's zeros
+                v.copy_(was[k]) if was is not None and k in was else v.zero_()
+    trainer.set_step(0)

@@ -6,6 +6,7 @@ is kept so that every replayed iteration is checked bit-for-bit against the orig
 
 Replay applies the *logged* learning rates (every param group), not the schedule's: a run extended with more
 steps or a changed schedule has another schedule now, but the iterations being replayed used the old one."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,25 +18,35 @@ from torch.utils._pytree import tree_leaves
 @dataclass
 class IterationRecord:
     step: int
-    tokens: object             # the batch this rank trained on: a tensor or any pytree of tensors
-    grad_norm: torch.Tensor    # global gradient norm before clipping (fp32 scalar)
-    lr: float                  # learning rate applied in this step
-    loss: torch.Tensor         # this rank's loss, to verify the replay
-    rng_state: torch.Tensor    # CPU RNG state at the start of the step
-    loss_scale: float = 1.0    # no dynamic loss scaling in fp32/bf16 training; kept for fp16 users
+    tokens: object  # the batch this rank trained on: a tensor or any pytree of tensors
+    grad_norm: torch.Tensor  # global gradient norm before clipping (fp32 scalar)
+    lr: float  # learning rate applied in this step
+    loss: torch.Tensor  # this rank's loss, to verify the replay
+    rng_state: torch.Tensor  # CPU RNG state at the start of the step
+    loss_scale: float = 1.0  # no dynamic loss scaling in fp32/bf16 training; kept for fp16 users
     lrs: tuple[float, ...] | None = None  # every param group's LR in this step (None: all groups used `lr`)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in tree_leaves(
-            (self.tokens, self.grad_norm, self.loss, self.rng_state)) if torch.is_tensor(t))
+        return sum(
+            t.numel() * t.element_size()
+            for t in tree_leaves((self.tokens, self.grad_norm, self.loss, self.rng_state))
+            if torch.is_tensor(t)
+        )
 
     def to_dict(self) -> dict:
-        return {"step": self.step, "tokens": self.tokens, "grad_norm": self.grad_norm, "lr": self.lr,
-                "loss": self.loss, "rng_state": self.rng_state, "loss_scale": self.loss_scale,
-                "lrs": None if self.lrs is None else list(self.lrs)}
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "grad_norm": self.grad_norm,
+            "lr": self.lr,
+            "loss": self.loss,
+            "rng_state": self.rng_state,
+            "loss_scale": self.loss_scale,
+            "lrs": None if self.lrs is None else list(self.lrs),
+        }
 
     @staticmethod
-    def from_dict(d: dict) -> "IterationRecord":
+    def from_dict(d: dict) -> IterationRecord:
         d = dict(d)
         if d.get("lrs") is not None:
             d["lrs"] = tuple(d["lrs"])
@@ -45,13 +56,14 @@ class IterationRecord:
 @dataclass
 class Replay:
     """What a trainer must reuse, instead of recompute, when it replays an iteration."""
+
     tokens: object
     grad_norm: torch.Tensor
     rng_state: torch.Tensor
-    lrs: tuple[float, ...] = ()   # the LR of each param group in the original iteration
+    lrs: tuple[float, ...] = ()  # the LR of each param group in the original iteration
 
     @staticmethod
-    def of(rec: IterationRecord) -> "Replay":
+    def of(rec: IterationRecord) -> Replay:
         return Replay(rec.tokens, rec.grad_norm, rec.rng_state, rec.lrs if rec.lrs is not None else (rec.lr,))
 
     def apply_lrs(self, optimizer: torch.optim.Optimizer) -> None:

@@ -13,10 +13,12 @@ Probabilities are the router's `[..., E]` output per token: normalised to sum 1 
 are dropped. Counting skips eval-mode forwards and activation-checkpoint recomputation in backward. No
 collectives here: `take()` returns this rank's counts; the caller all-reduces.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,8 +31,17 @@ __all__ = ["RouterCounter", "TOP_K_KEYS"]
 log = logging.getLogger(__name__)
 
 # Where families keep the number of experts per token (module attributes and config fields).
-TOP_K_KEYS = ("num_experts_per_tok", "top_k", "moe_topk", "moe_k", "num_experts_per_token", "top_k_experts",
-              "moe_top_k", "topk", "k")
+TOP_K_KEYS = (
+    "num_experts_per_tok",
+    "top_k",
+    "moe_topk",
+    "moe_k",
+    "num_experts_per_token",
+    "top_k_experts",
+    "moe_top_k",
+    "topk",
+    "k",
+)
 
 
 def _config_k(model: nn.Module) -> int | None:
@@ -101,8 +112,11 @@ class RouterCounter:
             layer = _Layer(row, experts[moe], k)
             self._hooks.append(module.register_forward_hook(self._hook(layer)))
         if self.unhooked:
-            log.warning("routed-token counts unavailable (no router module) for MoE layers %s: their experts "
-                        "are ordered as equally popular", self.unhooked)
+            log.warning(
+                "routed-token counts unavailable (no router module) for MoE layers %s: their experts "
+                "are ordered as equally popular",
+                self.unhooked,
+            )
 
     def _hook(self, layer: _Layer):
         def hook(module: nn.Module, args, output) -> None:
@@ -110,6 +124,7 @@ class RouterCounter:
                 return  # evaluation, or activation checkpointing recomputing the forward in backward
             with torch.no_grad():
                 self._count(layer, [t.to_local() if isinstance(t, DTensor) else t for t in _tensors(output)])
+
         return hook
 
     def _count(self, layer: _Layer, outs: list[torch.Tensor]) -> None:
@@ -118,8 +133,14 @@ class RouterCounter:
         scores.sort(key=lambda t: t.shape[-1] != e)  # exactly E columns first, then E + extra experts
         # Selected experts come as [..., k] (a 1-D int output is a permutation or a count, not a choice).
         width = scores[0].shape[-1] if scores else e
-        ids = next((t for t in outs if not t.is_floating_point() and t.dtype != torch.bool and t.dim() >= 2
-                    and 1 <= t.shape[-1] <= width), None)
+        ids = next(
+            (
+                t
+                for t in outs
+                if not t.is_floating_point() and t.dtype != torch.bool and t.dim() >= 2 and 1 <= t.shape[-1] <= width
+            ),
+            None,
+        )
         score = scores[0].reshape(-1, scores[0].shape[-1]).float() if scores else None
         if ids is None:
             if score is None:
@@ -129,14 +150,18 @@ class RouterCounter:
                 k = 1
                 if not layer.warned:
                     layer.warned = True
-                    log.warning("router of MoE layer %d returns no expert indices and no top-k is known: "
-                                "counting its top-1 expert (pass RouterCounter(top_k=...))", layer.row)
+                    log.warning(
+                        "router of MoE layer %d returns no expert indices and no top-k is known: "
+                        "counting its top-1 expert (pass RouterCounter(top_k=...))",
+                        layer.row,
+                    )
             ids = score.topk(min(k, score.shape[-1]), dim=-1).indices
         # Ids outside [0, E) (dropped tokens, zero experts) go to a spare bin; scatter_add: no host sync.
         ids = ids.reshape(-1).long()
         ids = torch.where((ids >= 0) & (ids < e), ids, e)
         counts = torch.zeros(e + 1, dtype=torch.float64, device=ids.device).scatter_add_(
-            0, ids, torch.ones_like(ids, dtype=torch.float64))[:e]
+            0, ids, torch.ones_like(ids, dtype=torch.float64)
+        )[:e]
         if self.counts.device != counts.device:  # accumulate where the router runs: no host sync per layer
             self.counts, self.probs = self.counts.to(counts.device), self.probs.to(counts.device)
         self.counts[layer.row, :e] += counts

@@ -4,6 +4,7 @@ Operators arrive in checkpoint order. Slot i copies the full state of its active
 weights of every operator after it; operators before it cost nothing. The paper prices only the first
 slot with uniform operator sizes; here every slot is priced with the real sizes and the worst one counts.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,8 @@ log = logging.getLogger("torchmoe_ckpt.schedule")
 
 @dataclass(frozen=True)
 class SlotPlan:
-    active: tuple[str, ...]   # full state (master + optimizer) copied in this slot
-    frozen: tuple[str, ...]   # operators after `active`: only compute weights copied
+    active: tuple[str, ...]  # full state (master + optimizer) copied in this slot
+    frozen: tuple[str, ...]  # operators after `active`: only compute weights copied
     bytes: int
 
 
@@ -46,22 +47,30 @@ class WindowPlan:
         raise KeyError(f"operator {op!r} is not in this plan")
 
     def to_dict(self) -> dict:
-        return {"budget_bytes": self.budget_bytes if math.isfinite(self.budget_bytes) else None, "fits": self.fits,
-                "order": list(self.order),
-                "slots": [{"active": list(s.active), "frozen": list(s.frozen), "bytes": s.bytes} for s in self.slots]}
+        return {
+            "budget_bytes": self.budget_bytes if math.isfinite(self.budget_bytes) else None,
+            "fits": self.fits,
+            "order": list(self.order),
+            "slots": [{"active": list(s.active), "frozen": list(s.frozen), "bytes": s.bytes} for s in self.slots],
+        }
 
     @staticmethod
-    def from_dict(d: dict) -> "WindowPlan":
+    def from_dict(d: dict) -> WindowPlan:
         budget = float("inf") if d["budget_bytes"] is None else float(d["budget_bytes"])
-        return WindowPlan(tuple(SlotPlan(tuple(s["active"]), tuple(s["frozen"]), int(s["bytes"])) for s in d["slots"]),
-                          budget, bool(d["fits"]), tuple(d["order"]))
+        return WindowPlan(
+            tuple(SlotPlan(tuple(s["active"]), tuple(s["frozen"]), int(s["bytes"])) for s in d["slots"]),
+            budget,
+            bool(d["fits"]),
+            tuple(d["order"]),
+        )
 
 
 def copy_budget(t_iter_s: float, bandwidth_bytes_per_s: float, overlap: float = 1.0) -> float:
     """Bytes one slot may copy while one iteration runs."""
     if not (t_iter_s > 0 and bandwidth_bytes_per_s > 0 and overlap > 0):
-        raise ValueError(f"budget needs positive T_iter, bandwidth and overlap; got {t_iter_s}, "
-                         f"{bandwidth_bytes_per_s}, {overlap}")
+        raise ValueError(
+            f"budget needs positive T_iter, bandwidth and overlap; got {t_iter_s}, {bandwidth_bytes_per_s}, {overlap}"
+        )
     return t_iter_s * bandwidth_bytes_per_s * overlap
 
 
@@ -114,9 +123,15 @@ def _check_sizes(order: list[str], full: dict[str, int], comp: dict[str, int]) -
             raise ValueError(f"operator {o!r}: need 0 <= compute_bytes <= full_bytes, got {c} and {f}")
 
 
-def plan_window(order: list[str], full_bytes: dict[str, int], compute_bytes: dict[str, int],
-                budget_bytes: float, forced_window: int | None = None, warn: bool = True,
-                auto_window: int | None = None) -> WindowPlan:
+def plan_window(
+    order: list[str],
+    full_bytes: dict[str, int],
+    compute_bytes: dict[str, int],
+    budget_bytes: float,
+    forced_window: int | None = None,
+    warn: bool = True,
+    auto_window: int | None = None,
+) -> WindowPlan:
     """Plan one window over `order` (already in checkpoint order).
 
     Slot i costs the full bytes of its active set plus the compute bytes of every operator after it.
@@ -145,21 +160,30 @@ def plan_window(order: list[str], full_bytes: dict[str, int], compute_bytes: dic
         ends = _greedy_ends(order, full_bytes, compute_bytes, budget_bytes)
     else:
         if not isinstance(forced_window, numbers.Integral) or not 1 <= forced_window <= n:
-            raise ValueError(f"window {forced_window!r} is impossible with {n} operators: use 1..{n} or "
-                             "auto (None)")
+            raise ValueError(f"window {forced_window!r} is impossible with {n} operators: use 1..{n} or auto (None)")
         ends = _forced_ends(order, full_bytes, compute_bytes, int(forced_window))
     slots = _slots_from_ends(order, ends, full_bytes, compute_bytes)
     fits = all(s.bytes <= budget_bytes for s in slots)
     if not fits and warn:  # one message per call, naming the worst slot, however many slots are over
         i, worst = max(enumerate(slots), key=lambda x: x[1].bytes)
         names = ", ".join(worst.active[:3]) + (", ..." if len(worst.active) > 3 else "")
-        fix = "a larger forced window or auto (None)" if forced_window is not None and auto_window is None else (
-            "set a forced window to accept the wait")
-        # "do not fit the copy budget" is matched by tests/test_recovery.py: keep the phrase.
-        log.warning("sparse checkpoint slots do not fit the copy budget: slot %d of W=%d (active: %s) copies %d "
-                    "bytes, over the budget of %.0f bytes per iteration, so training will wait for the copy. Raise "
-                    "the copy budget (overlap, bandwidth or iteration time) or %s.", i, len(slots), names,
-                    worst.bytes, budget_bytes, fix)
+        fix = (
+            "a larger forced window or auto (None)"
+            if forced_window is not None and auto_window is None
+            else ("set a forced window to accept the wait")
+        )
+        # "do not fit the copy budget" is matched by tests/distributed/test_recovery.py: keep the phrase.
+        log.warning(
+            "sparse checkpoint slots do not fit the copy budget: slot %d of W=%d (active: %s) copies %d "
+            "bytes, over the budget of %.0f bytes per iteration, so training will wait for the copy. Raise "
+            "the copy budget (overlap, bandwidth or iteration time) or %s.",
+            i,
+            len(slots),
+            names,
+            worst.bytes,
+            budget_bytes,
+            fix,
+        )
     return WindowPlan(tuple(slots), float(budget_bytes), fits, tuple(order))
 
 
@@ -223,8 +247,14 @@ class CopyCost:
         return copy_budget(self.t_iter, self.bytes_per_s, overlap)
 
 
-def choose_window(order: list[str], full: dict[str, int], comp: dict[str, int], budget_bytes: float,
-                  current: int | None = None, hysteresis: float = 0.15) -> int:
+def choose_window(
+    order: list[str],
+    full: dict[str, int],
+    comp: dict[str, int],
+    budget_bytes: float,
+    current: int | None = None,
+    hysteresis: float = 0.15,
+) -> int:
     """The smallest W whose greedy slots fit `budget_bytes` (Algorithm 1). Against `current` (the W in use), a
     larger W is taken at once (the copies got dearer), a smaller one only if it fits with `hysteresis` to spare,
     so measurement noise does not flip W (and the slot buffers with it) at every window. A budget no W can meet

@@ -11,6 +11,7 @@ shared by the experts sliced from that tensor). Slots built here hold the same i
     slots = pool.build(plan)        # reuses given-back groups, allocates the rest once
     pool.give_back(old_window.slots)  # after that window can no longer be recovered from
 """
+
 from __future__ import annotations
 
 import weakref
@@ -64,7 +65,7 @@ class SlotPool:
             self._groups[id(slot)] = (weakref.ref(slot), groups, total)
             slots.append(slot)
         for key, free in self._free.items():
-            del free[need.get(key, 0):]
+            del free[need.get(key, 0) :]
         return slots
 
     def give_back(self, slots: list[Slot]) -> None:
@@ -119,9 +120,11 @@ class SlotPool:
             elif pc.numel == 0:  # uneven sharding left this rank no elements (its step counter is its own group)
                 continue
             elif form == "full":
-                out += [(f"model.{pc.fqn}", "master", pc, pc.shape, torch.float32),
-                        (f"optim.{pc.fqn}.exp_avg", "exp_avg", pc, pc.shape, torch.float32),
-                        (f"optim.{pc.fqn}.exp_avg_sq", "exp_avg_sq", pc, pc.shape, torch.float32)]
+                out += [
+                    (f"model.{pc.fqn}", "master", pc, pc.shape, torch.float32),
+                    (f"optim.{pc.fqn}.exp_avg", "exp_avg", pc, pc.shape, torch.float32),
+                    (f"optim.{pc.fqn}.exp_avg_sq", "exp_avg_sq", pc, pc.shape, torch.float32),
+                ]
             else:
                 out.append((f"compute.{pc.fqn}", "compute", pc, pc.shape, self.compute_dtype))
         self._specs[(form, name)] = out

@@ -8,20 +8,22 @@ its DCP identity (key, global offsets, global size), so storage tiers write it w
 The copy runs off the training thread: on CPU a worker thread, on CUDA pinned buffers and a side stream.
 The training thread waits only when the next update would overwrite a source still being copied.
 """
+
 from __future__ import annotations
 
 import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
 
 from . import faults
 from .background import stop_at_exit
+from .errors import TorchmoeError
 from .operators import Operator, Piece, local_tensor
 
 ROLES_FULL = ("master", "exp_avg", "exp_avg_sq")
@@ -29,9 +31,9 @@ ROLES_FULL = ("master", "exp_avg", "exp_avg_sq")
 
 @dataclass
 class SlotItem:
-    key: str          # DCP fqn, e.g. "model.<param>", "optim.<param>.exp_avg", "compute.<param>"
-    role: str         # master | exp_avg | exp_avg_sq | step | compute | buffer
-    op: str           # owning operator
+    key: str  # DCP fqn, e.g. "model.<param>", "optim.<param>.exp_avg", "compute.<param>"
+    role: str  # master | exp_avg | exp_avg_sq | step | compute | buffer
+    op: str  # owning operator
     piece: Piece
     buffer: torch.Tensor
 
@@ -43,18 +45,25 @@ class SlotItem:
         """This item as a standard DCP WriteItem (a shard with global offsets)."""
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
         offsets = torch.Size(self.piece.global_offset if self.role != "step" else ())
         sizes = torch.Size(self.piece.shape if self.role != "step" else ())
         glob = torch.Size(self.piece.global_shape if self.role != "step" else ())
-        return WriteItem(index=MetadataIndex(self.key, offsets), type=WriteItemType.SHARD,
-                         tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, sizes),
-                                                     properties=TensorProperties.create_from_tensor(self.buffer),
-                                                     size=glob))
+        return WriteItem(
+            index=MetadataIndex(self.key, offsets),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets, sizes),
+                properties=TensorProperties.create_from_tensor(self.buffer),
+                size=glob,
+            ),
+        )
 
 
 @dataclass
 class Slot:
     """One slot's host buffers. `step` is the training iteration whose post-update state it holds."""
+
     index: int
     active: tuple[str, ...]
     frozen: tuple[str, ...]
@@ -98,14 +107,21 @@ class StateAccess:
         return local_tensor(state[item.role])[piece.local_slices]
 
 
-def build_slot(index: int, active: tuple[str, ...], frozen: tuple[str, ...], ops: dict[str, Operator],
-               compute_dtype: torch.dtype, pin_memory: bool = False,
-               alloc: Callable[[tuple, torch.dtype], torch.Tensor] | None = None) -> Slot:
+def build_slot(
+    index: int,
+    active: tuple[str, ...],
+    frozen: tuple[str, ...],
+    ops: dict[str, Operator],
+    compute_dtype: torch.dtype,
+    pin_memory: bool = False,
+    alloc: Callable[[tuple, torch.dtype], torch.Tensor] | None = None,
+) -> Slot:
     """Allocate the host buffers of one slot (done once per window plan, then reused). `alloc(shape, dtype)`
     replaces the allocator (meta tensors: the slot's layout without memory, as DCP planners use it)."""
     items: list[SlotItem] = []
     seen_steps: set[str] = set()
     if alloc is None:
+
         def alloc(shape, dtype) -> torch.Tensor:
             return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
 
@@ -129,13 +145,16 @@ def build_slot(index: int, active: tuple[str, ...], frozen: tuple[str, ...], ops
         for pc in ops[name].pieces:
             if pc.numel == 0:
                 continue
-            role, dtype, key = ("compute", compute_dtype, f"compute.{pc.fqn}") if pc.is_param else \
-                ("buffer", pc.dtype, f"model.{pc.fqn}")
+            role, dtype, key = (
+                ("compute", compute_dtype, f"compute.{pc.fqn}")
+                if pc.is_param
+                else ("buffer", pc.dtype, f"model.{pc.fqn}")
+            )
             items.append(SlotItem(key, role, name, pc, alloc(pc.shape, dtype)))
     return Slot(index, tuple(active), tuple(frozen), items)
 
 
-class SimulatedCopyFault(RuntimeError):
+class SimulatedCopyFault(TorchmoeError, RuntimeError):
     """Raised by the fault hook to tear a slot copy in the middle (failure-injection tests)."""
 
 
@@ -173,7 +192,8 @@ class SnapshotEngine:
         # and optimizer's tensors are the same storage (a new optimizer state or a reload changes the key).
         acc = self.access
         key = tuple(local_tensor(t).data_ptr() for t in acc.params.values()) + tuple(
-            local_tensor(v).data_ptr() for st in acc.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+            local_tensor(v).data_ptr() for st in acc.optimizer.state.values() for v in st.values() if torch.is_tensor(v)
+        )
         hit = self._sources.get(id(slot))
         if hit is None or hit[0]() is not slot or hit[1] != key:
             # A new plan (another W, a popularity reorder) brings new slots made of the same pieces: their views

@@ -1,7 +1,8 @@
 """What a user reads while a job runs: one status line per committed window, a warning when the object store
 fails or falls behind (once per change of state, and a line when it recovers), a summary at exit, and a line
 after a recovery. TorchTitan style: rank 0 speaks, other ranks log the same lines at DEBUG (a rank's own
-failure is logged by `tier_health.TierHealth` on that rank): a window line is rank 0's commit, not every rank's. Logger "torchmoe_ckpt", lines start "torchmoe:".
+failure is logged by `tier_health.TierHealth` on that rank): a window line is rank 0's commit, not every rank's.
+Logger "torchmoe_ckpt", lines start "torchmoe:".
 
     torchmoe: window 3 steps 7..8 bytes 2.3 MiB host ok peers 1/1 store uploaded (lag 0.08 s)
     torchmoe: window 4 steps 9..10 bytes 2.3 MiB host ok peers 1/1 store pending (2 behind, lag 6.1 s)
@@ -13,6 +14,7 @@ failure is logged by `tier_health.TierHealth` on that rank): a window line is ra
 A window's line waits for its upload while the store keeps up (so it can say "uploaded"); while the store is
 failing or behind it is printed at once with "pending". Thread-safe: the host-tier writer and the uploader call it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,15 +46,15 @@ class RunStatus:
         self.level = logging.INFO if rank == 0 else logging.DEBUG
         self.warn_level = logging.WARNING if rank == 0 else logging.DEBUG
         self.lines: deque[str] = deque(maxlen=256)  # the last lines said (tests, summaries); bounded for long runs
-        self.store_state = "ok"         # ok | failing | behind
+        self.store_state = "ok"  # ok | failing | behind
         # window -> (first step, last step, bytes) on host: the newest and those still waiting (bounded)
         self.committed: dict[int, tuple[int, int, int]] = {}
         self.committed_count = 0
         self.uploaded_count = 0
-        self.superseded_count = 0       # windows a newer one replaced in the upload queue (never uploaded)
-        self.pending: dict[int, float] = {}   # window -> when it was handed to the uploader
-        self._held: set[int] = set()          # window lines waiting for their upload
-        self._peers_ok: int | None = None     # k: peers this rank's copies went to (placement; r when None)
+        self.superseded_count = 0  # windows a newer one replaced in the upload queue (never uploaded)
+        self.pending: dict[int, float] = {}  # window -> when it was handed to the uploader
+        self._held: set[int] = set()  # window lines waiting for their upload
+        self._peers_ok: int | None = None  # k: peers this rank's copies went to (placement; r when None)
         self._fail_since: float | None = None
         self._failed_attempts = 0
         self._lock = threading.Lock()
@@ -101,9 +103,12 @@ class RunStatus:
                 self.say(self._window_line(wid, f"uploaded (lag {lag_s:.2f} s)"))
             if self.store_state == "failing":
                 took = time.monotonic() - (self._fail_since or time.monotonic())
-                self.say(f"object store back: window {wid} uploaded after {self._failed_attempts} failed attempt(s) "
-                         f"in {took:.1f} s; " + (f"catching up on {len(self.pending)} pending window(s)"
-                                                 if self.pending else "nothing pending"), self.warn_level)
+                self.say(
+                    f"object store back: window {wid} uploaded after {self._failed_attempts} failed attempt(s) "
+                    f"in {took:.1f} s; "
+                    + (f"catching up on {len(self.pending)} pending window(s)" if self.pending else "nothing pending"),
+                    self.warn_level,
+                )
             elif self.store_state == "behind" and not self.pending:
                 self.say(f"object store caught up: window {wid} uploaded (lag {lag_s:.2f} s)", self.warn_level)
             if self.store_state == "failing" or not self.pending:
@@ -117,9 +122,11 @@ class RunStatus:
             if self.store_state == "failing":
                 return
             self.store_state, self._fail_since = "failing", time.monotonic()
-            self.say(f"object store failing: {reason}; training goes on, windows stay in host memory "
-                     f"and are uploaded when the store is back (retrying every <= {max(retry_s, 0.5):.1f} s)",
-                     self.warn_level)
+            self.say(
+                f"object store failing: {reason}; training goes on, windows stay in host memory "
+                f"and are uploaded when the store is back (retrying every <= {max(retry_s, 0.5):.1f} s)",
+                self.warn_level,
+            )
 
     def superseded(self, wid: int, by: int) -> None:
         """Window `wid` was dropped from the upload queue: a newer one replaces it (the store is too slow)."""
@@ -130,9 +137,11 @@ class RunStatus:
             if self.store_state != "ok":
                 return
             self.store_state = "behind"
-            self.say(f"object store behind: window {wid} was superseded by window {by} before it was "
-                     f"uploaded (uploads are slower than training); the store keeps the newest windows",
-                     self.warn_level)
+            self.say(
+                f"object store behind: window {wid} was superseded by window {by} before it was "
+                f"uploaded (uploads are slower than training); the store keeps the newest windows",
+                self.warn_level,
+            )
 
     def _forget_old(self) -> None:
         newest = max(self.committed)
@@ -150,19 +159,28 @@ class RunStatus:
         with self._lock:
             self._release_held()
             newest = max(self.committed, default=None)
-            summ = {"windows_committed": self.committed_count, "newest": newest, "uploaded": self.uploaded_count,
-                    "pending": sorted(self.pending), "superseded": self.superseded_count,
-                    "waited_s": round(waited_s, 2), "wait_limit_s": wait_limit_s}
+            summ = {
+                "windows_committed": self.committed_count,
+                "newest": newest,
+                "uploaded": self.uploaded_count,
+                "pending": sorted(self.pending),
+                "superseded": self.superseded_count,
+                "waited_s": round(waited_s, 2),
+                "wait_limit_s": wait_limit_s,
+            }
             text = f"exit: {self.committed_count} window(s) committed"
             if newest is not None:
                 first, last, _ = self.committed[newest]
                 text += f" (newest {newest}, steps {first}..{last})"
             text += " on the host tier" + (f" {host_dir}" if host_dir else "")
             if not self.committed_count:  # nothing to resume from: a restart of this run would start over
-                self.say(text + ": nothing a restart could resume from. A window commits once all W iterations "
-                         "of it are copied and written, so the run was shorter than one window (fewer iterations "
-                         "than W, or it stopped before the copies finished) or every host-tier write failed (see "
-                         "the warnings above)", self.warn_level)
+                self.say(
+                    text + ": nothing a restart could resume from. A window commits once all W iterations "
+                    "of it are copied and written, so the run was shorter than one window (fewer iterations "
+                    "than W, or it stopped before the copies finished) or every host-tier write failed (see "
+                    "the warnings above)",
+                    self.warn_level,
+                )
                 return summ
             if self.store is None:
                 self.say(text)
@@ -172,11 +190,17 @@ class RunStatus:
                 self.say(text + ", none pending" + (f" (waited {waited_s:.1f} s)" if waited_s >= 0.05 else ""))
                 return summ
             label = "windows" if len(self.pending) > 1 else "window"
-            self.say(f"{text}, {len(self.pending)} pending ({label} {_ids(self.pending)}) after waiting "
-                     f"{waited_s:.1f} s of store_exit_wait_s = {wait_limit_s:g}; they are in host memory and a "
-                     f"run with the same run_id uploads them" + (f"; {self.superseded_count} older window(s) were "
-                     f"superseded by newer ones" if self.superseded_count else ""),
-                     logging.WARNING if self.rank == 0 else logging.DEBUG)
+            self.say(
+                f"{text}, {len(self.pending)} pending ({label} {_ids(self.pending)}) after waiting "
+                f"{waited_s:.1f} s of store_exit_wait_s = {wait_limit_s:g}; they are in host memory and a "
+                f"run with the same run_id uploads them"
+                + (
+                    f"; {self.superseded_count} older window(s) were superseded by newer ones"
+                    if self.superseded_count
+                    else ""
+                ),
+                logging.WARNING if self.rank == 0 else logging.DEBUG,
+            )
             return summ
 
 
@@ -184,17 +208,28 @@ def recovery_line(report: dict) -> str:
     """The line a user reads after a recovery: which window, where the copy came from, and the exactness proof
     (recovery compares every replayed loss with the one the original run logged, bit for bit)."""
     src = str(report.get("source") or "?")  # "host", "peer N" or "object store" (dcp/tiers.py)
-    where = ("this node's host memory" if src == "host" else f"the host memory of rank {src.split()[1]}"
-             if src.startswith("peer ") else src)
+    where = (
+        "this node's host memory"
+        if src == "host"
+        else f"the host memory of rank {src.split()[1]}"
+        if src.startswith("peer ")
+        else src
+    )
     n = report.get("replayed_iterations", 0)
-    return (f"recovered step {report.get('recovered_step')} from window {report.get('window_id')} (copy from {where}), "
-            f"replayed {n} iteration(s) in {report.get('seconds', 0.0):.2f} s; every replayed loss matched the "
-            f"original run bit for bit")
+    return (
+        f"recovered step {report.get('recovered_step')} from window {report.get('window_id')} (copy from {where}), "
+        f"replayed {n} iteration(s) in {report.get('seconds', 0.0):.2f} s; every replayed loss matched the "
+        f"original run bit for bit"
+    )
 
 
 def log_recovery(report: dict, rank: int = 0) -> str:
     """Rank 0 says it; another rank too when its copy came from elsewhere than its own host memory."""
     text = recovery_line(report)
-    log.log(logging.INFO if rank == 0 or report.get("source") != "host" else logging.DEBUG, "torchmoe: %s%s",
-            "" if rank == 0 else f"rank {rank}: ", text)
+    log.log(
+        logging.INFO if rank == 0 or report.get("source") != "host" else logging.DEBUG,
+        "torchmoe: %s%s",
+        "" if rank == 0 else f"rank {rank}: ",
+        text,
+    )
     return text

@@ -23,6 +23,7 @@ Other exceptions (the scenario's simulated crashes) propagate unchanged.
 
 timeout_s=None switches the watchdog off: watch() then costs one attribute check.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -34,12 +35,12 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
-EXIT_HANG = 124              # like coreutils' timeout(1): "the command timed out"
+EXIT_HANG = 124  # like coreutils' timeout(1): "the command timed out"
 EXIT_COLLECTIVE_ERROR = 125  # torch.distributed raised inside a watched region
-ABORT_WAIT_S = 2.0           # how long the process-group abort may take before we exit regardless
+ABORT_WAIT_S = 2.0  # how long the process-group abort may take before we exit regardless
 
 # The stop guard: torchrun stops workers by killpg(SIGTERM), waits, then SIGKILLs -- and on a *restart*
 # torch 2.13 waits a fixed 30 s (LocalElasticAgent._stop_workers calls _shutdown() with its default;
@@ -77,8 +78,11 @@ def start_stop_guard(grace_s: float = 5.0) -> subprocess.Popen | None:
     that is how the guard receives the agent's killpg). Returns None elsewhere."""
     if os.name != "posix" or os.getpgrp() != os.getpid():
         return None
-    guard = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid()), str(grace_s),
-                              "tmoe-stop-guard"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+    guard = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", _GUARD, str(os.getpid()), str(grace_s), "tmoe-stop-guard"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+    )
     # Until its handlers are installed a SIGTERM would kill the guard alone: wait for it to say so.
     ready, _, _ = select.select([guard.stdout], [], [], 10.0)
     if not ready or guard.stdout.readline() != b"ready\n":
@@ -128,6 +132,7 @@ def abort_process_groups() -> str:
         if dist is None or not (dist.is_available() and dist.is_initialized()):
             return "no_pg"
         from torch.distributed import distributed_c10d as c10d
+
         fn = getattr(c10d, "_abort_process_group", None)
         if fn is not None:
             fn()
@@ -142,9 +147,18 @@ def abort_process_groups() -> str:
 
 
 class CollectiveWatchdog:
-    def __init__(self, timeout_s: float | None, *, rank: int | None = None, exit_code: int = EXIT_HANG,
-                 events_path: str | os.PathLike | None = None, dump_stacks: bool = True,
-                 abort: bool = True, exit_on_dist_error: bool = True, stop_guard_s: float | None = 5.0):
+    def __init__(
+        self,
+        timeout_s: float | None,
+        *,
+        rank: int | None = None,
+        exit_code: int = EXIT_HANG,
+        events_path: str | os.PathLike | None = None,
+        dump_stacks: bool = True,
+        abort: bool = True,
+        exit_on_dist_error: bool = True,
+        stop_guard_s: float | None = 5.0,
+    ):
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"watchdog timeout_s must be > 0 or None (off), got {timeout_s}")
         self.timeout_s = timeout_s
@@ -192,8 +206,13 @@ class CollectiveWatchdog:
         except BaseException as exc:
             if self.exit_on_dist_error and _is_dist_error(exc):
                 _write(2, "".join(traceback.format_exception(exc)))  # os._exit below skips Python's report
-                self._fail("collective_error", op, time.monotonic() - start, EXIT_COLLECTIVE_ERROR,
-                           error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+                self._fail(
+                    "collective_error",
+                    op,
+                    time.monotonic() - start,
+                    EXIT_COLLECTIVE_ERROR,
+                    error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
+                )
             raise
         finally:
             with self._cv:
@@ -202,9 +221,13 @@ class CollectiveWatchdog:
                 self.max_region_s = max(self.max_region_s, time.monotonic() - start)
 
     def stats(self) -> dict:
-        return {"timeout_s": self.timeout_s, "regions_watched": self.regions,
-                "max_region_s": round(self.max_region_s, 4), "hangs_detected": self.hangs_detected,
-                "last_detect_s": self.last_detect_s}
+        return {
+            "timeout_s": self.timeout_s,
+            "regions_watched": self.regions,
+            "max_region_s": round(self.max_region_s, 4),
+            "hangs_detected": self.hangs_detected,
+            "last_detect_s": self.last_detect_s,
+        }
 
     def close(self) -> None:
         with self._cv:
@@ -243,14 +266,26 @@ class CollectiveWatchdog:
         self.hangs_detected += event == "hang"
         self.last_detect_s = round(waited, 4)
         rank = self.rank if self.rank is not None else _rank()
-        rec = {"event": event, "rank": rank, "op": op, "waited_s": round(waited, 3), "timeout_s": self.timeout_s,
-               "pid": os.getpid(), "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-               "exit_code": code}
+        rec = {
+            "event": event,
+            "rank": rank,
+            "op": op,
+            "waited_s": round(waited, 3),
+            "timeout_s": self.timeout_s,
+            "pid": os.getpid(),
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "exit_code": code,
+        }
         if error:
             rec["error"] = error
         # os.write on fd 2, not logging/print: another thread may hold the stream's lock while stuck
-        _write(2, " ".join(f"{k}={json.dumps(v) if isinstance(v, str) and (' ' in v or not v) else v}"
-                           for k, v in rec.items()) + "\n")
+        _write(
+            2,
+            " ".join(
+                f"{k}={json.dumps(v) if isinstance(v, str) and (' ' in v or not v) else v}" for k, v in rec.items()
+            )
+            + "\n",
+        )
         if self.events_path:
             try:
                 fd = os.open(self.events_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -281,7 +316,7 @@ class CollectiveWatchdog:
 def _write(fd: int, text: str) -> None:
     data = text.encode()
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
 def read_events(path: str | os.PathLike | None) -> list[dict]:

@@ -18,6 +18,7 @@ ours through the same runner. Per system: bytes per checkpoint, training-thread 
 step-time overhead vs no checkpointing, recovery seconds, iterations lost, tokens lost (lossy) and whether
 the final state equals the fault-free run's (torch.equal on every tensor of every rank).
 """
+
 from __future__ import annotations
 
 import json
@@ -42,9 +43,21 @@ MODELS = {
     # tiny: mixed precision (bf16 compute, fp32 master) as in the paper; cpu-large: fp32 (bf16 GEMMs are
     # very slow on this AVX2-only CPU), where compute weights cost 4 bytes/parameter instead of 2.
     "tiny": {"model": {}, "batch_size": 2, "seq_len": 16, "steps": 30, "dtype": "bf16"},
-    "cpu-large": {"model": {"vocab_size": 1024, "dim": 128, "n_layers": 4, "n_heads": 4, "num_experts": 8,
-                            "expert_hidden": 256, "max_seq_len": 64},
-                  "batch_size": 4, "seq_len": 64, "steps": 16, "dtype": "fp32"},
+    "cpu-large": {
+        "model": {
+            "vocab_size": 1024,
+            "dim": 128,
+            "n_layers": 4,
+            "n_heads": 4,
+            "num_experts": 8,
+            "expert_hidden": 256,
+            "max_seq_len": 64,
+        },
+        "batch_size": 4,
+        "seq_len": 64,
+        "steps": 16,
+        "dtype": "fp32",
+    },
 }
 WARMUP = 3
 FORCED_W = 4
@@ -65,8 +78,13 @@ def _median_step(report: dict) -> float:
 
 def bench_model(name: str, nproc: int, overlap: float, out: Path, say, baselines: bool = True) -> dict:
     m = MODELS[name]
-    run = {"steps": m["steps"], "batch_size": m["batch_size"], "seq_len": m["seq_len"], "model": m["model"],
-           "dtype": m["dtype"]}
+    run = {
+        "steps": m["steps"],
+        "batch_size": m["batch_size"],
+        "seq_len": m["seq_len"],
+        "model": m["model"],
+        "dtype": m["dtype"],
+    }
     fail = [{"step": m["steps"] - 1, "phase": "update"}]  # one failure late in the run, to time recovery
     shm = Path(tempfile.mkdtemp(prefix="tmoe-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     runs = {
@@ -76,10 +94,17 @@ def bench_model(name: str, nproc: int, overlap: float, out: Path, say, baselines
         "sparse_auto": {"run": run, "checkpoint": {"window": None, "overlap": overlap}, "failures": fail},
         f"sparse_W{FORCED_W}": {"run": run, "checkpoint": {"window": FORCED_W}, "failures": fail},
         # host tier + one peer copy per rank; each rank its own emulated node, so copies cross "nodes"
-        f"sparse_W{FORCED_W}_tiers": {"run": run, "checkpoint": {"window": FORCED_W},
-                                          "host_tier": {"root": str(shm), "run_id": name, "ranks_per_node": 1,
-                                                        "replicas": 1,
-                                                        "object_store": {"uri": f"file://{shm}/store"}}},
+        f"sparse_W{FORCED_W}_tiers": {
+            "run": run,
+            "checkpoint": {"window": FORCED_W},
+            "host_tier": {
+                "root": str(shm),
+                "run_id": name,
+                "ranks_per_node": 1,
+                "replicas": 1,
+                "object_store": {"uri": f"file://{shm}/store"},
+            },
+        },
     }
     reports = {}
     for key, spec in runs.items():
@@ -97,39 +122,62 @@ def bench_model(name: str, nproc: int, overlap: float, out: Path, say, baselines
         if ck:
             rec = (rep.get("recoveries") or [{}])[0]
             w = rec.get("window") or ck["windows"][-1]["W"]
-            row.update(window=w, wait_fraction=ck["wait_seconds_total"] / sum(rep["step_seconds"]),
-                       dense_bytes=ck["dense_bytes"], slot_bytes_ratio=ck["mean_slot_bytes"] / ck["dense_bytes"],
-                       worst_slot_bytes_ratio=ck["max_slot_bytes"] / ck["dense_bytes"])
+            row.update(
+                window=w,
+                wait_fraction=ck["wait_seconds_total"] / sum(rep["step_seconds"]),
+                dense_bytes=ck["dense_bytes"],
+                slot_bytes_ratio=ck["mean_slot_bytes"] / ck["dense_bytes"],
+                worst_slot_bytes_ratio=ck["max_slot_bytes"] / ck["dense_bytes"],
+            )
             if rec:
                 # against this run's own normal step time: separate runs differ by the machine's noise
-                row.update(recovery_s=rec["seconds"], replayed_iterations=rec["replayed_iterations"],
-                           replay_cost_ratio=rec["seconds"] / (w * t))
+                row.update(
+                    recovery_s=rec["seconds"],
+                    replayed_iterations=rec["replayed_iterations"],
+                    replay_cost_ratio=rec["seconds"] / (w * t),
+                )
             if ck.get("host_tier"):
                 ht = ck["host_tier"]
-                row.update(host_persist_lag_s=ht["lag_seconds_max"],
-                           host_bytes_per_iteration=ht["bytes_written"] / len(rep["step_seconds"]))
+                row.update(
+                    host_persist_lag_s=ht["lag_seconds_max"],
+                    host_bytes_per_iteration=ht["bytes_written"] / len(rep["step_seconds"]),
+                )
             if ck.get("object_store"):
-                row.update(upload_lag_s=ck["object_store"]["upload_lag_s_max"],
-                           upload_lag_s_per_window=ck["object_store"]["upload_lag_s"],
-                           upload_bytes_per_window=ck["object_store"]["bytes"] / max(1, ck["object_store"]["windows_uploaded"]))
+                row.update(
+                    upload_lag_s=ck["object_store"]["upload_lag_s_max"],
+                    upload_lag_s_per_window=ck["object_store"]["upload_lag_s"],
+                    upload_bytes_per_window=ck["object_store"]["bytes"]
+                    / max(1, ck["object_store"]["windows_uploaded"]),
+                )
             if ck.get("peers"):
-                row.update(replication_lag_s=ck["peers"]["replication_lag_s_max"],
-                           replication_lag_s_per_window=ck["peers"]["replication_lag_s"],
-                           peer_bytes_sent_per_window=ck["peers"]["bytes_sent"] / max(1, ck["peers"]["windows_replicated"]))
+                row.update(
+                    replication_lag_s=ck["peers"]["replication_lag_s_max"],
+                    replication_lag_s_per_window=ck["peers"]["replication_lag_s"],
+                    peer_bytes_sent_per_window=ck["peers"]["bytes_sent"] / max(1, ck["peers"]["windows_replicated"]),
+                )
         systems[key] = row
     main = systems[f"sparse_W{FORCED_W}"]
     return {
-        "model": name, "nproc": nproc, "dtype": m["dtype"], "steps": m["steps"], "baseline_step_s": t_base,
+        "model": name,
+        "nproc": nproc,
+        "dtype": m["dtype"],
+        "steps": m["steps"],
+        "baseline_step_s": t_base,
         "noise_fraction": abs(systems["baseline_repeat"]["step_s"] / t_base - 1.0),
-        "auto_window": systems["sparse_auto"]["window"], "overlap": overlap,
-        "window": FORCED_W, "slot_bytes_ratio": main["slot_bytes_ratio"],
-        "worst_slot_bytes_ratio": main["worst_slot_bytes_ratio"], "wait_fraction": main["wait_fraction"],
+        "auto_window": systems["sparse_auto"]["window"],
+        "overlap": overlap,
+        "window": FORCED_W,
+        "slot_bytes_ratio": main["slot_bytes_ratio"],
+        "worst_slot_bytes_ratio": main["worst_slot_bytes_ratio"],
+        "wait_fraction": main["wait_fraction"],
         "replay_cost_ratio": main["replay_cost_ratio"],
         "replication_lag_s": systems[f"sparse_W{FORCED_W}_tiers"].get("replication_lag_s"),
         "upload_lag_s": systems[f"sparse_W{FORCED_W}_tiers"].get("upload_lag_s"),
-        "goals": {"slot_bytes_ratio<=0.45": main["slot_bytes_ratio"] <= 0.45,
-                  "wait_fraction<=0.02": main["wait_fraction"] <= 0.02,
-                  "replay_cost_ratio<=1.0": main["replay_cost_ratio"] <= 1.0},
+        "goals": {
+            "slot_bytes_ratio<=0.45": main["slot_bytes_ratio"] <= 0.45,
+            "wait_fraction<=0.02": main["wait_fraction"] <= 0.02,
+            "replay_cost_ratio<=1.0": main["replay_cost_ratio"] <= 1.0,
+        },
         "systems": systems,
         "object_store_formats": formats,
         "baselines": bench_baselines(name, nproc, out, say) if baselines else None,
@@ -141,6 +189,7 @@ def bench_jit(out: Path, say) -> dict:
     data-parallel replicas (hsdp=2 on 2 ranks), window 4, rank 0 killed as iteration 8's backward starts.
     Lost = the failed iteration - the step the restart resumes from (the window alone: 8 - 4)."""
     from torchmoe_harness.launch import compare
+
     run, fail_at = {"steps": 10, "dtype": "fp32", "hsdp": 2}, 8
     shm = Path(tempfile.mkdtemp(prefix="tmoe-bench-jit-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     say("jit: fault-free reference, then one kill with and without JIT")
@@ -148,14 +197,34 @@ def bench_jit(out: Path, say) -> dict:
     res = {"failed_iteration": fail_at, "window": FORCED_W}
     for key, on in (("with_jit", True), ("without_jit", False)):
         (shm / key / "faults").mkdir(parents=True)
-        spec = {"run": run, "checkpoint": {"window": FORCED_W}, "resume": True, "jit": on, "timeout_s": 60,
-                "watchdog_timeout_s": 30, "host_tier": {"root": str(shm / key), "run_id": "jit"}}
-        r = run_torchrun(2, spec, out / "jit" / key, timeout=600, max_restarts=1, extra_env={
-            "TORCHMOE_FAULT": f"kill:point=backward:rank=0:step={fail_at}", "TORCHMOE_FAULT_STATE": str(shm / key / "faults")})
+        spec = {
+            "run": run,
+            "checkpoint": {"window": FORCED_W},
+            "resume": True,
+            "jit": on,
+            "timeout_s": 60,
+            "watchdog_timeout_s": 30,
+            "host_tier": {"root": str(shm / key), "run_id": "jit"},
+        }
+        r = run_torchrun(
+            2,
+            spec,
+            out / "jit" / key,
+            timeout=600,
+            max_restarts=1,
+            extra_env={
+                "TORCHMOE_FAULT": f"kill:point=backward:rank=0:step={fail_at}",
+                "TORCHMOE_FAULT_STATE": str(shm / key / "faults"),
+            },
+        )
         rec = r.report["recoveries"][-1]
-        res[key] = {"iterations_lost": fail_at - rec["recovered_step"], "source": rec.get("source"),
-                    "recovered_step": rec["recovered_step"], "restart_seconds": round(rec["restart_seconds"], 4),
-                    "exact": compare(r, ref).bit_exact}
+        res[key] = {
+            "iterations_lost": fail_at - rec["recovered_step"],
+            "source": rec.get("source"),
+            "recovered_step": rec["recovered_step"],
+            "restart_seconds": round(rec["restart_seconds"], 4),
+            "exact": compare(r, ref).bit_exact,
+        }
     shutil.rmtree(shm, ignore_errors=True)
     return res
 
@@ -167,6 +236,7 @@ def bench_formats(shm: Path, run_id: str, nproc: int) -> dict:
     from torchmoe_ckpt.dcp.host_tier import HostTier
     from torchmoe_harness.format_compare import compare_formats
     from torchmoe_harness.servers import create_bucket, moto_server
+
     tier = HostTier(shm / "node-0", run_id, 0, nproc)
     wid = tier.window_ids()[-1]
     res = {"window_id": wid, "file": compare_formats(tier, wid, f"file://{shm}/formats")}
@@ -180,13 +250,22 @@ def bench_baselines(name: str, nproc: int, out: Path, say) -> dict:
     """All baselines and ours in one torchrun start (phases), plus a fault-free reference for exactness."""
     from torchmoe_harness.baselines.runner import run_system
     from torchmoe_harness.launch import compare
+
     m = MODELS[name]
-    run = {"steps": m["steps"], "batch_size": m["batch_size"], "seq_len": m["seq_len"], "model": m["model"],
-           "dtype": m["dtype"]}
+    run = {
+        "steps": m["steps"],
+        "batch_size": m["batch_size"],
+        "seq_len": m["seq_len"],
+        "model": m["model"],
+        "dtype": m["dtype"],
+    }
     fail = [m["steps"] - 1]
     # no checkpointing first (exactness reference) and last: the first phase of a process runs colder
-    phases = [{"name": "none", "run": run}] + [{"name": k, "run": run, "system": v, "failures": fail}
-                                              for k, v in BASELINES.items()] + [{"name": "none_end", "run": run}]
+    phases = (
+        [{"name": "none", "run": run}]
+        + [{"name": k, "run": run, "system": v, "failures": fail} for k, v in BASELINES.items()]
+        + [{"name": "none_end", "run": run}]
+    )
     say(f"{name}: baselines ({', '.join(BASELINES)})")
     res = run_system(nproc, {"phases": phases}, out / name / "baselines", timeout=900)
     ref = res["none"]
@@ -199,13 +278,23 @@ def bench_baselines(name: str, nproc: int, out: Path, say) -> dict:
         t = _median_step(rep)
         cmp = compare(ref, res[key])
         rows[key] = {
-            "step_s": t, "overhead_fraction": t / t_ref - 1.0, "interval": ck.get("interval"),
-            "bytes_per_checkpoint": ck.get("bytes_per_checkpoint"), "checkpoints": ck.get("checkpoints"),
-            "wait_per_iteration_s": ck["wait_seconds_total"] / max(1, n), "wait_max_s": ck["wait_seconds_max"],
-            "recovery_s": rec["wall_seconds"], "recovered_step": rec["recovered_step"], "failed_at": rec["failed_at"],
-            "iterations_lost": rec["lost_iterations"], "replayed_iterations": rec.get("replayed_iterations", 0),
-            "tokens_lost": ck.get("tokens_lost", 0.0), "plt": ck.get("plt", 0.0), "exact": cmp.bit_exact,
-            "mismatched_tensors": len(cmp.mismatches)}
+            "step_s": t,
+            "overhead_fraction": t / t_ref - 1.0,
+            "interval": ck.get("interval"),
+            "bytes_per_checkpoint": ck.get("bytes_per_checkpoint"),
+            "checkpoints": ck.get("checkpoints"),
+            "wait_per_iteration_s": ck["wait_seconds_total"] / max(1, n),
+            "wait_max_s": ck["wait_seconds_max"],
+            "recovery_s": rec["wall_seconds"],
+            "recovered_step": rec["recovered_step"],
+            "failed_at": rec["failed_at"],
+            "iterations_lost": rec["lost_iterations"],
+            "replayed_iterations": rec.get("replayed_iterations", 0),
+            "tokens_lost": ck.get("tokens_lost", 0.0),
+            "plt": ck.get("plt", 0.0),
+            "exact": cmp.bit_exact,
+            "mismatched_tensors": len(cmp.mismatches),
+        }
         for extra in ("k", "k_history", "s_total", "export_s_max", "dense_bytes"):
             if extra in ck:
                 rows[key][extra] = ck[extra]
@@ -215,23 +304,31 @@ def bench_baselines(name: str, nproc: int, out: Path, say) -> dict:
 def report_markdown(res: dict) -> str:
     lines = [f"# torchmoe-ckpt bench ({res['machine']}, {res['nproc']} ranks)", ""]
     for r in res["models"]:
-        lines += [f"## {r['model']} ({r['dtype']} compute, {r['steps']} steps, baseline "
-                  f"{r['baseline_step_s'] * 1000:.1f} ms/step, run-to-run noise {r['noise_fraction']:.1%})", "",
-                  f"W={r['window']}: slot_bytes_ratio **{r['slot_bytes_ratio']:.3f}** (worst slot "
-                  f"{r['worst_slot_bytes_ratio']:.3f}), wait_fraction **{r['wait_fraction']:.4f}**, "
-                  f"replay_cost_ratio **{r['replay_cost_ratio']:.3f}**; auto W on this machine: {r['auto_window']}",
-                  "", "| system | W | step ms | overhead | wait fraction | slot/dense bytes | worst slot/dense | "
-                  "recovery s | replayed | replay cost ratio | host persist lag s | replication lag s | upload lag s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {r['model']} ({r['dtype']} compute, {r['steps']} steps, baseline "
+            f"{r['baseline_step_s'] * 1000:.1f} ms/step, run-to-run noise {r['noise_fraction']:.1%})",
+            "",
+            f"W={r['window']}: slot_bytes_ratio **{r['slot_bytes_ratio']:.3f}** (worst slot "
+            f"{r['worst_slot_bytes_ratio']:.3f}), wait_fraction **{r['wait_fraction']:.4f}**, "
+            f"replay_cost_ratio **{r['replay_cost_ratio']:.3f}**; auto W on this machine: {r['auto_window']}",
+            "",
+            "| system | W | step ms | overhead | wait fraction | slot/dense bytes | worst slot/dense | "
+            "recovery s | replayed | replay cost ratio | host persist lag s | replication lag s | upload lag s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for key, s in r["systems"].items():
+
             def f(k, fmt):
-                return format(s[k], fmt) if k in s else "-"
-            lines.append(f"| {key} | {s.get('window', '-')} | {s['step_s'] * 1000:.1f} | {s['overhead_fraction']:+.3f} | "
-                         f"{f('wait_fraction', '.4f')} | {f('slot_bytes_ratio', '.3f')} | "
-                         f"{f('worst_slot_bytes_ratio', '.3f')} | {f('recovery_s', '.3f')} | "
-                         f"{s.get('replayed_iterations', '-')} | {f('replay_cost_ratio', '.3f')} | "
-                         f"{f('host_persist_lag_s', '.3f')} | {f('replication_lag_s', '.3f')} | "
-                         f"{f('upload_lag_s', '.3f')} |")
+                return format(s[k], fmt) if k in s else "-"  # noqa: B023
+
+            lines.append(
+                f"| {key} | {s.get('window', '-')} | {s['step_s'] * 1000:.1f} | {s['overhead_fraction']:+.3f} | "
+                f"{f('wait_fraction', '.4f')} | {f('slot_bytes_ratio', '.3f')} | "
+                f"{f('worst_slot_bytes_ratio', '.3f')} | {f('recovery_s', '.3f')} | "
+                f"{s.get('replayed_iterations', '-')} | {f('replay_cost_ratio', '.3f')} | "
+                f"{f('host_persist_lag_s', '.3f')} | {f('replication_lag_s', '.3f')} | "
+                f"{f('upload_lag_s', '.3f')} |"
+            )
         lines.append("")
         if r.get("object_store_formats"):
             lines += formats_markdown(r["object_store_formats"])
@@ -239,21 +336,34 @@ def report_markdown(res: dict) -> str:
             lines += baselines_markdown(r["baselines"])
     if res.get("jit_iterations_lost"):
         j = res["jit_iterations_lost"]
-        lines += [f"## Just-in-time checkpoint (2 data-parallel replicas, W={j['window']}, one kill in iteration "
-                  f"{j['failed_iteration']})", "", "| | resumes from step | iterations lost | restart s | exact |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {k.replace('_', ' ')} | {j[k]['recovered_step']} | {j[k]['iterations_lost']} | "
-                  f"{j[k]['restart_seconds']:.3f} | {'yes' if j[k]['exact'] else 'NO'} |"
-                  for k in ("with_jit", "without_jit")] + [""]
+        lines += [
+            f"## Just-in-time checkpoint (2 data-parallel replicas, W={j['window']}, one kill in iteration "
+            f"{j['failed_iteration']})",
+            "",
+            "| | resumes from step | iterations lost | restart s | exact |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {k.replace('_', ' ')} | {j[k]['recovered_step']} | {j[k]['iterations_lost']} | "
+            f"{j[k]['restart_seconds']:.3f} | {'yes' if j[k]['exact'] else 'NO'} |"
+            for k in ("with_jit", "without_jit")
+        ] + [""]
     if res.get("pipeline"):
         p = res["pipeline"]
-        lines += [f"## Pipeline parallel (PP={p['stages']}, {p['microbatches']} micro-batches, W={p['window']}; "
-                  f"stage 1 lost after iteration {p['failed_after_iteration']})", "",
-                  f"boundary log: **{p['log_bytes_per_iteration']} bytes per iteration** (all stages)", "",
-                  "| recovery | seconds (median) | iterations recomputed per stage |", "|---|---|---|",
-                  f"| localized | {p['pp_recovery_s_localized']:.3f} | {p['localized_recomputed_iterations']} |",
-                  f"| global rollback | {p['pp_recovery_s_global']:.3f} | {p['global_recomputed_iterations']} |",
-                  "", f"both exact: {'yes' if p['exact'] else 'NO'}", ""]
+        lines += [
+            f"## Pipeline parallel (PP={p['stages']}, {p['microbatches']} micro-batches, W={p['window']}; "
+            f"stage 1 lost after iteration {p['failed_after_iteration']})",
+            "",
+            f"boundary log: **{p['log_bytes_per_iteration']} bytes per iteration** (all stages)",
+            "",
+            "| recovery | seconds (median) | iterations recomputed per stage |",
+            "|---|---|---|",
+            f"| localized | {p['pp_recovery_s_localized']:.3f} | {p['localized_recomputed_iterations']} |",
+            f"| global rollback | {p['pp_recovery_s_global']:.3f} | {p['global_recomputed_iterations']} |",
+            "",
+            f"both exact: {'yes' if p['exact'] else 'NO'}",
+            "",
+        ]
     for key, section in SECTIONS.items():
         if res.get(key):
             lines += section.markdown(res[key])
@@ -261,25 +371,35 @@ def report_markdown(res: dict) -> str:
 
 
 def formats_markdown(res: dict) -> list[str]:
-    lines = [f"Object-store formats, window {res['window_id']} of rank 0 (same bytes, both formats):", "",
-             "| store | format | bytes written | objects | upload s | bytes read to recover the rank | "
-             "bytes read for 2 experts |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Object-store formats, window {res['window_id']} of rank 0 (same bytes, both formats):",
+        "",
+        "| store | format | bytes written | objects | upload s | bytes read to recover the rank | "
+        "bytes read for 2 experts |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for store in ("file", "s3"):
         for fmt in ("dcp", "tensorstore"):
             row = res[store][fmt]
-            lines.append(f"| {store} | {fmt} | {row['bytes_written']} | {row['objects_written']} | "
-                         f"{row['upload_s']:.3f} | {row['bytes_read_recover_rank']} | "
-                         f"{row.get('bytes_read_experts', '-')} |")
+            lines.append(
+                f"| {store} | {fmt} | {row['bytes_written']} | {row['objects_written']} | "
+                f"{row['upload_s']:.3f} | {row['bytes_read_recover_rank']} | "
+                f"{row.get('bytes_read_experts', '-')} |"
+            )
     return lines + [""]
 
 
 def baselines_markdown(rows: dict) -> list[str]:
     dense = next((s["bytes_per_checkpoint"] for k, s in rows.items() if k == "gemini"), None)
-    lines = [f"Baselines (one failure before the optimizer step of the last-but-one iteration; dense k = "
-             f"{BASELINE_EVERY}; same runner for all):", "",
-             "| system | interval | step ms | overhead | bytes/ckpt | bytes/ckpt vs dense | wait/iter ms | "
-             "recovery s | iterations lost | replayed | tokens lost | PLT | exact |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Baselines (one failure before the optimizer step of the last-but-one iteration; dense k = "
+        f"{BASELINE_EVERY}; same runner for all):",
+        "",
+        "| system | interval | step ms | overhead | bytes/ckpt | bytes/ckpt vs dense | wait/iter ms | "
+        "recovery s | iterations lost | replayed | tokens lost | PLT | exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
     def num(v, scale=1.0, fmt=".3f", unit=""):
         return "-" if v is None else f"{v * scale:{fmt}}{unit}"
 
@@ -290,22 +410,33 @@ def baselines_markdown(rows: dict) -> list[str]:
             f"{num(b, 1e-6, '.3f', ' MB')} | {num(b / dense if b and dense else None)} | "
             f"{num(s.get('wait_per_iteration_s'), 1000, '.2f')} | {num(s.get('recovery_s'))} | "
             f"{s.get('iterations_lost', '-')} | {s.get('replayed_iterations', '-')} | "
-            f"{s.get('tokens_lost', 0):.0f} | {s.get('plt', 0):.3f} | {'yes' if s['exact'] else 'no'} |")
+            f"{s.get('tokens_lost', 0):.0f} | {s.get('plt', 0):.3f} | {'yes' if s['exact'] else 'no'} |"
+        )
     return lines + [""]
 
 
 def plot(res: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, len(res["models"]), figsize=(5 * len(res["models"]), 3.6))
     for ax, r in zip(axes if len(res["models"]) > 1 else [axes], res["models"]):
         keys = [k for k, s in r["systems"].items() if "slot_bytes_ratio" in s]
         x = range(len(keys))
-        ax.bar([i - 0.2 for i in x], [r["systems"][k]["slot_bytes_ratio"] for k in keys], 0.4,
-               label="bytes per iteration / dense")
-        ax.bar([i + 0.2 for i in x], [max(0.0, r["systems"][k]["overhead_fraction"]) for k in keys], 0.4,
-               label="step-time overhead")
+        ax.bar(
+            [i - 0.2 for i in x],
+            [r["systems"][k]["slot_bytes_ratio"] for k in keys],
+            0.4,
+            label="bytes per iteration / dense",
+        )
+        ax.bar(
+            [i + 0.2 for i in x],
+            [max(0.0, r["systems"][k]["overhead_fraction"]) for k in keys],
+            0.4,
+            label="step-time overhead",
+        )
         ax.set_xticks(list(x), [k.replace("_", "\n") for k in keys], fontsize=7)
         ax.set_title(f"{r['model']} (noise {r['noise_fraction']:.0%})")
         ax.legend(fontsize=7)
@@ -316,20 +447,28 @@ def plot(res: dict, path: Path) -> None:
 
 def plot_baselines(res: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     models = [r for r in res["models"] if r.get("baselines")]
     if not models:
         return
-    metrics = [("bytes_per_checkpoint", "bytes per checkpoint (MB)", 1e-6), ("wait_per_iteration_s",
-               "training-thread wait per iteration (ms)", 1e3), ("recovery_s", "recovery (s)", 1.0),
-               ("iterations_lost", "iterations lost", 1.0), ("plt", "portion of lost tokens", 1.0)]
+    metrics = [
+        ("bytes_per_checkpoint", "bytes per checkpoint (MB)", 1e-6),
+        ("wait_per_iteration_s", "training-thread wait per iteration (ms)", 1e3),
+        ("recovery_s", "recovery (s)", 1.0),
+        ("iterations_lost", "iterations lost", 1.0),
+        ("plt", "portion of lost tokens", 1.0),
+    ]
     fig, axes = plt.subplots(len(models), len(metrics), figsize=(3.2 * len(metrics), 3.0 * len(models)), squeeze=False)
     for row, r in zip(axes, models):
         keys = [k for k in r["baselines"] if k != "none"]
         for ax, (m, title, scale) in zip(row, metrics):
             vals = [(r["baselines"][k].get(m) or 0) * scale for k in keys]
-            ax.bar(range(len(keys)), vals, color=["tab:green" if r["baselines"][k]["exact"] else "tab:red" for k in keys])
+            ax.bar(
+                range(len(keys)), vals, color=["tab:green" if r["baselines"][k]["exact"] else "tab:red" for k in keys]
+            )
             ax.set_xticks(range(len(keys)), [k.replace("_", "\n") for k in keys], fontsize=6)
             ax.set_title(f"{r['model']}: {title}", fontsize=7)
     fig.suptitle("green: exact (final state == fault-free run), red: lossy", fontsize=8)
@@ -343,25 +482,43 @@ def bench_pipeline(work: Path, say) -> dict:
     the recovery time of stage 1 localized (its window + neighbours' logs, others wait) vs a global
     rollback of every stage to the window (docs/pipeline-parallel.md)."""
     from torchmoe_harness.launch import launch, load_result
+
     out = work / "pipeline"
-    spec = {"run": {"steps": 14, "model": {"n_layers": 3}, "batch_size": 4},  # lost mid-window: W-1 + 2 replayed
-            "pipeline": {"stages": 3, "microbatches": 2, "schedule": "1f1b"},
-            "checkpoint": {"window": 4, "bandwidth_bytes_per_s": 1e9},
-            "host_tier": {"root": str(work / "pipeline-shm"), "run_id": "bench"}, "timeout_s": 60,
-            "bench_recovery": {"stage": 1}}
+    spec = {
+        "run": {"steps": 14, "model": {"n_layers": 3}, "batch_size": 4},  # lost mid-window: W-1 + 2 replayed
+        "pipeline": {"stages": 3, "microbatches": 2, "schedule": "1f1b"},
+        "checkpoint": {"window": 4, "bandwidth_bytes_per_s": 1e9},
+        "host_tier": {"root": str(work / "pipeline-shm"), "run_id": "bench"},
+        "timeout_s": 60,
+        "bench_recovery": {"stage": 1},
+    }
     say("pipeline PP=3: boundary log and localized vs global recovery")
     rep = load_result(out, 3, launch(3, spec, out, 300, module="torchmoe_harness.pipeline_worker")).report
     b = rep["bench_recovery"]
-    return {"stages": 3, "microbatches": 2, "window": 4, "log_bytes_per_iteration": rep["log_bytes_per_iteration"],
-            "pp_recovery_s_localized": b["pp_recovery_s_localized"], "pp_recovery_s_global": b["pp_recovery_s_global"],
-            "localized_recomputed_iterations": b["localized_recomputed_iterations"],
-            "global_recomputed_iterations": b["global_recomputed_iterations"],
-            "failed_after_iteration": b["target_step"], "localized_s_all": b["localized_s_all"],
-            "global_s_all": b["global_s_all"], "exact": b["localized_exact"] and b["global_exact"]}
+    return {
+        "stages": 3,
+        "microbatches": 2,
+        "window": 4,
+        "log_bytes_per_iteration": rep["log_bytes_per_iteration"],
+        "pp_recovery_s_localized": b["pp_recovery_s_localized"],
+        "pp_recovery_s_global": b["pp_recovery_s_global"],
+        "localized_recomputed_iterations": b["localized_recomputed_iterations"],
+        "global_recomputed_iterations": b["global_recomputed_iterations"],
+        "failed_after_iteration": b["target_step"],
+        "localized_s_all": b["localized_s_all"],
+        "global_s_all": b["global_s_all"],
+        "exact": b["localized_exact"] and b["global_exact"],
+    }
 
 
-def run_bench(out_dir: str = "benchmarks/results", models=("tiny",), nproc: int = 2,
-              overlap: float = 0.05, verbose: bool = True, baselines: bool = False) -> dict:
+def run_bench(
+    out_dir: str = "benchmarks/results",
+    models=("tiny",),
+    nproc: int = 2,
+    overlap: float = 0.05,
+    verbose: bool = True,
+    baselines: bool = False,
+) -> dict:
     """`baselines`: the old per-model baselines table (dense at k = 5 on small models), superseded by the
     MoE-regime section; off by default to keep `make bench` within its time."""
     out = Path(out_dir)
@@ -373,10 +530,13 @@ def run_bench(out_dir: str = "benchmarks/results", models=("tiny",), nproc: int 
             print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
-    res = {"machine": f"{platform.machine()} {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}, "
-                      f"torch {torch.__version__}",
-           "nproc": nproc, "models": [bench_model(m, nproc, overlap, work, say, baselines) for m in models],
-           "jit_iterations_lost": bench_jit(work, say)}
+    res = {
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}, "
+        f"torch {torch.__version__}",
+        "nproc": nproc,
+        "models": [bench_model(m, nproc, overlap, work, say, baselines) for m in models],
+        "jit_iterations_lost": bench_jit(work, say),
+    }
     res["pipeline"] = bench_pipeline(work, say)
     for k in ("log_bytes_per_iteration", "pp_recovery_s_localized", "pp_recovery_s_global"):
         res[k] = res["pipeline"][k]

@@ -13,6 +13,7 @@ interval at the scaled-down MTBF, as MoEvement's evaluation picks Gemini's) and 
 (unless that interval is 1: then they are their twin).
 Per timed step: wall seconds, training-thread CPU (time.thread_time) and process CPU (time.process_time);
 per turn: copy-thread CPU of the systems that copy through a SnapshotEngine. rank 0 writes report.json."""
+
 from __future__ import annotations
 
 import math
@@ -116,8 +117,12 @@ def run(spec: dict, out: Path) -> dict:
     order = list(specs)
     for rep in range(reps + (1 if spec.get("periodic") else 0)):
         if rep == 1 and spec.get("periodic"):
-            box = [{name: _pick_interval(turns[p["of"]], turns["none"], spec["mtbf_iterations"])
-                    for name, p in spec["periodic"].items()}]
+            box = [
+                {
+                    name: _pick_interval(turns[p["of"]], turns["none"], spec["mtbf_iterations"])
+                    for name, p in spec["periodic"].items()
+                }
+            ]
             dist.broadcast_object_list(box, src=0)
             intervals = box[0]
             for name, p in spec["periodic"].items():
@@ -147,15 +152,34 @@ def run(spec: dict, out: Path) -> dict:
             s.pop("windows", None)
             if hasattr(system, "ck"):
                 full = system.ck.stats()
-                s.update({k: full[k] for k in ("copy", "priced_bytes_per_s", "priced_t_iter", "auto_window",
-                                               "plan_seconds", "max_slot_bytes", "mean_slot_bytes")})
+                s.update(
+                    {
+                        k: full[k]
+                        for k in (
+                            "copy",
+                            "priced_bytes_per_s",
+                            "priced_t_iter",
+                            "auto_window",
+                            "plan_seconds",
+                            "max_slot_bytes",
+                            "mean_slot_bytes",
+                        )
+                    }
+                )
                 s["windows_W"] = [w["W"] for w in full["windows"]]
             stats[name] = s
             system.close()
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64)
     dist.all_reduce(rss)  # every system's buffers are alive at once here (each keeps its own across turns)
-    return {"world_size": trainer.world, "memcpy_bytes_per_s": float(bw), "turns": turns, "stats": stats,
-            "intervals": intervals, "steps": trainer.step, "peak_rss_bytes_all_ranks": float(rss)}
+    return {
+        "world_size": trainer.world,
+        "memcpy_bytes_per_s": float(bw),
+        "turns": turns,
+        "stats": stats,
+        "intervals": intervals,
+        "steps": trainer.step,
+        "peak_rss_bytes_all_ranks": float(rss),
+    }
 
 
 def main() -> None:

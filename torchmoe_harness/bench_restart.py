@@ -13,6 +13,7 @@ median over the ranks:
   recovery        tiers, run identity, newest window found, loaded and replayed (W-1 iterations)
   first_step      the first iteration trained after the recovery
 """
+
 from __future__ import annotations
 
 import json
@@ -27,12 +28,14 @@ from titan_integration.restart_timing import PHASES
 
 STEPS, WINDOW, KILL_STEP = 8, 3, 5
 FAULT = f"kill:point=backward:rank=1:step={KILL_STEP}"
-WHAT = {"agent_restart": "torchrun: failure noticed, other rank stopped, new workers spawned",
-        "imports": "Python, torch, TorchTitan, our launcher's checks",
-        "process_group": "TorchTitan config parse, init_process_group, device meshes",
-        "model_build": "model, FSDP, optimizer, LR schedulers, data loader",
-        "recovery": f"window found, loaded, {WINDOW - 1} iterations replayed",
-        "first_step": "first iteration trained after recovery"}
+WHAT = {
+    "agent_restart": "torchrun: failure noticed, other rank stopped, new workers spawned",
+    "imports": "Python, torch, TorchTitan, our launcher's checks",
+    "process_group": "TorchTitan config parse, init_process_group, device meshes",
+    "model_build": "model, FSDP, optimizer, LR schedulers, data loader",
+    "recovery": f"window found, loaded, {WINDOW - 1} iterations replayed",
+    "first_step": "first iteration trained after recovery",
+}
 
 
 def _rank_phases(timing: dict, kill: float) -> dict[str, float]:
@@ -64,19 +67,32 @@ def run(out: Path, say) -> dict:
         per_rank.append(_rank_phases(timing, kill))
     phases = {p: statistics.median(r[p] for r in per_rank) for p in (*PHASES, "total")}
     rec = run_rec["recovery"]
-    res = {"phases_s": phases, "per_rank": per_rank, "wall_s": wall, "ranks": 2, "kill": FAULT,
-           "recovered_step": rec["recovered_step"], "replayed_iterations": rec["replayed_iterations"],
-           "ours_s": phases["recovery"], "imports_share": phases["imports"] / phases["total"]}
+    res = {
+        "phases_s": phases,
+        "per_rank": per_rank,
+        "wall_s": wall,
+        "ranks": 2,
+        "kill": FAULT,
+        "recovered_step": rec["recovered_step"],
+        "replayed_iterations": rec["replayed_iterations"],
+        "ours_s": phases["recovery"],
+        "imports_share": phases["imports"] / phases["total"],
+    }
     shutil.rmtree(d / "host", ignore_errors=True)
     return res
 
 
 def markdown(res: dict) -> list[str]:
     ph = res["phases_s"]
-    lines = ["## Restart of a TorchTitan job after kill -9 (2 CPU ranks, deepseek_v3 tiny)", "",
-             f"From the kill (`{res['kill']}`) to the first iteration trained after recovery, median over ranks; "
-             f"recovered iteration {res['recovered_step']} by replaying {res['replayed_iterations']}.", "",
-             "| phase | seconds | share | what |", "|---|---|---|---|"]
+    lines = [
+        "## Restart of a TorchTitan job after kill -9 (2 CPU ranks, deepseek_v3 tiny)",
+        "",
+        f"From the kill (`{res['kill']}`) to the first iteration trained after recovery, median over ranks; "
+        f"recovered iteration {res['recovered_step']} by replaying {res['replayed_iterations']}.",
+        "",
+        "| phase | seconds | share | what |",
+        "|---|---|---|---|",
+    ]
     for p in PHASES:
         lines.append(f"| {p} | {ph[p]:.2f} | {ph[p] / ph['total'] * 100:.0f}% | {WHAT[p]} |")
     lines += [f"| **total** | **{ph['total']:.2f}** | 100% | |", ""]

@@ -14,6 +14,7 @@
 
 `run(out, say) -> dict` and `markdown(res) -> list[str]`; the lead wires it into `make bench`.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -35,9 +36,21 @@ from torchmoe_harness.model import TinyMoE, TinyMoEConfig
 WARMUP = 3
 W = 4
 REPEATS = 2
-MODEL = {"model": {"vocab_size": 1024, "dim": 128, "n_layers": 4, "n_heads": 4, "num_experts": 8,
-                   "expert_hidden": 256, "max_seq_len": 64}, "batch_size": 4, "seq_len": 64, "steps": 16,
-         "dtype": "fp32"}  # the cpu-large model of bench.py
+MODEL = {
+    "model": {
+        "vocab_size": 1024,
+        "dim": 128,
+        "n_layers": 4,
+        "n_heads": 4,
+        "num_experts": 8,
+        "expert_hidden": 256,
+        "max_seq_len": 64,
+    },
+    "batch_size": 4,
+    "seq_len": 64,
+    "steps": 16,
+    "dtype": "fp32",
+}  # the cpu-large model of bench.py
 
 
 def _mean_after_warmup(xs: list[float]) -> float:
@@ -53,10 +66,18 @@ def _tier_spec(shm: Path, replicas: int, store: bool) -> dict:
 
 
 # interleaved configs: each adds one tier to the one before, so the difference of two is that tier's cost
-CONFIGS = (("baseline", None), ("sparse", None), ("host", (0, False)), ("host_peer", (1, False)),
-           ("host_peer_store", (1, True)))
-TIER_OF = {"host": ("host_tier", "bytes_written"), "host_peer": ("peers", "bytes_sent"),
-           "host_peer_store": ("object_store", "bytes")}  # config -> (its added tier's stats, its bytes counter)
+CONFIGS = (
+    ("baseline", None),
+    ("sparse", None),
+    ("host", (0, False)),
+    ("host_peer", (1, False)),
+    ("host_peer_store", (1, True)),
+)
+TIER_OF = {
+    "host": ("host_tier", "bytes_written"),
+    "host_peer": ("peers", "bytes_sent"),
+    "host_peer_store": ("object_store", "bytes"),
+}  # config -> (its added tier's stats, its bytes counter)
 PREV = {"host": "sparse", "host_peer": "host", "host_peer_store": "host_peer"}
 
 
@@ -65,9 +86,12 @@ def step_overhead(out: Path, say) -> dict:
     repeats; per tier: its bytes and its thread's CPU (time.thread_time) per iteration, and CPU per byte."""
     run = {k: MODEL[k] for k in ("steps", "batch_size", "seq_len", "model", "dtype")}
     shm = Path(tempfile.mkdtemp(prefix="tmoe-bench-tiers-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    specs = {key: {"run": run} if key == "baseline" else
-             {"run": run, "checkpoint": {"window": W}, **({} if t is None else {"host_tier": _tier_spec(shm, *t)})}
-             for key, t in CONFIGS}
+    specs = {
+        key: {"run": run}
+        if key == "baseline"
+        else {"run": run, "checkpoint": {"window": W}, **({} if t is None else {"host_tier": _tier_spec(shm, *t)})}
+        for key, t in CONFIGS
+    }
     reports, wall, cpu = {}, {k: [] for k in specs}, {k: [] for k in specs}
     try:
         for rep in range(REPEATS):  # interleaved, so a slow phase of this shared machine hits every config
@@ -93,24 +117,39 @@ def step_overhead(out: Path, say) -> dict:
         st = r["checkpoint"].get(name) or {}
         n = len(r["step_seconds"])
         nbytes, thread_cpu = st.get(field, 0) / n, st.get("cpu_s", 0.0) / n
-        tiers[key] = {"bytes_per_iteration": nbytes, "thread_cpu_s_per_iteration": thread_cpu,
-                      "thread_cpu_ns_per_byte": thread_cpu / nbytes * 1e9 if nbytes else None,
-                      "added_process_cpu_s_per_step": best_cpu[key] - best_cpu[PREV[key]],
-                      "added_wall_s_per_step": best[key] - best[PREV[key]]}
+        tiers[key] = {
+            "bytes_per_iteration": nbytes,
+            "thread_cpu_s_per_iteration": thread_cpu,
+            "thread_cpu_ns_per_byte": thread_cpu / nbytes * 1e9 if nbytes else None,
+            "added_process_cpu_s_per_step": best_cpu[key] - best_cpu[PREV[key]],
+            "added_wall_s_per_step": best[key] - best[PREV[key]],
+        }
     # A ratio of two overheads means nothing when the overhead without tiers is within the machine's noise.
     full = "host_peer_store"
     ratio = over[full] / over["sparse"] if over["sparse"] > noise else None
     ratio_cpu = over_cpu[full] / over_cpu["sparse"] if over_cpu["sparse"] > 0 else None
     ck = min(reports[full], key=lambda r: _mean_after_warmup(r["step_seconds"]))["checkpoint"]
-    return {"baseline_step_s": base, "baseline_cpu_s": base_cpu, "overhead_without_tiers": over["sparse"],
-            "overhead_with_tiers": over[full], "overhead": over, "cpu_overhead": over_cpu,
-            "noise_fraction": noise, "step_s_runs": wall, "cpu_s_runs": cpu, "tiers": tiers,
-            "tiers_step_ratio": best[full] / best["sparse"], "tiers_overhead_ratio": ratio,
-            "tiers_cpu_overhead_ratio": ratio_cpu,
-            "bytes_per_iteration": {"host": tiers["host"]["bytes_per_iteration"],
-                                    "peers": tiers["host_peer"]["bytes_per_iteration"],
-                                    "object_store": tiers["host_peer_store"]["bytes_per_iteration"]},
-            "mean_slot_bytes": ck["mean_slot_bytes"]}
+    return {
+        "baseline_step_s": base,
+        "baseline_cpu_s": base_cpu,
+        "overhead_without_tiers": over["sparse"],
+        "overhead_with_tiers": over[full],
+        "overhead": over,
+        "cpu_overhead": over_cpu,
+        "noise_fraction": noise,
+        "step_s_runs": wall,
+        "cpu_s_runs": cpu,
+        "tiers": tiers,
+        "tiers_step_ratio": best[full] / best["sparse"],
+        "tiers_overhead_ratio": ratio,
+        "tiers_cpu_overhead_ratio": ratio_cpu,
+        "bytes_per_iteration": {
+            "host": tiers["host"]["bytes_per_iteration"],
+            "peers": tiers["host_peer"]["bytes_per_iteration"],
+            "object_store": tiers["host_peer_store"]["bytes_per_iteration"],
+        },
+        "mean_slot_bytes": ck["mean_slot_bytes"],
+    }
 
 
 # The least CPU a tier can add per byte, in copies: the host tier none (the snapshot copy, which the checkpointer
@@ -127,9 +166,13 @@ def floor(persist: dict, steps: dict) -> dict:
     cpu = sum(FLOOR_COPIES[k] * b[k] * per_byte for k in FLOOR_COPIES)
     without = steps["cpu_overhead"]["sparse"] * steps["baseline_cpu_s"]  # CPU s/step the checkpointer adds
     allowed = 0.2 * without  # what the tiers may add for tiers_overhead_ratio <= 1.2
-    return {"memcpy_ns_per_byte": per_byte * 1e9, "tiers_cpu_s_per_iteration": cpu, "allowed_cpu_s": allowed,
-            "best_case_cpu_ratio": (without + cpu) / without if without > 0 else None,
-            "measured_tier_threads_cpu_s": sum(t["thread_cpu_s_per_iteration"] for t in steps["tiers"].values())}
+    return {
+        "memcpy_ns_per_byte": per_byte * 1e9,
+        "tiers_cpu_s_per_iteration": cpu,
+        "allowed_cpu_s": allowed,
+        "best_case_cpu_ratio": (without + cpu) / without if without > 0 else None,
+        "measured_tier_threads_cpu_s": sum(t["thread_cpu_s_per_iteration"] for t in steps["tiers"].values()),
+    }
 
 
 def _cpu(fn, repeats: int = 5) -> float:
@@ -167,8 +210,14 @@ def persist_cost(say) -> dict:
         ops = discover_operators(model)
         by = {o.name: o for o in ops}
         order = [o.name for o in ops]
-        plan = plan_window(order, {o.name: o.full_bytes() for o in ops}, {o.name: o.compute_bytes(4) for o in ops},
-                           float("inf"), forced_window=W, warn=False)
+        plan = plan_window(
+            order,
+            {o.name: o.full_bytes() for o in ops},
+            {o.name: o.compute_bytes(4) for o in ops},
+            float("inf"),
+            forced_window=W,
+            warn=False,
+        )
         slots = [build_slot(i, s.active, s.frozen, by, torch.float32) for i, s in enumerate(plan.slots)]
         for s in slots:
             for it in s.items:
@@ -184,6 +233,7 @@ def persist_cost(say) -> dict:
         def copy_into(slot):
             dst = [it.buffer for it in slot.items]
             return lambda: torch._foreach_copy_(dst, srcs)
+
         for fn in (copy_into(plain), copy_into(direct)):
             fn()  # warm: no first-touch faults in the timed copies
         t_memcpy = _cpu(copy_into(plain))
@@ -193,25 +243,39 @@ def persist_cost(say) -> dict:
         def persist(tier, slot) -> float:
             times = []
             for wid in range(8):  # the steady state: windows come and go (retention), as in training
-                info = {"window": wid, "slot": slot.index, "step": wid * W + slot.index, "start_step": wid * W,
-                        "plan": None, "run": None}
+                info = {
+                    "window": wid,
+                    "slot": slot.index,
+                    "step": wid * W + slot.index,
+                    "start_step": wid * W,
+                    "plan": None,
+                    "run": None,
+                }
                 t0 = time.thread_time()
                 tier.write_slot(wid, slot, info)
                 times.append(time.thread_time() - t0)
                 tier._written.clear()
                 tier.collect(wid + (slot is direct))  # a direct slot's file is unlinked, a copied one kept as spare
             return min(times[2:])
+
         t_copy_path = persist(HostTier(root, "copy", 0, 1), plain)  # a tier of its own: it keeps spare files
         t_persist = persist(tier, direct)
     finally:
         torch.set_num_threads(threads)
         shutil.rmtree(root, ignore_errors=True)
     extra_copy = max(0.0, t_snap_shm - t_memcpy)
-    return {"slot_bytes": n, "memcpy_cpu_s": t_memcpy, "snapshot_shm_cpu_s": t_snap_shm, "persist_cpu_s": t_persist,
-            "checksum_pass_cpu_s": t_sums, "record_cpu_s": max(0.0, t_persist - t_sums),
-            "copy_path_cpu_s": t_copy_path,
-            "persist_memcpy_ratio": (t_persist + extra_copy) / t_memcpy,
-            "path_memcpy_ratio": (t_snap_shm + t_persist) / t_memcpy, "copy_path_ratio": t_copy_path / t_memcpy}
+    return {
+        "slot_bytes": n,
+        "memcpy_cpu_s": t_memcpy,
+        "snapshot_shm_cpu_s": t_snap_shm,
+        "persist_cpu_s": t_persist,
+        "checksum_pass_cpu_s": t_sums,
+        "record_cpu_s": max(0.0, t_persist - t_sums),
+        "copy_path_cpu_s": t_copy_path,
+        "persist_memcpy_ratio": (t_persist + extra_copy) / t_memcpy,
+        "path_memcpy_ratio": (t_snap_shm + t_persist) / t_memcpy,
+        "copy_path_ratio": t_copy_path / t_memcpy,
+    }
 
 
 def run(out: Path, say) -> dict:
@@ -219,9 +283,11 @@ def run(out: Path, say) -> dict:
     res = {"persist": persist_cost(say), "steps": step_overhead(out, say)}
     res["floor"] = floor(res["persist"], res["steps"])
     r, rc = res["steps"]["tiers_overhead_ratio"], res["steps"]["tiers_cpu_overhead_ratio"]
-    res["goals"] = {"tiers_overhead_ratio<=1.2": None if r is None else r <= 1.2,  # None: below the noise
-                    "tiers_cpu_overhead_ratio<=1.2": None if rc is None else rc <= 1.2,
-                    "persist_memcpy_ratio<=1.5": res["persist"]["persist_memcpy_ratio"] <= 1.5}
+    res["goals"] = {
+        "tiers_overhead_ratio<=1.2": None if r is None else r <= 1.2,  # None: below the noise
+        "tiers_cpu_overhead_ratio<=1.2": None if rc is None else rc <= 1.2,
+        "persist_memcpy_ratio<=1.5": res["persist"]["persist_memcpy_ratio"] <= 1.5,
+    }
     return res
 
 
@@ -230,12 +296,14 @@ def _tier_rows(s: dict, memcpy_ns_per_byte: float) -> list[str]:
     for key, label in (("host", "+ host tier"), ("host_peer", "+ 1 peer"), ("host_peer_store", "+ object store")):
         t = s["tiers"][key]
         per_byte = t["thread_cpu_ns_per_byte"]
-        rows.append(f"| {label}: step / process CPU added per iteration; bytes; tier thread CPU per iteration "
-                    f"(ns/byte, x memcpy) | {t['added_wall_s_per_step'] * 1e3:+.1f} / "
-                    f"{t['added_process_cpu_s_per_step'] * 1e3:+.1f} ms; {t['bytes_per_iteration'] / 1e6:.2f} MB; "
-                    f"{t['thread_cpu_s_per_iteration'] * 1e3:.2f} ms"
-                    + ("" if per_byte is None else f" ({per_byte:.2f} ns/B, {per_byte / memcpy_ns_per_byte:.1f}x)")
-                    + " | |")
+        rows.append(
+            f"| {label}: step / process CPU added per iteration; bytes; tier thread CPU per iteration "
+            f"(ns/byte, x memcpy) | {t['added_wall_s_per_step'] * 1e3:+.1f} / "
+            f"{t['added_process_cpu_s_per_step'] * 1e3:+.1f} ms; {t['bytes_per_iteration'] / 1e6:.2f} MB; "
+            f"{t['thread_cpu_s_per_iteration'] * 1e3:.2f} ms"
+            + ("" if per_byte is None else f" ({per_byte:.2f} ns/B, {per_byte / memcpy_ns_per_byte:.1f}x)")
+            + " | |"
+        )
     return rows
 
 
@@ -243,11 +311,13 @@ def _floor_rows(f: dict | None) -> list[str]:
     if not f:
         return []
     best = "n/a" if f["best_case_cpu_ratio"] is None else f"{f['best_case_cpu_ratio']:.2f}"
-    return [f"| reachable? tiers at memcpy speed ({'/'.join(map(str, FLOOR_COPIES.values()))} copies per byte: host/"
-            f"peers/store) {f['tiers_cpu_s_per_iteration'] * 1e3:.2f} ms/iteration vs "
-            f"{f['allowed_cpu_s'] * 1e3:.2f} ms allowed (0.2 x the CPU overhead without tiers): best-case CPU ratio; "
-            f"tier threads measured "
-            f"{f['measured_tier_threads_cpu_s'] * 1e3:.2f} ms | {best} | <= 1.2 |"]
+    return [
+        f"| reachable? tiers at memcpy speed ({'/'.join(map(str, FLOOR_COPIES.values()))} copies per byte: host/"
+        f"peers/store) {f['tiers_cpu_s_per_iteration'] * 1e3:.2f} ms/iteration vs "
+        f"{f['allowed_cpu_s'] * 1e3:.2f} ms allowed (0.2 x the CPU overhead without tiers): best-case CPU ratio; "
+        f"tier threads measured "
+        f"{f['measured_tier_threads_cpu_s'] * 1e3:.2f} ms | {best} | <= 1.2 |"
+    ]
 
 
 def markdown(res: dict) -> list[str]:
@@ -257,11 +327,14 @@ def markdown(res: dict) -> list[str]:
     cratio = "n/a" if s["tiers_cpu_overhead_ratio"] is None else f"{s['tiers_cpu_overhead_ratio']:.2f}"
     memcpy_ns = p["memcpy_cpu_s"] / p["slot_bytes"] * 1e9
     return [
-        "## Storage tiers (host + 1 peer + object store), cpu-large, 2 ranks", "",
+        "## Storage tiers (host + 1 peer + object store), cpu-large, 2 ranks",
+        "",
         f"Per config: step time and process CPU (all threads of a rank) per step, mean after {WARMUP} warm-up steps, "
         f"best of {REPEATS} interleaved runs; no checkpoint: {s['baseline_step_s'] * 1e3:.1f} ms wall, "
-        f"{s['baseline_cpu_s'] * 1e3:.1f} ms CPU per step. One memcpy: {memcpy_ns:.3f} ns/byte.", "",
-        "| measure | value | goal |", "|---|---|---|",
+        f"{s['baseline_cpu_s'] * 1e3:.1f} ms CPU per step. One memcpy: {memcpy_ns:.3f} ns/byte.",
+        "",
+        "| measure | value | goal |",
+        "|---|---|---|",
         f"| step overhead without tiers: wall / CPU | {s['overhead_without_tiers'] * 100:+.1f}% / "
         f"{s['cpu_overhead']['sparse'] * 100:+.1f}% | |",
         *_tier_rows(s, memcpy_ns),
@@ -282,5 +355,6 @@ def markdown(res: dict) -> list[str]:
         f"| persist of a slot in plain memory (pinned CUDA buffers): copy + sums + record / memcpy | "
         f"{p['copy_path_ratio']:.2f} ({p['copy_path_cpu_s'] * 1e3:.2f} ms) | |",
         f"| bytes per iteration: host / peers / object store | {b['host'] / 1e6:.3f} / {b['peers'] / 1e6:.3f} / "
-        f"{b['object_store'] / 1e6:.3f} MB | |", "",
+        f"{b['object_store'] / 1e6:.3f} MB | |",
+        "",
     ]

@@ -4,6 +4,7 @@ group `torchmoe_ckpt.commands` (pyproject.toml), so the library's CLI lists them
 Each `register_*` adds one subparser and sets `fn` (called with the parsed arguments, returns the exit code).
 The work is imported only when the command runs: `torchmoe-ckpt --help` and `inspect` stay fast.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,28 +26,60 @@ def _selftest(a) -> int:
         raise ValueError(f"--hsdp {a.hsdp} must divide --nproc {a.nproc} (replicas x shards = ranks)")
     if a.model.startswith("hf:"):
         from torchmoe_harness.selftest_hf import selftest_hf
+
         if a.hsdp != 1 or a.phase != "update":
-            raise ValueError("--model hf:... runs FSDP2 with a real kill -9: --hsdp and --phase apply to the harness model")
-        res = selftest_hf(a.model[3:], a.nproc, a.experts, a.layers, a.steps, a.fail_at, a.dtype, a.window, a.seed,
-                          a.out, verbose=not a.quiet)
+            raise ValueError(
+                "--model hf:... runs FSDP2 with a real kill -9: --hsdp and --phase apply to the harness model"
+            )
+        res = selftest_hf(
+            a.model[3:],
+            a.nproc,
+            a.experts,
+            a.layers,
+            a.steps,
+            a.fail_at,
+            a.dtype,
+            a.window,
+            a.seed,
+            a.out,
+            verbose=not a.quiet,
+        )
     elif a.model == "harness":
         from torchmoe_harness.selftest import selftest
-        res = selftest(a.nproc, a.experts, a.layers, a.steps, a.fail_at, a.hsdp, a.dtype, a.window, a.seed, a.phase,
-                       a.out, verbose=not a.quiet)
+
+        res = selftest(
+            a.nproc,
+            a.experts,
+            a.layers,
+            a.steps,
+            a.fail_at,
+            a.hsdp,
+            a.dtype,
+            a.window,
+            a.seed,
+            a.phase,
+            a.out,
+            verbose=not a.quiet,
+        )
     else:
-        raise ValueError(f"--model {a.model!r}: use 'harness' (the built-in test model) or hf:<model_type>, e.g. "
-                         "hf:mixtral, hf:deepseek_v3")
+        raise ValueError(
+            f"--model {a.model!r}: use 'harness' (the built-in test model) or hf:<model_type>, e.g. "
+            "hf:mixtral, hf:deepseek_v3"
+        )
     if a.json:
         print(json.dumps(res, indent=1))
     else:
         found = f" experts_per_moe_layer={res['experts_per_moe_layer']}" if "experts_per_moe_layer" in res else ""
-        print(f"bit_exact={res['bit_exact']} compared_tensors={res['compared_tensors']} window={res['window']}{found} "
-              f"replayed_iterations={res['replayed_iterations']} recovered_from_step={res['recovered_from_step']}")
+        print(
+            f"bit_exact={res['bit_exact']} compared_tensors={res['compared_tensors']} window={res['window']}{found} "
+            f"replayed_iterations={res['replayed_iterations']} recovered_from_step={res['recovered_from_step']}"
+        )
     return 0 if res["bit_exact"] else 1
 
 
 def _bench(a) -> int:
     from torchmoe_harness.bench import report_markdown, run_bench
+
     res = run_bench(a.out, tuple(a.models.split(",")), a.nproc, a.overlap, verbose=not a.quiet)
     print(json.dumps(res, indent=1) if a.json else report_markdown(res))
     return 0
@@ -54,6 +87,7 @@ def _bench(a) -> int:
 
 def _simulate(a) -> int:
     from torchmoe_harness.ettr import run_simulate
+
     res, text = run_simulate(a.out, a.failures, a.seeds, a.hours, a.bench)
     print(json.dumps(res, indent=1) if a.json else text)
     return 0
@@ -61,16 +95,23 @@ def _simulate(a) -> int:
 
 def register_selftest(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("selftest", help="reference run vs a run that fails and recovers; compares with torch.equal")
-    s.add_argument("--model", default="harness",
-                   help="'harness' (default), or hf:<model_type>: any transformers MoE model type built tiny, e.g. "
-                        "hf:mixtral, hf:deepseek_v3 (trained through the own-loop Checkpointer, killed with kill -9)")
+    s.add_argument(
+        "--model",
+        default="harness",
+        help="'harness' (default), or hf:<model_type>: any transformers MoE model type built tiny, e.g. "
+        "hf:mixtral, hf:deepseek_v3 (trained through the own-loop Checkpointer, killed with kill -9)",
+    )
     s.add_argument("--nproc", type=_positive, default=2)
     s.add_argument("--experts", type=_positive, default=4)
     s.add_argument("--layers", type=_positive, default=2)
     s.add_argument("--steps", type=_positive, default=12)
     s.add_argument("--fail-at", type=_positive, default=8)
-    s.add_argument("--phase", choices=("update", "copy"), default="update",
-                   help="fail before the optimizer step, or tear that iteration's snapshot copy")
+    s.add_argument(
+        "--phase",
+        choices=("update", "copy"),
+        default="update",
+        help="fail before the optimizer step, or tear that iteration's snapshot copy",
+    )
     s.add_argument("--hsdp", type=_positive, default=1, help="replicate degree (HSDP); 1 = FSDP2")
     s.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     s.add_argument("--window", type=_window, default=3, help="W, or 'auto'")
@@ -86,8 +127,12 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--out", default="benchmarks/results")
     b.add_argument("--models", default="tiny")  # cpu-large: superseded by the MoE-regime section (bench_moe)
     b.add_argument("--nproc", type=_positive, default=2)
-    b.add_argument("--overlap", type=bounded(float, 0.0, 1.0, low_open=True), default=0.05,
-                   help="share of an iteration one slot copy may take, in (0, 1]")
+    b.add_argument(
+        "--overlap",
+        type=bounded(float, 0.0, 1.0, low_open=True),
+        default=0.05,
+        help="share of an iteration one slot copy may take, in (0, 1]",
+    )
     b.add_argument("--json", action="store_true")
     b.add_argument("--quiet", action="store_true")
     b.set_defaults(fn=_bench)

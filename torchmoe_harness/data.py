@@ -1,5 +1,6 @@
 """A seeded, deterministic token stream. Batch (step, dp_rank) is a pure function of the seed, so a
 replayed iteration sees exactly the tokens it saw the first time, at any restart."""
+
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,7 @@ class TokenStream:
         # A fixed "grammar": each token has a likely successor, so the model can learn something.
         self.successor = torch.randperm(vocab_size, generator=g)
         ranks = torch.arange(1, vocab_size + 1, dtype=torch.float64)
-        self.zipf = (ranks ** -zipf_a) / (ranks ** -zipf_a).sum()  # skewed token frequencies -> skewed routing
+        self.zipf = (ranks**-zipf_a) / (ranks**-zipf_a).sum()  # skewed token frequencies -> skewed routing
 
     def batch(self, step: int, dp_rank: int) -> torch.Tensor:
         """Tokens [batch_size, seq_len + 1] for iteration `step` on data-parallel rank `dp_rank`."""

@@ -16,6 +16,7 @@ and with it the stall grow after failures.
               during recovery restarts it): E[T_segment] = MTBF e^{R/MTBF} (e^{tau/MTBF} - 1)  (Daly 2006)
   simulate    event simulation with Poisson failures at an MTBF or a replayed failure-time trace
 """
+
 from __future__ import annotations
 
 import math
@@ -29,6 +30,7 @@ class LossyModel:
     per MoE layer. A failure loses, per expert, the tokens routed to it since its last save: with round-robin
     selection (P = experts/k) that is (P-1)/2 checkpoint intervals' worth of expert tokens on average;
     `selection_factor` < 1 for popularity-aware selection (MoEtion: ~0.5 of round-robin's tokens at risk)."""
+
     experts: int
     k: int = 1
     selection_factor: float = 1.0
@@ -52,12 +54,12 @@ class LossyModel:
 @dataclass
 class SystemProfile:
     name: str
-    t_iter: float                        # s, one iteration without checkpointing (the useful work)
-    interval: int = 1                    # iterations between recovery points
-    per_iter_overhead_s: float = 0.0     # added to every iteration (async copy contention, waits)
-    stall_s: float = 0.0                 # extra training-thread time at each recovery point
-    restart_s: float = 0.0               # per failure: detect, restart, load
-    replay_iters: float = 0.0            # iterations replayed during recovery (sparse: W-1)
+    t_iter: float  # s, one iteration without checkpointing (the useful work)
+    interval: int = 1  # iterations between recovery points
+    per_iter_overhead_s: float = 0.0  # added to every iteration (async copy contention, waits)
+    stall_s: float = 0.0  # extra training-thread time at each recovery point
+    restart_s: float = 0.0  # per failure: detect, restart, load
+    replay_iters: float = 0.0  # iterations replayed during recovery (sparse: W-1)
     replay_s_per_iter: float | None = None  # default t_iter
     lossy: LossyModel | None = None
     exact: bool = True
@@ -118,6 +120,7 @@ def overhead_capped_interval(p: SystemProfile, cap: float = 0.03) -> int:
 
 # ---- the simulator ----------------------------------------------------------------------------------------
 
+
 def poisson_trace(mtbf_s: float, horizon_s: float, seed: int = 0) -> list[float]:
     rnd = random.Random(seed)
     out, t = [], 0.0
@@ -140,11 +143,11 @@ class SimResult:
     useful_s: float
     iterations: int
     failures: int
-    lost_iterations: int          # iterations redone (progress beyond the newest recovery point)
-    recovery_s: float             # restart + replay, summed (restarted recoveries included)
-    checkpoint_s: float           # overhead + stalls of iterations that survived or were lost
+    lost_iterations: int  # iterations redone (progress beyond the newest recovery point)
+    recovery_s: float  # restart + replay, summed (restarted recoveries included)
+    checkpoint_s: float  # overhead + stalls of iterations that survived or were lost
     tokens_lost_intervals: float  # lossy: lost expert tokens, in checkpoint intervals' worth of expert tokens
-    plt: float                    # lossy: lost / processed expert tokens
+    plt: float  # lossy: lost / processed expert tokens
     final_k: int | None = None
     k_history: list = field(default_factory=list)
 
@@ -152,9 +155,15 @@ class SimResult:
         return asdict(self)
 
 
-def simulate(p: SystemProfile, horizon_s: float | None = None, iterations: int | None = None,
-             mtbf_s: float | None = None, trace: list[float] | None = None, seed: int = 0,
-             recoveries: list[float] | None = None) -> SimResult:
+def simulate(
+    p: SystemProfile,
+    horizon_s: float | None = None,
+    iterations: int | None = None,
+    mtbf_s: float | None = None,
+    trace: list[float] | None = None,
+    seed: int = 0,
+    recoveries: list[float] | None = None,
+) -> SimResult:
     """Run `p` until `horizon_s` of wall time or until `iterations` are done, with failures at the times of
     `trace` (seconds of wall time) or Poisson at `mtbf_s`. Progress advances one segment (`interval`
     iterations + stall) at a time; a failure inside a segment or a recovery loses the unfinished segment.
@@ -171,6 +180,7 @@ def simulate(p: SystemProfile, horizon_s: float | None = None, iterations: int |
             while True:
                 t += rnd.expovariate(1.0 / mtbf_s)
                 yield t
+
         fail_iter = failures()
     else:
         fail_iter = iter(sorted(trace))
@@ -225,8 +235,9 @@ def simulate(p: SystemProfile, horizon_s: float | None = None, iterations: int |
     done = int(min(done, goal))
     useful = done * p.t_iter
     plt = lost_tok / max(done / p.interval, 1.0) if lossy else 0.0
-    return SimResult(useful / now if now > 0 else 0.0, now, useful, done, n_fail, lost_it, rec_s, ck_s, lost_tok,
-                     plt, k, k_hist)
+    return SimResult(
+        useful / now if now > 0 else 0.0, now, useful, done, n_fail, lost_it, rec_s, ck_s, lost_tok, plt, k, k_hist
+    )
 
 
 def simulate_mean(p: SystemProfile, horizon_s: float, mtbf_s: float, seeds: int = 20) -> float:
@@ -234,6 +245,7 @@ def simulate_mean(p: SystemProfile, horizon_s: float, mtbf_s: float, seeds: int 
 
 
 # ---- profiles from measurements -----------------------------------------------------------------------------
+
 
 def profiles_from_bench(res: dict, model: str | None = None) -> list[SystemProfile]:
     """SystemProfiles from `torchmoe-ckpt bench` JSON (one model): measured step time without
@@ -245,10 +257,17 @@ def profiles_from_bench(res: dict, model: str | None = None) -> list[SystemProfi
         if key.startswith("baseline") or "step_s" not in s or "recovery_s" not in s:
             continue  # no failure injected in that run: no recovery time to feed
         interval = int(s.get("interval") or s.get("window") or 1)
-        out.append(SystemProfile(
-            key, t_base, interval=interval, per_iter_overhead_s=max(0.0, s["step_s"] - t_base),
-            restart_s=float(s.get("recovery_s") or 0.0),  # measured recovery includes any replay
-            exact=bool(s.get("exact", True)), note="measured"))
+        out.append(
+            SystemProfile(
+                key,
+                t_base,
+                interval=interval,
+                per_iter_overhead_s=max(0.0, s["step_s"] - t_base),
+                restart_s=float(s.get("recovery_s") or 0.0),  # measured recovery includes any replay
+                exact=bool(s.get("exact", True)),
+                note="measured",
+            )
+        )
     return out
 
 
@@ -256,19 +275,28 @@ def profiles_from_bench(res: dict, model: str | None = None) -> list[SystemProfi
 
 MTBFS = {"2H": 7200.0, "1H": 3600.0, "30M": 1800.0, "20M": 1200.0, "10M": 600.0}
 # The paper's Table 3 ETTR for DeepSeek-MoE, to print next to the simulated shape.
-PAPER_TABLE3 = {"CheckFreq": [0.902, 0.877, 0.827, 0.777, 0.672], "Gemini": [0.910, 0.894, 0.853, 0.814, 0.728],
-                "MoC": [0.933, 0.349, 0.324, 0.168, 0.134], "MoEvement": [0.975, 0.970, 0.965, 0.956, 0.951]}
+PAPER_TABLE3 = {
+    "CheckFreq": [0.902, 0.877, 0.827, 0.777, 0.672],
+    "Gemini": [0.910, 0.894, 0.853, 0.814, 0.728],
+    "MoC": [0.933, 0.349, 0.324, 0.168, 0.134],
+    "MoEvement": [0.975, 0.970, 0.965, 0.956, 0.951],
+}
 DEEPSEEK = {
-    "params": 16.4e9, "gpus": 96, "pp": 12, "experts": 64, "expert_fraction": 0.91,  # 27 MoE layers x 64 x 3x2048x1408
-    "t_iter": 2.9,                 # s; Table 3's overhead percentages imply ~2.7-3.5 s
-    "checkfreq_stall_s": 9.9,      # 0.08 s/iteration x 124 (Table 3): snapshot + persist interference
-    "gemini_stall_s": 4.35,        # Fig. 1: checkpointing every iteration is 2.5x slower (CPU memory + peer copy)
-    "moc_dense_stall_s": 10.7,     # §2.2: MoC at all experts is ~4.7x slower (two-level PEC, persisted)
-    "moc_k1_overhead_s": 0.22,     # Table 3: MoC 0.22 s/iteration at K=1
-    "moevement_overhead_s": 0.06, "moevement_window": 6,
-    "restart_in_memory_s": 3.0,    # restart + load from CPU memory / peers
-    "restart_remote_s": 46.0,      # + load 230 GB from blob storage at 40 Gbps
-    "moc_plt_limit": 0.02,         # Dynamic-K limit: not given by the papers (calibrated, see docs)
+    "params": 16.4e9,
+    "gpus": 96,
+    "pp": 12,
+    "experts": 64,
+    "expert_fraction": 0.91,  # 27 MoE layers x 64 x 3x2048x1408
+    "t_iter": 2.9,  # s; Table 3's overhead percentages imply ~2.7-3.5 s
+    "checkfreq_stall_s": 9.9,  # 0.08 s/iteration x 124 (Table 3): snapshot + persist interference
+    "gemini_stall_s": 4.35,  # Fig. 1: checkpointing every iteration is 2.5x slower (CPU memory + peer copy)
+    "moc_dense_stall_s": 10.7,  # §2.2: MoC at all experts is ~4.7x slower (two-level PEC, persisted)
+    "moc_k1_overhead_s": 0.22,  # Table 3: MoC 0.22 s/iteration at K=1
+    "moevement_overhead_s": 0.06,
+    "moevement_window": 6,
+    "restart_in_memory_s": 3.0,  # restart + load from CPU memory / peers
+    "restart_remote_s": 46.0,  # + load 230 GB from blob storage at 40 Gbps
+    "moc_plt_limit": 0.02,  # Dynamic-K limit: not given by the papers (calibrated, see docs)
 }
 
 
@@ -279,20 +307,49 @@ def deepseek_profiles(d: dict | None = None) -> dict[str, SystemProfile]:
     t = d["t_iter"]
     nonexpert = 1 - d["expert_fraction"]
     k1_frac = nonexpert + d["expert_fraction"] / d["experts"]
-    moc = LossyModel(experts=d["experts"], k=1, dense_stall_s=d["moc_dense_stall_s"], nonexpert_fraction=nonexpert,
-                     hidden_s=d["moc_dense_stall_s"] * k1_frac - d["moc_k1_overhead_s"], dynamic_k=True,
-                     plt_limit=d["moc_plt_limit"])
+    moc = LossyModel(
+        experts=d["experts"],
+        k=1,
+        dense_stall_s=d["moc_dense_stall_s"],
+        nonexpert_fraction=nonexpert,
+        hidden_s=d["moc_dense_stall_s"] * k1_frac - d["moc_k1_overhead_s"],
+        dynamic_k=True,
+        plt_limit=d["moc_plt_limit"],
+    )
     return {
-        "CheckFreq": SystemProfile("CheckFreq", t, stall_s=d["checkfreq_stall_s"], restart_s=d["restart_remote_s"],
-                                   note="interval: overhead <= 3%"),
-        "Gemini": SystemProfile("Gemini", t, stall_s=d["gemini_stall_s"], restart_s=d["restart_in_memory_s"],
-                                note="interval: oracle (best ETTR per MTBF)"),
-        "MoC": SystemProfile("MoC", t, interval=1, restart_s=d["restart_in_memory_s"], lossy=moc, exact=False,
-                             note="K=1 of 64 per iteration, Dynamic-K"),
-        "MoEvement": SystemProfile("MoEvement", t, interval=d["moevement_window"],
-                                   per_iter_overhead_s=d["moevement_overhead_s"], restart_s=d["restart_in_memory_s"],
-                                   replay_iters=d["moevement_window"] - 1, replay_s_per_iter=t / d["pp"],
-                                   note=f"W={d['moevement_window']}, localized replay"),
+        "CheckFreq": SystemProfile(
+            "CheckFreq",
+            t,
+            stall_s=d["checkfreq_stall_s"],
+            restart_s=d["restart_remote_s"],
+            note="interval: overhead <= 3%",
+        ),
+        "Gemini": SystemProfile(
+            "Gemini",
+            t,
+            stall_s=d["gemini_stall_s"],
+            restart_s=d["restart_in_memory_s"],
+            note="interval: oracle (best ETTR per MTBF)",
+        ),
+        "MoC": SystemProfile(
+            "MoC",
+            t,
+            interval=1,
+            restart_s=d["restart_in_memory_s"],
+            lossy=moc,
+            exact=False,
+            note="K=1 of 64 per iteration, Dynamic-K",
+        ),
+        "MoEvement": SystemProfile(
+            "MoEvement",
+            t,
+            interval=d["moevement_window"],
+            per_iter_overhead_s=d["moevement_overhead_s"],
+            restart_s=d["restart_in_memory_s"],
+            replay_iters=d["moevement_window"] - 1,
+            replay_s_per_iter=t / d["pp"],
+            note=f"W={d['moevement_window']}, localized replay",
+        ),
     }
 
 
@@ -307,26 +364,45 @@ def table3(hours: float = 12.0, failures: str = "periodic", seeds: int = 20, mod
                 p = replace(p, interval=best_interval(p, mtbf))
             elif name == "CheckFreq":
                 p = replace(p, interval=overhead_capped_interval(p, 0.03))
-            runs = ([simulate(p, horizon, trace=periodic_trace(mtbf, horizon))] if failures == "periodic" else
-                    [simulate(p, horizon, mtbf_s=mtbf, seed=s) for s in range(seeds)])
+            runs = (
+                [simulate(p, horizon, trace=periodic_trace(mtbf, horizon))]
+                if failures == "periodic"
+                else [simulate(p, horizon, mtbf_s=mtbf, seed=s) for s in range(seeds)]
+            )
             n = len(runs)
-            rows.append({"system": name, "mtbf": label, "interval": p.interval,
-                         "overhead_s": p.segment_s() / p.interval - p.t_iter,
-                         "overhead_fraction": p.overhead_fraction(),
-                         "ettr": sum(r.ettr for r in runs) / n, "ettr_formula": ettr_paper(p, mtbf),
-                         "recovery_s": sum(r.recovery_s + r.lost_iterations * p.iter_s for r in runs) / n,
-                         "failures": sum(r.failures for r in runs) / n,
-                         "final_k": runs[0].final_k, "plt": sum(r.plt for r in runs) / n,
-                         "paper_ettr": PAPER_TABLE3[name][list(MTBFS).index(label)]})
-    return {"setting": "DeepSeek-MoE 16.4B, 96 A100 (PP12 x EP8), MoEvement Table 3", "hours": hours,
-            "failures": failures, "model": dict(DEEPSEEK, **(model or {})), "rows": rows}
+            rows.append(
+                {
+                    "system": name,
+                    "mtbf": label,
+                    "interval": p.interval,
+                    "overhead_s": p.segment_s() / p.interval - p.t_iter,
+                    "overhead_fraction": p.overhead_fraction(),
+                    "ettr": sum(r.ettr for r in runs) / n,
+                    "ettr_formula": ettr_paper(p, mtbf),
+                    "recovery_s": sum(r.recovery_s + r.lost_iterations * p.iter_s for r in runs) / n,
+                    "failures": sum(r.failures for r in runs) / n,
+                    "final_k": runs[0].final_k,
+                    "plt": sum(r.plt for r in runs) / n,
+                    "paper_ettr": PAPER_TABLE3[name][list(MTBFS).index(label)],
+                }
+            )
+    return {
+        "setting": "DeepSeek-MoE 16.4B, 96 A100 (PP12 x EP8), MoEvement Table 3",
+        "hours": hours,
+        "failures": failures,
+        "model": dict(DEEPSEEK, **(model or {})),
+        "rows": rows,
+    }
 
 
 def format_table3(res: dict) -> str:
     names = list(PAPER_TABLE3)
-    lines = [f"{res['setting']}; {res['hours']:g} h, {res['failures']} failures",
-             "", "| MTBF | " + " | ".join(f"{n} interval | {n} ETTR (paper)" for n in names) + " |",
-             "|---|" + "---|---|" * len(names)]
+    lines = [
+        f"{res['setting']}; {res['hours']:g} h, {res['failures']} failures",
+        "",
+        "| MTBF | " + " | ".join(f"{n} interval | {n} ETTR (paper)" for n in names) + " |",
+        "|---|" + "---|---|" * len(names),
+    ]
     for label in MTBFS:
         cells = []
         for n in names:
@@ -338,10 +414,15 @@ def format_table3(res: dict) -> str:
 
 
 def format_measured(rows: list[dict]) -> str:
-    lines = ["| system | interval | overhead | recovery s | MTBF s | ETTR (exact) | ETTR (paper formula) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| system | interval | overhead | recovery s | MTBF s | ETTR (exact) | ETTR (paper formula) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['system']} | {r['interval']} | {r['overhead_fraction']:+.3f} | {r['recovery_s']:.3f} | "
-                     f"{r['mtbf_s']:g} | {r['ettr']:.3f} | {r['ettr_formula']:.3f} |")
+        lines.append(
+            f"| {r['system']} | {r['interval']} | {r['overhead_fraction']:+.3f} | {r['recovery_s']:.3f} | "
+            f"{r['mtbf_s']:g} | {r['ettr']:.3f} | {r['ettr_formula']:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -350,18 +431,34 @@ def measured_rows(bench: dict, mtbfs_s: list[float], model: str | None = None) -
     rows = []
     for p in profiles_from_bench(bench, model):
         for m in mtbfs_s:
-            rows.append({"system": p.name, "interval": p.interval, "overhead_fraction": p.overhead_fraction(),
-                         "recovery_s": p.recovery_s(), "mtbf_s": m, "ettr": ettr_exact(p, m),
-                         "ettr_formula": ettr_paper(p, m), "exact": p.exact})
+            rows.append(
+                {
+                    "system": p.name,
+                    "interval": p.interval,
+                    "overhead_fraction": p.overhead_fraction(),
+                    "recovery_s": p.recovery_s(),
+                    "mtbf_s": m,
+                    "ettr": ettr_exact(p, m),
+                    "ettr_formula": ettr_paper(p, m),
+                    "exact": p.exact,
+                }
+            )
     return rows
 
 
-def run_simulate(out: str | None = None, failures: str = "poisson", seeds: int = 20, hours: float = 12.0,
-                 bench: str | None = None, mtbfs_s: list[float] | None = None) -> tuple[dict, str]:
+def run_simulate(
+    out: str | None = None,
+    failures: str = "poisson",
+    seeds: int = 20,
+    hours: float = 12.0,
+    bench: str | None = None,
+    mtbfs_s: list[float] | None = None,
+) -> tuple[dict, str]:
     """`torchmoe-ckpt simulate`: Table 3's shape for DeepSeek-MoE, plus (with `bench`) ETTR of the measured
     systems at scaled-down MTBFs. Returns (JSON-able result, text)."""
     import json
     from pathlib import Path
+
     res = {"table3": table3(hours, failures, seeds)}
     text = format_table3(res["table3"])
     if bench:
@@ -371,7 +468,9 @@ def run_simulate(out: str | None = None, failures: str = "poisson", seeds: int =
             t = m["baseline_step_s"]
             ms = mtbfs_s or [1000 * t, 200 * t, 50 * t]  # in iterations of this machine: rare to frequent
             res["measured"][m["model"]] = rows = measured_rows(b, ms, m["model"])
-            text += f"\n\nMeasured ({m['model']}, t_iter {t * 1000:.1f} ms), exact-formula ETTR:\n" + format_measured(rows)
+            text += f"\n\nMeasured ({m['model']}, t_iter {t * 1000:.1f} ms), exact-formula ETTR:\n" + format_measured(
+                rows
+            )
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(res, indent=1))

@@ -8,6 +8,7 @@ backward sends the input gradients home), run the local experts on their rank-lo
 dtype, send the results back. Deterministic: the received rows are regrouped by (local expert, source rank)
 with a permutation computed from the counts alone, so every execution, replay included, runs the same
 matmuls on the same rows in the same order."""
+
 from __future__ import annotations
 
 import torch
@@ -24,10 +25,10 @@ def _by_expert(counts: torch.Tensor) -> torch.Tensor:
     """Rows arrive grouped by (source rank, local expert) with `counts[s, e]` rows each: the permutation that
     orders them by (local expert, source rank)."""
     flat = counts.reshape(-1)
-    start = torch.cumsum(flat, 0) - flat                  # where segment (s, e) begins in the received rows
-    lens = counts.t().reshape(-1)                         # segments in (e, s) order
+    start = torch.cumsum(flat, 0) - flat  # where segment (s, e) begins in the received rows
+    lens = counts.t().reshape(-1)  # segments in (e, s) order
     starts = start.view(counts.shape).t().reshape(-1)
-    first = torch.cumsum(lens, 0) - lens                  # where each lands in the (e, s) order
+    first = torch.cumsum(lens, 0) - lens  # where each lands in the (e, s) order
     total = int(flat.sum())
     return torch.arange(total) + torch.repeat_interleave(starts - first, lens)
 

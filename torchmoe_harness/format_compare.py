@@ -9,6 +9,7 @@ tensors [E, F, D] split over the ranks, with their AdamW state, a sharded dense 
 of a later layer). Bytes read are what crossed the storage driver (tensorstore's kvstore metrics; for the
 DCP format the bytes of the files fetched, which is what `ObjectTier.download` reads).
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -29,8 +30,9 @@ def _item(key, role, fqn, gshape, offset, shape, t) -> SlotItem:
     return SlotItem(key, role, fqn, Piece(fqn, True, tuple(gshape), tuple(offset), (), tuple(shape)), t)
 
 
-def synthetic_slot(index: int, rank: int, world: int, experts: int = 8, ffn: int = 256, dim: int = 128,
-                   seed: int = 0) -> Slot:
+def synthetic_slot(
+    index: int, rank: int, world: int, experts: int = 8, ffn: int = 256, dim: int = 128, seed: int = 0
+) -> Slot:
     g = torch.Generator().manual_seed(seed * 1000 + index * 10 + rank)
     per = experts // world
     items: list[SlotItem] = []
@@ -38,22 +40,46 @@ def synthetic_slot(index: int, rank: int, world: int, experts: int = 8, ffn: int
     for e in range(rank * per, (rank + 1) * per):
         off, shp = (e, 0, 0), (1, ffn, dim)
         items.append(_item(f"model.{w1}", "master", w1, (experts, ffn, dim), off, shp, torch.randn(shp, generator=g)))
-        items.append(_item(f"optim.{w1}.exp_avg", "exp_avg", w1, (experts, ffn, dim), off, shp, torch.randn(shp, generator=g)))
-        items.append(_item(f"optim.{w1}.exp_avg_sq", "exp_avg_sq", w1, (experts, ffn, dim), off, shp,
-                           torch.rand(shp, generator=g)))
+        items.append(
+            _item(f"optim.{w1}.exp_avg", "exp_avg", w1, (experts, ffn, dim), off, shp, torch.randn(shp, generator=g))
+        )
+        items.append(
+            _item(
+                f"optim.{w1}.exp_avg_sq", "exp_avg_sq", w1, (experts, ffn, dim), off, shp, torch.rand(shp, generator=g)
+            )
+        )
     items.append(_item(f"optim.{w1}.step", "step", w1, (), (), (), torch.tensor(float(7 + index))))
     wq, rows = "layers.0.attention.wq.weight", dim // world
-    items.append(_item(f"model.{wq}", "master", wq, (dim, dim), (rank * rows, 0), (rows, dim),
-                       torch.randn((rows, dim), generator=g)))
+    items.append(
+        _item(
+            f"model.{wq}",
+            "master",
+            wq,
+            (dim, dim),
+            (rank * rows, 0),
+            (rows, dim),
+            torch.randn((rows, dim), generator=g),
+        )
+    )
     w2 = "layers.1.moe.experts.w2"
     for e in range(rank * per, (rank + 1) * per):
-        items.append(_item(f"compute.{w2}", "compute", w2, (experts, dim, ffn), (e, 0, 0), (1, dim, ffn),
-                           torch.randn((1, dim, ffn), generator=g).to(torch.bfloat16)))
+        items.append(
+            _item(
+                f"compute.{w2}",
+                "compute",
+                w2,
+                (experts, dim, ffn),
+                (e, 0, 0),
+                (1, dim, ffn),
+                torch.randn((1, dim, ffn), generator=g).to(torch.bfloat16),
+            )
+        )
     return Slot(index, ("layer0",), ("layer1",), items, step=7 + index)
 
 
-def synthetic_window(root: str | Path, world: int = 2, window_id: int = 1, slots: int = 2, run_id: str = "syn",
-                     **shape) -> list[HostTier]:
+def synthetic_window(
+    root: str | Path, world: int = 2, window_id: int = 1, slots: int = 2, run_id: str = "syn", **shape
+) -> list[HostTier]:
     """One committed host-tier window per rank (what TierWriter produces), with synthetic MoE slots."""
     tiers = []
     for r in range(world):
@@ -61,11 +87,13 @@ def synthetic_window(root: str | Path, world: int = 2, window_id: int = 1, slots
         for i in range(slots):
             slot = synthetic_slot(i, r, world, seed=window_id, **shape)
             tier.write_slot(window_id, slot, {"window": window_id, "slot": i, "start_step": 7, "step": slot.step})
-        plan = WindowPlan(tuple(SlotPlan(("layer0",), ("layer1",), 0) for _ in range(slots)), float("inf"), True,
-                          ("layer0", "layer1"))
+        plan = WindowPlan(
+            tuple(SlotPlan(("layer0",), ("layer1",), 0) for _ in range(slots)), float("inf"), True, ("layer0", "layer1")
+        )
         rlog = ReplayLog()
-        rlog.add(IterationRecord(8, torch.arange(16), torch.tensor(1.5), 1e-3, torch.tensor(2.0),
-                                 torch.get_rng_state()))
+        rlog.add(
+            IterationRecord(8, torch.arange(16), torch.tensor(1.5), 1e-3, torch.tensor(2.0), torch.get_rng_state())
+        )
         tier.write_commit(window_id, 7, plan, rlog, {"synthetic": True})
         tiers.append(tier)
     return tiers
@@ -77,13 +105,20 @@ def _stored(fs, path: str) -> tuple[int, int]:
     return len(found), sum(int(v.get("size") or 0) for v in found.values())
 
 
-def compare_formats(tier: HostTier, window_id: int, uri: str, storage_options: dict | None = None,
-                    run_id: str | None = None, experts_to_read: int = 2) -> dict:
+def compare_formats(
+    tier: HostTier,
+    window_id: int,
+    uri: str,
+    storage_options: dict | None = None,
+    run_id: str | None = None,
+    experts_to_read: int = 2,
+) -> dict:
     """Upload `tier`'s committed window with both formats to `uri` and measure, per format: bytes and
     objects written for the window, upload seconds, bytes read to recover this rank (download into a fresh
     host tier), and bytes read to fetch `experts_to_read` of this rank's experts of one grouped expert tensor."""
     from torchmoe_ckpt.dcp.object_tier import make_store, open_store
     from torchmoe_ckpt.dcp.tensorstore_format import io_counters, read_pieces
+
     run_id = run_id or f"cmp-{time.monotonic_ns()}"
     fs, root = open_store(uri, storage_options, probe=False)
     out: dict = {}
@@ -103,8 +138,13 @@ def compare_formats(tier: HostTier, window_id: int, uri: str, storage_options: d
             c1 = io_counters()
         if problems:
             raise RuntimeError(f"{fmt}: download of window {window_id} failed: {problems[:2]}")
-        row = {"payload_bytes": payload, "bytes_written": nbytes, "objects_written": objects,
-               "upload_s": round(upload_s, 4), "download_s": round(download_s, 4)}
+        row = {
+            "payload_bytes": payload,
+            "bytes_written": nbytes,
+            "objects_written": objects,
+            "upload_s": round(upload_s, 4),
+            "download_s": round(download_s, 4),
+        }
         if fmt == "dcp":
             row["bytes_read_recover_rank"] = man.total_bytes + len(man.to_json())  # every file + MANIFEST.json
             # the DCP object tier fetches whole files: any expert needs its slot's whole .distcp file
@@ -116,13 +156,20 @@ def compare_formats(tier: HostTier, window_id: int, uri: str, storage_options: d
             key, held = _expert_key(store, window_id)
             if key is not None:
                 c0 = io_counters()
-                wanted = {key: [((e,) + (0,) * (len(held[0]) - 1), (1,) + (1 << 40,) * (len(held[0]) - 1))
-                                for e in sorted({o[0] for o in held})[:experts_to_read]]}
+                wanted = {
+                    key: [
+                        ((e,) + (0,) * (len(held[0]) - 1), (1,) + (1 << 40,) * (len(held[0]) - 1))
+                        for e in sorted({o[0] for o in held})[:experts_to_read]
+                    ]
+                }
                 got = read_pieces(uri, run, window_id, wanted, slot=0, storage_options=storage_options)
                 c1 = io_counters()
-                row.update(experts_read=sorted(k[2][0] for k in got), expert_key=key,
-                           bytes_read_experts=c1["bytes_read"] - c0["bytes_read"],
-                           read_requests_experts=c1["reads"] - c0["reads"])
+                row.update(
+                    experts_read=sorted(k[2][0] for k in got),
+                    expert_key=key,
+                    bytes_read_experts=c1["bytes_read"] - c0["bytes_read"],
+                    read_requests_experts=c1["reads"] - c0["reads"],
+                )
         out[fmt] = row
     out["window_id"], out["rank"], out["uri"] = window_id, tier.rank, uri
     return out
@@ -130,6 +177,7 @@ def compare_formats(tier: HostTier, window_id: int, uri: str, storage_options: d
 
 def _expert_key(store, window_id: int):
     from torchmoe_ckpt.dcp.tensorstore_format import _is_expert_key
+
     items = store._read_meta(window_id)["slots"][0]["items"]
     for e in items:
         if "array" in e and _is_expert_key(e["key"], e["global_shape"]):

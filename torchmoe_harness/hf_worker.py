@@ -5,6 +5,7 @@ for `selftest --model hf:<type>`.
 
     torchrun --nproc_per_node N -m torchmoe_harness.hf_worker --spec spec.json --out DIR
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,11 @@ def shard(model: nn.Module, dtype: torch.dtype) -> None:
     the root; bf16 compute with fp32 master weights and fp32 gradient reduction."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     blocks = max(lists, key=len) if lists else []
-    kw = {} if dtype == torch.float32 else {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
+    kw = (
+        {}
+        if dtype == torch.float32
+        else {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
+    )
     for b in blocks:
         fully_shard(b, **kw)
     fully_shard(model, **kw)
@@ -54,9 +59,15 @@ def run(spec: dict, out: Path) -> dict:
     rank, world = tmc.init_process_group(timeout_s=spec.get("timeout_s", 60))
     torch.manual_seed(spec.get("seed", 0))
     m = spec["model"]
-    model = build_hf_model(m["type"], layers=m.get("layers", 2), hidden=m.get("hidden", 32),
-                           experts=m.get("experts", 4), top_k=m.get("top_k", 2), vocab=m.get("vocab", 128),
-                           seed=spec.get("seed", 0))
+    model = build_hf_model(
+        m["type"],
+        layers=m.get("layers", 2),
+        hidden=m.get("hidden", 32),
+        experts=m.get("experts", 4),
+        top_k=m.get("top_k", 2),
+        vocab=m.get("vocab", 128),
+        seed=spec.get("seed", 0),
+    )
     vocab = model.config.get_text_config().vocab_size
     dtype = DTYPES[spec.get("dtype", "fp32")]
     shard(model, dtype)
@@ -81,16 +92,28 @@ def run(spec: dict, out: Path) -> dict:
         start = ckpt.resume()
         for step in range(start + 1, spec["steps"] + 1):
             losses[step] = ckpt.step(batch_for(step))
-        experts = [sum(1 for o in ckpt.ops if o.kind == "expert" and o.layer == layer)
-                   for layer in sorted({o.layer for o in ckpt.ops if o.kind == "expert"})]
+        experts = [
+            sum(1 for o in ckpt.ops if o.kind == "expert" and o.layer == layer)
+            for layer in sorted({o.layer for o in ckpt.ops if o.kind == "expert"})
+        ]
         stats = ckpt.stats()
     state = flat_state({"model": model.state_dict(), "optim": optimizer.state_dict(), "sched": scheduler.state_dict()})
     torch.save({"state": state, "losses": losses}, out / f"rank{rank}.pt")
     rec = stats.get("recovery") or {}
-    return {"model_type": m["type"], "model_class": type(model).__name__, "experts_per_moe_layer": experts,
-            "operators": len(ckpt.ops), "started_at_step": start, "windows_committed": stats.get("windows_committed"),
-            "recovery": {k: rec.get(k) for k in ("window", "start_step", "recovered_step", "replayed_iterations",
-                                                 "source", "seconds")} if rec.get("window") else None}
+    return {
+        "model_type": m["type"],
+        "model_class": type(model).__name__,
+        "experts_per_moe_layer": experts,
+        "operators": len(ckpt.ops),
+        "started_at_step": start,
+        "windows_committed": stats.get("windows_committed"),
+        "recovery": {
+            k: rec.get(k)
+            for k in ("window", "start_step", "recovered_step", "replayed_iterations", "source", "seconds")
+        }
+        if rec.get("window")
+        else None,
+    }
 
 
 def main() -> None:

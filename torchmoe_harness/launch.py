@@ -1,4 +1,5 @@
 """Launch harness runs under real torchrun processes and compare their results tensor by tensor."""
+
 from __future__ import annotations
 
 import json
@@ -16,47 +17,81 @@ import torch
 @dataclass
 class RunResult:
     out_dir: Path
-    states: list[dict[str, torch.Tensor]]     # per rank
-    losses: list[dict[int, torch.Tensor]]      # per rank: step -> loss of the final execution of that step
-    report: dict                                # rank 0's JSON report
+    states: list[dict[str, torch.Tensor]]  # per rank
+    losses: list[dict[int, torch.Tensor]]  # per rank: step -> loss of the final execution of that step
+    report: dict  # rank 0's JSON report
     log: str = ""
 
 
-def run_torchrun(nproc: int, spec: dict, out_dir: str | os.PathLike | None = None, timeout: float = 120.0,
-                 extra_env: dict | None = None, max_restarts: int = 0) -> RunResult:
+def run_torchrun(
+    nproc: int,
+    spec: dict,
+    out_dir: str | os.PathLike | None = None,
+    timeout: float = 120.0,
+    extra_env: dict | None = None,
+    max_restarts: int = 0,
+) -> RunResult:
     """Run `torchmoe_harness.worker` on `nproc` local ranks (gloo) and load what each rank wrote."""
     out = Path(out_dir or tempfile.mkdtemp(prefix="tmoe-run-"))
     log = launch(nproc, spec, out, timeout, extra_env, max_restarts)
     return load_result(out, nproc, log)
 
 
-def launch(nproc: int, spec: dict, out: Path, timeout: float = 120.0, extra_env: dict | None = None,
-           max_restarts: int = 0, module: str = "torchmoe_harness.worker") -> str:
+def launch(
+    nproc: int,
+    spec: dict,
+    out: Path,
+    timeout: float = 120.0,
+    extra_env: dict | None = None,
+    max_restarts: int = 0,
+    module: str = "torchmoe_harness.worker",
+) -> str:
     """torchrun `module --spec out/spec.json --out out`; returns its output, raises with the tail on failure."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(spec, indent=1))
-    return torchrun(nproc, ["-m", module, "--spec", str(out / "spec.json"), "--out", str(out)], out / "torchrun.log",
-                    timeout, extra_env, max_restarts)
+    return torchrun(
+        nproc,
+        ["-m", module, "--spec", str(out / "spec.json"), "--out", str(out)],
+        out / "torchrun.log",
+        timeout,
+        extra_env,
+        max_restarts,
+    )
 
 
-def torchrun(nproc: int, program: list[str], log_path: Path, timeout: float = 120.0, extra_env: dict | None = None,
-             max_restarts: int = 0) -> str:
+def torchrun(
+    nproc: int,
+    program: list[str],
+    log_path: Path,
+    timeout: float = 120.0,
+    extra_env: dict | None = None,
+    max_restarts: int = 0,
+) -> str:
     """`torchrun --standalone --nproc_per_node nproc ... program` (a script path or `-m module`, with its
     arguments); returns its output (also written to `log_path`), raises with the tail on failure or timeout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           f"--max-restarts={max_restarts}", *program]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        f"--max-restarts={max_restarts}",
+        *program,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
     # Own process group, so a timeout kills torchrun *and* its workers instead of orphaning them.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
         log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
         log_path.write_text(log)
-        raise RuntimeError(f"torchrun did not finish within {timeout:.0f} s (killed; log: {log_path}); "
-                           f"last output:\n{log[-3000:]}") from None
+        raise RuntimeError(
+            f"torchrun did not finish within {timeout:.0f} s (killed; log: {log_path}); last output:\n{log[-3000:]}"
+        ) from None
     log_path.write_text(log)
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun exited {proc.returncode} (full log: {log_path}); last output:\n{log[-4000:]}")

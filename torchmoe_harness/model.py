@@ -5,6 +5,7 @@ Names match TorchTitan so the same operator discovery serves both: grouped exper
 [E, hidden, dim]), router `layers.{i}.moe.router.gate`, buffers `layers.{i}.moe.expert_bias_E` and
 `layers.{i}.moe.tokens_per_expert_E`.
 """
+
 from __future__ import annotations
 
 import math
@@ -76,8 +77,9 @@ class GroupedExperts(nn.Module):
         return expert_mlp(x_sorted, counts, self.w1_EFD, self.w2_EDF, self.w3_EFD)
 
 
-def expert_mlp(x_sorted: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
-               w3: torch.Tensor) -> torch.Tensor:
+def expert_mlp(
+    x_sorted: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
     """SwiGLU of each expert e on its `counts[e]` consecutive rows of `x_sorted`."""
     # A per-expert loop (TorchTitan's for-loop path): deterministic on CPU, no grouped-mm kernel needed.
     # unbind, not w[e]: the backward of E selects zero-fills E full-size gradients (unbind's stacks one), the
@@ -85,7 +87,7 @@ def expert_mlp(x_sorted: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: 
     w1, w2, w3 = w1.unbind(0), w2.unbind(0), w3.unbind(0)
     outs, start = [], 0
     for e, n in enumerate(counts):
-        xe = x_sorted[start:start + n]
+        xe = x_sorted[start : start + n]
         start += n
         h = F.silu(xe @ w1[e].transpose(0, 1)) * (xe @ w3[e].transpose(0, 1))
         outs.append(h @ w2[e].transpose(0, 1))
@@ -180,7 +182,7 @@ class TinyMoE(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Deterministic init from `seed`, independent of world size (done before sharding)."""
         g = torch.Generator().manual_seed(seed)
-        for name, p in self.named_parameters():
+        for _name, p in self.named_parameters():
             if p.dim() == 1:
                 p.fill_(1.0)  # norm weights
             else:

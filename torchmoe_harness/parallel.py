@@ -1,5 +1,6 @@
 """FSDP2/HSDP setup for the harness (CPU + gloo; the process group comes from torchmoe_ckpt.init_process_group),
 optionally with expert parallelism (the experts left out of FSDP2)."""
+
 from __future__ import annotations
 
 import torch
@@ -26,6 +27,7 @@ def build_mesh(world_size: int, replicate: int) -> DeviceMesh:
 def _average_over(world: int):
     def hook(p: torch.Tensor) -> None:
         p.grad.div_(world)
+
     return hook
 
 
@@ -34,12 +36,16 @@ def apply_expert_parallel(model: TinyMoE, mesh: DeviceMesh, compute_dtype: torch
     clipping and the checkpointer see one mesh): this rank owns experts [rank * E/world, (rank + 1) * E/world)
     whole. Returns them, for `apply_fsdp(ignored=...)`: FSDP2 must never all-gather them."""
     if mesh.ndim != 1:
-        raise ValueError("expert_parallel supports plain FSDP2 (hsdp = 1) only: an HSDP mesh would need the "
-                         "experts replicated over dp_replicate and their gradients all-reduced there")
+        raise ValueError(
+            "expert_parallel supports plain FSDP2 (hsdp = 1) only: an HSDP mesh would need the "
+            "experts replicated over dp_replicate and their gradients all-reduced there"
+        )
     world, rank = mesh.size(), mesh.get_local_rank()
     if model.cfg.num_experts % world:
-        raise ValueError(f"expert_parallel needs num_experts ({model.cfg.num_experts}) divisible by the world "
-                         f"size ({world}): each rank owns the same number of whole experts")
+        raise ValueError(
+            f"expert_parallel needs num_experts ({model.cfg.num_experts}) divisible by the world "
+            f"size ({world}): each rank owns the same number of whole experts"
+        )
     dispatch = ExpertDispatch(mesh.get_group(), compute_dtype)
     owned: set[nn.Parameter] = set()
     for mod in model.modules():
@@ -57,8 +63,9 @@ def apply_expert_parallel(model: TinyMoE, mesh: DeviceMesh, compute_dtype: torch
     return owned
 
 
-def apply_fsdp(model: TinyMoE, mesh: DeviceMesh, compute_dtype: torch.dtype,
-               ignored: set[nn.Parameter] | None = None) -> None:
+def apply_fsdp(
+    model: TinyMoE, mesh: DeviceMesh, compute_dtype: torch.dtype, ignored: set[nn.Parameter] | None = None
+) -> None:
     """fully_shard each block, then the root. Expert tensors shard on the expert dim (Shard(0)) unless
     there are more shard ranks than experts, where they shard on dim 1 (TorchTitan's layout). `ignored`
     parameters (expert parallelism) stay out of FSDP2."""

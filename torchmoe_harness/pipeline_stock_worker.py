@@ -5,6 +5,7 @@ received, so a test can check the logs entry by entry against the receivers (tor
 Spec: "run" (RunConfig), "schedule": gpipe | 1f1b | interleaved1f1b, "stages_per_rank" (2 for
 interleaved), "microbatches", "log_root", "steps".
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -58,8 +59,11 @@ def run(spec: dict, out: Path) -> dict:
         mod = StageModule(build_stage(cfg, pp, sid))
         example = torch.zeros(mb_b, s, dtype=torch.long) if sid == 0 else torch.zeros(mb_b, s, d)
         logdir = Path(spec["log_root"]) / f"stage-{sid}"
-        stages.append(LoggingPipelineStage(mod, sid, n_stages, torch.device("cpu"), input_args=example,
-                                           boundary_log=BoundaryLog(logdir)))
+        stages.append(
+            LoggingPipelineStage(
+                mod, sid, n_stages, torch.device("cpu"), input_args=example, boundary_log=BoundaryLog(logdir)
+            )
+        )
         modules.append(mod)
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -86,8 +90,14 @@ def run(spec: dict, out: Path) -> dict:
     for sid, mod in zip(stage_ids, modules):
         # The stage's shape inference runs one forward on an uninitialised buffer before the first
         # micro-batch: keep the last steps x microbatches (forwards and backwards run in micro-batch order).
-        torch.save({"inputs": mod.received_inputs[-n:], "grads": mod.received_grads[-n:],
-                    "extra_inputs": len(mod.received_inputs) - n}, Path(out) / f"received-{sid}.pt")
+        torch.save(
+            {
+                "inputs": mod.received_inputs[-n:],
+                "grads": mod.received_grads[-n:],
+                "extra_inputs": len(mod.received_inputs) - n,
+            },
+            Path(out) / f"received-{sid}.pt",
+        )
     return {"stages": n_stages, "log": {sid: st.boundary_log.stats() for sid, st in zip(stage_ids, stages)}}
 
 

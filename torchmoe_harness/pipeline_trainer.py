@@ -8,11 +8,12 @@ logged by every stage), clipping, the expert-bias update of this stage's MoE lay
 In replay the all-reduce is skipped: the norm comes from the log (frozen operators compute no
 trustworthy weight gradient, so it could not be recomputed anyway).
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from torchmoe_ckpt import faults
 from torchmoe_ckpt.capture import position_lambda_lr
 from torchmoe_ckpt.pipeline import SCHEDULES, Peer, StageIO, actions, boundary_tag
 from torchmoe_ckpt.pipeline_log import BoundaryLog
-from torchmoe_ckpt.recovery import ReplayDivergence, init_optimizer_state
+from torchmoe_ckpt.sparse_to_dense import ReplayDivergence, init_optimizer_state
 from torchmoe_harness.data import TokenStream
 from torchmoe_harness.model import TinyMoE
 from torchmoe_harness.trainer import DTYPES, RunConfig, training_state
@@ -34,12 +35,14 @@ class PipelineConfig:
     microbatches: int = 2
     schedule: str = "1f1b"
     layers_per_stage: list[int] | None = None  # None: as even as possible, earlier stages get the extra
-    log_max_bytes: int | None = None           # bound on each stage's boundary log (None: unbounded)
+    log_max_bytes: int | None = None  # bound on each stage's boundary log (None: unbounded)
 
     def validate(self, run: RunConfig) -> None:
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"pipeline schedule {self.schedule!r} is not one of {SCHEDULES} (Interleaved1F1B is "
-                             f"not supported: use 1f1b)")
+            raise ValueError(
+                f"pipeline schedule {self.schedule!r} is not one of {SCHEDULES} (Interleaved1F1B is "
+                f"not supported: use 1f1b)"
+            )
         if self.stages < 2:
             raise ValueError(f"pipeline stages must be >= 2, got {self.stages}; use the FSDP harness for one stage")
         if run.batch_size % self.microbatches:
@@ -48,8 +51,10 @@ class PipelineConfig:
             raise ValueError(f"pipeline runs support dtype fp32 only, got {run.dtype!r}: set run.dtype='fp32'")
         split = self.split(run.model.n_layers)
         if len(split) != self.stages or sum(split) != run.model.n_layers or min(split) < 1:
-            raise ValueError(f"layers_per_stage {split} must give each of the {self.stages} stages >= 1 of the "
-                             f"{run.model.n_layers} layers: set model.n_layers >= stages or fix layers_per_stage")
+            raise ValueError(
+                f"layers_per_stage {split} must give each of the {self.stages} stages >= 1 of the "
+                f"{run.model.n_layers} layers: set model.n_layers >= stages or fix layers_per_stage"
+            )
 
     def split(self, n_layers: int) -> list[int]:
         if self.layers_per_stage is not None:
@@ -88,15 +93,16 @@ def stage_forward(model: TinyMoE, x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class StageStep:
     """One iteration's result on one stage (the fields SparseCheckpointer.after_step reads, and more)."""
+
     step: int
-    loss: torch.Tensor          # replay check value: the loss on the last stage, a float64 output sum elsewhere
-    grad_norm: torch.Tensor     # global norm before clipping (fp32 scalar)
+    loss: torch.Tensor  # replay check value: the loss on the last stage, a float64 output sum elsewhere
+    grad_norm: torch.Tensor  # global norm before clipping (fp32 scalar)
     lr: float
     tokens: torch.Tensor
     rng_state: torch.Tensor
     expert_counts: torch.Tensor
     expert_probs: torch.Tensor
-    global_loss: torch.Tensor   # the training loss of the iteration (fp32 scalar)
+    global_loss: torch.Tensor  # the training loss of the iteration (fp32 scalar)
     seconds: float = 0.0
     replayed: bool = False
 
@@ -105,8 +111,15 @@ class StageTrainer:
     """One pipeline stage (one rank, DP=1): the same optimizer, LR schedule and bias update as the
     harness Trainer; satisfies `torchmoe_ckpt.pipeline.StageReplayable` (what localized recovery needs)."""
 
-    def __init__(self, cfg: RunConfig, pp: PipelineConfig, stage: int, log: BoundaryLog | None,
-                 init_seed: int | None = None, stage_ranks: list[int] | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        pp: PipelineConfig,
+        stage: int,
+        log: BoundaryLog | None,
+        init_seed: int | None = None,
+        stage_ranks: list[int] | None = None,
+    ):
         pp.validate(cfg)
         self.cfg, self.pp, self.stage, self.n_stages = cfg, pp, stage, pp.stages
         self.ranks = stage_ranks or list(range(pp.stages))
@@ -114,8 +127,9 @@ class StageTrainer:
         self.compute_dtype = DTYPES[cfg.dtype]
         self.model = build_stage(cfg, pp, stage, init_seed)
         self.params = list(self.model.parameters())
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                                           weight_decay=cfg.weight_decay, foreach=False)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, foreach=False
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.stream = TokenStream(cfg.model.vocab_size, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
         self.step = 0
@@ -123,10 +137,11 @@ class StageTrainer:
         self.before_update: list[Callable[[], None]] = []
         self.layer_ids = [int(k) for k in self.model.layers.keys()]
         self.first, self.last = stage == 0, stage == pp.stages - 1
-        self.live_io = StageIO(None if self.first else Peer(self.ranks[stage - 1]),
-                               None if self.last else Peer(self.ranks[stage + 1]))
+        self.live_io = StageIO(
+            None if self.first else Peer(self.ranks[stage - 1]), None if self.last else Peer(self.ranks[stage + 1])
+        )
         self.replay_io: StageIO | None = None  # set by recovery for the replay of this stage
-        self.replayed_iterations = 0           # the recomputation counter
+        self.replayed_iterations = 0  # the recomputation counter
 
     def _lr_factor(self, it: int) -> float:
         warm = max(1, self.cfg.warmup)
@@ -200,8 +215,10 @@ class StageTrainer:
                 meta = io.meta.meta(step)
                 global_loss = meta["loss"]
                 if self.last and not torch.equal(loss, meta["loss"]):
-                    raise ReplayDivergence(f"stage {self.stage} replay of iteration {step} gave loss {loss.item()!r}, "
-                                           f"the neighbour logged {meta['loss'].item()!r}")
+                    raise ReplayDivergence(
+                        f"stage {self.stage} replay of iteration {step} gave loss {loss.item()!r}, "
+                        f"the neighbour logged {meta['loss'].item()!r}"
+                    )
         torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_norm, norm)
         for hook in self.before_update:
             hook()
@@ -216,8 +233,19 @@ class StageTrainer:
             self.log.record_meta(step, norm, global_loss)
         if replay is not None:
             self.replayed_iterations += 1
-        return StageStep(step, check, norm.detach().clone(), lr, tokens, rng_state, counts, probs,
-                         global_loss.detach().clone(), time.perf_counter() - t_start, replay is not None)
+        return StageStep(
+            step,
+            check,
+            norm.detach().clone(),
+            lr,
+            tokens,
+            rng_state,
+            counts,
+            probs,
+            global_loss.detach().clone(),
+            time.perf_counter() - t_start,
+            replay is not None,
+        )
 
     def _recv_fwd(self, io: StageIO, it: int, mb: int, shape, mb_tokens: torch.Tensor) -> torch.Tensor:
         if self.first:

@@ -15,6 +15,7 @@ boundary) discards the aborted iteration (nothing was updated yet), writes its l
 in place: no rollback, no recomputation. Its boundary log is already in host memory. A stage without a
 live state (killed) recovers from its window and its neighbours' logs (pipeline_recovery).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,13 +29,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchmoe_ckpt.checkpointer import SparseCheckpointer, SparseConfig
-from torchmoe_ckpt.config import TierConfig
+from torchmoe_ckpt.config import SparseConfig, TierConfig
 from torchmoe_ckpt.dcp.host_tier import HostTier
 from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.pipeline_log import BoundaryLog, LogReader
 from torchmoe_ckpt.pipeline_recovery import StageStatus, plan_recovery, recover_global, recover_in_segment
-from torchmoe_ckpt.recovery import ReplayDivergence
+from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.sparse_to_dense import ReplayDivergence
 from torchmoe_harness.pipeline_trainer import PipelineConfig, StageTrainer
 from torchmoe_harness.trainer import RunConfig
 from torchmoe_harness.worker import serve
@@ -76,8 +77,10 @@ def _window_starts(tier: HostTier) -> dict[int, int]:
 def _dump_live(path: Path, trainer: StageTrainer, losses: dict, extra: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    torch.save({"state": trainer.export_state(), "losses": losses, "replayed": trainer.replayed_iterations,
-                "extra": extra}, tmp)
+    torch.save(
+        {"state": trainer.export_state(), "losses": losses, "replayed": trainer.replayed_iterations, "extra": extra},
+        tmp,
+    )
     tmp.rename(path)  # written last: a half-written live state is never taken for a healthy one
 
 
@@ -124,8 +127,13 @@ def run(spec: dict, out: Path) -> dict:
     first_start = attempt == 0 and not any(s.healthy or s.windows for s in statuses)
     plan = plan_recovery(statuses, paths.logs, pp.microbatches) if not first_start else None
     if plan is not None and stage == 0:
-        log.warning("event=pp_recovery mode=%s attempt=%d reason=%r plan=%s", plan.mode, attempt, plan.reason,
-                    json.dumps(plan.to_dict()))
+        log.warning(
+            "event=pp_recovery mode=%s attempt=%d reason=%r plan=%s",
+            plan.mode,
+            attempt,
+            plan.reason,
+            json.dumps(plan.to_dict()),
+        )
         _append(paths.recoveries, {"event": "planned", "attempt": attempt, "plan": plan.to_dict()})
     losses: dict[int, torch.Tensor] = {}
     rec: dict = {"attempt": attempt, "stage": stage}
@@ -160,11 +168,17 @@ def run(spec: dict, out: Path) -> dict:
             rec.update(role="global", **recover_global(trainer, window))
             blog.flush()  # the joint replay re-logged each iteration's loss: the history from the window on
             own = LogReader(paths.logs[stage])
-            losses.update({t: own.meta(t)["loss"] for t in range(window.start_step + 1, trainer.step + 1)
-                           if own.has([t], 0, None)})  # not where the log bound stopped logging
+            losses.update(
+                {
+                    t: own.meta(t)["loss"]
+                    for t in range(window.start_step + 1, trainer.step + 1)
+                    if own.has([t], 0, None)
+                }
+            )  # not where the log bound stopped logging
     try:
         if plan is not None and status.healthy and plan.mode in ("none", "local"):
             from torchmoe_ckpt import faults
+
             faults.set_iteration(trainer.step)
             faults.point("recovery")  # a healthy stage waiting for its neighbours' recovery
         dist.barrier()  # recovery complete everywhere: only now does a recovered stage count as healthy
@@ -173,8 +187,13 @@ def run(spec: dict, out: Path) -> dict:
             trainer.reset_iteration()
             blog.flush()
             _dump_live(paths.live[stage], trainer, losses, {})
-        log.warning("event=pp_failure_during_recovery stage=%d attempt=%d recovering=%s error=%s", stage, attempt,
-                    recovering, str(exc).splitlines()[0][:200])
+        log.warning(
+            "event=pp_failure_during_recovery stage=%d attempt=%d recovering=%s error=%s",
+            stage,
+            attempt,
+            recovering,
+            str(exc).splitlines()[0][:200],
+        )
         _exit(1)
     rec["wait_or_recovery_s"] = time.perf_counter() - t_rec
     recs = [None] * world
@@ -186,8 +205,13 @@ def run(spec: dict, out: Path) -> dict:
     except RuntimeError as exc:
         blog.flush()
         _dump_live(paths.live[stage], trainer, losses, {})
-        log.warning("event=pp_peer_failure stage=%d attempt=%d step=%d error=%s: live state kept in host memory",
-                    stage, attempt, trainer.step, str(exc).splitlines()[0][:200])
+        log.warning(
+            "event=pp_peer_failure stage=%d attempt=%d step=%d error=%s: live state kept in host memory",
+            stage,
+            attempt,
+            trainer.step,
+            str(exc).splitlines()[0][:200],
+        )
         _exit(1)
     if rank == 0 and plan is not None:
         _append(paths.recoveries, {"event": "done", "attempt": attempt, "plan": plan.to_dict(), "stages": recs})
@@ -199,8 +223,16 @@ def run(spec: dict, out: Path) -> dict:
     # Plans per stage (its own operators); the scalar agreements (retention floor, copy bandwidth) span the
     # whole pipeline, so every stage keeps every window from the newest one *all* stages persisted: the
     # window a joint recovery of any segment needs.
-    ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, ck_cfg, group=stage_group,
-                            host_tier=tier, first_window_id=int(nxt.item()), agree_group=None)
+    ck = SparseCheckpointer(
+        trainer.model,
+        trainer.optimizer,
+        trainer.compute_dtype,
+        ck_cfg,
+        group=stage_group,
+        host_tier=tier,
+        first_window_id=int(nxt.item()),
+        agree_group=None,
+    )
     tw = ck.tier_writer
     ck.attach(trainer)
     gc_floor = None
@@ -230,15 +262,27 @@ def run(spec: dict, out: Path) -> dict:
         tw.flush()
         blog.flush()
         _dump_live(paths.live[stage], trainer, losses, {})
-        log.warning("event=pp_peer_failure stage=%d attempt=%d step=%d error=%s: live state kept in host memory",
-                    stage, attempt, trainer.step, str(exc).splitlines()[0][:200])
+        log.warning(
+            "event=pp_peer_failure stage=%d attempt=%d step=%d error=%s: live state kept in host memory",
+            stage,
+            attempt,
+            trainer.step,
+            str(exc).splitlines()[0][:200],
+        )
         _exit(1)
     torch.save({"state": trainer.export_state(), "losses": losses}, out / f"rank{rank}.pt")
     bench = _bench_recovery(trainer, spec["bench_recovery"], paths, tier, blog) if spec.get("bench_recovery") else None
-    report = {"stage": stage, "replayed_iterations": trainer.replayed_iterations, "log": blog.stats(),
-              "checkpoint": {k: v for k, v in ck.stats().items() if k in ("slots_captured", "windows_committed",
-                                                                            "mean_slot_bytes", "dense_bytes")},
-              "step_seconds": step_seconds}
+    report = {
+        "stage": stage,
+        "replayed_iterations": trainer.replayed_iterations,
+        "log": blog.stats(),
+        "checkpoint": {
+            k: v
+            for k, v in ck.stats().items()
+            if k in ("slots_captured", "windows_committed", "mean_slot_bytes", "dense_bytes")
+        },
+        "step_seconds": step_seconds,
+    }
     ck.engine.shutdown()
     tw.shutdown()
     reports = [None] * world
@@ -246,11 +290,15 @@ def run(spec: dict, out: Path) -> dict:
     records = []
     if paths.recoveries.exists():
         records = [json.loads(line) for line in paths.recoveries.read_text().splitlines() if line]
-    return {"world_size": world, "steps": cfg.steps, "stages": reports,
-            "recoveries": [r for r in records if r["event"] == "done"],  # completed recoveries
-            "recovery_plans": [r for r in records if r["event"] == "planned"],  # incl. interrupted ones
-            "log_bytes_per_iteration": sum(r["log"]["bytes_per_iteration"] for r in reports),
-            "bench_recovery": bench}
+    return {
+        "world_size": world,
+        "steps": cfg.steps,
+        "stages": reports,
+        "recoveries": [r for r in records if r["event"] == "done"],  # completed recoveries
+        "recovery_plans": [r for r in records if r["event"] == "planned"],  # incl. interrupted ones
+        "log_bytes_per_iteration": sum(r["log"]["bytes_per_iteration"] for r in reports),
+        "bench_recovery": bench,
+    }
 
 
 def _bench_recovery(trainer: StageTrainer, bench: dict, paths: Paths, tier: HostTier, blog: BoundaryLog) -> dict:
@@ -281,7 +329,9 @@ def _bench_recovery(trainer: StageTrainer, bench: dict, paths: Paths, tier: Host
         if stage == victim:
             fresh = StageTrainer(cfg, pp, stage, blog, init_seed=cfg.seed + 7777)
             seg = plan.segment_of(stage)
-            recover_in_segment(fresh, tier.load_window(seg.window_id, ops, fresh.compute_dtype), seg, target, paths.logs)
+            recover_in_segment(
+                fresh, tier.load_window(seg.window_id, ops, fresh.compute_dtype), seg, target, paths.logs
+            )
             local_exact, recomputed = exact(fresh), fresh.replayed_iterations
         dist.barrier()
         local_s.append(time.perf_counter() - t0)

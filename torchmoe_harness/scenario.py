@@ -18,6 +18,7 @@ Spec "watchdog_timeout_s" (None: off) arms a CollectiveWatchdog around each trai
 call; "watchdog_events" (a path) keeps its hang records across restarts for the report. Spec "jit": true
 (needs both) adds the just-in-time checkpoint of jit.py: healthy replicas save on failure, restarts use it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,15 +30,15 @@ from pathlib import Path
 
 import torch
 
-from torchmoe_ckpt.checkpointer import SparseCheckpointer, SparseConfig
-from torchmoe_ckpt.config import TierConfig
+from torchmoe_ckpt.config import SparseConfig, TierConfig
 from torchmoe_ckpt.dcp.tiers import Tiers, build_tiers, node_of
 from torchmoe_ckpt.errors import UnusableCheckpointError
 from torchmoe_ckpt.identity import IdentityMismatch, RunIdentity, build_identity
 from torchmoe_ckpt.operators import discover_operators
-from torchmoe_ckpt.recovery import sparse_to_dense
-from torchmoe_ckpt.resume import recover
+from torchmoe_ckpt.recovery import recover
 from torchmoe_ckpt.snapshot import SimulatedCopyFault
+from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.sparse_to_dense import sparse_to_dense
 from torchmoe_ckpt.watchdog import CollectiveWatchdog, read_events
 from torchmoe_harness.trainer import Trainer
 
@@ -79,8 +80,17 @@ def run_identity(trainer: Trainer, host: dict | None) -> RunIdentity:
     cfg = trainer.cfg
     run_id = TierConfig.from_dict(host).resolved_run_id() if host else None
     ops = discover_operators(trainer.model)
-    return build_identity(trainer.model, trainer.optimizer, trainer.compute_dtype, ops, run_id, trainer.world,
-                          cfg.hsdp, data=f"seed={cfg.seed}", steps=cfg.steps)
+    return build_identity(
+        trainer.model,
+        trainer.optimizer,
+        trainer.compute_dtype,
+        ops,
+        run_id,
+        trainer.world,
+        cfg.hsdp,
+        data=f"seed={cfg.seed}",
+        steps=cfg.steps,
+    )
 
 
 def _node_dir(trainer: Trainer, host: dict) -> Path:
@@ -93,7 +103,9 @@ def _node_dir(trainer: Trainer, host: dict) -> Path:
 def _lose_node(node_dir: Path, node: int | None) -> str:
     """Emulate losing node `node` (None: every node): its host directory, with every copy on it, is wiped."""
     import shutil
+
     import torch.distributed as dist
+
     if node is None or node_dir.name == f"node-{node}":
         shutil.rmtree(node_dir, ignore_errors=True)
     dist.barrier()
@@ -115,8 +127,14 @@ def _corrupt(tier, how: str) -> str:
     return f"{how} {rel} of window {wid}"
 
 
-def restart(trainer: Trainer, ck: SparseCheckpointer, ck_cfg: SparseConfig, host: dict | None = None,
-            fail: dict | None = None, wd: CollectiveWatchdog | None = None) -> tuple[Trainer, SparseCheckpointer, dict]:
+def restart(
+    trainer: Trainer,
+    ck: SparseCheckpointer,
+    ck_cfg: SparseConfig,
+    host: dict | None = None,
+    fail: dict | None = None,
+    wd: CollectiveWatchdog | None = None,
+) -> tuple[Trainer, SparseCheckpointer, dict]:
     """Drop the live state; rebuild from the newest committed window (from the storage tiers if configured,
     else the in-memory one), or cold-start when there is none."""
     committed = ck.committed
@@ -137,14 +155,22 @@ def restart(trainer: Trainer, ck: SparseCheckpointer, ck_cfg: SparseConfig, host
         tier, replicator, store = _tiers(trainer, host)
         if fail.get("corrupt"):
             import torch.distributed as dist
+
             rep["corrupted"] = _corrupt(tier, fail["corrupt"]) if trainer.rank == 0 else None
             dist.barrier()
     del trainer
     t0 = time.perf_counter()
     fresh = Trainer(cfg, init_seed=cfg.seed + 7777)  # another init: what recovery forgets shows as a mismatch
     if host:
-        res = recover(fresh, Tiers(tier, replicator, store), ck.op_by_name, fresh.compute_dtype, fresh.rank,
-                      identity=ck.identity, watchdog=wd)
+        res = recover(
+            fresh,
+            Tiers(tier, replicator, store),
+            ck.op_by_name,
+            fresh.compute_dtype,
+            fresh.rank,
+            identity=ck.identity,
+            watchdog=wd,
+        )
         committed = res.window
         rep.update(res.report)
     elif committed is not None:
@@ -154,9 +180,17 @@ def restart(trainer: Trainer, ck: SparseCheckpointer, ck_cfg: SparseConfig, host
         rep.update(cold_start="the initialisation", recovered_step=0, replayed_iterations=0)
     rep["restart_seconds"] = time.perf_counter() - t0
     tier, replicator, store = _tiers(fresh, host)
-    new_ck = SparseCheckpointer(fresh.model, fresh.optimizer, fresh.compute_dtype, ck_cfg, committed=committed,
-                                host_tier=tier, replicator=replicator, store=store,
-                                identity=run_identity(fresh, host)).inherit_counters(ck)
+    new_ck = SparseCheckpointer(
+        fresh.model,
+        fresh.optimizer,
+        fresh.compute_dtype,
+        ck_cfg,
+        committed=committed,
+        host_tier=tier,
+        replicator=replicator,
+        store=store,
+        identity=run_identity(fresh, host),
+    ).inherit_counters(ck)
     return fresh, new_ck.attach(fresh), rep
 
 
@@ -166,8 +200,15 @@ def resume_from_host_tier(trainer: Trainer, host: dict, wd: CollectiveWatchdog |
     ops = {o.name: o for o in discover_operators(trainer.model)}
     fresh = Trainer(trainer.cfg, init_seed=trainer.cfg.seed + 7777)
     try:
-        res = recover(fresh, _tiers(trainer, host), ops, fresh.compute_dtype, fresh.rank,
-                      identity=run_identity(trainer, host), watchdog=wd)
+        res = recover(
+            fresh,
+            _tiers(trainer, host),
+            ops,
+            fresh.compute_dtype,
+            fresh.rank,
+            identity=run_identity(trainer, host),
+            watchdog=wd,
+        )
     except (IdentityMismatch, UnusableCheckpointError) as exc:  # another run's, or none usable: one line, exit 2
         log.error("event=refused rank=%d: %s", trainer.rank, exc)
         sys.stderr.flush()
@@ -184,8 +225,10 @@ def _check_jit(spec: dict) -> bool:
     if not spec.get("host_tier"):
         raise ValueError("spec 'jit' needs a 'host_tier' section (JIT copies are written to the host tier): add one")
     if not spec.get("watchdog_timeout_s"):
-        raise ValueError("spec 'jit' needs 'watchdog_timeout_s' (the watchdog detects the failure that triggers "
-                         "the save): set it, e.g. 30")
+        raise ValueError(
+            "spec 'jit' needs 'watchdog_timeout_s' (the watchdog detects the failure that triggers "
+            "the save): set it, e.g. 30"
+        )
     return True
 
 
@@ -202,39 +245,66 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
     committed = None
     use_jit, jit_rep = _check_jit(spec), None
     # Recovery (fetch, agreement, replay) is watched like training: a rank frozen in replay ends the job.
-    wd = CollectiveWatchdog(spec.get("watchdog_timeout_s"), rank=trainer.rank,
-                            events_path=spec.get("watchdog_events"))
+    wd = CollectiveWatchdog(spec.get("watchdog_timeout_s"), rank=trainer.rank, events_path=spec.get("watchdog_events"))
     if use_jit and host and spec.get("resume"):
         from torchmoe_ckpt.jit import resume as jit_resume
+
         # A copy is loaded into a trainer with other initial weights: anything it fails to restore shows.
-        trainer, jit_rep = jit_resume(trainer, host, _tiers(trainer, host)[0],
-                                      lambda for_copy: Trainer(cfg, init_seed=cfg.seed + 7777 if for_copy else None))
+        trainer, jit_rep = jit_resume(
+            trainer,
+            host,
+            _tiers(trainer, host)[0],
+            lambda for_copy: Trainer(cfg, init_seed=cfg.seed + 7777 if for_copy else None),
+        )
         if jit_rep is not None:
             recoveries.append(dict(jit_rep, attempt=attempt))
     if host and spec.get("resume") and jit_rep is None:
         trainer, committed, rep = resume_from_host_tier(trainer, host, wd)
         if rep is None:  # no window anywhere: say what this run starts from
-            src = (f"dense export {spec['initial_load']['uri']} (step {trainer.step})" if spec.get("initial_load")
-                   else "the initialisation")
-            log.warning("event=cold_start rank=%d attempt=%d run=%s from=%r: no committed window in any tier: a new run "
-                        "starts", trainer.rank, attempt, TierConfig.from_dict(host).resolved_run_id(), src)
-            rep = {"cold_start": src, "recovered_step": trainer.step} if attempt > 0 or spec.get("initial_load") else None
+            src = (
+                f"dense export {spec['initial_load']['uri']} (step {trainer.step})"
+                if spec.get("initial_load")
+                else "the initialisation"
+            )
+            log.warning(
+                "event=cold_start rank=%d attempt=%d run=%s from=%r: no committed window in any tier: a new run starts",
+                trainer.rank,
+                attempt,
+                TierConfig.from_dict(host).resolved_run_id(),
+                src,
+            )
+            rep = (
+                {"cold_start": src, "recovered_step": trainer.step} if attempt > 0 or spec.get("initial_load") else None
+            )
         if rep is not None:
             recoveries.append(dict(rep, attempt=attempt))
     tier, replicator, store = _tiers(trainer, host)
     # After a JIT resume, new windows must sort after the ones already on the tiers.
-    ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, ck_cfg, committed=committed,
-                            host_tier=tier, replicator=replicator, store=store, identity=run_identity(trainer, host),
-                            first_window_id=None if jit_rep is None else jit_rep["next_window_id"]).attach(trainer)
+    ck = SparseCheckpointer(
+        trainer.model,
+        trainer.optimizer,
+        trainer.compute_dtype,
+        ck_cfg,
+        committed=committed,
+        host_tier=tier,
+        replicator=replicator,
+        store=store,
+        identity=run_identity(trainer, host),
+        first_window_id=None if jit_rep is None else jit_rep["next_window_id"],
+    ).attach(trainer)
     step_seconds: list[float] = []
     step_cpu: list[float] = []  # process CPU (every thread: training, copy, tier threads) per step
     jit = None
     if use_jit:
         from torchmoe_ckpt.jit import JitCheckpointer
+
         jit = JitCheckpointer(trainer, host, tier.dir / "jit")
         if not jit.enabled and trainer.rank == 0:
-            log.warning("event=jit_off reason=no_replicas hsdp=%d: pure FSDP keeps one copy of each shard, so a "
-                        "failed rank's state exists nowhere else; recovery uses the committed window", cfg.hsdp)
+            log.warning(
+                "event=jit_off reason=no_replicas hsdp=%d: pure FSDP keeps one copy of each shard, so a "
+                "failed rank's state exists nowhere else; recovery uses the committed window",
+                cfg.hsdp,
+            )
         jit.arm(wd)
     while True:
         nxt = trainer.step + 1

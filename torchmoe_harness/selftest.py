@@ -1,5 +1,6 @@
 """`torchmoe-ckpt selftest`: a fault-free reference run and a run that fails and recovers, both under real
 torchrun/gloo processes, compared tensor by tensor with torch.equal."""
+
 from __future__ import annotations
 
 import sys
@@ -10,9 +11,21 @@ from pathlib import Path
 from torchmoe_harness.launch import compare, run_torchrun
 
 
-def selftest(nproc: int = 2, experts: int = 4, layers: int = 2, steps: int = 12, fail_at: int = 8,
-             hsdp: int = 1, dtype: str = "fp32", window: int | None = 3, seed: int = 0, phase: str = "update",
-             out_dir: str | None = None, timeout: float = 600.0, verbose: bool = True) -> dict:
+def selftest(
+    nproc: int = 2,
+    experts: int = 4,
+    layers: int = 2,
+    steps: int = 12,
+    fail_at: int = 8,
+    hsdp: int = 1,
+    dtype: str = "fp32",
+    window: int | None = 3,
+    seed: int = 0,
+    phase: str = "update",
+    out_dir: str | None = None,
+    timeout: float = 600.0,
+    verbose: bool = True,
+) -> dict:
     if not 1 <= fail_at <= steps:
         raise ValueError(f"--fail-at {fail_at} must be within 1..--steps {steps}")
     if nproc < 1 or hsdp < 1 or nproc % hsdp:
@@ -21,8 +34,13 @@ def selftest(nproc: int = 2, experts: int = 4, layers: int = 2, steps: int = 12,
     if window is not None and not 1 <= window <= n_ops:
         raise ValueError(f"--window {window} is impossible: this model has {n_ops} operators; use 1..{n_ops} or auto")
     top_k = min(2, experts)
-    run = {"steps": steps, "hsdp": hsdp, "dtype": dtype, "seed": seed,
-           "model": {"num_experts": experts, "n_layers": layers, "top_k": top_k}}
+    run = {
+        "steps": steps,
+        "hsdp": hsdp,
+        "dtype": dtype,
+        "seed": seed,
+        "model": {"num_experts": experts, "n_layers": layers, "top_k": top_k},
+    }
     out = Path(out_dir or tempfile.mkdtemp(prefix="tmoe-selftest-"))
 
     def say(msg: str) -> None:
@@ -30,12 +48,18 @@ def selftest(nproc: int = 2, experts: int = 4, layers: int = 2, steps: int = 12,
             print(f"[selftest] {msg}", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
-    say(f"reference run: {nproc} ranks, {'HSDP %dx%d' % (hsdp, nproc // hsdp) if hsdp > 1 else 'FSDP2'}, "
-        f"{layers} layers x {experts} experts, {dtype}, {steps} steps")
+    say(
+        f"reference run: {nproc} ranks, {f'HSDP {hsdp}x{nproc // hsdp}' if hsdp > 1 else 'FSDP2'}, "
+        f"{layers} layers x {experts} experts, {dtype}, {steps} steps"
+    )
     ref = run_torchrun(nproc, {"run": run}, out / "reference", timeout=timeout)
     say(f"failing run: failure in iteration {fail_at} ({phase}), window {window or 'auto'}")
-    bad = run_torchrun(nproc, {"run": run, "checkpoint": {"window": window},
-                              "failures": [{"step": fail_at, "phase": phase}]}, out / "recovered", timeout=timeout)
+    bad = run_torchrun(
+        nproc,
+        {"run": run, "checkpoint": {"window": window}, "failures": [{"step": fail_at, "phase": phase}]},
+        out / "recovered",
+        timeout=timeout,
+    )
     cmp = compare(ref, bad)
     recs = bad.report.get("recoveries", [])
     rec = recs[0] if recs else {}
@@ -51,8 +75,15 @@ def selftest(nproc: int = 2, experts: int = 4, layers: int = 2, steps: int = 12,
         "failed_at": rec.get("failed_at"),
         "cold_start": bool(rec.get("cold_start", False)),
         "recovery_seconds": rec.get("seconds"),
-        "nproc": nproc, "hsdp": hsdp, "experts": experts, "layers": layers, "dtype": dtype, "steps": steps,
-        "seed": seed, "wall_seconds": round(time.perf_counter() - t0, 2), "out_dir": str(out),
+        "nproc": nproc,
+        "hsdp": hsdp,
+        "experts": experts,
+        "layers": layers,
+        "dtype": dtype,
+        "steps": steps,
+        "seed": seed,
+        "wall_seconds": round(time.perf_counter() - t0, 2),
+        "out_dir": str(out),
     }
     say(f"bit_exact={cmp.bit_exact} over {cmp.compared_tensors} tensors and {cmp.compared_losses} losses")
     return result

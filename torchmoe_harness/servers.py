@@ -10,6 +10,7 @@ and also offers `stop()` / `start()` / `restart()` and a `down()` context manage
 store away and bring it back on the same port (Azurite keeps its data directory; moto keeps its state,
 which lives in-process).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -20,8 +21,8 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # torchmoe_harness/servers.py -> repo
 AZURITE_EXE = REPO_ROOT / ".azurite/node_modules/.bin/azurite-blob"
@@ -44,9 +45,9 @@ def _wait_port(port: int, timeout: float, alive=lambda: True) -> None:
             return
         except OSError:
             if not alive():
-                raise RuntimeError(f"server on 127.0.0.1:{port} exited before it was ready")
+                raise RuntimeError(f"server on 127.0.0.1:{port} exited before it was ready") from None
             if time.monotonic() > deadline:
-                raise RuntimeError(f"server on 127.0.0.1:{port} not ready after {timeout:.0f} s")
+                raise RuntimeError(f"server on 127.0.0.1:{port} not ready after {timeout:.0f} s") from None
             time.sleep(0.05)
 
 
@@ -85,6 +86,7 @@ class _Server:
 
 # --------------------------------------------------------------------------------------------- moto (S3)
 
+
 class MotoServer(_Server):
     """A moto S3 server in this process (ThreadedMotoServer). Its state is in-process, so it survives a
     stop/start on the same port."""
@@ -110,10 +112,11 @@ class MotoServer(_Server):
     def running(self) -> bool:
         return self._server is not None
 
-    def start(self) -> "MotoServer":
+    def start(self) -> MotoServer:
         if self._server is not None:
             return self
         from moto.server import ThreadedMotoServer
+
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         server.start()
@@ -141,6 +144,7 @@ def moto_server(port: int = 0) -> Iterator[MotoServer]:
 def create_bucket(storage_options: dict, name: str) -> None:
     """Create an S3 bucket (no-op if it exists). `storage_options` as given to s3fs / `open_store`."""
     import s3fs
+
     fs = s3fs.S3FileSystem(**storage_options, skip_instance_cache=True)
     if not fs.exists(name):
         fs.mkdir(name)
@@ -149,14 +153,17 @@ def create_bucket(storage_options: dict, name: str) -> None:
 
 # -------------------------------------------------------------------------------------- Azurite (Azure Blob)
 
+
 class AzuriteServer(_Server):
     """An Azurite blob server (node process) from `.azurite/` at the repository root (`make setup`)."""
 
     def __init__(self, port: int = 0, location: str | Path | None = None, exe: str | Path | None = None):
         self.exe = Path(exe) if exe else AZURITE_EXE
         if not self.exe.exists():
-            raise RuntimeError(f"Azurite is not installed ({self.exe} is missing): run `make setup` in {REPO_ROOT} "
-                               f"(it runs `npm install --prefix .azurite azurite@3.35.0`)")
+            raise RuntimeError(
+                f"Azurite is not installed ({self.exe} is missing): run `make setup` in {REPO_ROOT} "
+                f"(it runs `npm install --prefix .azurite azurite@3.35.0`)"
+            )
         if shutil.which("node") is None:
             raise RuntimeError("Azurite needs node (>= 20) on PATH")
         self.port = port or free_port()
@@ -167,8 +174,10 @@ class AzuriteServer(_Server):
 
     @property
     def connection_string(self) -> str:
-        return (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
-                f"BlobEndpoint=http://127.0.0.1:{self.port}/{AZURITE_ACCOUNT};")
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
+            f"BlobEndpoint=http://127.0.0.1:{self.port}/{AZURITE_ACCOUNT};"
+        )
 
     @property
     def storage_options(self) -> dict:
@@ -182,11 +191,22 @@ class AzuriteServer(_Server):
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self) -> "AzuriteServer":
+    def start(self) -> AzuriteServer:
         if self.running:
             return self
-        cmd = [str(self.exe), "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--location", str(self.location),
-               "--skipApiVersionCheck", "--disableTelemetry", "--loose", "--silent"]
+        cmd = [
+            str(self.exe),
+            "--blobHost",
+            "127.0.0.1",
+            "--blobPort",
+            str(self.port),
+            "--location",
+            str(self.location),
+            "--skipApiVersionCheck",
+            "--disableTelemetry",
+            "--loose",
+            "--silent",
+        ]
         log_path = self.location / "azurite-stdout.log"
         with open(log_path, "ab") as out:
             self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -232,6 +252,7 @@ def create_container(connection_string: str, name: str) -> None:
     """Create a blob container (no-op if it exists)."""
     from azure.core.exceptions import ResourceExistsError
     from azure.storage.blob import BlobServiceClient
+
     with BlobServiceClient.from_connection_string(connection_string) as client:
         try:
             client.create_container(name)

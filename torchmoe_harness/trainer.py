@@ -2,12 +2,13 @@
 
 Replay runs the very same code path with the logged batch, RNG state and global gradient norm, so a
 replayed iteration is bit-identical to the original one on CPU."""
+
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,9 @@ class RunConfig:
         if self.seq_len > self.model.max_seq_len:
             raise ValueError(f"seq_len {self.seq_len} exceeds model max_seq_len {self.model.max_seq_len}")
         if self.optimizer not in ("single", "foreach", "fused"):
-            raise ValueError(f"optimizer {self.optimizer!r}: use 'single', 'foreach' or 'fused' (AdamW implementations)")
+            raise ValueError(
+                f"optimizer {self.optimizer!r}: use 'single', 'foreach' or 'fused' (AdamW implementations)"
+            )
         if self.expert_parallel and self.hsdp != 1:
             raise ValueError(f"expert_parallel supports plain FSDP2 only (hsdp = 1), not hsdp = {self.hsdp}")
 
@@ -62,13 +65,13 @@ class RunConfig:
 @dataclass
 class StepResult:
     step: int
-    loss: torch.Tensor          # this rank's loss (fp32 scalar)
-    grad_norm: torch.Tensor     # global norm before clipping (fp32 scalar)
+    loss: torch.Tensor  # this rank's loss (fp32 scalar)
+    grad_norm: torch.Tensor  # global norm before clipping (fp32 scalar)
     lr: float
-    tokens: torch.Tensor        # the batch this rank trained on
+    tokens: torch.Tensor  # the batch this rank trained on
     rng_state: torch.Tensor
     expert_counts: torch.Tensor  # [layers, experts] routed tokens, summed over all ranks
-    expert_probs: torch.Tensor   # [layers, experts] summed gating probabilities, over all ranks
+    expert_probs: torch.Tensor  # [layers, experts] summed gating probabilities, over all ranks
     seconds: float = 0.0
 
 
@@ -86,8 +89,9 @@ class Trainer:
         self.model = model
         self.params = [p for p in model.parameters()]
         impl = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[cfg.optimizer]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                                           weight_decay=cfg.weight_decay, **impl)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, **impl
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.stream = TokenStream(cfg.model.vocab_size, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
         self.step = 0  # iterations completed
@@ -141,8 +145,17 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step = step
-        return StepResult(step, loss.detach(), norm.detach().clone(), lr, tokens, rng_state, counts, probs,
-                          time.perf_counter() - t_start)
+        return StepResult(
+            step,
+            loss.detach(),
+            norm.detach().clone(),
+            lr,
+            tokens,
+            rng_state,
+            counts,
+            probs,
+            time.perf_counter() - t_start,
+        )
 
     @torch.no_grad()
     def _reduce_expert_stats(self) -> torch.Tensor:

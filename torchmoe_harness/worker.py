@@ -3,6 +3,7 @@ injected failure, and write each rank's final state and losses for comparison.
 
     torchrun --nproc_per_node N -m torchmoe_harness.worker --spec spec.json --out DIR
 """
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,10 +28,12 @@ def run(spec: dict, out: Path) -> dict:
     report: dict = {"world_size": trainer.world, "steps": cfg.steps}
     if spec.get("initial_load"):  # start from a user-given dense export instead of the initialisation
         from torchmoe_ckpt.dcp.dense_export import load_dense
+
         trainer.set_step(load_dense(trainer.model, trainer.optimizer, **spec["initial_load"]))
         report["initial_load"] = {"uri": spec["initial_load"]["uri"], "step": trainer.step}
     if spec.get("checkpoint") is None:
         from torchmoe_ckpt.dcp.dense_export import DenseExporter
+
         exporter = DenseExporter(**spec["dense_export"]) if spec.get("dense_export") else None
         step_seconds, step_cpu = [], []  # wall and process CPU (every thread) per step
         while trainer.step < cfg.steps:
@@ -47,6 +50,7 @@ def run(spec: dict, out: Path) -> dict:
         report["step_seconds"], report["step_cpu_s"] = step_seconds, step_cpu
     else:
         from torchmoe_harness.scenario import run_with_checkpointing  # the checkpointing + failure scenario
+
         trainer, extra = run_with_checkpointing(trainer, spec, losses)
         report.update(extra)
     torch.save({"state": trainer.export_state(), "losses": losses}, out / f"rank{trainer.rank}.pt")

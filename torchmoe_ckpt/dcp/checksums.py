@@ -14,6 +14,7 @@ Because an item's digest is a function of its padded blocks, a data file whose i
 offsets with zero padding between them has, as a whole, the same kind of digest, computed from the same block
 sums in the same pass (`block_sums` over the file, then `digest_blocks` over each item's range and the whole).
 """
+
 from __future__ import annotations
 
 import zlib
@@ -21,13 +22,15 @@ import zlib
 import numpy as np
 import torch
 
+from ..errors import TorchmoeError
+
 BLOCK = 512  # bytes per summed block (64 int64 words); also the item alignment of files that use sum64b512
 SUM64 = "sum64b512"
 CRC32 = "crc32"
 ALGOS = (CRC32, SUM64)
 
 
-class UnknownChecksum(ValueError):
+class UnknownChecksum(TorchmoeError, ValueError):
     """A checksum named by an algorithm this version does not know (written by another tool)."""
 
 
@@ -41,7 +44,7 @@ def block_sums(data) -> np.ndarray:
         parts.append(np.frombuffer(mv[:full], dtype="<i8").reshape(-1, BLOCK // 8).sum(1, dtype="<i8"))
     if n > full:
         last = bytearray(BLOCK)
-        last[:n - full] = mv[full:]
+        last[: n - full] = mv[full:]
         parts.append(np.frombuffer(bytes(last), dtype="<i8").sum(dtype="<i8").reshape(1))
     return np.concatenate(parts).astype("<i8", copy=False) if parts else np.zeros(0, dtype="<i8")
 

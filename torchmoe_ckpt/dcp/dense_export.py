@@ -10,6 +10,7 @@ finds every key. Any world size or mesh can read it back (DCP reshards).
 (`FSDPParam.reset_sharded_param`): loading with `dcp.load` into the live parameters alone changes the
 values FSDP2 reads, but not necessarily the padded storage it all-gathers from.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,10 +54,17 @@ def _export_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step
     return state
 
 
-def export_dense(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: str, step: int,
-                 storage_options: dict | None = None, extra=None) -> float:
+def export_dense(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    uri: str,
+    step: int,
+    storage_options: dict | None = None,
+    extra=None,
+) -> float:
     """Collective and synchronous (e.g. right after recovery): every rank calls it. Returns seconds."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
     t0 = time.perf_counter()
     dcp.save(_export_state(model, optimizer, step, extra), storage_writer=FsspecWriter(uri, **(storage_options or {})))
     seconds = time.perf_counter() - t0
@@ -64,16 +72,21 @@ def export_dense(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: 
     return seconds
 
 
-def load_dense(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: str,
-               storage_options: dict | None = None) -> int:
+def load_dense(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: str, storage_options: dict | None = None
+) -> int:
     """Collective: load an export into a (freshly built) model and optimizer; returns the step it holds."""
     import fsspec
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
     fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
     if not fs.exists(f"{root.rstrip('/')}/{METADATA}"):
-        raise FileNotFoundError(f"{uri} is not a complete dense export ({METADATA} missing): the export was "
-                                f"interrupted or the path is wrong; use an older export")
-    from ..recovery import init_optimizer_state
+        raise FileNotFoundError(
+            f"{uri} is not a complete dense export ({METADATA} missing): the export was "
+            f"interrupted or the path is wrong; use an older export"
+        )
+    from ..sparse_to_dense import init_optimizer_state
+
     init_optimizer_state(optimizer)  # DCP loads in place: the optimizer state tensors must exist
     state = _state(model, optimizer)
     state[TRAIN_STATE] = _train_state(0, 0.0)
@@ -85,8 +98,10 @@ def load_dense(model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: st
             raise  # a peer died or the network failed: nothing is known about the export, say what happened
         why = "; ".join(sorted({str(e) for e in failures.values()})) if failures else str(exc)
         why = " ".join(why.split())[:300]
-        raise ValueError(f"{uri} does not fit this model ({why}); it was written by another model or "
-                         f"configuration: load an export of this model, or start without initial_load") from None
+        raise ValueError(
+            f"{uri} does not fit this model ({why}); it was written by another model or "
+            f"configuration: load an export of this model, or start without initial_load"
+        ) from None
     osd, ts = state.pop("optimizer"), state.pop(TRAIN_STATE)
     set_state_dict(model, optimizer, model_state_dict=state, optim_state_dict=osd, options=_OPTIONS)
     step = int(ts["step"])
@@ -108,13 +123,14 @@ class DenseExporter:
         if every is not None and every < 1:
             raise ValueError(f"dense export interval must be >= 1 iterations or None (off), got {every}")
         from .object_tier import open_store
+
         self.uri, self.opts, self.every, self.keep = uri.rstrip("/"), dict(storage_options or {}), every, keep
         self.fs, self.root = open_store(uri, self.opts, probe=True)
         self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._future = None
         self._pending_step: int | None = None
         self.exported: list[int] = []
-        self.stage_seconds: list[float] = []   # what the training thread waits (staging copy)
+        self.stage_seconds: list[float] = []  # what the training thread waits (staging copy)
         self.export_seconds: list[float] = []  # start to complete, off the training thread
 
     def path(self, step: int) -> str:
@@ -126,11 +142,13 @@ class DenseExporter:
 
     def export(self, model, optimizer, step: int, extra=None) -> None:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
         self.wait()  # one export at a time
         t0 = time.perf_counter()
         writer = FsspecWriter(self.path(step), **self.opts)
-        self._future = dcp.async_save(_export_state(model, optimizer, step, extra), storage_writer=writer,
-                                      process_group=self.pg)
+        self._future = dcp.async_save(
+            _export_state(model, optimizer, step, extra), storage_writer=writer, process_group=self.pg
+        )
         self._pending_step, self._t0 = step, t0
         self.stage_seconds.append(time.perf_counter() - t0)
 
@@ -144,14 +162,17 @@ class DenseExporter:
         self.exported.append(step)
         log.info("event=dense_export step=%d path=%s seconds=%.3f", step, self.path(step), self.export_seconds[-1])
         if (not dist.is_initialized() or dist.get_rank() == 0) and self.keep > 0:
-            for old in self.exported[:-self.keep]:
+            for old in self.exported[: -self.keep]:
                 try:
                     self.fs.rm(f"{self.root.rstrip('/')}/{step_dirname(old)}", recursive=True)
                 except FileNotFoundError:  # gone already (a restarted exporter listed it again): retention is done
                     pass
-            self.exported = self.exported[-self.keep:]
+            self.exported = self.exported[-self.keep :]
 
     def stats(self) -> dict:
-        return {"exports": len(self.export_seconds), "stage_s_max": max(self.stage_seconds, default=0.0),
-                "export_s_max": max(self.export_seconds, default=0.0), "latest": self.path(self.exported[-1])
-                if self.exported else None}
+        return {
+            "exports": len(self.export_seconds),
+            "stage_s_max": max(self.stage_seconds, default=0.0),
+            "export_s_max": max(self.export_seconds, default=0.0),
+            "latest": self.path(self.exported[-1]) if self.exported else None,
+        }

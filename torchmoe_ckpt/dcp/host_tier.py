@@ -23,6 +23,7 @@ from the files right after DCP wrote them, in the same call), never what happens
 time: a window one of whose slot writes failed (ENOSPC, ...) is never committed.
 Slots are written by a background thread after their copy finished; the training thread never waits on it.
 """
+
 from __future__ import annotations
 
 import io
@@ -37,16 +38,28 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from .. import faults
+from ..errors import TorchmoeError
+from ..identity import RunIdentity, identity_mismatch
 from ..replay_log import IterationRecord, ReplayLog
 from ..schedule import WindowPlan
 from ..snapshot import Slot, build_slot
 from ..window import Window
-from ..identity import RunIdentity, identity_mismatch
-from .manifest import (FileEntry, WindowManifest, check_window, crc32_bytes, file_entry, parse_window_dirname,
-                       plan_digest, rank_manifest_name, slot_rank_dir, slot_record, window_dirname)
-from .planner import PLANNER_KEY, SlotLoadPlanner, verify_items
 from .checksums import SUM64, tensor_block_sums
+from .manifest import (
+    FileEntry,
+    WindowManifest,
+    check_window,
+    crc32_bytes,
+    file_entry,
+    parse_window_dirname,
+    plan_digest,
+    rank_manifest_name,
+    slot_rank_dir,
+    slot_record,
+    window_dirname,
+)
 from .mapped_files import MappedFiles
+from .planner import PLANNER_KEY, SlotLoadPlanner, verify_items
 from .raw_layout import DATA_FILE, RawLayout, layout_key
 from .raw_storage import RawReader
 from .slot_files import SlotFiles, backing
@@ -106,8 +119,10 @@ class HostTier:
         os.replace(tmp, os.path.join(out, ".metadata"))  # last: the slot checkpoint is complete
         # Reported by the call that wrote them: the commit lists these entries, not a later re-read.
         rel = f"slot-{slot.index:02d}/rank-{self.rank:05d}"
-        files = {f"{rel}/{DATA_FILE}": FileEntry(lay.size, file_digest, SUM64),
-                 f"{rel}/.metadata": FileEntry(len(meta), crc32_bytes(meta))}
+        files = {
+            f"{rel}/{DATA_FILE}": FileEntry(lay.size, file_digest, SUM64),
+            f"{rel}/.metadata": FileEntry(len(meta), crc32_bytes(meta)),
+        }
         self._written[(window_id, slot.index)] = (files, dict(info))
         faults.point("persist")
         return lay.nbytes
@@ -134,23 +149,30 @@ class HostTier:
             self._slot_files = SlotFiles(self.dir, self.rank)
         return self._slot_files
 
-    def write_commit(self, window_id: int, start_step: int, plan: WindowPlan, log_: ReplayLog, extra: dict) -> WindowManifest:
+    def write_commit(
+        self, window_id: int, start_step: int, plan: WindowPlan, log_: ReplayLog, extra: dict
+    ) -> WindowManifest:
         """Commit this rank's copy of a window: only if every slot write of it succeeded in this process.
         `extra["identity"]` (a RunIdentity dict) goes into the manifest's identity."""
         extra = dict(extra)
         identity = extra.pop("identity", None) or {}
         missing = [i for i in range(plan.window) if (window_id, i) not in self._written]
         if missing:
-            raise UncommittableWindow(f"window {window_id} is not committed: the write of slot(s) {missing} failed "
-                                      "or never happened")
+            raise UncommittableWindow(
+                f"window {window_id} is not committed: the write of slot(s) {missing} failed or never happened"
+            )
         digest = plan_digest(plan.to_dict())
         files: dict[str, FileEntry] = {}
         records = []
         for i in range(plan.window):
             got, info = self._written[(window_id, i)]
             rec = slot_record(info)
-            if (rec["window"] != window_id or rec["slot"] != i or rec["step"] != start_step + i
-                    or rec["plan"] not in (None, digest)):
+            if (
+                rec["window"] != window_id
+                or rec["slot"] != i
+                or rec["step"] != start_step + i
+                or rec["plan"] not in (None, digest)
+            ):
                 raise UncommittableWindow(f"window {window_id} slot {i} was written as {rec}: not committed")
             files.update(got)
             records.append(rec)
@@ -162,8 +184,17 @@ class HostTier:
         data = buf.getvalue()
         replay.write_bytes(data)
         files[str(replay.relative_to(wdir))] = FileEntry(len(data), crc32_bytes(data))
-        man = WindowManifest(window_id, start_step, plan.window, self.world_size, plan.to_dict(), files,
-                             dict(extra, rank=self.rank), identity=identity, slots=records)
+        man = WindowManifest(
+            window_id,
+            start_step,
+            plan.window,
+            self.world_size,
+            plan.to_dict(),
+            files,
+            dict(extra, rank=self.rank),
+            identity=identity,
+            slots=records,
+        )
         faults.point("manifest")
         tmp = wdir / (rank_manifest_name(self.rank) + ".tmp")
         tmp.write_text(man.to_json())
@@ -266,8 +297,10 @@ class HostTier:
         """Read this rank's copy of a committed window back into fresh slot buffers (checked first)."""
         problems = self.check(window_id, identity)
         if problems:
-            raise CorruptCopyError(f"window {window_id} on host tier {self.dir} is unusable: {problems[0]}"
-                                   + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+            raise CorruptCopyError(
+                f"window {window_id} on host tier {self.dir} is unusable: {problems[0]}"
+                + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
+            )
         man = self.manifest(window_id)
         plan = WindowPlan.from_dict(man.plan)
         slots = []
@@ -288,14 +321,16 @@ class HostTier:
             rlog.add(IterationRecord.from_dict(d))
         win = Window(window_id, man.start_step, plan, slots, rlog, captured=plan.window)
         if not win.committed:
-            raise CorruptCopyError(f"window {window_id}: replay records do not cover steps {man.start_step + 1}.."
-                                   f"{man.start_step + plan.window - 1}")
+            raise CorruptCopyError(
+                f"window {window_id}: replay records do not cover steps {man.start_step + 1}.."
+                f"{man.start_step + plan.window - 1}"
+            )
         return win
 
 
-class UncommittableWindow(RuntimeError):
+class UncommittableWindow(TorchmoeError, RuntimeError):
     """A window one of whose slot writes failed (or never ran): its manifest is never written."""
 
 
-class CorruptCopyError(RuntimeError):
+class CorruptCopyError(TorchmoeError, RuntimeError):
     """A copy of a window on some tier is torn or corrupt: skip it for the next tier; never load it."""

@@ -17,18 +17,20 @@ bit, a plan edited) no longer matches its checksum and is refused. Readers treat
 manifest as invisible (half-written), and verify each file against the manifest before using it: a torn or
 corrupt file makes the window unusable on that tier, and the reader moves on to the next tier.
 """
+
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
+from ..errors import TorchmoeError
 from .checksums import BLOCK, CRC32, SUM64, UnknownChecksum, block_sums, digest, digest_blocks
 
 FORMAT = "torchmoe-ckpt/window/2"  # 2: identity, slot records and a self-checksum
@@ -91,9 +93,9 @@ def _zeros_operator(nbytes: int) -> tuple:
     """The GF(2) matrix that advances a CRC32 over `nbytes` zero bytes (zlib's crc32_combine, composed once
     per length; `_zeros_tables` caches it: a slot's item sizes repeat every window)."""
     odd = (0xEDB88320,) + tuple(1 << n for n in range(31))  # one zero bit
-    even = _gf2_square(odd)                                 # two
-    odd = _gf2_square(even)                                 # four
-    op = tuple(1 << n for n in range(32))                   # identity
+    even = _gf2_square(odd)  # two
+    odd = _gf2_square(even)  # four
+    op = tuple(1 << n for n in range(32))  # identity
     while nbytes:
         even = _gf2_square(odd)
         if nbytes & 1:
@@ -128,8 +130,8 @@ def crc32_stream(chunks: Iterable[bytes]) -> tuple[int, int]:
 @dataclass
 class FileEntry:
     bytes: int
-    crc32: int          # the file's 32-bit digest under `algo` (a CRC32 unless `algo` names another one)
-    algo: str = CRC32   # checksums.py: "sum64b512" for host-tier data files (computed at memory speed)
+    crc32: int  # the file's 32-bit digest under `algo` (a CRC32 unless `algo` names another one)
+    algo: str = CRC32  # checksums.py: "sum64b512" for host-tier data files (computed at memory speed)
 
     def matches(self, data) -> bool:
         """Whether `data` (the whole file) has this entry's size and digest."""
@@ -175,32 +177,43 @@ def file_entry(path: Path, algo: str = CRC32) -> FileEntry:
 
 def _entry_dict(v: FileEntry) -> dict:
     # "algo" only when not CRC32: manifests of CRC32 files stay byte-identical to earlier versions
-    return {"bytes": v.bytes, "crc32": v.crc32} if v.algo == CRC32 else {"bytes": v.bytes, "crc32": v.crc32,
-                                                                         "algo": v.algo}
+    return (
+        {"bytes": v.bytes, "crc32": v.crc32}
+        if v.algo == CRC32
+        else {"bytes": v.bytes, "crc32": v.crc32, "algo": v.algo}
+    )
 
 
-class ManifestError(ValueError):
+class ManifestError(TorchmoeError, ValueError):
     """A manifest that is not ours, or whose content does not match its own checksum (edited or damaged)."""
 
 
 @dataclass
 class WindowManifest:
     window_id: int
-    start_step: int              # slot 0 holds the state after this iteration
-    window: int                  # W
+    start_step: int  # slot 0 holds the state after this iteration
+    window: int  # W
     world_size: int
-    plan: dict                   # WindowPlan.to_dict()
-    files: dict[str, FileEntry] = field(default_factory=dict)   # path relative to the window dir
-    extra: dict = field(default_factory=dict)                   # dtype, rank, counters, ...
+    plan: dict  # WindowPlan.to_dict()
+    files: dict[str, FileEntry] = field(default_factory=dict)  # path relative to the window dir
+    extra: dict = field(default_factory=dict)  # dtype, rank, counters, ...
     format: str = FORMAT
-    identity: dict = field(default_factory=dict)   # RunIdentity.to_dict() of the run that wrote the window
-    slots: list = field(default_factory=list)      # per slot: {"slot", "window", "step", ...} as it was written
+    identity: dict = field(default_factory=dict)  # RunIdentity.to_dict() of the run that wrote the window
+    slots: list = field(default_factory=list)  # per slot: {"slot", "window", "step", ...} as it was written
 
     def to_dict(self) -> dict:
-        d = {"format": self.format, "window_id": self.window_id, "start_step": self.start_step,
-             "window": self.window, "world_size": self.world_size, "plan": self.plan,
-             "files": {k: _entry_dict(v) for k, v in sorted(self.files.items())},
-             "extra": self.extra, "identity": self.identity, "slots": self.slots}
+        d = {
+            "format": self.format,
+            "window_id": self.window_id,
+            "start_step": self.start_step,
+            "window": self.window,
+            "world_size": self.world_size,
+            "plan": self.plan,
+            "files": {k: _entry_dict(v) for k, v in sorted(self.files.items())},
+            "extra": self.extra,
+            "identity": self.identity,
+            "slots": self.slots,
+        }
         d["checksum"] = content_checksum(d)
         return d
 
@@ -208,7 +221,7 @@ class WindowManifest:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @staticmethod
-    def from_json(text: str) -> "WindowManifest":
+    def from_json(text: str) -> WindowManifest:
         try:
             d = json.loads(text)
         except ValueError as exc:
@@ -221,13 +234,24 @@ class WindowManifest:
         return WindowManifest.from_dict(d)
 
     @staticmethod
-    def from_dict(d: dict) -> "WindowManifest":
+    def from_dict(d: dict) -> WindowManifest:
         """Fields of a manifest dict, unchecked (the tensorstore tier rebuilds a manifest with new files)."""
         try:
-            files = {k: FileEntry(int(v["bytes"]), int(v["crc32"]), str(v.get("algo", CRC32))) for k, v in d["files"].items()}
-            return WindowManifest(int(d["window_id"]), int(d["start_step"]), int(d["window"]), int(d["world_size"]),
-                                  d["plan"], files, d.get("extra", {}), d["format"], d.get("identity") or {},
-                                  list(d.get("slots") or []))
+            files = {
+                k: FileEntry(int(v["bytes"]), int(v["crc32"]), str(v.get("algo", CRC32))) for k, v in d["files"].items()
+            }
+            return WindowManifest(
+                int(d["window_id"]),
+                int(d["start_step"]),
+                int(d["window"]),
+                int(d["world_size"]),
+                d["plan"],
+                files,
+                d.get("extra", {}),
+                d["format"],
+                d.get("identity") or {},
+                list(d.get("slots") or []),
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ManifestError(f"manifest is missing or has a bad field ({type(exc).__name__}: {exc})") from None
 
@@ -253,8 +277,9 @@ def slot_record(info: dict) -> dict:
     return {k: info.get(k) for k in ("window", "slot", "step", "start_step", "run", "plan")}
 
 
-def check_window(man: WindowManifest, window_id: int, rank: int, world_size: int | None = None,
-                 slot_info=None) -> list[str]:
+def check_window(
+    man: WindowManifest, window_id: int, rank: int, world_size: int | None = None, slot_info=None
+) -> list[str]:
     """Problems with where a manifest and its slot files sit: the window id of its directory, the rank, the
     world size, the plan, and the window/slot/step/run/plan each slot's DCP metadata was written for
     (`slot_info(rel)` returns that metadata's planner info). A window directory or a slot file copied from
@@ -277,12 +302,20 @@ def check_window(man: WindowManifest, window_id: int, rank: int, world_size: int
     run = (man.identity or {}).get("fingerprint")
     for i, rec in enumerate(man.slots):
         # A writer that gave no plan digest (a tool, not the checkpointer) records None for it.
-        want = {"window": man.window_id, "slot": i, "step": man.start_step + i, "start_step": man.start_step,
-                "run": run, "plan": digest if rec.get("plan") is not None else None}
+        want = {
+            "window": man.window_id,
+            "slot": i,
+            "step": man.start_step + i,
+            "start_step": man.start_step,
+            "run": run,
+            "plan": digest if rec.get("plan") is not None else None,
+        }
         bad = [k for k, v in want.items() if rec.get(k) != v]
         if bad:
-            out.append(f"slot {i}: manifest records {', '.join(f'{k} {rec.get(k)!r}' for k in bad)}, expected "
-                       f"{', '.join(f'{want[k]!r}' for k in bad)}")
+            out.append(
+                f"slot {i}: manifest records {', '.join(f'{k} {rec.get(k)!r}' for k in bad)}, expected "
+                f"{', '.join(f'{want[k]!r}' for k in bad)}"
+            )
             continue
         if slot_info is None:
             continue
@@ -297,6 +330,8 @@ def check_window(man: WindowManifest, window_id: int, rank: int, world_size: int
             continue
         bad = [k for k, v in want.items() if info.get(k) != v]
         if bad:
-            out.append(f"{rel}: written for {', '.join(f'{k} {info.get(k)!r}' for k in bad)}, but sits at "
-                       f"{', '.join(f'{k} {want[k]!r}' for k in bad)} (a slot file of another window or run)")
+            out.append(
+                f"{rel}: written for {', '.join(f'{k} {info.get(k)!r}' for k in bad)}, but sits at "
+                f"{', '.join(f'{k} {want[k]!r}' for k in bad)} (a slot file of another window or run)"
+            )
     return out

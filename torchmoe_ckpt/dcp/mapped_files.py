@@ -10,6 +10,7 @@ window dir -> spare); a mapping of a file deleted meanwhile (by anyone) is dropp
 `forget` drops it at once (its pages stay pinned while it is mapped).
 Readers, in this process or after a restart, read the files normally.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -26,11 +27,11 @@ from .checksums import BLOCK, tensor_block_sums
 @dataclass
 class _Map:
     mm: mmap.mmap
-    fd: int                              # kept open: st_nlink == 0 tells that the file was deleted
-    t: torch.Tensor                      # uint8 view of the whole file
+    fd: int  # kept open: st_nlink == 0 tells that the file was deleted
+    t: torch.Tensor  # uint8 view of the whole file
     size: int
-    sig: tuple = ()                      # the item layout the views below were made for
-    key: object = None                   # the caller's layout key of `sig` (compared by identity: no re-hash)
+    sig: tuple = ()  # the item layout the views below were made for
+    key: object = None  # the caller's layout key of `sig` (compared by identity: no re-hash)
     views: list = field(default_factory=list)
 
 
@@ -85,16 +86,26 @@ class MappedFiles:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
             return np.zeros(0, dtype="<i8")
         m = self._map(path, size)
-        sig = m.sig if key is not None and m.key is key else tuple(
-            (off, n, src.dtype, tuple(src.shape)) if isinstance(src, torch.Tensor) else (off, n) for off, n, src in items)
+        sig = (
+            m.sig
+            if key is not None and m.key is key
+            else tuple(
+                (off, n, src.dtype, tuple(src.shape)) if isinstance(src, torch.Tensor) else (off, n)
+                for off, n, src in items
+            )
+        )
         m.key = key
         if m.sig != sig:  # a new layout (or a reused file of another one): padding must read as zeros
             m.t.zero_()
-            m.views = [m.t[off:off + n].view(src.dtype).view(src.shape) if isinstance(src, torch.Tensor) and n
-                       else m.t[off:off + n] for off, n, src in items]
+            m.views = [
+                m.t[off : off + n].view(src.dtype).view(src.shape)
+                if isinstance(src, torch.Tensor) and n
+                else m.t[off : off + n]
+                for off, n, src in items
+            ]
             m.sig = sig
         dst, src = [], []
-        for v, (off, n, s) in zip(m.views, items):
+        for v, (_off, n, s) in zip(m.views, items):
             if not n:
                 continue
             if isinstance(s, torch.Tensor):

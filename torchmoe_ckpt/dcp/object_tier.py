@@ -6,6 +6,7 @@ every rank uploads and fetches only its own pieces. Storage options are passed e
 (DCP's `reset(checkpoint_id)` path would drop them). Uploads retry with exponential backoff; a store that
 is down or slow only delays the upload queue, never training (the queue keeps the newest windows).
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,20 +18,40 @@ from pathlib import Path
 
 from .. import faults
 from .host_tier import HostTier
-from .manifest import (CHUNK, MANIFEST_NAME, Digester, FileEntry, WindowManifest, parse_window_dirname,
-                       rank_manifest_name, window_dirname)
+from .manifest import (
+    CHUNK,
+    MANIFEST_NAME,
+    Digester,
+    FileEntry,
+    WindowManifest,
+    parse_window_dirname,
+    rank_manifest_name,
+    window_dirname,
+)
 from .spare_files import keep_spares, place_new_file, pwrite_all, spares
 from .store_errors import StoreConfigError, explain
 from .tensorstore_format import NoTensorstoreDriver, TensorstoreTier
 
 log = logging.getLogger("torchmoe_ckpt.object_tier")
-KNOWN = {"file": None, "memory": None, "s3": "s3fs (pip install 'torchmoe-ckpt[s3]')",
-         "s3a": "s3fs (pip install 'torchmoe-ckpt[s3]')", "az": "adlfs (pip install 'torchmoe-ckpt[azure]')",
-         "abfs": "adlfs (pip install 'torchmoe-ckpt[azure]')", "abfss": "adlfs (pip install 'torchmoe-ckpt[azure]')"}
+KNOWN = {
+    "file": None,
+    "memory": None,
+    "s3": "s3fs (pip install 'torchmoe-ckpt[s3]')",
+    "s3a": "s3fs (pip install 'torchmoe-ckpt[s3]')",
+    "az": "adlfs (pip install 'torchmoe-ckpt[azure]')",
+    "abfs": "adlfs (pip install 'torchmoe-ckpt[azure]')",
+    "abfss": "adlfs (pip install 'torchmoe-ckpt[azure]')",
+}
 # Store clients that log every HTTP request at INFO (azure-core: thousands of lines per run under a framework
 # that sets the root logger to INFO). Parents first: a child whose parent is set inherits it.
-QUIET_LOGGERS = ("azure", "azure.core.pipeline.policies.http_logging_policy", "botocore", "aiobotocore", "s3fs",
-                 "fsspec")
+QUIET_LOGGERS = (
+    "azure",
+    "azure.core.pipeline.policies.http_logging_policy",
+    "botocore",
+    "aiobotocore",
+    "s3fs",
+    "fsspec",
+)
 
 
 def quiet_third_party_loggers() -> None:
@@ -59,20 +80,24 @@ def check_uri(uri: str) -> None:
         return
     scheme, rest = m.group(1), m.group(2).lstrip("/")
     meant = f"{scheme}:///{rest}" if scheme.lower() == "file" else f"{scheme}://{rest}"
-    raise StoreConfigError(f"object-store URI {uri!r} has a scheme ({scheme}:) but no '//' after it, so it would "
-                           f"be read as a local directory named {uri!r}: did you mean {meant!r}? (a local "
-                           "directory: give its path, or file:///absolute/path)")
+    raise StoreConfigError(
+        f"object-store URI {uri!r} has a scheme ({scheme}:) but no '//' after it, so it would "
+        f"be read as a local directory named {uri!r}: did you mean {meant!r}? (a local "
+        "directory: give its path, or file:///absolute/path)"
+    )
 
 
 def open_store(uri: str, storage_options: dict | None = None, probe: bool = True):
     """(fsspec filesystem, root path) for `uri`, checked once at start."""
     import fsspec
+
     check_uri(uri)
     quiet_third_party_loggers()
     scheme = uri.split("://", 1)[0] if "://" in uri else "file"
     if scheme not in KNOWN:
-        raise StoreConfigError(f"unknown object-store URI scheme {scheme!r} in {uri!r}: use one of "
-                               f"{', '.join(s + '://' for s in KNOWN)}")
+        raise StoreConfigError(
+            f"unknown object-store URI scheme {scheme!r} in {uri!r}: use one of {', '.join(s + '://' for s in KNOWN)}"
+        )
     if scheme in ("s3", "s3a"):
         storage_options = _short_s3_retry(storage_options)
     try:
@@ -80,8 +105,10 @@ def open_store(uri: str, storage_options: dict | None = None, probe: bool = True
     except ImportError as exc:
         raise StoreConfigError(f"{uri!r} needs {KNOWN[scheme]}: {exc}") from None
     except (TypeError, ValueError) as exc:  # an option the filesystem does not take
-        raise StoreConfigError(f"{uri!r}: invalid storage_options {sorted(storage_options or {})} ({exc}); "
-                               f"remove or fix the option it names") from None
+        raise StoreConfigError(
+            f"{uri!r}: invalid storage_options {sorted(storage_options or {})} ({exc}); "
+            f"remove or fix the option it names"
+        ) from None
     if scheme in ("az", "abfs", "abfss"):
         _shorten_azure_retry(fs)
     if probe:
@@ -128,8 +155,15 @@ FORMATS = ("dcp", "tensorstore")
 MAX_SPARES = 8  # data files of deleted windows kept per rank in a local store, to be written over
 
 
-def make_store(uri: str, run_id: str, rank: int, storage_options: dict | None = None, keep_windows: int = 2,
-               format: str = "dcp", **kw):
+def make_store(
+    uri: str,
+    run_id: str,
+    rank: int,
+    storage_options: dict | None = None,
+    keep_windows: int = 2,
+    format: str = "dcp",
+    **kw,
+):
     """The object-store tier for one URI in the chosen on-store format: "dcp" (ObjectTier, default) or
     "tensorstore" (tensorstore_format.TensorstoreTier). tensorstore has no driver for az:// and abfs://:
     those stores say so once and keep the DCP format."""
@@ -147,8 +181,17 @@ def make_store(uri: str, run_id: str, rank: int, storage_options: dict | None = 
 
 
 class ObjectTier:
-    def __init__(self, uri: str, run_id: str, rank: int, storage_options: dict | None = None,
-                 keep_windows: int = 2, attempts: int = 2, backoff_s: float = 0.2, probe: bool = True):
+    def __init__(
+        self,
+        uri: str,
+        run_id: str,
+        rank: int,
+        storage_options: dict | None = None,
+        keep_windows: int = 2,
+        attempts: int = 2,
+        backoff_s: float = 0.2,
+        probe: bool = True,
+    ):
         self.fs, root = open_store(uri, storage_options, probe)
         self.uri = uri
         self.base = f"{root.rstrip('/')}/{run_id}/rank-{rank:05d}"
@@ -164,14 +207,17 @@ class ObjectTier:
                     raise
                 # DEBUG: the uploader's TierHealth / RunStatus warn once per outage, not once per retry
                 log.debug("object store %s failed (%s), retry %d/%d", what, exc, i + 1, self.attempts - 1)
-                time.sleep(self.backoff * 2 ** i)
+                time.sleep(self.backoff * 2**i)
 
     def upload(self, tier: HostTier, window_id: int) -> int:
         """Upload this rank's copy of a committed window (verified locally first); manifest last."""
         wdir = tier.window_dir(window_id)
         man = tier.manifest(window_id)
         dest = f"{self.base}/{window_dirname(window_id)}"
-        self._retry("delete", lambda: self.fs.rm(f"{dest}/{MANIFEST_NAME}") if self.fs.exists(f"{dest}/{MANIFEST_NAME}") else None)
+        self._retry(
+            "delete",
+            lambda: self.fs.rm(f"{dest}/{MANIFEST_NAME}") if self.fs.exists(f"{dest}/{MANIFEST_NAME}") else None,
+        )
         nbytes = 0
         for rel, entry in man.files.items():
             if _is_local(self.fs):  # one pass: each chunk is copied, checksummed and written while in cache
@@ -194,11 +240,13 @@ class ObjectTier:
         Raises, so the uploader uploads the whole window again."""
         self._invalidate()
         found = self._retry("list", lambda: self.fs.find(dest, detail=True))
-        sizes = {p[len(dest) + 1:] if p.startswith(dest + "/") else p: info.get("size") for p, info in found.items()}
+        sizes = {p[len(dest) + 1 :] if p.startswith(dest + "/") else p: info.get("size") for p, info in found.items()}
         torn = [rel for rel, e in man.files.items() if sizes.get(rel) != e.bytes]
         if torn:
-            raise RuntimeError(f"window {window_id} is torn in the store ({len(torn)} of {len(man.files)} file(s) "
-                               f"missing or short, e.g. {torn[0]}; did the store restart?): uploading it again")
+            raise RuntimeError(
+                f"window {window_id} is torn in the store ({len(torn)} of {len(man.files)} file(s) "
+                f"missing or short, e.g. {torn[0]}; did the store restart?): uploading it again"
+            )
 
     def _stream(self, src, path: str, entry: FileEntry, window_id: int) -> None:
         """Copy a host-tier file to a local store through one reused buffer, checksumming exactly the bytes
@@ -284,14 +332,14 @@ class ObjectTier:
 
     def apply_retention(self) -> list[int]:
         ids = self.window_ids()
-        gone = ids[:-self.keep] if self.keep > 0 else []
+        gone = ids[: -self.keep] if self.keep > 0 else []
         for wid in gone:
             d = f"{self.base}/{window_dirname(wid)}"
             self._retry("delete", self.fs.rm, f"{d}/{MANIFEST_NAME}")  # manifest first: never half-visible
             if _is_local(self.fs):
                 self._keep_spares(d)
             self._retry("delete", self.fs.rm, d, True)
-        self._remove_leftovers(ids[-self.keep:] if ids else [])
+        self._remove_leftovers(ids[-self.keep :] if ids else [])
         return gone
 
     def _remove_leftovers(self, kept: list[int]) -> None:

@@ -23,6 +23,7 @@ transfers are CPU tensors; with `dcp.async_save` pass a dedicated group, since t
 Layout under a slot's host path: own files `__R_0.distcp`, `__R_0.rankmd` (+ `.metadata` on the coordinator's
 node), and the copies this node holds for others under `peers/from-SSSSS/`.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,14 +32,13 @@ import shutil
 from pathlib import Path
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, StorageMeta,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..placement import Placement
 from .. import faults
+from ..placement import Placement
 from .peer_tier import Buffer, Inbox, exchange, pack_files, send_files, unpack_files, write_file
 from .raw_storage import PLANNER_KEY, done
 from .tier_storage import HostReader, HostWriter
@@ -75,7 +75,7 @@ def held_copies(path: str | os.PathLike) -> dict[int, Path]:
     root, out = Path(path), {}
     for d in [root] + sorted(root.glob("peers/from-*")):
         for md in d.glob(f"__*{RANK_MD}"):
-            out.setdefault(int(md.name[2:-len(RANK_MD)]), d)
+            out.setdefault(int(md.name[2 : -len(RANK_MD)]), d)
     return out
 
 
@@ -89,8 +89,11 @@ def rank_metadata(plan: SavePlan, results: list[WriteResult], planner: SavePlann
             td = wi.tensor_data
             sd.setdefault(wi.index.fqn, TensorStorageMetadata(td.properties, td.size, [])).chunks.append(td.chunk)
     info = getattr(planner, "info", None)  # SparseSavePlanner: window/slot/step/plan, identical on every rank
-    return Metadata(sd, planner_data={PLANNER_KEY: dict(info)} if isinstance(info, dict) else None,
-                    storage_data={r.index: r.storage_data for r in results})
+    return Metadata(
+        sd,
+        planner_data={PLANNER_KEY: dict(info)} if isinstance(info, dict) else None,
+        storage_data={r.index: r.storage_data for r in results},
+    )
 
 
 def merge_metadata(pieces: list[Metadata]) -> Metadata:
@@ -207,8 +210,9 @@ class PeerReader(HostReader):
         me, root = dist.get_rank(), Path(self.path)
 
         def payload(dst: int):
-            return pack_files([(p.name, p.read_bytes()) for src in wanted[(me, dst)]
-                               for p in sorted(held[src].glob(f"__{src}_*"))])
+            return pack_files(
+                [(p.name, p.read_bytes()) for src in wanted[(me, dst)] for p in sorted(held[src].glob(f"__{src}_*"))]
+            )
 
         def store(holder: int, t) -> None:
             files = unpack_files(t)
@@ -216,6 +220,7 @@ class PeerReader(HostReader):
                 _commit(root / "peers" / f"from-{src:05d}", [f for f in files if f[0].startswith(f"__{src}_")])
                 self.fetched[src] = holder
             self.bytes_fetched += t.numel()
+
         exchange(sorted(wanted), payload, store, self.group)
         self._where = {rel: held_copies(self.path).get(src) for rel, src in self.owner.items()}
         return plan

@@ -16,6 +16,7 @@ files of a collected copy (`.spare/`: their pages are reused, not allocated and 
 read, one socket copy each way and one write, into warm memory; no pickling, no joined payload, no checksum
 pass (a copy is verified when it is used: `holdings`).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,8 @@ import torch.distributed as dist
 from .. import faults
 from .host_tier import HostTier
 from .manifest import WindowManifest, rank_manifest_name, window_dirname
-from .spare_files import keep_spares, place_new_file, pwrite_all, spares as spare_list
+from .spare_files import keep_spares, place_new_file, pwrite_all
+from .spare_files import spares as spare_list
 
 log = logging.getLogger("torchmoe_ckpt.peer_tier")
 MAX_SPARES = 8  # data files of collected peer copies kept per sender for reuse
@@ -40,8 +42,9 @@ def _is_data(rel: str) -> bool:
     return rel.endswith(".distcp")
 
 
-def send_files(files: list[tuple[str, Path]], dst: int, group, meta: dict | None = None,
-               buf: "Buffer | None" = None) -> int:
+def send_files(
+    files: list[tuple[str, Path]], dst: int, group, meta: dict | None = None, buf: Buffer | None = None
+) -> int:
     """Send named files to `dst`: a JSON header (names, sizes, `meta`), then each non-empty file as one message,
     read into `buf` (reused: no allocation, no page faults; one copy from the page cache, cheaper than mapping
     the file, whose page-table setup and teardown cost more per byte here). Returns the bytes sent (8-byte
@@ -51,7 +54,7 @@ def send_files(files: list[tuple[str, Path]], dst: int, group, meta: dict | None
     header = json.dumps({"meta": meta or {}, "files": [[rel, n] for (rel, _), n in zip(files, sizes)]}).encode()
     _send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group)
     short = []
-    for (rel, path), n in zip(files, sizes):
+    for (_rel, path), n in zip(files, sizes):
         if n:
             with open(path, "rb", buffering=0) as f:
                 got = f.readinto(buf.view(n))
@@ -133,8 +136,8 @@ def unpack_files(payload: torch.Tensor) -> list[tuple[str, bytes]]:
     raw = payload.numpy().tobytes()
     n = int.from_bytes(raw[:8], "little")
     pos, out = 8 + n, []
-    for rel, size in json.loads(raw[8:8 + n])["files"]:
-        out.append((rel, raw[pos:pos + size]))
+    for rel, size in json.loads(raw[8 : 8 + n])["files"]:
+        out.append((rel, raw[pos : pos + size]))
         pos += size
     return out
 
@@ -158,11 +161,14 @@ def exchange(pairs: list[tuple[int, int]], payload_for, on_recv, group=None) -> 
 class PeerReplicator:
     def __init__(self, tier: HostTier, placement, group=None):
         self.tier, self.placement, self.group = tier, placement, group
-        self.pairs = [(src, dst, dst in placement.replica_peers[src])
-                      for src in range(tier.world_size) for dst in placement.peers[src]]
-        self.bytes_sent = 0          # all bytes this rank sent to peers
-        self.data_bytes_sent = 0     # of which slot data (0 when every peer is an HSDP replica)
-        self.own_data_bytes = 0      # slot data of the windows this rank pushed (sent r times without replicas)
+        self.pairs = [
+            (src, dst, dst in placement.replica_peers[src])
+            for src in range(tier.world_size)
+            for dst in placement.peers[src]
+        ]
+        self.bytes_sent = 0  # all bytes this rank sent to peers
+        self.data_bytes_sent = 0  # of which slot data (0 when every peer is an HSDP replica)
+        self.own_data_bytes = 0  # slot data of the windows this rank pushed (sent r times without replicas)
         self.replica_verified = 0
         self.replica_mismatch = 0
         self.inbox, self.outbox = Inbox(), Buffer()
@@ -181,7 +187,7 @@ class PeerReplicator:
         for src, dst, replica in self.pairs:
             if me == src:
                 wdir = self.tier.window_dir(window_id)
-                files = _window_files(manifest, lambda rel: wdir / rel, data=not replica)
+                files = _window_files(manifest, lambda rel: wdir / rel, data=not replica)  # noqa: B023
                 faults.point("replication")
                 self.bytes_sent += send_files(files, dst, self.group, {"manifest": manifest.to_json()}, self.outbox)
                 if not replica:
@@ -204,8 +210,7 @@ class PeerReplicator:
             marker.write_text(str(me))
         else:  # not bit-identical after all: this copy cannot stand in for the sender's
             self.replica_mismatch += 1
-            log.warning("rank %d's window %d differs from replica rank %d's: not counted as a copy", src,
-                        window_id, me)
+            log.warning("rank %d's window %d differs from replica rank %d's: not counted as a copy", src, window_id, me)
 
     def _receive(self, holder: int, dest: Path, rank: int, spares: Path | None = None) -> WindowManifest:
         """One window copy of `rank` from `holder` into `dest`, its data files written over spares when there
@@ -215,6 +220,7 @@ class PeerReplicator:
 
         def write(rel: str, data: memoryview) -> None:
             write_file(dest / rel, data, kept.pop() if kept and _is_data(rel) else None)
+
         man = WindowManifest.from_json(self.inbox.recv(holder, self.group, write)["manifest"])
         (dest / rank_manifest_name(rank)).write_text(man.to_json())  # last: the copy is complete
         return man
@@ -263,10 +269,12 @@ class PeerReplicator:
                     own = self.tier.window_dir(window_id)
 
                     def source(rel: str) -> Path:
-                        return own / rel.replace(f"rank-{dst:05d}", f"rank-{me:05d}") if _is_data(rel) else wdir / rel
+                        return own / rel.replace(f"rank-{dst:05d}", f"rank-{me:05d}") if _is_data(rel) else wdir / rel  # noqa: B023
                 else:
+
                     def source(rel: str) -> Path:
-                        return wdir / rel
+                        return wdir / rel  # noqa: B023
+
                 send_files(_window_files(man, source), dst, self.group, {"manifest": man.to_json()})
             elif me == dst:
                 self._receive(holder, self.tier.window_dir(window_id), me)

@@ -10,6 +10,7 @@ are still rejected. Window, slot, iteration, plan and a CRC32 per item go into `
 saved it: DCP intersects the saved chunks with the requested ones). Stock `dcp.load` also reads a slot into
 plain full-size tensors: regions no chunk covers are left untouched.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,15 +31,17 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ..snapshot import Slot, SlotItem
 from . import checksums
-from .raw_storage import PLANNER_KEY, checksum_name as _checksum_name
+from .raw_storage import PLANNER_KEY
+from .raw_storage import checksum_name as _checksum_name
 
 
 def item_crc32(buf: torch.Tensor) -> int:
     return zlib.crc32(buf.detach().contiguous().reshape(-1).view(torch.uint8).numpy()) & 0xFFFFFFFF
 
 
-def partial_global_plan(planner: DefaultSavePlanner, all_plans: list[SavePlan], what: str
-                        ) -> tuple[list[SavePlan], list[SavePlan], Metadata]:
+def partial_global_plan(
+    planner: DefaultSavePlanner, all_plans: list[SavePlan], what: str
+) -> tuple[list[SavePlan], list[SavePlan], Metadata]:
     """(deduplicated local plans, global plan, metadata) of a sparse slot save. A slot covers only part of
     most tensors by design: of DCP's checks only "invalid fill tensor-volume" is relaxed (and not logged,
     DCP would log every expected partial tensor); out-of-bounds and overlapping chunks still raise."""
@@ -97,8 +100,10 @@ class SlotSavePlanner(DefaultSavePlanner):
         _, items, self._buffers = cached
         sums: dict[str, int] = {}
         if self.checksums:
-            sums = {_checksum_name(wi.index.fqn, wi.index.offset): item_crc32(it.buffer)
-                    for wi, it in zip(items, self.slot.items)}
+            sums = {
+                _checksum_name(wi.index.fqn, wi.index.offset): item_crc32(it.buffer)
+                for wi, it in zip(items, self.slot.items)
+            }
         self.plan = SavePlan(items, planner_data={"checksums": sums})
         return self.plan
 
@@ -145,14 +150,17 @@ class SlotLoadPlanner(DefaultLoadPlanner):
         for it in self.slot.items:
             wi = it.write_item()
             if wi.index.fqn not in md:
-                raise KeyError(f"slot checkpoint has no tensor {wi.index.fqn!r}: it was written for another "
-                               f"model or plan")
+                raise KeyError(
+                    f"slot checkpoint has no tensor {wi.index.fqn!r}: it was written for another model or plan"
+                )
             chunk = ChunkStorageMetadata(wi.tensor_data.chunk.offsets, wi.tensor_data.chunk.sizes)
             found = create_read_items_for_chunk_list(wi.index.fqn, md[wi.index.fqn], [chunk])
             got = sum(int(torch.Size(r.lengths).numel()) for r in found)
             if got != it.buffer.numel():
-                raise KeyError(f"slot checkpoint covers {got} of {it.buffer.numel()} elements of "
-                               f"{wi.index.fqn} at {tuple(chunk.offsets)}")
+                raise KeyError(
+                    f"slot checkpoint covers {got} of {it.buffer.numel()} elements of "
+                    f"{wi.index.fqn} at {tuple(chunk.offsets)}"
+                )
             for r in found:
                 r = dataclasses.replace(r, dest_index=MetadataIndex(wi.index.fqn, chunk.offsets))
                 reads.append(r)

@@ -14,6 +14,7 @@ same `Metadata` (RawItem checksums, planner info with per-item checksums) a RawW
 Offsets: a slot whose buffers are views of one mapped data file (slot_files.py) keeps the offsets its buffers
 have in that file; any other slot is laid out back to back, BLOCK-aligned (the padding reads as zeros).
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,15 +27,16 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ..snapshot import Slot
 from .checksums import BLOCK, SUM64
+from .manifest import crc32_bytes
 from .planner import SlotSavePlanner
 from .raw_storage import PLANNER_KEY, RawItem, checksum_name
-from .manifest import crc32_bytes
 
 DATA_FILE = "__0_0.distcp"  # the data file of a one-rank save (RawWriter's name)
 
 
-def rebuild_metadata(static: bytes, info: dict, algo: str, digests: bytes, checkpoint_id: str, save_id: str
-                     ) -> Metadata:
+def rebuild_metadata(
+    static: bytes, info: dict, algo: str, digests: bytes, checkpoint_id: str, save_id: str
+) -> Metadata:
     """Unpickling a layout save's `.metadata` calls this: the full DCP Metadata, per-save values filled in."""
     md = pickle.loads(static)
     sums, ds = {}, array("I")
@@ -49,6 +51,7 @@ def rebuild_metadata(static: bytes, info: dict, algo: str, digests: bytes, check
 
 class _SaveRecord:
     """Pickles as a call to `rebuild_metadata`: the static part goes in as bytes (a memcpy, not a re-pickle)."""
+
     __slots__ = ("args",)
 
     def __init__(self, *args):
@@ -86,20 +89,24 @@ class RawLayout:
         self.size = base.numel() if base is not None else pos
         self.items = items  # [(offset, nbytes, buffer)] in metadata order: what MappedFiles.write copies
         # per item: its range in the file's block sums (int64 each) and its length, as sum64b512 digests it
-        self.spans = [(off // BLOCK * 8, (off + n + BLOCK - 1) // BLOCK * 8, n.to_bytes(8, "little"))
-                      for off, n, _ in items]
+        self.spans = [
+            (off // BLOCK * 8, (off + n + BLOCK - 1) // BLOCK * 8, n.to_bytes(8, "little")) for off, n, _ in items
+        ]
         self.nbytes = sum(n for _, n, _ in items)
-        self.static = pickle.dumps(dataclasses.replace(md, storage_data=storage, planner_data={PLANNER_KEY: {}},
-                                                       storage_meta=None, version="1.0.0"))
+        self.static = pickle.dumps(
+            dataclasses.replace(
+                md, storage_data=storage, planner_data={PLANNER_KEY: {}}, storage_meta=None, version="1.0.0"
+            )
+        )
         self.rel = rel
 
-    def template(self) -> "RawLayout":
+    def template(self) -> RawLayout:
         """This layout without buffers (what a cache keeps: no reference to a slot's memory)."""
         lay = copy.copy(self)
         lay.items = [(off, n, None) for off, n, _ in self.items]
         return lay
 
-    def for_slot(self, slot: Slot) -> "RawLayout":
+    def for_slot(self, slot: Slot) -> RawLayout:
         """This layout for another slot object with the same `layout_key` (its own buffers, nothing re-planned)."""
         lay = copy.copy(self)
         lay.items = [(off, n, slot.items[k].buffer.detach()) for (off, n, _), k in zip(self.items, self.index)]
@@ -119,7 +126,15 @@ def layout_key(slot: Slot, base: torch.Tensor | None = None) -> tuple:
     """What a slot's layout depends on: its items (key, role, global offset and size, dtype, shape) and, for a slot
     backed by a mapped file, where each buffer sits in it. Slot objects of the same plan share it."""
     b = 0 if base is None else base.data_ptr()
-    return tuple((it.key, it.role, tuple(it.piece.global_offset), tuple(it.piece.global_shape), it.buffer.dtype,
-                  tuple(it.buffer.shape),
-                  it.buffer.data_ptr() - b if base is not None else 0) for it in slot.items) + (
-        None if base is None else base.numel(),)
+    return tuple(
+        (
+            it.key,
+            it.role,
+            tuple(it.piece.global_offset),
+            tuple(it.piece.global_shape),
+            it.buffer.dtype,
+            tuple(it.buffer.shape),
+            it.buffer.data_ptr() - b if base is not None else 0,
+        )
+        for it in slot.items
+    ) + (None if base is None else base.numel(),)

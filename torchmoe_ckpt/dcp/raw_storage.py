@@ -11,6 +11,7 @@ torch.save format (FileSystemWriter).
 Both follow DCP's contract, so `dcp.save` / `dcp.async_save` / `dcp.load` drive them, with or without a
 process group (`no_dist=True`: each rank writes its own self-contained checkpoint).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,14 +24,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
-                                                  WriteItemType)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.futures import Future
 
+from ..errors import TorchmoeError
 from . import checksums
 from .checksums import BLOCK, SUM64, UnknownChecksum, digest_blocks
 from .manifest import crc32_combine
@@ -57,6 +65,7 @@ def checksum_name(fqn: str, offset) -> str:
 class RawItem:
     """Where one item's raw bytes sit (Metadata.storage_data value). `length` and `offset` as in DCP's own
     _StorageInfo, so tools that read those keep working."""
+
     relative_path: str
     offset: int
     length: int
@@ -70,7 +79,7 @@ def done(value=None) -> Future:
     return fut
 
 
-class CorruptItemError(RuntimeError):
+class CorruptItemError(TorchmoeError, RuntimeError):
     """An item's bytes do not match the checksum recorded when it was written: never loaded."""
 
 
@@ -91,7 +100,7 @@ class _Local:
             os.ftruncate(fd, size)
             pos = 0
             for i in range(0, len(chunks), IOV_BATCH):
-                batch = chunks[i:i + IOV_BATCH]
+                batch = chunks[i : i + IOV_BATCH]
                 want = sum(len(c) for c in batch)
                 done = os.pwritev(fd, batch, pos)
                 if done != want:  # short write (tmpfs full): finish it byte-exactly or fail
@@ -130,6 +139,7 @@ class _Local:
 class _Fsspec:
     def __init__(self, uri: str, storage_options: dict | None):
         import fsspec  # optional extra (s3/azure); only imported for a store URI
+
         self.fs, self.root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
 
@@ -170,8 +180,15 @@ def has_checkpoint(path: str | os.PathLike, storage_options: dict | None = None)
 
 # ---- writer ----------------------------------------------------------------------------------------------
 class RawWriter(StorageWriter):
-    def __init__(self, path: str | os.PathLike = "", storage_options: dict | None = None, item_checksums: bool = True,
-                 checksum_algo: str = "crc32", planner_checksums: bool = False, mapped=None):
+    def __init__(
+        self,
+        path: str | os.PathLike = "",
+        storage_options: dict | None = None,
+        item_checksums: bool = True,
+        checksum_algo: str = "crc32",
+        planner_checksums: bool = False,
+        mapped=None,
+    ):
         """`checksum_algo="crc32"` also gives each data file's CRC32 (`file_crc32`), combined from the item CRCs
         without a second pass; `planner_checksums` copies the item checksums into the planner's metadata info
         (where SlotSavePlanner would otherwise compute them in a pass of its own). `mapped` (a
@@ -233,8 +250,15 @@ class RawWriter(StorageWriter):
             if len(self.mapped.layouts) > 64:
                 self.mapped.layouts.clear()
             # per item, computed once per layout: its block range, length bytes, checksum-table name
-            spans = [(off // BLOCK * 8, (off + n + BLOCK - 1) // BLOCK * 8, n.to_bytes(8, "little"),
-                      checksum_name(wi.index.fqn, wi.index.offset)) for wi, _, off, n in layout]
+            spans = [
+                (
+                    off // BLOCK * 8,
+                    (off + n + BLOCK - 1) // BLOCK * 8,
+                    n.to_bytes(8, "little"),
+                    checksum_name(wi.index.fqn, wi.index.offset),
+                )
+                for wi, _, off, n in layout
+            ]
             self.mapped.layouts[id(plan.items)] = (plan.items, [(wi, off, n) for wi, _, off, n in layout], pos, spans)
             return self._write_mapped(files, rel, layout, pos, plan.items, spans)
         results: list[WriteResult] = []
@@ -261,11 +285,13 @@ class RawWriter(StorageWriter):
             self.file_crc32[rel] = crc
         return done(results)
 
-    def _write_mapped(self, files: "_Local", rel: str, layout: list, pos: int, key, spans) -> Future[list[WriteResult]]:
+    def _write_mapped(self, files: _Local, rel: str, layout: list, pos: int, key, spans) -> Future[list[WriteResult]]:
         """One copy_ per item into the kept mapping, then one summing pass: every item's sum64b512 and the
         file's come from the same block sums (items BLOCK-aligned, zero padding between them)."""
-        items = [(off, n, data.getbuffer() if wi.type == WriteItemType.BYTE_IO else data.detach())
-                 for wi, data, off, n in layout]
+        items = [
+            (off, n, data.getbuffer() if wi.type == WriteItemType.BYTE_IO else data.detach())
+            for wi, data, off, n in layout
+        ]
         sums = memoryview(self.mapped.write(os.path.join(files.root, rel), pos, items, key)).cast("B")
         results, crc32 = [], zlib.crc32
         for (wi, _, off, n), (a, b, nle, _) in zip(layout, spans):  # = digest_blocks(sums[a:b], n), inlined
@@ -283,13 +309,23 @@ class RawWriter(StorageWriter):
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
         info = (metadata.planner_data or {}).get(PLANNER_KEY) if isinstance(metadata.planner_data, dict) else None
         cached = getattr(self, "_names", None)
-        if self.planner_checksums and isinstance(info, dict) and cached and len(results) == 1 and results[0] is cached[0]:
+        if (
+            self.planner_checksums
+            and isinstance(info, dict)
+            and cached
+            and len(results) == 1
+            and results[0] is cached[0]
+        ):
             info["checksums"] = {name: r.storage_data.checksum for name, r in zip(cached[1], cached[0])}
         elif self.planner_checksums and isinstance(info, dict):
             # CRC32s as ints (what planner.verify_items always read), other algorithms as named strings
-            info["checksums"] = {checksum_name(i.fqn, i.offset): checksums.parse(d.checksum)[1]
-                                 if d.checksum.startswith("crc32:") else d.checksum
-                                 for i, d in metadata.storage_data.items() if isinstance(d, RawItem) and d.checksum}
+            info["checksums"] = {
+                checksum_name(i.fqn, i.offset): checksums.parse(d.checksum)[1]
+                if d.checksum.startswith("crc32:")
+                else d.checksum
+                for i, d in metadata.storage_data.items()
+                if isinstance(d, RawItem) and d.checksum
+            }
         metadata.storage_meta = self.storage_meta()
         metadata.version = "1.0.0"
         self.metadata_bytes = pickle.dumps(metadata)
@@ -326,8 +362,11 @@ class RawReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         self.metadata, self.storage_data = metadata, metadata.storage_data
-        self._sizes = {(fqn, tuple(c.offsets)): tuple(c.sizes)
-                       for fqn, tm in metadata.state_dict_metadata.items() for c in getattr(tm, "chunks", ())}
+        self._sizes = {
+            (fqn, tuple(c.offsets)): tuple(c.sizes)
+            for fqn, tm in metadata.state_dict_metadata.items()
+            for c in getattr(tm, "chunks", ())
+        }
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -351,12 +390,14 @@ class RawReader(StorageReader):
 
     def _read_item(self, raw: bytearray, rel: str, req, planner: LoadPlanner) -> None:
         info = self.storage_data[req.storage_index]
-        view = memoryview(raw)[info.offset:info.offset + info.length]
+        view = memoryview(raw)[info.offset : info.offset + info.length]
         if len(view) != info.length:
             raise CorruptItemError(f"{self.path}/{rel}: item {req.storage_index.fqn} is cut short (torn file)")
         if isinstance(info, RawItem) and self.verify and info.checksum and not checksum_matches(view, info.checksum):
-            raise CorruptItemError(f"{self.path}/{rel}: item checksums do not match for {req.storage_index.fqn} at "
-                                   f"{tuple(req.storage_index.offset or ())} (corrupt)")
+            raise CorruptItemError(
+                f"{self.path}/{rel}: item checksums do not match for {req.storage_index.fqn} at "
+                f"{tuple(req.storage_index.offset or ())} (corrupt)"
+            )
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(bytes(view)))
             return
@@ -370,8 +411,9 @@ class RawReader(StorageReader):
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
-            raise CorruptItemError(f"{req.storage_index.fqn}: stored {tuple(tensor.size())}, "
-                                   f"wanted {tuple(target.size())}")
+            raise CorruptItemError(
+                f"{req.storage_index.fqn}: stored {tuple(tensor.size())}, wanted {tuple(target.size())}"
+            )
         target.copy_(tensor)
         planner.commit_tensor(req, target)
 

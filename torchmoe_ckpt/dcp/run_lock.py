@@ -10,6 +10,7 @@ takes it, the other local ranks wait until it names their job. A lock is taken o
 when it is stale (its job's process is gone from this host, or its pid was recycled) or when it is this
 job's own (a torchrun restart, an in-process restart). `build_tiers` calls `acquire`.
 """
+
 from __future__ import annotations
 
 import getpass
@@ -55,10 +56,17 @@ def this_job(world: int = 1) -> dict:
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     pid = os.getppid() if under_torchrun or world > 1 else os.getpid()
     run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    return {"job": f"{run}@{socket.gethostname()}:{pid}", "torchrun_run_id": run if under_torchrun else None,
-            "owner": _user(), "host": socket.gethostname(), "pid": pid, "pid_start": _pid_start(pid),
-            "worker_pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+    return {
+        "job": f"{run}@{socket.gethostname()}:{pid}",
+        "torchrun_run_id": run if under_torchrun else None,
+        "owner": _user(),
+        "host": socket.gethostname(),
+        "pid": pid,
+        "pid_start": _pid_start(pid),
+        "worker_pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    }
 
 
 def _user() -> str:
@@ -78,7 +86,7 @@ def read(run_dir: str | Path) -> dict | None:
 
 
 def _verdict(holder: dict | None, me: dict) -> str:
-    """"free", "mine" (this job's own: a restart), "stale" (its job is gone) or "held"."""
+    """ "free", "mine" (this job's own: a restart), "stale" (its job is gone) or "held"."""
     if holder is None:
         return "free"
     if holder.get("job") == me["job"]:
@@ -95,7 +103,8 @@ def _refuse(run_dir: Path, holder: dict) -> RunLockedError:
         f"run directory {run_dir} is in use by another job (torchrun run id {holder.get('torchrun_run_id')}, "
         f"pid {holder.get('pid')} on host {holder.get('host')}, owner {holder.get('owner')}, started "
         f"{holder.get('started')}): two jobs on one run would mix their windows; give this job another run_id "
-        f"(TierConfig.run_id) or root, or stop that job (if it is gone, delete {run_dir / LOCK_NAME})")
+        f"(TierConfig.run_id) or root, or stop that job (if it is gone, delete {run_dir / LOCK_NAME})"
+    )
 
 
 def _write(run_dir: Path, me: dict, exclusive: bool) -> bool:
@@ -128,19 +137,31 @@ def acquire(run_dir: str | Path, leader: bool, world: int = 1, wait_s: float = 6
             if verdict == "mine":
                 return holder
             if time.monotonic() > deadline:
-                raise RunLockedError(f"run directory {run_dir}: this node's local rank 0 did not take the run lock "
-                                     f"within {wait_s:.0f} s (it holds {holder}); check that rank's log")
+                raise RunLockedError(
+                    f"run directory {run_dir}: this node's local rank 0 did not take the run lock "
+                    f"within {wait_s:.0f} s (it holds {holder}); check that rank's log"
+                )
             time.sleep(0.05)
             continue
         if verdict == "free" and not _write(run_dir, me, exclusive=True):
             continue  # another job created it between our read and link: judge that one
         if verdict == "stale":
-            log.warning("event=run_lock_takeover run_dir=%s reason=stale: the holder (pid %s on host %s, run id %s, "
-                        "started %s) is gone", run_dir, holder.get("pid"), holder.get("host"),
-                        holder.get("torchrun_run_id"), holder.get("started"))
+            log.warning(
+                "event=run_lock_takeover run_dir=%s reason=stale: the holder (pid %s on host %s, run id %s, "
+                "started %s) is gone",
+                run_dir,
+                holder.get("pid"),
+                holder.get("host"),
+                holder.get("torchrun_run_id"),
+                holder.get("started"),
+            )
         elif verdict == "mine" and holder.get("worker_pid") != me["worker_pid"]:
-            log.warning("event=run_lock_takeover run_dir=%s reason=restart: same job (run id %s), attempt %d",
-                        run_dir, me["torchrun_run_id"], me["attempt"])
+            log.warning(
+                "event=run_lock_takeover run_dir=%s reason=restart: same job (run id %s), attempt %d",
+                run_dir,
+                me["torchrun_run_id"],
+                me["attempt"],
+            )
         if verdict in ("stale", "mine"):
             _write(run_dir, me, exclusive=False)
         got = read(run_dir)

@@ -13,13 +13,15 @@ window only when every one of its files has no other link (`free`): the last com
 being written, and windows kept for the uploader or being pushed to peers are never overwritten.
 A new plan (another W, a reorder) takes the files of free sets of other plans (their pages are allocated
 already; the file is cut to the new layout and its padding zeroed), so a plan change allocates no shared memory
-on the training thread while such sets exist. A set whose slots die unlinks its names here (the window links keep committed data readable); a new process
+on the training thread while such sets exist. A set whose slots die unlinks its names here (the window links keep
+committed data readable); a new process
 unlinks the names a previous one left (its committed windows stay readable through their window links, and
 their memory comes back when they are collected).
 
 Not used with pinned CUDA host buffers: pinning (cudaHostRegister) a file-backed shared mapping is not
 reliably supported, and the async device-to-host copy needs page-locked memory to overlap.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -38,6 +40,7 @@ from .checksums import BLOCK
 @dataclass
 class Backing:
     """The mapped data file a slot's buffers are views of."""
+
     path: str
     fd: int
     t: torch.Tensor  # uint8 view of the whole file (keeps the mapping alive)
@@ -73,8 +76,15 @@ class SlotFiles:
         except OSError:  # a read-only or full tier: build() fails too, and the checkpointer uses plain memory
             pass
 
-    def build_slot(self, index: int, active: tuple, frozen: tuple, ops: dict, compute_dtype: torch.dtype,
-                   spare: list[Backing] | None = None) -> Slot:
+    def build_slot(
+        self,
+        index: int,
+        active: tuple,
+        frozen: tuple,
+        ops: dict,
+        compute_dtype: torch.dtype,
+        spare: list[Backing] | None = None,
+    ) -> Slot:
         """A slot whose buffers are views of a mapped data file, laid out like its raw DCP data file: the smallest
         large-enough file of `spare` (free files of another plan's slots: their pages are allocated already,
         only the padding is zeroed), else a new one."""
@@ -87,6 +97,7 @@ class SlotFiles:
             offsets.append((pos, n, tuple(shape), dtype))
             pos = (pos + n + BLOCK - 1) // BLOCK * BLOCK
             return torch.empty(shape, dtype=dtype, device="meta")
+
         build_slot(index, active, frozen, ops, compute_dtype, alloc=plan)
         size = max(pos, BLOCK)
         reuse = min((b for b in spare or () if b.t.numel() >= size), key=lambda b: b.t.numel(), default=None)
@@ -116,7 +127,8 @@ class SlotFiles:
         def alloc(shape, dtype) -> torch.Tensor:
             off, n, shp, dt = next(it)
             assert shp == tuple(shape) and dt == dtype
-            return base[off:off + n].view(dtype).view(shape)
+            return base[off : off + n].view(dtype).view(shape)
+
         slot = build_slot(index, active, frozen, ops, compute_dtype, alloc=alloc)
         slot.backing = Backing(path, fd, base, weakref.finalize(slot, _release, path, fd))
         return slot

@@ -5,6 +5,7 @@ held in plain memory, peer copies, a local object store -- keeps a deleted windo
 directory and puts the next data files in their place: their pages are reused instead of being allocated and
 zeroed again. A spare is never a `window-*` name, so it is never listed as a window.
 """
+
 from __future__ import annotations
 
 import os

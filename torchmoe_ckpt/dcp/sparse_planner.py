@@ -18,6 +18,7 @@ one bytes item per rank; sparse-to-dense replay needs it.
 state, the later ones their compute weights, cast up) or into a `Slot`'s buffers; `load_sparse_window`
 reads the W slots of a window into a `Window` that `torchmoe_ckpt.sparse_to_dense` replays.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import (BytesIOWriteData, LoadItemType, LoadPlan, ReadItem, SavePlan,
-                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner import (
+    BytesIOWriteData,
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..operators import agreed_sizes, discover_operators, local_tensor
@@ -60,8 +68,9 @@ class SparseSchedule:
     `start_step + i`. Collective when a process group is up (the per-operator sizes are agreed, so every
     rank computes the same plan)."""
 
-    def __init__(self, model: torch.nn.Module, window: int, compute_dtype: torch.dtype, first_step: int = 1,
-                 ops=None, group=None):
+    def __init__(
+        self, model: torch.nn.Module, window: int, compute_dtype: torch.dtype, first_step: int = 1, ops=None, group=None
+    ):
         ops = ops if ops is not None else discover_operators(model)
         self.ops = {o.name: o for o in ops}
         self.compute_dtype, self.first_step = compute_dtype, first_step
@@ -97,8 +106,15 @@ class SparseSchedule:
 
     def info(self, step: int, run: str = "") -> dict:
         wid, slot, start = self.locate(step)
-        return {"window": wid, "slot": slot, "step": step, "start_step": start, "window_size": self.window,
-                "plan": self.digest, "run": run}
+        return {
+            "window": wid,
+            "slot": slot,
+            "step": step,
+            "start_step": start,
+            "window_size": self.window,
+            "plan": self.digest,
+            "run": run,
+        }
 
 
 def dcp_key(item: SlotItem, model_key: str = "model", optim_key: str = "optim") -> str:
@@ -120,9 +136,11 @@ def _source(sd: dict, item: SlotItem, model_key: str, optim_key: str) -> torch.T
         else:
             t = sd[optim_key]["state"][fqn][item.role]
     except KeyError:
-        raise KeyError(f"state dict has no {dcp_key(item, model_key, optim_key)!r}: pass get_state_dict(model, "
-                       f"optimizer) as {{{model_key!r}: ..., {optim_key!r}: ...}}, after the first optimizer "
-                       "step") from None
+        raise KeyError(
+            f"state dict has no {dcp_key(item, model_key, optim_key)!r}: pass get_state_dict(model, "
+            f"optimizer) as {{{model_key!r}: ..., {optim_key!r}: ...}}, after the first optimizer "
+            "step"
+        ) from None
     if item.role == "step":
         return t if torch.is_tensor(t) else torch.tensor(float(t))
     return local_tensor(t)[item.piece.local_slices]
@@ -131,8 +149,15 @@ def _source(sd: dict, item: SlotItem, model_key: str, optim_key: str) -> torch.T
 class SparseSavePlanner(DefaultSavePlanner):
     """Emit only iteration `step`'s slot of `schedule` from a standard state dict (see the module doc)."""
 
-    def __init__(self, schedule: SparseSchedule, step: int, record: IterationRecord | None = None,
-                 run: str = "", model_key: str = "model", optim_key: str = "optim"):
+    def __init__(
+        self,
+        schedule: SparseSchedule,
+        step: int,
+        record: IterationRecord | None = None,
+        run: str = "",
+        model_key: str = "model",
+        optim_key: str = "optim",
+    ):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
         self.schedule, self.step, self.record, self.keys = schedule, step, record, (model_key, optim_key)
         self.info = schedule.info(step, run)
@@ -154,8 +179,13 @@ class SparseSavePlanner(DefaultSavePlanner):
             buf = io.BytesIO()
             torch.save(self.record.to_dict(), buf)
             self._record_bytes = buf
-            items.append(WriteItem(index=MetadataIndex(replay_key(self.rank)), type=WriteItemType.BYTE_IO,
-                                   bytes_io_data=BytesIOWriteData(nbytes=len(buf.getbuffer()))))
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(replay_key(self.rank)),
+                    type=WriteItemType.BYTE_IO,
+                    bytes_io_data=BytesIOWriteData(nbytes=len(buf.getbuffer())),
+                )
+            )
         self.plan = SavePlan(items)
         return self.plan
 
@@ -185,8 +215,14 @@ class SparseLoadPlanner(DefaultLoadPlanner):
     get their full state, later ones their compute weights), or, with `into=Slot`, into that slot's buffers
     (plus this rank's replay record into `self.record`)."""
 
-    def __init__(self, schedule: SparseSchedule, step: int, into: Slot | None = None, model_key: str = "model",
-                 optim_key: str = "optim"):
+    def __init__(
+        self,
+        schedule: SparseSchedule,
+        step: int,
+        into: Slot | None = None,
+        model_key: str = "model",
+        optim_key: str = "optim",
+    ):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.schedule, self.step, self.keys, self.into = schedule, step, (model_key, optim_key), into
         self.slot = into if into is not None else schedule.slot_items(schedule.locate(step)[1])
@@ -201,8 +237,10 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         want = self.schedule.info(self.step)
         bad = [k for k in ("window", "slot", "step", "plan") if info.get(k) != want[k]]
         if bad:
-            raise ValueError(f"checkpoint holds {', '.join(f'{k} {info.get(k)!r}' for k in bad)}, expected "
-                             f"{', '.join(f'{want[k]!r}' for k in bad)}: a slot of another step or plan")
+            raise ValueError(
+                f"checkpoint holds {', '.join(f'{k} {info.get(k)!r}' for k in bad)}, expected "
+                f"{', '.join(f'{want[k]!r}' for k in bad)}: a slot of another step or plan"
+            )
 
     def create_local_plan(self) -> LoadPlan:
         reads: list[ReadItem] = []
@@ -221,9 +259,16 @@ class SparseLoadPlanner(DefaultLoadPlanner):
             self._dest[(key, tuple(chunk.offsets))] = it
         rk = replay_key(self.rank)
         if rk in md:
-            reads.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(rk), dest_offsets=torch.Size(()),
-                                  storage_index=MetadataIndex(rk), storage_offsets=torch.Size(()),
-                                  lengths=torch.Size(())))
+            reads.append(
+                ReadItem(
+                    type=LoadItemType.BYTE_IO,
+                    dest_index=MetadataIndex(rk),
+                    dest_offsets=torch.Size(()),
+                    storage_index=MetadataIndex(rk),
+                    storage_offsets=torch.Size(()),
+                    lengths=torch.Size(()),
+                )
+            )
         self.plan = LoadPlan(reads)
         return self.plan
 
@@ -268,7 +313,9 @@ def load_sparse_window(schedule: SparseSchedule, window_id: int, reader_for, pin
         slots.append(slot)
     win = Window(window_id, start, schedule.plan, slots, log, captured=schedule.window)
     if not win.committed:
-        raise ValueError(f"window {window_id}: replay records do not cover steps "
-                         f"{start + 1}..{start + schedule.window - 1}"
-                         " (save each step with SparseSavePlanner(schedule, step, record))")
+        raise ValueError(
+            f"window {window_id}: replay records do not cover steps "
+            f"{start + 1}..{start + schedule.window - 1}"
+            " (save each step with SparseSavePlanner(schedule, step, record))"
+        )
     return win

@@ -19,6 +19,7 @@ windows are separate databases and never touched. Retention deletes whole window
 Reads fetch only the chunks a reader asks for (`read_pieces`, `read_global`); every piece read is checked
 against its CRC32. tensorstore has no Azure driver: `az://`/`abfs://` stores keep the DCP format.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,10 +37,18 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import faults
+from ..errors import TorchmoeError
 from ..operators import EXPERT_PARAM_NAMES, Piece
 from ..snapshot import Slot, SlotItem
-from .manifest import (FileEntry, WindowManifest, crc32_bytes, file_entry, parse_window_dirname, rank_manifest_name,
-                       window_dirname)
+from .manifest import (
+    FileEntry,
+    WindowManifest,
+    crc32_bytes,
+    file_entry,
+    parse_window_dirname,
+    rank_manifest_name,
+    window_dirname,
+)
 from .planner import PLANNER_KEY, SlotLoadPlanner, SlotSavePlanner, verify_items
 from .raw_storage import RawReader
 from .store_errors import StoreConfigError, explain
@@ -49,18 +58,25 @@ TS_SCHEMES = ("file", "memory", "s3")
 META_KEY, REPLAY_KEY = "meta.json", "replay.pt"
 META_FORMAT = "torchmoe-ckpt/tensorstore-window/1"
 MAX_CHUNK_BYTES = 4 << 20
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64",
-           torch.int64: "int64", torch.int32: "int32"}
+_DTYPES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float64: "float64",
+    torch.int64: "int64",
+    torch.int32: "int32",
+}
 _TORCH = {v: k for k, v in _DTYPES.items()}
 _CTX = None  # one tensorstore Context per process: memory:// stores and OCDBT caches are shared through it
 
 
-class NoTensorstoreDriver(ValueError):
+class NoTensorstoreDriver(TorchmoeError, ValueError):
     """tensorstore has no kvstore driver for this URI scheme (az://, abfs://): use the DCP format."""
 
 
 def _ts():
     import tensorstore as ts
+
     return ts
 
 
@@ -83,17 +99,26 @@ def kvstore_spec(uri: str, storage_options: dict | None = None) -> dict:
     if scheme in ("s3", "s3a"):
         bucket, _, path = rest.partition("/")
         ck = opts.get("client_kwargs") or {}
-        spec = {"driver": "s3", "bucket": bucket, "path": path.strip("/") + "/" if path.strip("/") else "",
-                "aws_region": ck.get("region_name") or opts.get("region_name") or os.environ.get("AWS_DEFAULT_REGION")
-                or "us-east-1", "aws_credentials": {"type": "environment"}}
+        spec = {
+            "driver": "s3",
+            "bucket": bucket,
+            "path": path.strip("/") + "/" if path.strip("/") else "",
+            "aws_region": ck.get("region_name")
+            or opts.get("region_name")
+            or os.environ.get("AWS_DEFAULT_REGION")
+            or "us-east-1",
+            "aws_credentials": {"type": "environment"},
+        }
         endpoint = ck.get("endpoint_url") or opts.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint:
             spec["endpoint"] = endpoint
         if opts.get("key") and opts.get("secret"):  # the s3 driver takes credentials from the environment only
             os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = opts["key"], opts["secret"]
         return spec
-    raise NoTensorstoreDriver(f"tensorstore has no kvstore driver for {scheme}:// ({uri!r}); the tensorstore "
-                              f"format works on {', '.join(s + '://' for s in TS_SCHEMES)}")
+    raise NoTensorstoreDriver(
+        f"tensorstore has no kvstore driver for {scheme}:// ({uri!r}); the tensorstore "
+        f"format works on {', '.join(s + '://' for s in TS_SCHEMES)}"
+    )
 
 
 def _sub(spec: dict, rel: str) -> dict:
@@ -184,16 +209,30 @@ def write_slot_dcp(slot: Slot, info: dict, path: Path) -> None:
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
-    dcp.save({}, storage_writer=FileSystemWriter(path, sync_files=False, overwrite=True),
-             planner=SlotSavePlanner(slot, info), no_dist=True)
+    dcp.save(
+        {},
+        storage_writer=FileSystemWriter(path, sync_files=False, overwrite=True),
+        planner=SlotSavePlanner(slot, info),
+        no_dist=True,
+    )
 
 
 class TensorstoreTier:
     """Object-store tier in the tensorstore format (see the module docstring). One instance per rank."""
+
     format = "tensorstore"
 
-    def __init__(self, uri: str, run_id: str, rank: int, storage_options: dict | None = None,
-                 keep_windows: int = 2, attempts: int = 4, backoff_s: float = 0.2, probe: bool = True):
+    def __init__(
+        self,
+        uri: str,
+        run_id: str,
+        rank: int,
+        storage_options: dict | None = None,
+        keep_windows: int = 2,
+        attempts: int = 4,
+        backoff_s: float = 0.2,
+        probe: bool = True,
+    ):
         self.uri, self.run_id, self.rank = uri, run_id, rank
         self.root = kvstore_spec(uri, storage_options)
         self.base = _sub(self.root, (f"{run_id.strip('/')}/" if run_id.strip("/") else "") + f"rank-{rank:05d}/")
@@ -224,9 +263,10 @@ class TensorstoreTier:
             except Exception as exc:
                 if i == self.attempts - 1:
                     raise
-                log.warning("object store (tensorstore) %s failed (%s), retry %d/%d", what, exc, i + 1,
-                            self.attempts - 1)
-                time.sleep(self.backoff * 2 ** i)
+                log.warning(
+                    "object store (tensorstore) %s failed (%s), retry %d/%d", what, exc, i + 1, self.attempts - 1
+                )
+                time.sleep(self.backoff * 2**i)
 
     # ---- write -------------------------------------------------------------------------------------------
     def upload(self, tier, window_id: int) -> int:
@@ -245,9 +285,13 @@ class TensorstoreTier:
         t0, c0 = time.perf_counter(), io_counters()
         nbytes = self._retry("upload", self._commit, window_id, man, slots, replay)
         c1 = io_counters()
-        self.last_upload = {"window": window_id, "seconds": time.perf_counter() - t0, "payload_bytes": nbytes,
-                            "bytes_written": c1["bytes_written"] - c0["bytes_written"],
-                            "writes": c1["writes"] - c0["writes"]}
+        self.last_upload = {
+            "window": window_id,
+            "seconds": time.perf_counter() - t0,
+            "payload_bytes": nbytes,
+            "bytes_written": c1["bytes_written"] - c0["bytes_written"],
+            "writes": c1["writes"] - c0["writes"],
+        }
         return nbytes
 
     def _commit(self, window_id: int, man: WindowManifest, slots: list, replay: bytes) -> int:
@@ -265,23 +309,43 @@ class TensorstoreTier:
             entries: list[dict] = []
             arrays: dict[str, object] = {}
             for it in slot.items:
-                e = {"key": it.key, "offset": list(it.piece.global_offset), "shape": list(it.piece.shape),
-                     "global_shape": list(it.piece.global_shape), "dtype": _DTYPES[it.buffer.dtype],
-                     "crc32": _crc(it.buffer)}
+                e = {
+                    "key": it.key,
+                    "offset": list(it.piece.global_offset),
+                    "shape": list(it.piece.shape),
+                    "global_shape": list(it.piece.global_shape),
+                    "dtype": _DTYPES[it.buffer.dtype],
+                    "crc32": _crc(it.buffer),
+                }
                 if it.role == "step" or it.buffer.dim() == 0:
                     e["value"] = it.buffer.double().item().hex()  # scalars live in the metadata
                 elif it.buffer.numel() > 0:
                     e["array"] = f"s{slot.index:02d}/{it.key}/"
                     if it.key not in arrays:
-                        arrays[it.key] = ts.open({
-                            "driver": "zarr3", "kvstore": _sub(db, e["array"]),
-                            "metadata": {"shape": e["global_shape"], "data_type": e["dtype"],
-                                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape":
-                                             chunk_shape(it.key, it.piece.global_shape, it.piece.shape,
-                                                         it.buffer.element_size())}}}},
-                            create=True, context=context(), transaction=txn).result()
-                    writes.append(arrays[it.key][_region(it.piece.global_offset, it.piece.shape)]
-                                  .write(_to_numpy(it.buffer)))
+                        arrays[it.key] = ts.open(
+                            {
+                                "driver": "zarr3",
+                                "kvstore": _sub(db, e["array"]),
+                                "metadata": {
+                                    "shape": e["global_shape"],
+                                    "data_type": e["dtype"],
+                                    "chunk_grid": {
+                                        "name": "regular",
+                                        "configuration": {
+                                            "chunk_shape": chunk_shape(
+                                                it.key, it.piece.global_shape, it.piece.shape, it.buffer.element_size()
+                                            )
+                                        },
+                                    },
+                                },
+                            },
+                            create=True,
+                            context=context(),
+                            transaction=txn,
+                        ).result()
+                    writes.append(
+                        arrays[it.key][_region(it.piece.global_offset, it.piece.shape)].write(_to_numpy(it.buffer))
+                    )
                     nbytes += it.nbytes
                 entries.append(e)
             meta["slots"].append({"slot": slot.index, "info": info, "items": entries})
@@ -326,12 +390,12 @@ class TensorstoreTier:
 
     def apply_retention(self) -> list[int]:
         ids = self.window_ids()
-        gone = ids[:-self.keep] if self.keep > 0 else []
+        gone = ids[: -self.keep] if self.keep > 0 else []
         torn = [w for w in self._listed() - set(ids) if ids and w < ids[-1]]  # died mid-commit: garbage
         for wid in gone + torn:
             kv = self._kv(_sub(self.base, window_dirname(wid) + "/"))
-            self._retry("delete", lambda: kv.write("manifest.ocdbt", None).result())  # invisible first
-            self._retry("delete", lambda: kv.delete_range(_ts().KvStore.KeyRange()).result())
+            self._retry("delete", lambda: kv.write("manifest.ocdbt", None).result())  # invisible first  # noqa: B023
+            self._retry("delete", lambda: kv.delete_range(_ts().KvStore.KeyRange()).result())  # noqa: B023
         return gone
 
     # ---- read --------------------------------------------------------------------------------------------
@@ -344,8 +408,9 @@ class TensorstoreTier:
     def read_items(self, window_id: int, meta: dict, wanted) -> list[tuple[dict, torch.Tensor | None, str | None]]:
         """[(entry, tensor, problem)] for the metadata entries `wanted`: reads only their chunks, checks CRC32."""
         arrays = self._open_arrays(window_id, {e["array"] for e in wanted if "array" in e})
-        futs = [(e, arrays[e["array"]][_region(e["offset"], e["shape"])].read() if "array" in e else None)
-                for e in wanted]
+        futs = [
+            (e, arrays[e["array"]][_region(e["offset"], e["shape"])].read() if "array" in e else None) for e in wanted
+        ]
         out = []
         for e, f in futs:
             dtype = _TORCH[e["dtype"]]
@@ -355,8 +420,9 @@ class TensorstoreTier:
                 t = torch.empty(e["shape"], dtype=dtype)
             else:
                 t = _to_torch(f.result(), dtype)
-            out.append((e, t, None if _crc(t) == e["crc32"] else
-                        f"{e['key']}@{e['offset']}: CRC32 does not match (corrupt)"))
+            out.append(
+                (e, t, None if _crc(t) == e["crc32"] else f"{e['key']}@{e['offset']}: CRC32 does not match (corrupt)")
+            )
         return out
 
     def download(self, window_id: int, tier) -> list[str]:
@@ -382,9 +448,16 @@ class TensorstoreTier:
             problems += [p for _, _, p in got if p]
             if problems:
                 continue
-            items = [SlotItem(e["key"], "step" if "value" in e else "data", "",
-                              Piece(e["key"], True, tuple(e["global_shape"]), tuple(e["offset"]), (), tuple(e["shape"])),
-                              t) for e, t, _ in got]
+            items = [
+                SlotItem(
+                    e["key"],
+                    "step" if "value" in e else "data",
+                    "",
+                    Piece(e["key"], True, tuple(e["global_shape"]), tuple(e["offset"]), (), tuple(e["shape"])),
+                    t,
+                )
+                for e, t, _ in got
+            ]
             out = wdir / f"slot-{s['slot']:02d}" / f"rank-{self.rank:05d}"
             write_slot_dcp(Slot(s["slot"], (), (), items), s["info"], out)
             for f in sorted(out.iterdir()):
@@ -404,7 +477,9 @@ class TensorstoreTier:
         files[str(rp.relative_to(wdir))] = file_entry(rp)
         m = meta["manifest"]
         # The store's copy of the manifest (identity, slot records) with the files just written here.
-        man = WindowManifest.from_dict(dict(m, files={k: {"bytes": v.bytes, "crc32": v.crc32} for k, v in files.items()}))
+        man = WindowManifest.from_dict(
+            dict(m, files={k: {"bytes": v.bytes, "crc32": v.crc32} for k, v in files.items()})
+        )
         tmp = wdir / (rank_manifest_name(self.rank) + ".tmp")
         tmp.write_text(man.to_json())
         tmp.rename(wdir / rank_manifest_name(self.rank))
@@ -444,26 +519,36 @@ def _iter_pieces(uri, run_id, window_id, wanted, slot, storage_options):
         for s in meta["slots"]:
             if slot is not None and s["slot"] != slot:
                 continue
-            sel = [e for e in s["items"]
-                   if wanted is None or any(_inside(e, o, sh) for o, sh in wanted.get(e["key"], ()))]
+            sel = [
+                e for e in s["items"] if wanted is None or any(_inside(e, o, sh) for o, sh in wanted.get(e["key"], ()))
+            ]
             for e, tensor, problem in t.read_items(window_id, meta, sel):
                 if problem:
                     raise RuntimeError(f"rank {r} window {window_id}: {problem}")
                 yield s["slot"], e, tensor
 
 
-def read_pieces(uri: str, run_id: str, window_id: int, wanted: dict[str, list[tuple[tuple, tuple]]] | None = None,
-                slot: int | None = None, storage_options: dict | None = None) -> dict:
+def read_pieces(
+    uri: str,
+    run_id: str,
+    window_id: int,
+    wanted: dict[str, list[tuple[tuple, tuple]]] | None = None,
+    slot: int | None = None,
+    storage_options: dict | None = None,
+) -> dict:
     """Read pieces of a window, whichever ranks wrote them, into `{(slot, key, offset): tensor}`, each
     checked against its CRC32. `wanted` maps a key to regions `(offset, shape)`: only saved pieces inside
     those regions are read (an expert's piece is one chunk, so 2 of 8 experts read 2 chunks); None: all."""
-    return {(s, e["key"], tuple(e["offset"])): t
-            for s, e, t in _iter_pieces(uri, run_id, window_id, wanted, slot, storage_options)}
+    return {
+        (s, e["key"], tuple(e["offset"])): t
+        for s, e, t in _iter_pieces(uri, run_id, window_id, wanted, slot, storage_options)
+    }
 
 
 def _inside(e: dict, offset, shape) -> bool:
     return len(e["offset"]) == len(offset) and all(
-        o <= eo and eo + es <= o + s for eo, es, o, s in zip(e["offset"], e["shape"], offset, shape))
+        o <= eo and eo + es <= o + s for eo, es, o, s in zip(e["offset"], e["shape"], offset, shape)
+    )
 
 
 def read_global(uri: str, run_id: str, window_id: int, slot: int = 0, storage_options: dict | None = None) -> dict:
@@ -488,16 +573,22 @@ def inspect_windows(location: str, storage_options: dict | None, root: str, file
     found: dict[tuple[str, int], set[int]] = {}
     for f in files:
         parts = f.split("/")
-        if parts[-1] == "manifest.ocdbt" and len(parts) >= 3 and parse_window_dirname(parts[-2]) is not None \
-                and parts[-3].startswith("rank-") and parts[-3][5:].isdigit():
-            run = "/".join(parts[:-3])[len(root):].strip("/")
+        if (
+            parts[-1] == "manifest.ocdbt"
+            and len(parts) >= 3
+            and parse_window_dirname(parts[-2]) is not None
+            and parts[-3].startswith("rank-")
+            and parts[-3][5:].isdigit()
+        ):
+            run = "/".join(parts[:-3])[len(root) :].strip("/")
             found.setdefault((run, int(parts[-3][5:])), set()).add(parse_window_dirname(parts[-2]))
     out: dict[int, dict] = {}
     for (run, rank), wids in sorted(found.items()):
         tier = TensorstoreTier(location, run, rank, storage_options, probe=False)
         for wid in sorted(wids):
-            e = out.setdefault(wid, {"committed_ranks": [], "problems": {}, "slots": [], "bytes": 0,
-                                     "format": "tensorstore"})
+            e = out.setdefault(
+                wid, {"committed_ranks": [], "problems": {}, "slots": [], "bytes": 0, "format": "tensorstore"}
+            )
             try:
                 meta = tier._read_meta(wid)
             except Exception as exc:
@@ -515,10 +606,20 @@ def inspect_windows(location: str, storage_options: dict | None, root: str, file
             m = meta["manifest"]
             e.update(start_step=m["start_step"], window=m["window"], world_size=m["world_size"])
             e["bytes"] += meta["replay"]["bytes"] + sum(
-                int(np.prod(i["shape"], dtype=np.int64)) * _ITEMSIZE[i["dtype"]] for s in meta["slots"] for i in s["items"])
+                int(np.prod(i["shape"], dtype=np.int64)) * _ITEMSIZE[i["dtype"]]
+                for s in meta["slots"]
+                for i in s["items"]
+            )
             if not e["slots"] and not problems:
-                e["slots"] = [{"slot": i, "step": s["info"].get("step"), "active": sp["active"],
-                               "frozen_count": len(sp["frozen"]), "planned_bytes": sp["bytes"],
-                               "items_with_checksum": len(s["items"])}
-                              for i, (s, sp) in enumerate(zip(meta["slots"], m["plan"]["slots"]))]
+                e["slots"] = [
+                    {
+                        "slot": i,
+                        "step": s["info"].get("step"),
+                        "active": sp["active"],
+                        "frozen_count": len(sp["frozen"]),
+                        "planned_bytes": sp["bytes"],
+                        "items_with_checksum": len(s["items"]),
+                    }
+                    for i, (s, sp) in enumerate(zip(meta["slots"], m["plan"]["slots"]))
+                ]
     return out

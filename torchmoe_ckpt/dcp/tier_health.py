@@ -10,33 +10,44 @@ tier that cannot write (ENOSPC, permissions, a store that is down) must never st
   many iterations, "warn" logs it once, "fail" raises `CheckpointStallError` in the training thread (the next
   `after_step`), so the job ends instead of training on without a usable checkpoint.
 """
+
 from __future__ import annotations
 
 import logging
+
+from ..errors import TorchmoeError
 
 log = logging.getLogger("torchmoe_ckpt.tier_health")
 STALL_POLICIES = ("warn", "fail")
 
 
-class CheckpointStallError(RuntimeError):
+class CheckpointStallError(TorchmoeError, RuntimeError):
     """No window committed durably for `stall_iterations` iterations and the policy is "fail"."""
 
 
 class TierHealth:
-    def __init__(self, tier: str, rank: int, stall_iterations: int | None = None, on_stall: str = "warn",
-                 backoff_s: float = 0.5, backoff_cap_s: float = 5.0, backoff_cap_windows: int = 8):
+    def __init__(
+        self,
+        tier: str,
+        rank: int,
+        stall_iterations: int | None = None,
+        on_stall: str = "warn",
+        backoff_s: float = 0.5,
+        backoff_cap_s: float = 5.0,
+        backoff_cap_windows: int = 8,
+    ):
         if on_stall not in STALL_POLICIES:
             raise ValueError(f"on_stall {on_stall!r} is not one of {STALL_POLICIES}")
         self.tier, self.rank = tier, rank
         self.stall_iterations, self.on_stall = stall_iterations, on_stall
         self.backoff_s, self.backoff_cap_s, self.backoff_cap_windows = backoff_s, backoff_cap_s, backoff_cap_windows
         self.state, self.reason = "ok", None
-        self.failures = 0          # failed writes (every one, also while already failing)
-        self.consecutive = 0       # failed attempts since the last success (sets the backoff)
-        self.skipped = 0           # windows not attempted while backing off
+        self.failures = 0  # failed writes (every one, also while already failing)
+        self.consecutive = 0  # failed attempts since the last success (sets the backoff)
+        self.skipped = 0  # windows not attempted while backing off
         self.state_changes = 0
-        self.retry_delay_s = 0.0   # the uploader's wait before it retries
-        self._skip_left = 0        # windows still to skip before the next attempt
+        self.retry_delay_s = 0.0  # the uploader's wait before it retries
+        self._skip_left = 0  # windows still to skip before the next attempt
         self.last_durable: tuple[int, int] | None = None  # (window id, its last step)
         self._first_step: int | None = None
         self._stalled = False
@@ -60,17 +71,27 @@ class TierHealth:
         self.retry_delay_s = min(self.backoff_s * 2 ** (self.consecutive - 1), self.backoff_cap_s)
         if self.state != "failing":
             self.state, self.state_changes = "failing", self.state_changes + 1
-            log.warning("event=tier_unhealthy tier=%s rank=%d reason=%r: windows are not persisted on this tier "
-                        "until it can write again (half-written ones are removed; retried with backoff)",
-                        self.tier, self.rank, self.reason)
+            log.warning(
+                "event=tier_unhealthy tier=%s rank=%d reason=%r: windows are not persisted on this tier "
+                "until it can write again (half-written ones are removed; retried with backoff)",
+                self.tier,
+                self.rank,
+                self.reason,
+            )
 
     def succeeded(self, window_id: int, last_step: int | None = None) -> None:
         self.last_durable = (window_id, last_step)
         self.consecutive, self._skip_left, self._stalled = 0, 0, False
         if self.state != "ok":
             self.state, self.state_changes = "ok", self.state_changes + 1
-            log.warning("event=tier_recovered tier=%s rank=%d window=%d: writing again after %d failed write(s) "
-                        "(last: %s)", self.tier, self.rank, window_id, self.failures, self.reason)
+            log.warning(
+                "event=tier_recovered tier=%s rank=%d window=%d: writing again after %d failed write(s) (last: %s)",
+                self.tier,
+                self.rank,
+                window_id,
+                self.failures,
+                self.reason,
+            )
 
     # ---- stall policy (training thread) --------------------------------------------------------------
     def check_stall(self, step: int) -> None:
@@ -83,20 +104,31 @@ class TierHealth:
         if step - since <= self.stall_iterations or self._stalled:
             return
         self._stalled = True  # once per stall; a durable commit re-arms it
-        last = (f"last durable window {self.last_durable[0]} (step {self.last_durable[1]})" if self.last_durable
-                else "no durable window yet")
-        text = (f"checkpointing stalled on rank {self.rank}: no window committed durably on the {self.tier} tier "
-                f"for {step - since} iterations ({last}; {self.reason or 'writes are slower than training'}); "
-                f"fix the tier (space, permissions, store), or set TierConfig(on_stall='warn') to train on")
+        last = (
+            f"last durable window {self.last_durable[0]} (step {self.last_durable[1]})"
+            if self.last_durable
+            else "no durable window yet"
+        )
+        text = (
+            f"checkpointing stalled on rank {self.rank}: no window committed durably on the {self.tier} tier "
+            f"for {step - since} iterations ({last}; {self.reason or 'writes are slower than training'}); "
+            f"fix the tier (space, permissions, store), or set TierConfig(on_stall='warn') to train on"
+        )
         if self.on_stall == "fail":
             raise CheckpointStallError(text)
         log.warning("event=checkpoint_stall %s", text)
 
     def stats(self) -> dict:
-        return {"state": self.state, "reason": self.reason, "failed_writes": self.failures,
-                "windows_skipped": self.skipped, "state_changes": self.state_changes,
-                "last_durable_window": None if self.last_durable is None else
-                {"window_id": self.last_durable[0], "last_step": self.last_durable[1]}}
+        return {
+            "state": self.state,
+            "reason": self.reason,
+            "failed_writes": self.failures,
+            "windows_skipped": self.skipped,
+            "state_changes": self.state_changes,
+            "last_durable_window": None
+            if self.last_durable is None
+            else {"window_id": self.last_durable[0], "last_step": self.last_durable[1]},
+        }
 
 
 def root_cause(exc: BaseException) -> BaseException:

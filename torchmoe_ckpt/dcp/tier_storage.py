@@ -12,6 +12,7 @@ to the other tiers (a sendfile/put of those bytes, no re-serialization, no secon
 commits each tier with its own `.metadata` after its data: a tier that failed half-way has no metadata and
 is invisible to readers.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,10 +36,12 @@ def _under(base: str, checkpoint_id) -> str | None:
 
 def _local_path(path: str) -> str:
     if path.startswith("file://"):
-        return path[len("file://"):]
+        return path[len("file://") :]
     if "://" in path:
-        raise ValueError(f"host tier path {path!r} is a URI: the host tier is a local directory (e.g. under "
-                         f"/dev/shm); use StoreWriter/StoreReader for {path.split('://')[0]}://")
+        raise ValueError(
+            f"host tier path {path!r} is a URI: the host tier is a local directory (e.g. under "
+            f"/dev/shm); use StoreWriter/StoreReader for {path.split('://')[0]}://"
+        )
     return path
 
 

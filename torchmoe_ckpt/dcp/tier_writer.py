@@ -1,6 +1,7 @@
 """The host tier's writer: a background thread that persists captured slots, commits windows on the host
 tier in order, then hands each committed window to the peers and the object store. The training thread only
 enqueues."""
+
 from __future__ import annotations
 
 import logging
@@ -30,14 +31,15 @@ class TierWriter:
         # A tier that cannot write is a visible state (tier_health.py); build_tiers sets the stall policy.
         stall_iterations, on_stall = getattr(tier, "stall_policy", None) or DEFAULT_STALL
         self.health = TierHealth("host", tier.rank, stall_iterations, on_stall)
-        self._failed: set[int] = set()     # windows with a failed or skipped write: never committed here
+        self._failed: set[int] = set()  # windows with a failed or skipped write: never committed here
         self._attempted: set[int] = set()  # windows whose writing started
         # What the user reads: a line per committed window, store warnings, the exit summary (status.py).
         pl = None if replicator is None else replicator.placement
         self._peers_here = None if pl is None else len(pl.peers[tier.rank])  # k of the r requested (placement)
         peers = None if pl is None else getattr(pl, "r", self._peers_here)
-        self.status = RunStatus(tier.rank, peers, None if store is None else
-                                str(getattr(store, "uri", None) or type(store).__name__))
+        self.status = RunStatus(
+            tier.rank, peers, None if store is None else str(getattr(store, "uri", None) or type(store).__name__)
+        )
         # Uploads each committed window to the object store (object_tier / tensorstore_format) in the background;
         # first what a previous run committed but could not upload (an outage, an exit before the store caught up).
         self.uploader = Uploader(store, tier, status=self.status) if store is not None else None
@@ -45,7 +47,7 @@ class TierWriter:
             self.uploader.catch_up()
         self.replicator = replicator  # peer_tier.PeerReplicator: pushes each committed window to peers
         self.jobs: queue.Queue = queue.Queue()
-        self.persisted: set[int] = set()   # window ids whose rank manifest is written
+        self.persisted: set[int] = set()  # window ids whose rank manifest is written
         self.errors: list[str] = []
         self.lag_seconds: list[float] = []  # window committed in memory -> manifest on the host tier
         self.bytes_written = 0
@@ -58,33 +60,42 @@ class TierWriter:
         stop_at_exit(self)
 
     def stats(self) -> dict:
-        return {"windows_persisted": len(self.persisted), "bytes_written": self.bytes_written,
-                "cpu_s": round(self.cpu_s["host"], 6),
-                "lag_seconds_max": max(self.lag_seconds, default=0.0), "errors": self.errors[-5:],
-                "health": self.health.stats(), "last_durable_window": self.health.stats()["last_durable_window"]}
+        return {
+            "windows_persisted": len(self.persisted),
+            "bytes_written": self.bytes_written,
+            "cpu_s": round(self.cpu_s["host"], 6),
+            "lag_seconds_max": max(self.lag_seconds, default=0.0),
+            "errors": self.errors[-5:],
+            "health": self.health.stats(),
+            "last_durable_window": self.health.stats()["last_durable_window"],
+        }
 
     def summary(self) -> str:
         """One line for the exit summary: the last durable window and the tier's state."""
         h = self.health.stats()
         last = h["last_durable_window"]
-        text = (f"last durable window {last['window_id']} (step {last['last_step']})" if last else
-                "no window persisted")
+        text = f"last durable window {last['window_id']} (step {last['last_step']})" if last else "no window persisted"
         bad = f"; {h['failed_writes']} failed write(s), now {h['state']}" if h["failed_writes"] else ""
         return f"host tier {self.tier.dir} rank {self.tier.rank}: {text}{bad}" + (
-            f" ({h['reason']})" if h["state"] != "ok" else "")
+            f" ({h['reason']})" if h["state"] != "ok" else ""
+        )
 
     def replication_stats(self) -> dict | None:
         rep = self.replicator
         if rep is None:
             return None
-        return {"bytes_sent": rep.bytes_sent, "data_bytes_sent": rep.data_bytes_sent,
-                "cpu_s": round(self.cpu_s["peers"], 6),  # this thread's; gloo's own I/O threads not included
-                "own_data_bytes": rep.own_data_bytes,
-                "replicas": max((len(p) for p in rep.placement.peers), default=0),
-                "replica_verified": rep.replica_verified, "replica_mismatch": rep.replica_mismatch,
-                "windows_replicated": len(self.replicated),
-                "replication_lag_s_max": max(self.replication_lag_seconds, default=0.0),
-                "replication_lag_s": [round(x, 4) for x in self.replication_lag_seconds]}
+        return {
+            "bytes_sent": rep.bytes_sent,
+            "data_bytes_sent": rep.data_bytes_sent,
+            "cpu_s": round(self.cpu_s["peers"], 6),  # this thread's; gloo's own I/O threads not included
+            "own_data_bytes": rep.own_data_bytes,
+            "replicas": max((len(p) for p in rep.placement.peers), default=0),
+            "replica_verified": rep.replica_verified,
+            "replica_mismatch": rep.replica_mismatch,
+            "windows_replicated": len(self.replicated),
+            "replication_lag_s_max": max(self.replication_lag_seconds, default=0.0),
+            "replication_lag_s": [round(x, 4) for x in self.replication_lag_seconds],
+        }
 
     def slot(self, window_id: int, slot: Slot, info: dict) -> None:
         if "start_step" in info and "slot" in info:  # the training thread: the stall policy may end the job here
@@ -151,8 +162,13 @@ class TierWriter:
                         self.cpu_s["peers"] += c0 - c1
                         self.replicated.add(win.id)
                         self.replication_lag_seconds.append(time.perf_counter() - t0)
-                    self.status.window_committed(win.id, win.start_step, win.start_step + win.plan.window - 1,
-                                                 self._man.total_bytes, self._peers_here)
+                    self.status.window_committed(
+                        win.id,
+                        win.start_step,
+                        win.start_step + win.plan.window - 1,
+                        self._man.total_bytes,
+                        self._peers_here,
+                    )
                     if self.uploader is not None:
                         self.uploader.submit(win.id)
                         needed = self.uploader.oldest_needed()

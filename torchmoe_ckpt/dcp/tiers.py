@@ -6,6 +6,7 @@
 Each node gets its own host directory `<root>/node-N/` -- on one machine this emulates separate nodes, so a
 "lost node" is a wiped directory. `replicas` is r, the number of peers that hold a copy of each window.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,9 @@ def node_of(rank: int, ranks_per_node: int) -> int:
 
 class Tiers(NamedTuple):
     """One rank's storage tiers: host memory (always), peers and object store (optional)."""
+
     host: HostTier
-    replicator: "PeerReplicator | None"
+    replicator: PeerReplicator | None
     store: object | None  # object_tier.ObjectTier / tensorstore_format.TensorstoreTier
 
 
@@ -59,8 +61,16 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
     return Tiers(tier, PeerReplicator(tier, placement, group), store)
 
 
-def recover_from_tiers(tier: HostTier, replicator, ops: dict, compute_dtype: torch.dtype, rounds: int | None = None,
-                       store=None, identity: RunIdentity | None = None, use=None):
+def recover_from_tiers(
+    tier: HostTier,
+    replicator,
+    ops: dict,
+    compute_dtype: torch.dtype,
+    rounds: int | None = None,
+    store=None,
+    identity: RunIdentity | None = None,
+    use=None,
+):
     """Agree on the newest window every rank can get (its own checked copy, or a peer's), pull the missing
     copies from peers, load this rank's and hand it to `use(window)` (the replay). Any failure on any rank
     while fetching, checking, loading or using a window (every exception but a process exit) excludes that
@@ -75,8 +85,14 @@ def recover_from_tiers(tier: HostTier, replicator, ops: dict, compute_dtype: tor
         if p := tier.check(w, identity):
             report["unusable_copies"][w] = p[0]
             # Every rank says its own (rank 0 alone would hide a damaged copy on another rank).
-            log.warning("event=unusable_copy rank=%d window=%d dir=%s: %s%s; this copy is skipped", tier.rank, w,
-                        tier.window_dir(w), p[0], f" (+{len(p) - 1} more)" if len(p) > 1 else "")
+            log.warning(
+                "event=unusable_copy rank=%d window=%d dir=%s: %s%s; this copy is skipped",
+                tier.rank,
+                w,
+                tier.window_dir(w),
+                p[0],
+                f" (+{len(p) - 1} more)" if len(p) > 1 else "",
+            )
     excluded: set[int] = set()
     for i in range(rounds or 1 << 30):
         local = [w for w in tier.window_ids() if w not in excluded and w not in report["unusable_copies"]]
@@ -85,17 +101,26 @@ def recover_from_tiers(tier: HostTier, replicator, ops: dict, compute_dtype: tor
         world = len(everyone)
         if i == 0:
             report["unusable_by_rank"] = {r: e[2] for r, e in enumerate(everyone) if e[2]}
-        avail = [set(everyone[r][0]).union(*(everyone[h][1].get(r, ()) for h in range(world))) - excluded
-                 for r in range(world)]
+        avail = [
+            set(everyone[r][0]).union(*(everyone[h][1].get(r, ()) for h in range(world))) - excluded
+            for r in range(world)
+        ]
         common = set.intersection(*avail)
         if not common:
             break
         wid = max(common)
-        needers = {r: min(h for h in range(world) if wid in everyone[h][1].get(r, ()))
-                   for r in range(world) if wid not in everyone[r][0]}
+        needers = {
+            r: min(h for h in range(world) if wid in everyone[h][1].get(r, ()))
+            for r in range(world)
+            if wid not in everyone[r][0]
+        }
         src = f"peer {needers[tier.rank]}" if tier.rank in needers else "host"
-        window = _attempt(wid, report, lambda: _pull_and_load(tier, replicator, wid, needers, ops, compute_dtype,
-                                                              identity), use)
+        window = _attempt(
+            wid,
+            report,
+            lambda: _pull_and_load(tier, replicator, wid, needers, ops, compute_dtype, identity),  # noqa: B023
+            use,
+        )
         if window is not None:
             report.update(source=src, pulled_from_peers={str(k): v for k, v in needers.items()})
             return window, _outcome(report)
@@ -143,14 +168,18 @@ def _agree(wid: int, why: str | None, report: dict, phase: str) -> bool:
         report["rejected"].setdefault(wid, {}).update(bad)
         shown = list(bad.items())[:MAX_RANKS_LISTED]  # the ranks are bounded, each reason is said whole
         more = f" (+{len(bad) - len(shown)} more rank(s))" if len(bad) > len(shown) else ""
-        log.warning("event=window_rejected window=%d %s%s: trying the next newest window", wid,
-                    " ".join(f"rank{r}={w!r}" for r, w in shown), more)
+        log.warning(
+            "event=window_rejected window=%d %s%s: trying the next newest window",
+            wid,
+            " ".join(f"rank{r}={w!r}" for r, w in shown),
+            more,
+        )
     return not bad
 
 
 def _reason(exc: BaseException) -> str:
     # Never cut: the end of a reason is often its point (ReplayDivergence's likely causes). The lists of
-    # windows that carry reasons are bounded instead (resume.py).
+    # windows that carry reasons are bounded instead (recovery.py).
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text}"
 
@@ -164,8 +193,16 @@ def _outcome(report: dict) -> dict:
     return report
 
 
-def _from_store(tier: HostTier, store, ops: dict, compute_dtype: torch.dtype, report: dict,
-                identity: RunIdentity | None = None, use=None, excluded: set[int] = frozenset()):
+def _from_store(
+    tier: HostTier,
+    store,
+    ops: dict,
+    compute_dtype: torch.dtype,
+    report: dict,
+    identity: RunIdentity | None = None,
+    use=None,
+    excluded: set[int] = frozenset(),
+):
     """Last tier: the newest window every rank has in the object store, downloaded and checked."""
     if store is None:
         return None, _outcome(dict(report, source=None))
@@ -178,11 +215,13 @@ def _from_store(tier: HostTier, store, ops: dict, compute_dtype: torch.dtype, re
         report["store_unreachable"] = why
     candidates = sorted(set.intersection(*map(set, listed)) - set(excluded), reverse=True)
     for wid in candidates:
+
         def fetch(wid=wid):
             problems = store.download(wid, tier)
             if problems:
                 raise CorruptCopyError(f"object store copy of window {wid}: {problems[0]}")
             return tier.load_window(wid, ops, compute_dtype, identity)
+
         window = _attempt(wid, report, fetch, use)
         if window is not None:
             return window, _outcome(dict(report, source="object store"))

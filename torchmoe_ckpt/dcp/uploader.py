@@ -6,6 +6,7 @@ The store is any object with `upload(tier, window_id) -> bytes`, `apply_retentio
 time (a window the store lost part of is uploaded again); `catch_up()` queues what a previous run left
 behind; every outcome goes to the `status.RunStatus` the user reads.
 """
+
 from __future__ import annotations
 
 import queue
@@ -15,16 +16,15 @@ from typing import Protocol
 
 from .tier_health import TierHealth
 
-
 CATCH_UP = "catch-up"  # a queue entry: list the store and queue what it lacks
 
 
 class WindowStore(Protocol):
     """An object-store tier as the uploader sees it."""
 
-    def upload(self, tier, window_id: int) -> int: ...   # bytes uploaded; the manifest goes last
-    def apply_retention(self) -> list[int]: ...          # window ids deleted from the store
-    def window_ids(self) -> list[int]: ...               # windows whose manifest is in the store
+    def upload(self, tier, window_id: int) -> int: ...  # bytes uploaded; the manifest goes last
+    def apply_retention(self) -> list[int]: ...  # window ids deleted from the store
+    def window_ids(self) -> list[int]: ...  # windows whose manifest is in the store
 
 
 class Uploader:
@@ -47,11 +47,17 @@ class Uploader:
         threading.Thread(target=self._run, name="tmoe-upload", daemon=True).start()
 
     def stats(self) -> dict:
-        return {"windows_uploaded": len(self.uploaded), "last_window": self.uploaded[-1] if self.uploaded else None,
-                "bytes": self.bytes, "cpu_s": round(self.cpu_s, 6), "dropped": self.dropped,
-                "health": self.health.stats(),
-                "upload_lag_s_max": max(self.lag_seconds, default=0.0), "errors": self.errors[-3:],
-                "upload_lag_s": [round(x, 4) for x in self.lag_seconds]}
+        return {
+            "windows_uploaded": len(self.uploaded),
+            "last_window": self.uploaded[-1] if self.uploaded else None,
+            "bytes": self.bytes,
+            "cpu_s": round(self.cpu_s, 6),
+            "dropped": self.dropped,
+            "health": self.health.stats(),
+            "upload_lag_s_max": max(self.lag_seconds, default=0.0),
+            "errors": self.errors[-3:],
+            "upload_lag_s": [round(x, 4) for x in self.lag_seconds],
+        }
 
     def submit(self, window_id: int) -> None:
         with self._lock:
@@ -77,7 +83,7 @@ class Uploader:
             self.errors.append(f"catch-up listing: {exc}"[:200])
             return
         missing = [w for w in self.tier.window_ids() if w not in have and w > max(have, default=-1)]
-        for wid in missing[-self.max_pending:]:
+        for wid in missing[-self.max_pending :]:
             self.submit(wid)
 
     def flush(self, timeout: float = 60.0) -> bool:
@@ -94,7 +100,8 @@ class Uploader:
         """The oldest window still to be uploaded (the host tier must not collect it yet), or None."""
         with self._lock:
             ids = [w for w, _ in self._pending if w is not CATCH_UP] + (
-                [self._current] if self._busy and self._current is not None else [])
+                [self._current] if self._busy and self._current is not None else []
+            )
         return min(ids) if ids else None
 
     def _run(self) -> None:

@@ -15,27 +15,34 @@ or at wall-clock times), recovers in process and reports bytes, waits, recovery 
 Every system has `attach(trainer)`, `after_step(trainer, res)`, `recover(trainer, failed_at)`, `close()`
 and `stats()`.
 """
+
 from __future__ import annotations
 
 
 def make_system(kind: str, trainer, params: dict, workdir: str):
     if kind in ("dcp_sync", "dcp_async"):
         from torchmoe_harness.baselines.dense_dcp import DenseDcp
+
         return DenseDcp(trainer, workdir, asynchronous=kind == "dcp_async", **params)
     if kind == "gemini":
         from torchmoe_harness.baselines.gemini import HostDense
+
         return HostDense(trainer, **params)
     if kind == "pec":
         from torchmoe_harness.baselines.pec import Pec
+
         return Pec(trainer, **params)
     if kind == "moetion":
         from torchmoe_harness.baselines.moetion import MoEtion
+
         return MoEtion(trainer, **params)
     if kind == "ours":
         from torchmoe_harness.baselines.ours import Ours
+
         return Ours(trainer, **params)
     if kind == "memcpy_ref":
         from torchmoe_harness.baselines.memcpy_ref import MemcpyRef
+
         return MemcpyRef(trainer, **params)
     if kind == "none":
         return None

@@ -1,12 +1,13 @@
 """Shared pieces of the baselines: a fresh trainer after a failure, and restoring host copies into it."""
+
 from __future__ import annotations
 
 import time
 
 import torch
 
-from torchmoe_ckpt.recovery import init_optimizer_state
 from torchmoe_ckpt.snapshot import ROLES_FULL, StateAccess, restore_slot
+from torchmoe_ckpt.sparse_to_dense import init_optimizer_state
 from torchmoe_harness.trainer import Trainer
 
 FULL_ROLES = ROLES_FULL + ("step", "buffer")

@@ -5,6 +5,7 @@ async `dcp.async_save` through `DenseExporter` (staging copy on the training thr
 Recovery: the newest export whose `.metadata` exists (DCP's commit) on every rank, loaded into a fresh
 trainer with `load_dense` (FSDP2's own load path); the RNG state of that step comes from a small per-rank
 file written next to it. Exact: everything after the export is recomputed from the deterministic data."""
+
 from __future__ import annotations
 
 import time
@@ -34,7 +35,7 @@ class DenseDcp:
         self.checkpoints = 0
         self.bytes: list[int] = []
 
-    def attach(self, trainer) -> "DenseDcp":
+    def attach(self, trainer) -> DenseDcp:
         return self
 
     def after_step(self, trainer, res) -> None:
@@ -55,8 +56,9 @@ class DenseDcp:
 
     def _prune(self) -> None:
         done = sorted(self._complete())
-        for old in done[:-self.keep]:
+        for old in done[: -self.keep]:
             import shutil
+
             shutil.rmtree(self.root / step_dirname(old), ignore_errors=True)
 
     def _complete(self) -> list[int]:
@@ -92,9 +94,13 @@ class DenseDcp:
                 self.bytes.append(_dir_bytes(self.root / step_dirname(self.exporter.exported[-1])) // self.world)
 
     def stats(self) -> dict:
-        out = {"checkpoints": self.checkpoints, "interval": self.every, "wait_seconds_total": self.wait.total,
-               "wait_seconds_max": self.wait.max,
-               "bytes_per_checkpoint": sum(self.bytes) / len(self.bytes) if self.bytes else None}
+        out = {
+            "checkpoints": self.checkpoints,
+            "interval": self.every,
+            "wait_seconds_total": self.wait.total,
+            "wait_seconds_max": self.wait.max,
+            "bytes_per_checkpoint": sum(self.bytes) / len(self.bytes) if self.bytes else None,
+        }
         if self.exporter is not None:
             out["export_s_max"] = max(self.exporter.export_seconds, default=0.0)
         return out
@@ -102,9 +108,11 @@ class DenseDcp:
 
 def fresh_trainer_plain(cfg):
     from torchmoe_harness.trainer import Trainer
+
     return Trainer(cfg)  # nothing durable yet: start over from the deterministic initialisation
 
 
 def fresh_trainer_from(cfg):
     from torchmoe_harness.trainer import Trainer
+
     return Trainer(cfg, init_seed=cfg.seed + 7777)

@@ -4,6 +4,7 @@ by the same SnapshotEngine our slots use. Two host buffers alternate, so the new
 survives while the next one is being copied. (Gemini also pushes the snapshot to a peer's CPU memory;
 not done here: the peer copy's cost is our replication path's, measured separately as sparse_W4_tiers.)
 Recovery loads the newest complete snapshot into a fresh trainer: exact, everything after it is redone."""
+
 from __future__ import annotations
 
 import time
@@ -24,7 +25,7 @@ class HostDense(HostCopyBaseline):
         names = tuple(o.name for o in ops)
         self.buffers = [build_slot(i, names, (), {o.name: o for o in ops}, trainer.compute_dtype) for i in (0, 1)]
         self.engine = SnapshotEngine(StateAccess(trainer.model, trainer.optimizer))
-        self.latest = None        # (slot, step, rng) of the newest complete snapshot
+        self.latest = None  # (slot, step, rng) of the newest complete snapshot
         self.pending = None
         self.wait = Timer()
         self.checkpoints = 0
@@ -49,6 +50,7 @@ class HostDense(HostCopyBaseline):
         t0 = time.perf_counter()
         if self.latest is None:
             from torchmoe_harness.baselines.dense_dcp import fresh_trainer_plain
+
             fresh, step = fresh_trainer_plain(trainer.cfg), 0
         else:
             slot, step, rng = self.latest
@@ -65,5 +67,10 @@ class HostDense(HostCopyBaseline):
         self.engine.shutdown()
 
     def stats(self) -> dict:
-        return {"checkpoints": self.checkpoints, "interval": self.every, "wait_seconds_total": self.wait.total,
-                "wait_seconds_max": self.wait.max, "bytes_per_checkpoint": self.buffers[0].nbytes}
+        return {
+            "checkpoints": self.checkpoints,
+            "interval": self.every,
+            "wait_seconds_total": self.wait.total,
+            "wait_seconds_max": self.wait.max,
+            "bytes_per_checkpoint": self.buffers[0].nbytes,
+        }

@@ -3,6 +3,7 @@ of this rank, on a background thread, between two preallocated contiguous buffer
 per-tensor calls). Its copy-thread CPU per byte is what any host copy costs on this machine while training
 runs beside it (memory bandwidth and caches are shared with compute); an idle memcpy is faster. It
 checkpoints nothing: it exists so the bench can tell copy-path overhead from the machine's contention."""
+
 from __future__ import annotations
 
 import threading

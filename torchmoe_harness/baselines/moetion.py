@@ -2,6 +2,7 @@
 state and, within a byte budget, S_total = budget / C_expert experts, allotted to MoE layers in proportion
 to their token risk R_i = sum of tokens routed since each expert's last save (floor, then the remainder to
 the largest fractional parts, capped at E), and within a layer the top-S_i experts by those tokens."""
+
 from __future__ import annotations
 
 import math

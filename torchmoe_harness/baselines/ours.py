@@ -1,21 +1,25 @@
 """Our sparse per-iteration checkpointer behind the baselines' interface (recovery: the harness's in-process
 restart, sparse-to-dense from the newest committed window: exact)."""
+
 from __future__ import annotations
 
 import time
 
-from torchmoe_ckpt.checkpointer import SparseCheckpointer, SparseConfig
+from torchmoe_ckpt.config import SparseConfig
+from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 
 
 class Ours:
     exact = True
 
-    def __init__(self, trainer, window: int | None = 4, overlap: float = 1.0, bandwidth_bytes_per_s: float | None = None):
+    def __init__(
+        self, trainer, window: int | None = 4, overlap: float = 1.0, bandwidth_bytes_per_s: float | None = None
+    ):
         self.cfg = SparseConfig(window=window, overlap=overlap, bandwidth_bytes_per_s=bandwidth_bytes_per_s)
         self.ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, self.cfg)
         self._attached = None
 
-    def attach(self, trainer) -> "Ours":
+    def attach(self, trainer) -> Ours:
         if self._attached is not trainer and self.ck.before_update not in trainer.before_update:
             self.ck.attach(trainer)
         self._attached = trainer
@@ -26,11 +30,16 @@ class Ours:
 
     def recover(self, trainer, failed_at: int):
         from torchmoe_harness.scenario import restart
+
         t0 = time.perf_counter()
         fresh, self.ck, rep = restart(trainer, self.ck, self.cfg)
         self._attached = fresh
-        return fresh, {"recovered_step": rep.get("recovered_step", fresh.step), "seconds": time.perf_counter() - t0,
-                       "replayed_iterations": rep.get("replayed_iterations", 0), "window": rep.get("window")}
+        return fresh, {
+            "recovered_step": rep.get("recovered_step", fresh.step),
+            "seconds": time.perf_counter() - t0,
+            "replayed_iterations": rep.get("replayed_iterations", 0),
+            "window": rep.get("window"),
+        }
 
     def close(self) -> None:
         self.ck.close()
@@ -39,8 +48,14 @@ class Ours:
     def stats(self) -> dict:
         s = self.ck.stats()
         w = s["windows"][-1]["W"] if s["windows"] else None
-        return {"checkpoints": s["slots_captured"], "interval": w, "window": w,
-                "wait_seconds_total": s["wait_seconds_total"], "wait_seconds_max": s["wait_seconds_max"],
-                "bytes_per_checkpoint": s["mean_slot_bytes"], "dense_bytes": s["dense_bytes"],
-                # a whole window's mean slot (what an iteration copies in steady state), as planned
-                "planned_mean_slot_bytes": s["windows"][-1]["mean_slot_bytes"] if s["windows"] else None}
+        return {
+            "checkpoints": s["slots_captured"],
+            "interval": w,
+            "window": w,
+            "wait_seconds_total": s["wait_seconds_total"],
+            "wait_seconds_max": s["wait_seconds_max"],
+            "bytes_per_checkpoint": s["mean_slot_bytes"],
+            "dense_bytes": s["dense_bytes"],
+            # a whole window's mean slot (what an iteration copies in steady state), as planned
+            "planned_mean_slot_bytes": s["windows"][-1]["mean_slot_bytes"] if s["windows"] else None,
+        }

@@ -8,6 +8,7 @@ Lost-token accounting (PEC's PLT): per (MoE layer, expert) the tokens routed to 
 (global counts, identical on every rank, so selection is too). Recovering from checkpoint s loses, per
 expert, the tokens of iterations (s_e, s]; PLT = tokens lost / expert tokens processed (tokens x top-k,
 summed over MoE layers)."""
+
 from __future__ import annotations
 
 import time
@@ -27,8 +28,8 @@ class PartialExperts(HostCopyBaseline):
         self.every = every
         ops = discover_operators(trainer.model)
         self.op_by_name = {o.name: o for o in ops}
-        self.grid = expert_grid(ops)                         # (moe layer, expert) -> operator name
-        self.n_layers = 1 + max(l for l, _ in self.grid)
+        self.grid = expert_grid(ops)  # (moe layer, expert) -> operator name
+        self.n_layers = 1 + max(layer for layer, _ in self.grid)
         self.n_experts = 1 + max(e for _, e in self.grid)
         self.always = tuple(o.name for o in ops if o.kind != "expert")
         self.bufs = {o.name: build_slot(0, (o.name,), (), self.op_by_name, trainer.compute_dtype) for o in ops}
@@ -36,9 +37,9 @@ class PartialExperts(HostCopyBaseline):
         t = torch.tensor([max(self.op_by_name[n].full_bytes() for n in self.grid.values())], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         self.expert_bytes = float(t)
-        self.saved_at: dict[str, int] = {}                  # operator -> iteration of its host copy
+        self.saved_at: dict[str, int] = {}  # operator -> iteration of its host copy
         self.unsaved = torch.zeros(self.n_layers, self.n_experts, dtype=torch.float64)
-        self.latest = None                                   # (step, rng, tokens lost if recovering there)
+        self.latest = None  # (step, rng, tokens lost if recovering there)
         self.pending = None
         self.engine = SnapshotEngine(StateAccess(trainer.model, trainer.optimizer))
         self.wait = Timer()
@@ -89,6 +90,7 @@ class PartialExperts(HostCopyBaseline):
         self.pending = None  # an in-flight copy is torn by the crash
         if self.latest is None:
             from torchmoe_harness.baselines.dense_dcp import fresh_trainer_plain
+
             fresh, step, lost = fresh_trainer_plain(trainer.cfg), 0, 0.0
             self.saved_at.clear()
         else:
@@ -104,17 +106,27 @@ class PartialExperts(HostCopyBaseline):
         self.engine = SnapshotEngine(StateAccess(fresh.model, fresh.optimizer))
         self.on_recovered()
         stale = [step - self.saved_at.get(n, 0) for n in self.grid.values()]
-        return fresh, {"recovered_step": step, "seconds": time.perf_counter() - t0, "tokens_lost": lost,
-                       "stale_experts": sum(1 for s in stale if s > 0), "max_expert_staleness": max(stale, default=0)}
+        return fresh, {
+            "recovered_step": step,
+            "seconds": time.perf_counter() - t0,
+            "tokens_lost": lost,
+            "stale_experts": sum(1 for s in stale if s > 0),
+            "max_expert_staleness": max(stale, default=0),
+        }
 
     def close(self) -> None:
         self.before_update()
         self.engine.shutdown()
 
     def stats(self) -> dict:
-        return {"checkpoints": self.checkpoints, "interval": self.every, "wait_seconds_total": self.wait.total,
-                "wait_seconds_max": self.wait.max,
-                "bytes_per_checkpoint": sum(self.bytes) / len(self.bytes) if self.bytes else None,
-                "dense_bytes": sum(b.nbytes for b in self.bufs.values()),
-                "tokens_lost": self.tokens_lost, "tokens_processed": self.tokens_processed,
-                "plt": self.tokens_lost / self.tokens_processed if self.tokens_processed else 0.0}
+        return {
+            "checkpoints": self.checkpoints,
+            "interval": self.every,
+            "wait_seconds_total": self.wait.total,
+            "wait_seconds_max": self.wait.max,
+            "bytes_per_checkpoint": sum(self.bytes) / len(self.bytes) if self.bytes else None,
+            "dense_bytes": sum(b.nbytes for b in self.bufs.values()),
+            "tokens_lost": self.tokens_lost,
+            "tokens_processed": self.tokens_processed,
+            "plt": self.tokens_lost / self.tokens_processed if self.tokens_processed else 0.0,
+        }

@@ -4,14 +4,22 @@ per MoE layer, chosen
   load-aware  the K experts of each layer with the most tokens since their last save (Algorithm 1 of PEC)
 Dynamic-K: after each recovery, while the aggregated PLT (tokens lost / expert tokens processed so far)
 exceeds `plt_limit`, K doubles, up to all experts (MoC then degenerates to dense checkpointing)."""
+
 from __future__ import annotations
 
 from torchmoe_harness.baselines.partial import PartialExperts
 
 
 class Pec(PartialExperts):
-    def __init__(self, trainer, k: int = 1, every: int = 1, selection: str = "sequential",
-                 dynamic_k: bool = True, plt_limit: float = 0.05):
+    def __init__(
+        self,
+        trainer,
+        k: int = 1,
+        every: int = 1,
+        selection: str = "sequential",
+        dynamic_k: bool = True,
+        plt_limit: float = 0.05,
+    ):
         super().__init__(trainer, every)
         if selection not in ("sequential", "load-aware"):
             raise ValueError(f"selection must be sequential or load-aware, got {selection!r}")
@@ -32,8 +40,11 @@ class Pec(PartialExperts):
     def on_recovered(self) -> None:
         if not self.dynamic_k:
             return
-        while self.tokens_processed and self.tokens_lost / self.tokens_processed > self.plt_limit \
-                and self.k < self.n_experts:
+        while (
+            self.tokens_processed
+            and self.tokens_lost / self.tokens_processed > self.plt_limit
+            and self.k < self.n_experts
+        ):
             self.k = min(2 * self.k, self.n_experts)
             self.k_history.append(self.k)
 

@@ -15,6 +15,7 @@ start; each phase "name" writes under DIR/<name>/), or one phase:
 A failure throws the live state away: the system rebuilds a trainer with *different* initial weights from
 what survives (host memory, files). Writes rank{r}.pt (final state and losses, as the harness worker does,
 so `launch.compare` checks exactness against a fault-free run) and rank 0's report.json."""
+
 from __future__ import annotations
 
 import time
@@ -40,6 +41,7 @@ def _crash() -> None:
 def run(spec: dict, out: Path) -> dict:
     global _last_step_mean
     from torchmoe_harness.trainer import RunConfig, Trainer
+
     cfg = RunConfig(**spec["run"])
     trainer = Trainer(cfg)
     sysspec = dict(spec.get("system") or {"kind": "none"})
@@ -52,6 +54,7 @@ def run(spec: dict, out: Path) -> dict:
     mtbf_s = None
     if spec.get("poisson_failures"):  # MTBF in iterations of the previous phase, made seconds on rank 0's clock
         from torchmoe_harness.ettr import poisson_trace
+
         pf = spec["poisson_failures"]
         t_ref = _step_means[pf["of_phase"]] if pf.get("of_phase") else _last_step_mean
         mtbf_s = pf["mtbf_iterations"] * t_ref
@@ -88,9 +91,13 @@ def run(spec: dict, out: Path) -> dict:
             t_fail = time.perf_counter()
             trainer, rep = system.recover(trainer, nxt)
             system.attach(trainer)
-            rep.update(failed_at=nxt, at_s=t_fail - t_start, wall_seconds=time.perf_counter() - t_fail,
-                       failed_step_s=t_fail - t0,
-                       lost_iterations=nxt - 1 - rep["recovered_step"])
+            rep.update(
+                failed_at=nxt,
+                at_s=t_fail - t_start,
+                wall_seconds=time.perf_counter() - t_fail,
+                failed_step_s=t_fail - t0,
+                lost_iterations=nxt - 1 - rep["recovered_step"],
+            )
             recoveries.append(rep)
     if system is not None:
         system.close()
@@ -98,16 +105,26 @@ def run(spec: dict, out: Path) -> dict:
     steady = step_seconds[5:] or step_seconds[1:] or step_seconds  # a short phase: all but its first step
     _last_step_mean = sum(steady) / max(1, len(steady))
     _step_means[spec.get("name", "")] = _last_step_mean
-    report = {"system": kind, "params": sysspec, "steps": cfg.steps, "world_size": trainer.world, "wall_s": wall,
-              "step_seconds": step_seconds, "recoveries": recoveries,
-              "checkpoint": system.stats() if system is not None else None,
-              "exact_by_design": getattr(system, "exact", True), "failure_times_s": trace, "mtbf_s": mtbf_s}
+    report = {
+        "system": kind,
+        "params": sysspec,
+        "steps": cfg.steps,
+        "world_size": trainer.world,
+        "wall_s": wall,
+        "step_seconds": step_seconds,
+        "recoveries": recoveries,
+        "checkpoint": system.stats() if system is not None else None,
+        "exact_by_design": getattr(system, "exact", True),
+        "failure_times_s": trace,
+        "mtbf_s": mtbf_s,
+    }
     torch.save({"state": trainer.export_state(), "losses": losses}, out / f"rank{trainer.rank}.pt")
     return report
 
 
 def main() -> None:
     from torchmoe_harness.worker import leave, start, write_report
+
     spec, out = start()
     phases = spec.get("phases") or [dict(spec, name=".")]
     for phase in phases:
@@ -122,6 +139,7 @@ def main() -> None:
 def run_system(nproc: int, spec: dict, out_dir, timeout: float = 300.0):
     """Launch `runner` under torchrun and load every phase's results."""
     from torchmoe_harness.launch import launch, load_result
+
     out = Path(out_dir)
     log = launch(nproc, spec, out, timeout, module="torchmoe_harness.baselines.runner")
     if "phases" in spec:

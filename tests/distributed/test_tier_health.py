@@ -1,0 +1,127 @@
+"""A host tier that cannot write (a REAL full tmpfs, a read-only remount) is a visible health state: one
+warning per change of state with the reason, a counter, no half-written window left behind, retry with
+backoff, and once the tier can write again new windows commit again. The stall policy warns or ends the job
+(in the training thread) when no window commits durably for N iterations."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from torchmoe_ckpt.config import ConfigError, SparseConfig, TierConfig
+from torchmoe_ckpt.dcp.manifest import rank_manifest_name
+from torchmoe_ckpt.dcp.tier_health import CheckpointStallError
+from torchmoe_ckpt.dcp.tiers import build_tiers
+from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_harness.trainer import RunConfig, Trainer
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A real 8 MiB tmpfs (root only): a full disk is a full disk, not a mock."""
+    d = tmp_path / "mnt"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(d)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def _checkpointer(root: Path, **policy):
+    t = Trainer(RunConfig(steps=60))
+    tiers = build_tiers(TierConfig(root=str(root), run_id="run", **policy), 0, 1)
+    ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), host_tier=tiers.host)
+    return t, ck.attach(t), tiers.host
+
+
+def _steps(t, ck, n: int) -> None:
+    for _ in range(n):
+        ck.after_step(t.train_step())
+
+
+def _fill(mnt: Path) -> Path:
+    filler = mnt / "filler"
+    subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)
+    return filler
+
+
+def _events(caplog, name: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if f"event={name}" in r.getMessage()]
+
+
+def test_full_tmpfs_is_visible_cleaned_and_checkpointing_resumes(tmpfs, one_rank_group, caplog):
+    caplog.set_level(logging.WARNING)
+    t, ck, tier = _checkpointer(tmpfs)
+    _steps(t, ck, 7)  # windows 0 and 1 commit while there is space
+    ck.tier_writer.flush()
+    assert ck.tier_writer.persisted == {0, 1}
+    filler = _fill(tmpfs)  # the disk is full now
+    _steps(t, ck, 12)
+    ck.tier_writer.flush()
+    st = ck.tier_writer.stats()["health"]
+    assert st["state"] == "failing" and st["failed_writes"] >= 1, st
+    assert "No space left on device" in st["reason"], st["reason"]
+    assert st["last_durable_window"] == {"window_id": 1, "last_step": 6}
+    assert ck.tier_writer.persisted == {0, 1}
+    warned = _events(caplog, "tier_unhealthy")
+    assert len(warned) == 1 and "No space left on device" in warned[0], warned  # once per state change
+    # Nothing torn is left: every window directory on disk is committed, except the one being written now.
+    inflight = ck.current.id if ck.current is not None else None
+    for wdir in tier.dir.glob("window-*"):
+        wid = int(wdir.name.split("-")[1])
+        assert (wdir / rank_manifest_name(0)).exists() or wid == inflight, sorted(p.name for p in tier.dir.iterdir())
+    assert all(tier.verify(w) == [] for w in tier.window_ids())
+    os.unlink(filler)  # space is back: new windows commit again (after the backoff)
+    _steps(t, ck, 12)
+    ck.tier_writer.flush()
+    st = ck.tier_writer.stats()["health"]
+    assert st["state"] == "ok" and st["last_durable_window"]["window_id"] > 1, st
+    assert len(_events(caplog, "tier_recovered")) == 1
+    assert all(tier.verify(w) == [] for w in tier.window_ids()) and max(tier.window_ids()) > 1
+    assert "last durable window" in ck.tier_writer.summary()
+    ck.engine.shutdown()
+    ck.tier_writer.shutdown()
+
+
+def test_stall_policy_fail_ends_the_job_in_the_training_thread(tmpfs, one_rank_group):
+    t, ck, tier = _checkpointer(tmpfs, stall_iterations=4, on_stall="fail")
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)  # cannot write: EROFS
+    try:
+        with pytest.raises(CheckpointStallError) as err:
+            _steps(t, ck, 8)
+        assert t.step == 5  # iteration 5 is the first with more than 4 iterations and no durable window
+        msg = str(err.value)
+        assert "\n" not in msg and "no window committed durably" in msg and "on_stall='warn'" in msg, msg
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], check=True)
+        ck.engine.shutdown()
+        ck.tier_writer.shutdown()
+
+
+def test_stall_policy_warn_trains_on_and_says_it_once(tmpfs, one_rank_group, caplog):
+    caplog.set_level(logging.WARNING)
+    t, ck, tier = _checkpointer(tmpfs, stall_iterations=4, on_stall="warn")
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    try:
+        _steps(t, ck, 10)
+        ck.tier_writer.flush()
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], check=True)
+    assert t.step == 10
+    stalls = _events(caplog, "checkpoint_stall")
+    assert len(stalls) == 1 and "no durable window yet" in stalls[0], stalls
+    st = ck.tier_writer.stats()["health"]
+    assert st["state"] == "failing" and "Read-only file system" in st["reason"], st
+    assert list(tier.dir.glob("window-*")) == [] or ck.current is not None
+    ck.engine.shutdown()
+    ck.tier_writer.shutdown()
+
+
+@pytest.mark.parametrize("bad", [{"stall_iterations": 0}, {"stall_iterations": -3}, {"on_stall": "ignore"}])
+def test_stall_policy_is_validated(bad):
+    with pytest.raises(ConfigError, match="stall_iterations|on_stall"):
+        TierConfig(run_id="r", **bad)

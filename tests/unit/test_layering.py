@@ -1,0 +1,273 @@
+"""Layering of the library, read from the source with `ast` (nothing is imported): `torchmoe_ckpt` never
+imports what sits on top of it (the harness, bench, baselines, simulator, TorchTitan and its glue), imports
+only the standard library, torch and its optional extras, and has no import circle among its modules.
+Every import counts: module-level and function-local ones (a function-local import must not hide a circle),
+relative ones resolved against the importing module."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LIBRARY = "torchmoe_ckpt"
+# Packages on top of the library, and the library modules that moved to torchmoe_harness (a stale import of
+# one of those would silently resolve to nothing, or to a leftover file).
+FORBIDDEN_TOP = ("torchmoe_harness", "titan_integration", "torchtitan")
+MOVED = (
+    "torchmoe_ckpt.harness",
+    "torchmoe_ckpt.bench",
+    "torchmoe_ckpt.baselines",
+    "torchmoe_ckpt.selftest",
+    "torchmoe_ckpt.ettr",
+    "torchmoe_ckpt.dcp.format_compare",
+)
+# Third-party packages the library may import: torch, numpy (a dependency) and the optional extras.
+THIRD_PARTY_OK = {"torch", "numpy", "fsspec", "s3fs", "adlfs", "azure", "tensorstore", "matplotlib"}
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # importing module, e.g. torchmoe_ckpt.dcp.host_tier
+    target: str  # absolute name as written or resolved, e.g. torchmoe_ckpt.dcp.manifest.file_entry
+    module: str  # the part that must be a module: torchmoe_ckpt.dcp.manifest (the target may be one too)
+    line: int
+    local: bool  # inside a function or method
+
+    def where(self) -> str:
+        return f"{self.source}:{self.line}{' (function-local)' if self.local else ''} imports {self.target}"
+
+
+def module_names(root: Path, package: str) -> dict[str, Path]:
+    """Every module of `package` (a directory under `root`): dotted name -> file."""
+    out = {}
+    for f in sorted((root / package).rglob("*.py")):
+        parts = list(f.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = f
+    return out
+
+
+def imports_of(name: str, path: Path) -> list[Import]:
+    """All imports of one module, anywhere in it, as absolute names (`from X import y` gives X.y: y may be a
+    module or a name defined in X; `owning_module` tells which)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    local_lines = {
+        n.lineno
+        for f in ast.walk(tree)
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for n in ast.walk(f)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+    }
+    out = []
+    for node in ast.walk(tree):
+        local = getattr(node, "lineno", 0) in local_lines
+        if isinstance(node, ast.Import):
+            out += [Import(name, a.name, a.name, node.lineno, local) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module
+            out += [Import(name, f"{stem}.{a.name}", stem, node.lineno, local) for a in node.names]
+    return out
+
+
+def owning_module(i: Import, modules: set[str]) -> str | None:
+    """The module of `modules` an import loads: the target itself if it is a module, else the module it is
+    taken from; None for other packages, and for a module that does not exist (yet)."""
+    return i.target if i.target in modules else i.module if i.module in modules else None
+
+
+def forbidden(imports: list[Import]) -> list[Import]:
+    return [
+        i
+        for i in imports
+        if i.target.split(".")[0] in FORBIDDEN_TOP or any(i.target == m or i.target.startswith(m + ".") for m in MOVED)
+    ]
+
+
+def foreign(imports: list[Import], own: str = LIBRARY) -> list[Import]:
+    """Imports of third-party packages outside the standard library, torch and the extras (what `forbidden`
+    reports is left to it)."""
+    above = set(forbidden(imports))
+    return [
+        i
+        for i in imports
+        if (top := i.target.split(".")[0]) not in (own, LIBRARY)
+        and i not in above
+        and top not in sys.stdlib_module_names
+        and top not in THIRD_PARTY_OK
+    ]
+
+
+def graph(imports: list[Import], modules: set[str]) -> dict[str, dict[str, Import]]:
+    """module -> {imported module of the same package -> one import line that makes the edge}. A package
+    importing a name from its own `__init__` is no edge."""
+    g: dict[str, dict[str, Import]] = {m: {} for m in modules}
+    for i in imports:
+        dst = owning_module(i, modules)
+        if dst is not None and dst != i.source:
+            g[i.source].setdefault(dst, i)
+    return g
+
+
+def components(g: dict[str, dict]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted. Self-edges do not
+    exist (see `graph`), so these are exactly the import circles."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    comps: list[list[str]] = []
+
+    def visit(v: str) -> None:  # recursion depth is bounded by the number of modules
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            comps.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return [c for c in comps if len(c) > 1]
+
+
+def cycle_in(comp: list[str], g: dict[str, dict]) -> list[str]:
+    """One shortest cycle [a, b, ..., a] through the component's first module (breadth-first inside it)."""
+    start, members, prev, frontier = comp[0], set(comp), {}, [comp[0]]
+    while frontier and start not in prev:
+        nxt = []
+        for v in frontier:
+            for w in sorted(g[v]):
+                if w in members and w not in prev:
+                    prev[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    path, v = [start], prev[start]
+    while v != start:
+        path.append(v)
+        v = prev[v]
+    return [start] + path[:0:-1] + [start]
+
+
+def cycles(g: dict[str, dict]) -> list[list[str]]:
+    return [cycle_in(c, g) for c in components(g)]
+
+
+def describe(comp: list[str], g: dict[str, dict[str, Import]]) -> str:
+    cycle = cycle_in(comp, g)
+    return (
+        f"circle among {', '.join(comp)}; one cycle: "
+        + " -> ".join(cycle)
+        + "\n    "
+        + "\n    ".join(g[a][b].where() for a, b in zip(cycle, cycle[1:]))
+    )
+
+
+def scan(root: Path, package: str) -> tuple[list[Import], dict[str, dict[str, Import]]]:
+    mods = module_names(root, package)
+    imports = [i for name, path in mods.items() for i in imports_of(name, path)]
+    return imports, graph(imports, set(mods))
+
+
+# ---- the library ------------------------------------------------------------------------------------------
+def test_library_does_not_import_what_sits_on_top_of_it():
+    imports, _ = scan(ROOT, LIBRARY)
+    bad = forbidden(imports)
+    assert not bad, "the library imports the harness/bench/baselines/simulator/TorchTitan:\n  " + "\n  ".join(
+        i.where() for i in bad
+    )
+
+
+def test_library_imports_only_stdlib_torch_and_its_extras():
+    imports, _ = scan(ROOT, LIBRARY)
+    bad = foreign(imports)
+    assert not bad, f"third-party imports outside {sorted(THIRD_PARTY_OK)}:\n  " + "\n  ".join(i.where() for i in bad)
+
+
+def test_library_has_no_import_circle():
+    _, g = scan(ROOT, LIBRARY)
+    found = components(g)
+    assert not found, "import circles among library modules:\n  " + "\n  ".join(describe(c, g) for c in found)
+
+
+def test_moved_modules_are_gone_from_the_library():
+    mods = module_names(ROOT, LIBRARY)
+    left = [m for m in mods if any(m == x or m.startswith(x + ".") for x in MOVED)]
+    assert not left, f"modules that belong to torchmoe_harness are still in the library: {left}"
+
+
+def test_torchtitan_glue_does_not_need_the_harness():
+    """titan_integration sits on the library only: with the library clean (above), TorchTitan's runs never
+    load the harness (its pipeline path once loaded TinyMoE through torchmoe_ckpt.pipeline)."""
+    imports, _ = scan(ROOT, "titan_integration")
+    bad = [
+        i
+        for i in imports
+        if i.target.split(".")[0] == "torchmoe_harness"
+        or any(i.target == m or i.target.startswith(m + ".") for m in MOVED)
+    ]
+    assert not bad, "\n  ".join(i.where() for i in bad)
+
+
+# ---- the checker itself fails when it should --------------------------------------------------------------
+def _fake_package(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_checker_finds_a_function_local_harness_import_and_a_hidden_circle(tmp_path):
+    _fake_package(
+        tmp_path,
+        {
+            "lib/__init__.py": "",
+            "lib/a.py": "from .sub.b import thing\n",
+            "lib/sub/__init__.py": "",
+            "lib/sub/b.py": "def f():\n    from ..c import other  # hides the circle\n    return other\nthing = 1\n",
+            "lib/c.py": "from . import a\nimport json\n",
+            "lib/d.py": "def g():\n    from torchmoe_harness.trainer import Trainer\n"
+            "    import titan_integration.train\n"
+            "    from torchmoe_ckpt.harness import launch\n    import transformers\n",
+        },
+    )
+    imports, g = scan(tmp_path, "lib")
+    bad = forbidden(imports)
+    assert [(i.source, i.target, i.local) for i in bad] == [
+        ("lib.d", "torchmoe_harness.trainer.Trainer", True),
+        ("lib.d", "titan_integration.train", True),
+        ("lib.d", "torchmoe_ckpt.harness.launch", True),
+    ]
+    assert [i.target for i in foreign(imports, own="lib")] == ["transformers"]
+    assert g["lib.sub.b"]["lib.c"].local and g["lib.c"]["lib.a"].line == 1  # relative imports resolved
+    assert components(g) == [["lib.a", "lib.c", "lib.sub.b"]]
+    assert cycles(g) == [["lib.a", "lib.sub.b", "lib.c", "lib.a"]]
+    text = describe(components(g)[0], g)
+    assert "lib.sub.b:2 (function-local) imports lib.c.other" in text, text
+
+
+def test_checker_passes_a_clean_graph():
+    g = {"a": {"b": None}, "b": {"c": None}, "c": {}, "d": {"b": None}}
+    assert cycles(g) == []
+    assert cycles({"a": {"b": None}, "b": {"c": None}, "c": {"a": None}}) == [["a", "b", "c", "a"]]

@@ -1,0 +1,456 @@
+"""SparseCheckpointer: checkpoint every iteration by spreading the dense state over a window of slots.
+
+Per iteration (after the optimizer step) it captures one slot of the current window off the training
+thread, and logs what exact replay needs. At a window boundary it re-plans: operator order by expert
+popularity (re-sorted only when the reorder rule fires), window size W from the measured iteration time
+and copy bandwidth (or a forced W), identical on every rank. A window is committed when all its slots are
+copied; the newest committed window and the one in flight are kept, older buffers are reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import SparseConfig
+from .dcp.host_tier import HostTier
+from .dcp.manifest import plan_digest
+from .dcp.slot_files import all_free, backing
+from .dcp.tier_writer import TierWriter
+from .errors import ConfigError
+from .identity import RunIdentity, build_identity
+from .operators import Operator, agreed_sizes, discover_operators, expert_grid
+from .popularity import PopularityTracker, order_experts, reorder_needed
+from .replay_log import IterationRecord
+from .schedule import CopyCost, WindowPlan, choose_window, copy_budget, measure_copy_bandwidth, plan_window
+from .slot_pool import SlotPool
+from .snapshot import Slot, SnapshotEngine, StateAccess, build_slot
+from .window import Window
+
+log = logging.getLogger("torchmoe_ckpt")
+DIRECT_SETS = 6  # shared-memory slot sets kept per plan: committed + being written + upload backlog + current
+
+
+_SAME_GROUP = object()  # agree_group not given: the planning group
+
+
+class SparseCheckpointer:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        compute_dtype: torch.dtype,
+        cfg: SparseConfig | None = None,
+        group: dist.ProcessGroup | None = None,
+        committed: Window | None = None,
+        host_tier=None,
+        replicator=None,
+        store=None,
+        first_window_id: int | None = None,
+        agree_group: dist.ProcessGroup | None | object = _SAME_GROUP,
+        ops: list[Operator] | None = None,
+        identity: RunIdentity | None = None,
+    ):
+        """`group`: the ranks that plan windows together (same operators). `agree_group` (default: `group`;
+        None = all ranks): the ranks that agree on the retention floor and copy bandwidth, wider under
+        pipeline parallelism (every stage keeps the windows any stage may need). `first_window_id`: where
+        window ids start when windows already exist on the tiers (default: after `committed`, else 0). `ops`: the
+        model's operators when the caller discovered them already (e.g. with an `OperatorSpec`). `identity`: the
+        run identity written into every manifest and slot (default: built from the model, optimizer, compute
+        dtype and world size, with the host tier's run id); recovery refuses windows of another identity."""
+        self.cfg = cfg or SparseConfig()
+        self.group = group
+        self.agree_group = group if agree_group is _SAME_GROUP else agree_group
+        self.compute_dtype = compute_dtype
+        self.ops: list[Operator] = ops if ops is not None else discover_operators(model)
+        self.op_by_name = {o.name: o for o in self.ops}
+        self.grid = expert_grid(self.ops)
+        n_layers = 1 + max((layer for layer, _ in self.grid), default=-1)
+        n_experts = 1 + max((e for _, e in self.grid), default=-1)
+        cap = None if self.cfg.expert_capacity is None else torch.tensor(self.cfg.expert_capacity, dtype=torch.float64)
+        self.tracker = PopularityTracker(
+            max(n_layers, 1), max(n_experts, 1), policy=self.cfg.popularity, decay=self.cfg.decay, capacity=cap
+        )
+        self.access = StateAccess(model, optimizer)
+        if identity is None:
+            identity = build_identity(
+                model,
+                optimizer,
+                compute_dtype,
+                self.ops,
+                host_tier.dir.name if isinstance(host_tier, HostTier) else None,
+                dist.get_world_size() if dist.is_initialized() else 1,
+            )
+        self.identity = identity
+        self._identity_dict = identity.to_dict()
+        use_cuda = any(p.is_cuda for p in model.parameters())
+        self.pin_memory = use_cuda
+        self.engine = SnapshotEngine(self.access, use_cuda=use_cuda)
+        self.current: Window | None = None
+        self.committed: Window | None = committed
+        self._inherited = committed  # a window handed over after a restart (still the recovery fallback)
+        # Optional host-memory tier (dcp.host_tier.HostTier): slots persisted off the training thread.
+        self.tier_writer = None
+        if host_tier is not None and not isinstance(host_tier, HostTier):
+            raise ConfigError(
+                f"host_tier must be a HostTier, got {type(host_tier).__name__}: build the tiers with "
+                "build_tiers(TierConfig(...)), or use torchmoe_ckpt.Checkpointer, which owns them"
+            )
+        if host_tier is not None:
+            self.tier_writer = TierWriter(host_tier, replicator, store)
+        self._order: list[str] | None = None
+        self._order_freq: torch.Tensor | None = None
+        # Slot buffer sets by plan, reused. With the host tier on CPU they are views of shared-memory data files
+        # (dcp/slot_files.py: the snapshot copy is the persist); a set is reused only once the host tier has
+        # unlinked its files from every window (collected), so a committed window is never overwritten.
+        self._pool: dict[tuple, list[list[Slot]]] = {}
+        self._direct = host_tier.slot_files if host_tier is not None and not use_cuda else None
+        # Otherwise slots are assembled from per-operator groups of buffers (slot_pool.py): a reorder or a new W
+        # reuses them whole instead of rebuilding ~2,000 items on the training thread at each window start.
+        self._groups = SlotPool(self.op_by_name, self.compute_dtype, self.pin_memory) if self._direct is None else None
+        self._next_id = first_window_id if first_window_id is not None else (committed.id + 1) if committed else 0
+        self.t_iter: float | None = None
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._level = logging.INFO if self._rank == 0 else logging.DEBUG  # one line per window, not one per rank
+        self._warned_unfit = False  # an impossible copy budget is reported once, not every window
+        self.bandwidth = self.cfg.bandwidth_bytes_per_s or self._agree(measure_copy_bandwidth(), dist.ReduceOp.MIN)
+        self.cost = CopyCost(self.bandwidth)  # the prior until copies under training are observed
+        self._copies_seen = 0
+        self._auto_w: int | None = None
+        self._w_pending: tuple | None = None  # (async all-reduce, tensor): the next window's agreed W
+        self._slot_bytes: dict[tuple, list[int]] = {}  # the last plan's bytes per slot on this rank
+        self._cur_slot_bytes: list[int] = []
+        self._sizes: tuple[dict[str, int], dict[str, int]] | None = None
+        self.counters = {
+            "slots": 0,
+            "windows_committed": 0,
+            "reorders": 0,
+            "slot_bytes": [],
+            "copy_seconds": [],
+            "windows": [],
+            "plans": 0,
+            "plan_s_total": 0.0,
+            "plan_s_max": 0.0,
+        }
+        full = [o.full_bytes() for o in self.ops]
+        self.dense_bytes = sum(full)  # what one dense snapshot of this rank copies
+
+    # ---- hooks the trainer calls ---------------------------------------------------------------------
+    def attach(self, trainer) -> SparseCheckpointer:
+        trainer.before_update.append(self.before_update)
+        return self
+
+    def before_update(self) -> None:
+        """The next update overwrites the sources of the in-flight copy: wait for it (measured)."""
+        self.engine.wait()
+        self._maybe_commit()
+
+    def after_step(self, res) -> None:
+        """Call right after the optimizer step of iteration `res.step` (a harness StepResult or alike)."""
+        self.t_iter = res.seconds if self.t_iter is None else 0.7 * self.t_iter + 0.3 * res.seconds
+        self.tracker.update(res.expert_counts.double(), res.expert_probs.double())
+        self.cost.observe_step(res.seconds)
+        self.engine.wait()
+        self._observe_copy()
+        self._maybe_commit()
+        t = res.step
+        cur = self.current
+        if cur is not None and cur.start_step < t < cur.start_step + cur.plan.window:
+            cur.log.add(
+                IterationRecord(
+                    t, res.tokens, res.grad_norm, res.lr, res.loss, res.rng_state, lrs=getattr(res, "lrs", None)
+                )
+            )
+        if cur is None or cur.captured >= cur.plan.window:
+            t0 = time.perf_counter()
+            cur = self._start_window(t)
+            dt = time.perf_counter() - t0
+            self.counters["plans"] += 1
+            self.counters["plan_s_total"] += dt
+            self.counters["plan_s_max"] = max(self.counters["plan_s_max"], dt)
+            self.counters["plan_s_recent"] = (self.counters.get("plan_s_recent", []) + [dt])[-64:]
+        slot = cur.slots[t - cur.start_step]
+        self.engine.capture(slot, t)
+        if self.tier_writer is not None:
+            self.tier_writer.slot(
+                cur.id,
+                slot,
+                {
+                    "window": cur.id,
+                    "slot": slot.index,
+                    "start_step": cur.start_step,
+                    "window_size": cur.plan.window,
+                    "plan": plan_digest(cur.plan.to_dict()),
+                    "run": self._identity_dict["fingerprint"],
+                },
+            )
+        cur.captured += 1
+        self.counters["slots"] += 1
+        self.counters["slot_bytes"].append(self._cur_slot_bytes[t - cur.start_step])
+
+    def close(self) -> None:
+        self.engine.wait()
+        self._observe_copy()
+        self._maybe_commit()
+
+    def abandon_window(self) -> None:
+        """Finish the copy in flight, then drop the window being filled if it is not complete (its buffers go
+        back to the pool): the next `after_step` starts a new window. For a loop that pauses checkpointing."""
+        self.close()
+        cur, self.current = self.current, None
+        if cur is not None and self.tier_writer is None:
+            self._keep_buffers(cur)
+        elif cur is not None and self._groups is not None:
+            self._groups.forget(cur.slots)  # may still be written to the host tier: never handed out again
+
+    def _observe_copy(self) -> None:
+        """Feed the copy that just finished (bytes, copy-thread wall time, the wait it caused) to the pricing."""
+        n = self.engine.copy_totals["copies"]
+        if n != self._copies_seen and self.engine.last_copy is not None:
+            self._copies_seen = n
+            nbytes, wall, _cpu = self.engine.last_copy
+            self.cost.observe_copy(nbytes, wall, self.engine.waits[-1] if self.engine.waits else 0.0)
+
+    def _keep_buffers(self, win: Window) -> None:
+        # At most two plans' buffers are kept: W (or the order) may change and must not pile up memory. Per plan
+        # one set, or with shared-memory slot files enough sets to rotate through the windows the host tier
+        # still holds (the last committed one, the one being written, an upload backlog).
+        if self._groups is not None:
+            self._groups.give_back(win.slots)
+            return
+        sig = self._signature(win.plan)
+        sets = self._pool.pop(sig, [])
+        sets.append(win.slots)
+        self._pool[sig] = sets[-(DIRECT_SETS if self._direct is not None else 1) :]
+        while len(self._pool) > 2:
+            self._pool.pop(next(iter(self._pool)))
+
+    def _take_pooled(self, plan: WindowPlan) -> list[Slot] | None:
+        """A pooled set of this plan's slot buffers that no window on the host tier links any more."""
+        sets = self._pool.get(self._signature(plan)) or []
+        for k, slots in enumerate(sets):
+            if all_free(slots):
+                return sets.pop(k)
+        return None
+
+    # ---- windows -------------------------------------------------------------------------------------
+    def _maybe_commit(self) -> None:
+        cur = self.current
+        if cur is None or not cur.committed:
+            return
+        old, self.committed, self.current = self.committed, cur, None
+        self.counters["windows_committed"] += 1
+        self.counters["copy_seconds"].extend(s.copy_seconds for s in cur.slots)
+        log.log(
+            self._level,
+            "window committed id=%d steps=%d..%d W=%d bytes=%d",
+            cur.id,
+            cur.start_step,
+            cur.start_step + cur.plan.window - 1,
+            cur.plan.window,
+            cur.nbytes(),
+        )
+        if self.tier_writer is not None:
+            # Keep every window from the newest one that *all* ranks have persisted: a rank ahead of the
+            # others must not delete the only window they can all recover from.
+            mine = max(self.tier_writer.persisted, default=-1)
+            floor = int(self._agree(float(mine), dist.ReduceOp.MIN))
+            self.tier_writer.commit(
+                cur, {"dtype": str(self.compute_dtype), "identity": self._identity_dict}, keep_from=floor
+            )
+        # Reuse the old window's buffers unless they are inherited or still being written to the host tier.
+        reusable = (
+            old is not None
+            and old is not self._inherited
+            and (self.tier_writer is None or old.id in self.tier_writer.persisted)
+        )
+        if reusable:
+            self._keep_buffers(old)
+        elif old is not None and self._groups is not None:
+            self._groups.forget(old.slots)
+
+    def _agree(self, value: float, op, group: object = _SAME_GROUP) -> float:
+        if not dist.is_initialized():
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=op, group=self.agree_group if group is _SAME_GROUP else group)
+        return float(t.item())
+
+    def _operator_order(self) -> list[str]:
+        freq = self.tracker.frequencies()
+        if self._order is None or reorder_needed(
+            self._order_freq, freq, self.cfg.reorder_change, self.cfg.reorder_fraction
+        ):
+            if self._order is not None:
+                self.counters["reorders"] += 1
+            experts = [self.grid[le] for le in order_experts(self.tracker.scores()) if le in self.grid]
+            routers = [o.name for o in self.ops if o.kind == "router"]
+            dense = [o.name for o in self.ops if o.kind == "dense"]
+            self._order, self._order_freq = experts + routers + dense, freq.clone()
+        return self._order
+
+    def _op_sizes(self) -> tuple[dict[str, int], dict[str, int]]:
+        # Sizes never change during a run: agreed once (one collective), not at every window.
+        if self._sizes is None:
+            self._sizes = agreed_sizes(self.op_by_name, self.compute_dtype, self.group)
+        return self._sizes
+
+    def _start_window(self, t: int) -> Window:
+        order = self._operator_order()
+        full, comp = self._op_sizes()
+        budget, auto_w = float("inf"), None
+        if self.cfg.window is None:
+            if self.cfg.bandwidth_bytes_per_s is None:  # priced by what copies cost under training
+                budget = self.cost.budget_bytes(self.cfg.overlap)
+            else:
+                budget = copy_budget(self.t_iter, self.bandwidth, self.cfg.overlap)
+            # Every rank plans the same window: W is the largest any rank proposed. Proposals are agreed in the
+            # background during the window before (an async 8-byte all-reduce), so no rank waits here for a
+            # slower one; only the first window agrees on the spot.
+            proposal = float(choose_window(order, full, comp, budget, self._auto_w))
+            if self._w_pending is None:
+                auto_w = int(self._agree(proposal, dist.ReduceOp.MAX, self.group))
+            else:
+                work, agreed = self._w_pending
+                if work is not None:
+                    work.wait()
+                auto_w = int(agreed.item())
+            nxt = torch.tensor([proposal], dtype=torch.float64)
+            self._w_pending = (
+                dist.all_reduce(nxt, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+                if dist.is_initialized()
+                else None,
+                nxt,
+            )
+            self._auto_w = auto_w
+        plan = plan_window(
+            order,
+            full,
+            comp,
+            budget,
+            forced_window=self.cfg.window,
+            auto_window=auto_w,
+            warn=not self._warned_unfit and self._rank == 0,
+        )
+        self._warned_unfit = self._warned_unfit or not plan.fits
+        slots = (
+            self._groups.build(plan)
+            if self._groups is not None
+            else (self._take_pooled(plan) or self._build_direct(plan))
+        )
+        win = Window(self._next_id, t, plan, slots)
+        self._cur_slot_bytes = self._slot_sizes(plan, slots)
+        self._next_id += 1
+        self.current = win
+        self.counters["windows"].append(
+            {
+                "id": win.id,
+                "start": t,
+                "W": plan.window,
+                "fits": plan.fits,
+                "worst_slot_bytes": plan.worst_slot_bytes,
+                "mean_slot_bytes": sum(self._cur_slot_bytes) / plan.window,
+            }
+        )
+        log.log(
+            self._level,
+            "window start id=%d t0=%d W=%d fits=%s budget=%.3g worst_slot=%d",
+            win.id,
+            t,
+            plan.window,
+            plan.fits,
+            budget,
+            plan.worst_slot_bytes,
+        )
+        return win
+
+    def _build_direct(self, plan: WindowPlan) -> list[Slot]:
+        """Slot files for a new plan. The free sets of other plans give their files (pages allocated already: no
+        fallocate on the training thread); a set none of whose files was taken goes back to the pool."""
+        spent = [(sig, old) for sig, sets in self._pool.items() for old in sets if all_free(old)]
+        for sig in self._pool:
+            self._pool[sig] = [old for old in self._pool[sig] if not any(old is o for _, o in spent)]
+        try:
+            return self._direct.build(plan, self.op_by_name, self.compute_dtype, [o for _, o in spent])
+        except OSError as exc:  # shared memory full or read-only: train on, the host tier reports its state
+            log.debug("slot files not allocated (%s): slots in plain memory for this plan", exc)
+            # fresh buffers: pooled ones may be views of files a committed window still links
+            return [
+                build_slot(i, sp.active, sp.frozen, self.op_by_name, self.compute_dtype)
+                for i, sp in enumerate(plan.slots)
+            ]
+        finally:
+            for sig, old in spent:
+                if sig in self._pool and all(b is None or b.finalizer.alive for b in map(backing, old)):
+                    self._pool[sig].append(old)
+
+    def _slot_sizes(self, plan: WindowPlan, slots: list[Slot]) -> list[int]:
+        # this rank's bytes per slot, summed once per plan (~1,000 items each: ~1 ms), not at every iteration
+        if self._groups is not None:
+            return [self._groups.nbytes(sl) for sl in slots]
+        sig = self._signature(plan)
+        if sig not in self._slot_bytes:
+            self._slot_bytes = {sig: [sl.nbytes for sl in slots]}
+        return self._slot_bytes[sig]
+
+    @staticmethod
+    def _signature(plan: WindowPlan) -> tuple:
+        return tuple((s.active, s.frozen) for s in plan.slots)
+
+    def inherit_counters(self, old: SparseCheckpointer) -> SparseCheckpointer:
+        """Continue the counters of the checkpointer that ran before a restart (for whole-run figures)."""
+        for k in ("slots", "windows_committed", "reorders"):
+            self.counters[k] += old.counters[k]
+        for k in ("slot_bytes", "copy_seconds", "windows"):
+            self.counters[k] = old.counters[k] + self.counters[k]
+        self.engine.waits = old.engine.waits + self.engine.waits
+        self.engine.wait_seconds_total += old.engine.wait_seconds_total
+        for k, v in old.engine.copy_totals.items():
+            self.engine.copy_totals[k] += v
+        for k in ("plans", "plan_s_total"):
+            self.counters[k] += old.counters[k]
+        self.counters["plan_s_max"] = max(self.counters["plan_s_max"], old.counters["plan_s_max"])
+        self.cost, self._auto_w = old.cost, old._auto_w  # what copies cost is learned once, not per restart
+        return self
+
+    # ---- reporting -----------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        waits = self.engine.waits
+        sb = self.counters["slot_bytes"]
+        return {
+            "slots_captured": self.counters["slots"],
+            "windows_committed": self.counters["windows_committed"],
+            "reorders": self.counters["reorders"],
+            "dense_bytes": self.dense_bytes,
+            "mean_slot_bytes": sum(sb) / len(sb) if sb else 0,
+            "max_slot_bytes": max(sb) if sb else 0,
+            "wait_seconds_total": self.engine.wait_seconds_total,
+            "wait_seconds_max": max(waits) if waits else 0.0,
+            "copy_seconds_mean": (
+                sum(self.counters["copy_seconds"]) / len(self.counters["copy_seconds"])
+                if self.counters["copy_seconds"]
+                else 0.0
+            ),
+            "t_iter": self.t_iter,
+            "bandwidth_bytes_per_s": self.bandwidth,
+            # what the copies cost under training (copy thread), what auto W priced them at, planning time
+            "copy": dict(self.engine.copy_totals),
+            "priced_bytes_per_s": self.cost.bytes_per_s,
+            "priced_t_iter": self.cost.t_iter,
+            "auto_window": self._auto_w,
+            "plan_seconds": dict(
+                {k: self.counters[k] for k in ("plans", "plan_s_total", "plan_s_max")},
+                median_recent=statistics.median(self.counters.get("plan_s_recent") or [0.0]),
+            ),
+            "windows": self.counters["windows"][-5:],
+            "host_tier": None if self.tier_writer is None else self.tier_writer.stats(),
+            "peers": None if self.tier_writer is None else self.tier_writer.replication_stats(),
+            "object_store": None
+            if self.tier_writer is None or self.tier_writer.uploader is None
+            else self.tier_writer.uploader.stats(),
+        }
