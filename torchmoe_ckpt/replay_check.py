@@ -129,7 +129,8 @@ class ReplayComparison:
             )
         raise ReplayDivergence(
             f"replay of {where} gave {what}, not bit for bit. Likely causes (most usual first): randomness outside "
-            "torch's generators (random.random(), numpy or an RNG of your own inside forward), state the checkpoint "
+            "torch's CPU generator and CUDA generators (random.random(), numpy or an RNG of your own inside forward), "
+            "state the checkpoint "
             "does not capture (a non-persistent buffer or a Python attribute that changes during training), a "
             "non-deterministic kernel or a different thread count (replay_check='tolerant' accepts those within a "
             "bound), or a model/data/world size other than the run that wrote the window. The window is not loaded"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_capture import DIM, TOP_K, ListMoE  # pytest puts tests/unit on sys.path
 from torch import nn
 
 import torchmoe_ckpt as tmc
@@ -18,34 +19,9 @@ from torchmoe_ckpt.replay_check import DEFAULT_TOLERANCE
 from torchmoe_ckpt.sparse_to_dense import ReplayDivergence, sparse_to_dense
 from torchmoe_ckpt.status import recovery_line
 
-VOCAB, DIM, EXPERTS = 50257, 16, 4  # GPT-2's vocabulary: an 804k-element embedding, not a power of two
+VOCAB = 50257  # GPT-2's vocabulary: an 804k-element embedding, not a power of two
 W = 6  # one window, steps 1..6: five replayed iterations, each a fair chance to round differently
 L2 = 6.4e-5  # L2 penalty of the embedding, in the loss: ~50 of ~60, in the same binade as the loss
-
-
-class Expert(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
-
-    def forward(self, x):
-        return self.down(F.silu(self.up(x)))
-
-
-class MoE(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.router = nn.Linear(DIM, EXPERTS, bias=False)
-        self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
-
-    def forward(self, x):
-        w, idx = self.router(x).softmax(-1).topk(2, dim=-1)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            hit = idx == e
-            rows = hit.any(-1)
-            out[rows] += (w * hit).sum(-1, keepdim=True)[rows] * expert(x[rows])
-        return out
 
 
 class Net(nn.Module):
@@ -55,7 +31,7 @@ class Net(nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.moe = MoE()
+        self.moe = ListMoE()  # test_capture.py's hand-written MoE
         self.head = nn.Linear(DIM, VOCAB)
 
     def forward(self, tokens):
@@ -91,7 +67,7 @@ def train(steps, threads, seed=0, tiers=None, stop_after=None, check="exact", da
             return loss
 
         cfg = tmc.CheckpointConfig(
-            tiers=tiers, window=tmc.SparseConfig(window=W), max_grad_norm=1.0, router_top_k=2, replay_check=check
+            tiers=tiers, window=tmc.SparseConfig(window=W), max_grad_norm=1.0, router_top_k=TOP_K, replay_check=check
         )
         losses, batch_for = {}, batches(data_seed)
         ckpt = tmc.Checkpointer(model, opt, fb, None, cfg)
