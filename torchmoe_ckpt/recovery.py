@@ -198,8 +198,9 @@ def unusable_message(run_id: str | None, run_dir, windows: dict[int, dict[str, l
             "a replay did not reproduce the logged loss: the step function depends on something the checkpoint "
             "does not capture, most often randomness outside torch's CPU generator (random.random(), numpy, "
             "an RNG of your own inside forward: draw it from torch instead), a non-persistent buffer or Python "
-            "attribute that changes during training, or a non-deterministic kernel; fix that and the next run's "
-            "windows replay exactly"
+            "attribute that changes during training, or a non-deterministic kernel (on a GPU: turn on deterministic "
+            "kernels, docs/gpu.md, or accept a bounded deviation with replay_check='tolerant'); fix that and the "
+            "next run's windows replay exactly"
         )
     else:
         cause = (
