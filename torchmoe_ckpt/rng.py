@@ -2,10 +2,11 @@
 
 Logged per iteration: torch's CPU generator, always; with CUDA, the default generator of the current device
 (dropout, router jitter, any CUDA random op without a generator of its own; DTensor's random ops too in torch
->= 2.9, whose tracker keeps only offsets on top of that generator); and the per-name states of DTensor's RNG
-tracker in torch versions that keep their own (`rng_states`). Reading or setting a generator's state touches
-only its seed and offset on the host: no device synchronisation. A CPU run logs the CPU state alone, exactly
-as before (`device_states` is None).
+>= 2.9, whose tracker keeps only offsets on top of that generator); the per-name states of DTensor's RNG
+tracker in torch versions that keep their own (`rng_states`); and generators the model draws from itself, once
+`track`ed.
+Reading or setting a generator's state touches only its seed and offset on the host: no device synchronisation.
+A CPU run that tracks nothing logs the CPU state alone, exactly as before (`device_states` is None).
 """
 
 from __future__ import annotations
@@ -16,21 +17,39 @@ import torch
 
 from .errors import TorchmoeError
 
-__all__ = ["RngMismatch", "capture", "device_generators", "restore"]
+__all__ = ["RngMismatch", "capture", "device_generators", "restore", "track", "untrack"]
 
 DTENSOR_PREFIX = "dtensor."
+_tracked: dict[str, torch.Generator] = {}  # generators of the model's own (track)
 
 
 class RngMismatch(TorchmoeError, RuntimeError):
     """The window logged a generator this process does not have (e.g. a GPU run recovered on a CPU-only one)."""
 
 
+def track(name: str, generator: torch.Generator) -> None:
+    """Log and restore `generator` with every iteration, like torch's own generators: for a model that draws from a
+    generator of its own (`torch.rand(..., generator=g)`, on any device), whose numbers a replay must draw again.
+    Call before training, in every process, with the same names (a window that logged a name this process does
+    not track is refused)."""
+    if name == "cuda" or name.startswith(DTENSOR_PREFIX) or not isinstance(generator, torch.Generator):
+        raise ValueError("track(name, generator) takes a torch.Generator and a name other than 'cuda'/'dtensor.*'")
+    _tracked[name] = generator
+
+
+def untrack(name: str) -> None:
+    """Stop logging a generator `track` added (its windows then no longer recover in this process)."""
+    _tracked.pop(name, None)
+
+
 def device_generators() -> dict[str, torch.Generator]:
-    """The device generators this process draws from: the current CUDA device's default generator once CUDA
-    is in use, else none. (A process that never initialised CUDA draws nothing on a GPU.)"""
+    """The generators besides torch's CPU one that this process draws from: the current CUDA device's default
+    generator once CUDA is in use (a process that never initialised CUDA draws nothing on a GPU), and `track`ed
+    ones."""
+    out = dict(_tracked)
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # CUDA only
-        return {"cuda": torch.cuda.default_generators[torch.cuda.current_device()]}
-    return {}
+        out["cuda"] = torch.cuda.default_generators[torch.cuda.current_device()]
+    return out
 
 
 def _dtensor_tracker_states() -> dict:

@@ -9,11 +9,14 @@ import io
 
 import pytest
 import torch
+import torch.nn.functional as F
+from test_capture import TOP_K, Net, batch_for  # pytest puts tests/unit on sys.path
 
+import torchmoe_ckpt as tmc
 from torchmoe_ckpt import rng
 from torchmoe_ckpt.config import SparseConfig
 from torchmoe_ckpt.device_copy import CopyStream, host_copy
-from torchmoe_ckpt.errors import ConfigError
+from torchmoe_ckpt.errors import ConfigError, UnusableCheckpointError
 from torchmoe_ckpt.popularity import PopularityTracker
 from torchmoe_ckpt.replay_check import check_replay_check
 from torchmoe_ckpt.replay_log import IterationRecord, Replay
@@ -31,6 +34,64 @@ def test_capture_and_restore_every_generator():
     again = (torch.rand(4), torch.rand(4, generator=gens["extra"]))
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert set(dev) == {"extra"}
+
+
+class NoisyNet(Net):
+    """test_capture's MoE, with noise on its logits drawn from a generator of its own (as a GPU model's dropout
+    draws from the CUDA generator: a state outside torch's CPU generator that a replay must draw again)."""
+
+    def __init__(self, seed: int, gen: torch.Generator):
+        super().__init__(seed)
+        self.gen = gen
+
+    def forward(self, tokens):
+        logits = super().forward(tokens)
+        return logits + 0.1 * torch.randn(logits.shape, generator=self.gen)
+
+
+def noisy_run(steps, gen_seed, tracked, tiers=None, stop_after=None, seed=0):
+    gen = torch.Generator().manual_seed(gen_seed)
+    if tracked:
+        rng.track("noise", gen)
+    try:
+        model = NoisyNet(seed, gen)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def fb(tokens):
+            loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            return loss
+
+        cfg = tmc.CheckpointConfig(
+            tiers=tiers, window=tmc.SparseConfig(window=3), max_grad_norm=0.5, router_top_k=TOP_K
+        )
+        losses, ckpt = {}, tmc.Checkpointer(model, opt, fb, None, cfg)
+        for step in range(ckpt.resume() + 1, steps + 1):
+            losses[step] = ckpt.step(batch_for(step))
+            if step == stop_after:
+                break
+        ckpt.close()
+        return model, losses, ckpt
+    finally:
+        rng.untrack("noise")
+
+
+def test_a_generator_outside_torchs_cpu_one_is_logged_through_the_host_tier_and_replayed_exactly(tmp_path):
+    """End to end on CPU, the path a CUDA generator takes: captured per iteration, stored in the window's replay
+    records, loaded back and restored before each replayed forward. Untracked, the same recovery is refused."""
+    ref = noisy_run(10, gen_seed=1, tracked=True)
+    tiers = tmc.TierConfig(root=str(tmp_path), run_id="noise")
+    noisy_run(10, gen_seed=1, tracked=True, tiers=tiers, stop_after=7)
+    model, losses, ckpt = noisy_run(10, gen_seed=99, tracked=True, tiers=tiers, seed=123)  # a new process's state
+    assert ckpt.resumed.recovered_step == 6 and ckpt.resumed.report["exact"] is True
+    assert ckpt.sparse.committed.log.get(8).device_rng.keys() == {"noise"}
+    for (k, a), (_, b) in zip(ref[0].state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), k
+    assert sorted(losses) == list(range(7, 11)) and all(torch.equal(losses[s], ref[1][s]) for s in losses)
+    tiers = tmc.TierConfig(root=str(tmp_path), run_id="untracked")
+    noisy_run(10, gen_seed=1, tracked=False, tiers=tiers, stop_after=7)
+    with pytest.raises(UnusableCheckpointError, match="ReplayDivergence"):
+        noisy_run(10, gen_seed=99, tracked=False, tiers=tiers, seed=123)
 
 
 def test_a_cpu_run_logs_the_cpu_state_alone_and_a_missing_generator_is_refused():
