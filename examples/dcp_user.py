@@ -10,8 +10,9 @@ killed rank comes back with empty shared memory and reads its slots from its pee
     .venv/bin/torchrun --nproc_per_node 2 --max-restarts 1 examples/dcp_user.py --steps 12 --kill-at 9 \
         --tier peer --wipe-host --host /dev/shm/dcp-user --store file:///tmp/dcp-user-store
 
-The model and its deterministic iteration come from the test harness (FSDP2, or HSDP with --hsdp 2); any
-loop that keeps a replay record per iteration (batch, gradient norm, LR, RNG state, loss) works the same.
+The model and its deterministic iteration come from the test harness (FSDP2, or HSDP with --hsdp 2; on the GPUs
+with NCCL when CUDA is there, batches on the model's device); any loop that keeps a replay record per iteration
+(batch, gradient norm, LR, RNG state, loss) works the same.
 `--kill-at N`: rank 1 SIGKILLs itself in iteration N (first attempt only); torchrun restarts every rank,
 they agree on the newest window every rank can read and convert it to dense, then training goes on.
 """
@@ -176,7 +177,10 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # a real crash in the middle of the run
         res = trainer.train_step()
         losses[step] = res.loss
-        record = tmc.IterationRecord(res.step, res.tokens, res.grad_norm, res.lr, res.loss, res.rng_state)
+        # What replay needs: the batch, gradient norm, LR, loss, and the RNG state (CPU and, on a GPU, the GPU's).
+        record = tmc.IterationRecord(
+            res.step, res.tokens, res.grad_norm, res.lr, res.loss, res.rng_state, device_rng=res.device_rng
+        )
         model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
         # The only change a DCP user makes: our planner (this iteration's slot) and our storage writer.
         dcp.save(
@@ -191,7 +195,8 @@ def main() -> None:
             break
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        torch.save({"state": trainer.export_state(), "losses": losses}, Path(args.out) / f"rank{rank}.pt")
+        host_losses = {s: loss.detach().cpu() for s, loss in losses.items()}
+        torch.save({"state": trainer.export_state(), "losses": host_losses}, Path(args.out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -44,14 +44,16 @@ def unpack_batches(tokens: torch.Tensor) -> list[tuple[dict[str, torch.Tensor], 
 @dataclass
 class TitanStepResult:
     step: int
-    loss: torch.Tensor  # this rank's loss contribution (local sum / global valid tokens), fp32
-    grad_norm: torch.Tensor  # global norm before clipping
+    loss: torch.Tensor  # this rank's loss contribution (local sum / global valid tokens), fp32, on the device
+    grad_norm: torch.Tensor  # global norm before clipping, on the device
     lr: float
     tokens: torch.Tensor  # [microbatches, 2, B, S]: input and labels, the batch this rank trained on
     rng_state: torch.Tensor
-    expert_counts: torch.Tensor  # [moe layers, experts], summed over all ranks
+    expert_counts: torch.Tensor  # [moe layers, experts], this rank's (the checkpointer sums them over the ranks)
     expert_probs: torch.Tensor  # TorchTitan keeps no router-probability sums: the counts again
     seconds: float = 0.0
+    device_rng: dict | None = None  # GPU generators' states (torchmoe_ckpt.rng)
+    replayed_grad_norm: torch.Tensor | None = None  # replay only: the replayed gradients' norm (for the check)
 
 
 class OptimizerView:

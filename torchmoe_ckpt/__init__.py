@@ -29,6 +29,7 @@ from .identity import IdentityMismatch, RunIdentity
 from .operators import Operator, OperatorDiscoveryError, OperatorSpec, discover_operators
 from .placement import Placement, Topology, place_replicas
 from .recovery import ResumeResult, recover
+from .replay_check import ReplayPolicy
 from .replay_log import IterationRecord, Replay
 from .routing import RouterCounter
 from .sparse_checkpointer import SparseCheckpointer
@@ -87,6 +88,7 @@ __all__ = [
     "UncapturedStateError",
     "OperatorDiscoveryError",
     "ReplayDivergence",
+    "ReplayPolicy",
     "RunLockedError",
     "CheckpointStallError",
     "IdentityMismatch",

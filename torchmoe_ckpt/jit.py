@@ -300,7 +300,7 @@ def _read(copy: dict, store: JitStore | None) -> dict:
             f"JIT copy {copy['where']}:{copy['path']} does not match its marker "
             f"({len(data)} bytes, CRC32 {crc32_bytes(data):08x}; marker {copy['bytes']}, {copy['crc32']:08x})"
         )
-    blob = torch.load(io.BytesIO(data), weights_only=True)
+    blob = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")  # copied into place by apply_state
     if blob["shard"] != copy["shard"] or blob["step"] != copy["step"]:
         raise ValueError(f"JIT copy {copy['path']} holds {blob['shard']} step {blob['step']}, marker says otherwise")
     return blob

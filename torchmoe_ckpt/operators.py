@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .distributed import library_group
 from .moe_structure import OperatorDiscoveryError, OperatorSpec, ancestors, find_moe_blocks
 
 __all__ = [
@@ -212,12 +213,12 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def agreed_sizes(
     ops: dict[str, Operator], compute_dtype: torch.dtype, group=None
 ) -> tuple[dict[str, int], dict[str, int]]:
-    """Full and compute bytes per operator, the max over `group` (one collective when a process group is
-    up), so every rank plans the same window from the same sizes."""
+    """Full and compute bytes per operator, the max over `group`'s ranks (one collective on the library's gloo
+    group when a process group is up), so every rank plans the same window from the same sizes."""
     names = list(ops)
     sizes = torch.tensor(
         [[ops[n].full_bytes(), ops[n].compute_bytes(compute_dtype.itemsize)] for n in names], dtype=torch.float64
     )
     if dist.is_initialized():
-        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=library_group(group))
     return ({n: int(sizes[i, 0]) for i, n in enumerate(names)}, {n: int(sizes[i, 1]) for i, n in enumerate(names)})

@@ -1,8 +1,10 @@
 """Per-iteration record of what exact replay needs.
 
 Frozen operators compute no trustworthy weight gradients during replay, so the global gradient norm used
-for clipping cannot be recomputed: it is logged. The batch, RNG state and LR are logged too, and the loss
-is kept so that every replayed iteration is checked bit-for-bit against the original.
+for clipping cannot be recomputed: it is logged. The batch, RNG state (CPU and device generators: rng.py) and
+LR are logged too, and the loss is kept so that every replayed iteration is checked against the original
+(bit for bit, or within a stated bound: replay_check.py). Every tensor of a record is a host tensor; on a GPU
+it is filled by an asynchronous copy that has landed once the slot copy of its iteration is done.
 
 Replay applies the *logged* learning rates (every param group), not the schedule's: a run extended with more
 steps or a changed schedule has another schedule now, but the iterations being replayed used the old one."""
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_leaves
+
+from . import rng
 
 
 @dataclass
@@ -25,11 +29,12 @@ class IterationRecord:
     rng_state: torch.Tensor  # CPU RNG state at the start of the step
     loss_scale: float = 1.0  # no dynamic loss scaling in fp32/bf16 training; kept for fp16 users
     lrs: tuple[float, ...] | None = None  # every param group's LR in this step (None: all groups used `lr`)
+    device_rng: dict | None = None  # device generators' states at the start of the step (rng.capture; None: CPU)
 
     def nbytes(self) -> int:
         return sum(
             t.numel() * t.element_size()
-            for t in tree_leaves((self.tokens, self.grad_norm, self.loss, self.rng_state))
+            for t in tree_leaves((self.tokens, self.grad_norm, self.loss, self.rng_state, self.device_rng))
             if torch.is_tensor(t)
         )
 
@@ -43,6 +48,7 @@ class IterationRecord:
             "rng_state": self.rng_state,
             "loss_scale": self.loss_scale,
             "lrs": None if self.lrs is None else list(self.lrs),
+            **({"device_rng": self.device_rng} if self.device_rng else {}),  # CPU records stay as they were
         }
 
     @staticmethod
@@ -61,10 +67,16 @@ class Replay:
     grad_norm: torch.Tensor
     rng_state: torch.Tensor
     lrs: tuple[float, ...] = ()  # the LR of each param group in the original iteration
+    device_rng: dict | None = None  # device generators' states (rng.py)
 
     @staticmethod
     def of(rec: IterationRecord) -> Replay:
-        return Replay(rec.tokens, rec.grad_norm, rec.rng_state, rec.lrs if rec.lrs is not None else (rec.lr,))
+        lrs = rec.lrs if rec.lrs is not None else (rec.lr,)
+        return Replay(rec.tokens, rec.grad_norm, rec.rng_state, lrs, rec.device_rng)
+
+    def restore_rng(self) -> None:
+        """Every generator back to where the original iteration started (call before its forward)."""
+        rng.restore(self.rng_state, self.device_rng)
 
     def apply_lrs(self, optimizer: torch.optim.Optimizer) -> None:
         """Set every param group's LR to the logged one (call right before `optimizer.step()`)."""

@@ -24,19 +24,26 @@ from typing import Protocol
 import torch
 
 from . import faults
-from .errors import TorchmoeError
+from .replay_check import ReplayComparison, ReplayDivergence, ReplayPolicy
 from .replay_log import Replay
 from .snapshot import ROLES_FULL, StateAccess, restore_slot
 
 log = logging.getLogger("torchmoe_ckpt.sparse_to_dense")
 
-
-class ReplayDivergence(TorchmoeError, RuntimeError):
-    """A replayed iteration did not reproduce the logged loss, so the rebuilt state would not be the run's."""
+__all__ = [
+    "RecoveryReport",
+    "ReplayDivergence",
+    "Replayable",
+    "ReplayedStep",
+    "init_optimizer_state",
+    "load_window_slot",
+    "sparse_to_dense",
+]
 
 
 class ReplayedStep(Protocol):
-    loss: torch.Tensor  # this rank's loss of the replayed iteration, compared bit for bit
+    loss: torch.Tensor  # this rank's loss of the replayed iteration, compared with the logged one (replay_check.py)
+    # optional: `replayed_grad_norm`, the global norm of the replayed gradients (compared with the logged norm)
 
 
 class Replayable(Protocol):
@@ -65,6 +72,12 @@ class RecoveryReport:
     bytes_loaded: int
     seconds: float
     replay_seconds: float
+    replay_check: str = "exact"  # the policy the replay was checked with (replay_check.py)
+    exact: bool = True  # every replayed loss (and recomputed gradient norm) equal to the original bit for bit
+    max_loss_deviation: float = 0.0  # largest relative deviation of a replayed loss (0 when exact)
+    max_grad_norm_deviation: float = 0.0  # likewise for the gradient norms
+    replay_tolerance: float | None = None  # the bound a tolerant replay was held to
+    grad_norms_compared: int = 0  # replayed iterations whose trainer recomputed the gradient norm for the check
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -81,7 +94,9 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 continue  # never updated, so no state (and no empty entry in state_dict)
             st = optimizer.state[p]
             if "exp_avg" not in st:
-                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                # fused and capturable AdamW keep `step` where the parameter lives (a GPU), the others on the CPU
+                on_param = group.get("fused") or group.get("capturable")
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_param else "cpu")
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
@@ -91,8 +106,9 @@ def load_window_slot(slot, access: StateAccess) -> int:
     return restore_slot(slot, access, roles=ROLES_FULL + ("step", "compute", "buffer"))
 
 
-def sparse_to_dense(trainer: Replayable, window) -> RecoveryReport:
-    """Run the conversion for `window` (a committed `Window`) on a freshly built trainer."""
+def sparse_to_dense(trainer: Replayable, window, replay_check: ReplayPolicy | None = None) -> RecoveryReport:
+    """Run the conversion for `window` (a committed `Window`) on a freshly built trainer; every replayed iteration
+    is checked per `replay_check` (default: exact)."""
     t_start = time.perf_counter()
     if not window.committed:
         raise ValueError(f"window {window.id} is not committed (slots missing or torn); use an older one")
@@ -102,23 +118,18 @@ def sparse_to_dense(trainer: Replayable, window) -> RecoveryReport:
     trainer.set_step(t0)
     nbytes = load_window_slot(window.slots[0], access)
     replay_s = 0.0
+    check = ReplayComparison(replay_check)
     for i in range(1, w):
         rec = window.log.get(t0 + i)
         r0 = time.perf_counter()
         res = trainer.train_step(Replay.of(rec))
         replay_s += time.perf_counter() - r0
-        if not torch.equal(res.loss, rec.loss):
-            raise ReplayDivergence(
-                f"replay of iteration {t0 + i} (window {window.id}, replay {i} of {w - 1}) gave loss "
-                f"{res.loss.item()!r}, the original run logged {rec.loss.item()!r}. Likely causes (most usual "
-                "first): randomness outside torch's CPU generator (random.random(), numpy or an RNG of your own "
-                "inside forward), state the checkpoint does not capture (a non-persistent buffer or a Python "
-                "attribute that changes during training), a non-deterministic kernel or a different thread count, "
-                "or a model/data/world size other than the run that wrote the window. The window is not loaded"
-            )
+        check.check(f"iteration {t0 + i} (window {window.id}, replay {i} of {w - 1})", res, rec)
         nbytes += load_window_slot(window.slots[i], access)
         faults.point("recovery")
     trainer.set_step(t0 + w - 1)
-    rep = RecoveryReport(window.id, w, t0, t0 + w - 1, w - 1, nbytes, time.perf_counter() - t_start, replay_s)
+    rep = RecoveryReport(
+        window.id, w, t0, t0 + w - 1, w - 1, nbytes, time.perf_counter() - t_start, replay_s, **check.report()
+    )
     log.debug("recovered %s", rep.to_dict())
     return rep

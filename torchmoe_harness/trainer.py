@@ -1,7 +1,8 @@
 """The harness trainer: one deterministic training iteration, usable for normal steps and for replay.
 
 Replay runs the very same code path with the logged batch, RNG state and global gradient norm, so a
-replayed iteration is bit-identical to the original one on CPU."""
+replayed iteration is bit-identical to the original one on CPU (and on a GPU with deterministic kernels).
+The model, its batches and its collectives live on `RunConfig.device`: CPU + gloo, or CUDA + NCCL."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from torchmoe_ckpt import faults
+from torchmoe_ckpt import faults, rng
 from torchmoe_ckpt.capture import position_lambda_lr
 from torchmoe_ckpt.replay_log import Replay
 from torchmoe_harness.data import TokenStream
@@ -43,6 +44,8 @@ class RunConfig:
     # AdamW implementation: "single" (per-tensor loop, the default everywhere), "foreach" or "fused" (one pass
     # over param, grad and moments, TorchTitan's default; the MoE-regime bench uses it).
     optimizer: str = "single"
+    # Where the model trains: "cpu", "cuda" (this rank's GPU: LOCAL_RANK), or None: CUDA when available, else CPU.
+    device: str | None = None
 
     def __post_init__(self):
         if isinstance(self.model, dict):
@@ -57,6 +60,15 @@ class RunConfig:
             )
         if self.expert_parallel and self.hsdp != 1:
             raise ValueError(f"expert_parallel supports plain FSDP2 only (hsdp = 1), not hsdp = {self.hsdp}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ValueError(f"device {self.device!r}: use 'cpu', 'cuda' or None (CUDA when available)")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' but this machine has no CUDA device: use device 'cpu' or None")
+
+    def torch_device(self) -> torch.device:
+        """This rank's device: the current CUDA device (init_process_group set it from LOCAL_RANK), or the CPU."""
+        kind = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,6 +85,8 @@ class StepResult:
     expert_counts: torch.Tensor  # [layers, experts] routed tokens, summed over all ranks
     expert_probs: torch.Tensor  # [layers, experts] summed gating probabilities, over all ranks
     seconds: float = 0.0
+    device_rng: dict | None = None  # device generators' states (torchmoe_ckpt.rng)
+    replayed_grad_norm: torch.Tensor | None = None  # replay only: the norm of the replayed gradients
 
 
 class Trainer:
@@ -80,10 +94,12 @@ class Trainer:
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.compute_dtype = DTYPES[cfg.dtype]
-        self.mesh = build_mesh(self.world, cfg.hsdp)
+        self.device = cfg.torch_device()
+        self.mesh = build_mesh(self.world, cfg.hsdp, self.device.type)
         torch.manual_seed(cfg.seed)
         model = TinyMoE(cfg.model)
-        model.init_weights(cfg.seed if init_seed is None else init_seed)
+        model.init_weights(cfg.seed if init_seed is None else init_seed)  # on the CPU: the same on any device
+        model.to(self.device)
         ignored = apply_expert_parallel(model, self.mesh, self.compute_dtype) if cfg.expert_parallel else None
         apply_fsdp(model, self.mesh, self.compute_dtype, ignored)
         self.model = model
@@ -113,22 +129,22 @@ class Trainer:
         faults.set_iteration(step)
         faults.point("forward")
         if replay is None:
-            tokens = self.stream.batch(step, self.rank)
-            rng_state = torch.get_rng_state()
+            tokens = self.stream.batch(step, self.rank).to(self.device, non_blocking=True)
+            rng_state, device_rng = rng.capture()
         else:
-            tokens, rng_state = replay.tokens, replay.rng_state
-            torch.set_rng_state(rng_state)
+            tokens, rng_state, device_rng = replay.tokens.to(self.device), replay.rng_state, replay.device_rng
+            replay.restore_rng()
         logits = self.model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         faults.point("backward")  # as backward starts: the peers are about to block in its reduce-scatter
         loss.backward()
         grads = [p.grad for p in self.params if p.grad is not None]
-        if replay is None:
-            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
-        else:
-            norm = replay.grad_norm  # frozen operators compute no trustworthy weight gradient: reuse the log
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        replayed_norm = None
+        if replay is not None:  # clip with the logged norm; the replayed one is what the replay check compares
+            replayed_norm, norm = norm, replay.grad_norm.to(self.device)
         torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_norm, norm)
         for hook in self.before_update:
             hook()
@@ -155,6 +171,8 @@ class Trainer:
             counts,
             probs,
             time.perf_counter() - t_start,
+            device_rng,
+            replayed_norm,
         )
 
     @torch.no_grad()
@@ -193,15 +211,20 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ste
     buffers (router_prob_E is per-iteration scratch), LR and step."""
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        out[f"param/{name}"] = local(p).clone()
+        out[f"param/{name}"] = _host(local(p))
         for key, val in optimizer.state.get(p, {}).items():
-            out[f"optim/{name}/{key}"] = local(val).clone() if torch.is_tensor(val) else torch.tensor(val)
+            out[f"optim/{name}/{key}"] = _host(local(val)) if torch.is_tensor(val) else torch.tensor(val)
     for name, b in model.named_buffers():
         if b is not None and not name.endswith("router_prob_E"):
-            out[f"buffer/{name}"] = b.clone()
+            out[f"buffer/{name}"] = _host(b)
     out["lr"] = torch.tensor(optimizer.param_groups[0]["lr"], dtype=torch.float64)
     out["step"] = torch.tensor(step)
     return out
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy (a clone on CPU): states compare on any machine, whatever device trained them."""
+    return t.detach().to("cpu", copy=True)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -317,7 +317,8 @@ class HostTier:
             slot.done.set()
             slots.append(slot)
         rlog = ReplayLog()
-        for d in torch.load(self.window_dir(window_id) / "replay" / f"rank-{self.rank:05d}.pt", weights_only=True):
+        replay = self.window_dir(window_id) / "replay" / f"rank-{self.rank:05d}.pt"
+        for d in torch.load(replay, weights_only=True, map_location="cpu"):  # never onto the writer's cuda:N
             rlog.add(IterationRecord.from_dict(d))
         win = Window(window_id, man.start_step, plan, slots, rlog, captured=plan.window)
         if not win.committed:

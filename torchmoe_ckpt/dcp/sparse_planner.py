@@ -294,7 +294,7 @@ class SparseLoadPlanner(DefaultLoadPlanner):
             view.copy_(tensor)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self.record = IterationRecord.from_dict(torch.load(value, weights_only=True))
+        self.record = IterationRecord.from_dict(torch.load(value, weights_only=True, map_location="cpu"))
 
 
 def load_sparse_window(schedule: SparseSchedule, window_id: int, reader_for, pin_memory: bool = False) -> Window:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import TierConfig
+from ..distributed import library_group
 from ..identity import RunIdentity
 from ..placement import Topology, place_replicas
 from . import run_lock
@@ -230,9 +231,9 @@ def _from_store(
 
 
 def all_gather_objects(obj) -> list:
-    """Every rank's `obj` (a one-element list without a process group)."""
+    """Every rank's `obj` (a one-element list without a process group), on the library's gloo group."""
     if not dist.is_initialized():
         return [obj]
     out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=library_group())
     return out
