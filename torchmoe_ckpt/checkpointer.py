@@ -9,6 +9,7 @@
 The library owns what exact replay needs, so the step function only computes the loss and calls backward:
 the RNG state and the batch are logged, the global gradient norm is computed (and logged) for clipping, the
 optimizer and scheduler are stepped here with the logged LRs on replay, and the step counter lives here.
+`optimizer` may be several (Muon on the matrices and AdamW on the rest: a list, with a list of schedulers).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from .dcp.tiers import Tiers, build_tiers
 from .errors import ConfigError
 from .identity import build_identity
 from .operators import discover_operators
+from .optim_state import as_optimizers, describe_optimizer_state
 from .recovery import ResumeResult, recover
-from .replay_log import Replay
+from .replay_log import Replay, group_hyper
 from .routing import RouterCounter
 from .sparse_checkpointer import SparseCheckpointer
 from .sparse_to_dense import ReplayDivergence, init_optimizer_state
@@ -58,6 +60,7 @@ class StepResult:
     expert_counts: torch.Tensor  # [MoE layers, experts], routed tokens summed over all ranks
     expert_probs: torch.Tensor
     seconds: float
+    hyper: tuple[dict, ...] = ()  # every param group's other hyper-parameters (replay_log.group_hyper)
 
 
 class Checkpointer:
@@ -67,7 +70,7 @@ class Checkpointer:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
         forward_backward: Callable[[Any], torch.Tensor],
         scheduler=None,
         config: CheckpointConfig | None = None,
@@ -77,10 +80,12 @@ class Checkpointer:
         """`forward_backward(batch)` runs forward and `loss.backward()` and returns the loss; it must not
         step the optimizer or scheduler, clip, zero gradients or change state outside forward/backward.
         `data_identity`: a string naming the data order (dataset, seed); part of the run identity, so windows
-        of a run on other data are never loaded."""
+        of a run on other data are never loaded. `optimizer`: one, or a list whose optimizers hold every trainable
+        parameter exactly once (each with a known update rule: optim_state); `scheduler`: one, a list, or None."""
         self.config = config or CheckpointConfig()
         if not callable(forward_backward):
             raise ConfigError("forward_backward must be a function batch -> loss that also calls loss.backward()")
+        optimizer = as_optimizers(optimizer)  # several optimizers are stepped, captured and replayed as one
         check_optimizer(model, optimizer)
         init_optimizer_state(optimizer)  # every parameter has state from the start, even before its first gradient
         self.schedule = SchedulerPosition(optimizer, scheduler)
@@ -91,6 +96,7 @@ class Checkpointer:
         self.ops = discover_operators(model, self.config.operators)
         self.op_by_name = {o.name: o for o in self.ops}
         check_coverage(model, self.ops)
+        describe_optimizer_state(model, self.ops, optimizer)  # what slots hold of each operator's optimizer state
         self.params = [p for p in model.parameters()]
         self.routers = RouterCounter(model, self.ops, top_k=self.config.router_top_k)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -161,7 +167,7 @@ class Checkpointer:
             raise RuntimeError("step() after close(): the checkpointer's threads are stopped")
         res = self._iteration(batch, None)
         if not self._checked_state:
-            check_optimizer_state(self.optimizer)
+            check_optimizer_state(self.model, self.optimizer, self.ops)
             self._checked_state = True
         self.sparse.after_step(res)
         return res.loss
@@ -224,10 +230,11 @@ class Checkpointer:
         if replay is not None:
             replay.apply_lrs(self.optimizer)
         lrs = tuple(float(g["lr"]) for g in self.optimizer.param_groups)
+        hyper = group_hyper(self.optimizer.param_groups)
         self.optimizer.step()
         faults.point("optimizer")
-        if self.scheduler is not None:
-            self.scheduler.step()
+        for sched in self.schedule.schedulers:
+            sched.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count = step
         return StepResult(
@@ -241,6 +248,7 @@ class Checkpointer:
             counts,
             probs,
             time.perf_counter() - t_start,
+            hyper,
         )
 
     def _grad_norm(self, replay: Replay | None) -> torch.Tensor:
