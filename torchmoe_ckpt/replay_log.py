@@ -104,8 +104,12 @@ class Replay:
         """Set every param group's LR and logged hyper-parameters (all optimizers' groups, in order: a list, a
         container or one optimizer) to the logged ones. Call right before the optimizer step."""
         groups = [g for o in optimizer_list(optimizer) for g in o.param_groups]
-        lrs = self.lrs if len(self.lrs) == len(groups) else self.lrs[:1] * len(groups)
-        for group, lr in zip(groups, lrs):
+        if len(self.lrs) != len(groups):  # one LR for several groups (Muon's and AdamW's differ): not guessed
+            raise ValueError(
+                f"the replay record holds {len(self.lrs)} learning rate(s) for {len(groups)} param groups: record "
+                "every group's LR, of every optimizer in order (IterationRecord.lrs)"
+            )
+        for group, lr in zip(groups, self.lrs):
             _set(group, "lr", lr)
         if len(self.hyper) == len(groups):
             for group, hyper in zip(groups, self.hyper):
