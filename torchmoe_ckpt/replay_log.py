@@ -25,8 +25,8 @@ _NOT_HYPER = frozenset(
 
 
 def group_hyper(param_groups: list[dict]) -> tuple[dict, ...]:
-    """Every group's numeric hyper-parameters other than the LR (momentum, betas, weight decay, eps, ...) as
-    floats/bools, in group order: what an update read besides the LR."""
+    """Every group's numeric hyper-parameters other than the LR (momentum, betas, weight decay, eps, ...), in
+    group order: what an update read besides the LR (numbers as they are, tensor-valued ones as copies)."""
     out = []
     for g in param_groups:
         h = {}
@@ -34,8 +34,8 @@ def group_hyper(param_groups: list[dict]) -> tuple[dict, ...]:
             if k in _NOT_HYPER:
                 continue
             if torch.is_tensor(v) and v.numel() == 1:
-                v = v.item()
-            if isinstance(v, (bool, int, float)):
+                h[k] = v.detach().clone()  # a copy on its device: no host sync on the training thread
+            elif isinstance(v, (bool, int, float)):
                 h[k] = v
             elif isinstance(v, (tuple, list)) and v and all(isinstance(x, (bool, int, float)) for x in v):
                 h[k] = list(v)

@@ -365,3 +365,18 @@ def test_dcp_user_path_holds_any_optimizer_state(kind, tmp_path, one_rank_group)
     assert got.keys() == want.keys() and any("momentum_buffer" in k for k in got)
     for k in want:
         assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+
+def test_dense_export_holds_every_optimizer(tmp_path):
+    """export_dense / load_dense with Muon + AdamW: one flat FQN-keyed optimizer entry (as TorchTitan's container
+    saves it) with both optimizers' state; a fresh model and pair of optimizers load it back exactly."""
+    from torchmoe_ckpt.dcp.dense_export import export_dense, load_dense
+
+    ref = train("muon-adamw", 4)
+    uri = f"file://{tmp_path}/export"
+    export_dense(ref[0], ref[1], uri, step=4)
+    model = mixtral(123)
+    opts, _ = build_optimizers("muon-adamw", model, lr=3e-3)
+    assert load_dense(model, opts, uri) == 4
+    assert assert_same(ref, (model, opts, None, {})) > 40
+    assert any("momentum_buffer" in st for st in opts[0].state.values())
