@@ -102,8 +102,11 @@ class Replay:
 
     def apply_lrs(self, optimizer) -> None:
         """Set every param group's LR and logged hyper-parameters (all optimizers' groups, in order: a list, a
-        container or one optimizer) to the logged ones. Call right before the optimizer step."""
+        container or one optimizer) to the logged ones. Call right before the optimizer step. No LRs given: the
+        groups keep what the schedule set."""
         groups = [g for o in optimizer_list(optimizer) for g in o.param_groups]
+        if not self.lrs:  # none logged (re-executing iterations the schedule still gives): the schedule's LRs
+            return
         if len(self.lrs) != len(groups):  # one LR for several groups (Muon's and AdamW's differ): not guessed
             raise ValueError(
                 f"the replay record holds {len(self.lrs)} learning rate(s) for {len(groups)} param groups: record "
