@@ -122,10 +122,12 @@ def main() -> None:
     ap.add_argument("--stop-at", type=int, default=0, help="exit cleanly after this iteration (a stopped job)")
     ap.add_argument("--resume", action="store_true", help="recover from the tiers before training")
     ap.add_argument("--out", default="")
+    ap.add_argument("--optimizer", default="adamw", help="torchmoe_harness.optimizers.KINDS, e.g. muon-adamw, sgd")
     args = ap.parse_args()
     rank, _ = tmc.init_process_group()
-    trainer = Trainer(RunConfig(steps=args.steps, dtype="bf16", hsdp=args.hsdp))
-    schedule = tmc.SparseSchedule(trainer.model, args.window, trainer.compute_dtype)  # collective
+    trainer = Trainer(RunConfig(steps=args.steps, dtype="bf16", hsdp=args.hsdp, optimizer_kind=args.optimizer))
+    # collective; slots hold the optimizer state as it is (any keys and dtypes; several optimizers at once)
+    schedule = tmc.SparseSchedule(trainer.model, args.window, trainer.compute_dtype, optimizer=trainer.optimizer)
     # r=1 copy of each rank's slot on another failure domain, HSDP replicas first
     placement = tmc.place_replicas(tmc.Topology.from_mesh_shape(dist.get_world_size(), args.hsdp, 1), r=1)
     losses: dict[int, torch.Tensor] = {}
@@ -177,11 +179,20 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # a real crash in the middle of the run
         res = trainer.train_step()
         losses[step] = res.loss
-        # What replay needs: the batch, gradient norm, LR, loss, and the RNG state (CPU and, on a GPU, the GPU's).
+        # What replay needs: the batch, gradient norm, every param group's LR and hyper-parameters (of every
+        # optimizer), the loss, and the RNG state (CPU and, on a GPU, the GPU's).
         record = tmc.IterationRecord(
-            res.step, res.tokens, res.grad_norm, res.lr, res.loss, res.rng_state, device_rng=res.device_rng
+            res.step,
+            res.tokens,
+            res.grad_norm,
+            res.lr,
+            res.loss,
+            res.rng_state,
+            lrs=res.lrs,
+            hyper=res.hyper,
+            device_rng=res.device_rng,
         )
-        model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+        model_sd, optim_sd = get_state_dict(trainer.model, tmc.optimizer_list(trainer.optimizer))
         # The only change a DCP user makes: our planner (this iteration's slot) and our storage writer.
         dcp.save(
             {"model": model_sd, "optim": optim_sd},

@@ -54,6 +54,7 @@ from torchtitan.trainer import Trainer
 from titan_integration import pipeline_compat, restart_timing
 from titan_integration.checkpoint_manager import SparseCheckpointManager
 from titan_integration.sparse_config import SparseCheckpointSection
+from titan_integration.titan_optimizers import init_titan_optimizer_state, register_titan_optimizers
 from titan_integration.titan_pipeline_recovery import TitanPipeline
 from titan_integration.titan_replay import OptimizerView, TitanReplayable, TitanStepResult, pack_batches, unpack_batches
 from titan_integration.titan_state_export import state_tensors, write_export
@@ -65,6 +66,7 @@ from torchmoe_ckpt.identity import build_identity
 from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.recovery import recover
 from torchmoe_ckpt.replay_check import check_replay_check
+from torchmoe_ckpt.replay_log import group_hyper
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.sparse_to_dense import ReplayDivergence
 from torchmoe_ckpt.status import log_recovery
@@ -73,6 +75,7 @@ __all__ = ["SparseTrainer", "TitanReplayable", "TitanStepResult"]
 
 log = logging.getLogger("torchmoe_ckpt.titan")
 pipeline_compat.install()  # also on the --override.imports path, which does not go through our launcher
+register_titan_optimizers()  # DistMuon's update rule (per matrix), for the core's replay checks
 IGNORE_INDEX = -100
 
 
@@ -297,9 +300,9 @@ class SparseTrainer(Trainer):
         for hook in self.before_update:
             hook()
         if replay is not None:  # the original iteration's LRs, even if the schedule changed since (extended run)
-            for opt in self.optimizers.optimizers:
-                replay.apply_lrs(opt)
-        lr = float(self.optimizers.optimizers[0].param_groups[0]["lr"])
+            replay.apply_lrs(self.optimizers)  # every group of every optimizer, in order
+        groups = [g for opt in self.optimizers.optimizers for g in opt.param_groups]
+        lr, lrs, hyper = float(groups[0]["lr"]), tuple(float(g["lr"]) for g in groups), group_hyper(groups)
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()  # TorchTitan's expert-bias update runs here, as a step pre-hook
         faults.point("optimizer")  # the update is applied, this iteration's snapshot not yet taken
@@ -321,6 +324,8 @@ class SparseTrainer(Trainer):
             time.perf_counter() - t_start,
             device_rng,
             None if replayed_norm is None else replayed_norm.detach().float(),
+            lrs,
+            hyper,
         )
 
     def _clip_with_norm(self, params: list[torch.Tensor], total_norm: torch.Tensor) -> None:
@@ -388,6 +393,9 @@ class SparseTrainer(Trainer):
             except ImportError:  # pragma: no cover - older core without the watchdog
                 logger.warning("fault_timeout_s set but torchmoe_ckpt.watchdog is not available; ignored")
         check_replay_check(sc.replay_check, self.device)  # "exact" on CUDA needs deterministic kernels
+        # The optimizer state slots are laid out on and loaded into, as the first step would make it (bf16 moments
+        # under "fused_opt_states_bf16"), before the identity records its layout and before any recovery.
+        init_titan_optimizer_state(self.optimizers, self.config.optimizer.implementation)
         tier, replicator, store = self._build_tiers()
         if self.parallel_dims.pp_enabled:
             self._pp = TitanPipeline(self)

@@ -27,6 +27,7 @@ from .distributed import init_process_group, restart_attempt
 from .errors import ConfigError, UncapturedStateError, UnusableCheckpointError
 from .identity import IdentityMismatch, RunIdentity
 from .operators import Operator, OperatorDiscoveryError, OperatorSpec, discover_operators
+from .optim_state import Optimizers, UpdateRule, optimizer_list, register_update_rule
 from .placement import Placement, Topology, place_replicas
 from .recovery import ResumeResult, recover
 from .replay_check import ReplayPolicy
@@ -45,6 +46,10 @@ __all__ = [
     "SparseConfig",
     "OperatorSpec",
     "StepResult",
+    "Optimizers",
+    "optimizer_list",
+    "UpdateRule",
+    "register_update_rule",
     "init_process_group",
     "restart_attempt",
     # frameworks

@@ -13,6 +13,8 @@ optimizer and scheduler are stepped here with the logged LRs on replay, and the 
 On a GPU an iteration adds no host synchronisation (docs/gpu.md): the batch, loss and gradient norm are copied
 to pinned host memory asynchronously, routed-token counts stay on the device until the next window start, and
 the next update waits for the slot copy on the device.
+
+`optimizer` may be several (Muon on the matrices and AdamW on the rest: a list, with a list of schedulers).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from .device_copy import host_copy
 from .errors import ConfigError
 from .identity import build_identity
 from .operators import discover_operators, local_tensor
+from .optim_state import as_optimizers, describe_optimizer_state
 from .recovery import ResumeResult, recover
 from .replay_check import check_replay_check
-from .replay_log import Replay
+from .replay_log import Replay, group_hyper
 from .routing import RouterCounter
 from .sparse_checkpointer import SparseCheckpointer
 from .sparse_to_dense import ReplayDivergence, init_optimizer_state
@@ -66,6 +69,7 @@ class StepResult:
     seconds: float
     device_rng: dict | None = None  # device generators' states (rng.py)
     replayed_grad_norm: torch.Tensor | None = None  # replay only: the norm the replayed gradients have
+    hyper: tuple[dict, ...] = ()  # every param group's other hyper-parameters (replay_log.group_hyper)
 
 
 class Checkpointer:
@@ -75,7 +79,7 @@ class Checkpointer:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
         forward_backward: Callable[[Any], torch.Tensor],
         scheduler=None,
         config: CheckpointConfig | None = None,
@@ -85,10 +89,12 @@ class Checkpointer:
         """`forward_backward(batch)` runs forward and `loss.backward()` and returns the loss; it must not
         step the optimizer or scheduler, clip, zero gradients or change state outside forward/backward.
         `data_identity`: a string naming the data order (dataset, seed); part of the run identity, so windows
-        of a run on other data are never loaded."""
+        of a run on other data are never loaded. `optimizer`: one, or a list whose optimizers hold every trainable
+        parameter exactly once (each with a known update rule: optim_state); `scheduler`: one, a list, or None."""
         self.config = config or CheckpointConfig()
         if not callable(forward_backward):
             raise ConfigError("forward_backward must be a function batch -> loss that also calls loss.backward()")
+        optimizer = as_optimizers(optimizer)  # several optimizers are stepped, captured and replayed as one
         check_optimizer(model, optimizer)
         init_optimizer_state(optimizer)  # every parameter has state from the start, even before its first gradient
         self.schedule = SchedulerPosition(optimizer, scheduler)
@@ -99,6 +105,7 @@ class Checkpointer:
         self.ops = discover_operators(model, self.config.operators)
         self.op_by_name = {o.name: o for o in self.ops}
         check_coverage(model, self.ops)
+        describe_optimizer_state(model, self.ops, optimizer)  # what slots hold of each operator's optimizer state
         self.params = [p for p in model.parameters()]
         self.device = local_tensor(self.params[0]).device if self.params else torch.device("cpu")
         check_replay_check(self.config.replay_check, self.device)  # "exact" on CUDA needs deterministic kernels
@@ -173,7 +180,7 @@ class Checkpointer:
             raise RuntimeError("step() after close(): the checkpointer's threads are stopped")
         res = self._iteration(batch, None)
         if not self._checked_state:
-            check_optimizer_state(self.optimizer)
+            check_optimizer_state(self.model, self.optimizer, self.ops)
             self._checked_state = True
         self.sparse.after_step(res)
         return res.loss
@@ -237,10 +244,11 @@ class Checkpointer:
         if replay is not None:
             replay.apply_lrs(self.optimizer)
         lrs = tuple(float(g["lr"]) for g in self.optimizer.param_groups)
+        hyper = group_hyper(self.optimizer.param_groups)
         self.optimizer.step()
         faults.point("optimizer")
-        if self.scheduler is not None:
-            self.scheduler.step()
+        for sched in self.schedule.schedulers:
+            sched.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count = step
         return StepResult(
@@ -256,6 +264,7 @@ class Checkpointer:
             time.perf_counter() - t_start,
             device_rng,
             replayed_norm,
+            hyper,
         )
 
     def _grad_norm(self, replay: Replay | None) -> torch.Tensor:

@@ -19,6 +19,7 @@ from .dcp.tiers import Tiers, all_gather_objects, recover_from_tiers
 from .errors import UnusableCheckpointError
 from .identity import IdentityMismatch, RunIdentity, allowed_changes, build_identity, refusal
 from .operators import Operator
+from .optim_state import describe_optimizer_state
 from .replay_check import ReplayPolicy, replay_verdict
 from .sparse_to_dense import Replayable, sparse_to_dense
 from .window import Window
@@ -73,6 +74,7 @@ def _recover(
     trainer, tiers, ops, compute_dtype, rank, before_replay, identity, on_unusable, replay_check
 ) -> ResumeResult:
     t0 = time.perf_counter()
+    describe_optimizer_state(trainer.model, ops, trainer.optimizer)  # the slots' layout of the optimizer state
     if identity is None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         identity = build_identity(trainer.model, trainer.optimizer, compute_dtype, ops, tiers.host.dir.name, world)

@@ -1,7 +1,8 @@
 """Per-iteration capture of one slot into host buffers that are allocated once and reused.
 
-A slot holds, for its ACTIVE operators, the full state (fp32 master weights, AdamW exp_avg/exp_avg_sq,
-step, buffers) and, for the operators whose full copy comes later in the window, only the compute weights
+A slot holds, for its ACTIVE operators, the full state (master weights, every tensor of their parameters'
+optimizer state -- AdamW's exp_avg/exp_avg_sq/step, SGD's momentum_buffer, ... as `optim_state` describes it --
+and buffers) and, for the operators whose full copy comes later in the window, only the compute weights
 (bf16/fp16 cast, or fp32 in pure fp32 training). Each captured tensor is a `SlotItem` that already knows
 its DCP identity (key, global offsets, global size), so storage tiers write it without reshaping.
 
@@ -26,15 +27,15 @@ from . import faults
 from .background import stop_at_exit
 from .device_copy import CopyStream
 from .errors import TorchmoeError
-from .operators import Operator, Piece, local_tensor
+from .operators import Operator, Piece, StatePiece, local_tensor
 
-ROLES_FULL = ("master", "exp_avg", "exp_avg_sq")
+ROLES_FULL = ("master", "exp_avg", "exp_avg_sq")  # AdamW's full-state roles (other optimizers: their state keys)
 
 
 @dataclass
 class SlotItem:
     key: str  # DCP fqn, e.g. "model.<param>", "optim.<param>.exp_avg", "compute.<param>"
-    role: str  # master | exp_avg | exp_avg_sq | step | compute | buffer
+    role: str  # master | compute | buffer | the optimizer state key (exp_avg, step, momentum_buffer, row_var, ...)
     op: str  # owning operator
     piece: Piece
     buffer: torch.Tensor
@@ -48,9 +49,10 @@ class SlotItem:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-        offsets = torch.Size(self.piece.global_offset if self.role != "step" else ())
-        sizes = torch.Size(self.piece.shape if self.role != "step" else ())
-        glob = torch.Size(self.piece.global_shape if self.role != "step" else ())
+        scalar = self.buffer.dim() == 0  # a 0-dim state (step) is one whole tensor, whatever piece carries it
+        offsets = torch.Size(() if scalar else self.piece.global_offset)
+        sizes = torch.Size(() if scalar else self.piece.shape)
+        glob = torch.Size(() if scalar else self.piece.global_shape)
         return WriteItem(
             index=MetadataIndex(self.key, offsets),
             type=WriteItemType.SHARD,
@@ -103,10 +105,39 @@ class StateAccess:
         p = self.params[piece.fqn]
         if item.role in ("master", "compute"):
             return local_tensor(p)[piece.local_slices]
-        state = self.optimizer.state[p]
-        if item.role == "step":
-            return state["step"]
-        return local_tensor(state[item.role])[piece.local_slices]
+        v = local_tensor(self.optimizer.state[p][item.role])
+        return v if v.dim() == 0 else v[piece.local_slices]  # a factored state's piece is cut to its own shape
+
+
+_ADAMW_LAYOUT = (("exp_avg", False), ("exp_avg_sq", False), ("step", True))
+
+
+def full_specs(op: Operator) -> tuple[list[tuple], list[tuple]]:
+    """What an ACTIVE operator's full copy holds: per tensor piece (key, role, piece, shape, dtype) -- master
+    weights, the optimizer state that is not 0-dim, buffers -- and per parameter its 0-dim states
+    (fqn, piece, [(key, dtype)]), which a slot holds once per tensor (shared by the experts cut from it). From the
+    operator's described optimizer state (`Operator.state`), else the AdamW layout with fp32 masters."""
+    items: list[tuple] = []
+    scalars: list[tuple] = []
+    for pc in op.pieces:
+        if not pc.is_param:
+            items.append((f"model.{pc.fqn}", "buffer", pc, pc.shape, pc.dtype))
+            continue
+        if op.state is None:
+            master = torch.float32
+            state = [StatePiece(k, None if sc else pc, torch.float32) for k, sc in _ADAMW_LAYOUT]
+        else:
+            master, state = pc.dtype, op.state.get(pc.fqn, ())
+        sc = [(s.key, s.dtype) for s in state if s.scalar]
+        if sc:  # uneven sharding may leave this rank no elements of the tensor, but its step counter
+            scalars.append((pc.fqn, pc, sc))
+        if pc.numel == 0:
+            continue
+        items.append((f"model.{pc.fqn}", "master", pc, pc.shape, master))
+        for s in state:
+            if not s.scalar and s.piece.numel > 0:
+                items.append((f"optim.{pc.fqn}.{s.key}", s.key, s.piece, s.piece.shape, s.dtype))
+    return items, scalars
 
 
 def build_slot(
@@ -121,28 +152,19 @@ def build_slot(
     """Allocate the host buffers of one slot (done once per window plan, then reused). `alloc(shape, dtype)`
     replaces the allocator (meta tensors: the slot's layout without memory, as DCP planners use it)."""
     items: list[SlotItem] = []
-    seen_steps: set[str] = set()
+    seen_scalars: set[str] = set()
     if alloc is None:
 
         def alloc(shape, dtype) -> torch.Tensor:
             return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
 
     for name in active:
-        for pc in ops[name].pieces:
-            if not pc.is_param:
-                items.append(SlotItem(f"model.{pc.fqn}", "buffer", name, pc, alloc(pc.shape, pc.dtype)))
-                continue
-            if pc.numel == 0:  # uneven sharding left this rank no elements, but a step counter
-                if pc.fqn not in seen_steps:
-                    seen_steps.add(pc.fqn)
-                    items.append(SlotItem(f"optim.{pc.fqn}.step", "step", name, pc, alloc((), torch.float32)))
-                continue
-            items.append(SlotItem(f"model.{pc.fqn}", "master", name, pc, alloc(pc.shape, torch.float32)))
-            items.append(SlotItem(f"optim.{pc.fqn}.exp_avg", "exp_avg", name, pc, alloc(pc.shape, torch.float32)))
-            items.append(SlotItem(f"optim.{pc.fqn}.exp_avg_sq", "exp_avg_sq", name, pc, alloc(pc.shape, torch.float32)))
-            if pc.fqn not in seen_steps:  # one step counter per tensor, shared by the experts sliced from it
-                seen_steps.add(pc.fqn)
-                items.append(SlotItem(f"optim.{pc.fqn}.step", "step", name, pc, alloc((), torch.float32)))
+        full, scalars = full_specs(ops[name])
+        items += [SlotItem(key, role, name, pc, alloc(shape, dt)) for key, role, pc, shape, dt in full]
+        for fqn, pc, sc in scalars:
+            if fqn not in seen_scalars:  # one step counter per tensor, shared by the experts sliced from it
+                seen_scalars.add(fqn)
+                items += [SlotItem(f"optim.{fqn}.{k}", k, name, pc, alloc((), dt)) for k, dt in sc]
     for name in frozen:
         for pc in ops[name].pieces:
             if pc.numel == 0:
@@ -354,7 +376,8 @@ class SnapshotEngine:
 
 @torch.no_grad()
 def restore_slot(slot: Slot, access: StateAccess, roles: tuple[str, ...] | None = None) -> int:
-    """Copy a slot back into live tensors (all items, or only those with the given roles). Returns bytes."""
+    """Copy a slot back into live tensors (all items, or only those with the given roles). Returns bytes.
+    The optimizer state must exist (`optim_state.init_optimizer_state`): it is loaded in place."""
     n = 0
     for it in slot.items:
         if roles is not None and it.role not in roles:

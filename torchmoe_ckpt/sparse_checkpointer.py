@@ -27,6 +27,7 @@ from .distributed import library_group
 from .errors import ConfigError
 from .identity import RunIdentity, build_identity
 from .operators import Operator, agreed_sizes, discover_operators, expert_grid
+from .optim_state import describe_optimizer_state
 from .popularity import PopularityTracker, order_experts, reorder_needed
 from .replay_log import IterationRecord
 from .schedule import CopyCost, WindowPlan, choose_window, copy_budget, measure_copy_bandwidth, plan_window
@@ -73,6 +74,7 @@ class SparseCheckpointer:
         self.agree_group = group if agree_group is _SAME_GROUP else agree_group
         self.compute_dtype = compute_dtype
         self.ops: list[Operator] = ops if ops is not None else discover_operators(model)
+        describe_optimizer_state(model, self.ops, optimizer)  # slot layout and sizes from the real optimizer state
         self.op_by_name = {o.name: o for o in self.ops}
         self.grid = expert_grid(self.ops)
         n_layers = 1 + max((layer for layer, _ in self.grid), default=-1)
@@ -180,6 +182,7 @@ class SparseCheckpointer:
                     res.rng_state,
                     lrs=getattr(res, "lrs", None),
                     device_rng=getattr(res, "device_rng", None),
+                    hyper=host_copy(getattr(res, "hyper", None) or None),
                 )
             )
         if cur is None or cur.captured >= cur.plan.window:

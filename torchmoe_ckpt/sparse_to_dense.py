@@ -11,7 +11,9 @@ original iteration (replayed or loaded), so activations, losses and all gradient
 gradients are still computed for FROZEN operators and reduced in the unchanged FSDP layout (changing the
 reduce-scatter layout changes the summation order with >= 3 ranks). Their optimizer update is computed on
 the whole grouped tensor too, but it lands only on FROZEN slices, which the next slot overwrites ("masked"):
-Adam is elementwise, so ACTIVE slices are untouched by what happens to their frozen neighbours.
+that is exact for updates that do not couple elements across operators, which `optim_state` checks per
+optimizer up front (Adam/AdamW/SGD are elementwise; Muon couples whole matrices, Adafactor whole tensors, so
+tensors cut into several operators are refused for them).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from typing import Protocol
 import torch
 
 from . import faults
+from .optim_state import init_optimizer_state  # also imported from here by callers
 from .replay_check import ReplayComparison, ReplayDivergence, ReplayPolicy
 from .replay_log import Replay
-from .snapshot import ROLES_FULL, StateAccess, restore_slot
+from .snapshot import StateAccess, restore_slot
 
 log = logging.getLogger("torchmoe_ckpt.sparse_to_dense")
 
@@ -83,27 +86,9 @@ class RecoveryReport:
         return asdict(self)
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create AdamW state for every trainable parameter (zeros, step 0: what AdamW's lazy init creates), so
-    slots can be loaded into it in place, and so a parameter that got no gradient yet (an expert no token
-    reached) still has state a slot can copy. FROZEN slices keep placeholder values until their operator
-    becomes ACTIVE."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not p.requires_grad:
-                continue  # never updated, so no state (and no empty entry in state_dict)
-            st = optimizer.state[p]
-            if "exp_avg" not in st:
-                # fused and capturable AdamW keep `step` where the parameter lives (a GPU), the others on the CPU
-                on_param = group.get("fused") or group.get("capturable")
-                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_param else "cpu")
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
 def load_window_slot(slot, access: StateAccess) -> int:
     """ACTIVE-on-this-slot operators get their full state; later operators get compute weights."""
-    return restore_slot(slot, access, roles=ROLES_FULL + ("step", "compute", "buffer"))
+    return restore_slot(slot, access)
 
 
 def sparse_to_dense(trainer: Replayable, window, replay_check: ReplayPolicy | None = None) -> RecoveryReport:

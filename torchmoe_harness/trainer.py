@@ -18,9 +18,11 @@ from torch.distributed.tensor import DTensor
 
 from torchmoe_ckpt import faults, rng
 from torchmoe_ckpt.capture import position_lambda_lr
-from torchmoe_ckpt.replay_log import Replay
+from torchmoe_ckpt.optim_state import Optimizers
+from torchmoe_ckpt.replay_log import Replay, group_hyper
 from torchmoe_harness.data import TokenStream
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
+from torchmoe_harness.optimizers import KINDS, build_optimizers
 from torchmoe_harness.parallel import apply_expert_parallel, apply_fsdp, build_mesh
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -46,6 +48,10 @@ class RunConfig:
     optimizer: str = "single"
     # Where the model trains: "cpu", "cuda" (this rank's GPU: LOCAL_RANK), or None: CUDA when available, else CPU.
     device: str | None = None
+    # Which optimizers (torchmoe_harness.optimizers.KINDS): "adamw" (the default, with `optimizer` above as its
+    # implementation), "amsgrad", "sgd", "muon-adamw" (Muon on the 2-D matrices, AdamW on the rest),
+    # "adafactor-adamw". "adamw-bf16" is priced by the bench but not trained here (CPU AdamW: one dtype).
+    optimizer_kind: str = "adamw"
 
     def __post_init__(self):
         if isinstance(self.model, dict):
@@ -57,6 +63,13 @@ class RunConfig:
         if self.optimizer not in ("single", "foreach", "fused"):
             raise ValueError(
                 f"optimizer {self.optimizer!r}: use 'single', 'foreach' or 'fused' (AdamW implementations)"
+            )
+        if self.optimizer_kind not in KINDS or self.optimizer_kind == "adamw-bf16":
+            trainable = ", ".join(k for k in KINDS if k != "adamw-bf16")
+            raise ValueError(
+                f"optimizer_kind {self.optimizer_kind!r}: use one of {trainable} "
+                "(adamw-bf16 needs torch's CUDA AdamW: on CPU it steps one dtype, fp32 parameters with bf16 states "
+                "fail in its kernels)"
             )
         if self.expert_parallel and self.hsdp != 1:
             raise ValueError(f"expert_parallel supports plain FSDP2 only (hsdp = 1), not hsdp = {self.hsdp}")
@@ -87,6 +100,8 @@ class StepResult:
     seconds: float = 0.0
     device_rng: dict | None = None  # device generators' states (torchmoe_ckpt.rng)
     replayed_grad_norm: torch.Tensor | None = None  # replay only: the norm of the replayed gradients
+    lrs: tuple[float, ...] = ()  # every param group's LR (all optimizers)
+    hyper: tuple[dict, ...] = ()  # every param group's other hyper-parameters (replay_log.group_hyper)
 
 
 class Trainer:
@@ -104,11 +119,18 @@ class Trainer:
         apply_fsdp(model, self.mesh, self.compute_dtype, ignored)
         self.model = model
         self.params = [p for p in model.parameters()]
-        impl = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[cfg.optimizer]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, **impl
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        if cfg.optimizer_kind == "adamw":
+            impl = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[cfg.optimizer]
+            self.optimizer = torch.optim.AdamW(
+                self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, **impl
+            )
+            self.schedulers = [torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)]
+        else:
+            opts, self.schedulers = build_optimizers(
+                cfg.optimizer_kind, model, cfg.lr, cfg.weight_decay, lr_factor=self._lr_factor
+            )
+            self.optimizer = opts[0] if len(opts) == 1 else Optimizers(opts)  # several: stepped as one
+        self.scheduler = self.schedulers[0]
         self.stream = TokenStream(cfg.model.vocab_size, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
         self.step = 0  # iterations completed
         # Called after clipping and before anything mutates the training state (bias update, optimizer step):
@@ -156,9 +178,12 @@ class Trainer:
             if replay is not None:
                 replay.apply_lrs(self.optimizer)  # the original iteration's LR, whatever the schedule says now
             lr = self.optimizer.param_groups[0]["lr"]
+            lrs = tuple(float(g["lr"]) for g in self.optimizer.param_groups)
+            hyper = group_hyper(self.optimizer.param_groups)
             self.optimizer.step()
             faults.point("optimizer")  # the update is applied, the snapshot of this iteration not yet taken
-            self.scheduler.step()
+            for sched in self.schedulers:
+                sched.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step = step
         return StepResult(
@@ -173,6 +198,8 @@ class Trainer:
             time.perf_counter() - t_start,
             device_rng,
             replayed_norm,
+            lrs,
+            hyper,
         )
 
     @torch.no_grad()
@@ -199,7 +226,8 @@ class Trainer:
     def set_step(self, step: int) -> None:
         """Position the iteration counter and LR schedule at `step` completed iterations."""
         self.step = step
-        position_lambda_lr(self.scheduler, step)
+        for sched in self.schedulers:
+            position_lambda_lr(sched, step)
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """Every tensor that defines the training state on this rank, for torch.equal comparisons."""

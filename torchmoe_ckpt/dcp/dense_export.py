@@ -22,6 +22,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from ..optim_state import optimizer_list
+
 log = logging.getLogger("torchmoe_ckpt.dense_export")
 TRAIN_STATE = "torchmoe_train_state"  # not TorchTitan's "train_state", which has other fields
 METADATA = ".metadata"  # DCP writes it last, after every rank's data: the commit
@@ -32,8 +34,10 @@ METADATA = ".metadata"  # DCP writes it last, after every rank's data: the commi
 _OPTIONS = StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True)
 
 
-def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    msd, osd = get_state_dict(model, optimizer, options=_OPTIONS)
+def _state(model: torch.nn.Module, optimizer) -> dict:
+    # Several optimizers (Muon + AdamW, TorchTitan's container) flatten into one FQN-keyed dict, as TorchTitan's
+    # OptimizersContainer.state_dict does: every parameter belongs to one of them.
+    msd, osd = get_state_dict(model, optimizer_list(optimizer), options=_OPTIONS)
     return {**msd, "optimizer": osd}
 
 
@@ -45,7 +49,7 @@ def _export_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step
     """`extra`: more top-level entries (a dict, or a function returning one at export time), e.g. a framework's
     data-loader position and step counter, so that its own full resume finds every key it expects."""
     state = _state(model, optimizer)
-    state[TRAIN_STATE] = _train_state(step, float(optimizer.param_groups[0]["lr"]))
+    state[TRAIN_STATE] = _train_state(step, float(optimizer_list(optimizer)[0].param_groups[0]["lr"]))
     more = extra() if callable(extra) else (extra or {})
     clash = sorted(set(more) & set(state))
     if clash:
@@ -103,7 +107,7 @@ def load_dense(
             f"configuration: load an export of this model, or start without initial_load"
         ) from None
     osd, ts = state.pop("optimizer"), state.pop(TRAIN_STATE)
-    set_state_dict(model, optimizer, model_state_dict=state, optim_state_dict=osd, options=_OPTIONS)
+    set_state_dict(model, optimizer_list(optimizer), model_state_dict=state, optim_state_dict=osd, options=_OPTIONS)
     step = int(ts["step"])
     log.info("event=dense_load step=%d path=%s", step, uri)
     return step
