@@ -18,11 +18,8 @@ from .checkpointer import Checkpointer, StepResult
 from .config import CheckpointConfig, ObjectStoreConfig, SparseConfig, TierConfig
 from .dcp.peer_storage import PeerReader, PeerWriter, held_copies
 from .dcp.raw_storage import CorruptItemError, RawReader, RawWriter, has_checkpoint
-from .dcp.run_lock import RunLockedError
 from .dcp.sparse_planner import SparseLoadPlanner, SparseSavePlanner, SparseSchedule, load_sparse_window
-from .dcp.tier_health import CheckpointStallError
 from .dcp.tier_storage import HostReader, HostWriter, StoreReader, StoreWriter, TieredReader, TieredWriter
-from .dcp.tiers import Tiers, build_tiers
 from .distributed import init_process_group, restart_attempt
 from .errors import ConfigError, UncapturedStateError, UnusableCheckpointError
 from .identity import IdentityMismatch, RunIdentity
@@ -33,6 +30,9 @@ from .replay_log import IterationRecord, Replay
 from .routing import RouterCounter
 from .sparse_checkpointer import SparseCheckpointer
 from .sparse_to_dense import RecoveryReport, Replayable, ReplayDivergence, sparse_to_dense
+from .storage.run_lock import RunLockedError
+from .storage.tier_health import CheckpointStallError
+from .storage.tiers import Tiers, build_tiers
 from .window import Window
 
 __all__ = [

@@ -28,7 +28,6 @@ from torch.utils._pytree import tree_map
 from . import faults
 from .capture import SchedulerPosition, check_coverage, check_optimizer, check_optimizer_state, infer_compute_dtype
 from .config import CheckpointConfig
-from .dcp.tiers import Tiers, build_tiers
 from .errors import ConfigError
 from .identity import build_identity
 from .operators import discover_operators
@@ -38,6 +37,7 @@ from .routing import RouterCounter
 from .sparse_checkpointer import SparseCheckpointer
 from .sparse_to_dense import ReplayDivergence, init_optimizer_state
 from .status import log_recovery
+from .storage.tiers import Tiers, build_tiers
 
 log = logging.getLogger("torchmoe_ckpt.checkpointer")
 

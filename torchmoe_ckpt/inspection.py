@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import re
 
-from .dcp.checksums import digest
-from .dcp.manifest import MANIFEST_NAME, WindowManifest, check_window, parse_window_dirname
-from .dcp.planner import PLANNER_KEY, slot_info
+from .storage.checksums import digest
+from .storage.manifest import MANIFEST_NAME, WindowManifest, check_window, parse_window_dirname
+from .storage.slot_planner import PLANNER_KEY, slot_info
 
 _HOST_MANIFEST = re.compile(r"^MANIFEST\.rank-(\d+)\.json$")
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
@@ -23,8 +23,8 @@ _SLOT_METADATA = re.compile(r"/window-\d+/slot-\d+/\.metadata$")  # a DCP user's
 
 
 def _open(location: str, storage_options: dict | None):
-    from .dcp.object_tier import open_store
-    from .dcp.store_errors import explain
+    from .storage.object_tier import open_store
+    from .storage.store_open import explain
 
     if not isinstance(location, str) or not location.strip():
         raise ValueError(
@@ -132,7 +132,7 @@ def inspect_location(location: str, storage_options: dict | None = None) -> dict
     try:
         files = [f.rstrip("/") for f in fs.find(root)]
     except Exception as exc:
-        from .dcp.store_errors import explain
+        from .storage.store_open import explain
 
         raise ValueError(explain(location, exc)) from None
     runs = _runs(files, root)
@@ -206,7 +206,7 @@ def _inspect_run(location: str, storage_options: dict | None, fs, root: str, fil
         if not entry["slots"] and not problems:
             entry["slots"] = _slots(fs, wdir, man)
     if any(f.endswith("/manifest.ocdbt") for f in files):  # tensorstore-format windows (OCDBT databases)
-        from .dcp.tensorstore_format import inspect_windows
+        from .storage.tensorstore_tier import inspect_windows
 
         for wid, got in inspect_windows(location, storage_options, root, files).items():
             entry = windows[wid]

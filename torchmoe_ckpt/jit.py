@@ -42,10 +42,10 @@ from typing import TypeVar
 import torch
 
 from .config import TierConfig
-from .dcp.manifest import crc32_bytes
-from .dcp.object_tier import _is_local, open_store
-from .dcp.tiers import all_gather_objects
 from .sparse_to_dense import init_optimizer_state
+from .storage.manifest import crc32_bytes
+from .storage.object_tier import _is_local, open_store
+from .storage.tiers import all_gather_objects
 
 log = logging.getLogger("torchmoe_ckpt.jit")
 MARKER = "COMPLETE.json"

@@ -18,10 +18,6 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import SparseConfig
-from .dcp.host_tier import HostTier
-from .dcp.manifest import plan_digest
-from .dcp.slot_files import all_free, backing
-from .dcp.tier_writer import TierWriter
 from .errors import ConfigError
 from .identity import RunIdentity, build_identity
 from .operators import Operator, agreed_sizes, discover_operators, expert_grid
@@ -30,6 +26,10 @@ from .replay_log import IterationRecord
 from .schedule import CopyCost, WindowPlan, choose_window, copy_budget, measure_copy_bandwidth, plan_window
 from .slot_pool import SlotPool
 from .snapshot import Slot, SnapshotEngine, StateAccess, build_slot
+from .storage.host_tier import HostTier
+from .storage.manifest import plan_digest
+from .storage.persist_thread import TierWriter
+from .storage.slot_files import all_free, backing
 from .window import Window
 
 log = logging.getLogger("torchmoe_ckpt")

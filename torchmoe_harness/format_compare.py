@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from torchmoe_ckpt.dcp.host_tier import HostTier
-from torchmoe_ckpt.dcp.manifest import window_dirname
 from torchmoe_ckpt.operators import Piece
 from torchmoe_ckpt.replay_log import IterationRecord, ReplayLog
 from torchmoe_ckpt.schedule import SlotPlan, WindowPlan
 from torchmoe_ckpt.snapshot import Slot, SlotItem
+from torchmoe_ckpt.storage.host_tier import HostTier
+from torchmoe_ckpt.storage.manifest import window_dirname
 
 
 def _item(key, role, fqn, gshape, offset, shape, t) -> SlotItem:
@@ -116,8 +116,8 @@ def compare_formats(
     """Upload `tier`'s committed window with both formats to `uri` and measure, per format: bytes and
     objects written for the window, upload seconds, bytes read to recover this rank (download into a fresh
     host tier), and bytes read to fetch `experts_to_read` of this rank's experts of one grouped expert tensor."""
-    from torchmoe_ckpt.dcp.object_tier import make_store, open_store
-    from torchmoe_ckpt.dcp.tensorstore_format import io_counters, read_pieces
+    from torchmoe_ckpt.storage.object_tier import make_store, open_store
+    from torchmoe_ckpt.storage.tensorstore_tier import io_counters, read_pieces
 
     run_id = run_id or f"cmp-{time.monotonic_ns()}"
     fs, root = open_store(uri, storage_options, probe=False)
@@ -176,7 +176,7 @@ def compare_formats(
 
 
 def _expert_key(store, window_id: int):
-    from torchmoe_ckpt.dcp.tensorstore_format import _is_expert_key
+    from torchmoe_ckpt.storage.tensorstore_tier import _is_expert_key
 
     items = store._read_meta(window_id)["slots"][0]["items"]
     for e in items:

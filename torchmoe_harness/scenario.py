@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 from torchmoe_ckpt.config import SparseConfig, TierConfig
-from torchmoe_ckpt.dcp.tiers import Tiers, build_tiers, node_of
 from torchmoe_ckpt.errors import UnusableCheckpointError
 from torchmoe_ckpt.identity import IdentityMismatch, RunIdentity, build_identity
 from torchmoe_ckpt.operators import discover_operators
@@ -39,6 +38,7 @@ from torchmoe_ckpt.recovery import recover
 from torchmoe_ckpt.snapshot import SimulatedCopyFault
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.sparse_to_dense import sparse_to_dense
+from torchmoe_ckpt.storage.tiers import Tiers, build_tiers, node_of
 from torchmoe_ckpt.watchdog import CollectiveWatchdog, read_events
 from torchmoe_harness.trainer import Trainer
 

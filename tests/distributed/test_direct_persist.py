@@ -12,13 +12,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchmoe_ckpt.config import SparseConfig
-from torchmoe_ckpt.dcp.host_tier import HostTier
-from torchmoe_ckpt.dcp.manifest import slot_rank_dir
-from torchmoe_ckpt.dcp.planner import SlotSavePlanner
-from torchmoe_ckpt.dcp.raw_layout import DATA_FILE
 from torchmoe_ckpt.dcp.raw_storage import RawReader, RawWriter
-from torchmoe_ckpt.dcp.slot_files import backing
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.storage.host_tier import HostTier
+from torchmoe_ckpt.storage.manifest import slot_rank_dir
+from torchmoe_ckpt.storage.slot_files import backing
+from torchmoe_ckpt.storage.slot_format import DATA_FILE
+from torchmoe_ckpt.storage.slot_planner import SlotSavePlanner
 from torchmoe_harness.trainer import RunConfig, Trainer
 
 
@@ -144,7 +144,7 @@ import os, sys, torch
 from torchmoe_ckpt import init_process_group
 from torchmoe_ckpt.config import SparseConfig
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
-from torchmoe_ckpt.dcp.host_tier import HostTier
+from torchmoe_ckpt.storage.host_tier import HostTier
 from torchmoe_harness.trainer import RunConfig, Trainer
 init_process_group("gloo")
 t = Trainer(RunConfig(steps=8))

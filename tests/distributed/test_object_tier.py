@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from torchmoe_ckpt.dcp.host_tier import HostTier
-from torchmoe_ckpt.dcp.manifest import FileEntry, WindowManifest, crc32_bytes, rank_manifest_name
-from torchmoe_ckpt.dcp.object_tier import ObjectTier, StoreConfigError
-from torchmoe_ckpt.dcp.uploader import Uploader
+from torchmoe_ckpt.storage.host_tier import HostTier
+from torchmoe_ckpt.storage.manifest import FileEntry, WindowManifest, crc32_bytes, rank_manifest_name
+from torchmoe_ckpt.storage.object_tier import ObjectTier, StoreConfigError
+from torchmoe_ckpt.storage.uploader import Uploader
 from torchmoe_harness.launch import compare, run_torchrun
 
 
@@ -32,8 +32,8 @@ def test_azure_blob_round_trip_on_azurite(tmp_path, azurite):
 def _cli_verifies_the_store(uri: str, opts: dict, window_id: int) -> None:
     """`torchmoe-ckpt verify URI` exits 0 while every byte in the store verifies, 1 after one byte flips."""
     from torchmoe_ckpt.cli import main
-    from torchmoe_ckpt.dcp.object_tier import open_store
     from torchmoe_ckpt.inspection import inspect_location
+    from torchmoe_ckpt.storage.object_tier import open_store
 
     assert main(["verify", uri, "--storage-options", json.dumps(opts)]) == 0
     info = inspect_location(uri, opts)
@@ -148,7 +148,7 @@ def test_bad_store_settings_fail_at_start_with_one_clear_message(tmp_path, moto)
 def test_a_scheme_without_slashes_is_refused_naming_the_uri_meant(tmp_path, monkeypatch, uri, meant):
     """fsspec reads "s3:/bucket" as the local directory ./s3:/bucket: uploads would "succeed" into it."""
     import torchmoe_ckpt as tmc
-    from torchmoe_ckpt.dcp.object_tier import make_store
+    from torchmoe_ckpt.storage.object_tier import make_store
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(tmc.ConfigError, match=f"did you mean '{meant}'"):
@@ -161,7 +161,7 @@ def test_a_scheme_without_slashes_is_refused_naming_the_uri_meant(tmp_path, monk
 
 
 def test_error_explanations_do_not_read_port_numbers_as_http_status():
-    from torchmoe_ckpt.dcp.store_errors import explain as _explain
+    from torchmoe_ckpt.storage.store_open import explain as _explain
 
     class EndpointConnectionError(Exception):  # botocore's name; only the text and name are read
         pass

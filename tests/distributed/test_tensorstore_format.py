@@ -13,10 +13,10 @@ import textwrap
 import pytest
 import torch
 
-from torchmoe_ckpt.dcp.host_tier import HostTier
-from torchmoe_ckpt.dcp.object_tier import ObjectTier, make_store
-from torchmoe_ckpt.dcp.tensorstore_format import TensorstoreTier, io_counters, read_global, read_pieces, slot_from_dcp
 from torchmoe_ckpt.inspection import verify_location
+from torchmoe_ckpt.storage.host_tier import HostTier
+from torchmoe_ckpt.storage.object_tier import ObjectTier, make_store
+from torchmoe_ckpt.storage.tensorstore_tier import TensorstoreTier, io_counters, read_global, read_pieces, slot_from_dcp
 from torchmoe_harness.format_compare import compare_formats, synthetic_window
 from torchmoe_harness.launch import compare, run_torchrun
 
@@ -124,7 +124,7 @@ CRASH = textwrap.dedent("""
     import os, signal, sys, threading, time
     from pathlib import Path
     from torchmoe_ckpt import faults
-    from torchmoe_ckpt.dcp.tensorstore_format import TensorstoreTier
+    from torchmoe_ckpt.storage.tensorstore_tier import TensorstoreTier
     from torchmoe_harness.format_compare import synthetic_window
     tmp, how = Path(sys.argv[1]), sys.argv[2]
     tiers = synthetic_window(tmp / "host", world=1, window_id=2, experts=8, ffn=256, dim=256)  # 14 MiB

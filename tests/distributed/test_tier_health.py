@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from torchmoe_ckpt.config import ConfigError, SparseConfig, TierConfig
-from torchmoe_ckpt.dcp.manifest import rank_manifest_name
-from torchmoe_ckpt.dcp.tier_health import CheckpointStallError
-from torchmoe_ckpt.dcp.tiers import build_tiers
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.storage.manifest import rank_manifest_name
+from torchmoe_ckpt.storage.tier_health import CheckpointStallError
+from torchmoe_ckpt.storage.tiers import build_tiers
 from torchmoe_harness.trainer import RunConfig, Trainer
 
 

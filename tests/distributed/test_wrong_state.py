@@ -19,12 +19,12 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import torchmoe_ckpt as tmc
 from torchmoe_ckpt.checkpointer import _Replay
-from torchmoe_ckpt.dcp.host_tier import HostTier
-from torchmoe_ckpt.dcp.manifest import content_checksum, crc32_bytes
-from torchmoe_ckpt.dcp.tiers import build_tiers
 from torchmoe_ckpt.identity import IdentityMismatch, build_identity
 from torchmoe_ckpt.inspection import verify_location
 from torchmoe_ckpt.recovery import recover
+from torchmoe_ckpt.storage.host_tier import HostTier
+from torchmoe_ckpt.storage.manifest import content_checksum, crc32_bytes
+from torchmoe_ckpt.storage.tiers import build_tiers
 from torchmoe_harness.launch import run_torchrun
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
 

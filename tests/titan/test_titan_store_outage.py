@@ -35,9 +35,9 @@ def _rank0(lines: list[str], needle: str) -> list[int]:
 
 def test_store_outage_mid_run_warns_summarises_exits_in_time_and_catches_up(tmp_path):
     from torchmoe_ckpt.cli import main as cli
-    from torchmoe_ckpt.dcp.host_tier import HostTier
-    from torchmoe_ckpt.dcp.object_tier import ObjectTier, open_store
-    from torchmoe_ckpt.dcp.uploader import Uploader
+    from torchmoe_ckpt.storage.host_tier import HostTier
+    from torchmoe_ckpt.storage.object_tier import ObjectTier, open_store
+    from torchmoe_ckpt.storage.uploader import Uploader
 
     with moto_server() as moto:
         create_bucket(moto.storage_options, "outage")

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchmoe_ckpt.dcp import checksums
-from torchmoe_ckpt.dcp.checksums import BLOCK, SUM64, block_sums, digest, tensor_block_sums
-from torchmoe_ckpt.dcp.manifest import FileEntry, WindowManifest, file_entry
-from torchmoe_ckpt.dcp.mapped_files import MappedFiles
 from torchmoe_ckpt.dcp.raw_storage import CorruptItemError, RawReader, RawWriter
+from torchmoe_ckpt.storage import checksums
+from torchmoe_ckpt.storage.checksums import BLOCK, SUM64, block_sums, digest, tensor_block_sums
+from torchmoe_ckpt.storage.manifest import FileEntry, WindowManifest, file_entry
+from torchmoe_ckpt.storage.mapped_files import MappedFiles
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

@@ -122,7 +122,7 @@ class DenseExporter:
     def __init__(self, uri: str, storage_options: dict | None = None, every: int | None = None, keep: int = 2):
         if every is not None and every < 1:
             raise ValueError(f"dense export interval must be >= 1 iterations or None (off), got {every}")
-        from .object_tier import open_store
+        from ..storage.object_tier import open_store
 
         self.uri, self.opts, self.every, self.keep = uri.rstrip("/"), dict(storage_options or {}), every, keep
         self.fs, self.root = open_store(uri, self.opts, probe=True)

@@ -39,7 +39,7 @@ from torch.futures import Future
 
 from .. import faults
 from ..placement import Placement
-from .peer_tier import Buffer, Inbox, exchange, pack_files, send_files, unpack_files, write_file
+from ..storage.peer_tier import Buffer, Inbox, exchange, pack_files, send_files, unpack_files, write_file
 from .raw_storage import PLANNER_KEY, done
 from .tier_storage import HostReader, HostWriter
 

@@ -39,9 +39,9 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ..errors import TorchmoeError
-from . import checksums
-from .checksums import BLOCK, SUM64, UnknownChecksum, digest_blocks
-from .manifest import crc32_combine
+from ..storage import checksums
+from ..storage.checksums import BLOCK, SUM64, UnknownChecksum, digest_blocks
+from ..storage.manifest import crc32_combine
 
 PLANNER_KEY = "torchmoe_ckpt"  # = planner.PLANNER_KEY (planner.py builds on this module, not the reverse)
 METADATA = ".metadata"

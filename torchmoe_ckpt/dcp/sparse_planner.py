@@ -46,9 +46,9 @@ from ..operators import agreed_sizes, discover_operators, local_tensor
 from ..replay_log import IterationRecord, ReplayLog
 from ..schedule import plan_window
 from ..snapshot import Slot, SlotItem, build_slot
+from ..storage.manifest import plan_digest
+from ..storage.slot_planner import PLANNER_KEY, partial_global_plan
 from ..window import Window
-from .manifest import plan_digest
-from .planner import PLANNER_KEY, partial_global_plan
 
 # DCP's state-dict helpers drop these wrapper names from FQNs (torch.compile, activation checkpointing).
 _WRAPPERS = re.compile(r"(^|\.)(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)(?=\.|$)")

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import faults
+from ..dcp.raw_storage import RawReader
 from ..errors import TorchmoeError
 from ..operators import EXPERT_PARAM_NAMES, Piece
 from ..snapshot import Slot, SlotItem
@@ -49,9 +50,8 @@ from .manifest import (
     rank_manifest_name,
     window_dirname,
 )
-from .planner import PLANNER_KEY, SlotLoadPlanner, SlotSavePlanner, verify_items
-from .raw_storage import RawReader
-from .store_errors import StoreConfigError, explain
+from .slot_planner import PLANNER_KEY, SlotLoadPlanner, SlotSavePlanner, verify_items
+from .store_open import StoreConfigError, explain
 
 log = logging.getLogger("torchmoe_ckpt.tensorstore_format")
 TS_SCHEMES = ("file", "memory", "s3")

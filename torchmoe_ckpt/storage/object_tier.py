@@ -29,8 +29,8 @@ from .manifest import (
     window_dirname,
 )
 from .spare_files import keep_spares, place_new_file, pwrite_all, spares
-from .store_errors import StoreConfigError, explain
-from .tensorstore_format import NoTensorstoreDriver, TensorstoreTier
+from .store_open import StoreConfigError, explain
+from .tensorstore_tier import NoTensorstoreDriver, TensorstoreTier
 
 log = logging.getLogger("torchmoe_ckpt.object_tier")
 KNOWN = {

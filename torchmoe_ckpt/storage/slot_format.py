@@ -25,11 +25,11 @@ from array import array
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from ..dcp.raw_storage import PLANNER_KEY, RawItem, checksum_name
 from ..snapshot import Slot
 from .checksums import BLOCK, SUM64
 from .manifest import crc32_bytes
-from .planner import SlotSavePlanner
-from .raw_storage import PLANNER_KEY, RawItem, checksum_name
+from .slot_planner import SlotSavePlanner
 
 DATA_FILE = "__0_0.distcp"  # the data file of a one-rank save (RawWriter's name)
 

@@ -38,6 +38,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from .. import faults
+from ..dcp.raw_storage import RawReader
 from ..errors import TorchmoeError
 from ..identity import RunIdentity, identity_mismatch
 from ..replay_log import IterationRecord, ReplayLog
@@ -59,10 +60,9 @@ from .manifest import (
     window_dirname,
 )
 from .mapped_files import MappedFiles
-from .planner import PLANNER_KEY, SlotLoadPlanner, verify_items
-from .raw_layout import DATA_FILE, RawLayout, layout_key
-from .raw_storage import RawReader
 from .slot_files import SlotFiles, backing
+from .slot_format import DATA_FILE, RawLayout, layout_key
+from .slot_planner import PLANNER_KEY, SlotLoadPlanner, verify_items
 from .spare_files import keep_spares, spares
 
 log = logging.getLogger("torchmoe_ckpt.host_tier")

@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from ..dcp.raw_storage import PLANNER_KEY
+from ..dcp.raw_storage import checksum_name as _checksum_name
 from ..snapshot import Slot, SlotItem
 from . import checksums
-from .raw_storage import PLANNER_KEY
-from .raw_storage import checksum_name as _checksum_name
 
 
 def item_crc32(buf: torch.Tensor) -> int:
