@@ -113,7 +113,7 @@ class SparseCheckpointSection:
         ):
             raise bad("persist_interval", "must be an integer >= 1", "persist_interval = 1")
         if self.persist_interval != 1:
-            # The core's TierWriter persists every committed window; skipping windows needs a core change.
+            # The core's PersistThread persists every committed window; skipping windows needs a core change.
             raise bad("persist_interval", "only 1 (persist every window) is supported so far", "persist_interval = 1")
         if self.ordering not in ORDERINGS:
             raise bad("ordering", "unknown ordering", f"use one of {', '.join(ORDERINGS)}")
@@ -209,7 +209,7 @@ class SparseCheckpointSection:
     def check_store(self, probe: bool = True) -> None:
         """Open (and by default probe-write) the object store and the dense-export location once; raises
         JobConfigError naming the fix. Both use ``storage_options``."""
-        from torchmoe_ckpt.storage.object_tier import StoreConfigError, open_store
+        from torchmoe_ckpt.storage.store_open import StoreConfigError, open_store
 
         for key in ("object_store_uri", "dense_export_uri"):
             uri = getattr(self, key)

@@ -13,13 +13,11 @@ Own training loop (FSDP2, HSDP or a single process):
 Frameworks (TorchTitan) implement `Replayable` and drive `SparseCheckpointer` and `recover` themselves.
 """
 
+from . import dcp
 from .capture import SchedulerPosition
 from .checkpointer import Checkpointer, StepResult
 from .config import CheckpointConfig, ObjectStoreConfig, SparseConfig, TierConfig
-from .dcp.peer_storage import PeerReader, PeerWriter, held_copies
-from .dcp.raw_storage import CorruptItemError, RawReader, RawWriter, has_checkpoint
-from .dcp.sparse_planner import SparseLoadPlanner, SparseSavePlanner, SparseSchedule, load_sparse_window
-from .dcp.tier_storage import HostReader, HostWriter, StoreReader, StoreWriter, TieredReader, TieredWriter
+from .dcp import *  # noqa: F403  (the DCP users' names: dcp.__all__)
 from .distributed import init_process_group, restart_attempt
 from .errors import ConfigError, UncapturedStateError, UnusableCheckpointError
 from .identity import IdentityMismatch, RunIdentity
@@ -61,23 +59,7 @@ __all__ = [
     "RouterCounter",
     "discover_operators",
     "Operator",
-    # DCP users: sparse planners on a standard state dict, one StorageWriter/Reader per tier
-    "SparseSchedule",
-    "SparseSavePlanner",
-    "SparseLoadPlanner",
-    "load_sparse_window",
-    "HostWriter",
-    "HostReader",
-    "StoreWriter",
-    "StoreReader",
-    "TieredWriter",
-    "TieredReader",
-    "RawWriter",
-    "RawReader",
-    "has_checkpoint",
-    "PeerWriter",
-    "PeerReader",
-    "held_copies",
+    # DCP users: sparse planners on a standard state dict, one StorageWriter/Reader per tier (+ dcp.__all__)
     "Topology",
     "place_replicas",
     "Placement",
@@ -91,6 +73,5 @@ __all__ = [
     "CheckpointStallError",
     "IdentityMismatch",
     "RunIdentity",
-    "CorruptItemError",
     "UnusableCheckpointError",
-]
+] + dcp.__all__

@@ -14,8 +14,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .operators import OperatorSpec
-from .storage.object_tier import check_uri
-from .storage.store_open import StoreConfigError
+from .storage.store_open import StoreConfigError, check_uri
 
 __all__ = ["ConfigError", "SparseConfig", "ObjectStoreConfig", "TierConfig", "CheckpointConfig", "DEFAULT_HOST_ROOT"]
 

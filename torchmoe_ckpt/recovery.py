@@ -19,7 +19,8 @@ from .errors import UnusableCheckpointError
 from .identity import IdentityMismatch, RunIdentity, allowed_changes, build_identity, refusal
 from .operators import Operator
 from .sparse_to_dense import Replayable, sparse_to_dense
-from .storage.tiers import Tiers, all_gather_objects, recover_from_tiers
+from .storage.recover import all_gather_objects, recover_from_tiers
+from .storage.tiers import Tiers
 from .window import Window
 
 log = logging.getLogger("torchmoe_ckpt.recovery")

@@ -68,7 +68,7 @@ def _tear(slot, n) -> None:
 
 
 def _tiers(trainer: Trainer, host: dict | None) -> Tiers:
-    """(HostTier, PeerReplicator, ObjectTier) from the spec's "host_tier" section, or Nones."""
+    """(HostTier, PeerTier, ObjectTier) from the spec's "host_tier" section, or Nones."""
     if not host:
         return Tiers(None, None, None)
     return build_tiers(host, trainer.rank, trainer.world, trainer.cfg.hsdp)

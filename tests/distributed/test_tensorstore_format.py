@@ -32,7 +32,7 @@ def _store(kind, tmp_path, request):
 def _items(tier: HostTier, wid: int) -> dict:
     out = {}
     for i in range(tier.manifest(wid).window):
-        slot, _ = slot_from_dcp(i, tier.window_dir(wid) / f"slot-{i:02d}" / f"rank-{tier.rank:05d}")
+        slot, _ = slot_from_dcp(i, tier.slot_dir(wid, i))
         out.update({(i, it.key, it.piece.global_offset): it.buffer for it in slot.items})
     return out
 
@@ -101,7 +101,7 @@ def test_round_trip_world_size_change_partial_reads_and_retention(tmp_path, kind
     synthetic_window(tmp_path / "host", world=2, window_id=2, experts=E, ffn=F, dim=D)
     for s, t in zip(stores, tiers):
         s.upload(t, 2)
-        assert s.apply_retention() == [1] and s.window_ids() == [2]
+        assert s.collect() == [1] and s.window_ids() == [2]
 
 
 def test_corrupt_chunk_is_detected_and_never_used(tmp_path):
@@ -168,7 +168,7 @@ def test_writer_killed_mid_commit_leaves_previous_window_and_no_torn_one(tmp_pat
     # the next upload of the same id replaces the leftovers; retention then collects window 1
     tier2 = synthetic_window(tmp_path / "host", world=1, window_id=2, experts=E, ffn=F, dim=D)[0]
     store.upload(tier2, 2)
-    assert store.apply_retention() == [1] and store.window_ids() == [2]
+    assert store.collect() == [1] and store.window_ids() == [2]
 
 
 def test_azure_keeps_the_dcp_format_with_one_message(tmp_path, azurite, caplog):

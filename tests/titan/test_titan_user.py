@@ -241,7 +241,8 @@ def test_bad_host_dir_fails_at_launch_before_torchtitan(tmp_path, env, how):
 
 # ---- 4. quiet store clients --------------------------------------------------------------------------------
 def test_store_client_loggers_are_quiet_unless_configured(azurite):
-    from torchmoe_ckpt.storage.object_tier import QUIET_LOGGERS, make_store
+    from torchmoe_ckpt.storage.object_tier import make_store
+    from torchmoe_ckpt.storage.store_open import QUIET_LOGGERS
 
     saved = {n: logging.getLogger(n).level for n in [*QUIET_LOGGERS, ""]}
     try:

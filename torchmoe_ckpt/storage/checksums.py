@@ -1,8 +1,10 @@
-"""Item and file checksums, named by algorithm in what is recorded ("crc32:<hex>", "sum64b512:<hex>"), so a
-reader checks whichever one a file was written with (files written with CRC32 keep verifying).
+"""Every checksum the storage writes and checks, in one module: item digests, file digests, their names.
 
-sum64b512 (the host tier's, computed at memory speed: one vectorised int64 sum pass, ~9x cheaper than CRC32
-on the CPUs we measured): the bytes, zero-padded to a multiple of 512, are cut into 512-byte blocks; each
+What is recorded names its algorithm ("crc32:<hex>", "sum64b512:<hex>"; a manifest entry's "algo"), so a reader
+checks whichever one a file was written with (files written with CRC32 keep verifying).
+
+sum64b512 (the slot data files', computed at memory speed: one vectorised int64 sum pass, ~9x cheaper than
+CRC32 on the CPUs we measured): the bytes, zero-padded to a multiple of 512, are cut into 512-byte blocks; each
 block's 64 little-endian int64 words are summed (wrapping, mod 2**64); the digest is the CRC32 of those block
 sums followed by the byte length (8 bytes, little endian). Detects: any change confined to one block (a bit
 flip, a changed word: the block sum changes by a non-zero amount), a zeroed or stale page (torn write), bytes
@@ -13,11 +15,14 @@ corruption and torn writes, not against an adversary.
 Because an item's digest is a function of its padded blocks, a data file whose items start at 512-byte
 offsets with zero padding between them has, as a whole, the same kind of digest, computed from the same block
 sums in the same pass (`block_sums` over the file, then `digest_blocks` over each item's range and the whole).
+CRC32 stays for small files (manifests' metadata and replay entries) and the tensorstore format's pieces.
 """
 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,10 +33,24 @@ BLOCK = 512  # bytes per summed block (64 int64 words); also the item alignment 
 SUM64 = "sum64b512"
 CRC32 = "crc32"
 ALGOS = (CRC32, SUM64)
+CHUNK = 1 << 20  # bytes per read of a streamed file: one chunk stays in cache between its copy and its checksum
 
 
 class UnknownChecksum(TorchmoeError, ValueError):
     """A checksum named by an algorithm this version does not know (written by another tool)."""
+
+
+def crc32_bytes(data, crc: int = 0) -> int:
+    return zlib.crc32(data, crc) & 0xFFFFFFFF
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a CPU tensor (a view when it is contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def crc32_tensor(t: torch.Tensor) -> int:
+    return crc32_bytes(tensor_bytes(t))
 
 
 def block_sums(data) -> np.ndarray:
@@ -62,7 +81,7 @@ def digest_blocks(sums, nbytes: int) -> int:
 def digest(data, algo: str) -> int:
     """The 32-bit digest of a bytes-like object under `algo`."""
     if algo == CRC32:
-        return zlib.crc32(data) & 0xFFFFFFFF
+        return crc32_bytes(data)
     if algo == SUM64:
         return digest_blocks(block_sums(data), len(memoryview(data).cast("B")))
     raise UnknownChecksum(f"unknown checksum algorithm {algo!r}: use one of {ALGOS}")
@@ -80,6 +99,63 @@ def parse(want: str) -> tuple[str, int]:
     return algo, int(hexd, 16)
 
 
-def matches(data, want: str) -> bool:
+def matches(data, want) -> bool:
+    """Whether `data` has the checksum `want`: a named string, or a bare CRC32 int (older slot metadata)."""
+    if isinstance(want, int):
+        return crc32_bytes(data) == want
     algo, value = parse(want)
     return digest(data, algo) == value
+
+
+@dataclass
+class FileEntry:
+    """A file's size and 32-bit digest, as the write that produced it reported them (manifests list these)."""
+
+    bytes: int
+    crc32: int  # the file's digest under `algo` (a CRC32 unless `algo` names another one)
+    algo: str = CRC32  # "sum64b512" for slot data files (computed at memory speed)
+
+    def matches(self, data) -> bool:
+        """Whether `data` (the whole file) has this entry's size and digest."""
+        return len(data) == self.bytes and digest(data, self.algo) == self.crc32
+
+    def problem(self, rel: str, data) -> str | None:
+        """Why `data` is not this file (torn or corrupt), None when it is."""
+        if len(data) != self.bytes:
+            return f"{rel}: {len(data)} bytes, manifest says {self.bytes} (torn)"
+        got = digest(data, self.algo)
+        return None if got == self.crc32 else f"{rel}: {self.algo} {got:08x} != {self.crc32:08x} (corrupt)"
+
+
+class Digester:
+    """A file's digest under `algo`, fed chunk by chunk (every chunk but the last a multiple of 512 bytes), so a
+    copy loop checksums each chunk while it is in cache instead of in a second pass over the file."""
+
+    def __init__(self, algo: str = CRC32):
+        if algo not in ALGOS:
+            raise UnknownChecksum(f"unknown checksum algorithm {algo!r}")
+        self.algo, self.size, self._crc, self._sums = algo, 0, 0, []
+
+    def update(self, chunk) -> None:
+        if self.size % BLOCK and self.algo == SUM64:
+            raise ValueError("sum64b512 chunks must be multiples of 512 bytes, all but the last")
+        if self.algo == CRC32:
+            self._crc = zlib.crc32(chunk, self._crc)
+        else:
+            self._sums.append(block_sums(chunk))
+        self.size += len(memoryview(chunk).cast("B"))
+
+    def entry(self) -> FileEntry:
+        if self.algo == CRC32:
+            return FileEntry(self.size, self._crc & 0xFFFFFFFF)
+        sums = np.concatenate(self._sums) if self._sums else np.zeros(0, dtype="<i8")
+        return FileEntry(self.size, digest_blocks(sums, self.size), self.algo)
+
+
+def file_entry(path: Path, algo: str = CRC32) -> FileEntry:
+    """Size and digest of a file on disk, read in chunks into one reused buffer."""
+    d, buf = Digester(algo), bytearray(CHUNK)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            d.update(memoryview(buf)[:n])
+    return d.entry()

@@ -39,7 +39,6 @@ class MappedFiles:
     def __init__(self, limit: int = 64):
         self._maps: dict[tuple[int, int], _Map] = {}
         self.limit = limit  # mappings kept (oldest dropped first): bounds pinned shared memory
-        self.layouts: dict[int, tuple] = {}  # callers' layouts, by id() of a key object they keep alive here
         self._lock = threading.Lock()  # the persist thread writes while another may collect (forget)
 
     def __len__(self) -> int:

@@ -1,14 +1,17 @@
-"""Peer tier: every window a rank commits on its host tier also reaches r peers on other nodes.
+"""Peer tier: every window a writer commits on its host tier also reaches r peers on other nodes, and comes back
+from them when its node lost it.
 
 Placement (`torchmoe_ckpt.placement`) picks, per rank, HSDP replica peers first and then other ranks on
 other nodes. A *replica* peer already holds bit-identical slot data (HSDP replicas apply the same update to
-the same shard), so it is sent only what differs: the rank's manifest, its replay records (each replica
-trains on its own batches) and the small DCP `.metadata` files; it verifies, by comparing CRC32s, that its
-own slot data equals the sender's. Any other peer receives the full window.
+the same shard), so it is sent only what differs: the writer's manifest, its replay records (each replica
+trains on its own batches) and the small DCP `.metadata` files; it verifies, by comparing digests, that its
+own slot data equals the sender's. Any other peer receives the full window. (A DCP user's `dcp.save`
+dedups replicated items to one replica, so its PeerWriter sends every peer the data: `replicas_hold_data`.)
 
-Push (after each commit) and pull (at restart) run over a dedicated gloo group, rank pairs in one global
-order, so every rank issues matching send/recv calls without deadlock. Received copies live in the
-receiver's host directory under `peers/rank-RRRRR/from-SSSSS/<run>/window-NNNNNN/`, manifest written last.
+Push (after each commit: the persist thread, or a DCP user's PeerWriter) and pull (at restart: recovery, or a
+DCP user's PeerReader) run over a gloo group, rank pairs in one global order, so every rank issues matching
+send/recv calls without deadlock. A received copy lives in the receiver's run directory under
+`.peers/<receiver>/from-<sender>/` in the layout of every tier (layout.py), its manifest written last.
 
 What a push costs (it runs on the tier thread, beside training, on the same cores): a small JSON header, then
 each file as one gloo message, read into one reused buffer, received into another and written over the data
@@ -22,24 +25,30 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from .. import faults
-from .host_tier import HostTier
-from .manifest import WindowManifest, rank_manifest_name, window_dirname
-from .spare_files import keep_spares, place_new_file, pwrite_all
-from .spare_files import spares as spare_list
+from .files import LocalFiles
+from .layout import (
+    held_copies_dir,
+    is_data_file,
+    manifest_name,
+    parse_peer_copy_name,
+    peer_copy_dir,
+    window_dirname,
+    writer_name,
+    writer_rank,
+)
+from .manifest import WindowManifest
+from .spare_files import place_new_file, pwrite_all
+from .window_tier import WindowTier
 
 log = logging.getLogger("torchmoe_ckpt.peer_tier")
 MAX_SPARES = 8  # data files of collected peer copies kept per sender for reuse
-
-
-def _is_data(rel: str) -> bool:
-    return rel.endswith(".distcp")
+REPLICA_VERIFIED = "REPLICA_VERIFIED"  # in a replica's copy: its slot data is the receiver's own
 
 
 def send_files(
@@ -52,7 +61,8 @@ def send_files(
     buf = buf or Buffer()
     sizes = [os.stat(path).st_size for _, path in files]
     header = json.dumps({"meta": meta or {}, "files": [[rel, n] for (rel, _), n in zip(files, sizes)]}).encode()
-    _send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group)
+    dist.send(torch.tensor([len(header)], dtype=torch.int64), dst, group=group)
+    dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group)
     short = []
     for (_rel, path), n in zip(files, sizes):
         if n:
@@ -85,11 +95,15 @@ class Inbox(Buffer):
     def recv(self, src: int, group, write) -> dict:
         """Receive one `send_files` transfer; `write(rel, view)` stores each file (the view is only valid during
         the call). Returns the sender's `meta`."""
-        header = json.loads(_recv(src, group).numpy().tobytes())
-        for rel, n in header["files"]:
-            view = self.view(n)
-            if n:
-                dist.recv(self.t[:n], src, group=group)
+        n = torch.zeros(1, dtype=torch.int64)
+        dist.recv(n, src, group=group)
+        header = torch.empty(int(n.item()), dtype=torch.uint8)
+        dist.recv(header, src, group=group)
+        header = json.loads(header.numpy().tobytes())
+        for rel, size in header["files"]:
+            view = self.view(size)
+            if size:
+                dist.recv(self.t[:size], src, group=group)
             write(rel, view)
         return header["meta"]
 
@@ -107,65 +121,21 @@ def write_file(path: Path, data: memoryview, spare: Path | None = None) -> None:
         os.close(fd)
 
 
-def _window_files(manifest: WindowManifest, source, data: bool = True) -> list[tuple[str, Path]]:
-    """A rank's window files, `source(rel)` giving each one's path; `data=False` leaves the slot data out."""
-    return [(rel, Path(source(rel))) for rel in sorted(manifest.files) if data or not _is_data(rel)]
-
-
-def _send(t: torch.Tensor, dst: int, group) -> None:
-    dist.send(torch.tensor([t.numel()], dtype=torch.int64), dst, group=group)
-    dist.send(t, dst, group=group)
-
-
-def _recv(src: int, group) -> torch.Tensor:
-    n = torch.zeros(1, dtype=torch.int64)
-    dist.recv(n, src, group=group)
-    t = torch.empty(int(n.item()), dtype=torch.uint8)
-    dist.recv(t, src, group=group)
-    return t
-
-
-def pack_files(files: list[tuple[str, bytes]]) -> torch.Tensor:
-    """Named files as one uint8 tensor: [8-byte header length][JSON header][file bytes...]."""
-    header = json.dumps({"files": [[r, len(b)] for r, b in files]}).encode()
-    raw = len(header).to_bytes(8, "little") + header + b"".join(b for _, b in files)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-
-
-def unpack_files(payload: torch.Tensor) -> list[tuple[str, bytes]]:
-    raw = payload.numpy().tobytes()
-    n = int.from_bytes(raw[:8], "little")
-    pos, out = 8 + n, []
-    for rel, size in json.loads(raw[8 : 8 + n])["files"]:
-        out.append((rel, raw[pos : pos + size]))
-        pos += size
-    return out
-
-
-def exchange(pairs: list[tuple[int, int]], payload_for, on_recv, group=None) -> int:
-    """Point-to-point transfers `(src, dst)` in one global order: every rank walks the same list, so matching
-    send/recv calls never deadlock. `payload_for(dst)` builds what this rank sends, `on_recv(src, tensor)` stores
-    what it gets. Collective over `group`; returns the bytes this rank sent."""
-    me, sent = dist.get_rank(), 0
-    for src, dst in pairs:
-        if me == src:
-            t = payload_for(dst)
-            faults.point("replication")
-            _send(t, dst, group)
-            sent += t.numel()
-        elif me == dst:
-            on_recv(src, _recv(src, group))
-    return sent
-
-
-class PeerReplicator:
-    def __init__(self, tier: HostTier, placement, group=None):
+class PeerTier:
+    def __init__(self, tier, placement=None, group=None, replicas_hold_data: bool = True):
+        """`tier`: this writer's HostTier (the copies it pushes, the run directory the copies it holds live in).
+        `placement`: where pushes go (None: this tier only pulls). `replicas_hold_data`: an HSDP replica peer
+        holds the sender's slot data already (the checkpointer's windows; not a DCP user's, see above)."""
         self.tier, self.placement, self.group = tier, placement, group
-        self.pairs = [
-            (src, dst, dst in placement.replica_peers[src])
-            for src in range(tier.world_size)
-            for dst in placement.peers[src]
-        ]
+        self.pairs = (
+            []
+            if placement is None
+            else [
+                (src, dst, replicas_hold_data and dst in placement.replica_peers[src])
+                for src in range(tier.world_size)
+                for dst in placement.peers[src]
+            ]
+        )
         self.bytes_sent = 0  # all bytes this rank sent to peers
         self.data_bytes_sent = 0  # of which slot data (0 when every peer is an HSDP replica)
         self.own_data_bytes = 0  # slot data of the windows this rank pushed (sent r times without replicas)
@@ -173,108 +143,128 @@ class PeerReplicator:
         self.replica_mismatch = 0
         self.inbox, self.outbox = Inbox(), Buffer()
 
-    def peer_dir(self, src: int) -> Path:
-        """Where this rank keeps what `src` sent it (per receiving rank: ranks of one node share the root)."""
-        return self._mine() / f"from-{src:05d}" / self.tier.dir.name
+    def held(self, src: int) -> WindowTier:
+        """The copies of `src`'s windows this writer holds, as a tier of their own (list, verify, read)."""
+        held = WindowTier(LocalFiles(self.tier.dir / peer_copy_dir(self.tier.writer, writer_name(src))), src, 0)
+        held.max_spares = MAX_SPARES  # collected copies' data files are written over by the next ones
+        return held
 
-    def _mine(self) -> Path:
-        return self.tier.dir.parent / "peers" / f"rank-{self.tier.rank:05d}"
-
-    def push(self, window_id: int, manifest: WindowManifest) -> None:
-        """Send this rank's committed window to its peers and store what peers send (all ranks, in order)."""
+    # ---- push (after each commit; collective over the group) ----------------------------------------------
+    def push(self, window_id: int, manifest: WindowManifest | None) -> None:
+        """Send this writer's committed window to its peers and store what peers send (all ranks, in order).
+        `manifest` None: this rank has nothing committed to send, but takes its part in the exchange."""
         me = self.tier.rank
-        self.own_data_bytes += sum(f.bytes for r, f in manifest.files.items() if _is_data(r))
+        files = {} if manifest is None else manifest.files
+        data_bytes = sum(f.bytes for r, f in files.items() if is_data_file(r))
+        self.own_data_bytes += data_bytes
         for src, dst, replica in self.pairs:
             if me == src:
                 wdir = self.tier.window_dir(window_id)
-                files = _window_files(manifest, lambda rel: wdir / rel, data=not replica)  # noqa: B023
+                send = [(rel, wdir / rel) for rel in sorted(files) if not (replica and is_data_file(rel))]
+                meta = {"manifest": None if manifest is None else manifest.to_json()}
                 faults.point("replication")
-                self.bytes_sent += send_files(files, dst, self.group, {"manifest": manifest.to_json()}, self.outbox)
-                if not replica:
-                    self.data_bytes_sent += sum(f.bytes for r, f in manifest.files.items() if _is_data(r))
+                self.bytes_sent += send_files(send, dst, self.group, meta, self.outbox)
+                self.data_bytes_sent += 0 if replica else data_bytes
             elif me == dst:
-                dest = self.peer_dir(src) / window_dirname(window_id)
-                theirs = self._receive(src, dest, src, self._spare_dir(src))
-                if replica:
-                    self._verify_replica(window_id, theirs, src)
-                self._collect(src, window_id)
+                held = self.held(src)
+                theirs = self._receive(src, held, window_id)
+                if replica and theirs is not None:
+                    self._verify_replica(window_id, theirs, held)
+                self._collect(held, window_id)
 
-    def _verify_replica(self, window_id: int, theirs: WindowManifest, src: int) -> None:
+    def _verify_replica(self, window_id: int, theirs: WindowManifest, held: WindowTier) -> None:
         mine = self.tier.manifest(window_id)
-        me = self.tier.rank
-        ours = {r.replace(f"rank-{me:05d}", f"rank-{src:05d}"): f.crc32 for r, f in mine.files.items() if _is_data(r)}
-        same = all(ours.get(r) == f.crc32 for r, f in theirs.files.items() if _is_data(r))
-        marker = self.peer_dir(src) / window_dirname(window_id) / "REPLICA_VERIFIED"
+        ours = {r.replace(self.tier.writer, held.writer): f.crc32 for r, f in mine.files.items() if is_data_file(r)}
+        same = all(ours.get(r) == f.crc32 for r, f in theirs.files.items() if is_data_file(r))
+        marker = f"{window_dirname(window_id)}/{REPLICA_VERIFIED}"
         if same:
             self.replica_verified += 1
-            marker.write_text(str(me))
+            held.files.write(marker, str(self.tier.rank).encode())
         else:  # not bit-identical after all: this copy cannot stand in for the sender's
             self.replica_mismatch += 1
-            log.warning("rank %d's window %d differs from replica rank %d's: not counted as a copy", src, window_id, me)
+            log.warning(
+                "rank %d's window %d differs from replica rank %d's: not counted as a copy",
+                held.rank,
+                window_id,
+                self.tier.rank,
+            )
 
-    def _receive(self, holder: int, dest: Path, rank: int, spares: Path | None = None) -> WindowManifest:
-        """One window copy of `rank` from `holder` into `dest`, its data files written over spares when there
-        are; the rank manifest goes last (a torn copy has none and is not held)."""
-        (dest / rank_manifest_name(rank)).unlink(missing_ok=True)  # incomplete until the manifest is back
-        kept = spare_list(spares) if spares is not None else []
+    def _receive(self, holder: int, dest: WindowTier, window_id: int) -> WindowManifest | None:
+        """One window copy of `dest.writer` from `holder` into `dest`, its data files written over `dest`'s spares
+        when it keeps some; the manifest goes last (a torn copy has none and is not held; None: the sender had
+        none)."""
+        w = window_dirname(window_id)
+        dest.files.remove([f"{w}/{manifest_name(dest.writer)}"])  # incomplete until the manifest is back
 
         def write(rel: str, data: memoryview) -> None:
-            write_file(dest / rel, data, kept.pop() if kept and _is_data(rel) else None)
+            spare = dest.take_spare(len(data)) if is_data_file(rel) and dest is not self.tier else None
+            write_file(dest.files.path(f"{w}/{rel}"), data, spare)
 
-        man = WindowManifest.from_json(self.inbox.recv(holder, self.group, write)["manifest"])
-        (dest / rank_manifest_name(rank)).write_text(man.to_json())  # last: the copy is complete
+        text = self.inbox.recv(holder, self.group, write)["manifest"]
+        if text is None:
+            return None
+        man = WindowManifest.from_json(text)
+        dest.files.write_last(f"{w}/{manifest_name(dest.writer)}", man.to_json().encode())  # the copy is complete
         return man
 
-    def _spare_dir(self, src: int) -> Path:
-        return self.peer_dir(src) / ".spare"  # not a window-* name: never listed as a window
-
-    def _collect(self, src: int, newest: int) -> None:
+    def _collect(self, held: WindowTier, newest: int) -> None:
         """Drop copies older than the two newest; their data files are kept (bounded) for the next copies."""
-        base, spare = self.peer_dir(src), self._spare_dir(src)
-        for p in base.glob("window-*"):
-            if int(p.name[7:]) < newest - 1:
-                (p / rank_manifest_name(src)).unlink(missing_ok=True)  # first: never a half-deleted copy held
-                keep_spares(sorted(p.glob("slot-*/rank-*/*.distcp")), spare, MAX_SPARES, p.name)
-                shutil.rmtree(p, ignore_errors=True)
+        for wid in held.window_ids(require_manifest=False):
+            if wid < newest - 1:
+                held.remove_window(wid)
+
+    # ---- what this writer holds for others; pull (at restart; collective) ---------------------------------
+    def sources(self) -> list[int]:
+        """The writers this writer holds copies of."""
+        names = [parse_peer_copy_name(n) for n in self.tier.files.listdir(held_copies_dir(self.tier.writer))]
+        return sorted(writer_rank(n) for n in names if n is not None)
 
     def holdings(self) -> dict[int, list[int]]:
-        """src rank -> windows this rank can provide for it (a full copy, or a verified replica copy)."""
+        """src rank -> windows this writer can provide for it (a full copy, or a verified replica copy)."""
         out: dict[int, list[int]] = {}
-        for d in self._mine().glob("from-*"):
-            src = int(d.name[5:])
-            peer = HostTier.__new__(HostTier)
-            peer.dir, peer.rank, peer.world_size = d / self.tier.dir.name, src, self.tier.world_size
+        for src in self.sources():
+            held = self.held(src)
             ok = []
-            for wid in peer.window_ids():
-                wdir = peer.window_dir(wid)
-                if (wdir / "REPLICA_VERIFIED").exists():
-                    if self.tier.verify(wid) == [] and not [p for p in peer.verify(wid) if ".distcp" not in p]:
+            for wid in held.window_ids():
+                if held.files.exists(f"{window_dirname(wid)}/{REPLICA_VERIFIED}"):
+                    if self.tier.verify(wid) == [] and not [p for p in held.verify(wid) if ".distcp" not in p]:
                         ok.append(wid)
-                elif not peer.verify(wid):
+                elif not held.verify(wid):
                     ok.append(wid)
             if ok:
                 out[src] = ok
         return out
 
-    def pull(self, window_id: int, needers: dict[int, int]) -> None:
-        """Restore missing copies: `needers` maps a rank without a usable local copy of `window_id` to the
-        rank that sends it. Collective over the group (every rank calls it with the same arguments)."""
+    def _source(self, window_id: int, src: int):
+        """(manifest, rel -> path) of the copy of `src`'s window this writer sends: its own host directory's
+        (its own, or a writer of the same node), else a held copy, whose slot data may be this writer's own
+        verified-identical replica files."""
+        if self.tier.files.exists(f"{window_dirname(window_id)}/{manifest_name(writer_name(src))}"):
+            man, wdir = self.tier.manifest(window_id, src), self.tier.window_dir(window_id)
+            return man, lambda rel: wdir / rel
+        held = self.held(src)
+        man, wdir, own = (
+            held.manifest(window_id),
+            held.files.path(window_dirname(window_id)),
+            self.tier.window_dir(window_id),
+        )
+        if (wdir / REPLICA_VERIFIED).exists():
+            return (
+                man,
+                lambda rel: own / rel.replace(held.writer, self.tier.writer) if is_data_file(rel) else wdir / rel,
+            )
+        return man, lambda rel: wdir / rel
+
+    def pull(self, window_id: int, transfers: list[tuple[int, int, int]]) -> None:
+        """Bring copies of `window_id` where they are missing: each (holder, needer, src) sends src's copy from
+        holder to needer, which keeps it as its own window when src is itself, else as a held copy. Collective
+        over the group: every rank calls it with the same transfers."""
         me = self.tier.rank
-        for dst, holder in sorted(needers.items()):
+        for holder, needer, src in sorted(transfers):
             if me == holder:
-                wdir = self.peer_dir(dst) / window_dirname(window_id)
-                man = WindowManifest.from_json((wdir / rank_manifest_name(dst)).read_text())
-                if (wdir / "REPLICA_VERIFIED").exists():
-                    # Small files from the stored copy; slot data from our own, verified-identical slots.
-                    own = self.tier.window_dir(window_id)
-
-                    def source(rel: str) -> Path:
-                        return own / rel.replace(f"rank-{dst:05d}", f"rank-{me:05d}") if _is_data(rel) else wdir / rel  # noqa: B023
-                else:
-
-                    def source(rel: str) -> Path:
-                        return wdir / rel  # noqa: B023
-
-                send_files(_window_files(man, source), dst, self.group, {"manifest": man.to_json()})
-            elif me == dst:
-                self._receive(holder, self.tier.window_dir(window_id), me)
+                man, path = self._source(window_id, src)
+                send_files(
+                    [(rel, path(rel)) for rel in sorted(man.files)], needer, self.group, {"manifest": man.to_json()}
+                )
+            elif me == needer:
+                self._receive(holder, self.tier if src == me else self.held(src), window_id)

@@ -1,8 +1,8 @@
 """Slot buffers that are views of mapped data files in node-local shared memory: the snapshot copy IS the persist.
 
 With the host tier on (CPU training), the checkpointer allocates each slot's buffers, once per window plan,
-as views of one data file under `<run>/.slots/rank-R/`, laid out as the slot's raw DCP data file
-(raw_layout.py: items BLOCK-aligned, zero padding). The snapshot copy then writes the slot's bytes straight
+as views of one data file under `<run>/.slots/<writer>/`, laid out as the slot's raw DCP data file
+(slot_format.py: items BLOCK-aligned, zero padding). The snapshot copy then writes the slot's bytes straight
 into shared memory, and persisting the slot (HostTier.write_slot) is: hard-link that file into the window's
 directory, one summing pass over it for the checksums, and the small per-save `.metadata` record.
 
@@ -35,6 +35,7 @@ import torch
 
 from ..snapshot import Slot, build_slot
 from .checksums import BLOCK
+from .layout import slots_dir
 
 
 @dataclass
@@ -67,8 +68,8 @@ def _release(path: str, fd: int) -> None:
 
 
 class SlotFiles:
-    def __init__(self, run_dir: str | Path, rank: int):
-        self.dir = Path(run_dir) / ".slots" / f"rank-{rank:05d}"
+    def __init__(self, run_dir: str | Path, writer: str):
+        self.dir = Path(run_dir) / slots_dir(writer)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             for f in self.dir.glob("*.distcp"):  # a previous process's names (this rank's process is the only writer)

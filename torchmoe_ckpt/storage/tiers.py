@@ -1,4 +1,4 @@
-"""Build the storage tiers of one rank from a `TierConfig`, and find + fetch the window to recover from.
+"""Build the storage tiers of one rank from a `TierConfig` (recover.py finds + fetches the window to recover).
 
     TierConfig(root="/dev/shm/torchmoe-ckpt", run_id="job", ranks_per_node=2, replicas=1)
 
@@ -14,16 +14,15 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-import torch
 import torch.distributed as dist
 
 from ..config import TierConfig
-from ..identity import RunIdentity
 from ..placement import Topology, place_replicas
 from . import run_lock
-from .host_tier import CorruptCopyError, HostTier
+from .host_tier import HostTier
+from .layout import node_dirname
 from .object_tier import make_store
-from .peer_tier import PeerReplicator
+from .peer_tier import PeerTier
 
 log = logging.getLogger("torchmoe_ckpt.tiers")
 
@@ -36,20 +35,20 @@ class Tiers(NamedTuple):
     """One rank's storage tiers: host memory (always), peers and object store (optional)."""
 
     host: HostTier
-    replicator: PeerReplicator | None
-    store: object | None  # object_tier.ObjectTier / tensorstore_format.TensorstoreTier
+    replicator: PeerTier | None  # the peer tier
+    store: object | None  # object_tier.ObjectTier / tensorstore_tier.TensorstoreTier
 
 
 def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: int = 1) -> Tiers:
-    """(HostTier, PeerReplicator or None, ObjectTier or None). Collective when replicas > 0 (creates the
+    """(HostTier, PeerTier or None, ObjectTier/TensorstoreTier or None). Collective when replicas > 0 (creates the
     peer gloo group). A dict is read as `TierConfig.from_dict` (the job-spec form)."""
     if isinstance(cfg, dict):
         cfg = TierConfig.from_dict(cfg)
     rpn = int(cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", world))
     run_id = cfg.resolved_run_id()
-    tier = HostTier(Path(cfg.root) / f"node-{node_of(rank, rpn)}", run_id, rank, world)
+    tier = HostTier(Path(cfg.root) / node_dirname(node_of(rank, rpn)), run_id, rank, world)
     run_lock.acquire(tier.dir, leader=rank % rpn == 0, world=world)  # one job per run directory (run_lock.py)
-    tier.stall_policy = (cfg.stall_iterations, cfg.on_stall)  # read by its TierWriter (tier_health.py)
+    tier.stall_policy = (cfg.stall_iterations, cfg.on_stall)  # read by its PersistThread (tier_health.py)
     store = None
     if cfg.object_store is not None:
         o = cfg.object_store
@@ -58,181 +57,4 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
         return Tiers(tier, None, store)
     placement = place_replicas(Topology.from_mesh_shape(world, hsdp_replicate, rpn), cfg.replicas)
     group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-    return Tiers(tier, PeerReplicator(tier, placement, group), store)
-
-
-def recover_from_tiers(
-    tier: HostTier,
-    replicator,
-    ops: dict,
-    compute_dtype: torch.dtype,
-    rounds: int | None = None,
-    store=None,
-    identity: RunIdentity | None = None,
-    use=None,
-):
-    """Agree on the newest window every rank can get (its own checked copy, or a peer's), pull the missing
-    copies from peers, load this rank's and hand it to `use(window)` (the replay). Any failure on any rank
-    while fetching, checking, loading or using a window (every exception but a process exit) excludes that
-    window on every rank and the next newest is tried, host and peers first, then the object store, until
-    one works or none is left. `identity`: windows of another run are rejected. Returns (Window or None,
-    report); report["rejected"] says, per rank, which windows were rejected and why, and report["outcome"]
-    is "recovered", "no window" (none anywhere) or "no usable window" (some existed, all rejected; the same
-    on every rank). report["unusable_copies"] is this rank's damaged copies, report["unusable_by_rank"] every
-    rank's (gathered with the first agreement round). Collective."""
-    report: dict = {"unusable_copies": {}, "rejected": {}, "unusable_by_rank": {}}
-    for w in tier.window_ids():
-        if p := tier.check(w, identity):
-            report["unusable_copies"][w] = p[0]
-            # Every rank says its own (rank 0 alone would hide a damaged copy on another rank).
-            log.warning(
-                "event=unusable_copy rank=%d window=%d dir=%s: %s%s; this copy is skipped",
-                tier.rank,
-                w,
-                tier.window_dir(w),
-                p[0],
-                f" (+{len(p) - 1} more)" if len(p) > 1 else "",
-            )
-    excluded: set[int] = set()
-    for i in range(rounds or 1 << 30):
-        local = [w for w in tier.window_ids() if w not in excluded and w not in report["unusable_copies"]]
-        held = replicator.holdings() if replicator is not None else {}
-        everyone = all_gather_objects((local, held, report["unusable_copies"] if i == 0 else None))
-        world = len(everyone)
-        if i == 0:
-            report["unusable_by_rank"] = {r: e[2] for r, e in enumerate(everyone) if e[2]}
-        avail = [
-            set(everyone[r][0]).union(*(everyone[h][1].get(r, ()) for h in range(world))) - excluded
-            for r in range(world)
-        ]
-        common = set.intersection(*avail)
-        if not common:
-            break
-        wid = max(common)
-        needers = {
-            r: min(h for h in range(world) if wid in everyone[h][1].get(r, ()))
-            for r in range(world)
-            if wid not in everyone[r][0]
-        }
-        src = f"peer {needers[tier.rank]}" if tier.rank in needers else "host"
-        window = _attempt(
-            wid,
-            report,
-            lambda: _pull_and_load(tier, replicator, wid, needers, ops, compute_dtype, identity),  # noqa: B023
-            use,
-        )
-        if window is not None:
-            report.update(source=src, pulled_from_peers={str(k): v for k, v in needers.items()})
-            return window, _outcome(report)
-        excluded.add(wid)
-    return _from_store(tier, store, ops, compute_dtype, report, identity, use, excluded)
-
-
-def _pull_and_load(tier: HostTier, replicator, wid: int, needers: dict, ops, compute_dtype, identity):
-    if needers:
-        replicator.pull(wid, needers)
-    return tier.load_window(wid, ops, compute_dtype, identity)
-
-
-def _attempt(wid: int, report: dict, fetch, use):
-    """Fetch + load `wid` on this rank, agree, then `use` it, agree again: the window, or None when any rank
-    failed (the reasons are in report["rejected"][wid], per rank)."""
-    window, why = None, None
-    try:
-        window = fetch()
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        why = _reason(exc)
-    if not _agree(wid, why, report, "load"):
-        return None
-    if use is not None:
-        try:
-            use(window)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:
-            why = _reason(exc)
-        if not _agree(wid, why, report, "replay"):
-            return None
-    return window
-
-
-MAX_RANKS_LISTED = 4  # ranks whose reason a window_rejected line quotes (all are in the report)
-
-
-def _agree(wid: int, why: str | None, report: dict, phase: str) -> bool:
-    reasons = all_gather_objects(why)
-    bad = {str(r): f"{phase}: {w}" for r, w in enumerate(reasons) if w is not None}
-    if bad:
-        report["rejected"].setdefault(wid, {}).update(bad)
-        shown = list(bad.items())[:MAX_RANKS_LISTED]  # the ranks are bounded, each reason is said whole
-        more = f" (+{len(bad) - len(shown)} more rank(s))" if len(bad) > len(shown) else ""
-        log.warning(
-            "event=window_rejected window=%d %s%s: trying the next newest window",
-            wid,
-            " ".join(f"rank{r}={w!r}" for r, w in shown),
-            more,
-        )
-    return not bad
-
-
-def _reason(exc: BaseException) -> str:
-    # Never cut: the end of a reason is often its point (ReplayDivergence's likely causes). The lists of
-    # windows that carry reasons are bounded instead (recovery.py).
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}"
-
-
-def _outcome(report: dict) -> dict:
-    if report.get("source"):
-        report["outcome"] = "recovered"
-    else:
-        damaged = report["rejected"] or report.get("unusable_by_rank") or report["unusable_copies"]
-        report["outcome"] = "no usable window" if damaged else "no window"
-    return report
-
-
-def _from_store(
-    tier: HostTier,
-    store,
-    ops: dict,
-    compute_dtype: torch.dtype,
-    report: dict,
-    identity: RunIdentity | None = None,
-    use=None,
-    excluded: set[int] = frozenset(),
-):
-    """Last tier: the newest window every rank has in the object store, downloaded and checked."""
-    if store is None:
-        return None, _outcome(dict(report, source=None))
-    try:
-        mine, why = store.window_ids(), None
-    except Exception as exc:  # a store that cannot be listed is a tier without windows, said in the report
-        mine, why = [], _reason(exc)
-    listed = all_gather_objects(mine)
-    if why is not None:
-        report["store_unreachable"] = why
-    candidates = sorted(set.intersection(*map(set, listed)) - set(excluded), reverse=True)
-    for wid in candidates:
-
-        def fetch(wid=wid):
-            problems = store.download(wid, tier)
-            if problems:
-                raise CorruptCopyError(f"object store copy of window {wid}: {problems[0]}")
-            return tier.load_window(wid, ops, compute_dtype, identity)
-
-        window = _attempt(wid, report, fetch, use)
-        if window is not None:
-            return window, _outcome(dict(report, source="object store"))
-        report.setdefault("failed_downloads", {})[wid] = next(iter(report["rejected"].get(wid, {}).values()), None)
-    return None, _outcome(dict(report, source=None))
-
-
-def all_gather_objects(obj) -> list:
-    """Every rank's `obj` (a one-element list without a process group)."""
-    if not dist.is_initialized():
-        return [obj]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return Tiers(tier, PeerTier(tier, placement, group), store)
