@@ -28,28 +28,20 @@ from .storage.window_tier import WindowTier
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
+GIVE = "give a run directory (e.g. /dev/shm/torchmoe-ckpt/node-0/<run>) or the object-store URI of the run"
+
+
 def _open(location: str, storage_options: dict | None):
     if not isinstance(location, str) or not location.strip():
-        raise ValueError(
-            "the location is empty: give a host-tier run directory, e.g. "
-            "/dev/shm/torchmoe-ckpt/node-0/<run>, or the object-store URI of the run"
-        )
+        raise ValueError(f"the location is empty: {GIVE}")
     fs, root = open_store(location, storage_options, probe=False)
     root = root.rstrip("/")
     try:  # a dead endpoint or missing credentials surface here: one line naming the fix, not a traceback
         exists, is_dir = fs.exists(root), fs.isdir(root)
     except Exception as exc:
         raise ValueError(explain(location, exc)) from None
-    if not exists:
-        raise ValueError(
-            f"{location}: no such checkpoint location (give a host-tier run directory, e.g. "
-            f"/dev/shm/torchmoe-ckpt/node-0/<run>, or the object-store URI of the run)"
-        )
-    if not is_dir:
-        raise ValueError(
-            f"{location}: is a file, not a checkpoint location (give a host-tier run directory, "
-            f"e.g. /dev/shm/torchmoe-ckpt/node-0/<run>, or the object-store URI of the run)"
-        )
+    if not exists or not is_dir:
+        raise ValueError(f"{location}: {'is a file, not a' if exists else 'no such'} checkpoint location ({GIVE})")
     return fs, root
 
 
@@ -128,9 +120,7 @@ def inspect_location(location: str, storage_options: dict | None = None) -> dict
     exports_here = any(f.endswith(f"/{METADATA}") and _STEP_DIR.match(f.rsplit("/", 2)[-2]) for f in files)
     if not runs and not exports_here:
         raise ValueError(
-            f"{location}: not a checkpoint run (no window-N directories and no dense exports "
-            f"below it); give a host-tier run directory, e.g. /dev/shm/torchmoe-ckpt/node-0/<run>, "
-            f"or the object-store URI of the run"
+            f"{location}: not a checkpoint run (no window-N directories and no dense exports below it); {GIVE}"
         )
     if len(runs) > 1:
         return {

@@ -34,13 +34,8 @@ from torch.futures import Future
 from ..placement import Placement
 from ..storage.layout import (
     METADATA,
-    PEERS_DIR,
-    manifest_name,
-    parse_manifest_name,
-    parse_peer_copy_name,
     parse_slot_path,
     slot_dirname,
-    window_dirname,
     writer_name,
     writer_rank,
 )
@@ -57,20 +52,19 @@ def _slot_path(path: str) -> tuple[str, int, int]:
     return where
 
 
+def _peers(path: str, group=None) -> tuple[PeerTier, int, int]:
+    """The peer tier of this rank for the run directory of slot path `path`, its window and slot."""
+    run, window, slot = _slot_path(str(path))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    return PeerTier(run_tier(run, rank, world, store=False), None, group), window, slot
+
+
 def held_copies(path: str | os.PathLike) -> dict[int, Path]:
-    """Rank -> the window directory holding that writer's committed copy of the window of slot path `path`: the
-    node's own writers' copies and the copies held for other writers (`.peers/<writer>/from-<writer>/`)."""
-    run, window, _ = _slot_path(str(path))
-    out: dict[int, Path] = {}
-    wdir = Path(run) / window_dirname(window)
-    for name in os.listdir(wdir) if wdir.is_dir() else ():
-        if (writer := parse_manifest_name(name)) is not None:
-            out[writer_rank(writer)] = wdir
-    for held in sorted(Path(run).glob(f"{PEERS_DIR}/*/from-*")):
-        src = parse_peer_copy_name(held.name)
-        if src is not None and (held / window_dirname(window) / manifest_name(src)).exists():
-            out.setdefault(writer_rank(src), held / window_dirname(window))
-    return out
+    """Rank -> the window directory holding that writer's committed copy of the window of slot path `path` on this
+    node: its own writers' copies and the copies this rank holds for others (`.peers/<writer>/from-<writer>/`)."""
+    peers, window, _ = _peers(str(path))
+    return peers.copies(window)
 
 
 class PeerWriter(HostWriter):
@@ -118,9 +112,9 @@ class PeerReader(HostReader):
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if kwargs.get("rank") is not None:  # DCP's rank-local retry: the merged metadata is global already
             raise FileNotFoundError("PeerReader has no rank-local metadata mode")
-        run, self.window, self.slot = _slot_path(self.path)
+        self.peers, self.window, self.slot = _peers(self.path, self.group)
         offer = {}
-        for src, wdir in held_copies(self.path).items():
+        for src, wdir in self.peers.copies(self.window).items():
             try:
                 offer[src] = (wdir / slot_dirname(self.slot) / writer_name(src) / METADATA).read_bytes()
             except OSError:
@@ -140,22 +134,21 @@ class PeerReader(HostReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Pull the windows of the writers whose files this rank's reads need and its node lacks (collective)."""
-        run, me = _slot_path(self.path)[0], dist.get_rank()
+        me = dist.get_rank()
         owners = {writer_rank(self.storage_data[r.storage_index].relative_path.split("/", 1)[0]) for r in plan.items}
-        every = self._gather(sorted(owners - set(held_copies(self.path))))
+        every = self._gather(sorted(owners - set(self.peers.copies(self.window))))
         transfers = []
         for dst, wants in enumerate(every):
             for src in wants:
                 holder = min(self.holders.get(src, [dst]))
                 if holder != dst:  # else nobody holds it: read_data fails, naming the missing file
                     transfers.append((holder, dst, src))
-        peers = PeerTier(run_tier(run, me, dist.get_world_size(self.group), store=False), None, self.group)
-        peers.pull(self.window, transfers)
-        self._where = held_copies(self.path)
+        self.peers.pull(self.window, transfers)
+        self._where = self.peers.copies(self.window)
         for holder, dst, src in transfers:
             if dst == me:
                 self.fetched[src] = holder
-                self.bytes_fetched += peers.held(src).manifest(self.window).total_bytes if src != me else 0
+                self.bytes_fetched += self.peers.held(src).manifest(self.window).total_bytes if src != me else 0
         return plan
 
     def read_file(self, rel: str):

@@ -119,12 +119,14 @@ class FileEntry:
         """Whether `data` (the whole file) has this entry's size and digest."""
         return len(data) == self.bytes and digest(data, self.algo) == self.crc32
 
-    def problem(self, rel: str, data) -> str | None:
-        """Why `data` is not this file (torn or corrupt), None when it is."""
-        if len(data) != self.bytes:
-            return f"{rel}: {len(data)} bytes, manifest says {self.bytes} (torn)"
-        got = digest(data, self.algo)
-        return None if got == self.crc32 else f"{rel}: {self.algo} {got:08x} != {self.crc32:08x} (corrupt)"
+    def problem(self, rel: str, got: FileEntry) -> str | None:
+        """Why a file whose size and digest (under this entry's algorithm) are `got` is not this one (torn or
+        corrupt); None when it is."""
+        if got.bytes != self.bytes:
+            return f"{rel}: {got.bytes} bytes, manifest says {self.bytes} (torn)"
+        if got.crc32 != self.crc32:
+            return f"{rel}: {self.algo} {got.crc32:08x} != {self.crc32:08x} (corrupt)"
+        return None
 
 
 class Digester:

@@ -36,6 +36,7 @@ from .layout import (
     held_copies_dir,
     is_data_file,
     manifest_name,
+    parse_manifest_name,
     parse_peer_copy_name,
     peer_copy_dir,
     window_dirname,
@@ -218,6 +219,20 @@ class PeerTier:
         """The writers this writer holds copies of."""
         names = [parse_peer_copy_name(n) for n in self.tier.files.listdir(held_copies_dir(self.tier.writer))]
         return sorted(writer_rank(n) for n in names if n is not None)
+
+    def copies(self, window_id: int) -> dict[int, Path]:
+        """Rank -> the directory holding that writer's committed copy of a window here: this node's own writers'
+        (the host tier's directory), else the copy held for it."""
+        w = window_dirname(window_id)
+        out = {
+            writer_rank(n): self.tier.window_dir(window_id)
+            for n in map(parse_manifest_name, self.tier.files.listdir(w))
+            if n
+        }
+        for src in self.sources():
+            if src not in out and (held := self.held(src)).files.exists(f"{w}/{manifest_name(held.writer)}"):
+                out[src] = Path(held.files.path(w))
+        return out
 
     def holdings(self) -> dict[int, list[int]]:
         """src rank -> windows this writer can provide for it (a full copy, or a verified replica copy)."""

@@ -24,7 +24,6 @@ reliably supported, and the async device-to-host copy needs page-locked memory t
 
 from __future__ import annotations
 
-import mmap
 import os
 import uuid
 import weakref
@@ -36,6 +35,7 @@ import torch
 from ..snapshot import Slot, build_slot
 from .checksums import BLOCK
 from .layout import slots_dir
+from .mapped_files import map_file
 
 
 @dataclass
@@ -109,16 +109,11 @@ class SlotFiles:
         else:
             path = str(self.dir / f"{uuid.uuid4().hex}.distcp")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.ftruncate(fd, size)  # a reused file shrinks to this layout (its tail pages are freed)
-            if reuse is None:
-                # Every page allocated now: a full /dev/shm is an OSError (ENOSPC) here, never a SIGBUS in the copy.
-                os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(fd, size)
+        try:  # a reused file shrinks to this layout (its tail pages are freed); a new one is allocated whole
+            _, base = map_file(fd, size, allocate=reuse is None)
         except BaseException:
             _release(path, fd)
             raise
-        base = torch.frombuffer(mm, dtype=torch.uint8)
         if reuse is not None:  # the padding between items must read as zeros (the checksums cover it)
             ends = [off + n for off, n, _, _ in offsets]
             for a, b in zip(ends, [off for off, _, _, _ in offsets[1:]] + [size]):

@@ -204,29 +204,17 @@ def slot_items(slot: Slot, base: torch.Tensor | None = None) -> tuple[list, list
 def pack(layout: SlotLayout, sources: list) -> torch.Tensor:
     """The data file of one save as a uint8 tensor (items at their offsets, zero padding)."""
     out = torch.zeros(layout.size, dtype=torch.uint8)
-    for off, n, src in zip(layout.offsets, layout.lengths, sources):
-        if n:
-            out[off : off + n].copy_(as_bytes(src))
+    for off, n, src in zip(layout.offsets, layout.lengths, map(as_source, sources)):
+        if n and isinstance(src, torch.Tensor):
+            out[off : off + n].view(src.dtype).view(src.shape).copy_(src)
+        elif n:
+            out[off : off + n].copy_(torch.frombuffer(bytearray(src), dtype=torch.uint8))
     return out
 
 
 def as_source(d):
     """An item's data as the copy loops take it: a tensor (detached) or a bytes-like (a BytesIO's buffer)."""
     return d.getbuffer() if isinstance(d, io.BytesIO) else d.detach() if isinstance(d, torch.Tensor) else d
-
-
-def as_bytes(src) -> torch.Tensor:
-    """The bytes of an item's data (a tensor, a BytesIO, a bytes-like) as a uint8 CPU tensor."""
-    if isinstance(src, torch.Tensor):
-        t = src.detach()
-        return (t if t.device.type == "cpu" else t.cpu()).contiguous().reshape(-1).view(torch.uint8)
-    if isinstance(src, io.BytesIO):
-        src = src.getbuffer()
-    return (
-        torch.frombuffer(bytearray(src), dtype=torch.uint8)
-        if len(memoryview(src))
-        else torch.empty(0, dtype=torch.uint8)
-    )
 
 
 # ---- reading -------------------------------------------------------------------------------------------------

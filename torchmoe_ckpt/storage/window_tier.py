@@ -222,10 +222,8 @@ class WindowTier:
             except FileNotFoundError:
                 problems.append(f"{rel}: missing")
                 continue
-            if got.bytes != want.bytes:
-                problems.append(f"{rel}: {got.bytes} bytes, manifest says {want.bytes} (torn)")
-            elif got.crc32 != want.crc32:
-                problems.append(f"{rel}: {want.algo} {got.crc32:08x} != {want.crc32:08x} (corrupt)")
+            if (why := want.problem(rel, got)) is not None:
+                problems.append(why)
         return problems
 
     def check(self, window_id: int, identity: RunIdentity | None = None, rank: int | None = None) -> list[str]:
