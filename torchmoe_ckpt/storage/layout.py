@@ -16,14 +16,10 @@ base path a DCP user saves under:
         window-000042/...                     this same layout
     LOCK.json                             the run lock (run_lock.py)
 
-Internal directories start with a dot: they are never a window and `inspect` does not list them.
-
-Every file of a window is named by its *writer* (`writer_name(rank)` = "rank-00003"), and every listing
-(`parse_manifest_name`, `writers_in`) returns writer names, so a later stable writer identity (one that
-survives renumbered ranks) changes `writer_name` and nothing that reads the layout.
-
-The tensorstore format keeps its own layout (one OCDBT database per writer and window, `store_window_prefix`);
-dense exports are TorchTitan's `step-N` directories and JIT copies `step-NNNNNNNN/rank-RRRRR`.
+Internal directories start with a dot: never a window, never listed by `inspect`. Files are named by their
+*writer* (`writer_name(rank)`) and listings return writer names (`parse_manifest_name`), so a later stable writer
+identity changes `writer_name` only. The tensorstore format keeps one OCDBT database per writer and window
+(`store_writer_prefix`); dense exports are TorchTitan's `step-N`, JIT copies `step-NNNNNNNN/<writer>`.
 """
 
 from __future__ import annotations

@@ -177,6 +177,12 @@ def _region(offset, shape) -> tuple:
 
 
 # ---------------------------------------------------------------------------------------------------------
+def _item(key: str, global_shape, offset, shape, t: torch.Tensor) -> SlotItem:
+    """A plain slot item (no operator): what a window copied between formats is made of."""
+    pc = Piece(key, True, tuple(global_shape), tuple(offset), (), tuple(shape))
+    return SlotItem(key, "step" if len(global_shape) == 0 else "data", "", pc, t)
+
+
 def slot_from_dcp(index: int, path: Path) -> tuple[Slot, dict]:
     """Read one host-tier slot piece (slot_format.py) into a Slot of plain items, every item checked against the
     checksum recorded at save time; returns (slot, the DCP planner info without the checksums)."""
@@ -187,9 +193,8 @@ def slot_from_dcp(index: int, path: Path) -> tuple[Slot, dict]:
         if not isinstance(tm, TensorStorageMetadata):
             raise ValueError(f"{path}: {fqn} is not a tensor; not a torchmoe-ckpt slot")
         for ch in tm.chunks:
-            role = "step" if len(tm.size) == 0 else "data"
-            pc = Piece(fqn, True, tuple(tm.size), tuple(ch.offsets), (), tuple(ch.sizes))
-            items.append(SlotItem(fqn, role, "", pc, torch.empty(tuple(ch.sizes), dtype=tm.properties.dtype)))
+            t = torch.empty(tuple(ch.sizes), dtype=tm.properties.dtype)
+            items.append(_item(fqn, tm.size, ch.offsets, ch.sizes, t))
     slot = Slot(index, (), (), items)
     info = dict(read_slot(files, "", slot, md))
     info.pop("checksums", None)
@@ -411,24 +416,13 @@ class TensorstoreTier(StoreTier):
             problems += [p for _, _, p in got if p]
             if problems:
                 continue
-            items = [
-                SlotItem(
-                    e["key"],
-                    "step" if "value" in e else "data",
-                    "",
-                    Piece(e["key"], True, tuple(e["global_shape"]), tuple(e["offset"]), (), tuple(e["shape"])),
-                    t,
-                )
-                for e, t, _ in got
-            ]
+            items = [_item(e["key"], e["global_shape"], e["offset"], e["shape"], t) for e, t, _ in got]
             slot = Slot(s["slot"], (), (), items)
             tier.write_slot(window_id, slot, s["info"])
             files.update(tier.written(window_id, slot.index))
         try:
-            r = self._kv(self._db(window_id)).read(REPLAY_KEY).result()
-            replay = bytes(r.value)
-            if r.state != "value" or crc32_bytes(replay) != meta["replay"]["crc32"]:
-                problems.append("replay records: missing or CRC32 does not match (corrupt)")
+            replay, problem = self._replay(window_id, meta)
+            problems += [problem] if problem else []
         except Exception as exc:
             problems.append(f"replay records: {exc}")
         if problems:
@@ -467,10 +461,14 @@ class TensorstoreTier(StoreTier):
         problems = []
         for s in meta["slots"]:
             problems += [p for _, _, p in self.read_items(window_id, meta, s["items"]) if p]
+        return problems + [p for p in self._replay(window_id, meta)[1:] if p]
+
+    def _replay(self, window_id: int, meta: dict) -> tuple[bytes, str | None]:
+        """The window's replay records and why they are unusable (None: their CRC32 matches)."""
         r = self._kv(self._db(window_id)).read(REPLAY_KEY).result()
-        if r.state != "value" or crc32_bytes(bytes(r.value)) != meta["replay"]["crc32"]:
-            problems.append("replay records: missing or CRC32 does not match (corrupt)")
-        return problems
+        data = bytes(r.value) if r.state == "value" else b""
+        ok = r.state == "value" and crc32_bytes(data) == meta["replay"]["crc32"]
+        return data, None if ok else "replay records: missing or CRC32 does not match (corrupt)"
 
 
 # ---- readers at any world size ---------------------------------------------------------------------------
