@@ -67,39 +67,25 @@ def tier_reader(args, path: str) -> dcp.StorageReader:
 
 
 def newest_window(args, schedule: tmc.SparseSchedule) -> int | None:
-    """The newest window whose every slot is committed on some tier of this rank, agreed by all ranks."""
-    if args.tier == "peer":  # complete when, for every slot, some node holds each rank's copy
+    """The newest window every rank committed (its manifest is written with the window's last slot) on some tier
+    it reads, agreed by all ranks."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    if args.tier == "peer":  # complete when some node holds each rank's committed copy
         held = {
-            (s, src)
-            for s in range(1, args.steps + 1)
-            for src in tmc.held_copies(f"{node_dir(args)}/{schedule.slot_name(s)}")
-        }
-        every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, held)
-        union, ws = set().union(*every), dist.get_world_size()
-        ok = [
-            w
+            (w, src)
             for w in range(args.steps // schedule.window + 1)
-            if all(
-                (s, r) in union
-                for s in range(
-                    schedule.first_step + w * schedule.window, schedule.first_step + (w + 1) * schedule.window
-                )
-                for r in range(ws)
+            for src in tmc.held_copies(
+                f"{node_dir(args)}/{schedule.slot_name(schedule.first_step + w * schedule.window)}"
             )
-        ]
+        }
+        every: list = [None] * ws
+        dist.all_gather_object(every, held)
+        union = set().union(*every)
+        ok = [w for w in range(args.steps // schedule.window + 1) if all((w, r) in union for r in range(ws))]
         return max(ok) if ok else None
-
-    def complete(w: int) -> bool:
-        start = schedule.first_step + w * schedule.window
-        bases = {"host": [args.host], "store": [args.store], "tiered": [args.host, args.store]}[args.tier]
-        return all(
-            any(tmc.has_checkpoint(f"{b}/{schedule.slot_name(s)}") for b in bases)
-            for s in range(start, start + schedule.window)
-        )
-
-    mine = {w for w in range(args.steps // schedule.window + 1) if complete(w)}
-    every: list = [None] * dist.get_world_size()
+    bases = {"host": [args.host], "store": [args.store], "tiered": [args.host, args.store]}[args.tier]
+    mine = set().union(*(tmc.committed_windows(b, rank=rank) for b in bases))
+    every = [None] * ws
     dist.all_gather_object(every, mine)
     common = set.intersection(*every)
     return max(common) if common else None

@@ -119,7 +119,7 @@ class SparseCheckpointSection:
         ):
             raise bad("persist_interval", "must be an integer >= 1", "persist_interval = 1")
         if self.persist_interval != 1:
-            # The core's TierWriter persists every committed window; skipping windows needs a core change.
+            # The core's PersistThread persists every committed window; skipping windows needs a core change.
             raise bad("persist_interval", "only 1 (persist every window) is supported so far", "persist_interval = 1")
         if self.ordering not in ORDERINGS:
             raise bad("ordering", "unknown ordering", f"use one of {', '.join(ORDERINGS)}")
@@ -215,7 +215,7 @@ class SparseCheckpointSection:
                 f"{key}: the tensorstore package is not installed; fix: pip install "
                 "'torchmoe-ckpt[tensorstore]' or object_store_format = \"dcp\""
             )
-        from torchmoe_ckpt.dcp.tensorstore_format import NoTensorstoreDriver, kvstore_spec
+        from torchmoe_ckpt.storage.tensorstore_tier import NoTensorstoreDriver, kvstore_spec
 
         try:
             kvstore_spec(self.object_store_uri)  # no storage options: nothing but the scheme is looked at
@@ -225,7 +225,7 @@ class SparseCheckpointSection:
     def check_store(self, probe: bool = True) -> None:
         """Open (and by default probe-write) the object store and the dense-export location once; raises
         JobConfigError naming the fix. Both use ``storage_options``."""
-        from torchmoe_ckpt.dcp.object_tier import StoreConfigError, open_store
+        from torchmoe_ckpt.storage.store_open import StoreConfigError, open_store
 
         for key in ("object_store_uri", "dense_export_uri"):
             uri = getattr(self, key)
@@ -270,7 +270,7 @@ class SparseCheckpointSection:
         return rid
 
     def tiers_config(self, ranks_per_node: int | None = None) -> dict:
-        """The dict torchmoe_ckpt.dcp.tiers.build_tiers takes."""
+        """The dict torchmoe_ckpt.storage.tiers.build_tiers takes."""
         cfg: dict[str, Any] = {"root": self.host_dir, "run_id": self.resolved_run_id(), "replicas": self.replicas}
         if ranks_per_node:
             cfg["ranks_per_node"] = ranks_per_node

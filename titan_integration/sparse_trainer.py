@@ -60,7 +60,6 @@ from titan_integration.titan_replay import OptimizerView, TitanReplayable, Titan
 from titan_integration.titan_state_export import state_tensors, write_export
 from torchmoe_ckpt import faults, rng
 from torchmoe_ckpt.capture import position_lambda_lr
-from torchmoe_ckpt.dcp.tiers import Tiers, build_tiers
 from torchmoe_ckpt.distributed import key_rendezvous_by_attempt
 from torchmoe_ckpt.identity import build_identity
 from torchmoe_ckpt.operators import discover_operators
@@ -70,6 +69,7 @@ from torchmoe_ckpt.replay_log import group_hyper
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.sparse_to_dense import ReplayDivergence
 from torchmoe_ckpt.status import log_recovery
+from torchmoe_ckpt.storage.tiers import Tiers, build_tiers
 
 __all__ = ["SparseTrainer", "TitanReplayable", "TitanStepResult"]
 

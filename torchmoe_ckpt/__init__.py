@@ -13,16 +13,11 @@ Own training loop (FSDP2, HSDP or a single process):
 Frameworks (TorchTitan) implement `Replayable` and drive `SparseCheckpointer` and `recover` themselves.
 """
 
+from . import dcp
 from .capture import SchedulerPosition
 from .checkpointer import Checkpointer, StepResult
 from .config import CheckpointConfig, ObjectStoreConfig, SparseConfig, TierConfig
-from .dcp.peer_storage import PeerReader, PeerWriter, held_copies
-from .dcp.raw_storage import CorruptItemError, RawReader, RawWriter, has_checkpoint
-from .dcp.run_lock import RunLockedError
-from .dcp.sparse_planner import SparseLoadPlanner, SparseSavePlanner, SparseSchedule, load_sparse_window
-from .dcp.tier_health import CheckpointStallError
-from .dcp.tier_storage import HostReader, HostWriter, StoreReader, StoreWriter, TieredReader, TieredWriter
-from .dcp.tiers import Tiers, build_tiers
+from .dcp import *  # noqa: F403  (the DCP users' names: dcp.__all__)
 from .distributed import init_process_group, restart_attempt
 from .errors import ConfigError, UncapturedStateError, UnusableCheckpointError
 from .identity import IdentityMismatch, RunIdentity
@@ -35,6 +30,9 @@ from .replay_log import IterationRecord, Replay
 from .routing import RouterCounter
 from .sparse_checkpointer import SparseCheckpointer
 from .sparse_to_dense import RecoveryReport, Replayable, ReplayDivergence, sparse_to_dense
+from .storage.run_lock import RunLockedError
+from .storage.tier_health import CheckpointStallError
+from .storage.tiers import Tiers, build_tiers
 from .window import Window
 
 __all__ = [
@@ -67,23 +65,7 @@ __all__ = [
     "RouterCounter",
     "discover_operators",
     "Operator",
-    # DCP users: sparse planners on a standard state dict, one StorageWriter/Reader per tier
-    "SparseSchedule",
-    "SparseSavePlanner",
-    "SparseLoadPlanner",
-    "load_sparse_window",
-    "HostWriter",
-    "HostReader",
-    "StoreWriter",
-    "StoreReader",
-    "TieredWriter",
-    "TieredReader",
-    "RawWriter",
-    "RawReader",
-    "has_checkpoint",
-    "PeerWriter",
-    "PeerReader",
-    "held_copies",
+    # DCP users: sparse planners on a standard state dict, one StorageWriter/Reader per tier (+ dcp.__all__)
     "Topology",
     "place_replicas",
     "Placement",
@@ -98,6 +80,5 @@ __all__ = [
     "CheckpointStallError",
     "IdentityMismatch",
     "RunIdentity",
-    "CorruptItemError",
     "UnusableCheckpointError",
-]
+] + dcp.__all__

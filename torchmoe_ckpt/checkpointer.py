@@ -34,7 +34,6 @@ from torch.utils._pytree import tree_map
 from . import faults, rng
 from .capture import SchedulerPosition, check_coverage, check_optimizer, check_optimizer_state, infer_compute_dtype
 from .config import CheckpointConfig
-from .dcp.tiers import Tiers, build_tiers
 from .device_copy import host_copy
 from .errors import ConfigError
 from .identity import build_identity
@@ -47,6 +46,7 @@ from .routing import RouterCounter
 from .sparse_checkpointer import SparseCheckpointer
 from .sparse_to_dense import ReplayDivergence, init_optimizer_state
 from .status import log_recovery
+from .storage.tiers import Tiers, build_tiers
 
 log = logging.getLogger("torchmoe_ckpt.checkpointer")
 

@@ -12,11 +12,10 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .dcp.object_tier import check_uri
-from .dcp.store_errors import StoreConfigError
 from .errors import ConfigError
 from .operators import OperatorSpec
 from .replay_check import DEFAULT_TOLERANCE, ReplayPolicy
+from .storage.store_open import StoreConfigError, check_uri
 
 __all__ = ["ConfigError", "SparseConfig", "ObjectStoreConfig", "TierConfig", "CheckpointConfig", "DEFAULT_HOST_ROOT"]
 

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .dcp.tiers import Tiers, all_gather_objects, recover_from_tiers
 from .errors import UnusableCheckpointError
 from .identity import IdentityMismatch, RunIdentity, allowed_changes, build_identity, refusal
 from .operators import Operator
 from .optim_state import describe_optimizer_state
 from .replay_check import ReplayPolicy, replay_verdict
 from .sparse_to_dense import Replayable, sparse_to_dense
+from .storage.recover import all_gather_objects, recover_from_tiers
+from .storage.tiers import Tiers
 from .window import Window
 
 log = logging.getLogger("torchmoe_ckpt.recovery")

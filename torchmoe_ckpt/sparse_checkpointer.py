@@ -18,10 +18,6 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import SparseConfig
-from .dcp.host_tier import HostTier
-from .dcp.manifest import plan_digest
-from .dcp.slot_files import all_free, backing
-from .dcp.tier_writer import TierWriter
 from .device_copy import host_copy
 from .distributed import library_group
 from .errors import ConfigError
@@ -33,6 +29,10 @@ from .replay_log import IterationRecord
 from .schedule import CopyCost, WindowPlan, choose_window, copy_budget, measure_copy_bandwidth, plan_window
 from .slot_pool import SlotPool
 from .snapshot import Slot, SnapshotEngine, StateAccess, build_slot
+from .storage.host_tier import HostTier
+from .storage.manifest import plan_digest
+from .storage.persist_thread import PersistThread
+from .storage.slot_files import all_free, backing
 from .window import Window
 
 log = logging.getLogger("torchmoe_ckpt")
@@ -104,7 +104,7 @@ class SparseCheckpointer:
         self.current: Window | None = None
         self.committed: Window | None = committed
         self._inherited = committed  # a window handed over after a restart (still the recovery fallback)
-        # Optional host-memory tier (dcp.host_tier.HostTier): slots persisted off the training thread.
+        # Optional host-memory tier (storage.host_tier.HostTier): slots persisted off the training thread.
         self.tier_writer = None
         if host_tier is not None and not isinstance(host_tier, HostTier):
             raise ConfigError(
@@ -112,11 +112,11 @@ class SparseCheckpointer:
                 "build_tiers(TierConfig(...)), or use torchmoe_ckpt.Checkpointer, which owns them"
             )
         if host_tier is not None:
-            self.tier_writer = TierWriter(host_tier, replicator, store)
+            self.tier_writer = PersistThread(host_tier, replicator, store)
         self._order: list[str] | None = None
         self._order_freq: torch.Tensor | None = None
         # Slot buffer sets by plan, reused. With the host tier on CPU they are views of shared-memory data files
-        # (dcp/slot_files.py: the snapshot copy is the persist); a set is reused only once the host tier has
+        # (storage/slot_files.py: the snapshot copy is the persist); a set is reused only once the host tier has
         # unlinked its files from every window (collected), so a committed window is never overwritten.
         self._pool: dict[tuple, list[list[Slot]]] = {}
         self._direct = host_tier.slot_files if host_tier is not None and not use_cuda else None

@@ -210,7 +210,7 @@ def recovery_line(report: dict) -> str:
     """The line a user reads after a recovery: which window, where the copy came from, and the exactness proof
     (recovery compares every replayed loss with the one the original run logged: bit for bit, or within the
     tolerant bound, then said to be approximate with the deviation: replay_check.replay_verdict)."""
-    src = str(report.get("source") or "?")  # "host", "peer N" or "object store" (dcp/tiers.py)
+    src = str(report.get("source") or "?")  # "host", "peer N" or "object store" (storage/recover.py)
     where = (
         "this node's host memory"
         if src == "host"

@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 from torchmoe_ckpt.config import SparseConfig, TierConfig
-from torchmoe_ckpt.dcp.tiers import Tiers, build_tiers, node_of
 from torchmoe_ckpt.errors import UnusableCheckpointError
 from torchmoe_ckpt.identity import IdentityMismatch, RunIdentity, build_identity
 from torchmoe_ckpt.operators import discover_operators
@@ -43,6 +42,7 @@ from torchmoe_ckpt.replay_check import DEFAULT_TOLERANCE, ReplayPolicy, check_re
 from torchmoe_ckpt.snapshot import SimulatedCopyFault
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.sparse_to_dense import sparse_to_dense
+from torchmoe_ckpt.storage.tiers import Tiers, build_tiers, node_of
 from torchmoe_ckpt.watchdog import CollectiveWatchdog, read_events
 from torchmoe_harness.trainer import Trainer
 
@@ -72,7 +72,7 @@ def _tear(slot, n) -> None:
 
 
 def _tiers(trainer: Trainer, host: dict | None) -> Tiers:
-    """(HostTier, PeerReplicator, ObjectTier) from the spec's "host_tier" section, or Nones."""
+    """(HostTier, PeerTier, ObjectTier) from the spec's "host_tier" section, or Nones."""
     if not host:
         return Tiers(None, None, None)
     return build_tiers(host, trainer.rank, trainer.world, trainer.cfg.hsdp)

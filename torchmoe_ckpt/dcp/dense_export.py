@@ -23,10 +23,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ..optim_state import optimizer_list
+from ..storage.layout import METADATA
+from ..storage.layout import dense_step_dirname as step_dirname
+from ..storage.store_open import open_store
 
 log = logging.getLogger("torchmoe_ckpt.dense_export")
 TRAIN_STATE = "torchmoe_train_state"  # not TorchTitan's "train_state", which has other fields
-METADATA = ".metadata"  # DCP writes it last, after every rank's data: the commit
 
 
 # Flattened optimizer keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): TorchTitan's OptimizersContainer
@@ -80,10 +82,9 @@ def load_dense(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: str, storage_options: dict | None = None
 ) -> int:
     """Collective: load an export into a (freshly built) model and optimizer; returns the step it holds."""
-    import fsspec
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    fs, root = open_store(uri, storage_options, probe=False)
     if not fs.exists(f"{root.rstrip('/')}/{METADATA}"):
         raise FileNotFoundError(
             f"{uri} is not a complete dense export ({METADATA} missing): the export was "
@@ -113,10 +114,6 @@ def load_dense(
     return step
 
 
-def step_dirname(step: int) -> str:
-    return f"step-{step}"  # TorchTitan's `{folder}/step-{N}`
-
-
 class DenseExporter:
     """Periodic dense exports to any fsspec URI (storage options passed explicitly), written by
     `dcp.async_save` on its own gloo group so its background collectives never interleave with training's.
@@ -126,8 +123,6 @@ class DenseExporter:
     def __init__(self, uri: str, storage_options: dict | None = None, every: int | None = None, keep: int = 2):
         if every is not None and every < 1:
             raise ValueError(f"dense export interval must be >= 1 iterations or None (off), got {every}")
-        from .object_tier import open_store
-
         self.uri, self.opts, self.every, self.keep = uri.rstrip("/"), dict(storage_options or {}), every, keep
         self.fs, self.root = open_store(uri, self.opts, probe=True)
         self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None

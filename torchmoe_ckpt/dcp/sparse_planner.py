@@ -48,9 +48,11 @@ from ..optim_state import describe_optimizer_state
 from ..replay_log import IterationRecord, ReplayLog
 from ..schedule import plan_window
 from ..snapshot import Slot, SlotItem, build_slot
+from ..storage.layout import slot_name
+from ..storage.manifest import plan_digest
+from ..storage.slot_format import PLANNER_KEY
 from ..window import Window
-from .manifest import plan_digest
-from .planner import PLANNER_KEY, partial_global_plan
+from .slot_planner import partial_global_plan
 
 # DCP's state-dict helpers drop these wrapper names from FQNs (torch.compile, activation checkpointing).
 _WRAPPERS = re.compile(r"(^|\.)(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)(?=\.|$)")
@@ -112,7 +114,7 @@ class SparseSchedule:
     def slot_name(self, step: int) -> str:
         """Where step's slot goes under a tier's root: `window-NNNNNN/slot-SS`."""
         wid, slot, _ = self.locate(step)
-        return f"window-{wid:06d}/slot-{slot:02d}"
+        return slot_name(wid, slot)
 
     def slot_path(self, root: str | Path, step: int) -> str:
         return f"{str(root).rstrip('/')}/{self.slot_name(step)}"
@@ -126,7 +128,7 @@ class SparseSchedule:
             "start_step": start,
             "window_size": self.window,
             "plan": self.digest,
-            "run": run,
+            "run": run or None,
         }
 
 
@@ -174,6 +176,7 @@ class SparseSavePlanner(DefaultSavePlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
         self.schedule, self.step, self.record, self.keys = schedule, step, record, (model_key, optim_key)
         self.info = schedule.info(step, run)
+        self.window_plan = schedule.plan  # our writers commit the window's manifest with its last slot
         self.slot = schedule.slot_items(self.info["slot"])
         self._items: dict[tuple, SlotItem] = {}
 
