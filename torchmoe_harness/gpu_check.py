@@ -64,8 +64,9 @@ def environment(device: str, work: Path) -> dict:
             gpu_memory_bytes=props.total_memory,
             capability=f"{props.major}.{props.minor}",
             gpus=torch.cuda.device_count(),
-            nccl=".".join(map(str, torch.cuda.nccl.version())),
         )
+        nccl = torch.cuda.nccl.version()
+        out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     meminfo = {}
     for line in Path("/proc/meminfo").read_text().splitlines():
         key, _, rest = line.partition(":")
@@ -128,8 +129,9 @@ def _phase(n: int, device: str, tiny: bool, work: Path, budget: float) -> dict:
 def run_check(out: Path, device: str, tiny: bool, phases: list[int], work: Path | None = None, say=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     own_work = work is None
-    if work is None:
-        base = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    if work is None:  # the host tier of phases 1-2 lives here: shared memory where there is room
+        shm = Path("/dev/shm")
+        base = str(shm) if shm.is_dir() and shutil.disk_usage(shm).free >= 4 << 30 else None
         work = Path(tempfile.mkdtemp(prefix="tmoe-gpucheck-", dir=base))
     work.mkdir(parents=True, exist_ok=True)
     report: dict = {

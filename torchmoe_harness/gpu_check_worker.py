@@ -157,9 +157,8 @@ def run(spec: dict, out: Path) -> None:
         for step in range(start + 1, spec["steps"] + 1):
             counter.step = step
             losses[step] = step_fn(m.batch(step))
-            if step % 4 == 0 or step == spec["steps"]:  # what the counts were before a kill, kept now and then
-                rec["syncs"] = counter.report()
-                (out / f"attempt{attempt}.json").write_text(json.dumps(rec, indent=1, default=str))
+            rec["syncs"] = counter.report()  # after every step: a kill must not take the counts so far with it
+            (out / f"attempt{attempt}.json").write_text(json.dumps(rec, indent=1, default=str))
     if ckpt is not None:
         rec["waits_s"] = ckpt.sparse.engine.waits[-64:]
         rec["checkpoint"] = {k: v for k, v in ckpt.stats().items() if k != "recovery"}
