@@ -27,7 +27,11 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._utils import InferenceMode
+
+try:
+    from torch.distributed.pipelining._utils import InferenceMode
+except ImportError:  # torch < 2.13 (e.g. 2.11) has no warm-up vote: the two vote overrides below are never called
+    InferenceMode = None
 
 from .pipeline_log import BoundaryLog, LogReader
 

@@ -1,4 +1,4 @@
-"""The harness's `torchmoe-ckpt` subcommands (selftest, bench, simulate), registered through the entry-point
+"""The harness's `torchmoe-ckpt` subcommands (selftest, bench, simulate, gpu-check), registered through the entry-point
 group `torchmoe_ckpt.commands` (pyproject.toml), so the library's CLI lists them without importing the harness.
 
 Each `register_*` adds one subparser and sets `fn` (called with the parsed arguments, returns the exit code).
@@ -147,3 +147,11 @@ def register_simulate(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--bench", default=None, help="bench.json: also the ETTR of its measured systems")
     m.add_argument("--json", action="store_true")
     m.set_defaults(fn=_simulate)
+
+
+def register_gpu_check(sub: argparse._SubParsersAction) -> None:
+    from torchmoe_harness.gpu_check import add_arguments, from_args
+
+    g = sub.add_parser("gpu-check", help="the GPU check: exact recovery, replay check, benchmark (docs/gpu.md)")
+    add_arguments(g)
+    g.set_defaults(fn=from_args)

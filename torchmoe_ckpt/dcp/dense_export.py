@@ -120,12 +120,22 @@ class DenseExporter:
     DCP writes `.metadata` last, after every rank's data: an export without it is incomplete and ignored.
     Keeps the newest `keep` exports (rank 0 deletes older ones after a newer one is complete)."""
 
-    def __init__(self, uri: str, storage_options: dict | None = None, every: int | None = None, keep: int = 2):
+    def __init__(
+        self,
+        uri: str,
+        storage_options: dict | None = None,
+        every: int | None = None,
+        keep: int = 2,
+        async_stager=None,
+    ):
+        """`async_stager`: DCP's `AsyncStager` for `dcp.async_save` (e.g. `DefaultStager` with pinned memory and async
+        staging, TorchTitan's `async_with_pinned_mem`; the caller closes it); None: DCP's default stager."""
         if every is not None and every < 1:
             raise ValueError(f"dense export interval must be >= 1 iterations or None (off), got {every}")
         self.uri, self.opts, self.every, self.keep = uri.rstrip("/"), dict(storage_options or {}), every, keep
         self.fs, self.root = open_store(uri, self.opts, probe=True)
         self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.async_stager = async_stager
         self._future = None
         self._pending_step: int | None = None
         self.exported: list[int] = []
@@ -146,7 +156,10 @@ class DenseExporter:
         t0 = time.perf_counter()
         writer = FsspecWriter(self.path(step), **self.opts)
         self._future = dcp.async_save(
-            _export_state(model, optimizer, step, extra), storage_writer=writer, process_group=self.pg
+            _export_state(model, optimizer, step, extra),
+            storage_writer=writer,
+            process_group=self.pg,
+            async_stager=self.async_stager,
         )
         self._pending_step, self._t0 = step, t0
         self.stage_seconds.append(time.perf_counter() - t0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 
 import torch
 from torch.distributed.checkpoint.default_planner import (
@@ -37,15 +38,44 @@ def partial_global_plan(
     DCP would log every expected partial tensor); out-of-bounds and overlapping chunks still raise."""
     plans = planner._dedup_save_plans(all_plans)  # HSDP replicas and step counters are written once
     global_plan, md = create_default_global_save_plan(plans)
-    quiet = logging.getLogger(_validate_global_plan.__module__)
-    level, quiet.level = quiet.level, logging.ERROR
-    try:
-        errors = [e for e in _validate_global_plan(global_plan, md) if "invalid fill tensor-volume" not in e]
-    finally:
-        quiet.setLevel(level)
+    errors = [e for e in _plan_errors(global_plan, md) if "invalid fill tensor-volume" not in e]
     if errors:
         raise ValueError(f"{what} is inconsistent across ranks: {'; '.join(errors)[:500]}")
     return plans, global_plan, md
+
+
+_PLAN_CHECK = threading.Lock()
+
+
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _plan_errors(global_plan: list[SavePlan], md: Metadata) -> list[str]:
+    """DCP's global-plan check as a list of messages, kept off the log (DCP would log every expected partial
+    tensor). torch 2.13 returns the messages; torch 2.11 returns a bool and only logs them, so they are
+    collected from its logger."""
+    quiet = logging.getLogger(_validate_global_plan.__module__)
+    collect = _Messages()
+    with _PLAN_CHECK:  # tier threads plan concurrently: one logger setting (and one set of messages) at a time
+        level, propagate = quiet.level, quiet.propagate
+        quiet.setLevel(logging.WARNING)
+        quiet.propagate = False
+        quiet.addHandler(collect)
+        try:
+            got = _validate_global_plan(global_plan, md)
+        finally:
+            quiet.removeHandler(collect)
+            quiet.propagate = propagate
+            quiet.setLevel(level)
+    if isinstance(got, bool):
+        return [] if got else [" ".join(m.split()) for m in collect.messages] or ["DCP's global-plan check failed"]
+    return list(got)
 
 
 def _index_key(fqn: str, offset) -> tuple:

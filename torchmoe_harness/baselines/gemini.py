@@ -1,9 +1,16 @@
 """Gemini-style in-memory checkpointing: every k iterations, a dense snapshot of this rank's whole state
 (fp32 master weights, AdamW moments and steps, buffers) into host memory, copied off the training thread
-by the same SnapshotEngine our slots use. Two host buffers alternate, so the newest *complete* snapshot
-survives while the next one is being copied. (Gemini also pushes the snapshot to a peer's CPU memory;
-not done here: the peer copy's cost is our replication path's, measured separately as sparse_W4_tiers.)
-Recovery loads the newest complete snapshot into a fresh trainer: exact, everything after it is redone."""
+by the same SnapshotEngine our slots use: on a GPU into pinned buffers on a side stream, ordered after the
+optimizer step by an event, the next update ordered after the copy on the device. Two host buffers alternate, so
+the newest *complete* snapshot survives while the next one is being copied. (Gemini also pushes the snapshot to a
+peer's CPU memory; not done here: the peer copy's cost is our replication path's, measured separately.)
+
+The training thread never waits on the host for a snapshot to land (a fair GPU baseline: waiting would throw away
+the host's lead over the device every iteration). A snapshot goes into the buffer of the one before the previous:
+the device runs the copies in order and the update between them waits for the previous copy, so that buffer's
+copy finished before this one starts, and the other buffer always holds a complete snapshot. Which buffer holds
+the newest complete one is read at recovery, from what the copy thread has finished at that moment.
+Recovery loads it into a fresh trainer: exact, everything after it is redone."""
 
 from __future__ import annotations
 
@@ -25,38 +32,49 @@ class HostDense(HostCopyBaseline):
         pin = self.engine.use_cuda  # pinned host buffers on a GPU, as our slots: the same copy path, a fair price
         by_name = {o.name: o for o in ops}
         self.buffers = [build_slot(i, names, (), by_name, trainer.compute_dtype, pin_memory=pin) for i in (0, 1)]
-        self.latest = None  # (slot, step, rng) of the newest complete snapshot
-        self.pending = None
+        self.taken: list[tuple | None] = [None, None]  # per buffer: (step, RNG state) of the snapshot queued into it
+        self.pending = None  # HostCopyBaseline's: no snapshot is promoted on the training thread
         self.wait = Timer()
         self.checkpoints = 0
 
     def before_update(self, until_done: bool = False) -> None:
-        if self._wait_for_copy(until_done):
-            self.latest, self.pending = self.pending, None
+        self._wait_for_copy(until_done)  # on a GPU: the update waits for the copy in flight on the device
 
     def after_step(self, trainer, res) -> None:
         if trainer.step % self.every:
             return
-        self.before_update(until_done=True)  # one copy in flight at a time; the finished one becomes the latest
-        slot = self.buffers[self.checkpoints % 2]
+        i = self.checkpoints % 2
         t0 = time.perf_counter()
-        self.engine.capture(slot, trainer.step)
+        self.engine.capture(self.buffers[i], trainer.step)  # waits only until the previous copy is queued
         self.wait.add(t0)
-        self.pending = (slot, trainer.step, rng_state())
+        self.taken[i] = (trainer.step, rng_state())
         self.checkpoints += 1
 
+    def latest(self):
+        """(slot, step, RNG state) of the newest snapshot on the host now, or None."""
+        done = [
+            (taken[0], slot, taken[1])
+            for slot, taken in zip(self.buffers, self.taken)
+            if taken is not None and slot.complete and slot.step == taken[0]
+        ]
+        if not done:
+            return None
+        step, slot, rng = max(done, key=lambda d: d[0])
+        return slot, step, rng
+
     def recover(self, trainer, failed_at: int):
+        latest = self.latest()  # what is on the host at the failure (a copy still in flight is lost)
         self.engine.shutdown()
         t0 = time.perf_counter()
-        if self.latest is None:
+        if latest is None:
             from torchmoe_harness.baselines.dense_dcp import fresh_trainer_plain
 
             fresh, step = fresh_trainer_plain(trainer.cfg), 0
         else:
-            slot, step, rng = self.latest
+            slot, step, rng = latest
             fresh = restored_trainer(trainer, [slot], step, rng)
         self.engine = SnapshotEngine(StateAccess(fresh.model, fresh.optimizer))
-        self.pending = None
+        self.taken = [None, None]
         return fresh, {"recovered_step": step, "seconds": time.perf_counter() - t0}
 
     def close(self) -> None:
@@ -70,4 +88,5 @@ class HostDense(HostCopyBaseline):
             "wait_seconds_total": self.wait.total,
             "wait_seconds_max": self.wait.max,
             "bytes_per_checkpoint": self.buffers[0].nbytes,
+            "host_bytes": sum(b.nbytes for b in self.buffers),  # the two snapshot buffers (pinned on a GPU)
         }

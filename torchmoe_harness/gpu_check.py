@@ -1,0 +1,223 @@
+"""The GPU check: one command that shows, on one GPU, what docs/gpu.md claims and what the CPU tests cannot show.
+
+    torchmoe-ckpt gpu-check --out DIR                 # installed
+    python3 -m torchmoe_harness.gpu_check --out DIR   # from a source tree (scripts/gpu_check.sh sets it up)
+    ... --device cpu --tiny                           # the same phases on a CPU, small (tests/distributed)
+
+Phases, each under its own time limit; DIR/gpu_check.json and DIR/gpu_check.md are rewritten after every phase, so
+a run cut short still leaves what it found (and DIR/bench_raw.json: every turn of phase 3):
+
+  0  environment: versions, the device, host and shared memory, every module of the library and harness imported;
+  1  exact recovery on the device under torchrun, real kill -9 (one while a slot copy is in flight), deterministic
+     kernels, dropout: every tensor torch.equal to a run that never failed; host syncs per iteration counted, with
+     and without the checkpointer (gpu_check_recovery.py);
+  2  non-deterministic kernels: replay_check="exact" refuses in one line, "tolerant" recovers and reports its
+     deviation (gpu_check_recovery.py);
+  3  the benchmark: ours (auto W, W = 4, with the host tier), the dense pinned snapshot and DCP async_save with
+     pinned staging (every iteration, best interval), interleaved on a model sized to the card (gpu_check_bench.py).
+
+Exit status 0 when every phase that ran passed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+PHASES = ("environment", "exact_recovery", "nondeterministic", "bench")
+# Seconds per phase on a GPU (phases 1-3 within ~7 minutes, torchrun starts and model builds included); on a CPU
+# the tiny phases take well under these.
+BUDGET_S = {"cuda": (45, 100, 85, 210), "cpu": (60, 240, 240, 240)}
+# Packages the harness may use that a machine need not have: an import failing for one of these is reported, not a
+# failure (TorchTitan's glue, the S3 and Azure stores and their test servers).
+OPTIONAL = {"torchtitan", "titan_integration", "tyro", "s3fs", "moto", "adlfs", "azure", "boto3", "botocore"}
+PACKAGES = ("numpy", "fsspec", "tensorstore", "transformers", "matplotlib", "psutil", "pytest", "hypothesis", "tyro")
+
+
+def environment(device: str, work: Path) -> dict:
+    import importlib
+    import importlib.metadata as md
+    import pkgutil
+
+    import torch
+
+    out: dict = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "device": device,
+        "cpus": os.cpu_count(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        out.update(
+            gpu=props.name,
+            gpu_memory_bytes=props.total_memory,
+            capability=f"{props.major}.{props.minor}",
+            gpus=torch.cuda.device_count(),
+        )
+        nccl = torch.cuda.nccl.version()
+        out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    meminfo = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("MemTotal", "MemAvailable"):
+            meminfo[key] = int(rest.split()[0]) * 1024
+    out["host_memory_bytes"] = meminfo
+    for name, path in (("dev_shm", "/dev/shm"), ("work", str(work))):
+        if Path(path).is_dir():
+            u = shutil.disk_usage(path)
+            out[f"{name}_bytes"] = {"total": u.total, "free": u.free}
+    versions = {}
+    for pkg in PACKAGES:
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    out["packages"] = versions
+    from torch.distributed.checkpoint import staging
+    from torch.distributed.pipelining import _utils as pp_utils
+
+    out["apis"] = {
+        "dcp DefaultStager/StagingOptions": hasattr(staging, "DefaultStager") and hasattr(staging, "StagingOptions"),
+        "pipelining InferenceMode (torch >= 2.13)": hasattr(pp_utils, "InferenceMode"),
+        "cuda.set_sync_debug_mode": hasattr(torch.cuda, "set_sync_debug_mode"),
+        "cuda.host_memory_stats": hasattr(torch.cuda, "host_memory_stats"),
+    }
+    imported, optional, failed = 0, {}, {}
+    root = Path(__file__).resolve().parents[1]
+    for pkg in ("torchmoe_ckpt", "torchmoe_harness"):
+        for mod in pkgutil.walk_packages([str(root / pkg)], prefix=f"{pkg}."):
+            try:
+                importlib.import_module(mod.name)
+                imported += 1
+            except ModuleNotFoundError as exc:
+                top = (exc.name or "").split(".")[0]
+                (optional if top in OPTIONAL else failed)[mod.name] = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # an import that breaks on this torch: the finding this phase exists for
+                failed[mod.name] = f"{type(exc).__name__}: {exc}"
+    out["imports"] = {"imported": imported, "optional_missing": optional, "failed": failed}
+    out["ok"] = not failed and (device != "cuda" or torch.cuda.is_available())
+    return out
+
+
+def _phase(n: int, device: str, tiny: bool, work: Path, budget: float) -> dict:
+    if n == 0:
+        return environment(device, work)
+    if n == 1:
+        from torchmoe_harness.gpu_check_recovery import exact_recovery
+
+        return exact_recovery(device, tiny, work / "exact", budget)
+    if n == 2:
+        from torchmoe_harness.gpu_check_recovery import nondeterministic
+
+        return nondeterministic(device, tiny, work / "nondeterministic", budget)
+    from torchmoe_harness.gpu_check_bench import run_bench
+
+    return run_bench(device, tiny, work, budget)
+
+
+def run_check(out: Path, device: str, tiny: bool, phases: list[int], work: Path | None = None, say=print) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    own_work = work is None
+    if work is None:  # the host tier of phases 1-2 lives here: shared memory where there is room
+        shm = Path("/dev/shm")
+        base = str(shm) if shm.is_dir() and shutil.disk_usage(shm).free >= 4 << 30 else None
+        work = Path(tempfile.mkdtemp(prefix="tmoe-gpucheck-", dir=base))
+    work.mkdir(parents=True, exist_ok=True)
+    report: dict = {
+        "device": device,
+        "tiny": tiny,
+        "command": " ".join(sys.argv),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "phases": {},
+    }
+    t_all = time.perf_counter()
+    try:
+        for n in phases:
+            name = f"{n}_{PHASES[n]}"
+            budget = BUDGET_S["cuda" if device == "cuda" else "cpu"][n]
+            say(f"[gpu-check] phase {name} (budget {budget} s) ...")
+            t0 = time.perf_counter()
+            entry: dict = {"budget_s": budget}
+            try:
+                res = _phase(n, device, tiny, work, budget)
+                entry.update(status="passed" if res.get("ok") else "failed", result=res)
+            except Exception as exc:  # one phase's error does not stop the others
+                entry.update(status="error", error=f"{type(exc).__name__}: {exc}"[:3000])
+                entry["traceback"] = traceback.format_exc()[-3000:]
+            entry["seconds"] = round(time.perf_counter() - t0, 1)
+            report["phases"][name] = entry
+            report["seconds"] = round(time.perf_counter() - t_all, 1)
+            report["ok"] = all(p["status"] == "passed" for p in report["phases"].values())
+            write(out, report)
+            say(f"[gpu-check] phase {name}: {entry['status']} in {entry['seconds']} s")
+    finally:
+        if own_work:
+            shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+def write(out: Path, report: dict) -> None:
+    """gpu_check.json (bench turns in bench_raw.json) and gpu_check.md, replaced whole (write, then rename)."""
+    from torchmoe_harness.gpu_check_report import markdown
+
+    files = {}
+    bench = report["phases"].get("3_bench", {}).get("result") or {}
+    if "raw_turns" in bench:
+        files["bench_raw.json"] = json.dumps(bench["raw_turns"], default=str)
+        phases = dict(report["phases"], **{"3_bench": dict(report["phases"]["3_bench"], result=dict(bench))})
+        del phases["3_bench"]["result"]["raw_turns"]
+        report = dict(report, phases=phases)
+    files["gpu_check.json"] = json.dumps(report, indent=1, default=str)
+    files["gpu_check.md"] = "\n".join(markdown(report)) + "\n"
+    for name, text in files.items():
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(out / name)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="where gpu_check.json and gpu_check.md go (rewritten after each phase)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--tiny", action="store_true", help="a small model in the benchmark (what `make test` runs)")
+    p.add_argument("--phases", default="0,1,2,3", help="which phases, e.g. 3 or 1,2 (a rerun of one phase)")
+    p.add_argument("--work", default=None, help="scratch directory (default: a new one under /dev/shm, removed)")
+
+
+def from_args(a: argparse.Namespace) -> int:
+    import torch
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but torch sees no CUDA device: use --device cpu, or run on a GPU machine")
+    try:
+        phases = sorted({int(x) for x in a.phases.split(",") if x.strip()})
+    except ValueError:
+        phases = [-1]
+    if not phases or any(n not in range(len(PHASES)) for n in phases):
+        raise ValueError(f"--phases {a.phases!r}: use numbers 0-3 separated by commas, e.g. 0,1,2,3 or 3")
+    report = run_check(Path(a.out), device, a.tiny, phases, Path(a.work) if a.work else None)
+    print(
+        f"[gpu-check] {'PASSED' if report['ok'] else 'FAILED'} in {report['seconds']} s: {Path(a.out) / 'gpu_check.md'}"
+    )
+    return 0 if report["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m torchmoe_harness.gpu_check", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return from_args(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""Phase 3 of the GPU check (gpu_check.py): the systems side by side on one rank (gpu_check_bench_worker), on a MoE
+model sized to the card and the host (>= 0.5 B parameters on a GPU; tiny on a CPU), and the figures a GPU run is
+judged by: paired step overhead (CUDA events and wall), training-thread blocked time, device-to-host throughput
+against the pinned-copy peak, host memory, host syncs per iteration.
+
+Systems: none; ours with auto W; ours with W = 4; ours (auto W) with the host tier; the dense snapshot every
+iteration (Gemini-style, pinned double buffers on a side stream); DCP `async_save` with pinned async staging every
+iteration and at its best interval (ETTR-optimal for an MTBF of `MTBF_ITERATIONS` iterations, at most 8)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+from torchmoe_harness.launch import launch
+
+SYSTEMS = {
+    "ours_auto": {"kind": "ours", "window": None},
+    "ours_W4": {"kind": "ours", "window": 4},
+    "ours_host": {"kind": "ours_host", "window": None},
+    "gemini_k1": {"kind": "gemini", "every": 1},
+    "dcp_async_k1": {"kind": "dcp_async", "every": 1, "keep": 1},
+}
+PERIODIC = {"dcp_async_best": {"kind": "dcp_async", "of": "dcp_async_k1", "params": {"keep": 1}}}
+MTBF_ITERATIONS = 100
+TARGET_PARAMS = 0.5e9
+# Host bytes per parameter at the peak, as a multiple of the dense state (fp32 master + two AdamW moments, 12 B):
+# one system at a time, the largest (ours with the host tier: two windows of pinned slots, two to three windows of
+# shared-memory files) plus pinned blocks torch's host allocator keeps cached from the systems before it.
+HOST_DENSE_FACTOR = 8.0
+SHM_DENSE_FACTOR = 3.0  # shared memory: the host tier's files, or DCP's staging segment and its files
+GPU_BYTES_PER_PARAM = 24.0  # fp32 param, grad, two moments, bf16 copies, activations and workspace
+
+
+def tiny_model() -> dict:
+    return {
+        "model": {
+            "vocab_size": 256,
+            "dim": 64,
+            "n_layers": 2,
+            "n_heads": 2,
+            "num_experts": 8,
+            "top_k": 2,
+            "expert_hidden": 128,
+            "max_seq_len": 64,
+        },
+        "batch_size": 2,
+        "seq_len": 32,
+    }
+
+
+def gpu_model(experts: int) -> dict:
+    """4 layers of `experts` experts of 3 x 2048 x 1024 (8 MiB fp32 per expert matrix: whole pinned blocks), top-2,
+    a 32768-token vocabulary; 4 x 512 tokens per step."""
+    return {
+        "model": {
+            "vocab_size": 32768,
+            "dim": 1024,
+            "n_layers": 4,
+            "n_heads": 8,
+            "num_experts": experts,
+            "top_k": 2,
+            "expert_hidden": 2048,
+            "max_seq_len": 512,
+        },
+        "batch_size": 4,
+        "seq_len": 511,
+    }
+
+
+def params_of(model: dict) -> int:
+    d, h, e, L, v = (model[k] for k in ("dim", "expert_hidden", "num_experts", "n_layers", "vocab_size"))
+    return L * (3 * e * h * d + 4 * d * d + d * e + 2 * d) + 2 * v * d + d
+
+
+def size_for(host_free: float, shm_free: float, gpu_total: float) -> dict:
+    """The smallest expert count reaching TARGET_PARAMS, fewer if host, shared memory or the GPU cannot hold it."""
+    need = next(e for e in range(2, 257) if params_of(gpu_model(e)["model"]) >= TARGET_PARAMS)
+    experts, reason = need, None
+    while experts > 2:
+        p = params_of(gpu_model(experts)["model"])
+        checks = {
+            "host memory": p * 12 * HOST_DENSE_FACTOR <= 0.6 * host_free,
+            "/dev/shm": p * 12 * SHM_DENSE_FACTOR <= 0.8 * shm_free,
+            "GPU memory": p * GPU_BYTES_PER_PARAM <= 0.6 * gpu_total,
+        }
+        limit = next((k for k, ok in checks.items() if not ok), None)
+        if limit is None:
+            break
+        reason = reason or limit
+        experts -= 1
+    p = params_of(gpu_model(experts)["model"])
+    return dict(
+        gpu_model(experts),
+        params=p,
+        below_target=None if p >= TARGET_PARAMS else f"{p / 1e9:.2f} B parameters: {reason} holds no more",
+    )
+
+
+def _mem_available() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return float(line.split()[1]) * 1024
+    return 0.0
+
+
+def plan(device: str, tiny: bool) -> dict:
+    if tiny or device != "cuda":
+        return dict(tiny_model(), params=params_of(tiny_model()["model"]), below_target=None)
+    import torch
+
+    shm = shutil.disk_usage("/dev/shm").free if Path("/dev/shm").is_dir() else 0
+    return size_for(_mem_available(), shm, torch.cuda.get_device_properties(0).total_memory)
+
+
+def run_bench(device: str, tiny: bool, work: Path, budget_s: float) -> dict:
+    p = plan(device, tiny)
+    shm = Path("/dev/shm")
+    need_shm = p["params"] * 12 * SHM_DENSE_FACTOR
+    base = shm if shm.is_dir() and shutil.disk_usage(shm).free * 0.8 >= need_shm else Path(tempfile.gettempdir())
+    workdir = Path(tempfile.mkdtemp(prefix="tmoe-gpucheck-bench-", dir=base))
+    spec = {
+        "run": {
+            "model": p["model"],
+            "batch_size": p["batch_size"],
+            "seq_len": p["seq_len"],
+            "steps": 10**6,
+            "dtype": "bf16" if device == "cuda" else "fp32",
+            "optimizer": "fused",
+            "device": device,
+        },
+        "systems": SYSTEMS,
+        "periodic": PERIODIC,
+        "reps": 1 if tiny else 2,  # and one more with the periodic system
+        "warmup": 1,
+        "measure": 2 if tiny else 3,
+        "mtbf_iterations": MTBF_ITERATIONS,
+        "workdir": str(workdir),
+        "deadline_s": max(30.0, budget_s - 45.0),  # the worker's start and the analysis after it
+    }
+    d = work / "bench"
+    try:
+        launch(1, spec, d, budget_s + 30.0, module="torchmoe_harness.gpu_check_bench_worker")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    rep = json.loads((d / "report.json").read_text())
+    res = analyse(rep)
+    res.update(model=p["model"], params=rep["params"], below_target=p["below_target"], workdir_on=str(base))
+    res["raw_turns"] = rep["turns"]  # gpu_check.write puts them in bench_raw.json
+    res["ok"] = all(name in res["systems"] for name in ("none", *SYSTEMS))
+    return res
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def analyse(rep: dict) -> dict:
+    """Per system, medians over repetitions of what each turn measured, paired with the same repetition's `none`."""
+    turns = rep["turns"]
+    base = {t["rep"]: t for t in turns.get("none", [])}
+    none_dev = statistics.median(_mean(t["device_s"]) for t in turns["none"]) if turns.get("none") else math.nan
+    peak = rep["pinned_copy_peak_bytes_per_s"]
+    systems = {}
+    for name, ts in turns.items():
+        if not ts:
+            continue
+        steps = sum(len(t["wall_s"]) for t in ts)
+        paired = [t for t in ts if t["rep"] in base]
+        row = {
+            "turns": len(ts),
+            "step_s_device": statistics.median(_mean(t["device_s"]) for t in ts),
+            "step_s_wall": statistics.median(t["turn_wall_s"] / len(t["wall_s"]) for t in ts),
+            "blocked_s_per_iteration": statistics.median(t["blocked_s"] / len(t["wall_s"]) for t in ts),
+            "rss_bytes_max": max(t["rss_bytes"] for t in ts),
+            "build_s_median": statistics.median(t["build_s"] for t in ts),
+        }
+        if name != "none" and paired:
+            dev = [_mean(t["device_s"]) - _mean(base[t["rep"]]["device_s"]) for t in paired]
+            wall = [
+                t["turn_wall_s"] / len(t["wall_s"]) - base[t["rep"]]["turn_wall_s"] / len(base[t["rep"]]["wall_s"])
+                for t in paired
+            ]
+            row.update(
+                overhead_s_device=statistics.median(dev),
+                overhead_s_wall=statistics.median(wall),
+                overhead_fraction_device=statistics.median(dev) / none_dev if none_dev else math.nan,
+                rss_over_none_bytes=statistics.median(t["rss_bytes"] - base[t["rep"]]["rss_bytes"] for t in paired),
+            )
+        pinned = [t["pinned_in_use_bytes"] for t in ts if t.get("pinned_in_use_bytes") is not None]
+        if pinned:
+            row["pinned_in_use_bytes_max"] = max(pinned)
+        if any(t.get("syncs") is not None for t in ts):
+            row["syncs_per_iteration"] = sum(t["syncs"] or 0 for t in ts) / steps
+            row["sync_sites"] = ts[-1].get("sync_sites")
+        cb, cs = sum(t.get("copy_bytes") or 0 for t in ts), sum(t.get("copy_s") or 0.0 for t in ts)
+        if cb:
+            row.update(
+                copy_bytes_per_iteration=cb / steps,
+                d2h_bytes_per_s=cb / cs if cs else None,
+                d2h_vs_peak=cb / cs / peak if cs and peak else None,
+            )
+        last = ts[-1]
+        for key in ("own_host_bytes", "windows_W"):
+            if last.get(key) is not None:
+                row[key] = last[key]
+        row["interval"] = (last.get("stats") or {}).get("interval", 1 if name != "none" else None)
+        systems[name] = row
+    if "none" in systems and "syncs_per_iteration" in systems["none"]:
+        for row in systems.values():
+            if "syncs_per_iteration" in row:
+                row["added_syncs_per_iteration"] = row["syncs_per_iteration"] - systems["none"]["syncs_per_iteration"]
+    return {
+        "device": rep["device"],
+        "device_name": rep["device_name"],
+        "dense_bytes": rep["dense_bytes"],
+        "pinned_copy_peak_bytes_per_s": peak,
+        "setup_s": rep["setup_s"],
+        "rep_s": rep["rep_s"],
+        "skipped": rep["skipped"],
+        "intervals": rep["intervals"],
+        "systems": systems,
+    }
+
+
+def markdown(res: dict) -> list[str]:
+    gb = 1e9
+    lines = [
+        f"Model: {res['params'] / 1e6:.1f} M parameters ({res['model']['num_experts']} experts x "
+        f"{res['model']['n_layers']} layers), dense state {res['dense_bytes'] / gb:.2f} GB; "
+        f"device {res['device_name']}; copy peak (pinned device-to-host; on a CPU a memcpy) "
+        f"{res['pinned_copy_peak_bytes_per_s'] / gb:.1f} GB/s."
+        + (f" Below the 0.5 B target: {res['below_target']}." if res.get("below_target") else ""),
+        "",
+        "| system | interval | step (device) | overhead (device) | overhead (wall) | blocked/iter | D2H GB/s (vs peak)"
+        " | copied/iter | RSS | pinned in use | own host bytes | syncs/iter (added) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def ms(x):
+        return "-" if x is None or x != x else f"{x * 1e3:.1f} ms"
+
+    for name, r in res["systems"].items():
+        d2h = "-"
+        if r.get("d2h_bytes_per_s"):
+            d2h = f"{r['d2h_bytes_per_s'] / gb:.1f} ({r['d2h_vs_peak']:.0%})"
+        own = "-" if r.get("own_host_bytes") is None else f"{r['own_host_bytes'] / gb:.2f} GB"
+        syncs = "-"
+        if r.get("syncs_per_iteration") is not None:
+            syncs = f"{r['syncs_per_iteration']:.2f} ({r.get('added_syncs_per_iteration', 0.0):+.2f})"
+        lines.append(
+            f"| {name} | {r.get('interval') or '-'} | {ms(r['step_s_device'])} | {ms(r.get('overhead_s_device'))} | "
+            f"{ms(r.get('overhead_s_wall'))} | {ms(r['blocked_s_per_iteration'])} | {d2h} | "
+            f"{(r.get('copy_bytes_per_iteration') or 0) / gb:.2f} GB | {r['rss_bytes_max'] / gb:.1f} GB | "
+            f"{(r.get('pinned_in_use_bytes_max') or 0) / gb:.1f} GB | {own} | {syncs} |"
+        )
+    if res.get("skipped"):
+        lines += ["", f"Skipped: {'; '.join(res['skipped'])}."]
+    return lines

@@ -1,0 +1,264 @@
+"""torchrun worker of the GPU check's benchmark (phase 3, gpu_check_bench.py): one rank, one model, every system
+taking turns in the same process (A B C A B C ..., the order rotated each repetition), as the MoE-regime bench does
+(bench_moe_worker), measured the way a GPU needs:
+
+- step time from CUDA events on the training stream (each step from its start to the next step's start: the time
+  the device gives an iteration, waits for copies included) and wall time around the whole turn, the device
+  synchronised at both ends; on a CPU the wall time of each step;
+- the training thread's blocked time: its host time inside the system's calls (`after_step` and the hooks it puts
+  before the update);
+- device-to-host throughput of the system's copies (CUDA-event timed) against the pinned-copy peak measured here;
+- host memory: RSS and pinned bytes in use (torch's host allocator) during the turn, and the system's own
+  accounting where its `stats()` has one;
+- host syncs on the training thread per iteration (CUDA sync debug mode).
+
+A system lives for one turn: built, warmed up, measured, finished and closed, so that only one system's host buffers
+exist at a time and a model of half a billion parameters fits the host (every system's buffers at once would not).
+Pinned blocks go back to torch's host allocator and are reused by the next system; what auto W learned carries over
+to the next turn's instance, as `SparseCheckpointer.inherit_counters` carries it over a restart.
+
+Spec: {"run": RunConfig fields, "systems": {name: {"kind": ..., params}}, "periodic": {name: {"kind": ..., "of": k=1
+system}}, "reps", "warmup", "measure", "mtbf_iterations", "workdir", "deadline_s"}. Kinds: those of
+`baselines.make_system`, and "ours_host" (ours with the host tier under workdir). rank 0 writes report.json."""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from torchmoe_ckpt.config import SparseConfig
+from torchmoe_ckpt.schedule import measure_copy_bandwidth
+from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.storage.tiers import build_tiers
+from torchmoe_harness.baselines import make_system
+from torchmoe_harness.baselines.ours import Ours
+from torchmoe_harness.bench_moe_worker import _detach, _engine, _pick_interval
+from torchmoe_harness.gpu_check_syncs import SyncCounter
+from torchmoe_harness.scenario import run_identity
+from torchmoe_harness.trainer import RunConfig, Trainer
+from torchmoe_harness.worker import serve
+
+
+class OursHostTier(Ours):
+    """Ours with the host tier (slots persisted to shared memory under `root`, committed windows kept there)."""
+
+    def __init__(self, trainer, root: str, window: int | None = None, overlap: float = 1.0):
+        host = {"root": root, "run_id": Path(root).name}
+        self.cfg = SparseConfig(window=window, overlap=overlap)
+        tier, replicator, store = build_tiers(host, trainer.rank, trainer.world, trainer.cfg.hsdp)
+        self.ck = SparseCheckpointer(
+            trainer.model,
+            trainer.optimizer,
+            trainer.compute_dtype,
+            self.cfg,
+            host_tier=tier,
+            replicator=replicator,
+            store=store,
+            identity=run_identity(trainer, host),
+        )
+        self._attached = None
+
+    def close(self) -> None:
+        self.ck.close()
+        if self.ck.tier_writer is not None:
+            self.ck.tier_writer.finish(30.0)
+            self.ck.tier_writer.shutdown()
+        self.ck.engine.shutdown()
+
+
+def build(kind: str, params: dict, trainer: Trainer, workdir: Path):
+    if kind == "ours_host":
+        return OursHostTier(trainer, str(workdir), **params)
+    return make_system(kind, trainer, params, str(workdir))
+
+
+def pinned_copy_peak(device: torch.device, nbytes: int) -> float:
+    """Device-to-host bytes/s into pinned memory, best of 3 (CUDA events); on a CPU a plain host memcpy's."""
+    if device.type != "cuda":
+        return measure_copy_bandwidth()
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    best = math.inf
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3)
+    del src, dst
+    return nbytes / max(best, 1e-9)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (pinned and shared-memory pages it touched included)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def pinned_in_use(device: torch.device) -> int | None:
+    if device.type != "cuda" or not hasattr(torch.cuda, "host_memory_stats"):
+        return None
+    return int(torch.cuda.host_memory_stats().get("active_bytes.current", 0))
+
+
+def own_host_bytes(system) -> int | None:
+    """The system's own account of the host bytes it holds, where its stats() has one."""
+    for stats in (system.stats(), system.ck.stats() if hasattr(system, "ck") else {}):
+        for key in ("host_bytes", "host_bytes_total"):
+            if isinstance(stats.get(key), (int, float)):
+                return int(stats[key])
+    return None
+
+
+class _Timed:
+    """A before-update hook, with the host time the training thread spends in it."""
+
+    def __init__(self, hook, box: list):
+        self.hook, self.box = hook, box
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self.hook(*args, **kwargs)
+        finally:
+            self.box[0] += time.perf_counter() - t0
+
+
+def turn(trainer: Trainer, system, warmup: int, steps: int) -> dict:
+    cuda = trainer.device.type == "cuda"
+    before = list(trainer.before_update)
+    if system is not None:
+        system.attach(trainer)
+    added = [h for h in trainer.before_update if h not in before]
+    blocked = [0.0]
+    trainer.before_update[:] = before + [_Timed(h, blocked) for h in added]
+    for _ in range(warmup):
+        res = trainer.train_step()
+        if system is not None:
+            system.after_step(trainer, res)
+    eng = _engine(system)
+    copy0 = dict(eng.copy_totals) if eng is not None else None
+    stage0 = len(getattr(system, "stage_seconds", []))
+    if cuda:
+        torch.cuda.synchronize(trainer.device)
+    blocked[0] = 0.0
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else []
+    wall, counter = [], SyncCounter(enabled=cuda)
+    t_start = time.perf_counter()
+    with counter:
+        for i in range(steps):
+            counter.step = i
+            if cuda:
+                events[i].record()
+            t0 = time.perf_counter()
+            res = trainer.train_step()
+            if system is not None:
+                h0 = time.perf_counter()
+                system.after_step(trainer, res)
+                blocked[0] += time.perf_counter() - h0
+            wall.append(time.perf_counter() - t0)
+        if cuda:
+            events[steps].record()
+            torch.cuda.synchronize(trainer.device)
+    out = {"wall_s": wall, "turn_wall_s": time.perf_counter() - t_start, "blocked_s": blocked[0]}
+    out["device_s"] = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(steps)] if cuda else list(wall)
+    out["syncs"] = sum(counter.by_step.values()) if counter.enabled else None
+    out["sync_sites"] = dict(counter.sites.most_common(4)) if counter.enabled else None
+    out["rss_bytes"], out["pinned_in_use_bytes"] = rss_bytes(), pinned_in_use(trainer.device)
+    if system is not None:
+        out["own_host_bytes"] = own_host_bytes(system)
+    trainer.before_update[:] = before + added
+    _detach(system, trainer)  # finishes the copies in flight: the figures below count them
+    trainer.before_update[:] = before
+    if eng is not None:
+        out["copy_bytes"] = eng.copy_totals["bytes"] - copy0["bytes"]
+        out["copy_s"] = eng.copy_totals["wall_s"] - copy0["wall_s"]
+    if hasattr(system, "stage_seconds"):  # DCP: the staging copies of this turn's checkpoints
+        done = system.stage_seconds[stage0:]
+        out["copy_bytes"], out["copy_s"] = system.state_bytes * len(done), sum(done)
+    return out
+
+
+def run(spec: dict, out: Path) -> dict:
+    t_begin = time.perf_counter()
+    cfg = RunConfig(**spec["run"])
+    trainer = Trainer(cfg)
+    params = sum(p.numel() for p in trainer.model.parameters())
+    for _ in range(2):  # first iterations allocate (optimizer state, FSDP buffers): not part of any turn
+        trainer.train_step()
+    dense = sum(p.numel() * 12 for p in trainer.model.parameters())  # fp32 master + two AdamW moments
+    peak = pinned_copy_peak(trainer.device, min(dense, 1 << 30))
+    workdir, deadline = Path(spec["workdir"]), spec.get("deadline_s") or math.inf
+    specs = {"none": None, **spec["systems"]}
+    order, turns = list(specs), {name: [] for name in list(specs) + list(spec.get("periodic", {}))}
+    learned: dict[str, tuple] = {}  # ours: what auto W learned (copy cost, W), for the next turn's instance
+    intervals, skipped, rep_s = {}, [], []
+    setup_s = time.perf_counter() - t_begin
+    for rep in range(spec["reps"] + (1 if spec.get("periodic") else 0)):
+        t_rep = time.perf_counter()
+        if rep_s and time.perf_counter() - t_begin + max(rep_s) > deadline:
+            skipped.append(f"repetition {rep} and later: the deadline ({deadline:.0f} s) would pass")
+            break
+        if rep == 1 and spec.get("periodic"):
+            for name, p in spec["periodic"].items():
+                intervals[name] = _pick_interval(turns[p["of"]], turns["none"], spec["mtbf_iterations"])
+                if intervals[name] > 1:  # at k = 1 it is its twin, measured already
+                    specs[name] = {"kind": p["kind"], "every": intervals[name], **p.get("params", {})}
+                    order.append(name)
+        k = rep % len(order)
+        for name in order[k:] + order[:k]:
+            sp = dict(specs[name] or {"kind": "none"})
+            every = sp.get("every", 1)
+            steps = every * math.ceil(spec["measure"] / every)  # whole intervals: the mean covers one checkpoint each
+            t0 = time.perf_counter()
+            kind = sp.pop("kind")
+            system = None if kind == "none" else build(kind, sp, trainer, workdir / f"{name}-{rep}")
+            if hasattr(system, "ck") and name in learned:
+                system.ck.cost, system.ck._auto_w = learned[name]
+            built_s = time.perf_counter() - t0
+            res = turn(trainer, system, spec["warmup"], steps)
+            if system is not None:
+                if hasattr(system, "ck"):
+                    learned[name] = (system.ck.cost, system.ck._auto_w)
+                    res["windows_W"] = [w["W"] for w in system.ck.stats()["windows"]]
+                res["stats"] = {k: v for k, v in system.stats().items() if isinstance(v, (int, float, str, list))}
+                system.close()
+            del system
+            gc.collect()
+            shutil.rmtree(workdir / f"{name}-{rep}", ignore_errors=True)
+            turns[name].append(dict(res, rep=rep, build_s=built_s, total_s=time.perf_counter() - t0))
+        rep_s.append(time.perf_counter() - t_rep)
+    return {
+        "device": str(trainer.device),
+        "device_name": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else "cpu",
+        "params": params,
+        "dense_bytes": dense,
+        "pinned_copy_peak_bytes_per_s": peak,
+        "setup_s": setup_s,
+        "rep_s": rep_s,
+        "skipped": skipped,
+        "intervals": intervals,
+        "turns": turns,
+        "steps": trainer.step,
+    }
+
+
+def main() -> None:
+    serve(run)
+
+
+if __name__ == "__main__":
+    main()

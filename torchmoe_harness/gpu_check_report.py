@@ -1,0 +1,112 @@
+"""gpu_check.md: the GPU check's report (gpu_check.py) as a person reads it, one section per phase."""
+
+from __future__ import annotations
+
+
+def _gb(x) -> str:
+    return "-" if x is None else f"{x / 1e9:.1f} GB"
+
+
+def _environment(r: dict) -> list[str]:
+    mem = r.get("host_memory_bytes", {})
+    shm = r.get("dev_shm_bytes", {})
+    lines = [
+        f"- Python {r['python']}, torch {r['torch']} (CUDA {r['torch_cuda']}), {r['platform']}",
+        f"- device: {r.get('gpu', 'none')} ({_gb(r.get('gpu_memory_bytes'))}, capability {r.get('capability', '-')}, "
+        f"NCCL {r.get('nccl', '-')}); {r['cpus']} CPUs, host memory {_gb(mem.get('MemTotal'))} "
+        f"({_gb(mem.get('MemAvailable'))} available), /dev/shm {_gb(shm.get('free'))} free",
+        "- packages: " + ", ".join(f"{k} {v or 'missing'}" for k, v in r["packages"].items()),
+        "- APIs: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in r["apis"].items()),
+        f"- imports: {r['imports']['imported']} modules of torchmoe_ckpt and torchmoe_harness imported; "
+        f"{len(r['imports']['optional_missing'])} need optional packages not here "
+        f"({', '.join(sorted(r['imports']['optional_missing'])) or 'none'})",
+    ]
+    lines += [f"- IMPORT FAILED: {m}: {e}" for m, e in r["imports"]["failed"].items()]
+    return lines
+
+
+def _exact(r: dict) -> list[str]:
+    lines = [
+        f"- kills (kill -9): `{r['kills']}`",
+        f"- bit-exact: **{r.get('bit_exact')}** over {r.get('compared_tensors', 0)} tensors (RNG states: "
+        f"{', '.join(r.get('rng_states_compared', [])) or 'none'}) and {r.get('compared_losses', 0)} losses after "
+        "the last recovery, against a run of the same loop without the checkpointer",
+    ]
+    if r.get("mismatches"):
+        lines.append(f"- mismatches: {', '.join(r['mismatches'][:8])}")
+    for rec in r.get("recoveries", []):
+        lines.append(
+            f"- attempt {rec['attempt']}: recovered window {rec.get('window')} (steps {rec.get('start_step')}.."
+            f"{rec.get('recovered_step')}, {rec.get('replayed_iterations')} replayed, from {rec.get('source')}) in "
+            f"{(rec.get('resume_s') or 0):.2f} s; replay exact: {rec.get('exact')}"
+        )
+    s = r.get("syncs", {})
+    if s.get("enabled"):
+        lines.append(
+            f"- host syncs on the training thread per iteration (steps {s['steps'][0]}-{s['steps'][-1]}): "
+            f"{s['plain_per_iteration']:.2f} without the checkpointer, {s['checkpointed_per_iteration']:.2f} with it: "
+            f"**{s['added_per_iteration']:+.2f} added** (iterations with added syncs: "
+            f"{s['iterations_with_added_syncs'] or 'none'}; window starts: {s.get('window_starts')})"
+        )
+        sites = s.get("ours", {}).get("sites", {})
+        if sites:
+            lines.append("- sync sites with the checkpointer: " + ", ".join(f"`{k}` x{v}" for k, v in sites.items()))
+    else:
+        lines.append("- host syncs: not counted (CUDA's sync debug mode needs a GPU)")
+    if r.get("training_thread_wait_s"):
+        w = r["training_thread_wait_s"]
+        lines.append(
+            f"- training-thread waits for slot copies: mean {w['mean'] * 1e3:.2f} ms, max {w['max'] * 1e3:.2f} ms"
+        )
+    return lines
+
+
+def _nondeterministic(r: dict) -> list[str]:
+    e, t = r["exact"], r["tolerant"]
+    when = (
+        f" {e['seconds_since_process_start']:.1f} s after its process started"
+        if e.get("seconds_since_process_start")
+        else ""
+    )
+    lines = [
+        f'- `replay_check="exact"`: refused: **{e["refused"]}** (at {e.get("where")}{when}; one line: {e["one_line"]})',
+        f"  > {(e.get('line') or '')[:400]}",
+        f'- `replay_check="tolerant"`: recovered: **{t["recovered"]}** to step {t.get("recovered_step")} '
+        f"({t.get('replayed_iterations')} replayed); replay exact: {t.get('replay_exact')}; deviation: loss "
+        f"{t.get('max_loss_deviation')}, gradient norm {t.get('max_grad_norm_deviation')} "
+        f"(bound {t.get('replay_tolerance')})",
+        f"- non-determinism seen in the replay: {r.get('nondeterminism_seen')}",
+    ]
+    return lines
+
+
+def markdown(report: dict) -> list[str]:
+    from torchmoe_harness.gpu_check_bench import markdown as bench_table
+
+    verdict = "PASSED" if report.get("ok") else "FAILED"
+    lines = [
+        f"# GPU check: {verdict}",
+        "",
+        f"`{report['command']}` on {report['device']}{' (tiny)' if report['tiny'] else ''}, "
+        f"started {report['started']}, {report.get('seconds', 0)} s so far.",
+        "",
+    ]
+    sections = {
+        "0_environment": _environment,
+        "1_exact_recovery": _exact,
+        "2_nondeterministic": _nondeterministic,
+        "3_bench": bench_table,
+    }
+    for name, entry in report["phases"].items():
+        lines += [f"## Phase {name}: {entry['status']} ({entry['seconds']} s of {entry['budget_s']} s)", ""]
+        if entry["status"] == "error":
+            lines += ["```", entry.get("error", ""), entry.get("traceback", ""), "```"]
+        else:
+            lines += sections[name](entry["result"])
+            for job, j in (entry["result"].get("jobs") or {}).items():
+                lines.append(f"- job {job}: {'ok' if j['ok'] else 'FAILED'} in {j['seconds']} s")
+                expected = name == "2_nondeterministic" and job == "exact"  # a refusal ends that job
+                if not j["ok"] and j.get("log_tail") and not expected:
+                    lines += ["```", j["log_tail"][-1200:], "```"]
+        lines.append("")
+    return lines
