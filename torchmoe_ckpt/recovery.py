@@ -74,7 +74,11 @@ def _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity, 
     done: dict = {}
 
     def replay(window: Window) -> None:
-        if "saved" not in done:  # a failed replay must not leave a half-replayed trainer behind
+        done["find"] = time.perf_counter() - t0  # listed, checked, agreed and read from the tier
+        # When every window fails and the run restarts from step 0, it must not start from a half-replayed
+        # trainer: keep a copy of it (a whole state's copy: only when that restart is allowed; by default such a
+        # failure raises, and a failed window is followed by the next one's load, which overwrites every operator)
+        if on_unusable == "restart" and "saved" not in done:
             done["saved"] = _snapshot(trainer)
         if before_replay is not None:
             before_replay(window)
@@ -90,6 +94,10 @@ def _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity, 
         _no_window(found, tiers, identity, rank, on_unusable)
         return ResumeResult(None, None, dict(found, fetch_seconds=fetch_s))
     rep = done["report"]
+    # find: up to the replay of the window recovered from (windows rejected before it included); the safety
+    # copy of the trainer taken before the first replay counts as rebuild
+    rep.phases = {"find": done["find"], **rep.phases}
+    rep.phases["rebuild"] += max(0.0, fetch_s - done["find"] - rep.seconds)
     report = dict(rep.to_dict(), **found, fetch_seconds=fetch_s, total_seconds=time.perf_counter() - t0)
     if rank == 0:
         rejected = sorted(w for w in _rejected_windows(found) if w != window.id)  # by any rank (gathered)

@@ -176,6 +176,9 @@ class SnapshotEngine:
         self._views: dict[tuple, tuple] = {}  # (id(piece), role) -> (piece, live view)
         # One-shot hook called with (slot, items_copied); may raise SimulatedCopyFault to tear the copy.
         self.fault_hook: Callable[[Slot, int], None] | None = None
+        # A slower host link, emulated (benchmarks: the regime sweep of bench_ettr): a copy of n bytes takes at
+        # least n / throttle_bytes_per_s seconds; the copy thread sleeps the rest (no CPU, like a DMA transfer).
+        self.throttle_bytes_per_s: float | None = None
         self._jobs: queue.Queue = queue.Queue()
         self._stream = torch.cuda.Stream() if self.use_cuda else None
         self._thread = threading.Thread(target=self._run, name="tmoe-snapshot", daemon=True)
@@ -264,6 +267,9 @@ class SnapshotEngine:
                                 hook, self.fault_hook = self.fault_hook, None
                                 hook(slot, half)
                             torch._foreach_copy_([d for _, d in pairs[half:]], [s for s, _ in pairs[half:]])
+                if self.throttle_bytes_per_s:
+                    rest = sum(d.numel() * d.element_size() for _, d in pairs) / self.throttle_bytes_per_s
+                    time.sleep(max(0.0, rest - (time.perf_counter() - t0)))
                 slot.step = step
             except BaseException as exc:  # surfaced to the training thread by wait()
                 slot.error = exc

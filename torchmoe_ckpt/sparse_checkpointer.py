@@ -30,6 +30,7 @@ from .replay_log import IterationRecord
 from .schedule import CopyCost, WindowPlan, choose_window, copy_budget, measure_copy_bandwidth, plan_window
 from .slot_pool import SlotPool
 from .snapshot import Slot, SnapshotEngine, StateAccess, build_slot
+from .sparse_to_dense import RecoveryReport, sparse_to_dense
 from .window import Window
 
 log = logging.getLogger("torchmoe_ckpt")
@@ -37,6 +38,7 @@ DIRECT_SETS = 6  # shared-memory slot sets kept per plan: committed + being writ
 
 
 _SAME_GROUP = object()  # agree_group not given: the planning group
+_PROBED: dict[str, float] = {}  # the idle copy bandwidth, measured once per process (agreed across ranks)
 
 
 class SparseCheckpointer:
@@ -118,8 +120,11 @@ class SparseCheckpointer:
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._level = logging.INFO if self._rank == 0 else logging.DEBUG  # one line per window, not one per rank
         self._warned_unfit = False  # an impossible copy budget is reported once, not every window
-        self.bandwidth = self.cfg.bandwidth_bytes_per_s or self._agree(measure_copy_bandwidth(), dist.ReduceOp.MIN)
-        self.cost = CopyCost(self.bandwidth)  # the prior until copies under training are observed
+        # The copy bandwidth: given, or probed when a window is first priced without it (once per process, agreed
+        # across ranks; never on a recovery's path). It is the prior until copies under training are observed.
+        self.bandwidth: float | None = self.cfg.bandwidth_bytes_per_s
+        self.cost = CopyCost(self.bandwidth or _PROBED.get("bytes_per_s") or 1e9)
+        self._prior_known = self.bandwidth is not None or "bytes_per_s" in _PROBED
         self._copies_seen = 0
         self._auto_w: int | None = None
         self._w_pending: tuple | None = None  # (async all-reduce, tensor): the next window's agreed W
@@ -136,7 +141,9 @@ class SparseCheckpointer:
             "plans": 0,
             "plan_s_total": 0.0,
             "plan_s_max": 0.0,
+            "recoveries": [],  # per in-memory recovery: its report with the phases (status.PHASES)
         }
+        self._redo: dict | None = None  # after a recovery: the iteration to reach again and the clock (redo phase)
         full = [o.full_bytes() for o in self.ops]
         self.dense_bytes = sum(full)  # what one dense snapshot of this rank copies
 
@@ -159,6 +166,9 @@ class SparseCheckpointer:
         self._observe_copy()
         self._maybe_commit()
         t = res.step
+        if self._redo is not None and t >= self._redo["until"]:  # back where the failure found training
+            self._redo["phases"]["redo"] = time.perf_counter() - self._redo["since"]
+            self._redo = None
         cur = self.current
         if cur is not None and cur.start_step < t < cur.start_step + cur.plan.window:
             cur.log.add(
@@ -207,6 +217,37 @@ class SparseCheckpointer:
             self._keep_buffers(cur)
         elif cur is not None and self._groups is not None:
             self._groups.forget(cur.slots)  # may still be written to the host tier: never handed out again
+
+    def recover_in_memory(self, trainer) -> RecoveryReport | None:
+        """In-process recovery after a failure that lost the training state but not this process: the newest
+        committed window is converted to the dense state in `trainer` (a `Replayable` over the model and
+        optimizer this checkpointer was built on, whatever values they hold now) and the checkpointer carries
+        on with the same buffers and copy thread; the window being filled is dropped. Returns the report (phases:
+        find, rebuild, load, replay; redo is added once training is back at the last iteration captured), or
+        None when no window is committed yet (the caller starts over)."""
+        t0 = time.perf_counter()
+        last = self.current.start_step + self.current.captured - 1 if self.current is not None else None
+        try:
+            self.engine.wait()  # a copy in flight when the state was lost is torn: its window is dropped below
+        except Exception:  # noqa: BLE001  (its error is the failure's, already being handled)
+            pass
+        self._maybe_commit()  # a window whose last copy had finished is the newest recovery point
+        cur, self.current = self.current, None
+        if cur is not None and self.tier_writer is None:
+            self._keep_buffers(cur)
+        elif cur is not None and self._groups is not None:
+            self._groups.forget(cur.slots)
+        window = self.committed
+        if window is None:
+            return None
+        find_s = time.perf_counter() - t0
+        rep = sparse_to_dense(trainer, window)
+        rep.phases = {"find": find_s, **rep.phases, "redo": 0.0}
+        rep.seconds = time.perf_counter() - t0
+        self.counters["recoveries"].append(rep)
+        if last is not None and last > rep.recovered_step:
+            self._redo = {"until": last, "since": time.perf_counter(), "phases": rep.phases}
+        return rep
 
     def _observe_copy(self) -> None:
         """Feed the copy that just finished (bytes, copy-thread wall time, the wait it caused) to the pricing."""
@@ -306,6 +347,8 @@ class SparseCheckpointer:
         budget, auto_w = float("inf"), None
         if self.cfg.window is None:
             if self.cfg.bandwidth_bytes_per_s is None:  # priced by what copies cost under training
+                if not self._prior_known:
+                    self._probe_prior()
                 budget = self.cost.budget_bytes(self.cfg.overlap)
             else:
                 budget = copy_budget(self.t_iter, self.bandwidth, self.cfg.overlap)
@@ -369,6 +412,14 @@ class SparseCheckpointer:
         )
         return win
 
+    def _probe_prior(self) -> None:
+        """Measure the idle copy bandwidth once per process (slowest rank's), the price until copies are seen."""
+        if "bytes_per_s" not in _PROBED:
+            _PROBED["bytes_per_s"] = self._agree(measure_copy_bandwidth(), dist.ReduceOp.MIN)
+        self.bandwidth = _PROBED["bytes_per_s"]
+        self.cost.prior_s_per_byte = 1.0 / self.bandwidth
+        self._prior_known = True
+
     def _build_direct(self, plan: WindowPlan) -> list[Slot]:
         """Slot files for a new plan. The free sets of other plans give their files (pages allocated already: no
         fallocate on the training thread); a set none of whose files was taken goes back to the pool."""
@@ -416,6 +467,9 @@ class SparseCheckpointer:
             self.counters[k] += old.counters[k]
         self.counters["plan_s_max"] = max(self.counters["plan_s_max"], old.counters["plan_s_max"])
         self.cost, self._auto_w = old.cost, old._auto_w  # what copies cost is learned once, not per restart
+        self._prior_known = self._prior_known or old._prior_known
+        self.bandwidth = self.bandwidth or old.bandwidth
+        self.counters["recoveries"] = old.counters["recoveries"] + self.counters["recoveries"]
         return self
 
     # ---- reporting -----------------------------------------------------------------------------------
@@ -448,6 +502,11 @@ class SparseCheckpointer:
                 median_recent=statistics.median(self.counters.get("plan_s_recent") or [0.0]),
             ),
             "windows": self.counters["windows"][-5:],
+            # in-memory recoveries (recover_in_memory): where each one's time went, seconds per phase
+            "recoveries": [
+                dict(r.phases, recovered_step=r.recovered_step, replayed=r.replayed_iterations, bytes=r.bytes_loaded)
+                for r in self.counters["recoveries"][-8:]
+            ],
             "host_tier": None if self.tier_writer is None else self.tier_writer.stats(),
             "peers": None if self.tier_writer is None else self.tier_writer.replication_stats(),
             "object_store": None

@@ -12,13 +12,23 @@ gradients are still computed for FROZEN operators and reduced in the unchanged F
 reduce-scatter layout changes the summation order with >= 3 ranks). Their optimizer update is computed on
 the whole grouped tensor too, but it lands only on FROZEN slices, which the next slot overwrites ("masked"):
 Adam is elementwise, so ACTIVE slices are untouched by what happens to their frozen neighbours.
+
+Each replayed iteration also tells the trainer which operators are FROZEN in it (`Replay.frozen`): a trainer may
+skip their weight gradients (MoEvement's frozen execution: forward and input gradients only), since whatever
+their slices receive is overwritten by a later slot. The harness does for expert slices (model.expert_mlp);
+a trainer that ignores the set replays exactly as before.
+
+The report splits the recovery's time into phases (`RecoveryReport.phases`, the status line and the
+checkpointer's stats): rebuild (optimizer state allocated for in-place loads), load (slot bytes copied into the
+live tensors) and replay; `recover` adds find (the window located, checked, fetched from a tier) and the
+checkpointer redo (iterations after the recovered step trained again).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -65,6 +75,10 @@ class RecoveryReport:
     bytes_loaded: int
     seconds: float
     replay_seconds: float
+    load_seconds: float = 0.0  # slot bytes copied into the live tensors
+    rebuild_seconds: float = 0.0  # optimizer state allocated so that slots load in place
+    # seconds per phase: rebuild, load, replay here; `recover` adds find, the checkpointer redo (status.PHASES)
+    phases: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -98,14 +112,18 @@ def sparse_to_dense(trainer: Replayable, window) -> RecoveryReport:
         raise ValueError(f"window {window.id} is not committed (slots missing or torn); use an older one")
     access = StateAccess(trainer.model, trainer.optimizer)
     init_optimizer_state(trainer.optimizer)
+    rebuild_s = time.perf_counter() - t_start
     t0, w = window.start_step, window.plan.window
     trainer.set_step(t0)
+    l0 = time.perf_counter()
     nbytes = load_window_slot(window.slots[0], access)
+    load_s = time.perf_counter() - l0
     replay_s = 0.0
     for i in range(1, w):
         rec = window.log.get(t0 + i)
         r0 = time.perf_counter()
-        res = trainer.train_step(Replay.of(rec))
+        # still FROZEN in this iteration: the operators whose full state comes in a later slot
+        res = trainer.train_step(replace(Replay.of(rec), frozen=frozenset(window.plan.slots[i - 1].frozen)))
         replay_s += time.perf_counter() - r0
         if not torch.equal(res.loss, rec.loss):
             raise ReplayDivergence(
@@ -116,9 +134,14 @@ def sparse_to_dense(trainer: Replayable, window) -> RecoveryReport:
                 "attribute that changes during training), a non-deterministic kernel or a different thread count, "
                 "or a model/data/world size other than the run that wrote the window. The window is not loaded"
             )
+        l0 = time.perf_counter()
         nbytes += load_window_slot(window.slots[i], access)
+        load_s += time.perf_counter() - l0
         faults.point("recovery")
     trainer.set_step(t0 + w - 1)
-    rep = RecoveryReport(window.id, w, t0, t0 + w - 1, w - 1, nbytes, time.perf_counter() - t_start, replay_s)
+    phases = {"rebuild": rebuild_s, "load": load_s, "replay": replay_s}
+    rep = RecoveryReport(
+        window.id, w, t0, t0 + w - 1, w - 1, nbytes, time.perf_counter() - t_start, replay_s, load_s, rebuild_s, phases
+    )
     log.debug("recovered %s", rep.to_dict())
     return rep

@@ -99,6 +99,7 @@ class Trainer:
         # the snapshot copy of the previous iteration must be finished by then.
         self.before_update: list[Callable[[], None]] = []
         self.update_lock = threading.Lock()  # held while the state mutates (see train_step)
+        self._expert_of: dict | None = None  # replay: operator name -> (GroupedExperts, expert index)
 
     def _lr_factor(self, it: int) -> float:
         warm = max(1, self.cfg.warmup)
@@ -118,10 +119,15 @@ class Trainer:
         else:
             tokens, rng_state = replay.tokens, replay.rng_state
             torch.set_rng_state(rng_state)
-        logits = self.model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-        faults.point("backward")  # as backward starts: the peers are about to block in its reduce-scatter
-        loss.backward()
+        frozen = self._freeze_experts(replay.frozen if replay is not None else frozenset())
+        try:
+            logits = self.model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            faults.point("backward")  # as backward starts: the peers are about to block in its reduce-scatter
+            loss.backward()
+        finally:
+            for experts in frozen:
+                experts.frozen = frozenset()
         grads = [p.grad for p in self.params if p.grad is not None]
         if replay is None:
             norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
@@ -156,6 +162,28 @@ class Trainer:
             probs,
             time.perf_counter() - t_start,
         )
+
+    def _freeze_experts(self, frozen_ops: frozenset[str]) -> list:
+        """Mark the experts of `frozen_ops` (operator names, Replay.frozen) on their GroupedExperts for this
+        iteration (model.expert_mlp skips their weight gradients); returns the modules marked."""
+        if not frozen_ops:
+            return []
+        if self._expert_of is None:  # operator name -> (GroupedExperts, expert index), found once
+            from torchmoe_ckpt.operators import discover_operators
+
+            self._expert_of = {
+                o.name: (self.model.get_submodule(o.moe).routed_experts.inner_experts, o.expert)
+                for o in discover_operators(self.model)
+                if o.kind == "expert"
+            }
+        by_module: dict = {}
+        for name in frozen_ops:
+            if name in self._expert_of:
+                mod, e = self._expert_of[name]
+                by_module.setdefault(mod, set()).add(e)
+        for mod, experts in by_module.items():
+            mod.frozen = frozenset(experts)
+        return list(by_module)
 
     @torch.no_grad()
     def _reduce_expert_stats(self) -> torch.Tensor:

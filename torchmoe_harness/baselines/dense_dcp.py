@@ -34,6 +34,7 @@ class DenseDcp:
         self.wait = Timer()
         self.checkpoints = 0
         self.bytes: list[int] = []
+        self.commit_lag_s: list[float] = []  # async: staged (training goes on) to durable, per export
 
     def attach(self, trainer) -> DenseDcp:
         return self
@@ -45,6 +46,11 @@ class DenseDcp:
         t0 = time.perf_counter()
         if self.asynchronous:
             self.exporter.export(trainer.model, trainer.optimizer, step)
+            # how long after the training thread went on the export became durable (its .metadata written):
+            # a failure in that time cannot use it
+            fut = getattr(self.exporter._future, "upload_completion", self.exporter._future)
+            staged = time.perf_counter()
+            fut.add_done_callback(lambda _f, t=staged: self.commit_lag_s.append(time.perf_counter() - t))
         else:
             export_dense(trainer.model, trainer.optimizer, f"file://{self.root / step_dirname(step)}", step)
         torch.save(rng_state(), self.root / f"rng-{step}-rank{self.rank}.pt")
@@ -77,14 +83,16 @@ class DenseDcp:
             self.exporter.keep = keep
             if self.rank == 0 and self.exporter.exported:
                 self.bytes.append(_dir_bytes(self.root / step_dirname(self.exporter.exported[-1])) // self.world)
+        # `trainer` lost its state in place (common.lose_state): the export is loaded into it
         t0 = time.perf_counter()
-        cfg = trainer.cfg
-        del trainer
-        fresh = fresh_trainer_plain(cfg) if step == 0 else fresh_trainer_from(cfg)
-        if step:
-            fresh.set_step(load_dense(fresh.model, fresh.optimizer, f"file://{self.root / step_dirname(step)}"))
+        if step == 0:
+            trainer = fresh_trainer_plain(trainer.cfg)
+            phases = {"rebuild": time.perf_counter() - t0}
+        else:
+            trainer.set_step(load_dense(trainer.model, trainer.optimizer, f"file://{self.root / step_dirname(step)}"))
             torch.set_rng_state(torch.load(self.root / f"rng-{step}-rank{self.rank}.pt"))
-        return fresh, {"recovered_step": step, "seconds": time.perf_counter() - t0}
+            phases = {"load": time.perf_counter() - t0}  # DCP: find, read and load in one call
+        return trainer, {"recovered_step": step, "seconds": time.perf_counter() - t0, "phases": phases}
 
     def close(self) -> None:
         if self.exporter is not None:
@@ -103,6 +111,7 @@ class DenseDcp:
         }
         if self.exporter is not None:
             out["export_s_max"] = max(self.exporter.export_seconds, default=0.0)
+            out["commit_lag_s_mean"] = sum(self.commit_lag_s) / len(self.commit_lag_s) if self.commit_lag_s else 0.0
         return out
 
 
@@ -110,9 +119,3 @@ def fresh_trainer_plain(cfg):
     from torchmoe_harness.trainer import Trainer
 
     return Trainer(cfg)  # nothing durable yet: start over from the deterministic initialisation
-
-
-def fresh_trainer_from(cfg):
-    from torchmoe_harness.trainer import Trainer
-
-    return Trainer(cfg, init_seed=cfg.seed + 7777)

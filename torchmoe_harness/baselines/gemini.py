@@ -13,22 +13,29 @@ import torch
 
 from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.snapshot import SnapshotEngine, StateAccess, build_slot
-from torchmoe_harness.baselines.common import HostCopyBaseline, Timer, fresh_trainer, restore_slots, rng_state
+from torchmoe_ckpt.sparse_to_dense import init_optimizer_state
+from torchmoe_harness.baselines.common import HostCopyBaseline, Timer, restore_slots, rng_state
 
 
 class HostDense(HostCopyBaseline):
     exact = True
 
-    def __init__(self, trainer, every: int = 1):
+    def __init__(self, trainer, every: int = 1, throttle_bytes_per_s: float | None = None):
         self.every = every
+        self.throttle = throttle_bytes_per_s  # an emulated slower host link (SnapshotEngine.throttle_bytes_per_s)
         ops = discover_operators(trainer.model)
         names = tuple(o.name for o in ops)
         self.buffers = [build_slot(i, names, (), {o.name: o for o in ops}, trainer.compute_dtype) for i in (0, 1)]
-        self.engine = SnapshotEngine(StateAccess(trainer.model, trainer.optimizer))
+        self.engine = self._engine(trainer)
         self.latest = None  # (slot, step, rng) of the newest complete snapshot
         self.pending = None
         self.wait = Timer()
         self.checkpoints = 0
+
+    def _engine(self, trainer) -> SnapshotEngine:
+        engine = SnapshotEngine(StateAccess(trainer.model, trainer.optimizer))
+        engine.throttle_bytes_per_s = self.throttle
+        return engine
 
     def before_update(self) -> None:
         if self._wait_for_copy():
@@ -46,21 +53,27 @@ class HostDense(HostCopyBaseline):
         self.checkpoints += 1
 
     def recover(self, trainer, failed_at: int):
-        self.engine.shutdown()
+        """Load the newest complete snapshot into `trainer`, whose state was lost in place (common.lose_state);
+        with none yet, a new trainer from the deterministic initialisation."""
         t0 = time.perf_counter()
+        self._settle()
         if self.latest is None:
             from torchmoe_harness.baselines.dense_dcp import fresh_trainer_plain
 
-            fresh, step = fresh_trainer_plain(trainer.cfg), 0
+            self.engine.shutdown()
+            trainer, step = fresh_trainer_plain(trainer.cfg), 0
+            self.engine = self._engine(trainer)
+            phases = {"rebuild": time.perf_counter() - t0}
         else:
             slot, step, rng = self.latest
-            fresh = fresh_trainer(trainer)
-            restore_slots(fresh, [slot])
-            fresh.set_step(step)
+            t1 = time.perf_counter()
+            init_optimizer_state(trainer.optimizer)  # a no-op unless the state is gone
+            t2 = time.perf_counter()
+            restore_slots(trainer, [slot])
+            trainer.set_step(step)
             torch.set_rng_state(rng)
-        self.engine = SnapshotEngine(StateAccess(fresh.model, fresh.optimizer))
-        self.pending = None
-        return fresh, {"recovered_step": step, "seconds": time.perf_counter() - t0}
+            phases = {"find": t1 - t0, "rebuild": t2 - t1, "load": time.perf_counter() - t2}
+        return trainer, {"recovered_step": step, "seconds": time.perf_counter() - t0, "phases": phases}
 
     def close(self) -> None:
         self.before_update()
@@ -73,4 +86,5 @@ class HostDense(HostCopyBaseline):
             "wait_seconds_total": self.wait.total,
             "wait_seconds_max": self.wait.max,
             "bytes_per_checkpoint": self.buffers[0].nbytes,
+            "copy": dict(self.engine.copy_totals),  # this engine's copies (since its last rebuild)
         }
