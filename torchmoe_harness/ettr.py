@@ -257,16 +257,21 @@ def simulate_iterations(
     fail_fraction: float = 1.0,
     recoveries: list[float] | None = None,
     sliding: bool = False,
+    from_recovery: bool = False,
+    commit_lags: list[float] | None = None,
 ) -> SimResult:
     """Run `p` for `iterations` with a failure in the first execution of each iteration of `fail_at`, after
-    `fail_fraction` of it. The recovery point is the newest completed segment end (`interval` iterations, or,
+    `fail_fraction` of it. The recovery point is the newest completed segment end (every `interval` iterations
+    from 0, or, `from_recovery`, from the last recovery point, as windows start again after a recovery; or,
     `sliding`, the iteration before the failed one) that was durable when the failure struck (`commit_lag_s`
     after it completed); recovery costs `recoveries[i]` for the i-th failure (default `p.recovery_s()`), then
-    every iteration after the recovery point is trained again. Checkpoint costs are in `p.iter_s` (stalls
-    amortised: `stall_s` is not charged separately here)."""
+    every iteration after the recovery point is trained again; `commit_lags[i]`: the i-th checkpoint's own lag
+    (a replayed run's, in the order they were taken; `p.commit_lag_s` after them). Checkpoint costs are in
+    `p.iter_s` (stalls amortised: `stall_s` is not charged separately here)."""
     a = p.iter_s
+    lags = iter(commit_lags or ())
     fails = sorted(set(fail_at))
-    now, step, lost, rec_s, n = 0.0, 0, 0, 0.0, 0
+    now, step, lost, rec_s, n, base = 0.0, 0, 0, 0.0, 0, 0
     ready = {0: 0.0}  # recovery point (iteration) -> wall time it became durable
     while step < iterations:
         nxt = step + 1
@@ -280,13 +285,14 @@ def simulate_iterations(
             now += r
             rec_s += r
             n += 1
+            base = point if from_recovery else 0
             step = point
             ready = {pt: t for pt, t in ready.items() if pt <= point}
             continue
         now += a
         step = nxt
-        if step % p.interval == 0 or sliding:
-            ready[step] = now + p.commit_lag_s
+        if (step - base) % p.interval == 0 or sliding:
+            ready[step] = now + next(lags, p.commit_lag_s)
     useful = iterations * p.t_iter
     return SimResult(useful / now, now, useful, iterations, n, lost, rec_s, 0.0, 0.0, 0.0)
 

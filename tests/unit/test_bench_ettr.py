@@ -33,6 +33,10 @@ def test_simulate_iterations_loses_back_to_the_recovery_point():
     lag = SystemProfile("lag", 1.0, interval=4, restart_s=0.0, commit_lag_s=1.6)
     assert simulate_iterations(lag, 8, [6], 0.5).lost_iterations == 5
     assert simulate_iterations(lag, 8, [7], 0.5).lost_iterations == 2
+    # each checkpoint's own lag, in order: iteration 2's slow (5 s), iteration 4's at once
+    two = SystemProfile("two", 1.0, interval=2, commit_lag_s=5.0)
+    assert simulate_iterations(two, 8, [6], 0.5).lost_iterations == 5  # 2 and 4 not durable at 5.5 s: from 0
+    assert simulate_iterations(two, 8, [6], 0.5, commit_lags=[5.0, 0.0]).lost_iterations == 1  # 4 is
 
 
 def _run(system: str, wall: float, recs: list[dict], steps: int = 10, interval: int = 1) -> dict:

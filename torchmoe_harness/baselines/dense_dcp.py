@@ -8,6 +8,7 @@ file written next to it. Exact: everything after the export is recomputed from t
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -46,11 +47,7 @@ class DenseDcp:
         t0 = time.perf_counter()
         if self.asynchronous:
             self.exporter.export(trainer.model, trainer.optimizer, step)
-            # how long after the training thread went on the export became durable (its .metadata written):
-            # a failure in that time cannot use it
-            fut = getattr(self.exporter._future, "upload_completion", self.exporter._future)
-            staged = time.perf_counter()
-            fut.add_done_callback(lambda _f, t=staged: self.commit_lag_s.append(time.perf_counter() - t))
+            self._watch_commit(self.root / step_dirname(step) / METADATA)
         else:
             export_dense(trainer.model, trainer.optimizer, f"file://{self.root / step_dirname(step)}", step)
         torch.save(rng_state(), self.root / f"rng-{step}-rank{self.rank}.pt")
@@ -59,6 +56,20 @@ class DenseDcp:
         if not self.asynchronous and self.rank == 0:
             self.bytes.append(_dir_bytes(self.root / step_dirname(step)) // self.world)
             self._prune()
+
+    def _watch_commit(self, metadata: Path) -> None:
+        """How long after the training thread went on the export became durable (its .metadata visible, what
+        `recover` looks for): a failure in that time cannot use it. Polled on a side thread, every 5 ms."""
+        staged = time.perf_counter()
+
+        def watch() -> None:
+            while not metadata.exists():
+                if time.perf_counter() - staged > 600:
+                    return
+                time.sleep(0.005)
+            self.commit_lag_s.append(time.perf_counter() - staged)
+
+        threading.Thread(target=watch, name="tmoe-dcp-commit-watch", daemon=True).start()
 
     def _prune(self) -> None:
         done = sorted(self._complete())
@@ -112,6 +123,7 @@ class DenseDcp:
         if self.exporter is not None:
             out["export_s_max"] = max(self.exporter.export_seconds, default=0.0)
             out["commit_lag_s_mean"] = sum(self.commit_lag_s) / len(self.commit_lag_s) if self.commit_lag_s else 0.0
+            out["commit_lag_s"] = list(self.commit_lag_s)
         return out
 
 
