@@ -14,18 +14,10 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from titan_integration import demo, recovery_demo  # noqa: E402  (cheap: neither imports torchtitan)
+from titan_integration import recovery_demo  # noqa: E402  (cheap: neither imports torchtitan)
 
 STEPS, WINDOW, KILL_STEP = 8, 3, 6
 _REFERENCE: list[Path] = []
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict[str, str]:
-    e = demo.child_env()
-    e["TORCHMOE_TITAN_ASSETS"] = str(tmp_path_factory.mktemp("titan-assets"))
-    e.pop("TORCHMOE_FAULT", None)
-    return e
 
 
 def _run(d: Path, env: dict[str, str], fault: str | None = None) -> str:
