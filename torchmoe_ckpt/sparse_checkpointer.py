@@ -30,7 +30,7 @@ from .replay_log import IterationRecord
 from .schedule import CopyCost, WindowPlan, choose_window, copy_budget, measure_copy_bandwidth, plan_window
 from .slot_pool import SlotPool
 from .snapshot import Slot, SnapshotEngine, StateAccess, build_slot
-from .sparse_to_dense import RecoveryReport, sparse_to_dense
+from .sparse_to_dense import RecoveryReport, replay_slots, sparse_to_dense
 from .window import Window
 
 log = logging.getLogger("torchmoe_ckpt")
@@ -170,12 +170,11 @@ class SparseCheckpointer:
             self._redo["phases"]["redo"] = time.perf_counter() - self._redo["since"]
             self._redo = None
         cur = self.current
+        rec = IterationRecord(
+            t, res.tokens, res.grad_norm, res.lr, res.loss, res.rng_state, lrs=getattr(res, "lrs", None)
+        )
         if cur is not None and cur.start_step < t < cur.start_step + cur.plan.window:
-            cur.log.add(
-                IterationRecord(
-                    t, res.tokens, res.grad_norm, res.lr, res.loss, res.rng_state, lrs=getattr(res, "lrs", None)
-                )
-            )
+            cur.log.add(rec)
         if cur is None or cur.captured >= cur.plan.window:
             t0 = time.perf_counter()
             cur = self._start_window(t)
@@ -184,6 +183,8 @@ class SparseCheckpointer:
             self.counters["plan_s_total"] += dt
             self.counters["plan_s_max"] = max(self.counters["plan_s_max"], dt)
             self.counters["plan_s_recent"] = (self.counters.get("plan_s_recent", []) + [dt])[-64:]
+            if cur.plan.sliding:  # a sliding recovery may start in the window before and replay this one's first
+                cur.log.add(rec)
         slot = cur.slots[t - cur.start_step]
         self.engine.capture(slot, t)
         if self.tier_writer is not None:
@@ -219,35 +220,71 @@ class SparseCheckpointer:
             self._groups.forget(cur.slots)  # may still be written to the host tier: never handed out again
 
     def recover_in_memory(self, trainer) -> RecoveryReport | None:
-        """In-process recovery after a failure that lost the training state but not this process: the newest
-        committed window is converted to the dense state in `trainer` (a `Replayable` over the model and
-        optimizer this checkpointer was built on, whatever values they hold now) and the checkpointer carries
-        on with the same buffers and copy thread; the window being filled is dropped. Returns the report (phases:
-        find, rebuild, load, replay; redo is added once training is back at the last iteration captured), or
-        None when no window is committed yet (the caller starts over)."""
+        """In-process recovery after a failure that lost the training state but not this process: converts to the
+        dense state in `trainer` (a `Replayable` over the model and optimizer this checkpointer was built on,
+        whatever values they hold now) and carries on with the same buffers and copy thread. With sliding plans
+        (SparseConfig.sliding) from the newest W consecutive slots, the window being filled included: back to
+        the last iteration captured, that window kept and continued; otherwise (or when those slots do not
+        cover every operator, e.g. across a reorder) from the newest committed window, the one being filled
+        dropped. Returns the report (phases: find, rebuild, load, replay; redo is added once training is back
+        at the last iteration captured), or None when no window is committed yet (the caller starts over)."""
         t0 = time.perf_counter()
         last = self.current.start_step + self.current.captured - 1 if self.current is not None else None
         try:
-            self.engine.wait()  # a copy in flight when the state was lost is torn: its window is dropped below
+            self.engine.wait()  # a copy in flight when the state was lost is torn: its slot is not used below
         except Exception:  # noqa: BLE001  (its error is the failure's, already being handled)
             pass
         self._maybe_commit()  # a window whose last copy had finished is the newest recovery point
-        cur, self.current = self.current, None
-        if cur is not None and self.tier_writer is None:
-            self._keep_buffers(cur)
-        elif cur is not None and self._groups is not None:
-            self._groups.forget(cur.slots)
-        window = self.committed
-        if window is None:
+        suffix = self._sliding_suffix()
+        if suffix is None:
+            cur, self.current = self.current, None
+            if cur is not None and self.tier_writer is None:
+                self._keep_buffers(cur)
+            elif cur is not None and self._groups is not None:
+                self._groups.forget(cur.slots)
+        if self.committed is None:
             return None
         find_s = time.perf_counter() - t0
-        rep = sparse_to_dense(trainer, window)
+        if suffix is not None:
+            seq, start, record, label = suffix
+            rep = replay_slots(trainer, seq, start, record, self.current.id, label)
+        else:
+            rep = sparse_to_dense(trainer, self.committed)
         rep.phases = {"find": find_s, **rep.phases, "redo": 0.0}
         rep.seconds = time.perf_counter() - t0
         self.counters["recoveries"].append(rep)
         if last is not None and last > rep.recovered_step:
             self._redo = {"until": last, "since": time.perf_counter(), "phases": rep.phases}
         return rep
+
+    def _sliding_suffix(self):
+        """(slots with their plans, first step, record lookup, label) of the newest consecutive slots that cover
+        every operator, ending at the window being filled; None when there is none (not sliding, nothing
+        captured in it yet, the windows not consecutive, or no covering suffix). Trims the window being filled
+        to its complete slots (a torn copy is not a slot)."""
+        old, cur = self.committed, self.current
+        if old is None or cur is None or not (old.plan.sliding and cur.plan.sliding):
+            return None
+        k = 0
+        while k < cur.captured and cur.slots[k].complete:
+            k += 1
+        if k == 0 or cur.start_step != old.start_step + old.plan.window:
+            return None
+        cur.captured = k
+        chain = [(sl, sp, old.start_step + i) for i, (sl, sp) in enumerate(zip(old.slots, old.plan.slots))]
+        chain += [(sl, sp, cur.start_step + i) for i, (sl, sp) in enumerate(zip(cur.slots[:k], cur.plan.slots))]
+        everyone = set(cur.plan.order)
+        seen: set[str] = set()
+        for first in range(len(chain) - 1, -1, -1):
+            seen |= set(chain[first][1].active)
+            if seen >= everyone:
+                break
+        else:
+            return None
+        logs = {**old.log.records, **cur.log.records}
+        label = f"slots of windows {old.id} and {cur.id} from iteration {chain[first][2]} (sliding)"
+        seq = [(sl, sp) for sl, sp, _ in chain[first:]]
+        return seq, chain[first][2], lambda step: logs[step], label
 
     def _observe_copy(self) -> None:
         """Feed the copy that just finished (bytes, copy-thread wall time, the wait it caused) to the pricing."""
@@ -355,7 +392,7 @@ class SparseCheckpointer:
             # Every rank plans the same window: W is the largest any rank proposed. Proposals are agreed in the
             # background during the window before (an async 8-byte all-reduce), so no rank waits here for a
             # slower one; only the first window agrees on the spot.
-            proposal = float(choose_window(order, full, comp, budget, self._auto_w))
+            proposal = float(choose_window(order, full, comp, budget, self._auto_w, sliding=self.cfg.sliding))
             if self._w_pending is None:
                 auto_w = int(self._agree(proposal, dist.ReduceOp.MAX, self.group))
             else:
@@ -379,6 +416,7 @@ class SparseCheckpointer:
             forced_window=self.cfg.window,
             auto_window=auto_w,
             warn=not self._warned_unfit and self._rank == 0,
+            sliding=self.cfg.sliding,
         )
         self._warned_unfit = self._warned_unfit or not plan.fits
         slots = (

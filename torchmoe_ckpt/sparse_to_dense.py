@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
@@ -35,8 +36,9 @@ import torch
 
 from . import faults
 from .errors import TorchmoeError
-from .replay_log import Replay
-from .snapshot import ROLES_FULL, StateAccess, restore_slot
+from .replay_log import IterationRecord, Replay
+from .schedule import SlotPlan
+from .snapshot import ROLES_FULL, Slot, StateAccess, restore_slot
 
 log = logging.getLogger("torchmoe_ckpt.sparse_to_dense")
 
@@ -107,41 +109,65 @@ def load_window_slot(slot, access: StateAccess) -> int:
 
 def sparse_to_dense(trainer: Replayable, window) -> RecoveryReport:
     """Run the conversion for `window` (a committed `Window`) on a freshly built trainer."""
-    t_start = time.perf_counter()
     if not window.committed:
         raise ValueError(f"window {window.id} is not committed (slots missing or torn); use an older one")
+    seq = list(zip(window.slots, window.plan.slots))
+    return replay_slots(trainer, seq, window.start_step, window.log.get, window.id, f"window {window.id}")
+
+
+def replay_slots(
+    trainer: Replayable,
+    seq: list[tuple[Slot, SlotPlan]],
+    t0: int,
+    record: Callable[[int], IterationRecord],
+    window_id: int,
+    label: str,
+) -> RecoveryReport:
+    """The conversion over consecutive slots (slot j holds the state after iteration t0 + j, with its plan's
+    active and frozen sets): a committed window's W slots, or a sliding suffix across two windows. Load slot
+    0; for each next slot replay its iteration with the operators not yet active FROZEN, then load it: full
+    state for the operators it activates, compute weights for those still frozen, nothing for those already
+    active (what it holds of them equals what the replay produced). `record(step)`: the replay record of an
+    iteration. Ends with every operator active at iteration t0 + len(seq) - 1."""
+    t_start = time.perf_counter()
     access = StateAccess(trainer.model, trainer.optimizer)
     init_optimizer_state(trainer.optimizer)
     rebuild_s = time.perf_counter() - t_start
-    t0, w = window.start_step, window.plan.window
+    everyone = set(seq[0][1].active) | set(seq[0][1].frozen)
+    active: set[str] = set()
     trainer.set_step(t0)
-    l0 = time.perf_counter()
-    nbytes = load_window_slot(window.slots[0], access)
-    load_s = time.perf_counter() - l0
-    replay_s = 0.0
-    for i in range(1, w):
-        rec = window.log.get(t0 + i)
-        r0 = time.perf_counter()
-        # still FROZEN in this iteration: the operators whose full state comes in a later slot
-        res = trainer.train_step(replace(Replay.of(rec), frozen=frozenset(window.plan.slots[i - 1].frozen)))
-        replay_s += time.perf_counter() - r0
-        if not torch.equal(res.loss, rec.loss):
-            raise ReplayDivergence(
-                f"replay of iteration {t0 + i} (window {window.id}, replay {i} of {w - 1}) gave loss "
-                f"{res.loss.item()!r}, the original run logged {rec.loss.item()!r}. Likely causes (most usual "
-                "first): randomness outside torch's CPU generator (random.random(), numpy or an RNG of your own "
-                "inside forward), state the checkpoint does not capture (a non-persistent buffer or a Python "
-                "attribute that changes during training), a non-deterministic kernel or a different thread count, "
-                "or a model/data/world size other than the run that wrote the window. The window is not loaded"
-            )
+    nbytes, load_s, replay_s, n = 0, 0.0, 0.0, len(seq)
+    for i, (slot, plan) in enumerate(seq):
+        if i:
+            rec = record(t0 + i)
+            r0 = time.perf_counter()
+            # still FROZEN in this iteration: the operators whose full state comes in a later slot
+            res = trainer.train_step(replace(Replay.of(rec), frozen=frozenset(everyone - active)))
+            replay_s += time.perf_counter() - r0
+            if not torch.equal(res.loss, rec.loss):
+                raise ReplayDivergence(
+                    f"replay of iteration {t0 + i} ({label}, replay {i} of {n - 1}) gave loss "
+                    f"{res.loss.item()!r}, the original run logged {rec.loss.item()!r}. Likely causes (most usual "
+                    "first): randomness outside torch's CPU generator (random.random(), numpy or an RNG of your "
+                    "own inside forward), state the checkpoint does not capture (a non-persistent buffer or a "
+                    "Python attribute that changes during training), a non-deterministic kernel or a different "
+                    "thread count, or a model/data/world size other than the run that wrote the window. The "
+                    "window is not loaded"
+                )
         l0 = time.perf_counter()
-        nbytes += load_window_slot(window.slots[i], access)
+        if active:  # a sliding slot also holds operators active already: leave them as the replay made them
+            slot = Slot(slot.index, slot.active, slot.frozen, [it for it in slot.items if it.op not in active])
+        nbytes += load_window_slot(slot, access)
         load_s += time.perf_counter() - l0
-        faults.point("recovery")
-    trainer.set_step(t0 + w - 1)
+        active |= set(plan.active)
+        if i:
+            faults.point("recovery")
+    if active != everyone:
+        raise ValueError(f"{label}: its slots activate {len(active)} of {len(everyone)} operators; not a window")
+    trainer.set_step(t0 + n - 1)
     phases = {"rebuild": rebuild_s, "load": load_s, "replay": replay_s}
     rep = RecoveryReport(
-        window.id, w, t0, t0 + w - 1, w - 1, nbytes, time.perf_counter() - t_start, replay_s, load_s, rebuild_s, phases
+        window_id, n, t0, t0 + n - 1, n - 1, nbytes, time.perf_counter() - t_start, replay_s, load_s, rebuild_s, phases
     )
     log.debug("recovered %s", rep.to_dict())
     return rep

@@ -42,8 +42,8 @@ LABELS = {
     "gemini_k1": "dense snapshot every iteration",
     "gemini_best": "dense snapshot at its best interval",
     "dcp_async_best": "DCP async_save at its best interval",
-    "ours": "ours (sparse, auto W: a slot fits 0.9 of an iteration)",
-    "ours_W4": "ours, W = 4 (the MoE-regime section's auto W)",
+    "ours": "ours (sliding, auto W: a slot fits 0.9 of an iteration)",
+    "ours_W4": "ours, sliding, W = 4 (the MoE-regime section's auto W)",
 }
 GOALS = {
     "recovery_floor": "ours' recovery / (window bytes / its copy speed + replayed x no-ckpt step), worst of 2 configs",
@@ -101,12 +101,14 @@ def analyse_run(rep: dict, t_iter: float, fails: list[int], memcpy: float) -> di
     fail_fraction = statistics.mean(r["failed_step_s"] for r in recs) / a if recs else 1.0
     # replayed with the run's own per-event durations, as they happened (recoveries, async commit lags): what
     # the simulator decides is which iterations each failure loses and what that costs at the run's pace
+    sliding = bool((rep.get("params") or {}).get("sliding"))
     sim = simulate_iterations(
         profile,
         steps,
         fails,
         fail_fraction,
         recoveries=[r["wall_seconds"] for r in recs],
+        sliding=sliding,
         from_recovery=rep["system"] == "ours",
         commit_lags=lags,
     )

@@ -32,8 +32,9 @@ from torchmoe_harness.worker import serve
 # an iteration (90% of one: the copy must end before the next update), priced by the copies observed. At the
 # machine's own regime that may be W = 1 (a dense copy fits): then ours_W4, the W the MoE-regime section's
 # auto pricing settles on (overlap 0.01: a copy's CPU taken from compute), shows the replay path's costs.
-OURS = {"kind": "ours", "window": None, "overlap": 0.9}
-OURS_FIXED = {"kind": "ours", "window": 4}
+# Both with sliding plans (SparseConfig.sliding): a failure loses only its own iteration.
+OURS = {"kind": "ours", "window": None, "overlap": 0.9, "sliding": True}
+OURS_FIXED = {"kind": "ours", "window": 4, "sliding": True}
 
 
 def _phase(out: Path, name: str, spec: dict) -> dict:

@@ -43,6 +43,8 @@ OVERLAP = 0.01  # auto W: a slot may cost 1% of an iteration (on CPU the copy ta
 FORCED = (2, 4, 8)
 SYSTEMS = {
     "ours_auto": {"kind": "ours", "window": None, "overlap": OVERLAP},
+    # the same with sliding plans (a failure loses only its own iteration): what its bigger slots cost
+    "ours_sliding": {"kind": "ours", "window": None, "overlap": OVERLAP, "sliding": True},
     **{f"ours_W{w}": {"kind": "ours", "window": w} for w in FORCED},
     "gemini_k1": {"kind": "gemini", "every": 1},
     "dcp_async_k1": {"kind": "dcp_async", "every": 1},

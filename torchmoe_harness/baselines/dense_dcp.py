@@ -58,16 +58,17 @@ class DenseDcp:
             self._prune()
 
     def _watch_commit(self, metadata: Path) -> None:
-        """How long after the training thread went on the export became durable (its .metadata visible, what
-        `recover` looks for): a failure in that time cannot use it. Polled on a side thread, every 5 ms."""
-        staged = time.perf_counter()
+        """How long after the training thread went on the export became durable (its .metadata written, what
+        `recover` looks for): a failure in that time cannot use it. A side thread waits for the file and takes
+        the time it was written from its mtime (the thread itself may notice late, when the GIL is busy)."""
+        staged = time.time()
 
         def watch() -> None:
             while not metadata.exists():
-                if time.perf_counter() - staged > 600:
+                if time.time() - staged > 600:
                     return
                 time.sleep(0.005)
-            self.commit_lag_s.append(time.perf_counter() - staged)
+            self.commit_lag_s.append(max(0.0, metadata.stat().st_mtime - staged))
 
         threading.Thread(target=watch, name="tmoe-dcp-commit-watch", daemon=True).start()
 

@@ -1,5 +1,5 @@
-"""Our sparse per-iteration checkpointer behind the baselines' interface (recovery: the harness's in-process
-restart, sparse-to-dense from the newest committed window: exact)."""
+"""Our sparse per-iteration checkpointer behind the baselines' interface (recovery in process: sparse-to-dense
+from the newest committed window, or with `sliding` from the newest W consecutive slots: exact)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,11 @@ class Ours:
         overlap: float = 1.0,
         bandwidth_bytes_per_s: float | None = None,
         throttle_bytes_per_s: float | None = None,
+        sliding: bool = False,
     ):
-        self.cfg = SparseConfig(window=window, overlap=overlap, bandwidth_bytes_per_s=bandwidth_bytes_per_s)
+        self.cfg = SparseConfig(
+            window=window, overlap=overlap, bandwidth_bytes_per_s=bandwidth_bytes_per_s, sliding=sliding
+        )
         self.throttle = throttle_bytes_per_s  # an emulated slower host link (SnapshotEngine.throttle_bytes_per_s)
         self.ck = self._checkpointer(trainer)
         self._attached = None
