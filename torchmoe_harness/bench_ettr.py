@@ -354,6 +354,8 @@ def plot(res: dict, path: Path) -> None:
                 color=colors[name],
                 s=18,
             )
+        if s["crossover_vs_every_iteration"]:  # where ours overtakes the dense snapshot every iteration
+            axes[0].axvline(s["crossover_vs_every_iteration"], color="tab:green", ls=ls, lw=0.7)
     axes[0].set_xlabel("dense snapshot copy time / no-checkpoint step (>natural: emulated host-link cap)")
     axes[0].set_ylabel("ETTR")
     axes[0].set_title("this machine (dots measured, lines through simulated points)", fontsize=9)
@@ -367,6 +369,8 @@ def plot(res: dict, path: Path) -> None:
     for ls, (label, m) in zip(("-", "--"), pap["mtbfs"].items()):
         for name, rows in m["systems"].items():
             axes[1].plot(pap["fractions"], [r["ettr"] for r in rows], ls, color=names[name], label=f"{name}, {label}")
+        if m["crossover_vs_every_iteration"]:
+            axes[1].axvline(m["crossover_vs_every_iteration"], color="tab:green", ls=ls, lw=0.7)
     axes[1].set_xlabel("dense snapshot copy time / iteration")
     axes[1].set_title(f"simulated: {pap['setting']}", fontsize=9)
     axes[1].legend(fontsize=6)
