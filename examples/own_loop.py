@@ -4,7 +4,8 @@
 
 Kill any rank with `kill -9` while it trains: torchrun restarts the workers, `ckpt.resume()` rebuilds the
 exact state of the last committed window from host memory and training goes on as if nothing happened.
-The lines marked `# ckpt` are all the checkpointing code; the rest is a plain loop.
+The lines marked `# ckpt` are all the checkpointing code; the rest is a plain loop. With CUDA each rank trains
+on its GPU (NCCL); `--replay-check exact` then needs deterministic kernels (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from transformers import MixtralConfig, MixtralForCausalLM
 import torchmoe_ckpt as tmc  # ckpt
 
 
-def main(argv: list[str] | None = None):
+def main(argv: list[str] | None = None, mesh=None):
+    """`mesh`: the DeviceMesh FSDP2 shards over (default: every rank, on this process's device)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--run-id", default=None, help="default: torchrun's run id (one per launch)")
@@ -33,11 +35,18 @@ def main(argv: list[str] | None = None):
         help="windows exist but every one is rejected (corrupt, replay diverged): refuse (default) or "
         "start over from step 0, overwriting them",
     )
+    ap.add_argument(
+        "--replay-check",
+        choices=("exact", "tolerant"),
+        default="exact",
+        help="recovery's replay: bit for bit (CUDA: deterministic kernels needed) or within a bound (approximate)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(format="%(message)s")
     logging.getLogger("torchmoe_ckpt").setLevel(logging.INFO)  # windows committed, recovery: one line each
 
     rank, world = tmc.init_process_group()  # ckpt: dist.init_process_group that survives torchrun restarts
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(0)
     cfg = MixtralConfig(
         vocab_size=128,
@@ -50,16 +59,16 @@ def main(argv: list[str] | None = None):
         num_experts_per_tok=2,
         max_position_embeddings=64,
     )
-    model = MixtralForCausalLM(cfg)
+    model = MixtralForCausalLM(cfg).to(device)  # initialised on the CPU: the same weights on any device
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
 
     def batch_for(step: int) -> torch.Tensor:  # the data position is the step: any rank, any attempt
         g = torch.Generator().manual_seed(step * 1000 + rank)
-        return torch.randint(0, cfg.vocab_size, (2, 17), generator=g)
+        return torch.randint(0, cfg.vocab_size, (2, 17), generator=g).to(device)
 
     def forward_backward(tokens: torch.Tensor) -> torch.Tensor:
         logits = model(tokens[:, :-1]).logits
@@ -73,6 +82,7 @@ def main(argv: list[str] | None = None):
         window=tmc.SparseConfig(window=args.window),
         max_grad_norm=1.0,  # ckpt
         on_unusable_checkpoint=args.on_unusable_checkpoint,
+        replay_check=args.replay_check,
     )  # ckpt
     with tmc.Checkpointer(model, optimizer, forward_backward, scheduler, config) as ckpt:  # ckpt
         for step in range(ckpt.resume() + 1, args.steps + 1):  # ckpt: resume() = last completed step

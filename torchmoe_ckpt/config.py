@@ -12,10 +12,10 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .dcp.object_tier import check_uri
-from .dcp.store_errors import StoreConfigError
 from .errors import ConfigError
 from .operators import OperatorSpec
+from .replay_check import DEFAULT_TOLERANCE, ReplayPolicy
+from .storage.store_open import StoreConfigError, check_uri
 
 __all__ = ["ConfigError", "SparseConfig", "ObjectStoreConfig", "TierConfig", "CheckpointConfig", "DEFAULT_HOST_ROOT"]
 
@@ -178,6 +178,10 @@ class CheckpointConfig:
     on_unusable_checkpoint: str = "fail"  # windows exist but every one is rejected (corrupt, torn, replay
     # diverged): "fail" raises UnusableCheckpointError on every rank, nothing
     # touched; "restart" starts from step 0 and overwrites them
+    replay_check: str = "exact"  # "exact": every replayed loss equals the original bit for bit (a CUDA model needs
+    # deterministic kernels, checked at construction); "tolerant": within replay_tolerance, reported approximate
+    replay_tolerance: float = DEFAULT_TOLERANCE  # tolerant: largest relative deviation of a replayed loss or
+    # gradient norm accepted (docs/gpu.md: how the default was chosen)
 
     def __post_init__(self):
         if self.on_unusable_checkpoint not in UNUSABLE_POLICIES:
@@ -204,6 +208,11 @@ class CheckpointConfig:
             raise ConfigError(f"router_top_k must be >= 1 or None, got {self.router_top_k}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm}")
+        self.replay_policy()  # validates replay_check and replay_tolerance
+
+    def replay_policy(self) -> ReplayPolicy:
+        """How recovery checks each replayed iteration (replay_check.py)."""
+        return ReplayPolicy(self.replay_check, self.replay_tolerance)
 
 
 def _whole(name: str, value, none_ok: bool = False) -> None:

@@ -11,12 +11,17 @@ original iteration (replayed or loaded), so activations, losses and all gradient
 gradients are still computed for FROZEN operators and reduced in the unchanged FSDP layout (changing the
 reduce-scatter layout changes the summation order with >= 3 ranks). Their optimizer update is computed on
 the whole grouped tensor too, but it lands only on FROZEN slices, which the next slot overwrites ("masked"):
-Adam is elementwise, so ACTIVE slices are untouched by what happens to their frozen neighbours.
+that is exact for updates that do not couple elements across operators, which `optim_state` checks per
+optimizer up front (Adam/AdamW/SGD are elementwise; Muon couples whole matrices, Adafactor whole tensors, so
+tensors cut into several operators are refused for them).
 
 Each replayed iteration also tells the trainer which operators are FROZEN in it (`Replay.frozen`): a trainer may
 skip their weight gradients (MoEvement's frozen execution: forward and input gradients only), since whatever
 their slices receive is overwritten by a later slot. The harness does for expert slices (model.expert_mlp);
 a trainer that ignores the set replays exactly as before.
+
+`replay_slots` runs the conversion over any consecutive slots that activate every operator once: a committed
+window, or with sliding plans (SparseConfig.sliding) the newest W slots across a window boundary.
 
 The report splits the recovery's time into phases (`RecoveryReport.phases`, the status line and the
 checkpointer's stats): rebuild (optimizer state allocated for in-place loads), load (slot bytes copied into the
@@ -35,20 +40,29 @@ from typing import Protocol
 import torch
 
 from . import faults
-from .errors import TorchmoeError
+from .optim_state import init_optimizer_state  # also imported from here by callers
+from .replay_check import ReplayComparison, ReplayDivergence, ReplayPolicy
 from .replay_log import IterationRecord, Replay
 from .schedule import SlotPlan
-from .snapshot import ROLES_FULL, Slot, StateAccess, restore_slot
+from .snapshot import Slot, StateAccess, restore_slot
 
 log = logging.getLogger("torchmoe_ckpt.sparse_to_dense")
 
-
-class ReplayDivergence(TorchmoeError, RuntimeError):
-    """A replayed iteration did not reproduce the logged loss, so the rebuilt state would not be the run's."""
+__all__ = [
+    "RecoveryReport",
+    "ReplayDivergence",
+    "Replayable",
+    "ReplayedStep",
+    "init_optimizer_state",
+    "load_window_slot",
+    "replay_slots",
+    "sparse_to_dense",
+]
 
 
 class ReplayedStep(Protocol):
-    loss: torch.Tensor  # this rank's loss of the replayed iteration, compared bit for bit
+    loss: torch.Tensor  # this rank's loss of the replayed iteration, compared with the logged one (replay_check.py)
+    # optional: `replayed_grad_norm`, the global norm of the replayed gradients (compared with the logged norm)
 
 
 class Replayable(Protocol):
@@ -77,6 +91,12 @@ class RecoveryReport:
     bytes_loaded: int
     seconds: float
     replay_seconds: float
+    replay_check: str = "exact"  # the policy the replay was checked with (replay_check.py)
+    exact: bool = True  # every replayed loss (and recomputed gradient norm) equal to the original bit for bit
+    max_loss_deviation: float = 0.0  # largest relative deviation of a replayed loss (0 when exact)
+    max_grad_norm_deviation: float = 0.0  # likewise for the gradient norms
+    replay_tolerance: float | None = None  # the bound a tolerant replay was held to
+    grad_norms_compared: int = 0  # replayed iterations whose trainer recomputed the gradient norm for the check
     load_seconds: float = 0.0  # slot bytes copied into the live tensors
     rebuild_seconds: float = 0.0  # optimizer state allocated so that slots load in place
     # seconds per phase: rebuild, load, replay here; `recover` adds find, the checkpointer redo (status.PHASES)
@@ -86,33 +106,18 @@ class RecoveryReport:
         return asdict(self)
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create AdamW state for every trainable parameter (zeros, step 0: what AdamW's lazy init creates), so
-    slots can be loaded into it in place, and so a parameter that got no gradient yet (an expert no token
-    reached) still has state a slot can copy. FROZEN slices keep placeholder values until their operator
-    becomes ACTIVE."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not p.requires_grad:
-                continue  # never updated, so no state (and no empty entry in state_dict)
-            st = optimizer.state[p]
-            if "exp_avg" not in st:
-                st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
 def load_window_slot(slot, access: StateAccess) -> int:
     """ACTIVE-on-this-slot operators get their full state; later operators get compute weights."""
-    return restore_slot(slot, access, roles=ROLES_FULL + ("step", "compute", "buffer"))
+    return restore_slot(slot, access)
 
 
-def sparse_to_dense(trainer: Replayable, window) -> RecoveryReport:
-    """Run the conversion for `window` (a committed `Window`) on a freshly built trainer."""
+def sparse_to_dense(trainer: Replayable, window, replay_check: ReplayPolicy | None = None) -> RecoveryReport:
+    """Run the conversion for `window` (a committed `Window`) on a freshly built trainer; every replayed iteration
+    is checked per `replay_check` (default: exact)."""
     if not window.committed:
         raise ValueError(f"window {window.id} is not committed (slots missing or torn); use an older one")
     seq = list(zip(window.slots, window.plan.slots))
-    return replay_slots(trainer, seq, window.start_step, window.log.get, window.id, f"window {window.id}")
+    return replay_slots(trainer, seq, window.start_step, window.log.get, window.id, f"window {window.id}", replay_check)
 
 
 def replay_slots(
@@ -122,6 +127,7 @@ def replay_slots(
     record: Callable[[int], IterationRecord],
     window_id: int,
     label: str,
+    replay_check: ReplayPolicy | None = None,
 ) -> RecoveryReport:
     """The conversion over consecutive slots (slot j holds the state after iteration t0 + j, with its plan's
     active and frozen sets): a committed window's W slots, or a sliding suffix across two windows. Load slot
@@ -137,6 +143,7 @@ def replay_slots(
     active: set[str] = set()
     trainer.set_step(t0)
     nbytes, load_s, replay_s, n = 0, 0.0, 0.0, len(seq)
+    check = ReplayComparison(replay_check)
     for i, (slot, plan) in enumerate(seq):
         if i:
             rec = record(t0 + i)
@@ -144,16 +151,7 @@ def replay_slots(
             # still FROZEN in this iteration: the operators whose full state comes in a later slot
             res = trainer.train_step(replace(Replay.of(rec), frozen=frozenset(everyone - active)))
             replay_s += time.perf_counter() - r0
-            if not torch.equal(res.loss, rec.loss):
-                raise ReplayDivergence(
-                    f"replay of iteration {t0 + i} ({label}, replay {i} of {n - 1}) gave loss "
-                    f"{res.loss.item()!r}, the original run logged {rec.loss.item()!r}. Likely causes (most usual "
-                    "first): randomness outside torch's CPU generator (random.random(), numpy or an RNG of your "
-                    "own inside forward), state the checkpoint does not capture (a non-persistent buffer or a "
-                    "Python attribute that changes during training), a non-deterministic kernel or a different "
-                    "thread count, or a model/data/world size other than the run that wrote the window. The "
-                    "window is not loaded"
-                )
+            check.check(f"iteration {t0 + i} ({label}, replay {i} of {n - 1})", res, rec)
         l0 = time.perf_counter()
         if active:  # a sliding slot also holds operators active already: leave them as the replay made them
             slot = Slot(slot.index, slot.active, slot.frozen, [it for it in slot.items if it.op not in active])
@@ -165,9 +163,19 @@ def replay_slots(
     if active != everyone:
         raise ValueError(f"{label}: its slots activate {len(active)} of {len(everyone)} operators; not a window")
     trainer.set_step(t0 + n - 1)
-    phases = {"rebuild": rebuild_s, "load": load_s, "replay": replay_s}
     rep = RecoveryReport(
-        window_id, n, t0, t0 + n - 1, n - 1, nbytes, time.perf_counter() - t_start, replay_s, load_s, rebuild_s, phases
+        window_id,
+        n,
+        t0,
+        t0 + n - 1,
+        n - 1,
+        nbytes,
+        time.perf_counter() - t_start,
+        replay_s,
+        **check.report(),
+        load_seconds=load_s,
+        rebuild_seconds=rebuild_s,
+        phases={"rebuild": rebuild_s, "load": load_s, "replay": replay_s},
     )
     log.debug("recovered %s", rep.to_dict())
     return rep

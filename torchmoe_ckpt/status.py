@@ -22,6 +22,8 @@ import threading
 import time
 from collections import deque
 
+from .replay_check import replay_verdict
+
 log = logging.getLogger("torchmoe_ckpt")
 
 
@@ -221,9 +223,10 @@ def phases_text(phases: dict) -> str:
 
 def recovery_line(report: dict) -> str:
     """The line a user reads after a recovery: which window, where the copy came from, and the exactness proof
-    (recovery compares every replayed loss with the one the original run logged, bit for bit), then where the
+    (recovery compares every replayed loss with the one the original run logged: bit for bit, or within the
+    tolerant bound, then said to be approximate with the deviation: replay_check.replay_verdict), then where the
     time went when the report has its phases."""
-    src = str(report.get("source") or "?")  # "host", "peer N" or "object store" (dcp/tiers.py)
+    src = str(report.get("source") or "?")  # "host", "peer N" or "object store" (storage/recover.py)
     where = (
         "this node's host memory"
         if src == "host"
@@ -235,8 +238,8 @@ def recovery_line(report: dict) -> str:
     phases = phases_text(report.get("phases") or {})
     return (
         f"recovered step {report.get('recovered_step')} from window {report.get('window_id')} (copy from {where}), "
-        f"replayed {n} iteration(s) in {report.get('seconds', 0.0):.2f} s; every replayed loss matched the "
-        f"original run bit for bit" + (f" ({phases})" if phases else "")
+        f"replayed {n} iteration(s) in {report.get('seconds', 0.0):.2f} s; {replay_verdict(report)}"
+        + (f" ({phases})" if phases else "")
     )
 
 

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from torchmoe_harness.bench_moe_report import markdown, plot  # noqa: F401  (the section interface)
+from torchmoe_harness.bench_optim_bytes import byte_ratios
 from torchmoe_harness.launch import launch
 
 # 2 x 64 experts of 3 x 128 x 448: 133 MB of fp32 master + AdamW state per rank. Two layers, not four of half
@@ -264,6 +265,7 @@ def run(out: Path, say) -> dict:
     fp32 = _bench_variant("fp32", list(SYSTEMS), PERIODIC, out, say)
     bf16 = _bench_variant("bf16", list(BF16_SYSTEMS), {}, out, say)
     return {
+        "optimizers": byte_ratios(MODEL),  # slot bytes / dense bytes per optimizer: sizes, deterministic
         "model": MODEL,
         "run": RUN,
         "overlap": OVERLAP,

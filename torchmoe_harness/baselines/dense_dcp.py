@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from torchmoe_ckpt.dcp.dense_export import METADATA, DenseExporter, export_dense, load_dense, step_dirname
-from torchmoe_harness.baselines.common import Timer, rng_state
+from torchmoe_harness.baselines.common import Timer, restore_rng, rng_state
 
 
 def _dir_bytes(path: Path) -> int:
@@ -102,7 +102,7 @@ class DenseDcp:
             phases = {"rebuild": time.perf_counter() - t0}
         else:
             trainer.set_step(load_dense(trainer.model, trainer.optimizer, f"file://{self.root / step_dirname(step)}"))
-            torch.set_rng_state(torch.load(self.root / f"rng-{step}-rank{self.rank}.pt"))
+            restore_rng(torch.load(self.root / f"rng-{step}-rank{self.rank}.pt", map_location="cpu"))
             phases = {"load": time.perf_counter() - t0}  # DCP: find, read and load in one call
         return trainer, {"recovered_step": step, "seconds": time.perf_counter() - t0, "phases": phases}
 

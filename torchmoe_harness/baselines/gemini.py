@@ -3,18 +3,17 @@
 by the same SnapshotEngine our slots use. Two host buffers alternate, so the newest *complete* snapshot
 survives while the next one is being copied. (Gemini also pushes the snapshot to a peer's CPU memory;
 not done here: the peer copy's cost is our replication path's, measured separately as sparse_W4_tiers.)
-Recovery loads the newest complete snapshot into a fresh trainer: exact, everything after it is redone."""
+Recovery loads the newest complete snapshot into the trainer that lost its state: exact, everything after
+it is redone."""
 
 from __future__ import annotations
 
 import time
 
-import torch
-
 from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.snapshot import SnapshotEngine, StateAccess, build_slot
 from torchmoe_ckpt.sparse_to_dense import init_optimizer_state
-from torchmoe_harness.baselines.common import HostCopyBaseline, Timer, restore_slots, rng_state
+from torchmoe_harness.baselines.common import HostCopyBaseline, Timer, restore_rng, restore_slots, rng_state
 
 
 class HostDense(HostCopyBaseline):
@@ -25,8 +24,10 @@ class HostDense(HostCopyBaseline):
         self.throttle = throttle_bytes_per_s  # an emulated slower host link (SnapshotEngine.throttle_bytes_per_s)
         ops = discover_operators(trainer.model)
         names = tuple(o.name for o in ops)
-        self.buffers = [build_slot(i, names, (), {o.name: o for o in ops}, trainer.compute_dtype) for i in (0, 1)]
-        self.engine = self._engine(trainer)
+        self.engine = self._engine(trainer)  # on the model's device
+        pin = self.engine.use_cuda  # pinned host buffers on a GPU, as our slots: the same copy path, a fair price
+        by_name = {o.name: o for o in ops}
+        self.buffers = [build_slot(i, names, (), by_name, trainer.compute_dtype, pin_memory=pin) for i in (0, 1)]
         self.latest = None  # (slot, step, rng) of the newest complete snapshot
         self.pending = None
         self.wait = Timer()
@@ -37,14 +38,14 @@ class HostDense(HostCopyBaseline):
         engine.throttle_bytes_per_s = self.throttle
         return engine
 
-    def before_update(self) -> None:
-        if self._wait_for_copy():
+    def before_update(self, until_done: bool = False) -> None:
+        if self._wait_for_copy(until_done):
             self.latest, self.pending = self.pending, None
 
     def after_step(self, trainer, res) -> None:
         if trainer.step % self.every:
             return
-        self.before_update()  # one copy in flight at a time
+        self.before_update(until_done=True)  # one copy in flight at a time; the finished one becomes the latest
         slot = self.buffers[self.checkpoints % 2]
         t0 = time.perf_counter()
         self.engine.capture(slot, trainer.step)
@@ -71,12 +72,12 @@ class HostDense(HostCopyBaseline):
             t2 = time.perf_counter()
             restore_slots(trainer, [slot])
             trainer.set_step(step)
-            torch.set_rng_state(rng)
+            restore_rng(rng)
             phases = {"find": t1 - t0, "rebuild": t2 - t1, "load": time.perf_counter() - t2}
         return trainer, {"recovered_step": step, "seconds": time.perf_counter() - t0, "phases": phases}
 
     def close(self) -> None:
-        self.before_update()
+        self.before_update(until_done=True)
         self.engine.shutdown()
 
     def stats(self) -> dict:

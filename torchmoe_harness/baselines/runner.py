@@ -143,7 +143,8 @@ def run(spec: dict, out: Path) -> dict:
         "last_loss": losses[max(losses)].item() if losses else None,
     }
     if spec.get("save_state", True):  # rank{r}.pt for launch.compare (a whole state per rank and phase)
-        torch.save({"state": trainer.export_state(), "losses": losses}, out / f"rank{trainer.rank}.pt")
+        host_losses = {step: loss.detach().cpu() for step, loss in losses.items()}  # read once, at the end
+        torch.save({"state": trainer.export_state(), "losses": host_losses}, out / f"rank{trainer.rank}.pt")
     return report
 
 
