@@ -34,7 +34,7 @@ from .storage.host_tier import HostTier
 from .storage.manifest import plan_digest
 from .storage.persist_thread import PersistThread
 from .storage.slot_files import all_free, backing
-from .window import Window
+from .window import SlidingSuffix, Window, sliding_suffix
 
 log = logging.getLogger("torchmoe_ckpt")
 DIRECT_SETS = 6  # shared-memory slot sets kept per plan: committed + being written + upload backlog + current
@@ -221,6 +221,8 @@ class SparseCheckpointer:
                     "plan": plan_digest(cur.plan.to_dict()),
                     "run": self._identity_dict["fingerprint"],
                 },
+                # sliding plans: how far the window got, so that a restart can use it before it commits
+                (cur.start_step, cur.plan, list(cur.log.records.values())) if cur.plan.sliding else None,
             )
         cur.captured += 1
         self.counters["slots"] += 1
@@ -269,8 +271,7 @@ class SparseCheckpointer:
             return None
         find_s = time.perf_counter() - t0
         if suffix is not None:
-            seq, start, record, label = suffix
-            rep = replay_slots(trainer, seq, start, record, self.current.id, label)
+            rep = replay_slots(trainer, suffix.seq, suffix.start_step, suffix.record, self.current.id, suffix.label)
         else:
             rep = sparse_to_dense(trainer, self.committed)
         rep.phases = {"find": find_s, **rep.phases, "redo": 0.0}
@@ -280,34 +281,18 @@ class SparseCheckpointer:
             self._redo = {"until": last, "since": time.perf_counter(), "phases": rep.phases}
         return rep
 
-    def _sliding_suffix(self):
-        """(slots with their plans, first step, record lookup, label) of the newest consecutive slots that cover
-        every operator, ending at the window being filled; None when there is none (not sliding, nothing
-        captured in it yet, the windows not consecutive, or no covering suffix). Trims the window being filled
-        to its complete slots (a torn copy is not a slot)."""
+    def _sliding_suffix(self) -> SlidingSuffix | None:
+        """The newest slots of the committed window and the one being filled that cover every operator (sliding
+        plans; window.sliding_suffix), the window being filled trimmed to its complete slots (a torn copy is not a
+        slot); None when there is none."""
         old, cur = self.committed, self.current
-        if old is None or cur is None or not (old.plan.sliding and cur.plan.sliding):
+        if old is None or cur is None:
             return None
         k = 0
         while k < cur.captured and cur.slots[k].complete:
             k += 1
-        if k == 0 or cur.start_step != old.start_step + old.plan.window:
-            return None
         cur.captured = k
-        chain = [(sl, sp, old.start_step + i) for i, (sl, sp) in enumerate(zip(old.slots, old.plan.slots))]
-        chain += [(sl, sp, cur.start_step + i) for i, (sl, sp) in enumerate(zip(cur.slots[:k], cur.plan.slots))]
-        everyone = set(cur.plan.order)
-        seen: set[str] = set()
-        for first in range(len(chain) - 1, -1, -1):
-            seen |= set(chain[first][1].active)
-            if seen >= everyone:
-                break
-        else:
-            return None
-        logs = {**old.log.records, **cur.log.records}
-        label = f"slots of windows {old.id} and {cur.id} from iteration {chain[first][2]} (sliding)"
-        seq = [(sl, sp) for sl, sp, _ in chain[first:]]
-        return seq, chain[first][2], lambda step: logs[step], label
+        return sliding_suffix(old, cur)
 
     def _observe_copy(self) -> None:
         """Feed the copy that just finished (bytes, copy-thread wall time, the wait it caused) to the pricing."""
