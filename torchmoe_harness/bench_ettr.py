@@ -134,6 +134,7 @@ def analyse_run(rep: dict, t_iter: float, fails: list[int], memcpy: float) -> di
         "last_loss": rep.get("last_loss"),
         "profile": profile.to_dict(),
         "fail_fraction": fail_fraction,
+        "sim_options": {"sliding": sliding, "from_recovery": rep["system"] == "ours"},
     }
     if recs and any("bytes_loaded" in r for r in recs):  # ours: the floor of its recovery
         # the window's bytes at the copy speed this run's own snapshot copies had (same processes, same load),
@@ -161,7 +162,28 @@ def _simulate_at(row: dict, k1: dict, mtbf_label: str, spec: dict, name: str) ->
         t, a1 = k1["t_iter"], k1["iter_s"]
         k = _best(t, a1, k1["recovery_s"], spec["mtbfs"][mtbf_label], spec["max_interval"])
         p = replace(SystemProfile(**k1["profile"]), interval=k, per_iter_overhead_s=(a1 - t) / k)
-    return simulate_iterations(p, steps, fails, row["fail_fraction"]).ettr
+    return simulate_iterations(p, steps, fails, row["fail_fraction"], **row.get("sim_options", {})).ettr
+
+
+def _predictions(rows: dict, spec: dict) -> dict:
+    """The simulator as a predictor: each system's ETTR at the machine's regime under one MTBF's failures,
+    simulated from its run under the other MTBF's (its iteration time, mean recovery, interval), against what
+    was measured there."""
+    out = {}
+    labels = list(spec["mtbfs"])
+    for src, dst in ((a, b) for a in labels for b in labels if a != b):
+        for name in ("gemini_k1", "gemini_best", "ours", "ours_W4", "dcp_async_best"):
+            have, want = rows.get(f"natural/{src}/{name}"), rows.get(f"natural/{dst}/{name}")
+            k1 = rows.get(f"natural/{src}/gemini_k1")
+            if have is None or want is None or k1 is None or name == "dcp_async_best":
+                continue  # DCP's durability lags are its run's own: not predicted across MTBFs
+            pred = _simulate_at(have, k1, dst, spec, name)
+            out[f"{name}: {src} -> {dst}"] = {
+                "predicted": pred,
+                "measured": want["measured_ettr"],
+                "relative_error": abs(pred - want["measured_ettr"]) / want["measured_ettr"],
+            }
+    return out
 
 
 def analyse(rep: dict, spec: dict) -> dict:
@@ -183,6 +205,7 @@ def analyse(rep: dict, spec: dict) -> dict:
         row.update(point=point, mtbf=mtbf, system=name, spec=r.get("system_spec"))
         out["rows"][key] = row
     out["sweep"] = _sweep(out, spec)
+    out["predictions"] = _predictions(out["rows"], spec)
     return out
 
 
@@ -302,6 +325,17 @@ def markdown(res: dict) -> list[str]:
             + f" | {r['lost_iterations_per_failure']:.2f} | {r['replayed_per_failure']:.2f} | "
             f"{r['measured_ettr']:.3f} | {r['simulated_ettr']:.3f} | {r['relative_error']:.1%} |"
         )
+    if res.get("predictions"):
+        lines += [
+            "",
+            "The simulator as a predictor (machine's regime): ETTR under one MTBF's failures simulated from the "
+            "run under the other's, against the measured one:",
+            "",
+            "| system: from -> to | predicted | measured | error |",
+            "|---|---|---|---|",
+        ]
+        for k, v in res["predictions"].items():
+            lines.append(f"| {k} | {v['predicted']:.3f} | {v['measured']:.3f} | {v['relative_error']:.1%} |")
     lines += ["", "Regime sweep (ETTR; `*` simulated from the point's measured profiles):", ""]
     for mtbf, s in res["sweep"].items():
         lines += [f"MTBF {mtbf} ({st['mtbfs'][mtbf]} iterations):", ""]
