@@ -31,7 +31,7 @@ from torchtitan.tools.logging import logger
 
 from torchmoe_ckpt import faults
 
-__all__ = ["mark", "breakdown", "after_step", "result", "PHASES"]
+__all__ = ["mark", "reset", "breakdown", "after_step", "result", "PHASES"]
 
 PHASES = ("agent_restart", "imports", "process_group", "model_build", "recovery", "first_step")
 _marks: dict[str, float] = {}
@@ -50,6 +50,14 @@ def _process_start() -> float | None:
         return time.time() - age
     except (OSError, ValueError, IndexError, AttributeError):
         return None
+
+
+def reset() -> None:
+    """Forget every mark (a standby's child starts a new attempt in a process that already ran the start of
+    the first one: titan_integration.standby)."""
+    global _done, _result
+    _marks.clear()
+    _done, _result = False, None
 
 
 def mark(name: str) -> None:
@@ -99,7 +107,9 @@ def after_step(report: dict | None, rank: int, attempt: int) -> None:
     # rank 0 reads the kill time and removes its file (a later failure of another kind must not reuse it)
     kill = faults.last_kill_time(consume=True) if attempt > 0 and rank == 0 else None
     res = breakdown(marks, kill)
-    _result = dict(res, attempt=attempt, marks=marks, kill=kill)
+    from titan_integration import standby
+
+    _result = dict(res, attempt=attempt, marks=marks, kill=kill, standby=standby.state())
     out = os.environ.get("TORCHMOE_TITAN_EXPORT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)

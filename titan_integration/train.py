@@ -26,6 +26,8 @@ Run under torchrun::
 * Before TorchTitan is imported, every process group this process will create is keyed by torchrun attempt
   (:func:`torchmoe_ckpt.distributed.key_rendezvous_by_attempt`): a restart must not read the previous
   attempt's rendezvous keys (the cause of "Gloo connectFullMesh failed" on restart).
+* ``TORCHMOE_STANDBY=1``: the first attempt forks a pre-imported standby per rank, and a restarted worker hands
+  itself over to it instead of importing torch and TorchTitan again (:mod:`titan_integration.standby`).
 """
 
 from __future__ import annotations
@@ -214,6 +216,11 @@ def validate(args: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from titan_integration import standby
+
+    handed = standby.hand_over(argv)  # a restarted worker: its rank's pre-imported standby trains instead
+    if handed is not None:
+        return handed
     # Offline by default (set before datasets/huggingface_hub are imported).
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -265,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     pipeline_compat.install()
     from titan_integration import restart_timing
 
+    standby.start()  # first attempt, TORCHMOE_STANDBY=1: fork this rank's standby, every import done
     restart_timing.mark("titan_main")  # every import and check done: TorchTitan's own start from here
     sys.argv = [sys.argv[0]] + args
     try:

@@ -37,8 +37,14 @@ class SparseConfig:
     reorder_change: float = 0.10
     reorder_fraction: float = 0.25
     expert_capacity: list[list[float]] | None = None  # [moe layers][experts], for popularity "capacity"
+    # Every slot also copies the compute weights of the operators already captured in its window, so that any W
+    # consecutive slots recover (a failure loses only its own iteration, not the window being filled); costs
+    # more bytes per slot (fp32 W = 4: 0.50 of a dense snapshot instead of 0.42; docs/benchmarks.md)
+    sliding: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.sliding, bool):
+            raise ConfigError(f"SparseConfig.sliding must be true or false, got {self.sliding!r}")
         for name in ("window", "overlap", "bandwidth_bytes_per_s", "decay", "reorder_change", "reorder_fraction"):
             v, kinds = getattr(self, name), (int,) if name == "window" else (int, float)
             if (v is not None or name not in ("window", "bandwidth_bytes_per_s")) and (

@@ -20,10 +20,10 @@ from .identity import IdentityMismatch, RunIdentity, allowed_changes, build_iden
 from .operators import Operator
 from .optim_state import describe_optimizer_state
 from .replay_check import ReplayPolicy, replay_verdict
-from .sparse_to_dense import Replayable, sparse_to_dense
+from .sparse_to_dense import RecoveryReport, Replayable, replay_slots, sparse_to_dense
 from .storage.recover import all_gather_objects, recover_from_tiers
 from .storage.tiers import Tiers
-from .window import Window
+from .window import SlidingSuffix, Window, sliding_suffix
 
 log = logging.getLogger("torchmoe_ckpt.recovery")
 
@@ -82,11 +82,22 @@ def _recover(
     done: dict = {}
 
     def replay(window: Window) -> None:
-        if "saved" not in done:  # a failed replay must not leave a half-replayed trainer behind
+        done["find"] = time.perf_counter() - t0  # listed, checked, agreed and read from the tier
+        # When every window fails, the caller must get its trainer back as it was, not half-replayed: a run that
+        # restarts from step 0, and a caller that catches UnusableCheckpointError, would otherwise train on a
+        # mixture of windows. One host copy of the state per recovery (a failed window is followed by the next
+        # one's load, which overwrites every operator); timed as its own phase, "safety_copy".
+        if "saved" not in done:
+            s0 = time.perf_counter()
             done["saved"] = _snapshot(trainer)
+            done["safety_copy"] = time.perf_counter() - s0
         if before_replay is not None:
             before_replay(window)
-        done["report"] = sparse_to_dense(trainer, window, replay_check)
+        rep = None
+        suffix = _agreed_tail(tiers.host, window, ops, compute_dtype, identity)
+        if suffix is not None:  # sliding plans: on to the last slot every rank wrote of the window after it
+            rep = _replay_suffix(trainer, window, suffix, replay_check)
+        done["report"] = rep if rep is not None else sparse_to_dense(trainer, window, replay_check)
 
     window, found = recover_from_tiers(
         tiers.host, tiers.replicator, ops, compute_dtype, store=tiers.store, identity=identity, use=replay
@@ -98,6 +109,10 @@ def _recover(
         _no_window(found, tiers, identity, rank, on_unusable)
         return ResumeResult(None, None, dict(found, fetch_seconds=fetch_s))
     rep = done["report"]
+    # find: up to the replay of the window recovered from (windows rejected before it included); the safety
+    # copy of the trainer taken before the first replay is a phase of its own
+    rep.phases = {"find": done["find"], "safety_copy": done["safety_copy"], **rep.phases}
+    rep.phases["rebuild"] += max(0.0, fetch_s - done["find"] - done["safety_copy"] - rep.seconds)
     report = dict(rep.to_dict(), **found, fetch_seconds=fetch_s, total_seconds=time.perf_counter() - t0)
     if rank == 0:
         rejected = sorted(w for w in _rejected_windows(found) if w != window.id)  # by any rank (gathered)
@@ -124,6 +139,46 @@ def _recover(
             replay_verdict(report),
         )
     return ResumeResult(window, rep.recovered_step, report)
+
+
+def _agreed_tail(host, window: Window, ops, compute_dtype, identity) -> SlidingSuffix | None:
+    """Collective. With sliding plans, the slots of the window after `window` that were written before the failure
+    (not committed: `HostTier.load_partial`), as many as every rank has (all ranks replay the same iterations),
+    and the newest suffix of both windows that covers every operator; None when there is none on some rank (a
+    rank whose window came from a peer or the store has no partial copy: its node's host memory is gone)."""
+    if not window.plan.sliding:
+        return None
+    nxt = None
+    try:
+        nxt = host.load_partial(
+            window.id + 1, window.start_step + window.plan.window, ops, compute_dtype, identity.fingerprint
+        )
+    except Exception as exc:  # noqa: BLE001  (an unreadable partial copy is one that does not count)
+        log.info("event=partial_window_unusable window=%d: %s", window.id + 1, exc)
+    k = min(all_gather_objects(nxt.captured if nxt is not None else 0))
+    if k == 0:
+        return None
+    nxt.captured = k
+    return sliding_suffix(window, nxt)
+
+
+def _replay_suffix(trainer, window: Window, suffix: SlidingSuffix, replay_check) -> RecoveryReport | None:
+    """Collective. The sliding replay; when it fails on any rank, None on every rank (the caller replays the
+    committed window alone: its first slot's load overwrites whatever the failed replay left)."""
+    rep, why = None, None
+    try:
+        rep = replay_slots(
+            trainer, suffix.seq, suffix.start_step, suffix.record, window.id + 1, suffix.label, replay_check
+        )
+    except Exception as exc:  # noqa: BLE001  (ReplayDivergence, a torn item: the committed window is next)
+        why = f"{type(exc).__name__}: {exc}"
+    whys = [w for w in all_gather_objects(why) if w]
+    if whys:
+        log.warning(
+            "event=sliding_replay_failed window=%d: %s; replaying window %d alone", window.id + 1, whys[0], window.id
+        )
+        return None
+    return rep
 
 
 def _identity_of(tiers: Tiers, window_id: int) -> dict | None:

@@ -100,6 +100,9 @@ class Replay:
     lrs: tuple[float, ...] = ()  # the LR of each param group in the original iteration
     device_rng: dict | None = None  # device generators' states (rng.py)
     hyper: tuple[dict, ...] = ()  # each param group's other hyper-parameters in the original iteration
+    # Operators FROZEN in this replayed iteration (their full state comes in a later slot): a trainer may skip
+    # their weight gradients; whatever their slices receive is overwritten by that slot (sparse_to_dense.py).
+    frozen: frozenset[str] = frozenset()
 
     @staticmethod
     def of(rec: IterationRecord) -> Replay:

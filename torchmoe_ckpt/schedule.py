@@ -3,6 +3,11 @@
 Operators arrive in checkpoint order. Slot i copies the full state of its active set and the compute
 weights of every operator after it; operators before it cost nothing. The paper prices only the first
 slot with uniform operator sizes; here every slot is priced with the real sizes and the worst one counts.
+
+A sliding plan (`sliding=True`) has every slot copy the compute weights of every operator not active in it,
+those before it included, so that any W consecutive slots -- across a window boundary too -- hold what a
+recovery needs (sparse_to_dense.replay_slots). A slot then costs full(active) + compute(all) -
+compute(active): the same greedy and forced splits, on full - compute with the constant compute(all) added.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class WindowPlan:
     budget_bytes: float
     fits: bool
     order: tuple[str, ...]
+    sliding: bool = False  # every slot carries the compute weights of every operator not active in it
 
     @property
     def window(self) -> int:
@@ -52,6 +58,7 @@ class WindowPlan:
             "fits": self.fits,
             "order": list(self.order),
             "slots": [{"active": list(s.active), "frozen": list(s.frozen), "bytes": s.bytes} for s in self.slots],
+            "sliding": self.sliding,
         }
 
     @staticmethod
@@ -62,6 +69,7 @@ class WindowPlan:
             budget,
             bool(d["fits"]),
             tuple(d["order"]),
+            bool(d.get("sliding", False)),
         )
 
 
@@ -81,15 +89,26 @@ def _suffix_compute(order: list[str], comp: dict[str, int]) -> list[int]:
     return suffix
 
 
-def _slots_from_ends(order: list[str], ends: list[int], full: dict[str, int], comp: dict[str, int]):
+def _slots_from_ends(
+    order: list[str], ends: list[int], full: dict[str, int], comp: dict[str, int], sliding: bool = False
+):
     """Slots for active sets order[ends[i-1]:ends[i]]."""
     suffix = _suffix_compute(order, comp)
     slots, start = [], 0
     for end in ends:
         act = order[start:end]
-        slots.append(SlotPlan(tuple(act), tuple(order[end:]), sum(full[o] for o in act) + suffix[end]))
+        frozen, cost = order[end:], suffix[end]
+        if sliding:  # the operators before the active set too
+            frozen, cost = order[:start] + order[end:], suffix[0] - sum(comp[o] for o in act)
+        slots.append(SlotPlan(tuple(act), tuple(frozen), sum(full[o] for o in act) + cost))
         start = end
     return slots
+
+
+def _sliding_sizes(order: list[str], full: dict[str, int], comp: dict[str, int]) -> tuple[dict, dict, int]:
+    """A sliding slot's cost as a standard one's: full - compute per active operator, nothing for the frozen
+    ones, plus compute(all) on every slot (returned separately: subtracted from a budget, added to a floor)."""
+    return {o: full[o] - comp[o] for o in order}, dict.fromkeys(order, 0), sum(comp[o] for o in order)
 
 
 def _greedy_ends(order: list[str], full: dict[str, int], comp: dict[str, int], budget: float) -> list[int]:
@@ -131,6 +150,7 @@ def plan_window(
     forced_window: int | None = None,
     warn: bool = True,
     auto_window: int | None = None,
+    sliding: bool = False,
 ) -> WindowPlan:
     """Plan one window over `order` (already in checkpoint order).
 
@@ -143,7 +163,7 @@ def plan_window(
     with the smallest possible worst slot. `warn=False` lets a caller that re-plans every window report an
     impossible budget only once. `auto_window`: auto mode whose W was already chosen (`choose_window`): split
     like a forced window (the split depends only on W and the order, so slot buffers are reused while W
-    holds), reported as auto.
+    holds), reported as auto. `sliding`: a sliding plan (module docstring), split on its own costs.
     """
     if not order:
         raise ValueError("cannot plan a window without operators")
@@ -152,17 +172,18 @@ def plan_window(
     order = list(order)
     _check_sizes(order, full_bytes, compute_bytes)
     n = len(order)
+    f, c, base = (full_bytes, compute_bytes, 0) if not sliding else _sliding_sizes(order, full_bytes, compute_bytes)
     if auto_window is not None:
         if not isinstance(auto_window, numbers.Integral) or not 1 <= auto_window <= n:
             raise ValueError(f"auto window {auto_window!r} is impossible with {n} operators: use 1..{n}")
-        ends = _forced_ends(order, full_bytes, compute_bytes, int(auto_window))
+        ends = _forced_ends(order, f, c, int(auto_window))
     elif forced_window is None:
-        ends = _greedy_ends(order, full_bytes, compute_bytes, budget_bytes)
+        ends = _greedy_ends(order, f, c, max(budget_bytes - base, 0))
     else:
         if not isinstance(forced_window, numbers.Integral) or not 1 <= forced_window <= n:
             raise ValueError(f"window {forced_window!r} is impossible with {n} operators: use 1..{n} or auto (None)")
-        ends = _forced_ends(order, full_bytes, compute_bytes, int(forced_window))
-    slots = _slots_from_ends(order, ends, full_bytes, compute_bytes)
+        ends = _forced_ends(order, f, c, int(forced_window))
+    slots = _slots_from_ends(order, ends, full_bytes, compute_bytes, sliding)
     fits = all(s.bytes <= budget_bytes for s in slots)
     if not fits and warn:  # one message per call, naming the worst slot, however many slots are over
         i, worst = max(enumerate(slots), key=lambda x: x[1].bytes)
@@ -184,7 +205,7 @@ def plan_window(
             budget_bytes,
             fix,
         )
-    return WindowPlan(tuple(slots), float(budget_bytes), fits, tuple(order))
+    return WindowPlan(tuple(slots), float(budget_bytes), fits, tuple(order), sliding)
 
 
 def _forced_ends(order: list[str], full: dict[str, int], comp: dict[str, int], w: int) -> list[int]:
@@ -254,6 +275,7 @@ def choose_window(
     budget_bytes: float,
     current: int | None = None,
     hysteresis: float = 0.15,
+    sliding: bool = False,
 ) -> int:
     """The smallest W whose greedy slots fit `budget_bytes` (Algorithm 1). Against `current` (the W in use), a
     larger W is taken at once (the copies got dearer), a smaller one only if it fits with `hysteresis` to spare,
@@ -262,9 +284,13 @@ def choose_window(
     slot is within 25% of the least possible: a larger W would buy almost nothing and add replay."""
     order = list(order)
     _check_sizes(order, full, comp)
+    base = 0
+    if sliding:  # priced as the sliding plan will be split (see plan_window)
+        full, comp, base = _sliding_sizes(order, full, comp)
+        budget_bytes -= base
     suffix = _suffix_compute(order, comp)
     floor = max(full[o] + suffix[k + 1] for k, o in enumerate(order))  # worst slot with one operator per slot
-    budget_bytes = max(budget_bytes, 1.25 * floor)
+    budget_bytes = max(budget_bytes, 1.25 * (floor + base) - base)
     w = len(_greedy_ends(order, full, comp, budget_bytes))
     if current is None or w >= current:
         return w

@@ -225,6 +225,9 @@ class SnapshotEngine:
         self._views: dict[tuple, tuple] = {}  # (id(piece), role) -> (piece, live view)
         # One-shot hook called with (slot, items_copied); may raise SimulatedCopyFault to tear the copy.
         self.fault_hook: Callable[[Slot, int], None] | None = None
+        # A slower host link, emulated (benchmarks: the regime sweep of bench_ettr): a copy of n bytes takes at
+        # least n / throttle_bytes_per_s seconds; the copy thread sleeps the rest (no CPU, like a DMA transfer).
+        self.throttle_bytes_per_s: float | None = None
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="tmoe-snapshot", daemon=True)
         self._thread.start()
@@ -324,6 +327,10 @@ class SnapshotEngine:
             if self.use_cuda:
                 job.released.set()  # queued: the update may be queued behind it (CopyStream.order_after)
             seconds = self.copier.finish(start, job.end)
+            if self.throttle_bytes_per_s:  # the emulated slower link: the copy lasts n bytes / throttle at least
+                rest = sum(d.numel() * d.element_size() for d in dsts) / self.throttle_bytes_per_s
+                time.sleep(max(0.0, rest - (time.perf_counter() - t0)))
+                seconds = max(seconds or 0.0, time.perf_counter() - t0)
             slot.step = job.step
         except BaseException as exc:  # surfaced to the training thread by wait()
             slot.error = exc

@@ -29,17 +29,19 @@ from .replay_log import IterationRecord
 from .schedule import CopyCost, WindowPlan, choose_window, copy_budget, measure_copy_bandwidth, plan_window
 from .slot_pool import SlotPool
 from .snapshot import Slot, SnapshotEngine, StateAccess, build_slot
+from .sparse_to_dense import RecoveryReport, replay_slots, sparse_to_dense
 from .storage.host_tier import HostTier
 from .storage.manifest import plan_digest
 from .storage.persist_thread import PersistThread
 from .storage.slot_files import all_free, backing
-from .window import Window
+from .window import SlidingSuffix, Window, sliding_suffix
 
 log = logging.getLogger("torchmoe_ckpt")
 DIRECT_SETS = 6  # shared-memory slot sets kept per plan: committed + being written + upload backlog + current
 
 
 _SAME_GROUP = object()  # agree_group not given: the planning group
+_PROBED: dict[str, float] = {}  # the idle copy bandwidth, measured once per process (agreed across ranks)
 
 
 class SparseCheckpointer:
@@ -128,8 +130,11 @@ class SparseCheckpointer:
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._level = logging.INFO if self._rank == 0 else logging.DEBUG  # one line per window, not one per rank
         self._warned_unfit = False  # an impossible copy budget is reported once, not every window
-        self.bandwidth = self.cfg.bandwidth_bytes_per_s or self._agree(measure_copy_bandwidth(), dist.ReduceOp.MIN)
-        self.cost = CopyCost(self.bandwidth)  # the prior until copies under training are observed
+        # The copy bandwidth: given, or probed when a window is first priced without it (once per process, agreed
+        # across ranks; never on a recovery's path). It is the prior until copies under training are observed.
+        self.bandwidth: float | None = self.cfg.bandwidth_bytes_per_s
+        self.cost = CopyCost(self.bandwidth or _PROBED.get("bytes_per_s") or 1e9)
+        self._prior_known = self.bandwidth is not None or "bytes_per_s" in _PROBED
         self._copies_seen = 0
         self._auto_w: int | None = None
         self._w_pending: tuple | None = None  # (async all-reduce, tensor): the next window's agreed W
@@ -146,7 +151,9 @@ class SparseCheckpointer:
             "plans": 0,
             "plan_s_total": 0.0,
             "plan_s_max": 0.0,
+            "recoveries": [],  # per in-memory recovery: its report with the phases (status.PHASES)
         }
+        self._redo: dict | None = None  # after a recovery: the iteration to reach again and the clock (redo phase)
         full = [o.full_bytes() for o in self.ops]
         self.dense_bytes = sum(full)  # what one dense snapshot of this rank copies
 
@@ -169,22 +176,27 @@ class SparseCheckpointer:
         self._observe_copy()
         self._maybe_commit()
         t = res.step
+        if self._redo is not None and t >= self._redo["until"]:  # back where the failure found training
+            self._redo["phases"]["redo"] = time.perf_counter() - self._redo["since"]
+            self._redo = None
         cur = self.current
-        if cur is not None and cur.start_step < t < cur.start_step + cur.plan.window:
+
+        def record() -> IterationRecord:
             # Host copies queued, not awaited (device_copy.host_copy): they land before this iteration's slot copy.
-            cur.log.add(
-                IterationRecord(
-                    t,
-                    host_copy(res.tokens),
-                    host_copy(res.grad_norm),
-                    res.lr,
-                    host_copy(res.loss),
-                    res.rng_state,
-                    lrs=getattr(res, "lrs", None),
-                    device_rng=getattr(res, "device_rng", None),
-                    hyper=host_copy(getattr(res, "hyper", None) or None),
-                )
+            return IterationRecord(
+                t,
+                host_copy(res.tokens),
+                host_copy(res.grad_norm),
+                res.lr,
+                host_copy(res.loss),
+                res.rng_state,
+                lrs=getattr(res, "lrs", None),
+                device_rng=getattr(res, "device_rng", None),
+                hyper=host_copy(getattr(res, "hyper", None) or None),
             )
+
+        if cur is not None and cur.start_step < t < cur.start_step + cur.plan.window:
+            cur.log.add(record())
         if cur is None or cur.captured >= cur.plan.window:
             t0 = time.perf_counter()
             cur = self._start_window(t)
@@ -193,6 +205,8 @@ class SparseCheckpointer:
             self.counters["plan_s_total"] += dt
             self.counters["plan_s_max"] = max(self.counters["plan_s_max"], dt)
             self.counters["plan_s_recent"] = (self.counters.get("plan_s_recent", []) + [dt])[-64:]
+            if cur.plan.sliding:  # a sliding recovery may start in the window before and replay this one's first
+                cur.log.add(record())
         slot = cur.slots[t - cur.start_step]
         self.engine.capture(slot, t)
         if self.tier_writer is not None:
@@ -207,6 +221,8 @@ class SparseCheckpointer:
                     "plan": plan_digest(cur.plan.to_dict()),
                     "run": self._identity_dict["fingerprint"],
                 },
+                # sliding plans: how far the window got, so that a restart can use it before it commits
+                (cur.start_step, cur.plan, list(cur.log.records.values())) if cur.plan.sliding else None,
             )
         cur.captured += 1
         self.counters["slots"] += 1
@@ -221,11 +237,62 @@ class SparseCheckpointer:
         """Finish the copy in flight, then drop the window being filled if it is not complete (its buffers go
         back to the pool): the next `after_step` starts a new window. For a loop that pauses checkpointing."""
         self.close()
+        self._drop_current()
+
+    def _drop_current(self) -> None:
+        """The window being filled is given up: its buffers back to the pool (kept from the pool for good when
+        they may still be written to the host tier: never handed out again)."""
         cur, self.current = self.current, None
         if cur is not None and self.tier_writer is None:
             self._keep_buffers(cur)
         elif cur is not None and self._groups is not None:
-            self._groups.forget(cur.slots)  # may still be written to the host tier: never handed out again
+            self._groups.forget(cur.slots)
+
+    def recover_in_memory(self, trainer) -> RecoveryReport | None:
+        """In-process recovery after a failure that lost the training state but not this process: converts to the
+        dense state in `trainer` (a `Replayable` over the model and optimizer this checkpointer was built on,
+        whatever values they hold now) and carries on with the same buffers and copy thread. With sliding plans
+        (SparseConfig.sliding) from the newest W consecutive slots, the window being filled included: back to
+        the last iteration captured, that window kept and continued; otherwise (or when those slots do not
+        cover every operator, e.g. across a reorder) from the newest committed window, the one being filled
+        dropped. Returns the report (phases: find, rebuild, load, replay; redo is added once training is back
+        at the last iteration captured), or None when no window is committed yet (the caller starts over)."""
+        t0 = time.perf_counter()
+        last = self.current.start_step + self.current.captured - 1 if self.current is not None else None
+        try:
+            self.engine.wait_done()  # a copy in flight when the state was lost is torn: its slot is not used below
+        except Exception:  # noqa: BLE001  (its error is the failure's, already being handled)
+            pass
+        self._maybe_commit()  # a window whose last copy had finished is the newest recovery point
+        suffix = self._sliding_suffix()
+        if suffix is None:
+            self._drop_current()
+        if self.committed is None:
+            return None
+        find_s = time.perf_counter() - t0
+        if suffix is not None:
+            rep = replay_slots(trainer, suffix.seq, suffix.start_step, suffix.record, self.current.id, suffix.label)
+        else:
+            rep = sparse_to_dense(trainer, self.committed)
+        rep.phases = {"find": find_s, "safety_copy": 0.0, **rep.phases, "redo": 0.0}
+        rep.seconds = time.perf_counter() - t0
+        self.counters["recoveries"].append(rep)
+        if last is not None and last > rep.recovered_step:
+            self._redo = {"until": last, "since": time.perf_counter(), "phases": rep.phases}
+        return rep
+
+    def _sliding_suffix(self) -> SlidingSuffix | None:
+        """The newest slots of the committed window and the one being filled that cover every operator (sliding
+        plans; window.sliding_suffix), the window being filled trimmed to its complete slots (a torn copy is not a
+        slot); None when there is none."""
+        old, cur = self.committed, self.current
+        if old is None or cur is None:
+            return None
+        k = 0
+        while k < cur.captured and cur.slots[k].complete:
+            k += 1
+        cur.captured = k
+        return sliding_suffix(old, cur)
 
     def _observe_copy(self) -> None:
         """Feed the copy that just finished (bytes, copy-thread wall time, the wait it caused) to the pricing."""
@@ -344,13 +411,15 @@ class SparseCheckpointer:
         budget, auto_w = float("inf"), None
         if self.cfg.window is None:
             if self.cfg.bandwidth_bytes_per_s is None:  # priced by what copies cost under training
+                if not self._prior_known:
+                    self._probe_prior()
                 budget = self.cost.budget_bytes(self.cfg.overlap)
             else:
                 budget = copy_budget(self.t_iter, self.bandwidth, self.cfg.overlap)
             # Every rank plans the same window: W is the largest any rank proposed. Proposals are agreed in the
             # background during the window before (an async 8-byte all-reduce), so no rank waits here for a
             # slower one; only the first window agrees on the spot.
-            proposal = float(choose_window(order, full, comp, budget, self._auto_w))
+            proposal = float(choose_window(order, full, comp, budget, self._auto_w, sliding=self.cfg.sliding))
             if self._w_pending is None:
                 auto_w = int(self._agree(proposal, dist.ReduceOp.MAX, self.group))
             else:
@@ -374,6 +443,7 @@ class SparseCheckpointer:
             forced_window=self.cfg.window,
             auto_window=auto_w,
             warn=not self._warned_unfit and self._rank == 0,
+            sliding=self.cfg.sliding,
         )
         self._warned_unfit = self._warned_unfit or not plan.fits
         slots = (
@@ -406,6 +476,14 @@ class SparseCheckpointer:
             plan.worst_slot_bytes,
         )
         return win
+
+    def _probe_prior(self) -> None:
+        """Measure the idle copy bandwidth once per process (slowest rank's), the price until copies are seen."""
+        if "bytes_per_s" not in _PROBED:
+            _PROBED["bytes_per_s"] = self._agree(measure_copy_bandwidth(), dist.ReduceOp.MIN)
+        self.bandwidth = _PROBED["bytes_per_s"]
+        self.cost.prior_s_per_byte = 1.0 / self.bandwidth
+        self._prior_known = True
 
     def _build_direct(self, plan: WindowPlan) -> list[Slot]:
         """Slot files for a new plan. The free sets of other plans give their files (pages allocated already: no
@@ -454,6 +532,9 @@ class SparseCheckpointer:
             self.counters[k] += old.counters[k]
         self.counters["plan_s_max"] = max(self.counters["plan_s_max"], old.counters["plan_s_max"])
         self.cost, self._auto_w = old.cost, old._auto_w  # what copies cost is learned once, not per restart
+        self._prior_known = self._prior_known or old._prior_known
+        self.bandwidth = self.bandwidth or old.bandwidth
+        self.counters["recoveries"] = old.counters["recoveries"] + self.counters["recoveries"]
         return self
 
     # ---- reporting -----------------------------------------------------------------------------------
@@ -486,6 +567,11 @@ class SparseCheckpointer:
                 median_recent=statistics.median(self.counters.get("plan_s_recent") or [0.0]),
             ),
             "windows": self.counters["windows"][-5:],
+            # in-memory recoveries (recover_in_memory): where each one's time went, seconds per phase
+            "recoveries": [
+                dict(r.phases, recovered_step=r.recovered_step, replayed=r.replayed_iterations, bytes=r.bytes_loaded)
+                for r in self.counters["recoveries"][-8:]
+            ],
             "host_tier": None if self.tier_writer is None else self.tier_writer.stats(),
             "peers": None if self.tier_writer is None else self.tier_writer.replication_stats(),
             "object_store": None

@@ -14,13 +14,27 @@ the whole grouped tensor too, but it lands only on FROZEN slices, which the next
 that is exact for updates that do not couple elements across operators, which `optim_state` checks per
 optimizer up front (Adam/AdamW/SGD are elementwise; Muon couples whole matrices, Adafactor whole tensors, so
 tensors cut into several operators are refused for them).
+
+Each replayed iteration also tells the trainer which operators are FROZEN in it (`Replay.frozen`): a trainer may
+skip their weight gradients (MoEvement's frozen execution: forward and input gradients only), since whatever
+their slices receive is overwritten by a later slot. The harness does for expert slices (model.expert_mlp);
+a trainer that ignores the set replays exactly as before.
+
+`replay_slots` runs the conversion over any consecutive slots that activate every operator once: a committed
+window, or with sliding plans (SparseConfig.sliding) the newest W slots across a window boundary.
+
+The report splits the recovery's time into phases (`RecoveryReport.phases`, the status line and the
+checkpointer's stats): rebuild (optimizer state allocated for in-place loads), load (slot bytes copied into the
+live tensors) and replay; `recover` adds find (the window located, checked, fetched from a tier) and the
+checkpointer redo (iterations after the recovered step trained again).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -28,8 +42,9 @@ import torch
 from . import faults
 from .optim_state import init_optimizer_state  # also imported from here by callers
 from .replay_check import ReplayComparison, ReplayDivergence, ReplayPolicy
-from .replay_log import Replay
-from .snapshot import StateAccess, restore_slot
+from .replay_log import IterationRecord, Replay
+from .schedule import SlotPlan
+from .snapshot import Slot, StateAccess, restore_slot
 
 log = logging.getLogger("torchmoe_ckpt.sparse_to_dense")
 
@@ -40,6 +55,7 @@ __all__ = [
     "ReplayedStep",
     "init_optimizer_state",
     "load_window_slot",
+    "replay_slots",
     "sparse_to_dense",
 ]
 
@@ -81,6 +97,10 @@ class RecoveryReport:
     max_grad_norm_deviation: float = 0.0  # likewise for the gradient norms
     replay_tolerance: float | None = None  # the bound a tolerant replay was held to
     grad_norms_compared: int = 0  # replayed iterations whose trainer recomputed the gradient norm for the check
+    load_seconds: float = 0.0  # slot bytes copied into the live tensors
+    rebuild_seconds: float = 0.0  # optimizer state allocated so that slots load in place
+    # seconds per phase: rebuild, load, replay here; `recover` adds find, the checkpointer redo (status.PHASES)
+    phases: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,27 +114,68 @@ def load_window_slot(slot, access: StateAccess) -> int:
 def sparse_to_dense(trainer: Replayable, window, replay_check: ReplayPolicy | None = None) -> RecoveryReport:
     """Run the conversion for `window` (a committed `Window`) on a freshly built trainer; every replayed iteration
     is checked per `replay_check` (default: exact)."""
-    t_start = time.perf_counter()
     if not window.committed:
         raise ValueError(f"window {window.id} is not committed (slots missing or torn); use an older one")
+    seq = list(zip(window.slots, window.plan.slots))
+    return replay_slots(trainer, seq, window.start_step, window.log.get, window.id, f"window {window.id}", replay_check)
+
+
+def replay_slots(
+    trainer: Replayable,
+    seq: list[tuple[Slot, SlotPlan]],
+    t0: int,
+    record: Callable[[int], IterationRecord],
+    window_id: int,
+    label: str,
+    replay_check: ReplayPolicy | None = None,
+) -> RecoveryReport:
+    """The conversion over consecutive slots (slot j holds the state after iteration t0 + j, with its plan's
+    active and frozen sets): a committed window's W slots, or a sliding suffix across two windows. Load slot
+    0; for each next slot replay its iteration with the operators not yet active FROZEN, then load it: full
+    state for the operators it activates, compute weights for those still frozen, nothing for those already
+    active (what it holds of them equals what the replay produced). `record(step)`: the replay record of an
+    iteration. Ends with every operator active at iteration t0 + len(seq) - 1."""
+    t_start = time.perf_counter()
     access = StateAccess(trainer.model, trainer.optimizer)
     init_optimizer_state(trainer.optimizer)
-    t0, w = window.start_step, window.plan.window
+    rebuild_s = time.perf_counter() - t_start
+    everyone = set(seq[0][1].active) | set(seq[0][1].frozen)
+    active: set[str] = set()
     trainer.set_step(t0)
-    nbytes = load_window_slot(window.slots[0], access)
-    replay_s = 0.0
+    nbytes, load_s, replay_s, n = 0, 0.0, 0.0, len(seq)
     check = ReplayComparison(replay_check)
-    for i in range(1, w):
-        rec = window.log.get(t0 + i)
-        r0 = time.perf_counter()
-        res = trainer.train_step(Replay.of(rec))
-        replay_s += time.perf_counter() - r0
-        check.check(f"iteration {t0 + i} (window {window.id}, replay {i} of {w - 1})", res, rec)
-        nbytes += load_window_slot(window.slots[i], access)
-        faults.point("recovery")
-    trainer.set_step(t0 + w - 1)
+    for i, (slot, plan) in enumerate(seq):
+        if i:
+            rec = record(t0 + i)
+            r0 = time.perf_counter()
+            # still FROZEN in this iteration: the operators whose full state comes in a later slot
+            res = trainer.train_step(replace(Replay.of(rec), frozen=frozenset(everyone - active)))
+            replay_s += time.perf_counter() - r0
+            check.check(f"iteration {t0 + i} ({label}, replay {i} of {n - 1})", res, rec)
+        l0 = time.perf_counter()
+        if active:  # a sliding slot also holds operators active already: leave them as the replay made them
+            slot = Slot(slot.index, slot.active, slot.frozen, [it for it in slot.items if it.op not in active])
+        nbytes += load_window_slot(slot, access)
+        load_s += time.perf_counter() - l0
+        active |= set(plan.active)
+        if i:
+            faults.point("recovery")
+    if active != everyone:
+        raise ValueError(f"{label}: its slots activate {len(active)} of {len(everyone)} operators; not a window")
+    trainer.set_step(t0 + n - 1)
     rep = RecoveryReport(
-        window.id, w, t0, t0 + w - 1, w - 1, nbytes, time.perf_counter() - t_start, replay_s, **check.report()
+        window_id,
+        n,
+        t0,
+        t0 + n - 1,
+        n - 1,
+        nbytes,
+        time.perf_counter() - t_start,
+        replay_s,
+        **check.report(),
+        load_seconds=load_s,
+        rebuild_seconds=rebuild_s,
+        phases={"rebuild": rebuild_s, "load": load_s, "replay": replay_s},
     )
     log.debug("recovered %s", rep.to_dict())
     return rep

@@ -31,3 +31,45 @@ class Window:
 
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.slots)
+
+
+@dataclass
+class SlidingSuffix:
+    """The newest consecutive slots of a committed window and the next one that activate every operator once
+    (sliding plans, SparseConfig.sliding): what `sparse_to_dense.replay_slots` converts to the dense state at the
+    last slot's iteration."""
+
+    seq: list  # [(Slot, SlotPlan)], oldest first
+    start_step: int  # the first slot holds the state after this iteration
+    records: dict  # step -> IterationRecord, the replay records of both windows
+    label: str
+
+    def record(self, step: int):
+        try:
+            return self.records[step]
+        except KeyError:
+            raise KeyError(f"{self.label}: no replay record for iteration {step}") from None
+
+
+def sliding_suffix(old: Window, new: Window) -> SlidingSuffix | None:
+    """The newest covering suffix of `old` (committed) followed by `new`'s first `new.captured` slots, or None:
+    not both sliding, `new` not starting right after `old`, nothing captured in `new`, or no suffix covers every
+    operator (e.g. across a reorder into operators the slots do not reach)."""
+    k = new.captured
+    if not (old.plan.sliding and new.plan.sliding) or k == 0 or new.start_step != old.start_step + old.plan.window:
+        return None
+    chain = [(sl, sp, old.start_step + i) for i, (sl, sp) in enumerate(zip(old.slots, old.plan.slots))]
+    chain += [(sl, sp, new.start_step + i) for i, (sl, sp) in enumerate(zip(new.slots[:k], new.plan.slots))]
+    everyone, seen = set(new.plan.order), set()
+    for first in range(len(chain) - 1, -1, -1):
+        seen |= set(chain[first][1].active)
+        if seen >= everyone:
+            break
+    else:
+        return None
+    return SlidingSuffix(
+        [(sl, sp) for sl, sp, _ in chain[first:]],
+        chain[first][2],
+        {**old.log.records, **new.log.records},
+        f"slots of windows {old.id} and {new.id} from iteration {chain[first][2]} (sliding)",
+    )

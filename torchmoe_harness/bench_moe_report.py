@@ -68,21 +68,7 @@ def markdown(res: dict) -> list[str]:
             + ", ".join(f"{k} k = {v}" for k, v in res["fp32"]["intervals"].items()),
             "",
         ]
-    lines += [
-        f"### Real runs with failures (Poisson, MTBF = {res['mtbf_iterations']} iterations)",
-        "",
-        "| system | interval | failures | iterations lost / failure | recovery s / failure | "
-        "recovery / (W x step) | measured ETTR | simulated ETTR | error |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in res["ettr"].items():
-        lines.append(
-            f"| {name} | {r['interval']} | {r['measured']['failures']} | "
-            f"{_num(r.get('iterations_lost_per_failure'), '.2f')} | {_num(r.get('recovery_s_per_failure'))} | "
-            f"{_num(r.get('recovery_over_W_steps'))} | {r['measured']['ettr']:.3f} | "
-            f"{r['simulated']['ettr']:.3f} | {r['relative_error']:.1%} |"
-        )
-    lines += ["", "### Goals", "", "| goal | measured | bound | |", "|---|---|---|---|"]
+    lines += ["### Goals", "", "| goal | measured | bound | |", "|---|---|---|---|"]
     for g in res["goals"].values():
         extra = (
             f" (wall clock: {g['wall_value']:.3g})"

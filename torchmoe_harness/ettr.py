@@ -64,6 +64,7 @@ class SystemProfile:
     lossy: LossyModel | None = None
     exact: bool = True
     note: str = ""
+    commit_lag_s: float = 0.0  # a recovery point is usable this long after its iteration (an async write's)
 
     @property
     def iter_s(self) -> float:
@@ -238,6 +239,62 @@ def simulate(
     return SimResult(
         useful / now if now > 0 else 0.0, now, useful, done, n_fail, lost_it, rec_s, ck_s, lost_tok, plt, k, k_hist
     )
+
+
+def failure_iterations(mtbf_iterations: float, count: int, seed: int = 0, first: int = 2) -> tuple[int, list[int]]:
+    """(steps, iterations): `count` failures at the same iterations for every system, a Poisson process in
+    iterations conditioned on `count` failures in `count` x MTBF iterations (uniform order statistics), distinct,
+    from iteration `first` on. A failure strikes the first execution of its iteration, before its update."""
+    steps = max(int(round(count * mtbf_iterations)), count + first)
+    rnd = random.Random(seed)
+    return steps, sorted(rnd.sample(range(first, steps + 1), count))
+
+
+def simulate_iterations(
+    p: SystemProfile,
+    iterations: int,
+    fail_at: list[int],
+    fail_fraction: float = 1.0,
+    recoveries: list[float] | None = None,
+    sliding: bool = False,
+    from_recovery: bool = False,
+    commit_lags: list[float] | None = None,
+) -> SimResult:
+    """Run `p` for `iterations` with a failure in the first execution of each iteration of `fail_at`, after
+    `fail_fraction` of it. The recovery point is the newest completed segment end (every `interval` iterations
+    from 0, or, `from_recovery`, from the last recovery point, as windows start again after a recovery; or,
+    `sliding`, the iteration before the failed one) that was durable when the failure struck (`commit_lag_s`
+    after it completed); recovery costs `recoveries[i]` for the i-th failure (default `p.recovery_s()`), then
+    every iteration after the recovery point is trained again; `commit_lags[i]`: the i-th checkpoint's own lag
+    (a replayed run's, in the order they were taken; `p.commit_lag_s` after them). Checkpoint costs are in
+    `p.iter_s` (stalls amortised: `stall_s` is not charged separately here)."""
+    a = p.iter_s
+    lags = iter(commit_lags or ())
+    fails = sorted(set(fail_at))
+    now, step, lost, rec_s, n, base = 0.0, 0, 0, 0.0, 0, 0
+    ready = {0: 0.0}  # recovery point (iteration) -> wall time it became durable
+    while step < iterations:
+        nxt = step + 1
+        if fails and fails[0] == nxt:
+            fails.pop(0)
+            now += fail_fraction * a
+            usable = [pt for pt, t in ready.items() if t <= now and pt <= step]
+            point = step if sliding else max(usable)
+            lost += step - point
+            r = recoveries[n] if recoveries and n < len(recoveries) else p.recovery_s()
+            now += r
+            rec_s += r
+            n += 1
+            base = point if from_recovery else 0
+            step = point
+            ready = {pt: t for pt, t in ready.items() if pt <= point}
+            continue
+        now += a
+        step = nxt
+        if (step - base) % p.interval == 0 or sliding:
+            ready[step] = now + next(lags, p.commit_lag_s)
+    useful = iterations * p.t_iter
+    return SimResult(useful / now, now, useful, iterations, n, lost, rec_s, 0.0, 0.0, 0.0)
 
 
 def simulate_mean(p: SystemProfile, horizon_s: float, mtbf_s: float, seeds: int = 20) -> float:

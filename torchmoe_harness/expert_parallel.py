@@ -59,6 +59,8 @@ class ExpertDispatch:
         got = self._exchange(x_sorted, recv_splits, send_splits)
         perm = _by_expert(recv)
         w = [getattr(experts, n).to_local().to(self.compute_dtype) for n in WEIGHTS]
-        y = expert_mlp(got[perm], recv.sum(0).tolist(), *w)
+        first = dist.get_rank(self.group) * local_n  # this rank owns experts first .. first + local_n - 1
+        frozen = frozenset(e - first for e in experts.frozen if first <= e < first + local_n)
+        y = expert_mlp(got[perm], recv.sum(0).tolist(), *w, frozen)
         back = y[torch.argsort(perm)]  # back to (source rank, expert) order
         return self._exchange(back, send_splits, recv_splits)

@@ -70,27 +70,44 @@ class GroupedExperts(nn.Module):
         # Expert parallelism (parallel.apply_expert_parallel) sets this: the weights are then rank-local DTensor
         # shards and the tokens travel to the rank that owns their expert.
         self.dispatch = None
+        # Experts (global indices) FROZEN in a replayed iteration (Trainer.train_step sets it from Replay.frozen):
+        # their weight gradients are not computed.
+        self.frozen: frozenset[int] = frozenset()
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         if self.dispatch is not None:
             return self.dispatch(self, x_sorted, counts)
-        return expert_mlp(x_sorted, counts, self.w1_EFD, self.w2_EDF, self.w3_EFD)
+        return expert_mlp(x_sorted, counts, self.w1_EFD, self.w2_EDF, self.w3_EFD, self.frozen)
 
 
 def expert_mlp(
-    x_sorted: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+    x_sorted: torch.Tensor,
+    counts: list[int],
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    frozen: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
-    """SwiGLU of each expert e on its `counts[e]` consecutive rows of `x_sorted`."""
+    """SwiGLU of each expert e on its `counts[e]` consecutive rows of `x_sorted`. Experts in `frozen` (indices
+    into these tensors) run forward and pass input gradients back but compute no weight gradient (MoEvement's
+    frozen execution in replay: the slices they would update are overwritten by a later slot). Exact for the
+    others: each expert's matmuls are its own, so an active expert's gradient is computed as in training and
+    the frozen slices of the grouped gradient are zeros instead of values nobody keeps. When every expert of
+    the tensors is frozen they run as in training: the grouped tensor must still get a gradient (FSDP2 reduces
+    a group's gradients in one flat layout, which a missing one would change, and with it the summation
+    order)."""
     # A per-expert loop (TorchTitan's for-loop path): deterministic on CPU, no grouped-mm kernel needed.
     # unbind, not w[e]: the backward of E selects zero-fills E full-size gradients (unbind's stacks one), the
     # step's largest cost once the experts stop moving; the gradient values are the same.
     w1, w2, w3 = w1.unbind(0), w2.unbind(0), w3.unbind(0)
+    skip = frozen if len(frozen.intersection(range(len(counts)))) < len(counts) else frozenset()
     outs, start = [], 0
     for e, n in enumerate(counts):
         xe = x_sorted[start : start + n]
         start += n
-        h = F.silu(xe @ w1[e].transpose(0, 1)) * (xe @ w3[e].transpose(0, 1))
-        outs.append(h @ w2[e].transpose(0, 1))
+        a, b, c = (w1[e], w2[e], w3[e]) if e not in skip else (w1[e].detach(), w2[e].detach(), w3[e].detach())
+        h = F.silu(xe @ a.transpose(0, 1)) * (xe @ c.transpose(0, 1))
+        outs.append(h @ b.transpose(0, 1))
     return torch.cat(outs, dim=0)
 
 

@@ -52,6 +52,10 @@ class RunConfig:
     # implementation), "amsgrad", "sgd", "muon-adamw" (Muon on the 2-D matrices, AdamW on the rest),
     # "adafactor-adamw". "adamw-bf16" is priced by the bench but not trained here (CPU AdamW: one dtype).
     optimizer_kind: str = "adamw"
+    # Replay: experts still FROZEN (Replay.frozen) compute no weight gradient (cheaper replay: forward and input
+    # gradients only). The replay check then compares the losses only: the replayed gradient norm lacks the
+    # skipped slices, so it is not reported for those iterations.
+    replay_skips_frozen: bool = False
 
     def __post_init__(self):
         if isinstance(self.model, dict):
@@ -137,6 +141,7 @@ class Trainer:
         # the snapshot copy of the previous iteration must be finished by then.
         self.before_update: list[Callable[[], None]] = []
         self.update_lock = threading.Lock()  # held while the state mutates (see train_step)
+        self._expert_of: dict | None = None  # replay: operator name -> (GroupedExperts, expert index)
 
     def _lr_factor(self, it: int) -> float:
         warm = max(1, self.cfg.warmup)
@@ -156,17 +161,24 @@ class Trainer:
         else:
             tokens, rng_state, device_rng = replay.tokens.to(self.device), replay.rng_state, replay.device_rng
             replay.restore_rng()
-        logits = self.model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-        faults.point("backward")  # as backward starts: the peers are about to block in its reduce-scatter
-        loss.backward()
+        skip = replay.frozen if replay is not None and self.cfg.replay_skips_frozen else frozenset()
+        frozen = self._freeze_experts(skip)
+        try:
+            logits = self.model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            faults.point("backward")  # as backward starts: the peers are about to block in its reduce-scatter
+            loss.backward()
+        finally:
+            for experts in frozen:
+                experts.frozen = frozenset()
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         replayed_norm = None
         if replay is not None:  # clip with the logged norm; the replayed one is what the replay check compares
-            replayed_norm, norm = norm, replay.grad_norm.to(self.device)
+            # (not when frozen experts skipped their weight gradients: the norm of the rest is no logged figure)
+            replayed_norm, norm = None if frozen else norm, replay.grad_norm.to(self.device)
         torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_norm, norm)
         for hook in self.before_update:
             hook()
@@ -201,6 +213,28 @@ class Trainer:
             lrs,
             hyper,
         )
+
+    def _freeze_experts(self, frozen_ops: frozenset[str]) -> list:
+        """Mark the experts of `frozen_ops` (operator names, Replay.frozen) on their GroupedExperts for this
+        iteration (model.expert_mlp skips their weight gradients); returns the modules marked."""
+        if not frozen_ops:
+            return []
+        if self._expert_of is None:  # operator name -> (GroupedExperts, expert index), found once
+            from torchmoe_ckpt.operators import discover_operators
+
+            self._expert_of = {
+                o.name: (self.model.get_submodule(o.moe).routed_experts.inner_experts, o.expert)
+                for o in discover_operators(self.model)
+                if o.kind == "expert"
+            }
+        by_module: dict = {}
+        for name in frozen_ops:
+            if name in self._expert_of:
+                mod, e = self._expert_of[name]
+                by_module.setdefault(mod, set()).add(e)
+        for mod, experts in by_module.items():
+            mod.frozen = frozenset(experts)
+        return list(by_module)
 
     @torch.no_grad()
     def _reduce_expert_stats(self) -> torch.Tensor:

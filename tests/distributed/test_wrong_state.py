@@ -171,13 +171,13 @@ def test_slot_file_from_another_window_is_rejected(written, tmp_path, fault_summ
 def test_failed_slot_write_never_commits_its_window(written, tmp_path, monkeypatch, fault_summary):
     real = HostTier.write_slot
 
-    def full_disk(self, window_id, slot, info):
+    def full_disk(self, window_id, slot, info, partial=None):
         if window_id == 2 and slot.index == 1:
-            real(self, window_id, slot, info)  # the bytes land, then the disk is full: a truncated file
+            real(self, window_id, slot, info, partial)  # the bytes land, then the disk is full: a truncated file
             data = next((self.window_dir(2) / "slot-01" / "rank-00000").glob("*.distcp"))
             data.write_bytes(data.read_bytes()[:100])
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, window_id, slot, info)
+        return real(self, window_id, slot, info, partial)
 
     monkeypatch.setattr(HostTier, "write_slot", full_disk)
     root = tmp_path / "root"

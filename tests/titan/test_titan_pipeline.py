@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from titan_integration import demo, recovery_demo  # noqa: E402
+from titan_integration import recovery_demo  # noqa: E402
 
 STEPS = 8
 LAYOUTS = {  # name: (stages, microbatch size, window, schedule)
@@ -26,14 +26,6 @@ LAYOUTS = {  # name: (stages, microbatch size, window, schedule)
     "pp3": (3, 1, 2, "1F1B"),  # 1F1B needs micro-batches >= stages; stage 2 holds 2 operators: W <= 2
 }
 _REFERENCES: dict[str, Path] = {}
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict[str, str]:
-    e = demo.child_env()
-    e["TORCHMOE_TITAN_ASSETS"] = str(tmp_path_factory.mktemp("titan-assets"))
-    e.pop("TORCHMOE_FAULT", None)
-    return e
 
 
 def _job(d: Path, layout: str, extra_sparse: str = "", extra: str = "") -> Path:

@@ -21,20 +21,12 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from titan_integration import demo, recovery_demo  # noqa: E402  (cheap: neither imports torchtitan)
+from titan_integration import recovery_demo  # noqa: E402  (cheap: neither imports torchtitan)
 from titan_integration.recovery_demo import LAYOUTS  # noqa: E402
 from titan_integration.sparse_config import JobConfigError, SparseCheckpointSection  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, WINDOW, KILL_STEP = 8, 3, 6
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict[str, str]:
-    e = demo.child_env()
-    e["TORCHMOE_TITAN_ASSETS"] = str(tmp_path_factory.mktemp("titan-assets"))
-    e.pop("TORCHMOE_FAULT", None)
-    return e
 
 
 def _job(d: Path, extra_sparse: str = "", extra: str = "") -> Path:

@@ -75,11 +75,10 @@ def test_pairing_cancels_drift_and_goals_are_judged():
     assert abs(s["ours_auto"]["wait_per_iteration_s"] - 0.001) < 1e-12  # from the timed steps, not stats' total
     assert v["noise"]["spread_fraction"] > 0.05
     bf16 = analyse(_report())
-    ettr = {"ours_auto": {"relative_error": 0.03}}
-    g = goals(dict(v, dtype="fp32"), dict(bf16, dtype="bf16"), ettr)
+    g = goals(dict(v, dtype="fp32"), dict(bf16, dtype="bf16"))
     assert g["overhead_ratio_vs_dense"]["met"] and abs(g["overhead_ratio_vs_dense"]["wall_value"] - 0.25) < 1e-9
     assert g["overhead_ratio_vs_dcp_async"]["met"] and g["auto_window"]["value"] == 4
-    assert g["auto_vs_best_forced"]["met"] and g["ettr_relative_error"]["met"]
+    assert g["auto_vs_best_forced"]["met"]  # ettr_relative_error: the ETTR section's (test_bench_ettr.py)
     assert g["slot_bytes_ratio_fp32"]["met"]
     # judged against the memcpy under the same training (per-turn median: the faulting turn does not count)
     assert abs(g["copy_throughput_ratio"]["value"] - 0.5) < 1e-9 and not g["copy_throughput_ratio"]["met"]
@@ -92,7 +91,6 @@ def test_pairing_cancels_drift_and_goals_are_judged():
         "mtbf_iterations": 10,
         "fp32": dict(v, dtype="fp32"),
         "bf16": dict(bf16, dtype="bf16"),
-        "ettr": {},
         "goals": g,
     }
     text = "\n".join(markdown(res))

@@ -271,3 +271,24 @@ def test_checker_passes_a_clean_graph():
     g = {"a": {"b": None}, "b": {"c": None}, "c": {}, "d": {"b": None}}
     assert cycles(g) == []
     assert cycles({"a": {"b": None}, "b": {"c": None}, "c": {"a": None}}) == [["a", "b", "c", "a"]]
+
+
+def test_public_names_are_lazy_complete_and_the_dcp_ones_in_step():
+    """`import torchmoe_ckpt` imports nothing else (the names come on first use, PEP 562); every name in
+    `__all__` resolves, the DCP users' names are exactly dcp.__all__, and `sparse_to_dense` stays the function
+    after its submodule is imported."""
+    import subprocess
+
+    code = (
+        "import sys, torchmoe_ckpt as t\n"
+        "assert 'torch' not in sys.modules and 'torchmoe_ckpt.checkpointer' not in sys.modules, sorted(sys.modules)\n"
+        "import torchmoe_ckpt.sparse_to_dense\n"
+        "assert callable(t.sparse_to_dense) and t.sparse_to_dense.__name__ == 'sparse_to_dense'\n"
+        "from torchmoe_ckpt import dcp\n"
+        "assert set(t._DCP_EXPORTS) == set(dcp.__all__), set(t._DCP_EXPORTS) ^ set(dcp.__all__)\n"
+        "missing = [n for n in t.__all__ if getattr(t, n, None) is None]\n"
+        "assert not missing and len(set(t.__all__)) == len(t.__all__), missing\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

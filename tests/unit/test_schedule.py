@@ -190,3 +190,27 @@ def test_copy_budget_and_bandwidth():
     assert math.isfinite(bw) and bw > 0
     with pytest.raises(ValueError):
         measure_copy_bandwidth(0)
+
+
+def test_sliding_plan_carries_every_other_operator_and_balances_its_own_cost():
+    """A sliding plan's slot holds the compute weights of every operator it does not activate (those before it
+    too); its cost is full(active) + compute(all) - compute(active), and the forced split balances that cost."""
+    from torchmoe_ckpt.schedule import choose_window
+
+    order = [f"e{i}" for i in range(8)]
+    full, comp = dict.fromkeys(order, 12), dict.fromkeys(order, 4)
+    std = plan_window(order, full, comp, math.inf, forced_window=4)
+    sl = plan_window(order, full, comp, math.inf, forced_window=4, sliding=True)
+    assert sl.sliding and not std.sliding
+    for sp in sl.slots:
+        assert sorted(sp.active + sp.frozen) == sorted(order) and not set(sp.active) & set(sp.frozen)
+        assert sp.bytes == 12 * len(sp.active) + 4 * (8 - len(sp.active))
+    assert [s.bytes for s in sl.slots] == [48] * 4  # 2 active each: 2 x 12 + 6 x 4
+    mean = sum(s.bytes for s in std.slots) / 4  # the standard plan copies less: the price of sliding
+    assert mean < 48 and max(s.bytes for s in std.slots) <= 48
+    assert WindowPlan.from_dict(json.loads(json.dumps(sl.to_dict()))) == sl
+    # a sliding slot of k active operators costs 32 + 8k: 48 bytes buy k = 2 (W = 4), 64 buy k = 4 (W = 2)
+    assert plan_window(order, full, comp, 48, sliding=True).window == 4
+    assert choose_window(order, full, comp, 48, sliding=True) == 4
+    assert choose_window(order, full, comp, 64, sliding=True) == 2
+    assert plan_window(order, full, comp, 48).window == 3  # standard slots shrink along the window: W = 3 fits

@@ -18,6 +18,7 @@ by a background thread (persist_thread.py) after their copy finished; the traini
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
 from pathlib import Path
@@ -33,11 +34,13 @@ from ..window import Window
 from .checksums import SUM64, tensor_block_sums
 from .files import LocalFiles
 from .layout import (
+    partial_file,
     replay_file,
     slot_writer_dir,
     window_dirname,
     writer_name,
 )
+from .manifest import plan_digest, slot_record
 from .mapped_files import MappedFiles
 from .slot_files import SlotFiles, backing
 from .slot_format import CorruptCopyError, SlotLayout, read_slot, slot_items
@@ -65,8 +68,9 @@ class HostTier(WindowTier):
         return self.window_dir(window_id) / slot_writer_dir(slot, self.writer if rank is None else writer_name(rank))
 
     # ---- write path (background thread) --------------------------------------------------------------
-    def write_slot(self, window_id: int, slot: Slot, info: dict) -> int:
-        """Persist one captured slot of the checkpointer; returns its bytes."""
+    def write_slot(self, window_id: int, slot: Slot, info: dict, partial: tuple | None = None) -> int:
+        """Persist one captured slot of the checkpointer; returns its bytes. `partial` (sliding plans): (start
+        step, plan, replay records so far) of its window, recorded after the slot (`write_partial`)."""
         lay, items = self._slot_layout(slot)
         back = backing(slot)
 
@@ -80,6 +84,9 @@ class HostTier(WindowTier):
             return mapped(self._maps, self.files, lay, items, self.take_spare)(data_rel)
 
         self._store_slot(window_id, slot.index, lay, info, write)
+        if partial is not None:
+            start, plan, records = partial
+            self.write_partial(window_id, start, plan, records, slot.index + 1)
         faults.point("persist")
         return lay.nbytes
 
@@ -149,3 +156,41 @@ class HostTier(WindowTier):
                 f"{man.start_step + plan.window - 1}"
             )
         return win
+
+    def load_partial(self, window_id: int, start_step: int, ops: dict, compute_dtype: torch.dtype, run=None):
+        """The slots this writer wrote of a window not committed (sliding plans, `write_partial`), as a Window
+        whose `captured` says how many, or None when there is none that starts at `start_step`; every slot is
+        read item by item against its checksums and must have been written for this window, slot, step, plan
+        and `run` (a fingerprint; None: not checked). Stops at the first slot that is not (a torn last write)."""
+        rel = f"{window_dirname(window_id)}/{partial_file(self.writer)}"
+        try:
+            got = torch.load(io.BytesIO(bytes(self.files.read(rel))), weights_only=True, map_location="cpu")
+        except (OSError, RuntimeError, ValueError, EOFError):
+            return None
+        if got.get("window") != window_id or got.get("start_step") != start_step:
+            return None
+        plan = WindowPlan.from_dict(got["plan"])
+        if not plan.sliding:
+            return None
+        digest, w = plan_digest(got["plan"]), window_dirname(window_id)
+        slots = []
+        for i, sp in enumerate(plan.slots[: got["slots"]]):
+            slot = build_slot(i, sp.active, sp.frozen, ops, compute_dtype)
+            try:
+                info = read_slot(self.files, f"{w}/{slot_writer_dir(i, self.writer)}", slot)
+            except (OSError, CorruptCopyError, ValueError, KeyError):
+                break
+            rec = slot_record(info)
+            if (rec["window"], rec["slot"], rec["step"], rec["plan"]) != (window_id, i, start_step + i, digest) or (
+                run is not None and rec["run"] not in (None, run)
+            ):
+                break
+            slot.step = start_step + i
+            slot.done.set()
+            slots.append(slot)
+        if not slots:
+            return None
+        rlog = ReplayLog()
+        for d in got["records"]:
+            rlog.add(IterationRecord.from_dict(d))
+        return Window(window_id, start_step, plan, slots, rlog, captured=len(slots))

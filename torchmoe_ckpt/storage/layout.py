@@ -9,6 +9,7 @@ base path a DCP user saves under:
         slot-00/rank-00003/.metadata      writer rank-00003's piece of slot 0, a self-contained one-writer DCP
         slot-00/rank-00003/__0_0.distcp       checkpoint (raw bytes, slot_format.py); `.metadata` after the data
         replay/rank-00003.pt              the writer's replay records (a DCP user's are items of the slots)
+        replay/rank-00003.partial.pt      sliding plans, before the commit: the window's progress (host tier)
         MANIFEST.rank-00003.json          written last: the writer's commit of the window (manifest.py)
     .slots/rank-00003/                    the host tier's slot buffer files (slot_files.py)
     .spare/rank-00003/                    data files of collected windows, kept to be written over
@@ -99,6 +100,12 @@ def slot_of(rel: str) -> int | None:
 
 def replay_file(writer: str) -> str:
     return f"{REPLAY_DIR}/{writer}.pt"
+
+
+def partial_file(writer: str) -> str:
+    """A writer's progress through a window not committed yet (sliding plans): its plan, start, how many slots
+    are written and the replay records so far, rewritten after each slot (host tier only)."""
+    return f"{REPLAY_DIR}/{writer}.partial.pt"
 
 
 def manifest_name(writer: str) -> str:

@@ -95,10 +95,13 @@ class PersistThread:
             "replication_lag_s": [round(x, 4) for x in self.replication_lag_seconds],
         }
 
-    def slot(self, window_id: int, slot: Slot, info: dict) -> None:
+    def slot(self, window_id: int, slot: Slot, info: dict, partial: tuple | None = None) -> None:
+        """Persist a captured slot. `partial` (sliding plans): (start step, plan, replay records so far) of its
+        window, written after the slot (`WindowTier.write_partial`) so that a recovery can use it before the
+        window commits."""
         if "start_step" in info and "slot" in info:  # the training thread: the stall policy may end the job here
             self.health.check_stall(info["start_step"] + info["slot"])
-        self.jobs.put(("slot", window_id, slot, info))
+        self.jobs.put(("slot", window_id, slot, info, partial))
 
     def commit(self, window, extra: dict, keep_from: int) -> None:
         self.jobs.put(("commit", window, extra, keep_from, time.perf_counter()))
@@ -182,7 +185,7 @@ class PersistThread:
             finally:
                 self.cpu_s["host"] += time.thread_time() - c0
 
-    def _write_slot(self, wid: int, slot: Slot, info: dict) -> None:
+    def _write_slot(self, wid: int, slot: Slot, info: dict, partial: tuple | None = None) -> None:
         slot.done.wait()
         if wid in self._failed or not slot.complete:  # a torn copy is never persisted
             return
@@ -192,7 +195,7 @@ class PersistThread:
                 return
             self._attempted.add(wid)
         try:
-            self.bytes_written += self.tier.write_slot(wid, slot, dict(info, step=slot.step))
+            self.bytes_written += self.tier.write_slot(wid, slot, dict(info, step=slot.step), partial)
         except BaseException as exc:  # ENOSPC, EACCES, DCP's CheckpointException (a BaseException)
             self._give_up(wid, f"window {wid} slot {slot.index}", exc)
 

@@ -14,13 +14,16 @@ where every file sits is layout.py; the files go through files.py (a local direc
 
 WindowTier: a tier slots are written into (host memory; a DCP user's object store)
 
-    write_slot(window, slot, info)        the checkpointer's captured slot: data file, then its `.metadata`
+    write_slot(window, slot, info[, partial])  the checkpointer's captured slot: data file, then its `.metadata`;
+                                          sliding plans: then the window's progress (write_partial)
+    write_partial(window, start, plan, records, slots)  (host) how far a window not committed yet got
     write_items(window, slot, items, info)  the same from DCP write items (the DCP adapters)
     write_commit(window, start, plan, log, extra)  only if every slot write of the window succeeded in this
                                           process: the replay records, then the manifest (the commit)
     window_ids()                          windows this writer committed
     verify(window) / check(window, identity)  every file against the manifest / and where it sits, whose it is
     load_window(window, ops, dtype, identity)  (host) the checked copy into fresh slot buffers
+    load_partial(window, start, ops, dtype, run)  (host) the slots written of a window not committed (sliding)
     collect(keep_from)                    older windows deleted, each manifest first
 
 CopyTier: a tier that holds copies of committed host windows (object stores)
@@ -60,6 +63,8 @@ Call order of a recovery (recover.recover_from_tiers, collective)
     all-gather                            the newest window every rank can get (own copy or a peer's)
     PeerTier.pull(w, transfers)           ranks without a usable copy get theirs from a holder
     HostTier.load_window(w)  -> agree  -> replay -> agree    a failure on any rank excludes w; the next newest
+        (sliding plans, in the replay: HostTier.load_partial(w + 1), the slots every rank has agreed, the newest
+        covering suffix of w and w + 1 replayed; if that fails anywhere, w alone -- recovery.py)
     store.window_ids() -> store.download(w, host) -> HostTier.load_window(w)    the last tier, same agreement
 
 A DCP user's `dcp.load(storage_reader=...)` reads a slot through the same slot format (dcp/raw_storage.RawReader),

@@ -26,6 +26,7 @@ from .layout import (
     is_data_file,
     manifest_name,
     parse_window_dirname,
+    partial_file,
     replay_file,
     slot_writer_dir,
     spare_dir,
@@ -188,6 +189,24 @@ class WindowTier:
         for key in [k for k in self._written if k[0] <= window_id]:
             del self._written[key]
         return man
+
+    def write_partial(self, window_id: int, start_step: int, plan: WindowPlan, records: list, slots: int) -> None:
+        """A window with a sliding plan, before its commit: how far it got (its first `slots` slots written), with
+        the plan and the replay records so far, replaced atomically after each slot. Recovery may start from a
+        committed window's slots and continue through these (sparse_to_dense.replay_slots); every slot is still
+        checked item by item and against its `.metadata` (window, slot, step, run, plan) when read."""
+        buf = io.BytesIO()
+        torch.save(
+            {
+                "window": window_id,
+                "start_step": start_step,
+                "plan": plan.to_dict(),
+                "slots": slots,
+                "records": [r.to_dict() for r in records],
+            },
+            buf,
+        )
+        self.files.write_last(f"{window_dirname(window_id)}/{partial_file(self.writer)}", buf.getvalue())
 
     # ---- read ----------------------------------------------------------------------------------------------
     def window_ids(self, require_manifest: bool = True, rank: int | None = None) -> list[int]:

@@ -15,6 +15,24 @@ from torchmoe_harness.trainer import Trainer
 FULL_ROLES = ROLES_FULL + ("step", "buffer")
 
 
+@torch.no_grad()
+def lose_state(trainer: Trainer) -> None:
+    """The failure, emulated in place and the same for every system: every tensor of the training state
+    (parameters, buffers, optimizer state, steps included) becomes NaN, and the iteration counter, LR schedule,
+    RNG and gradients are those of a freshly started process. A recovery loads into these very tensors (as a
+    restarted process would into the model it built): whatever it forgets stays NaN and shows against the
+    fault-free run. Model building is not part of any system's recovery (the restart section measures it)."""
+    from torchmoe_harness.trainer import local
+
+    tensors = [local(t) for t in (*trainer.model.parameters(), *trainer.model.buffers())]
+    tensors += [local(v) for st in trainer.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    for t in tensors:
+        t.fill_(float("nan") if t.is_floating_point() else -1)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.set_step(0)
+    torch.manual_seed(20_011)  # a new process's generator, not the run's
+
+
 def fresh_trainer(old: Trainer) -> Trainer:
     """What a restarted rank has: the same config, *different* initial weights (so anything a recovery
     forgets to restore shows up against the fault-free run), optimizer state allocated for in-place loads."""
@@ -58,8 +76,17 @@ class HostCopyBaseline:
     (and timed) before the next update overwrites its sources. Subclasses set engine, wait, pending."""
 
     def attach(self, trainer):
-        trainer.before_update.append(self.before_update)
+        if self.before_update not in trainer.before_update:  # the same trainer again after an in-place recovery
+            trainer.before_update.append(self.before_update)
         return self
+
+    def _settle(self) -> None:
+        """After the state was lost: the copy in flight (if any) is torn, its snapshot never counts."""
+        try:
+            self.engine.wait_done()
+        except Exception:  # noqa: BLE001  (a torn copy's error belongs to the failure)
+            pass
+        self.pending = None
 
     def _wait_for_copy(self, until_done: bool = False) -> bool:
         """Before an update: wait until the copy in flight no longer needs its sources (on a GPU, on the device);

@@ -13,6 +13,7 @@ file written next to it. Exact: everything after the export is recomputed from t
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +47,7 @@ class DenseDcp:
         self.bytes: list[int] = []
         self.state_bytes = 0  # tensor bytes of one staged state (model + optimizer, this rank)
         self.stage_seconds: list[float] = []  # save call to staging done (the device-to-host copy), per checkpoint
+        self.commit_lag_s: list[float] = []  # async: staged (training goes on) to durable, per export
 
     def attach(self, trainer) -> DenseDcp:
         if self.asynchronous and self.before_update not in trainer.before_update:
@@ -77,6 +79,7 @@ class DenseDcp:
                 fut.add_done_callback(lambda _f: self.stage_seconds.append(time.perf_counter() - t_stage))
             if not self.state_bytes:
                 self.state_bytes = state_bytes(trainer.model, trainer.optimizer)
+            self._watch_commit(self.root / step_dirname(step) / METADATA)
         else:
             export_dense(trainer.model, trainer.optimizer, f"file://{self.root / step_dirname(step)}", step)
         torch.save(rng_state(), self.root / f"rng-{step}-rank{self.rank}.pt")
@@ -85,6 +88,21 @@ class DenseDcp:
         if not self.asynchronous and self.rank == 0:
             self.bytes.append(_dir_bytes(self.root / step_dirname(step)) // self.world)
             self._prune()
+
+    def _watch_commit(self, metadata: Path) -> None:
+        """How long after the training thread went on the export became durable (its .metadata written, what
+        `recover` looks for): a failure in that time cannot use it. A side thread waits for the file and takes
+        the time it was written from its mtime (the thread itself may notice late, when the GIL is busy)."""
+        staged = time.time()
+
+        def watch() -> None:
+            while not metadata.exists():
+                if time.time() - staged > 600:
+                    return
+                time.sleep(0.005)
+            self.commit_lag_s.append(max(0.0, metadata.stat().st_mtime - staged))
+
+        threading.Thread(target=watch, name="tmoe-dcp-commit-watch", daemon=True).start()
 
     def _prune(self) -> None:
         done = sorted(self._complete())
@@ -109,14 +127,16 @@ class DenseDcp:
             self.exporter.keep = keep
             if self.rank == 0 and self.exporter.exported:
                 self.bytes.append(_dir_bytes(self.root / step_dirname(self.exporter.exported[-1])) // self.world)
+        # `trainer` lost its state in place (common.lose_state): the export is loaded into it
         t0 = time.perf_counter()
-        cfg = trainer.cfg
-        del trainer
-        fresh = fresh_trainer_plain(cfg) if step == 0 else fresh_trainer_from(cfg)
-        if step:
-            fresh.set_step(load_dense(fresh.model, fresh.optimizer, f"file://{self.root / step_dirname(step)}"))
+        if step == 0:
+            trainer = fresh_trainer_plain(trainer.cfg)
+            phases = {"rebuild": time.perf_counter() - t0}
+        else:
+            trainer.set_step(load_dense(trainer.model, trainer.optimizer, f"file://{self.root / step_dirname(step)}"))
             restore_rng(torch.load(self.root / f"rng-{step}-rank{self.rank}.pt", map_location="cpu"))
-        return fresh, {"recovered_step": step, "seconds": time.perf_counter() - t0}
+            phases = {"load": time.perf_counter() - t0}  # DCP: find, read and load in one call
+        return trainer, {"recovered_step": step, "seconds": time.perf_counter() - t0, "phases": phases}
 
     def close(self) -> None:
         if self.exporter is not None:
@@ -141,6 +161,8 @@ class DenseDcp:
             out["stage_seconds"] = list(self.stage_seconds)
             out["stage_bytes"] = self.state_bytes
             out["staging"] = self.staging
+            out["commit_lag_s_mean"] = sum(self.commit_lag_s) / len(self.commit_lag_s) if self.commit_lag_s else 0.0
+            out["commit_lag_s"] = list(self.commit_lag_s)
         return out
 
     @property
@@ -186,9 +208,3 @@ def fresh_trainer_plain(cfg):
     from torchmoe_harness.trainer import Trainer
 
     return Trainer(cfg)  # nothing durable yet: start over from the deterministic initialisation
-
-
-def fresh_trainer_from(cfg):
-    from torchmoe_harness.trainer import Trainer
-
-    return Trainer(cfg, init_seed=cfg.seed + 7777)

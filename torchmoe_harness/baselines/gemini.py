@@ -10,7 +10,7 @@ the host's lead over the device every iteration). A snapshot goes into the buffe
 the device runs the copies in order and the update between them waits for the previous copy, so that buffer's
 copy finished before this one starts, and the other buffer always holds a complete snapshot. Which buffer holds
 the newest complete one is read at recovery, from what the copy thread has finished at that moment.
-Recovery loads it into a fresh trainer: exact, everything after it is redone."""
+Recovery loads it into the trainer that lost its state: exact, everything after it is redone."""
 
 from __future__ import annotations
 
@@ -18,17 +18,19 @@ import time
 
 from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.snapshot import SnapshotEngine, StateAccess, build_slot
-from torchmoe_harness.baselines.common import HostCopyBaseline, Timer, restored_trainer, rng_state
+from torchmoe_ckpt.sparse_to_dense import init_optimizer_state
+from torchmoe_harness.baselines.common import HostCopyBaseline, Timer, restore_rng, restore_slots, rng_state
 
 
 class HostDense(HostCopyBaseline):
     exact = True
 
-    def __init__(self, trainer, every: int = 1):
+    def __init__(self, trainer, every: int = 1, throttle_bytes_per_s: float | None = None):
         self.every = every
+        self.throttle = throttle_bytes_per_s  # an emulated slower host link (SnapshotEngine.throttle_bytes_per_s)
         ops = discover_operators(trainer.model)
         names = tuple(o.name for o in ops)
-        self.engine = SnapshotEngine(StateAccess(trainer.model, trainer.optimizer))  # on the model's device
+        self.engine = self._engine(trainer)  # on the model's device
         pin = self.engine.use_cuda  # pinned host buffers on a GPU, as our slots: the same copy path, a fair price
         by_name = {o.name: o for o in ops}
         self.buffers = [build_slot(i, names, (), by_name, trainer.compute_dtype, pin_memory=pin) for i in (0, 1)]
@@ -36,6 +38,11 @@ class HostDense(HostCopyBaseline):
         self.pending = None  # HostCopyBaseline's: no snapshot is promoted on the training thread
         self.wait = Timer()
         self.checkpoints = 0
+
+    def _engine(self, trainer) -> SnapshotEngine:
+        engine = SnapshotEngine(StateAccess(trainer.model, trainer.optimizer))
+        engine.throttle_bytes_per_s = self.throttle
+        return engine
 
     def before_update(self, until_done: bool = False) -> None:
         self._wait_for_copy(until_done)  # on a GPU: the update waits for the copy in flight on the device
@@ -63,19 +70,30 @@ class HostDense(HostCopyBaseline):
         return slot, step, rng
 
     def recover(self, trainer, failed_at: int):
-        latest = self.latest()  # what is on the host at the failure (a copy still in flight is lost)
-        self.engine.shutdown()
+        """Load the newest complete snapshot into `trainer`, whose state was lost in place (common.lose_state);
+        with none yet, a new trainer from the deterministic initialisation."""
         t0 = time.perf_counter()
+        latest = self.latest()  # what is on the host at the failure (a copy still in flight is lost)
+        self._settle()  # nothing may still read the live tensors the snapshot is loaded into
         if latest is None:
             from torchmoe_harness.baselines.dense_dcp import fresh_trainer_plain
 
-            fresh, step = fresh_trainer_plain(trainer.cfg), 0
+            self.engine.shutdown()
+            trainer, step = fresh_trainer_plain(trainer.cfg), 0
+            self.engine = self._engine(trainer)
+            self.taken = [None, None]
+            phases = {"rebuild": time.perf_counter() - t0}
         else:
             slot, step, rng = latest
-            fresh = restored_trainer(trainer, [slot], step, rng)
-        self.engine = SnapshotEngine(StateAccess(fresh.model, fresh.optimizer))
-        self.taken = [None, None]
-        return fresh, {"recovered_step": step, "seconds": time.perf_counter() - t0}
+            self.taken = [t if t is not None and t[0] == step else None for t in self.taken]
+            t1 = time.perf_counter()
+            init_optimizer_state(trainer.optimizer)  # a no-op unless the state is gone
+            t2 = time.perf_counter()
+            restore_slots(trainer, [slot])
+            trainer.set_step(step)
+            restore_rng(rng)
+            phases = {"find": t1 - t0, "rebuild": t2 - t1, "load": time.perf_counter() - t2}
+        return trainer, {"recovered_step": step, "seconds": time.perf_counter() - t0, "phases": phases}
 
     def close(self) -> None:
         self.before_update(until_done=True)
@@ -89,4 +107,5 @@ class HostDense(HostCopyBaseline):
             "wait_seconds_max": self.wait.max,
             "bytes_per_checkpoint": self.buffers[0].nbytes,
             "host_bytes": sum(b.nbytes for b in self.buffers),  # the two snapshot buffers (pinned on a GPU)
+            "copy": dict(self.engine.copy_totals),  # this engine's copies (since its last rebuild)
         }

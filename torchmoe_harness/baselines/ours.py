@@ -1,5 +1,5 @@
-"""Our sparse per-iteration checkpointer behind the baselines' interface (recovery: the harness's in-process
-restart, sparse-to-dense from the newest committed window: exact)."""
+"""Our sparse per-iteration checkpointer behind the baselines' interface (recovery in process: sparse-to-dense
+from the newest committed window, or with `sliding` from the newest W consecutive slots: exact)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,25 @@ class Ours:
     exact = True
 
     def __init__(
-        self, trainer, window: int | None = 4, overlap: float = 1.0, bandwidth_bytes_per_s: float | None = None
+        self,
+        trainer,
+        window: int | None = 4,
+        overlap: float = 1.0,
+        bandwidth_bytes_per_s: float | None = None,
+        throttle_bytes_per_s: float | None = None,
+        sliding: bool = False,
     ):
-        self.cfg = SparseConfig(window=window, overlap=overlap, bandwidth_bytes_per_s=bandwidth_bytes_per_s)
-        self.ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, self.cfg)
+        self.cfg = SparseConfig(
+            window=window, overlap=overlap, bandwidth_bytes_per_s=bandwidth_bytes_per_s, sliding=sliding
+        )
+        self.throttle = throttle_bytes_per_s  # an emulated slower host link (SnapshotEngine.throttle_bytes_per_s)
+        self.ck = self._checkpointer(trainer)
         self._attached = None
+
+    def _checkpointer(self, trainer) -> SparseCheckpointer:
+        ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, self.cfg)
+        ck.engine.throttle_bytes_per_s = self.throttle
+        return ck
 
     def attach(self, trainer) -> Ours:
         if self._attached is not trainer and self.ck.before_update not in trainer.before_update:
@@ -29,16 +43,30 @@ class Ours:
         self.ck.after_step(res)
 
     def recover(self, trainer, failed_at: int):
-        from torchmoe_harness.scenario import restart
-
+        """Sparse-to-dense from the newest committed window in host memory into `trainer`, whose state was lost
+        in place (common.lose_state); the checkpointer carries on with its buffers. With no window committed
+        yet, a new trainer from the deterministic initialisation and a new checkpointer."""
         t0 = time.perf_counter()
-        fresh, self.ck, rep = restart(trainer, self.ck, self.cfg)
-        self._attached = fresh
-        return fresh, {
-            "recovered_step": rep.get("recovered_step", fresh.step),
+        rep = self.ck.recover_in_memory(trainer)
+        if rep is None:
+            from torchmoe_harness.baselines.dense_dcp import fresh_trainer_plain
+
+            self.ck.engine.shutdown()
+            trainer = fresh_trainer_plain(trainer.cfg)
+            self.ck = self._checkpointer(trainer).inherit_counters(self.ck)
+            self._attached = None
+            return trainer, {
+                "recovered_step": 0,
+                "seconds": time.perf_counter() - t0,
+                "phases": {"rebuild": time.perf_counter() - t0},
+            }
+        return trainer, {
+            "recovered_step": rep.recovered_step,
             "seconds": time.perf_counter() - t0,
-            "replayed_iterations": rep.get("replayed_iterations", 0),
-            "window": rep.get("window"),
+            "replayed_iterations": rep.replayed_iterations,
+            "window": rep.window,
+            "bytes_loaded": rep.bytes_loaded,
+            "phases": dict(rep.phases),
         }
 
     def close(self) -> None:
@@ -48,7 +76,10 @@ class Ours:
     def stats(self) -> dict:
         s = self.ck.stats()
         w = s["windows"][-1]["W"] if s["windows"] else None
+        windows = [x["W"] for x in self.ck.counters["windows"]]
         return {
+            "windows_W": windows,  # every window's W, in order (auto W may change it)
+            "copy": s["copy"],
             "checkpoints": s["slots_captured"],
             "interval": w,
             "window": w,

@@ -11,10 +11,17 @@ start; each phase "name" writes under DIR/<name>/), or one phase:
                                                clock, agreed every step; for the ETTR validation), or
        "poisson_failures": {"mtbf_iterations": n, "seed": s}   Poisson times at an MTBF of n mean step
                                                times of the previous phase, or of the phase named "of_phase"
-                                               (reported as failure_times_s)}
-A failure throws the live state away: the system rebuilds a trainer with *different* initial weights from
-what survives (host memory, files). Writes rank{r}.pt (final state and losses, as the harness worker does,
-so `launch.compare` checks exactness against a fault-free run) and rank 0's report.json."""
+                                               (reported as failure_times_s),
+       "save_state": false                     no rank{r}.pt (long benchmark runs)}
+A failure throws the live state away, the same way for every system (common.lose_state: every tensor of the
+state NaN, counters, LR and RNG those of a new process), and the system loads what survived (host memory,
+files) into that trainer; the lossy partial-expert systems build a new trainer with *different* initial
+weights instead (their never-saved experts need some value). The emulation's own time (the NaN fill) is not
+part of the run's wall clock. Per failure the report has the system's recovery phases (find, rebuild, load,
+replay: status.PHASES) and, measured here for every system alike, redo: the time from the end of the recovery
+until training is back at the iteration before the failed one. Writes rank{r}.pt (final state and losses, as
+the harness worker does, so `launch.compare` checks exactness against a fault-free run) and rank 0's
+report.json."""
 
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from torchmoe_harness.baselines import make_system
+from torchmoe_harness.baselines.common import lose_state
 
 _last_step_mean = 0.05  # mean step seconds of the previous phase in this process
 _step_means: dict[str, float] = {}  # by phase name, for an MTBF taken from a named phase ("of_phase")
@@ -64,6 +72,8 @@ def run(spec: dict, out: Path) -> dict:
     trace = list(by_time)
     losses, step_seconds, recoveries = {}, [], []
     flag = torch.zeros(1)
+    emulation_s = 0.0  # time spent emulating failures (lose_state): not the run's
+    redo = None  # (report, iteration to reach again, since)
     dist.barrier()
     t_start = time.perf_counter()
     while trainer.step < cfg.steps:
@@ -73,7 +83,7 @@ def run(spec: dict, out: Path) -> dict:
             by_step.pop(0)
             fail = True
         if by_time:
-            flag.fill_(1.0 if time.perf_counter() - t_start >= by_time[0] else 0.0)
+            flag.fill_(1.0 if time.perf_counter() - t_start - emulation_s >= by_time[0] else 0.0)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item():  # one failure per time; one that passed during a recovery fires at the next step
                 by_time.pop(0)
@@ -87,21 +97,32 @@ def run(spec: dict, out: Path) -> dict:
             if system is not None:
                 system.after_step(trainer, res)
             step_seconds.append(time.perf_counter() - t0)
+            if redo is not None and trainer.step >= redo[1]:  # back at the iteration before the failed one
+                redo[0]["phases"]["redo"] = time.perf_counter() - redo[2]
+                redo = None
         except Crash:
             t_fail = time.perf_counter()
+            if _crash in trainer.before_update:
+                trainer.before_update.remove(_crash)
+            lose_state(trainer)
+            t_rec = time.perf_counter()
+            emulation_s += t_rec - t_fail
             trainer, rep = system.recover(trainer, nxt)
             system.attach(trainer)
+            done = time.perf_counter()
+            rep.setdefault("phases", {})["redo"] = 0.0
             rep.update(
                 failed_at=nxt,
-                at_s=t_fail - t_start,
-                wall_seconds=time.perf_counter() - t_fail,
+                at_s=t_fail - t_start - (emulation_s - (t_rec - t_fail)),
+                wall_seconds=done - t_rec,
                 failed_step_s=t_fail - t0,
                 lost_iterations=nxt - 1 - rep["recovered_step"],
             )
             recoveries.append(rep)
+            redo = (rep, nxt - 1, done) if rep["lost_iterations"] > 0 else None
     if system is not None:
         system.close()
-    wall = time.perf_counter() - t_start
+    wall = time.perf_counter() - t_start - emulation_s
     steady = step_seconds[5:] or step_seconds[1:] or step_seconds  # a short phase: all but its first step
     _last_step_mean = sum(steady) / max(1, len(steady))
     _step_means[spec.get("name", "")] = _last_step_mean
@@ -117,9 +138,13 @@ def run(spec: dict, out: Path) -> dict:
         "exact_by_design": getattr(system, "exact", True),
         "failure_times_s": trace,
         "mtbf_s": mtbf_s,
+        "emulation_s": emulation_s,
+        # the last loss's bits: exact systems on the same failure iterations all end with the same one
+        "last_loss": losses[max(losses)].item() if losses else None,
     }
-    host_losses = {step: loss.detach().cpu() for step, loss in losses.items()}  # read once, at the end
-    torch.save({"state": trainer.export_state(), "losses": host_losses}, out / f"rank{trainer.rank}.pt")
+    if spec.get("save_state", True):  # rank{r}.pt for launch.compare (a whole state per rank and phase)
+        host_losses = {step: loss.detach().cpu() for step, loss in losses.items()}  # read once, at the end
+        torch.save({"state": trainer.export_state(), "losses": host_losses}, out / f"rank{trainer.rank}.pt")
     return report
 
 
