@@ -124,7 +124,13 @@ def torchrun(
         if echo is not None:
             echo(line.rstrip("\n"))
         if time.monotonic() > deadline:
-            proc.kill()
+            # SIGTERM, not SIGKILL: torchrun then stops its workers, which lead sessions of their own and would
+            # otherwise outlive it (orphans training on, on a shared machine)
+            proc.terminate()
+            try:
+                proc.wait(40)
+            except subprocess.TimeoutExpired:
+                proc.kill()
             break
     rc = proc.wait()
     return rc, "".join(lines)

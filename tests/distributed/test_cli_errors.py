@@ -48,6 +48,8 @@ def one_line_error(rc: int, err: str, *needles: str) -> None:
         (["simulate", "--hours", "-5"], "--hours: -5 is out of range: must be > 0"),
         (["simulate", "--hours", "nan"], "--hours: nan is out of range"),
         (["selftest", "--nproc", "0"], "--nproc: 0 is out of range"),
+        (["selftest", "--nproc", "99999999999999999999"], "this machine runs at most"),
+        (["bench", "--nproc", "100000"], "--nproc: 100000 is out of range: this machine runs at most"),
         (["selftest", "--steps", "0"], "--steps: 0 is out of range"),
         (["selftest", "--experts", "-1"], "--experts: -1 is out of range"),
         (["selftest", "--layers", "0"], "--layers: 0 is out of range"),
@@ -175,3 +177,40 @@ def test_inspect_of_a_root_lists_each_run_separately(capsys, tmp_path, one_rank_
     assert runs == {"node-0/other": [1, 2], "node-0/run": [0, 1, 2]}, runs  # 2: in flight, uncommitted
     rc, out, err = run_cli(capsys, "verify", str(tmp_path))
     assert rc == 0, err
+
+
+_LAUNCHER = """
+import sys
+from pathlib import Path
+from torchmoe_harness.launch import torchrun
+torchrun(1, [sys.argv[1], sys.argv[2]], Path(sys.argv[2]) / "torchrun.log", timeout=300)
+"""
+_QUIET_WORKER = "import time; time.sleep(300)  # writes nothing: a dead launcher's pipe cannot end it\n"
+
+
+def test_a_killed_launcher_leaves_no_job_behind(tmp_path):
+    """The CLI's `selftest` runs torchrun through `torchmoe_harness.launch.torchrun`; torchrun's workers lead
+    sessions of their own. When the launching process dies, even by SIGKILL, torchrun gets SIGTERM and stops
+    its workers: nothing of the job keeps running (a job that writes nothing is not ended by the broken pipe
+    either)."""
+    from torchmoe_harness.launch import processes_mentioning
+
+    worker = tmp_path / "quiet_worker.py"
+    worker.write_text(_QUIET_WORKER)
+    marker = str(tmp_path)
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(worker), marker], start_new_session=True)
+    try:
+        end = time.monotonic() + 50
+        while len(processes_mentioning(marker)) < 3 and time.monotonic() < end:  # launcher, torchrun, worker
+            time.sleep(0.2)
+        assert len(processes_mentioning(marker)) >= 3, "torchrun never started its worker"
+    finally:
+        launcher.kill()
+        launcher.wait()
+    end = time.monotonic() + 50  # torchrun's grace for its workers is 30 s
+    while processes_mentioning(marker) and time.monotonic() < end:
+        time.sleep(0.2)
+    left = processes_mentioning(marker)
+    for pid in left:  # do not leave them to the next test either
+        os.kill(pid, 9)
+    assert not left, "processes of the killed launcher's job are still running"
