@@ -132,8 +132,8 @@ class SparseTrainer(Trainer):
         trainer._init_sparse(section, check=False)  # the caller is the SparseCheckpointManager being built
 
     def init_distributed(self):
-        """TorchTitan's own init_distributed with every process group keyed by torchrun attempt (the shared
-        agent store otherwise hands a restart the previous attempt's keys: torchmoe_ckpt.distributed)."""
+        """TorchTitan's own init_distributed with a store of this rendezvous round for every process group (the
+        shared agent store otherwise hands a restart the previous round's keys: torchmoe_ckpt.distributed)."""
         key_rendezvous_by_attempt()
         dims = super().init_distributed()
         restart_timing.mark("pg_ready")
