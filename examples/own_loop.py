@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--run-id", default=None, help="default: torchrun's run id (one per launch)")
     ap.add_argument("--host-dir", default="/dev/shm/torchmoe-ckpt")
     ap.add_argument("--window", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0, help="initialisation and data order (part of the run identity)")
     ap.add_argument(
         "--on-unusable-checkpoint",
         choices=("fail", "restart"),
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None):
     logging.getLogger("torchmoe_ckpt").setLevel(logging.INFO)  # windows committed, recovery: one line each
 
     rank, world = tmc.init_process_group()  # ckpt: dist.init_process_group that survives torchrun restarts
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)  # ckpt: the seed is part of the run identity (a relaunch with another is refused)
     cfg = MixtralConfig(
         vocab_size=128,
         hidden_size=32,
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
 
     def batch_for(step: int) -> torch.Tensor:  # the data position is the step: any rank, any attempt
-        g = torch.Generator().manual_seed(step * 1000 + rank)
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1000 + rank)
         return torch.randint(0, cfg.vocab_size, (2, 17), generator=g)
 
     def forward_backward(tokens: torch.Tensor) -> torch.Tensor:
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None):
         max_grad_norm=1.0,  # ckpt
         on_unusable_checkpoint=args.on_unusable_checkpoint,
     )  # ckpt
-    with tmc.Checkpointer(model, optimizer, forward_backward, scheduler, config) as ckpt:  # ckpt
+    data = f"synthetic tokens, seed {args.seed}"  # ckpt: names the data order (windows of other data are refused)
+    with tmc.Checkpointer(model, optimizer, forward_backward, scheduler, config, data_identity=data) as ckpt:  # ckpt
         for step in range(ckpt.resume() + 1, args.steps + 1):  # ckpt: resume() = last completed step
             # ckpt.step = forward_backward + clip_grad_norm_ + optimizer.step + scheduler.step + zero_grad
             losses[step] = ckpt.step(batch_for(step))  # ckpt

@@ -30,7 +30,7 @@ from .capture import SchedulerPosition, check_coverage, check_optimizer, check_o
 from .config import CheckpointConfig
 from .dcp.tiers import Tiers, build_tiers
 from .errors import ConfigError
-from .identity import build_identity
+from .identity import build_identity, process_seed
 from .operators import discover_operators
 from .recovery import ResumeResult, recover
 from .replay_log import Replay
@@ -73,11 +73,14 @@ class Checkpointer:
         config: CheckpointConfig | None = None,
         group: dist.ProcessGroup | None = None,
         data_identity: str | None = None,
+        seed: int | None | str = "auto",
     ):
         """`forward_backward(batch)` runs forward and `loss.backward()` and returns the loss; it must not
         step the optimizer or scheduler, clip, zero gradients or change state outside forward/backward.
-        `data_identity`: a string naming the data order (dataset, seed); part of the run identity, so windows
-        of a run on other data are never loaded."""
+        `data_identity`: a string naming the data order (dataset, sampler seed, shard); part of the run
+        identity, so windows of a run on other data are never loaded. `seed`: also part of it; "auto" (the
+        default) is the seed this process gave `torch.manual_seed` (none if it never seeded torch: a random
+        seed differs every restart), an int names it, None leaves it out."""
         self.config = config or CheckpointConfig()
         if not callable(forward_backward):
             raise ConfigError("forward_backward must be a function batch -> loss that also calls loss.backward()")
@@ -87,6 +90,9 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.forward_backward, self.group = forward_backward, group
         self.data_identity = data_identity
+        if seed != "auto" and seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ConfigError(f'seed must be "auto", an integer or None, got {seed!r}')
+        self.seed = process_seed() if seed == "auto" else seed  # now: a later RNG restore changes initial_seed
         self.compute_dtype = self.config.compute_dtype or infer_compute_dtype(model)
         self.ops = discover_operators(model, self.config.operators)
         self.op_by_name = {o.name: o for o in self.ops}
@@ -119,6 +125,7 @@ class Checkpointer:
             self.world,
             hsdp,
             data=self.data_identity,
+            seed=self.seed,
         )
         if self.config.tiers is not None:
             self.tiers = build_tiers(self.config.tiers, self.rank, self.world, hsdp)

@@ -109,7 +109,7 @@ def test_s3_without_credentials_is_one_line(moto):
     one_line_error(p.returncode, p.stderr, "authentication failed", "credentials")
 
 
-def _two_rank_run(root: Path, **run):
+def _two_rank_run(root: Path, run_id: str = "run", **run):
     """A run of 2 ranks (each a 1-process checkpointer writing as rank r of 2) with windows 0 and 1."""
     from torchmoe_ckpt.config import SparseConfig
     from torchmoe_ckpt.dcp.host_tier import HostTier
@@ -119,14 +119,14 @@ def _two_rank_run(root: Path, **run):
     for rank in (0, 1):
         t = Trainer(RunConfig(steps=6, **run))
         ck = SparseCheckpointer(
-            t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), host_tier=HostTier(root, "run", rank, 2)
+            t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), host_tier=HostTier(root, run_id, rank, 2)
         ).attach(t)
         for _ in range(7):
             ck.after_step(t.train_step())
         ck.tier_writer.flush()
         ck.engine.shutdown()
         ck.tier_writer.shutdown()
-    return root / "run"
+    return root / run_id
 
 
 def test_verify_fails_on_a_window_not_committed_by_every_rank(capsys, tmp_path, one_rank_group):
@@ -158,7 +158,23 @@ def test_verify_names_a_window_copied_in_from_another_run(capsys, tmp_path, one_
     shutil.copytree(other / "window-000001", run / "window-000001")
     rc, out, err = run_cli(capsys, "verify", str(run))
     assert rc == 1, (out, err)
-    assert "recovery refuses it" in err and "window 0: written by run" in err, err
+    # Same run id, one window each: nothing tells which is the run's own, so both are named, neither blamed.
+    assert "written by different runs" in err and "window(s) [0] by run 'run'" in err, err
+    assert "window(s) [1] by run 'run'" in err, err
+
+
+def test_verify_blames_the_window_of_another_run_id_not_the_runs_own(capsys, tmp_path, one_rank_group):
+    """The copied-in window is the newest one here; the directory's run id says which windows are the run's."""
+    import shutil
+
+    run = _two_rank_run(tmp_path / "a")
+    other = _two_rank_run(tmp_path / "b", run_id="other")
+    shutil.rmtree(run / "window-000001")
+    shutil.copytree(other / "window-000001", run / "window-000001")
+    rc, out, err = run_cli(capsys, "verify", str(run))
+    assert rc == 1, (out, err)
+    assert "window 1: written by run 'other'" in err and "recovery refuses it" in err, err
+    assert "window 0: written by" not in err, err
 
 
 def test_inspect_of_a_root_lists_each_run_separately(capsys, tmp_path, one_rank_group):
