@@ -34,12 +34,24 @@ def main(argv: list[str] | None = None):
         help="windows exist but every one is rejected (corrupt, replay diverged): refuse (default) or "
         "start over from step 0, overwriting them",
     )
+    ap.add_argument(
+        "--hang-timeout-s",
+        type=float,
+        default=tmc.CheckpointConfig.hang_timeout_s,
+        help="a rank blocked this long in a step (a frozen peer) ends its process, so torchrun restarts the job",
+    )
+    ap.add_argument(
+        "--hang-start-timeout-s",
+        type=float,
+        default=tmc.CheckpointConfig.hang_start_timeout_s,
+        help="the same for resume() and the first step after it",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(format="%(message)s")
     logging.getLogger("torchmoe_ckpt").setLevel(logging.INFO)  # windows committed, recovery: one line each
 
     rank, world = tmc.init_process_group()  # ckpt: dist.init_process_group that survives torchrun restarts
-    torch.manual_seed(args.seed)  # ckpt: the seed is part of the run identity (a relaunch with another is refused)
+    torch.manual_seed(args.seed)  # part of the run identity: a relaunch with another seed is refused
     cfg = MixtralConfig(
         vocab_size=128,
         hidden_size=32,
@@ -74,6 +86,8 @@ def main(argv: list[str] | None = None):
         window=tmc.SparseConfig(window=args.window),
         max_grad_norm=1.0,  # ckpt
         on_unusable_checkpoint=args.on_unusable_checkpoint,
+        hang_timeout_s=args.hang_timeout_s,
+        hang_start_timeout_s=args.hang_start_timeout_s,
     )  # ckpt
     data = f"synthetic tokens, seed {args.seed}"  # ckpt: names the data order (windows of other data are refused)
     with tmc.Checkpointer(model, optimizer, forward_backward, scheduler, config, data_identity=data) as ckpt:  # ckpt

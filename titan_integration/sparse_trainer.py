@@ -33,6 +33,7 @@ Test/diagnostic environment variables (off by default: ``TORCHMOE_FAULT``, ``TOR
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -378,42 +379,46 @@ class SparseTrainer(Trainer):
                 self._watchdog = CollectiveWatchdog(timeout_s=float(sc.fault_timeout_s))
             except ImportError:  # pragma: no cover - older core without the watchdog
                 logger.warning("fault_timeout_s set but torchmoe_ckpt.watchdog is not available; ignored")
-        tier, replicator, store = self._build_tiers()
-        if self.parallel_dims.pp_enabled:
-            self._pp = TitanPipeline(self)
-            if self._watchdog is not None:  # a peer's death is the pipeline's business (live state, then exit);
-                self._watchdog.exit_on_dist_error = False  # the watchdog still ends a rank stuck in a hang
-            first_window = self._pp.recover(tier, self._attempt)
-            self.recovery_report = self._pp.report
-            # Plans over this stage's operators; retention and bandwidth agreed over the whole pipeline.
-            self.sparse = SparseCheckpointer(
-                self.model,
-                OptimizerView(self.optimizers),
-                self.compute_dtype,
-                sc.core_config(),
-                group=self._pp.stage_group,
-                host_tier=tier,
-                first_window_id=first_window,
-                agree_group=None,
-            ).attach(self)
-            if self._pp.completed:
-                self.checkpointer.restored_step = self._pp.completed
-        else:
-            identity = self._identity()
-            committed = self._recover(tier, replicator, store, identity)
-            self.sparse = SparseCheckpointer(
-                self.model,
-                OptimizerView(self.optimizers),
-                self.compute_dtype,
-                sc.core_config(),
-                committed=committed,
-                host_tier=tier,
-                replicator=replicator,
-                store=store,
-                identity=identity,
-            ).attach(self)
-            if committed is not None:  # newer than any TorchTitan checkpoint: its load is skipped
-                self.checkpointer.restored_step = self.recovery_report["recovered_step"]
+        # Recovery issues collectives too (the run lock, the window agreement, peer pulls, the replay): a peer
+        # frozen there ends the attempt like one frozen in a training step.
+        watched = self._watchdog.watch("recovery") if self._watchdog is not None else contextlib.nullcontext()
+        with watched:
+            tier, replicator, store = self._build_tiers()
+            if self.parallel_dims.pp_enabled:
+                self._pp = TitanPipeline(self)
+                if self._watchdog is not None:  # a peer's death is the pipeline's business (live state, then exit);
+                    self._watchdog.exit_on_dist_error = False  # the watchdog still ends a rank stuck in a hang
+                first_window = self._pp.recover(tier, self._attempt)
+                self.recovery_report = self._pp.report
+                # Plans over this stage's operators; retention and bandwidth agreed over the whole pipeline.
+                self.sparse = SparseCheckpointer(
+                    self.model,
+                    OptimizerView(self.optimizers),
+                    self.compute_dtype,
+                    sc.core_config(),
+                    group=self._pp.stage_group,
+                    host_tier=tier,
+                    first_window_id=first_window,
+                    agree_group=None,
+                ).attach(self)
+                if self._pp.completed:
+                    self.checkpointer.restored_step = self._pp.completed
+            else:
+                identity = self._identity()
+                committed = self._recover(tier, replicator, store, identity)
+                self.sparse = SparseCheckpointer(
+                    self.model,
+                    OptimizerView(self.optimizers),
+                    self.compute_dtype,
+                    sc.core_config(),
+                    committed=committed,
+                    host_tier=tier,
+                    replicator=replicator,
+                    store=store,
+                    identity=identity,
+                ).attach(self)
+                if committed is not None:  # newer than any TorchTitan checkpoint: its load is skipped
+                    self.checkpointer.restored_step = self.recovery_report["recovered_step"]
         restart_timing.mark("recovered")
         try:
             super().train()

@@ -38,6 +38,7 @@ from .routing import RouterCounter
 from .sparse_checkpointer import SparseCheckpointer
 from .sparse_to_dense import ReplayDivergence, init_optimizer_state
 from .status import log_recovery
+from .watchdog import CollectiveWatchdog
 
 log = logging.getLogger("torchmoe_ckpt.checkpointer")
 
@@ -107,6 +108,10 @@ class Checkpointer:
         self.resumed: ResumeResult | None = None
         self._checked_state = False
         self._closed = False
+        # Hangs end the process (exit 124) instead of waiting out the process group's timeout; only with peers.
+        on = self.world > 1 and self.config.hang_timeout_s is not None
+        self.watchdog = CollectiveWatchdog(self.config.hang_timeout_s if on else None, rank=self.rank)
+        self._start_timeout_s = self.config.hang_start_timeout_s or self.config.hang_timeout_s
 
     # ---- public --------------------------------------------------------------------------------------
     def resume(self) -> int:
@@ -114,6 +119,10 @@ class Checkpointer:
         state, replayed) and returns the number of completed iterations to continue after (0: a new run)."""
         if self.sparse is not None:
             raise RuntimeError("resume() was already called: call it once, before the first step()")
+        with self.watchdog.watch("resume", self._start_timeout_s):  # a peer frozen in recovery ends it too
+            return self._resume()
+
+    def _resume(self) -> int:
         window, hsdp = None, _hsdp_replicate(self.model)
         # Who this run is (identity.py): written into every window, and what a window must match to be loaded.
         self.identity = build_identity(
@@ -166,11 +175,13 @@ class Checkpointer:
             )
         if self._closed:
             raise RuntimeError("step() after close(): the checkpointer's threads are stopped")
-        res = self._iteration(batch, None)
-        if not self._checked_state:
-            check_optimizer_state(self.optimizer)
-            self._checked_state = True
-        self.sparse.after_step(res)
+        first = not self._checked_state
+        with self.watchdog.watch(f"step {self.step_count + 1}", self._start_timeout_s if first else None):
+            res = self._iteration(batch, None)
+            if first:
+                check_optimizer_state(self.optimizer)
+                self._checked_state = True
+            self.sparse.after_step(res)
         return res.loss
 
     def stats(self) -> dict:
@@ -185,19 +196,22 @@ class Checkpointer:
         sp = self.sparse
         if sp is None or self._closed:
             self.routers.close()
+            self.watchdog.close()
             return
         self._closed = True
         store_cfg = self.config.tiers.object_store if self.config.tiers is not None else None
         if upload_timeout_s is None:
             upload_timeout_s = store_cfg.exit_wait_s if store_cfg is not None else 30.0
         try:
-            sp.close()
-            if sp.tier_writer is not None:
-                sp.tier_writer.finish(upload_timeout_s)
-                sp.tier_writer.shutdown()
+            with self.watchdog.watch("close", (self._start_timeout_s or 0) + upload_timeout_s):
+                sp.close()
+                if sp.tier_writer is not None:
+                    sp.tier_writer.finish(upload_timeout_s)
+                    sp.tier_writer.shutdown()
         finally:
             sp.engine.shutdown()
             self.routers.close()
+            self.watchdog.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -16,6 +16,7 @@ from .dcp.object_tier import check_uri
 from .dcp.store_errors import StoreConfigError
 from .errors import ConfigError
 from .operators import OperatorSpec
+from .watchdog import check_timeout
 
 __all__ = ["ConfigError", "SparseConfig", "ObjectStoreConfig", "TierConfig", "CheckpointConfig", "DEFAULT_HOST_ROOT"]
 
@@ -172,6 +173,14 @@ class CheckpointConfig:
     on_unusable_checkpoint: str = "fail"  # windows exist but every one is rejected (corrupt, torn, replay
     # diverged): "fail" raises UnusableCheckpointError on every rank, nothing
     # touched; "restart" starts from step 0 and overwrites them
+    # The hang watchdog (watchdog.py), on whenever there is more than one rank: a step (`Checkpointer.step`: the
+    # step function, clipping, the checkpoint's collectives) that blocks longer than this ends the process with
+    # exit 124 and one `event=hang` line, so torchrun restarts the job instead of waiting out the process
+    # group's timeout for a frozen peer. None: off. Keep it below that timeout and above the slowest step.
+    hang_timeout_s: float | None = 100.0
+    # The bound for resume() (tiers, agreement, fetch, replay) and the first step after it (compilation,
+    # warm-up), which may take longer; and, plus the upload wait, for close(). None: hang_timeout_s.
+    hang_start_timeout_s: float | None = 300.0
 
     def __post_init__(self):
         if self.on_unusable_checkpoint not in UNUSABLE_POLICIES:
@@ -198,6 +207,8 @@ class CheckpointConfig:
             raise ConfigError(f"router_top_k must be >= 1 or None, got {self.router_top_k}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm}")
+        check_timeout("hang_timeout_s", self.hang_timeout_s, ConfigError)
+        check_timeout("hang_start_timeout_s", self.hang_start_timeout_s, ConfigError)
 
 
 def _whole(name: str, value, none_ok: bool = False) -> None:
