@@ -7,6 +7,7 @@ writability of a directory are checked when the tiers are built (`Checkpointer.r
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -51,8 +52,16 @@ class SparseConfig:
                 )
         if self.window is not None and self.window < 1:
             raise ConfigError(f"window must be >= 1 or None (auto), got {self.window}")
-        if not 0 < self.overlap:
-            raise ConfigError(f"overlap must be > 0, got {self.overlap}")
+        if not 0 < self.overlap < math.inf:
+            raise ConfigError(f"overlap must be a finite number > 0 (share of an iteration), got {self.overlap}")
+        if self.bandwidth_bytes_per_s is not None and not 0 < self.bandwidth_bytes_per_s < math.inf:
+            raise ConfigError(
+                "bandwidth_bytes_per_s must be a finite number > 0 or None (measured), got "
+                f"{self.bandwidth_bytes_per_s}"
+            )
+        for name in ("decay", "reorder_change", "reorder_fraction"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"SparseConfig.{name} must be in [0, 1], got {getattr(self, name)}")
         if self.popularity not in ("hard", "soft", "decayed", "capacity"):
             raise ConfigError(f"popularity {self.popularity!r} is not one of hard, soft, decayed, capacity")
 
@@ -80,9 +89,13 @@ class ObjectStoreConfig:
             raise ConfigError(f"object_store.keep must be >= 1 (windows kept in the store), got {self.keep}")
         if self.format not in STORE_FORMATS:
             raise ConfigError(f"object_store.format {self.format!r} is not one of {STORE_FORMATS}")
-        if isinstance(self.exit_wait_s, bool) or not isinstance(self.exit_wait_s, (int, float)) or self.exit_wait_s < 0:
+        if (
+            isinstance(self.exit_wait_s, bool)
+            or not isinstance(self.exit_wait_s, (int, float))
+            or not 0 <= self.exit_wait_s < math.inf
+        ):
             raise ConfigError(
-                f"object_store.exit_wait_s must be a number of seconds >= 0 (the bounded wait for "
+                f"object_store.exit_wait_s must be a finite number of seconds >= 0 (the bounded wait for "
                 f"pending uploads at exit), got {self.exit_wait_s!r}"
             )
         if not isinstance(self.storage_options, dict):
@@ -123,7 +136,9 @@ class TierConfig:
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ConfigError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
         if self.stall_iterations is not None and (
-            not isinstance(self.stall_iterations, int) or self.stall_iterations < 1
+            isinstance(self.stall_iterations, bool)
+            or not isinstance(self.stall_iterations, int)
+            or self.stall_iterations < 1
         ):
             raise ConfigError(
                 f"stall_iterations must be an integer >= 1 (iterations without a durable window "
@@ -169,7 +184,7 @@ class CheckpointConfig:
     operators: OperatorSpec | None = None
     router_top_k: int | None = None  # experts per token, for popularity counts when the router returns only
     # logits and the model config does not say it
-    compute_dtype: Any = None  # torch.dtype
+    compute_dtype: Any = None  # torch.dtype (floating point) or a name ("bf16", "float32"); None: from the model
     on_unusable_checkpoint: str = "fail"  # windows exist but every one is rejected (corrupt, torn, replay
     # diverged): "fail" raises UnusableCheckpointError on every rank, nothing
     # touched; "restart" starts from step 0 and overwrites them
@@ -205,10 +220,50 @@ class CheckpointConfig:
             raise ConfigError(f"max_grad_norm must be a number > 0 or None (no clipping), got {self.max_grad_norm!r}")
         if self.router_top_k is not None and self.router_top_k < 1:
             raise ConfigError(f"router_top_k must be >= 1 or None, got {self.router_top_k}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm}")
+        if self.max_grad_norm is not None and not 0 < self.max_grad_norm < math.inf:
+            raise ConfigError(
+                f"max_grad_norm must be a finite number > 0 or None (no clipping), got {self.max_grad_norm}"
+            )
+        self.compute_dtype = compute_dtype_of(self.compute_dtype)
         check_timeout("hang_timeout_s", self.hang_timeout_s, ConfigError)
         check_timeout("hang_start_timeout_s", self.hang_start_timeout_s, ConfigError)
+
+
+# What compute_dtype may be given as besides a torch.dtype: the names job files and command lines use.
+DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "float64": "float64",
+}
+
+
+def compute_dtype_of(value):
+    """CheckpointConfig.compute_dtype as a torch dtype: a floating-point torch.dtype, one of DTYPE_NAMES ("bf16",
+    "torch.bfloat16" too), or None (inferred from the model)."""
+    import torch
+
+    if value is None:
+        return None
+    if isinstance(value, str):
+        name = DTYPE_NAMES.get(value.lower().removeprefix("torch."))
+        if name is None:
+            raise ConfigError(
+                f"compute_dtype {value!r} is not a dtype name: use one of {sorted(DTYPE_NAMES)} or a torch.dtype"
+            )
+        value = getattr(torch, name)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ConfigError(
+            f"compute_dtype must be a floating-point dtype (torch.bfloat16, torch.float16, torch.float32 or a name "
+            f"such as 'bf16'), or None (inferred from the model), got {value!r}"
+        )
+    return value
 
 
 def _whole(name: str, value, none_ok: bool = False) -> None:

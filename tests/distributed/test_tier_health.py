@@ -121,7 +121,32 @@ def test_stall_policy_warn_trains_on_and_says_it_once(tmpfs, one_rank_group, cap
     ck.tier_writer.shutdown()
 
 
-@pytest.mark.parametrize("bad", [{"stall_iterations": 0}, {"stall_iterations": -3}, {"on_stall": "ignore"}])
+def test_exit_line_names_the_durable_window_when_this_attempt_committed_none(tmpfs, one_rank_group, caplog):
+    """An attempt whose every host write fails (ENOSPC) must not say "nothing a restart could resume from"
+    while an earlier attempt's window is committed on the same host tier: the exit line names it."""
+    t, ck, tier = _checkpointer(tmpfs)
+    _steps(t, ck, 7)  # the first attempt: windows 0 and 1 commit while there is space
+    ck.tier_writer.flush()
+    ck.engine.shutdown()
+    ck.tier_writer.shutdown()
+    caplog.set_level(logging.WARNING)
+    t2, ck2, _ = _checkpointer(tmpfs)  # the next attempt (it takes the run lock while there is space)
+    ck2._next_id = 2  # windows after the existing ones, as after a recovery
+    filler = _fill(tmpfs)  # then the tier is full: none of its windows can commit
+    _steps(t2, ck2, 7)
+    summ = ck2.tier_writer.finish(0.0)
+    os.unlink(filler)
+    ck2.engine.shutdown()
+    ck2.tier_writer.shutdown()
+    assert summ["windows_committed"] == 0 and summ["durable_on_host"] == [0, 1], summ
+    said = [r.getMessage() for r in caplog.records if "exit:" in r.getMessage()]
+    assert len(said) == 1 and "window 1 (committed earlier) is the newest" in said[0], said
+    assert "nothing a restart could resume from" not in said[0] and "a restart resumes from it" in said[0], said
+
+
+@pytest.mark.parametrize(
+    "bad", [{"stall_iterations": 0}, {"stall_iterations": -3}, {"stall_iterations": True}, {"on_stall": "ignore"}]
+)
 def test_stall_policy_is_validated(bad):
     with pytest.raises(ConfigError, match="stall_iterations|on_stall"):
         TierConfig(run_id="r", **bad)
