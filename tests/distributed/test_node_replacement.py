@@ -114,6 +114,8 @@ def test_rank0_host_lost_on_the_shared_store_recovers_from_the_store(tmp_path, r
     store = f"file://{tmp_path / 'store'}"
     run = replace_host(tmp_path, 0, replicas=0, store=store, env={}, summary=(fault_summary, CASES[2]))
     assert run.report["recoveries"][0].get("source") == "object store", run.report["recoveries"]
+    # multi-host without torch's opt-out: rank 0 says once per attempt what torch cannot do here
+    assert "event=rendezvous_note" in run.log and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in run.log
     exact(run, reference, fault_summary, CASES[2])
 
 
