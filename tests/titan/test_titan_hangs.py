@@ -17,21 +17,15 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from test_titan_restarts import STEPS, WINDOW, _reference  # noqa: E402  (its fault-free run, shared)
+# Its fault-free run (shared, computed once per session) and its `env` fixture.
+from test_titan_restarts import STEPS, WINDOW, _reference, env  # noqa: E402, F401
 
 from titan_integration import recovery_demo  # noqa: E402
 
 FAULTS = "freeze:point=forward:rank=1:step=4:attempt=0;freeze:point=recovery:rank=1:step=1:attempt=1"
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict[str, str]:
-    e = recovery_demo.child_env()
-    e["TORCHMOE_TITAN_ASSETS"] = str(tmp_path_factory.mktemp("titan-assets"))
-    return e
-
-
-def test_frozen_rank_in_training_and_in_recovery_ends_the_attempt(tmp_path, tmp_path_factory, env, fault_summary):
+def test_frozen_rank_in_training_and_in_recovery_ends_the_attempt(tmp_path, tmp_path_factory, env, fault_summary):  # noqa: F811
     reference = _reference(tmp_path_factory, env)
     d = tmp_path / "run"
     job = recovery_demo.write_job(d, steps=STEPS, window=WINDOW, host_dir=d / "host", fault_timeout_s=5)
