@@ -10,8 +10,9 @@ killed rank comes back with empty shared memory and reads its slots from its pee
     .venv/bin/torchrun --nproc_per_node 2 --max-restarts 1 examples/dcp_user.py --steps 12 --kill-at 9 \
         --tier peer --wipe-host --host /dev/shm/dcp-user --store file:///tmp/dcp-user-store
 
-The model and its deterministic iteration come from the test harness (FSDP2, or HSDP with --hsdp 2); any
-loop that keeps a replay record per iteration (batch, gradient norm, LR, RNG state, loss) works the same.
+The model and its deterministic iteration come from the test harness (FSDP2, or HSDP with --hsdp 2; on the GPUs
+with NCCL when CUDA is there, batches on the model's device); any loop that keeps a replay record per iteration
+(batch, gradient norm, LR, RNG state, loss) works the same.
 `--kill-at N`: rank 1 SIGKILLs itself in iteration N (first attempt only); torchrun restarts every rank,
 they agree on the newest window every rank can read and convert it to dense, then training goes on.
 """
@@ -66,39 +67,25 @@ def tier_reader(args, path: str) -> dcp.StorageReader:
 
 
 def newest_window(args, schedule: tmc.SparseSchedule) -> int | None:
-    """The newest window whose every slot is committed on some tier of this rank, agreed by all ranks."""
-    if args.tier == "peer":  # complete when, for every slot, some node holds each rank's copy
+    """The newest window every rank committed (its manifest is written with the window's last slot) on some tier
+    it reads, agreed by all ranks."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    if args.tier == "peer":  # complete when some node holds each rank's committed copy
         held = {
-            (s, src)
-            for s in range(1, args.steps + 1)
-            for src in tmc.held_copies(f"{node_dir(args)}/{schedule.slot_name(s)}")
-        }
-        every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, held)
-        union, ws = set().union(*every), dist.get_world_size()
-        ok = [
-            w
+            (w, src)
             for w in range(args.steps // schedule.window + 1)
-            if all(
-                (s, r) in union
-                for s in range(
-                    schedule.first_step + w * schedule.window, schedule.first_step + (w + 1) * schedule.window
-                )
-                for r in range(ws)
+            for src in tmc.held_copies(
+                f"{node_dir(args)}/{schedule.slot_name(schedule.first_step + w * schedule.window)}"
             )
-        ]
+        }
+        every: list = [None] * ws
+        dist.all_gather_object(every, held)
+        union = set().union(*every)
+        ok = [w for w in range(args.steps // schedule.window + 1) if all((w, r) in union for r in range(ws))]
         return max(ok) if ok else None
-
-    def complete(w: int) -> bool:
-        start = schedule.first_step + w * schedule.window
-        bases = {"host": [args.host], "store": [args.store], "tiered": [args.host, args.store]}[args.tier]
-        return all(
-            any(tmc.has_checkpoint(f"{b}/{schedule.slot_name(s)}") for b in bases)
-            for s in range(start, start + schedule.window)
-        )
-
-    mine = {w for w in range(args.steps // schedule.window + 1) if complete(w)}
-    every: list = [None] * dist.get_world_size()
+    bases = {"host": [args.host], "store": [args.store], "tiered": [args.host, args.store]}[args.tier]
+    mine = set().union(*(tmc.committed_windows(b, rank=rank) for b in bases))
+    every = [None] * ws
     dist.all_gather_object(every, mine)
     common = set.intersection(*every)
     return max(common) if common else None
@@ -121,10 +108,12 @@ def main() -> None:
     ap.add_argument("--stop-at", type=int, default=0, help="exit cleanly after this iteration (a stopped job)")
     ap.add_argument("--resume", action="store_true", help="recover from the tiers before training")
     ap.add_argument("--out", default="")
+    ap.add_argument("--optimizer", default="adamw", help="torchmoe_harness.optimizers.KINDS, e.g. muon-adamw, sgd")
     args = ap.parse_args()
     rank, _ = tmc.init_process_group()
-    trainer = Trainer(RunConfig(steps=args.steps, dtype="bf16", hsdp=args.hsdp))
-    schedule = tmc.SparseSchedule(trainer.model, args.window, trainer.compute_dtype)  # collective
+    trainer = Trainer(RunConfig(steps=args.steps, dtype="bf16", hsdp=args.hsdp, optimizer_kind=args.optimizer))
+    # collective; slots hold the optimizer state as it is (any keys and dtypes; several optimizers at once)
+    schedule = tmc.SparseSchedule(trainer.model, args.window, trainer.compute_dtype, optimizer=trainer.optimizer)
     # r=1 copy of each rank's slot on another failure domain, HSDP replicas first
     placement = tmc.place_replicas(tmc.Topology.from_mesh_shape(dist.get_world_size(), args.hsdp, 1), r=1)
     losses: dict[int, torch.Tensor] = {}
@@ -176,8 +165,20 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # a real crash in the middle of the run
         res = trainer.train_step()
         losses[step] = res.loss
-        record = tmc.IterationRecord(res.step, res.tokens, res.grad_norm, res.lr, res.loss, res.rng_state)
-        model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+        # What replay needs: the batch, gradient norm, every param group's LR and hyper-parameters (of every
+        # optimizer), the loss, and the RNG state (CPU and, on a GPU, the GPU's).
+        record = tmc.IterationRecord(
+            res.step,
+            res.tokens,
+            res.grad_norm,
+            res.lr,
+            res.loss,
+            res.rng_state,
+            lrs=res.lrs,
+            hyper=res.hyper,
+            device_rng=res.device_rng,
+        )
+        model_sd, optim_sd = get_state_dict(trainer.model, tmc.optimizer_list(trainer.optimizer))
         # The only change a DCP user makes: our planner (this iteration's slot) and our storage writer.
         dcp.save(
             {"model": model_sd, "optim": optim_sd},
@@ -191,7 +192,8 @@ def main() -> None:
             break
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        torch.save({"state": trainer.export_state(), "losses": losses}, Path(args.out) / f"rank{rank}.pt")
+        host_losses = {s: loss.detach().cpu() for s, loss in losses.items()}
+        torch.save({"state": trainer.export_state(), "losses": host_losses}, Path(args.out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -4,7 +4,8 @@
 
 Kill any rank with `kill -9` while it trains: torchrun restarts the workers, `ckpt.resume()` rebuilds the
 exact state of the last committed window from host memory and training goes on as if nothing happened.
-The lines marked `# ckpt` are all the checkpointing code; the rest is a plain loop.
+The lines marked `# ckpt` are all the checkpointing code; the rest is a plain loop. With CUDA each rank trains
+on its GPU (NCCL); `--replay-check exact` then needs deterministic kernels (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from transformers import MixtralConfig, MixtralForCausalLM
 import torchmoe_ckpt as tmc  # ckpt
 
 
-def main(argv: list[str] | None = None):
+def main(argv: list[str] | None = None, mesh=None):
+    """`mesh`: the DeviceMesh FSDP2 shards over (default: every rank, on this process's device)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--run-id", default=None, help="default: torchrun's run id (one per launch)")
@@ -46,11 +48,18 @@ def main(argv: list[str] | None = None):
         default=tmc.CheckpointConfig.hang_start_timeout_s,
         help="the same for resume() and the first step after it",
     )
+    ap.add_argument(
+        "--replay-check",
+        choices=("exact", "tolerant"),
+        default="exact",
+        help="recovery's replay: bit for bit (CUDA: deterministic kernels needed) or within a bound (approximate)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(format="%(message)s")
     logging.getLogger("torchmoe_ckpt").setLevel(logging.INFO)  # windows committed, recovery: one line each
 
     rank, world = tmc.init_process_group()  # ckpt: dist.init_process_group that survives torchrun restarts
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(args.seed)  # part of the run identity: a relaunch with another seed is refused
     cfg = MixtralConfig(
         vocab_size=128,
@@ -63,16 +72,16 @@ def main(argv: list[str] | None = None):
         num_experts_per_tok=2,
         max_position_embeddings=64,
     )
-    model = MixtralForCausalLM(cfg)
+    model = MixtralForCausalLM(cfg).to(device)  # initialised on the CPU: the same weights on any device
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
 
     def batch_for(step: int) -> torch.Tensor:  # the data position is the step: any rank, any attempt
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1000 + rank)
-        return torch.randint(0, cfg.vocab_size, (2, 17), generator=g)
+        return torch.randint(0, cfg.vocab_size, (2, 17), generator=g).to(device)
 
     def forward_backward(tokens: torch.Tensor) -> torch.Tensor:
         logits = model(tokens[:, :-1]).logits
@@ -88,6 +97,7 @@ def main(argv: list[str] | None = None):
         on_unusable_checkpoint=args.on_unusable_checkpoint,
         hang_timeout_s=args.hang_timeout_s,
         hang_start_timeout_s=args.hang_start_timeout_s,
+        replay_check=args.replay_check,
     )  # ckpt
     data = f"synthetic tokens, seed {args.seed}"  # ckpt: names the data order (windows of other data are refused)
     with tmc.Checkpointer(model, optimizer, forward_backward, scheduler, config, data_identity=data) as ckpt:  # ckpt

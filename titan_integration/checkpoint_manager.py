@@ -122,4 +122,4 @@ class SparseCheckpointManager(CheckpointManager):
         return self.export_parts[0]
 
     def _optimizer(self):
-        return self.export_optimizers.optimizers[0]
+        return self.export_optimizers  # every inner optimizer (DistMuon's and AdamW's): one flat FQN-keyed dict

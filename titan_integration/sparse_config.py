@@ -19,6 +19,10 @@
     pipeline_log_max_bytes = 0 # with pipeline parallelism: bound on each stage's boundary log (0 = none)
     on_unusable_checkpoint = "fail" # windows exist but every one is rejected (corrupt, torn, replay diverged):
                                # "fail" = refuse with the reasons (exit 2), "restart" = start over from step 0
+    replay_check = "exact"     # recovery's replay: "exact" = bit for bit (on GPUs needs deterministic kernels:
+                               # torch.use_deterministic_algorithms + CUBLAS_WORKSPACE_CONFIG, checked at start);
+                               # "tolerant" = within replay_tolerance, reported as approximate
+    replay_tolerance = 1e-3    # tolerant: largest relative deviation of a replayed loss / gradient norm accepted
 
 Everything is checked before training starts; a bad value raises :class:`JobConfigError` whose message is
 one line ``... ; fix: ...`` (the launcher prints it as ``error: <message>`` and exits with status 2).
@@ -66,6 +70,8 @@ class SparseCheckpointSection:
     dense_export_keep: int = 2
     pipeline_log_max_bytes: int = 0  # bound on each pipeline stage's boundary log (0: unbounded)
     on_unusable_checkpoint: str = "fail"  # torchmoe_ckpt.CheckpointConfig.on_unusable_checkpoint: "fail" | "restart"
+    replay_check: str = "exact"  # torchmoe_ckpt.CheckpointConfig.replay_check: "exact" | "tolerant"
+    replay_tolerance: float = 1e-3  # torchmoe_ckpt.CheckpointConfig.replay_tolerance (replay_check.DEFAULT_TOLERANCE)
 
     # ---- construction from a TOML table ------------------------------------------------------------
     @classmethod
@@ -114,7 +120,7 @@ class SparseCheckpointSection:
         ):
             raise bad("persist_interval", "must be an integer >= 1", "persist_interval = 1")
         if self.persist_interval != 1:
-            # The core's TierWriter persists every committed window; skipping windows needs a core change.
+            # The core's PersistThread persists every committed window; skipping windows needs a core change.
             raise bad("persist_interval", "only 1 (persist every window) is supported so far", "persist_interval = 1")
         if self.ordering not in ORDERINGS:
             raise bad("ordering", "unknown ordering", f"use one of {', '.join(ORDERINGS)}")
@@ -156,6 +162,16 @@ class SparseCheckpointSection:
                 'on_unusable_checkpoint = "fail" (refuse when every window is rejected) or "restart" '
                 "(start over from step 0, overwriting them)",
             )
+        if self.replay_check not in ("exact", "tolerant"):
+            raise bad(
+                "replay_check",
+                'must be "exact" or "tolerant"',
+                'replay_check = "exact" (bit for bit; GPUs need deterministic kernels) or "tolerant" (within '
+                "replay_tolerance, reported as approximate)",
+            )
+        t = self.replay_tolerance
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1:
+            raise bad("replay_tolerance", "must be a relative bound in (0, 1)", "replay_tolerance = 1e-3")
         if self.object_store_format not in STORE_FORMATS:
             raise bad("object_store_format", "unknown format", f"use one of {', '.join(STORE_FORMATS)}")
         if self.object_store_format != "dcp" and not self.object_store_uri:
@@ -200,7 +216,7 @@ class SparseCheckpointSection:
                 f"{key}: the tensorstore package is not installed; fix: pip install "
                 "'torchmoe-ckpt[tensorstore]' or object_store_format = \"dcp\""
             )
-        from torchmoe_ckpt.dcp.tensorstore_format import NoTensorstoreDriver, kvstore_spec
+        from torchmoe_ckpt.storage.tensorstore_tier import NoTensorstoreDriver, kvstore_spec
 
         try:
             kvstore_spec(self.object_store_uri)  # no storage options: nothing but the scheme is looked at
@@ -210,7 +226,7 @@ class SparseCheckpointSection:
     def check_store(self, probe: bool = True) -> None:
         """Open (and by default probe-write) the object store and the dense-export location once; raises
         JobConfigError naming the fix. Both use ``storage_options``."""
-        from torchmoe_ckpt.dcp.object_tier import StoreConfigError, open_store
+        from torchmoe_ckpt.storage.store_open import StoreConfigError, open_store
 
         for key in ("object_store_uri", "dense_export_uri"):
             uri = getattr(self, key)
@@ -235,6 +251,12 @@ class SparseCheckpointSection:
 
         return SparseConfig(window=None if self.window == "auto" else int(self.window), popularity=self.ordering)
 
+    def replay_policy(self):
+        """How recovery checks each replayed iteration (torchmoe_ckpt.replay_check.ReplayPolicy)."""
+        from torchmoe_ckpt.replay_check import ReplayPolicy
+
+        return ReplayPolicy(self.replay_check, float(self.replay_tolerance))
+
     def resolved_run_id(self) -> str:
         """The run id windows are kept under: the job file's, else torchrun's (the same in every restart of
         one launch, new for every launch), so two jobs never share a default."""
@@ -249,7 +271,7 @@ class SparseCheckpointSection:
         return rid
 
     def tiers_config(self, ranks_per_node: int | None = None) -> dict:
-        """The dict torchmoe_ckpt.dcp.tiers.build_tiers takes."""
+        """The dict torchmoe_ckpt.storage.tiers.build_tiers takes."""
         cfg: dict[str, Any] = {"root": self.host_dir, "run_id": self.resolved_run_id(), "replicas": self.replicas}
         if ranks_per_node:
             cfg["ranks_per_node"] = ranks_per_node

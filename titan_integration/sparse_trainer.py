@@ -9,10 +9,12 @@ With ``enable = false`` it trains exactly like the stock Trainer. With ``enable 
 * every iteration runs :meth:`SparseTrainer.sparse_step` -- TorchTitan's own ``train_step`` body (same
   batch fetch, global token count, ``forward_backward_step``, ``dist_utils.clip_grad_norm_``, optimizer and
   LR-scheduler step, metric logging) with four additions:
-  - the batch (``input`` + ``labels``), the CPU RNG state, this rank's loss, the global grad norm and the
-    LR are kept for exact replay;
-  - the MoE layers' ``tokens_per_expert_E`` are read (and summed over all ranks) after backward, *before*
-    TorchTitan's bias-update optimizer pre-hook zeroes them: that is the expert-popularity signal;
+  - the batch (``input`` + ``labels``), the RNG state (CPU and GPU generators: torchmoe_ckpt.rng), this rank's
+    loss, the global grad norm and the LR are kept for exact replay (loss and norm stay on the device; the
+    checkpointer copies them to host memory without waiting);
+  - the MoE layers' ``tokens_per_expert_E`` are cloned on the device after backward, *before* TorchTitan's
+    bias-update optimizer pre-hook zeroes them: that is the expert-popularity signal (the checkpointer sums it
+    over the ranks on its own gloo group at window starts, not per iteration and not on the NCCL group);
   - ``before_update`` hooks (the SparseCheckpointer's wait for the in-flight slot copy) run after clipping
     and before ``optimizers.step()``, i.e. before the expert-bias update and the weight update;
   - ``SparseCheckpointer.after_step`` runs right after the optimizer and LR-scheduler step.
@@ -53,24 +55,28 @@ from torchtitan.trainer import Trainer
 from titan_integration import pipeline_compat, restart_timing
 from titan_integration.checkpoint_manager import SparseCheckpointManager
 from titan_integration.sparse_config import SparseCheckpointSection
+from titan_integration.titan_optimizers import init_titan_optimizer_state, register_titan_optimizers
 from titan_integration.titan_pipeline_recovery import TitanPipeline
 from titan_integration.titan_replay import OptimizerView, TitanReplayable, TitanStepResult, pack_batches, unpack_batches
 from titan_integration.titan_state_export import state_tensors, write_export
-from torchmoe_ckpt import faults
+from torchmoe_ckpt import faults, rng
 from torchmoe_ckpt.capture import position_lambda_lr
-from torchmoe_ckpt.dcp.tiers import Tiers, build_tiers
 from torchmoe_ckpt.distributed import key_rendezvous_by_attempt
 from torchmoe_ckpt.identity import build_identity
 from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.recovery import recover
+from torchmoe_ckpt.replay_check import check_replay_check
+from torchmoe_ckpt.replay_log import group_hyper
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.sparse_to_dense import ReplayDivergence
 from torchmoe_ckpt.status import log_recovery
+from torchmoe_ckpt.storage.tiers import Tiers, build_tiers
 
 __all__ = ["SparseTrainer", "TitanReplayable", "TitanStepResult"]
 
 log = logging.getLogger("torchmoe_ckpt.titan")
 pipeline_compat.install()  # also on the --override.imports path, which does not go through our launcher
+register_titan_optimizers()  # DistMuon's update rule (per matrix), for the core's replay checks
 IGNORE_INDEX = -100
 
 
@@ -167,20 +173,17 @@ class SparseTrainer(Trainer):
         return out
 
     def _expert_counts(self) -> torch.Tensor:
-        """Routed-token counts [layers, experts] of this iteration, summed over every rank (identical
-        everywhere). Read before TorchTitan's bias-update pre-hook zeroes them."""
+        """This rank's routed-token counts [layers, experts] of this iteration, where the model keeps them (no copy
+        to the host, no collective: the SparseCheckpointer sums them at the next window start). Read before
+        TorchTitan's bias-update pre-hook zeroes them."""
         rows = []
         for moe in self._moe_modules():
             t = moe.tokens_per_expert_E
             t = t.to_local() if hasattr(t, "to_local") else t
-            rows.append(t.detach().to(torch.float64).clone())
+            rows.append(t.detach().to(torch.float64, copy=True))  # the pre-hook zeroes the buffer in place
         if not rows:
             return torch.zeros(1, 1, dtype=torch.float64)
-        counts = torch.stack(rows)
-        # Every rank holding these layers sees other tokens: sum over them (under PP, stages hold other layers).
-        if torch.distributed.is_initialized() and not self.parallel_dims.pp_enabled:
-            torch.distributed.all_reduce(counts)
-        return counts
+        return torch.stack(rows)
 
     def set_lr_step(self, step: int) -> None:
         """Position every LambdaLR at `step` completed iterations (what `step` scheduler.step() calls give)."""
@@ -229,15 +232,15 @@ class SparseTrainer(Trainer):
         parallel_dims = self.parallel_dims
 
         if replay is None:
-            rng_state = torch.get_rng_state()
+            rng_state, device_rng = rng.capture()
             groups: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
             for _ in range(self.gradient_accumulation_steps):
                 for _ in range(self.num_pipeline_parallel_microbatches):
                     groups.append(next(data_iterator))
             tokens = pack_batches(groups)
         else:
-            rng_state = replay.rng_state
-            torch.set_rng_state(rng_state)
+            rng_state, device_rng = replay.rng_state, replay.device_rng
+            replay.restore_rng()
             tokens = replay.tokens
             groups = unpack_batches(tokens)
 
@@ -273,6 +276,7 @@ class SparseTrainer(Trainer):
             accumulated_loss = self._pp.pipeline_loss(accumulated_loss, self.step)
 
         params = [p for m in self.model_parts for p in m.parameters()]
+        replayed_norm = None
         if replay is None:
             grad_norm = dist_utils.clip_grad_norm_(
                 params,
@@ -282,6 +286,12 @@ class SparseTrainer(Trainer):
                 ep_enabled=parallel_dims.ep_enabled,
             )
         else:
+            if not parallel_dims.pp_enabled:  # (a pipeline replays failed stages alone: no norm collective there)
+                # The replayed gradients' norm, for the replay check: TorchTitan's own computation, with an infinite
+                # bound (the clip coefficient is then exactly 1: the gradients are left bit for bit as they are).
+                replayed_norm = dist_utils.clip_grad_norm_(
+                    params, float("inf"), foreach=True, ep_enabled=parallel_dims.ep_enabled
+                )
             # Frozen operators compute no trustworthy weight gradients: clip with the logged global norm,
             # split exactly like dist_utils.clip_grad_norm_ does.
             grad_norm = replay.grad_norm.to(self.device)
@@ -291,9 +301,9 @@ class SparseTrainer(Trainer):
         for hook in self.before_update:
             hook()
         if replay is not None:  # the original iteration's LRs, even if the schedule changed since (extended run)
-            for opt in self.optimizers.optimizers:
-                replay.apply_lrs(opt)
-        lr = float(self.optimizers.optimizers[0].param_groups[0]["lr"])
+            replay.apply_lrs(self.optimizers)  # every group of every optimizer, in order
+        groups = [g for opt in self.optimizers.optimizers for g in opt.param_groups]
+        lr, lrs, hyper = float(groups[0]["lr"]), tuple(float(g["lr"]) for g in groups), group_hyper(groups)
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()  # TorchTitan's expert-bias update runs here, as a step pre-hook
         faults.point("optimizer")  # the update is applied, this iteration's snapshot not yet taken
@@ -305,14 +315,18 @@ class SparseTrainer(Trainer):
             self._log_metrics(accumulated_loss, local_valid_tokens, global_valid_tokens, grad_norm, lr_metrics)
         return TitanStepResult(
             self.step,
-            accumulated_loss.detach().float().cpu().clone(),
-            grad_norm.detach().float().cpu().clone(),
+            accumulated_loss.detach().float().clone(),  # on the device: no host sync here
+            grad_norm.detach().float().clone(),
             lr,
             tokens,
             rng_state,
             counts,
-            counts.clone(),
+            counts,
             time.perf_counter() - t_start,
+            device_rng,
+            None if replayed_norm is None else replayed_norm.detach().float(),
+            lrs,
+            hyper,
         )
 
     def _clip_with_norm(self, params: list[torch.Tensor], total_norm: torch.Tensor) -> None:
@@ -379,6 +393,10 @@ class SparseTrainer(Trainer):
                 self._watchdog = CollectiveWatchdog(timeout_s=float(sc.fault_timeout_s))
             except ImportError:  # pragma: no cover - older core without the watchdog
                 logger.warning("fault_timeout_s set but torchmoe_ckpt.watchdog is not available; ignored")
+        check_replay_check(sc.replay_check, self.device)  # "exact" on CUDA needs deterministic kernels
+        # The optimizer state slots are laid out on and loaded into, as the first step would make it (bf16 moments
+        # under "fused_opt_states_bf16"), before the identity records its layout and before any recovery.
+        init_titan_optimizer_state(self.optimizers, self.config.optimizer.implementation)
         # Recovery issues collectives too (the run lock, the window agreement, peer pulls, the replay): a peer
         # frozen there ends the attempt like one frozen in a training step.
         watched = self._watchdog.watch("recovery") if self._watchdog is not None else contextlib.nullcontext()
@@ -416,6 +434,7 @@ class SparseTrainer(Trainer):
                     replicator=replicator,
                     store=store,
                     identity=identity,
+                    sum_counts=True,  # _expert_counts are this rank's
                 ).attach(self)
                 if committed is not None:  # newer than any TorchTitan checkpoint: its load is skipped
                     self.checkpointer.restored_step = self.recovery_report["recovered_step"]
@@ -472,6 +491,7 @@ class SparseTrainer(Trainer):
             before_replay=scramble,
             identity=identity,
             on_unusable=self.sc.on_unusable_checkpoint,
+            replay_check=self.sc.replay_policy(),
         )
         if res.window is None:
             if self._attempt > 0:

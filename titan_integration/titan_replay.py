@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from torchmoe_ckpt.optim_state import Optimizers
+
 __all__ = ["BATCH_KEYS", "OptimizerView", "TitanReplayable", "TitanStepResult", "pack_batches", "unpack_batches"]
 
 
@@ -44,53 +46,28 @@ def unpack_batches(tokens: torch.Tensor) -> list[tuple[dict[str, torch.Tensor], 
 @dataclass
 class TitanStepResult:
     step: int
-    loss: torch.Tensor  # this rank's loss contribution (local sum / global valid tokens), fp32
-    grad_norm: torch.Tensor  # global norm before clipping
-    lr: float
+    loss: torch.Tensor  # this rank's loss contribution (local sum / global valid tokens), fp32, on the device
+    grad_norm: torch.Tensor  # global norm before clipping, on the device
+    lr: float  # the first param group's LR (TorchTitan's metric)
     tokens: torch.Tensor  # [microbatches, 2, B, S]: input and labels, the batch this rank trained on
     rng_state: torch.Tensor
-    expert_counts: torch.Tensor  # [moe layers, experts], summed over all ranks
+    expert_counts: torch.Tensor  # [moe layers, experts], this rank's (the checkpointer sums them over the ranks)
     expert_probs: torch.Tensor  # TorchTitan keeps no router-probability sums: the counts again
     seconds: float = 0.0
+    device_rng: dict | None = None  # GPU generators' states (torchmoe_ckpt.rng)
+    replayed_grad_norm: torch.Tensor | None = None  # replay only: the replayed gradients' norm (for the check)
+    lrs: tuple[float, ...] = ()  # every param group's LR, of every optimizer (DistMuon's and AdamW's differ)
+    hyper: tuple[dict, ...] = ()  # every param group's other hyper-parameters (replay_log.group_hyper)
 
 
-class OptimizerView:
-    """One ``torch.optim.Optimizer``-like view over TorchTitan's OptimizersContainer (state + param_groups of
-    all inner optimizers), which is what the core's StateAccess and init_optimizer_state read."""
-
-    class _State(dict):
-        pass
+class OptimizerView(Optimizers):
+    """One ``torch.optim.Optimizer``-like view over TorchTitan's OptimizersContainer (state + param_groups of all
+    inner optimizers, e.g. DistMuon's and AdamW's), which is what the core's StateAccess, init_optimizer_state and
+    replay read; stepping it steps the container (its pre-hooks, the expert-bias update, run)."""
 
     def __init__(self, container):
+        super().__init__(list(container), step_with=container)
         self.container = container
-        self.optimizers = list(container)
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    @property
-    def state(self):
-        if len(self.optimizers) == 1:
-            return self.optimizers[0].state
-        return _MergedState(self.optimizers)
-
-
-class _MergedState:
-    def __init__(self, optimizers):
-        self._owner = {id(p): o for o in optimizers for g in o.param_groups for p in g["params"]}
-        self._optimizers = optimizers
-
-    def __getitem__(self, p):
-        return self._owner[id(p)].state[p]
-
-    def get(self, p, default=None):
-        o = self._owner.get(id(p))
-        return default if o is None or p not in o.state else o.state[p]
-
-    def __contains__(self, p) -> bool:
-        o = self._owner.get(id(p))
-        return o is not None and p in o.state
 
 
 class TitanReplayable:

@@ -13,26 +13,26 @@ Own training loop (FSDP2, HSDP or a single process):
 Frameworks (TorchTitan) implement `Replayable` and drive `SparseCheckpointer` and `recover` themselves.
 """
 
+from . import dcp
 from .capture import SchedulerPosition
 from .checkpointer import Checkpointer, StepResult
 from .config import CheckpointConfig, ObjectStoreConfig, SparseConfig, TierConfig
-from .dcp.peer_storage import PeerReader, PeerWriter, held_copies
-from .dcp.raw_storage import CorruptItemError, RawReader, RawWriter, has_checkpoint
-from .dcp.run_lock import RunLockedError
-from .dcp.sparse_planner import SparseLoadPlanner, SparseSavePlanner, SparseSchedule, load_sparse_window
-from .dcp.tier_health import CheckpointStallError
-from .dcp.tier_storage import HostReader, HostWriter, StoreReader, StoreWriter, TieredReader, TieredWriter
-from .dcp.tiers import Tiers, build_tiers
+from .dcp import *  # noqa: F403  (the DCP users' names: dcp.__all__)
 from .distributed import init_process_group, restart_attempt
 from .errors import ConfigError, UncapturedStateError, UnusableCheckpointError
 from .identity import IdentityMismatch, RunIdentity
 from .operators import Operator, OperatorDiscoveryError, OperatorSpec, discover_operators
+from .optim_state import Optimizers, UpdateRule, optimizer_list, register_update_rule
 from .placement import Placement, Topology, place_replicas
 from .recovery import ResumeResult, recover
+from .replay_check import ReplayPolicy
 from .replay_log import IterationRecord, Replay
 from .routing import RouterCounter
 from .sparse_checkpointer import SparseCheckpointer
 from .sparse_to_dense import RecoveryReport, Replayable, ReplayDivergence, sparse_to_dense
+from .storage.run_lock import RunLockedError
+from .storage.tier_health import CheckpointStallError
+from .storage.tiers import Tiers, build_tiers
 from .window import Window
 
 __all__ = [
@@ -44,6 +44,10 @@ __all__ = [
     "SparseConfig",
     "OperatorSpec",
     "StepResult",
+    "Optimizers",
+    "optimizer_list",
+    "UpdateRule",
+    "register_update_rule",
     "init_process_group",
     "restart_attempt",
     # frameworks
@@ -61,23 +65,7 @@ __all__ = [
     "RouterCounter",
     "discover_operators",
     "Operator",
-    # DCP users: sparse planners on a standard state dict, one StorageWriter/Reader per tier
-    "SparseSchedule",
-    "SparseSavePlanner",
-    "SparseLoadPlanner",
-    "load_sparse_window",
-    "HostWriter",
-    "HostReader",
-    "StoreWriter",
-    "StoreReader",
-    "TieredWriter",
-    "TieredReader",
-    "RawWriter",
-    "RawReader",
-    "has_checkpoint",
-    "PeerWriter",
-    "PeerReader",
-    "held_copies",
+    # DCP users: sparse planners on a standard state dict, one StorageWriter/Reader per tier (+ dcp.__all__)
     "Topology",
     "place_replicas",
     "Placement",
@@ -87,10 +75,10 @@ __all__ = [
     "UncapturedStateError",
     "OperatorDiscoveryError",
     "ReplayDivergence",
+    "ReplayPolicy",
     "RunLockedError",
     "CheckpointStallError",
     "IdentityMismatch",
     "RunIdentity",
-    "CorruptItemError",
     "UnusableCheckpointError",
-]
+] + dcp.__all__

@@ -1,9 +1,10 @@
 """What the slot format can hold, checked up front: anything else is refused at construction, naming the
 tensor or object, so that nothing is ever restored at a wrong value.
 
-A slot holds, per operator, the parameters (fp32 master), AdamW/Adam `exp_avg`, `exp_avg_sq` and `step`,
-and every persistent buffer. The LR scheduler is positioned by step count (see `SchedulerPosition`), the
-batch, RNG state, gradient norm and LRs of each iteration are logged for replay.
+A slot holds, per operator, the parameters (master weights), every tensor of their optimizer state (which
+optimizers are supported, and why, is `optim_state`'s business) and every persistent buffer. The LR schedulers
+are positioned by step count (see `SchedulerPosition`), the batch, RNG state, gradient norm and every param
+group's scheduled hyper-parameters of each iteration are logged for replay.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
 from .errors import UncapturedStateError
 from .operators import Operator, local_tensor
+from .optim_state import check_optimizer_state, check_optimizers
 
 __all__ = [
     "check_optimizer",
@@ -27,38 +29,11 @@ __all__ = [
     "position_lambda_lr",
 ]
 
-ADAM_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
 
-
-def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Adam/AdamW without amsgrad, holding every parameter of the model."""
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise UncapturedStateError(
-            f"optimizer {type(optimizer).__name__} is not supported: slots hold Adam/AdamW state (exp_avg, exp_avg_sq, "
-            "step) only; use torch.optim.AdamW or torch.optim.Adam"
-        )
-    if any(g.get("amsgrad") for g in optimizer.param_groups):
-        raise UncapturedStateError(
-            "AdamW(amsgrad=True) keeps max_exp_avg_sq, which slots do not hold: use amsgrad=False"
-        )
-    in_optim = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    for name, p in model.named_parameters():
-        if id(p) not in in_optim and p.requires_grad:
-            raise UncapturedStateError(
-                f"parameter {name} is not in the optimizer, so the slot format has no optimizer state for it: pass "
-                "every trainable parameter to the optimizer, or set requires_grad=False (then it is held by value)"
-            )
-
-
-def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """After the first update: the state holds nothing but what slots capture (a subclass could add keys)."""
-    for _p, st in optimizer.state.items():
-        extra = sorted(set(st) - ADAM_STATE_KEYS)
-        if extra:
-            raise UncapturedStateError(
-                f"optimizer state has keys {extra} that slots do not hold (only "
-                f"{sorted(ADAM_STATE_KEYS)}): use stock Adam/AdamW"
-            )
+def check_optimizer(model: nn.Module, optimizer) -> None:
+    """Optimizers with a known update rule (one, a list, or a container), holding every trainable parameter of
+    the model exactly once (optim_state.check_optimizers)."""
+    check_optimizers(model, optimizer)
 
 
 def check_coverage(model: nn.Module, ops: list[Operator]) -> None:
@@ -102,38 +77,38 @@ def position_lambda_lr(sched: LambdaLR, step: int) -> None:
 
 
 class SchedulerPosition:
-    """Put an LR scheduler (and the optimizer's LRs) where `step` completed iterations leave it.
+    """Put LR schedulers (and their optimizers' LRs) where `step` completed iterations leave them.
 
-    LambdaLR (TorchTitan's warmup/decay and most hand-written schedules) is positioned in O(1) from its
-    lambdas, so a run resumed with a *changed* schedule continues on the new one. Every other step-count
-    scheduler is replayed from the state it had at construction, `step` times: the same float operations as
-    the original run, hence the same LRs bit for bit. ReduceLROnPlateau depends on metrics the library does
-    not see and is refused."""
+    `scheduler`: one, a list of them (one per optimizer, as with Muon + AdamW), or None. LambdaLR (TorchTitan's
+    warmup/decay and most hand-written schedules) is positioned in O(1) from its lambdas, so a run resumed with a
+    *changed* schedule continues on the new one. Every other step-count scheduler is replayed from the state it
+    had at construction, `step` times: the same float operations as the original run, hence the same LRs bit for
+    bit. ReduceLROnPlateau depends on metrics the library does not see and is refused."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None):
-        if scheduler is not None and (
-            isinstance(scheduler, ReduceLROnPlateau) or not isinstance(scheduler, LRScheduler)
-        ):
-            raise UncapturedStateError(
-                f"LR scheduler {type(scheduler).__name__} cannot be positioned by step count "
-                "(ReduceLROnPlateau follows a metric): use a step-based scheduler such as "
-                "LambdaLR, or none"
-            )
-        self.optimizer, self.scheduler = optimizer, scheduler
-        self._initial = None if scheduler is None else copy.deepcopy(scheduler.state_dict())
-        self._initial_lrs = [g["lr"] for g in optimizer.param_groups]
+    def __init__(self, optimizer, scheduler: LRScheduler | list | None):
+        scheds = list(scheduler) if isinstance(scheduler, (list, tuple)) else [] if scheduler is None else [scheduler]
+        for sched in scheds:
+            if isinstance(sched, ReduceLROnPlateau) or not isinstance(sched, LRScheduler):
+                raise UncapturedStateError(
+                    f"LR scheduler {type(sched).__name__} cannot be positioned by step count "
+                    "(ReduceLROnPlateau follows a metric): use a step-based scheduler such as "
+                    "LambdaLR, or none"
+                )
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.schedulers = scheds
+        # Per scheduler: its state and its optimizer's LRs at construction (what a replay from the start needs).
+        self._initial = [(copy.deepcopy(s.state_dict()), [g["lr"] for g in s.optimizer.param_groups]) for s in scheds]
 
     def seek(self, step: int) -> None:
-        sched, groups = self.scheduler, self.optimizer.param_groups
-        if sched is None:
-            return
-        if type(sched) is LambdaLR:
-            position_lambda_lr(sched, step)
-            return
-        sched.load_state_dict(copy.deepcopy(self._initial))
-        for group, lr in zip(groups, self._initial_lrs):
-            group["lr"] = lr
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": intended here
-            for _ in range(step):
-                sched.step()
+        for sched, (state, lrs) in zip(self.schedulers, self._initial):
+            if type(sched) is LambdaLR:
+                position_lambda_lr(sched, step)
+                continue
+            sched.load_state_dict(copy.deepcopy(state))
+            for group, lr in zip(sched.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": intended here
+                for _ in range(step):
+                    sched.step()

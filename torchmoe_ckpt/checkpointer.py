@@ -9,6 +9,12 @@
 The library owns what exact replay needs, so the step function only computes the loss and calls backward:
 the RNG state and the batch are logged, the global gradient norm is computed (and logged) for clipping, the
 optimizer and scheduler are stepped here with the logged LRs on replay, and the step counter lives here.
+
+On a GPU an iteration adds no host synchronisation (docs/gpu.md): the batch, loss and gradient norm are copied
+to pinned host memory asynchronously, routed-token counts stay on the device until the next window start, and
+the next update waits for the slot copy on the device.
+
+`optimizer` may be several (Muon on the matrices and AdamW on the rest: a list, with a list of schedulers).
 """
 
 from __future__ import annotations
@@ -25,19 +31,22 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
-from . import faults
+from . import faults, rng
 from .capture import SchedulerPosition, check_coverage, check_optimizer, check_optimizer_state, infer_compute_dtype
 from .config import CheckpointConfig
-from .dcp.tiers import Tiers, build_tiers
+from .device_copy import host_copy
 from .errors import ConfigError
 from .identity import build_identity, process_seed
-from .operators import discover_operators
+from .operators import discover_operators, local_tensor
+from .optim_state import as_optimizers, describe_optimizer_state
 from .recovery import ResumeResult, recover
-from .replay_log import Replay
+from .replay_check import check_replay_check
+from .replay_log import Replay, group_hyper
 from .routing import RouterCounter
 from .sparse_checkpointer import SparseCheckpointer
 from .sparse_to_dense import ReplayDivergence, init_optimizer_state
 from .status import log_recovery
+from .storage.tiers import Tiers, build_tiers
 from .watchdog import CollectiveWatchdog
 
 log = logging.getLogger("torchmoe_ckpt.checkpointer")
@@ -54,11 +63,14 @@ class StepResult:
     grad_norm: torch.Tensor  # global gradient norm before clipping (zero when clipping is off)
     lr: float
     lrs: tuple[float, ...]
-    tokens: Any  # the batch
+    tokens: Any  # the batch (host copies)
     rng_state: torch.Tensor
-    expert_counts: torch.Tensor  # [MoE layers, experts], routed tokens summed over all ranks
+    expert_counts: torch.Tensor  # [MoE layers, experts], this rank's routed tokens (summed by SparseCheckpointer)
     expert_probs: torch.Tensor
     seconds: float
+    device_rng: dict | None = None  # device generators' states (rng.py)
+    replayed_grad_norm: torch.Tensor | None = None  # replay only: the norm the replayed gradients have
+    hyper: tuple[dict, ...] = ()  # every param group's other hyper-parameters (replay_log.group_hyper)
 
 
 class Checkpointer:
@@ -68,7 +80,7 @@ class Checkpointer:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
         forward_backward: Callable[[Any], torch.Tensor],
         scheduler=None,
         config: CheckpointConfig | None = None,
@@ -81,10 +93,13 @@ class Checkpointer:
         `data_identity`: a string naming the data order (dataset, sampler seed, shard); part of the run
         identity, so windows of a run on other data are never loaded. `seed`: also part of it; "auto" (the
         default) is the seed this process gave `torch.manual_seed` (none if it never seeded torch: a random
-        seed differs every restart), an int names it, None leaves it out."""
+        seed differs every restart), an int names it, None leaves it out. `optimizer`: one, or a list whose
+        optimizers hold every trainable parameter exactly once (each with a known update rule: optim_state);
+        `scheduler`: one, a list, or None."""
         self.config = config or CheckpointConfig()
         if not callable(forward_backward):
             raise ConfigError("forward_backward must be a function batch -> loss that also calls loss.backward()")
+        optimizer = as_optimizers(optimizer)  # several optimizers are stepped, captured and replayed as one
         check_optimizer(model, optimizer)
         init_optimizer_state(optimizer)  # every parameter has state from the start, even before its first gradient
         self.schedule = SchedulerPosition(optimizer, scheduler)
@@ -98,7 +113,10 @@ class Checkpointer:
         self.ops = discover_operators(model, self.config.operators)
         self.op_by_name = {o.name: o for o in self.ops}
         check_coverage(model, self.ops)
+        describe_optimizer_state(model, self.ops, optimizer)  # what slots hold of each operator's optimizer state
         self.params = [p for p in model.parameters()]
+        self.device = local_tensor(self.params[0]).device if self.params else torch.device("cpu")
+        check_replay_check(self.config.replay_check, self.device)  # "exact" on CUDA needs deterministic kernels
         self.routers = RouterCounter(model, self.ops, top_k=self.config.router_top_k)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -146,6 +164,7 @@ class Checkpointer:
                 self.rank,
                 identity=self.identity,
                 on_unusable=self.config.on_unusable_checkpoint,
+                replay_check=self.config.replay_policy(),
             )
             window = self.resumed.window
             if window is not None:
@@ -163,6 +182,7 @@ class Checkpointer:
             store=t.store if t else None,
             ops=self.ops,
             identity=self.identity,
+            sum_counts=True,  # the routed-token counts below are this rank's
         )
         return self.step_count
 
@@ -179,7 +199,7 @@ class Checkpointer:
         with self.watchdog.watch(f"step {self.step_count + 1}", self._start_timeout_s if first else None):
             res = self._iteration(batch, None)
             if first:
-                check_optimizer_state(self.optimizer)
+                check_optimizer_state(self.model, self.optimizer, self.ops)
                 self._checked_state = True
             self.sparse.after_step(res)
         return res.loss
@@ -226,16 +246,17 @@ class Checkpointer:
         faults.set_iteration(step)
         faults.point("forward")
         if replay is None:
-            rng_state = torch.get_rng_state()
-            logged = tree_map(_host_copy, batch)  # the caller may reuse its batch buffers: keep our own copy
+            rng_state, device_rng = rng.capture()
+            logged = host_copy(batch, clone_cpu=True)  # the caller may reuse its batch buffers: keep our own copy
         else:
-            batch = logged = replay.tokens
-            rng_state = replay.rng_state
-            torch.set_rng_state(rng_state)
+            logged, rng_state, device_rng = replay.tokens, replay.rng_state, replay.device_rng
+            batch = tree_map(lambda x: x.to(self.device) if torch.is_tensor(x) else x, logged)  # where training had it
+            replay.restore_rng()
         loss = self.forward_backward(batch)
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise TypeError(f"forward_backward must return the loss as a one-element tensor, got {type(loss).__name__}")
         faults.point("backward")  # here after backward (it runs inside forward_backward), before the norm's collective
+        replayed_norm = self._grad_norm(None) if replay is not None and self.config.max_grad_norm else None
         norm = self._grad_norm(replay)
         if self.config.max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_grad_norm, norm)
@@ -245,10 +266,11 @@ class Checkpointer:
         if replay is not None:
             replay.apply_lrs(self.optimizer)
         lrs = tuple(float(g["lr"]) for g in self.optimizer.param_groups)
+        hyper = group_hyper(self.optimizer.param_groups)
         self.optimizer.step()
         faults.point("optimizer")
-        if self.scheduler is not None:
-            self.scheduler.step()
+        for sched in self.schedule.schedulers:
+            sched.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count = step
         return StepResult(
@@ -262,6 +284,9 @@ class Checkpointer:
             counts,
             probs,
             time.perf_counter() - t_start,
+            device_rng,
+            replayed_norm,
+            hyper,
         )
 
     def _grad_norm(self, replay: Replay | None) -> torch.Tensor:
@@ -274,13 +299,12 @@ class Checkpointer:
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def _routed_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's counts, where the routers ran: no copy, no collective per iteration (the sparse checkpointer
+        sums them over the ranks at the next window start)."""
         counts, probs = self.routers.take()
         if counts.numel() == 0:
             return torch.zeros(1, 1, dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64)
-        stats = torch.stack([counts, probs]).cpu()  # gloo reduces CPU tensors; the tracker lives on CPU
-        if dist.is_initialized() and self.world > 1:
-            dist.all_reduce(stats, group=self.group)
-        return stats[0], stats[1]
+        return counts, probs
 
 
 class _Replay:
@@ -297,10 +321,6 @@ class _Replay:
         if replay is None:
             raise ReplayDivergence("recovery replays logged iterations only")
         return self.ck._iteration(None, replay)
-
-
-def _host_copy(x):
-    return x.detach().to("cpu", copy=True) if torch.is_tensor(x) else x
 
 
 def _hsdp_replicate(model: nn.Module) -> int:

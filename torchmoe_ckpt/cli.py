@@ -70,10 +70,6 @@ def _verify(a) -> int:
     from .inspection import format_inspect, main_json, verify_location
 
     ok, info = verify_location(a.location, a.storage_options)
-    runs = info.get("runs", [info])
-    if not a.json and all(r.get("layout") == "dcp-user" for r in runs):  # nothing to verify: say what it is, once
-        print(f"verify: {runs[0]['note']}", file=sys.stderr)
-        return 1
     print(main_json(info) if a.json else format_inspect(info))
     for problem in info["problems"]:
         print(f"verify: problem: {problem}", file=sys.stderr)

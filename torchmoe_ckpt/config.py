@@ -13,10 +13,10 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .dcp.object_tier import check_uri
-from .dcp.store_errors import StoreConfigError
 from .errors import ConfigError
 from .operators import OperatorSpec
+from .replay_check import DEFAULT_TOLERANCE, ReplayPolicy
+from .storage.store_open import StoreConfigError, check_uri
 from .watchdog import check_timeout
 
 __all__ = ["ConfigError", "SparseConfig", "ObjectStoreConfig", "TierConfig", "CheckpointConfig", "DEFAULT_HOST_ROOT"]
@@ -196,6 +196,10 @@ class CheckpointConfig:
     # The bound for resume() (tiers, agreement, fetch, replay) and the first step after it (compilation,
     # warm-up), which may take longer; and, plus the upload wait, for close(). None: hang_timeout_s.
     hang_start_timeout_s: float | None = 300.0
+    replay_check: str = "exact"  # "exact": every replayed loss equals the original bit for bit (a CUDA model needs
+    # deterministic kernels, checked at construction); "tolerant": within replay_tolerance, reported approximate
+    replay_tolerance: float = DEFAULT_TOLERANCE  # tolerant: largest relative deviation of a replayed loss or
+    # gradient norm accepted (docs/gpu.md: how the default was chosen)
 
     def __post_init__(self):
         if self.on_unusable_checkpoint not in UNUSABLE_POLICIES:
@@ -227,6 +231,11 @@ class CheckpointConfig:
         self.compute_dtype = compute_dtype_of(self.compute_dtype)
         check_timeout("hang_timeout_s", self.hang_timeout_s, ConfigError)
         check_timeout("hang_start_timeout_s", self.hang_start_timeout_s, ConfigError)
+        self.replay_policy()  # validates replay_check and replay_tolerance
+
+    def replay_policy(self) -> ReplayPolicy:
+        """How recovery checks each replayed iteration (replay_check.py)."""
+        return ReplayPolicy(self.replay_check, self.replay_tolerance)
 
 
 # What compute_dtype may be given as besides a torch.dtype: the names job files and command lines use.

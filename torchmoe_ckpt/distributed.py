@@ -55,6 +55,8 @@ __all__ = [
     "key_rendezvous_by_attempt",
     "key_groups_by_attempt",
     "default_group_keyed",
+    "default_backend",
+    "library_group",
 ]
 
 ROUND_STORE_KEY = "/torchmoe/round-store"  # in the agent's store: "<port> <nonce>" of a round's own store
@@ -157,11 +159,19 @@ def key_groups_by_attempt() -> bool:
         return False
     pg = c10d._get_default_group()
     nonce = [uuid.uuid4().hex]
+    # Once, at start, on the default group (NCCL on a GPU job: TorchTitan set the device): its store may hold an
+    # earlier round's keys, so a new group could not be trusted to carry the nonce; the group itself works.
     dist.broadcast_object_list(nonce, src=0)
     backend, store = c10d._world.pg_map[pg]
     c10d._world.pg_map[pg] = (backend, dist.PrefixStore(f"/torchmoe/round-{nonce[0]}", store))
     _late_keyed.append(pg)
     return True
+
+
+def default_backend() -> str:
+    """gloo on CPU. With CUDA: NCCL for CUDA tensors and gloo for CPU tensors in one default group, so the user's
+    own CPU collectives (all_gather_object of a small dict, a barrier on CPU) keep working next to NCCL."""
+    return "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
 
 
 def _warn_shared_store_multi_host() -> None:
@@ -177,10 +187,13 @@ def _warn_shared_store_multi_host() -> None:
 def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> tuple[int, int]:
     """Initialise the default process group from torchrun's environment, safely across restarts, and return
     (rank, world size). Without torchrun's variables it makes a one-process group, so the same script runs
-    as `python script.py`. `backend`: default gloo on CPU, nccl when CUDA is available. Idempotent."""
+    as `python script.py`. `backend`: `default_backend()` (gloo on CPU, "cuda:nccl,cpu:gloo" with CUDA, this
+    process's GPU set to LOCAL_RANK first, as NCCL needs). Idempotent."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or default_backend()
+    if torch.cuda.is_available():  # CUDA only: one GPU per local rank, chosen before NCCL binds to one
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(seconds=timeout_s)
     if "RANK" not in os.environ:
         store = dist.HashStore()
@@ -190,3 +203,39 @@ def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> 
     dist.init_process_group(backend, timeout=timeout)
     _warn_shared_store_multi_host()
     return dist.get_rank(), dist.get_world_size()
+
+
+# ---- the library's own gloo groups ---------------------------------------------------------------------------
+# Every collective the library issues itself (window agreements, operator sizes, routed-token sums, recovery's
+# gathers) carries a few CPU numbers. On a GPU job the default group -- and any group the user passes -- is
+# NCCL, which refuses CPU tensors (and would queue them behind the training's GPU collectives), so the library
+# runs them on gloo groups of its own: one over every rank, and one per distinct rank set the caller plans
+# over. Created on first use through `new_group`, i.e. keyed under the default group's store exactly like every
+# other sub-group (a store of its rendezvous round across torchrun restarts, see above), and again after a new
+# default group.
+_owned: dict = {"default": None, "groups": {}}
+
+
+def library_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """The gloo group over the ranks of `group` (None or the default group: every rank) that the library's own
+    collectives run on; never `group` itself. None without a process group. The first call for a rank set is
+    collective over its ranks (every library collective is such a point: each member gets there in the same
+    order); later calls return the same group until the default group is replaced."""
+    if not dist.is_initialized():
+        return None
+    default = c10d._get_default_group()
+    if _owned["default"] is not default:
+        _owned["default"], _owned["groups"] = default, {}
+    ranks = None if group is None or group is default else tuple(dist.get_process_group_ranks(group))
+    if ranks is not None and len(ranks) == dist.get_world_size():
+        ranks = None
+    groups = _owned["groups"]
+    if ranks not in groups:
+        # A sub-group mirror synchronises only its members (other ranks never come here); its name is hashed from
+        # the ranks and the number of groups this process made, the same on members that run the same program.
+        groups[ranks] = (
+            dist.new_group(backend="gloo")
+            if ranks is None
+            else dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        )
+    return groups[ranks]

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .errors import ConfigError
+from .optim_state import init_optimizer_state, optimizer_list
 
 __all__ = [
     "RunIdentity",
@@ -91,10 +92,10 @@ def mesh_replicate(model: nn.Module) -> int:
     return 1
 
 
-def _optimizers(optimizer) -> list:
-    # TorchTitan's container (and its view) hold one optimizer per model part.
-    inner = getattr(optimizer, "optimizers", None)
-    return list(inner) if inner is not None else [optimizer]
+def _state_layout(opt) -> list:
+    """The optimizer's state keys and dtypes (bf16 moments are another layout than fp32 ones)."""
+    keys = {(k, str(getattr(v, "dtype", type(v).__name__))) for st in opt.state.values() for k, v in st.items()}
+    return sorted([k, d.replace("torch.", "")] for k, d in keys)
 
 
 def _hyper(group: dict) -> dict:
@@ -131,7 +132,8 @@ def build_identity(
         if o.kind == "expert":
             experts[o.moe or ""] = experts.get(o.moe or "", 0) + 1
     tensors = {n: [list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in model.named_parameters()}
-    opts = _optimizers(optimizer)
+    opts = optimizer_list(optimizer)
+    init_optimizer_state(opts)  # the state its first step would create, so its layout is part of the identity
     parts = {
         "world_size": int(world_size),
         "hsdp_replicate": int(hsdp_replicate if hsdp_replicate is not None else mesh_replicate(model)),
@@ -141,6 +143,7 @@ def build_identity(
         "tensors": tensors,
         "optimizer": [type(o).__name__ for o in opts],
         "optimizer_hyper": [_hyper(g) for o in opts for g in o.param_groups],
+        "optimizer_state": [_state_layout(o) for o in opts],
         "data": data,
     }
     if seed is not None:  # absent, not null: windows written before the seed was recorded keep their fingerprint
@@ -167,6 +170,7 @@ def _diff(found: dict, want: dict) -> str | None:
         ("seed", "seed"),
         ("data", "data/seed identity"),
         ("optimizer", "optimizer"),
+        ("optimizer_state", "optimizer state (key, dtype)"),
     ]
     for key, name in simple:
         if found.get(key) != want.get(key):

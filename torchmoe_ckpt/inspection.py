@@ -1,71 +1,75 @@
 """`torchmoe-ckpt inspect` and `verify`: what a checkpoint location holds, and whether every byte verifies.
 
-A location is a host-tier directory (`<root>/node-N/<run>`, windows with `MANIFEST.rank-R.json` per rank) or
-an object-store URI (`s3://bucket/prefix`, `az://container/prefix`, `file://...`: `<run>/rank-R/window-N/`
-with `MANIFEST.json`; or, in the tensorstore format, `<run>/rank-R/window-N/` OCDBT databases), read through
-fsspec (and tensorstore) with the storage options given. Dense exports (`step-N`
-directories with DCP's `.metadata`) found under the location are listed too."""
+A location is a run directory in the layout every tier writes (storage/layout.py: `window-N/` with one
+`MANIFEST.<writer>.json` per writer) -- a host tier's `<root>/node-N/<run>`, an object store's `<uri>/<run>`, a
+DCP user's base path -- or a directory above several of them; or an object store in the tensorstore format
+(`<run>/<writer>/window-N/` OCDBT databases). It is read through fsspec (and tensorstore) with the storage
+options given; each writer's copy is checked by the tiers' own code (storage/window_tier.py: every file against
+its manifest, where every slot file sits). Dense exports (`step-N` directories with DCP's `.metadata`) found
+under the location are listed too."""
 
 from __future__ import annotations
 
 import json
 import re
 
-from .dcp.checksums import digest
-from .dcp.manifest import MANIFEST_NAME, WindowManifest, check_window, parse_window_dirname
-from .dcp.planner import PLANNER_KEY, slot_info
+from .storage.files import StoreFiles
+from .storage.layout import (
+    METADATA,
+    is_internal,
+    parse_manifest_name,
+    parse_window_dirname,
+    writer_rank,
+)
+from .storage.manifest import WindowManifest, check_window, slot_metadata_file
+from .storage.store_open import explain, open_store
+from .storage.window_tier import WindowTier
 
-_HOST_MANIFEST = re.compile(r"^MANIFEST\.rank-(\d+)\.json$")
-_RANK_DIR = re.compile(r"^rank-(\d+)$")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_RANK_FILE = re.compile(r"^(?:MANIFEST\.)?rank-(\d+)(?:\.pt|\.json)?$")  # a rank's files in either layout
-_SLOT_METADATA = re.compile(r"/window-\d+/slot-\d+/\.metadata$")  # a DCP user's slot: dcp.save, no manifest
+
+
+GIVE = "give a run directory (e.g. /dev/shm/torchmoe-ckpt/node-0/<run>) or the object-store URI of the run"
 
 
 def _open(location: str, storage_options: dict | None):
-    from .dcp.object_tier import open_store
-    from .dcp.store_errors import explain
-
     if not isinstance(location, str) or not location.strip():
-        raise ValueError(
-            "the location is empty: give a host-tier run directory, e.g. "
-            "/dev/shm/torchmoe-ckpt/node-0/<run>, or the object-store URI of the run"
-        )
+        raise ValueError(f"the location is empty: {GIVE}")
     fs, root = open_store(location, storage_options, probe=False)
     root = root.rstrip("/")
     try:  # a dead endpoint or missing credentials surface here: one line naming the fix, not a traceback
         exists, is_dir = fs.exists(root), fs.isdir(root)
     except Exception as exc:
         raise ValueError(explain(location, exc)) from None
-    if not exists:
-        raise ValueError(
-            f"{location}: no such checkpoint location (give a host-tier run directory, e.g. "
-            f"/dev/shm/torchmoe-ckpt/node-0/<run>, or the object-store URI of the run)"
-        )
-    if not is_dir:
-        raise ValueError(
-            f"{location}: is a file, not a checkpoint location (give a host-tier run directory, "
-            f"e.g. /dev/shm/torchmoe-ckpt/node-0/<run>, or the object-store URI of the run)"
-        )
+    if not exists or not is_dir:
+        raise ValueError(f"{location}: {'is a file, not a' if exists else 'no such'} checkpoint location ({GIVE})")
     return fs, root
 
 
 def _run_of(rel_parts: list[str]) -> str:
     """The run a window belongs to, from its path below the location (the parts before `window-N`, without
-    the object store's `rank-R`): "" when the location itself is the run."""
-    if rel_parts and _RANK_DIR.match(rel_parts[-1]):
+    the tensorstore format's `<writer>`): "" when the location itself is the run."""
+    if rel_parts and writer_rank(rel_parts[-1]) is not None:
         rel_parts = rel_parts[:-1]
     return "/".join(rel_parts)
+
+
+def _window_part(parts: list[str]) -> int | None:
+    """The index of the `window-N` part of a path below the location, None when it is not a window's file or
+    lies in an internal directory (slot buffers, spares, peer copies)."""
+    for j, p in enumerate(parts[:-1]):
+        if is_internal(p):
+            return None
+        if parse_window_dirname(p) is not None:
+            return j
+    return None
 
 
 def _runs(files: list[str], root: str) -> set[str]:
     runs = set()
     for f in files:
         parts = f[len(root) :].strip("/").split("/")
-        for j, p in enumerate(parts[:-1]):
-            if parse_window_dirname(p) is not None:
-                runs.add(_run_of(parts[:j]))
-                break
+        if (j := _window_part(parts)) is not None:
+            runs.add(_run_of(parts[:j]))
     return runs
 
 
@@ -73,56 +77,35 @@ def _sub_location(location: str, run: str) -> str:
     return f"{location.rstrip('/')}/{run}"
 
 
-def _manifests(files: list[str]) -> dict[tuple[str, int], str]:
-    """(window dir, rank) -> manifest path, for both layouts."""
-    out = {}
-    for f in files:
-        d, name = f.rsplit("/", 1)
-        m = _HOST_MANIFEST.match(name)
-        if m and parse_window_dirname(d.rsplit("/", 1)[-1]) is not None:
-            out[(d, int(m.group(1)))] = f
-        elif name == MANIFEST_NAME and parse_window_dirname(d.rsplit("/", 1)[-1]) is not None:
-            rank = _RANK_DIR.match(d.rsplit("/", 2)[-2])
-            out[(d, int(rank.group(1)) if rank else 0)] = f
-    return out
+def _writer_of(name: str) -> int | None:
+    """The writer (rank) a window file's path part names: its slot directory, replay file or manifest."""
+    writer = parse_manifest_name(name) or (name[:-3] if name.endswith(".pt") else name)
+    return writer_rank(writer)
 
 
-def _verify_files(fs, wdir: str, man: WindowManifest) -> list[str]:
-    problems = []
-    for rel, want in man.files.items():
-        try:
-            data = fs.cat_file(f"{wdir}/{rel}")
-        except FileNotFoundError:
-            problems.append(f"{rel}: missing")
-            continue
-        if len(data) != want.bytes:
-            problems.append(f"{rel}: {len(data)} bytes, manifest says {want.bytes} (torn)")
-        elif not want.matches(data):  # CRC32, or the digest algorithm the entry names
-            problems.append(f"{rel}: {want.algo} {digest(data, want.algo):08x} != {want.crc32:08x} (corrupt)")
-    return problems
+def _slots(man: WindowManifest, infos: list[dict]) -> list[dict]:
+    return [
+        {
+            "slot": i,
+            "step": info.get("step"),
+            "active": sp["active"],
+            "frozen_count": len(sp["frozen"]),
+            "planned_bytes": sp["bytes"],
+            "items_with_checksum": len(info.get("checksums", {})),
+        }
+        for i, (sp, info) in enumerate(zip(man.plan["slots"], infos))
+    ]
 
 
-def _slots(fs, wdir: str, man: WindowManifest) -> list[dict]:
-    import pickle
-
-    out = []
-    for i, sp in enumerate(man.plan["slots"]):
-        rel = next((r for r in man.files if r.startswith(f"slot-{i:02d}/") and r.endswith(".metadata")), None)
-        info = {}
-        if rel is not None:
-            with fs.open(f"{wdir}/{rel}", "rb") as f:
-                info = (pickle.load(f).planner_data or {}).get(PLANNER_KEY, {})
-        out.append(
-            {
-                "slot": i,
-                "step": info.get("step"),
-                "active": sp["active"],
-                "frozen_count": len(sp["frozen"]),
-                "planned_bytes": sp["bytes"],
-                "items_with_checksum": len(info.get("checksums", {})),
-            }
-        )
-    return out
+def _dcp_copy(tier: WindowTier, window_id: int):
+    """(manifest, problems, per slot planner info, bytes) of one writer's copy in the DCP layout: every file
+    against the manifest, then where each file sits (window/slot/step/run)."""
+    man = tier.manifest(window_id)
+    problems = tier.verify_files(window_id, man) or check_window(
+        man, window_id, tier.rank, None, lambda rel: tier.slot_info(window_id, rel)
+    )
+    rels = [slot_metadata_file(man, i) for i in range(len(man.plan["slots"]))] if not problems else []
+    return man, problems, [tier.slot_info(window_id, r) if r else {} for r in rels], man.total_bytes
 
 
 def inspect_location(location: str, storage_options: dict | None = None) -> dict:
@@ -132,16 +115,12 @@ def inspect_location(location: str, storage_options: dict | None = None) -> dict
     try:
         files = [f.rstrip("/") for f in fs.find(root)]
     except Exception as exc:
-        from .dcp.store_errors import explain
-
         raise ValueError(explain(location, exc)) from None
     runs = _runs(files, root)
-    exports_here = any(f.endswith("/.metadata") and _STEP_DIR.match(f.rsplit("/", 2)[-2]) for f in files)
+    exports_here = any(f.endswith(f"/{METADATA}") and _STEP_DIR.match(f.rsplit("/", 2)[-2]) for f in files)
     if not runs and not exports_here:
         raise ValueError(
-            f"{location}: not a checkpoint run (no window-N directories and no dense exports "
-            f"below it); give a host-tier run directory, e.g. /dev/shm/torchmoe-ckpt/node-0/<run>, "
-            f"or the object-store URI of the run"
+            f"{location}: not a checkpoint run (no window-N directories and no dense exports below it); {GIVE}"
         )
     if len(runs) > 1:
         return {
@@ -152,46 +131,48 @@ def inspect_location(location: str, storage_options: dict | None = None) -> dict
 
 
 def _inspect_run(location: str, storage_options: dict | None, fs, root: str, files: list[str]) -> dict:
-    manifests = _manifests(files)
     windows: dict[int, dict] = {}
-    root_parts = root.split("/")
+    copies = []  # (window, writer rank, format, read: () -> (manifest, problems, slot infos, bytes) or None)
     for f in files:  # every window directory, with or without a manifest
-        parts = f.split("/")
-        for j, p in enumerate(parts):
-            wid = parse_window_dirname(p)
-            if wid is not None:
-                entry = windows.setdefault(
-                    wid,
-                    {
-                        "window_id": wid,
-                        "paths": set(),
-                        "committed_ranks": [],
-                        "problems": {},
-                        "slots": [],
-                        "bytes": 0,
-                        "ranks_with_files": set(),
-                    },
-                )
-                entry["paths"].add("/".join(parts[: j + 1]))
-                entry["ranks_with_files"].update(
-                    int(m.group(1)) for q in parts[len(root_parts) :] if (m := _RANK_FILE.match(q))
-                )
-                break
-    for (wdir, rank), mpath in sorted(manifests.items()):
-        entry = windows[parse_window_dirname(wdir.rsplit("/", 1)[-1])]
-        try:
-            man = WindowManifest.from_json(fs.cat_file(mpath).decode())
-        except Exception as exc:
-            entry["problems"][rank] = [f"bad manifest: {exc}"]
+        parts = f[len(root) :].strip("/").split("/")
+        j = _window_part(parts)
+        if j is None:
             continue
-        entry["committed_ranks"].append(rank)
-        problems = _verify_files(fs, wdir, man) or check_window(  # where each file sits (window/slot/step/run)
-            man,
-            entry["window_id"],
-            rank,
-            None,
-            lambda rel: slot_info(fs.cat_file(f"{wdir}/{rel}")),  # noqa: B023
+        wid = parse_window_dirname(parts[j])
+        entry = windows.setdefault(
+            wid,
+            {
+                "window_id": wid,
+                "paths": set(),
+                "committed_ranks": [],
+                "problems": {},
+                "slots": [],
+                "bytes": 0,
+                "ranks_with_files": set(),
+            },
         )
+        entry["paths"].add("/".join([root, *parts[: j + 1]]))
+        entry["ranks_with_files"].update(r for q in parts[max(j - 1, 0) :] if (r := _writer_of(q)) is not None)
+        if len(parts) == j + 2 and (writer := parse_manifest_name(parts[-1])) is not None:  # the DCP layout
+            tier = WindowTier(StoreFiles(fs, "/".join([root, *parts[:j]]), location), writer_rank(writer), 0)
+            copies.append((wid, tier.rank, "dcp", lambda t=tier, w=wid: _dcp_copy(t, w)))
+        elif parts[-1] == "manifest.ocdbt" and len(parts) == j + 2 and j >= 1:  # tensorstore: <run>/<writer>/window-N
+            from .storage.tensorstore_tier import TensorstoreTier
+
+            ts = TensorstoreTier(location, _run_of(parts[:j]), writer_rank(parts[j - 1]), storage_options, probe=False)
+            copies.append((wid, ts.rank, "tensorstore", lambda t=ts, w=wid: t.inspect(w)))
+    for wid, rank, fmt, read in sorted(copies, key=lambda c: c[:2]):
+        entry = windows[wid]
+        entry["format"] = fmt
+        try:
+            got = read()
+        except Exception as exc:  # unreadable: bad JSON, edited (checksum), a damaged database
+            entry["problems"][rank] = [f"bad manifest: {' '.join(str(exc).split())[:300]}"]
+            continue
+        if got is None:
+            continue  # a torn tensorstore commit: invisible
+        man, problems, infos, nbytes = got
+        entry["committed_ranks"].append(rank)
         if problems:
             entry["problems"][rank] = problems
         ident = man.identity or {}
@@ -199,22 +180,12 @@ def _inspect_run(location: str, storage_options: dict | None, fs, root: str, fil
             start_step=man.start_step,
             window=man.window,
             world_size=man.world_size,
-            bytes=entry["bytes"] + man.total_bytes,
+            bytes=entry["bytes"] + nbytes,
             run_id=ident.get("run_id"),
             fingerprint=ident.get("fingerprint"),
         )
         if not entry["slots"] and not problems:
-            entry["slots"] = _slots(fs, wdir, man)
-    if any(f.endswith("/manifest.ocdbt") for f in files):  # tensorstore-format windows (OCDBT databases)
-        from .dcp.tensorstore_format import inspect_windows
-
-        for wid, got in inspect_windows(location, storage_options, root, files).items():
-            entry = windows[wid]
-            entry["committed_ranks"] += got.pop("committed_ranks")
-            entry["problems"].update(got.pop("problems"))
-            entry["bytes"] += got.pop("bytes")
-            entry["slots"] = entry["slots"] or got.pop("slots")
-            entry.update({k: v for k, v in got.items() if k != "slots"})
+            entry["slots"] = _slots(man, infos)
     for entry in windows.values():
         entry["paths"] = sorted(entry["paths"])
         entry["ranks_with_files"] = sorted(entry["ranks_with_files"])
@@ -229,24 +200,14 @@ def _inspect_run(location: str, storage_options: dict | None, fs, root: str, fil
         {
             (int(m.group(1)), f.rsplit("/", 1)[0])
             for f in files
-            if f.endswith("/.metadata") and (m := _STEP_DIR.match(f.rsplit("/", 2)[-2]))
+            if f.endswith(f"/{METADATA}") and (m := _STEP_DIR.match(f.rsplit("/", 2)[-2]))
         }
     )
-    out = {
+    return {
         "location": location,
         "windows": [windows[k] for k in sorted(windows)],
         "dense_exports": [{"step": s, "path": p} for s, p in exports],
     }
-    slots = sum(1 for f in files if _SLOT_METADATA.search(f))
-    if slots and not any(w["committed_ranks"] or w["problems"] for w in windows.values()):
-        out["layout"] = "dcp-user"  # windows of `dcp.save(planner=SparseSavePlanner)`: no manifests to check
-        out["note"] = (
-            f"{location}: {len(windows)} window(s), {slots} slot(s) written by dcp.save with "
-            "SparseSavePlanner (the DCP-user layout: no window manifests, so inspect/verify cannot check "
-            "them); check a window by loading it: tmc.load_sparse_window verifies every item's checksum "
-            "(CorruptItemError names a bad one: fall back to the previous window), see docs/dcp-user.md"
-        )
-    return out
 
 
 def format_inspect(info: dict) -> str:
@@ -255,8 +216,6 @@ def format_inspect(info: dict) -> str:
             f"{info['location']}: {len(info['runs'])} runs (listed separately; give one run's path to inspect it alone)"
         )
         return "\n".join([head] + [f"run {r['run']}:\n" + format_inspect(r) for r in info["runs"]])
-    if info.get("layout") == "dcp-user":
-        return info["note"]
     lines = [f"{info['location']}: {len(info['windows'])} window(s), {len(info['dense_exports'])} dense export(s)"]
     for w in info["windows"]:
         if not w["committed_ranks"]:
@@ -292,9 +251,7 @@ def verify_location(location: str, storage_options: dict | None = None) -> tuple
         prefix = f"run {run['run']}: " if "run" in run else ""
         # A window whose manifest is unreadable (bad checksum: edited) is reported too, not taken as uncommitted.
         committed = [w for w in run["windows"] if w["committed_ranks"] or w["problems"]]
-        if run.get("layout") == "dcp-user":
-            problems.append(f"{prefix}not verifiable here: {run['note']}")
-        elif not committed:
+        if not committed:
             problems.append(f"{prefix}no committed window")
         name = run.get("run") or str(run.get("location", location)).rstrip("/").rsplit("/", 1)[-1]
         problems += [prefix + p for p in _foreign_windows(committed, name)]

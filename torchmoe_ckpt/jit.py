@@ -42,10 +42,13 @@ from typing import TypeVar
 import torch
 
 from .config import TierConfig
-from .dcp.manifest import crc32_bytes
-from .dcp.object_tier import _is_local, open_store
-from .dcp.tiers import all_gather_objects
 from .sparse_to_dense import init_optimizer_state
+from .storage.checksums import crc32_bytes
+from .storage.commit import write_last
+from .storage.layout import jit_step_dirname as step_dirname
+from .storage.layout import writer_name as rank_dirname
+from .storage.recover import all_gather_objects
+from .storage.store_open import is_local, open_store
 
 log = logging.getLogger("torchmoe_ckpt.jit")
 MARKER = "COMPLETE.json"
@@ -74,20 +77,12 @@ def shard_layout(mesh) -> tuple[str, int]:
     return key, rep
 
 
-def step_dirname(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def rank_dirname(rank: int) -> str:
-    return f"rank-{rank:05d}"
-
-
 class JitStore:
     """The object-store side: same layout as the host side, under `<uri>/<run>/jit/`."""
 
     def __init__(self, cfg: dict, run_id: str):
         self.fs, root = open_store(cfg["uri"], cfg.get("storage_options"), probe=False)
-        self.local = _is_local(self.fs)
+        self.local = is_local(self.fs)
         self.base = f"{root.rstrip('/')}/{run_id}/jit"
 
     def put(self, rel: str, data: bytes) -> None:
@@ -217,9 +212,7 @@ class JitCheckpointer:
                 d.mkdir(parents=True, exist_ok=True)
                 (d / MARKER).unlink(missing_ok=True)  # a copy left by an earlier attempt is replaced whole
                 (d / STATE).write_bytes(data)
-                tmp = d / (MARKER + ".tmp")
-                tmp.write_text(json.dumps(marker))
-                os.replace(tmp, d / MARKER)  # the marker, written last, is the commit
+                write_last(d / MARKER, json.dumps(marker).encode())  # the marker, written last, is the commit
                 host_s = time.perf_counter() - t0
                 stored = None
                 if self.store is not None:
@@ -300,7 +293,7 @@ def _read(copy: dict, store: JitStore | None) -> dict:
             f"JIT copy {copy['where']}:{copy['path']} does not match its marker "
             f"({len(data)} bytes, CRC32 {crc32_bytes(data):08x}; marker {copy['bytes']}, {copy['crc32']:08x})"
         )
-    blob = torch.load(io.BytesIO(data), weights_only=True)
+    blob = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")  # copied into place by apply_state
     if blob["shard"] != copy["shard"] or blob["step"] != copy["step"]:
         raise ValueError(f"JIT copy {copy['path']} holds {blob['shard']} step {blob['step']}, marker says otherwise")
     return blob

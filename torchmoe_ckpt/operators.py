@@ -23,10 +23,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .distributed import library_group
 from .moe_structure import OperatorDiscoveryError, OperatorSpec, ancestors, find_moe_blocks
 
 __all__ = [
     "Piece",
+    "StatePiece",
     "Operator",
     "OperatorSpec",
     "OperatorDiscoveryError",
@@ -63,6 +65,25 @@ class Piece:
         return n
 
 
+@dataclass(frozen=True)
+class StatePiece:
+    """One tensor of a parameter's optimizer state (`optimizer.state[p][key]`), as far as an operator owns it on
+    this rank. Set by `optim_state.describe_optimizer_state` from the live state, whatever its keys and shapes."""
+
+    key: str  # exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer, row_var, col_var, step, ...
+    piece: Piece | None  # its region (the parameter's own piece when shaped and sharded like it); None: scalar
+    dtype: torch.dtype
+
+    @property
+    def scalar(self) -> bool:
+        """A 0-dim state (`step`): one per tensor, shared by the operators sliced from it."""
+        return self.piece is None
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * (1 if self.piece is None else self.piece.numel)
+
+
 @dataclass
 class Operator:
     name: str
@@ -72,15 +93,29 @@ class Operator:
     pieces: list[Piece] = field(default_factory=list)
     moe: str | None = None  # module path of its MoE block (expert and router operators)
     modules: tuple[str, ...] = ()  # router operators: the modules whose forward routes (for hooks)
+    # Tensors this operator owns only a slice of, and the dims it is cut along (grouped experts: dim 0). The same
+    # on every rank (a rank may hold no piece of it), so an update rule that couples a whole tensor is checked
+    # against it identically everywhere.
+    cuts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Optimizer state per parameter fqn (optim_state.describe_optimizer_state). None: not described, slots hold
+    # the AdamW layout (fp32 master, exp_avg, exp_avg_sq, step), as planners without an optimizer assume.
+    state: dict[str, tuple[StatePiece, ...]] | None = None
 
     def param_numel(self) -> int:
         return sum(p.numel for p in self.pieces if p.is_param)
 
     def full_bytes(self, master_itemsize: int = 4, optim_states: int = 2) -> int:
-        """Master weights + optimizer moments (+ step) + buffers, as copied for an ACTIVE operator."""
-        params = self.param_numel() * master_itemsize * (1 + optim_states)
-        steps = 8 * len({p.fqn for p in self.pieces if p.is_param})
-        return params + steps + self.buffer_bytes()
+        """Master weights + optimizer state + buffers, as copied for an ACTIVE operator: the real bytes of the
+        described optimizer state (scalars such as `step` once per tensor), else the AdamW layout."""
+        if self.state is None:
+            params = self.param_numel() * master_itemsize * (1 + optim_states)
+            steps = 8 * len({p.fqn for p in self.pieces if p.is_param})
+            return params + steps + self.buffer_bytes()
+        n = self.buffer_bytes()
+        for p in self.pieces:
+            if p.is_param:
+                n += p.numel * p.dtype.itemsize + sum(s.nbytes for s in self.state.get(p.fqn, ()))
+        return n
 
     def compute_bytes(self, compute_itemsize: int) -> int:
         """Compute weights (+ buffers used in forward), as copied for a FROZEN operator."""
@@ -94,7 +129,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _local_offset(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def local_offset(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(global offset, local shape) of this rank's shard of `t`."""
     if isinstance(t, DTensor):
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
@@ -103,7 +138,7 @@ def _local_offset(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def _whole_piece(fqn: str, t: torch.Tensor, is_param: bool) -> Piece | None:
-    offset, shape = _local_offset(t)
+    offset, shape = local_offset(t)
     if any(s == 0 for s in shape) and t.dim() > 0 and not is_param:
         return None  # uneven sharding left this rank empty
     # An empty shard of a parameter still has optimizer state on this rank: its step counter (a slot holds it).
@@ -112,7 +147,7 @@ def _whole_piece(fqn: str, t: torch.Tensor, is_param: bool) -> Piece | None:
 
 def _expert_piece(fqn: str, t: torch.Tensor, expert: int, is_param: bool) -> Piece | None:
     """The rows of expert `expert` (dim 0) held by this rank, whatever dim the tensor is sharded on."""
-    offset, shape = _local_offset(t)
+    offset, shape = local_offset(t)
     lo = expert - offset[0]
     if lo < 0 or lo >= shape[0] or any(s == 0 for s in shape[1:]):
         return None
@@ -157,7 +192,7 @@ def discover_operators(model: nn.Module, spec: OperatorSpec | None = None) -> li
         layer, base = layer_of[moe.path if moe.path in layer_of else unit(moe.path)], _clean(moe.path)
         for e in range(moe.num_experts):
             name = f"{base}.experts.{e}" if base else f"experts.{e}"
-            ops[name] = Operator(name, "expert", layer, e, moe=moe.path)
+            ops[name] = Operator(name, "expert", layer, e, moe=moe.path, cuts={fqn: (0,) for fqn in moe.grouped})
             for fqn in moe.grouped:
                 add(name, "expert", fqn, _expert_piece(fqn, tensors[fqn], e, fqn in params))
             for fqn in moe.per_expert[e] if moe.per_expert else ():
@@ -212,12 +247,12 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def agreed_sizes(
     ops: dict[str, Operator], compute_dtype: torch.dtype, group=None
 ) -> tuple[dict[str, int], dict[str, int]]:
-    """Full and compute bytes per operator, the max over `group` (one collective when a process group is
-    up), so every rank plans the same window from the same sizes."""
+    """Full and compute bytes per operator, the max over `group`'s ranks (one collective on the library's gloo
+    group when a process group is up), so every rank plans the same window from the same sizes."""
     names = list(ops)
     sizes = torch.tensor(
         [[ops[n].full_bytes(), ops[n].compute_bytes(compute_dtype.itemsize)] for n in names], dtype=torch.float64
     )
     if dist.is_initialized():
-        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=library_group(group))
     return ({n: int(sizes[i, 0]) for i, n in enumerate(names)}, {n: int(sizes[i, 1]) for i, n in enumerate(names)})

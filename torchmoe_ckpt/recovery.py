@@ -15,11 +15,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .dcp.tiers import Tiers, all_gather_objects, recover_from_tiers
 from .errors import UnusableCheckpointError
 from .identity import IdentityMismatch, RunIdentity, allowed_changes, build_identity, refusal
 from .operators import Operator
+from .optim_state import describe_optimizer_state
+from .replay_check import ReplayPolicy, replay_verdict
 from .sparse_to_dense import Replayable, sparse_to_dense
+from .storage.recover import all_gather_objects, recover_from_tiers
+from .storage.tiers import Tiers
 from .window import Window
 
 log = logging.getLogger("torchmoe_ckpt.recovery")
@@ -48,6 +51,7 @@ def recover(
     identity: RunIdentity | None = None,
     watchdog=None,
     on_unusable: str = "fail",
+    replay_check: ReplayPolicy | None = None,
 ) -> ResumeResult:
     """Collective. Loads the newest usable window into `trainer` (freshly built) and replays it; with no
     window on any tier returns `recovered_step=None` and leaves the trainer untouched. `before_replay` is
@@ -59,15 +63,19 @@ def recover(
     the next window's load overwrites every operator's state). When windows exist but all belong to another
     run, `IdentityMismatch` is raised with one line naming the difference and the fix. When windows exist but
     every one is rejected (corrupt, torn, replay diverged), `on_unusable="fail"` raises `UnusableCheckpointError`
-    on every rank (each window and why, and the fixes; nothing is deleted), "restart" starts over (step 0)."""
+    on every rank (each window and why, and the fixes; nothing is deleted), "restart" starts over (step 0).
+    `replay_check` (default exact): how each replayed iteration is checked against the log (replay_check.py)."""
     # `watchdog` (a CollectiveWatchdog) watches the whole recovery: a rank frozen during fetch, agreement or
     # replay ends the others within its timeout instead of the process-group timeout.
     with watchdog.watch("recovery") if watchdog is not None else nullcontext():
-        return _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity, on_unusable)
+        return _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity, on_unusable, replay_check)
 
 
-def _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity, on_unusable) -> ResumeResult:
+def _recover(
+    trainer, tiers, ops, compute_dtype, rank, before_replay, identity, on_unusable, replay_check
+) -> ResumeResult:
     t0 = time.perf_counter()
+    describe_optimizer_state(trainer.model, ops, trainer.optimizer)  # the slots' layout of the optimizer state
     if identity is None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         identity = build_identity(trainer.model, trainer.optimizer, compute_dtype, ops, tiers.host.dir.name, world)
@@ -78,7 +86,7 @@ def _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity, 
             done["saved"] = _snapshot(trainer)
         if before_replay is not None:
             before_replay(window)
-        done["report"] = sparse_to_dense(trainer, window)
+        done["report"] = sparse_to_dense(trainer, window, replay_check)
 
     window, found = recover_from_tiers(
         tiers.host, tiers.replicator, ops, compute_dtype, store=tiers.store, identity=identity, use=replay
@@ -103,8 +111,7 @@ def _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity, 
                 "; ".join(changed),
             )
         log.info(
-            "event=recovered run=%s window=%d source=%s steps=%d..%d replayed=%d bytes=%d seconds=%.3f rejected=%s: "
-            "every replayed loss matched the original run bit for bit",
+            "event=recovered run=%s window=%d source=%s steps=%d..%d replayed=%d bytes=%d seconds=%.3f rejected=%s: %s",
             identity.run_id,
             window.id,
             found.get("source"),
@@ -114,6 +121,7 @@ def _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity, 
             rep.bytes_loaded,
             report["total_seconds"],
             rejected or "none",
+            replay_verdict(report),
         )
     return ResumeResult(window, rep.recovered_step, report)
 
@@ -193,8 +201,9 @@ def unusable_message(run_id: str | None, run_dir, windows: dict[int, dict[str, l
             "a replay did not reproduce the logged loss: the step function depends on something the checkpoint "
             "does not capture, most often randomness outside torch's CPU generator (random.random(), numpy, "
             "an RNG of your own inside forward: draw it from torch instead), a non-persistent buffer or Python "
-            "attribute that changes during training, or a non-deterministic kernel; fix that and the next run's "
-            "windows replay exactly"
+            "attribute that changes during training, or a non-deterministic kernel (on a GPU: turn on deterministic "
+            "kernels, docs/gpu.md, or accept a bounded deviation with replay_check='tolerant'); fix that and the "
+            "next run's windows replay exactly"
         )
     else:
         cause = (

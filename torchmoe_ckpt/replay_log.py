@@ -1,11 +1,15 @@
 """Per-iteration record of what exact replay needs.
 
 Frozen operators compute no trustworthy weight gradients during replay, so the global gradient norm used
-for clipping cannot be recomputed: it is logged. The batch, RNG state and LR are logged too, and the loss
-is kept so that every replayed iteration is checked bit-for-bit against the original.
+for clipping cannot be recomputed: it is logged. The batch, RNG state (CPU and device generators: rng.py) and
+LR are logged too, and the loss is kept so that every replayed iteration is checked against the original
+(bit for bit, or within a stated bound: replay_check.py). Every tensor of a record is a host tensor; on a GPU
+it is filled by an asynchronous copy that has landed once the slot copy of its iteration is done.
 
-Replay applies the *logged* learning rates (every param group), not the schedule's: a run extended with more
-steps or a changed schedule has another schedule now, but the iterations being replayed used the old one."""
+Replay applies the *logged* learning rates and other hyper-parameters (every param group of every optimizer:
+momentum and betas that a OneCycleLR cycles, a weight decay changed by hand), not the schedule's: a run extended
+with more steps or a changed schedule has another schedule now, but the iterations being replayed used the old
+one."""
 
 from __future__ import annotations
 
@@ -13,6 +17,33 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_leaves
+
+from . import rng
+from .optim_state import optimizer_list
+
+# Group entries that are not hyper-parameters of the update (or never change): not logged.
+_NOT_HYPER = frozenset(
+    {"params", "param_names", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable"}
+)
+
+
+def group_hyper(param_groups: list[dict]) -> tuple[dict, ...]:
+    """Every group's numeric hyper-parameters other than the LR (momentum, betas, weight decay, eps, ...), in
+    group order: what an update read besides the LR (numbers as they are, tensor-valued ones as copies)."""
+    out = []
+    for g in param_groups:
+        h = {}
+        for k, v in g.items():
+            if k in _NOT_HYPER:
+                continue
+            if torch.is_tensor(v) and v.numel() == 1:
+                h[k] = v.detach().clone()  # a copy on its device: no host sync on the training thread
+            elif isinstance(v, (bool, int, float)):
+                h[k] = v
+            elif isinstance(v, (tuple, list)) and v and all(isinstance(x, (bool, int, float)) for x in v):
+                h[k] = list(v)
+        out.append(h)
+    return tuple(out)
 
 
 @dataclass
@@ -25,11 +56,13 @@ class IterationRecord:
     rng_state: torch.Tensor  # CPU RNG state at the start of the step
     loss_scale: float = 1.0  # no dynamic loss scaling in fp32/bf16 training; kept for fp16 users
     lrs: tuple[float, ...] | None = None  # every param group's LR in this step (None: all groups used `lr`)
+    device_rng: dict | None = None  # device generators' states at the start of the step (rng.capture; None: CPU)
+    hyper: tuple[dict, ...] | None = None  # every param group's other hyper-parameters (`group_hyper`)
 
     def nbytes(self) -> int:
         return sum(
             t.numel() * t.element_size()
-            for t in tree_leaves((self.tokens, self.grad_norm, self.loss, self.rng_state))
+            for t in tree_leaves((self.tokens, self.grad_norm, self.loss, self.rng_state, self.device_rng))
             if torch.is_tensor(t)
         )
 
@@ -43,6 +76,8 @@ class IterationRecord:
             "rng_state": self.rng_state,
             "loss_scale": self.loss_scale,
             "lrs": None if self.lrs is None else list(self.lrs),
+            **({"device_rng": self.device_rng} if self.device_rng else {}),  # CPU records stay as they were
+            "hyper": None if self.hyper is None else list(self.hyper),
         }
 
     @staticmethod
@@ -50,6 +85,8 @@ class IterationRecord:
         d = dict(d)
         if d.get("lrs") is not None:
             d["lrs"] = tuple(d["lrs"])
+        if d.get("hyper") is not None:
+            d["hyper"] = tuple(d["hyper"])
         return IterationRecord(**d)
 
 
@@ -61,19 +98,46 @@ class Replay:
     grad_norm: torch.Tensor
     rng_state: torch.Tensor
     lrs: tuple[float, ...] = ()  # the LR of each param group in the original iteration
+    device_rng: dict | None = None  # device generators' states (rng.py)
+    hyper: tuple[dict, ...] = ()  # each param group's other hyper-parameters in the original iteration
 
     @staticmethod
     def of(rec: IterationRecord) -> Replay:
-        return Replay(rec.tokens, rec.grad_norm, rec.rng_state, rec.lrs if rec.lrs is not None else (rec.lr,))
+        lrs = rec.lrs if rec.lrs is not None else (rec.lr,)
+        return Replay(rec.tokens, rec.grad_norm, rec.rng_state, lrs, device_rng=rec.device_rng, hyper=rec.hyper or ())
 
-    def apply_lrs(self, optimizer: torch.optim.Optimizer) -> None:
-        """Set every param group's LR to the logged one (call right before `optimizer.step()`)."""
-        lrs = self.lrs if len(self.lrs) == len(optimizer.param_groups) else self.lrs[:1] * len(optimizer.param_groups)
-        for group, lr in zip(optimizer.param_groups, lrs):
-            if torch.is_tensor(group["lr"]):
-                group["lr"].fill_(lr)
-            else:
-                group["lr"] = lr
+    def restore_rng(self) -> None:
+        """Every generator back to where the original iteration started (call before its forward)."""
+        rng.restore(self.rng_state, self.device_rng)
+
+    def apply_lrs(self, optimizer) -> None:
+        """Set every param group's LR and logged hyper-parameters (all optimizers' groups, in order: a list, a
+        container or one optimizer) to the logged ones. Call right before the optimizer step. No LRs given: the
+        groups keep what the schedule set."""
+        groups = [g for o in optimizer_list(optimizer) for g in o.param_groups]
+        if not self.lrs:  # none logged (re-executing iterations the schedule still gives): the schedule's LRs
+            return
+        if len(self.lrs) != len(groups):  # one LR for several groups (Muon's and AdamW's differ): not guessed
+            raise ValueError(
+                f"the replay record holds {len(self.lrs)} learning rate(s) for {len(groups)} param groups: record "
+                "every group's LR, of every optimizer in order (IterationRecord.lrs)"
+            )
+        for group, lr in zip(groups, self.lrs):
+            _set(group, "lr", lr)
+        if len(self.hyper) == len(groups):
+            for group, hyper in zip(groups, self.hyper):
+                for k, v in hyper.items():
+                    _set(group, k, v)
+
+
+def _set(group: dict, key: str, value) -> None:
+    cur = group.get(key)
+    if torch.is_tensor(cur):
+        cur.fill_(value)
+    elif isinstance(cur, tuple):
+        group[key] = tuple(value)
+    else:
+        group[key] = value
 
 
 class ReplayLog:

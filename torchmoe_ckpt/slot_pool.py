@@ -3,9 +3,10 @@
 A popularity reorder (or a new W) moves operators between slots; it does not change what any operator's
 items are. Building a plan's slots item by item (~2,000 items on a 4 x 32-expert model) costs milliseconds of
 Python on the training thread at every window start; here an operator's items for one slot -- its full state
-(`"full"`: master weights, optimizer moments, buffers) or its compute weights (`"compute"`) -- are one group,
-taken and given back whole with their buffers. Step counters are one group per tensor (one counter is
-shared by the experts sliced from that tensor). Slots built here hold the same items as `build_slot`'s.
+(`"full"`: master weights, optimizer state, buffers) or its compute weights (`"compute"`) -- are one group,
+taken and given back whole with their buffers. 0-dim optimizer states (step counters) are one group per tensor
+(one counter is shared by the experts sliced from that tensor). Slots built here hold the same items as
+`build_slot`'s (`snapshot.full_specs` says what a full copy holds).
 
     pool = SlotPool(ops, compute_dtype)
     slots = pool.build(plan)        # reuses given-back groups, allocates the rest once
@@ -20,7 +21,7 @@ import torch
 
 from .operators import Operator, Piece
 from .schedule import WindowPlan
-from .snapshot import Slot, SlotItem
+from .snapshot import Slot, SlotItem, full_specs
 
 Group = tuple[list[SlotItem], int]  # (items, bytes)
 
@@ -33,6 +34,7 @@ class SlotPool:
         # relabelled to the operator that takes them (a reorder changes how many compute copies each needs).
         self._free: dict[tuple, list[Group]] = {}
         self._specs: dict[tuple[str, str], list[tuple]] = {}  # (form, op) -> [(key, role, piece, shape, dtype)]
+        self._scalars: dict[str, list[tuple]] = {}  # op -> [(fqn, piece, [(state key, dtype)])]
         # id(slot) -> (the slot, weakly: an id is reused once its slot is gone; its groups by pool key; its bytes)
         self._groups: dict[int, tuple[weakref.ref, list[tuple[tuple, Group]], int]] = {}
         self.allocated_groups = 0  # groups made with new buffers (the rest were reused)
@@ -43,16 +45,15 @@ class SlotPool:
         slots = []
         for i, sp in enumerate(plan.slots):
             groups: list[tuple[tuple, Group]] = []
-            first: dict[str, tuple[Piece, str]] = {}  # step counters: the tensor's first piece in slot order
+            first: dict[str, tuple[Piece, str, list]] = {}  # 0-dim states: the tensor's first piece in slot order
             for name in sp.active:
-                for pc in self.ops[name].pieces:
-                    if pc.is_param:
-                        first.setdefault(pc.fqn, (pc, name))
+                for fqn, pc, sc in self._scalar_spec(name):
+                    first.setdefault(fqn, (pc, name, sc))
                 groups.append(self._take("full", name, need))
-            for fqn, (pc, name) in first.items():
-                key, g = self._take("step", fqn, need, pc)
-                it = g[0][0]
-                it.key, it.piece, it.op = f"optim.{fqn}.step", pc, name
+            for fqn, (pc, name, sc) in first.items():
+                key, g = self._take("scalar", fqn, need, pc, sc)
+                for it, (k, _dt) in zip(g[0], sc):
+                    it.key, it.piece, it.op = f"optim.{fqn}.{k}", pc, name
                 groups.append((key, g))
             for name in sp.frozen:
                 groups.append(self._take("compute", name, need))
@@ -86,9 +87,11 @@ class SlotPool:
         return got[2] if got is not None and got[0]() is slot else slot.nbytes
 
     # ---- groups --------------------------------------------------------------------------------------
-    def _take(self, form: str, name: str, need: dict, piece: Piece | None = None) -> tuple[tuple, Group]:
-        if form == "step":
-            key, specs = ("step",), None
+    def _take(
+        self, form: str, name: str, need: dict, piece: Piece | None = None, scalars: list | None = None
+    ) -> tuple[tuple, Group]:
+        if form == "scalar":  # `name` is the tensor's fqn; its items are relabelled by the caller
+            key, specs = ("scalar",) + tuple(scalars), None
         else:
             specs = self._spec(form, name)
             key = ("full", name) if form == "full" else ("compute",) + tuple((sh, dt) for _, _, _, sh, dt in specs)
@@ -101,8 +104,8 @@ class SlotPool:
                     it.key, it.role, it.piece, it.op = k, role, pc, name
             return key, g
         self.allocated_groups += 1
-        if form == "step":
-            its = [SlotItem(f"optim.{name}.step", "step", "", piece, self._alloc((), torch.float32))]
+        if form == "scalar":
+            its = [SlotItem(f"optim.{name}.{k}", k, "", piece, self._alloc((), dt)) for k, dt in scalars]
         else:
             its = [SlotItem(k, role, name, pc, self._alloc(sh, dt)) for k, role, pc, sh, dt in specs]
         return key, (its, sum(it.nbytes for it in its))
@@ -111,24 +114,24 @@ class SlotPool:
         got = self._specs.get((form, name))
         if got is not None:
             return got
-        out = []
-        for pc in self.ops[name].pieces:
-            if form == "compute" and pc.numel == 0:
-                continue
-            if not pc.is_param:
-                out.append((f"model.{pc.fqn}", "buffer", pc, pc.shape, pc.dtype))
-            elif pc.numel == 0:  # uneven sharding left this rank no elements (its step counter is its own group)
-                continue
-            elif form == "full":
-                out += [
-                    (f"model.{pc.fqn}", "master", pc, pc.shape, torch.float32),
-                    (f"optim.{pc.fqn}.exp_avg", "exp_avg", pc, pc.shape, torch.float32),
-                    (f"optim.{pc.fqn}.exp_avg_sq", "exp_avg_sq", pc, pc.shape, torch.float32),
-                ]
-            else:
-                out.append((f"compute.{pc.fqn}", "compute", pc, pc.shape, self.compute_dtype))
+        if form == "full":
+            out = full_specs(self.ops[name])[0]
+        else:
+            out = [
+                (f"compute.{pc.fqn}", "compute", pc, pc.shape, self.compute_dtype)
+                if pc.is_param
+                else (f"model.{pc.fqn}", "buffer", pc, pc.shape, pc.dtype)
+                for pc in self.ops[name].pieces
+                if pc.numel > 0
+            ]
         self._specs[(form, name)] = out
         return out
+
+    def _scalar_spec(self, name: str) -> list[tuple]:
+        got = self._scalars.get(name)
+        if got is None:
+            got = self._scalars[name] = full_specs(self.ops[name])[1]
+        return got
 
     def _alloc(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)

@@ -1,12 +1,14 @@
 """Per-iteration capture of one slot into host buffers that are allocated once and reused.
 
-A slot holds, for its ACTIVE operators, the full state (fp32 master weights, AdamW exp_avg/exp_avg_sq,
-step, buffers) and, for the operators whose full copy comes later in the window, only the compute weights
+A slot holds, for its ACTIVE operators, the full state (master weights, every tensor of their parameters'
+optimizer state -- AdamW's exp_avg/exp_avg_sq/step, SGD's momentum_buffer, ... as `optim_state` describes it --
+and buffers) and, for the operators whose full copy comes later in the window, only the compute weights
 (bf16/fp16 cast, or fp32 in pure fp32 training). Each captured tensor is a `SlotItem` that already knows
 its DCP identity (key, global offsets, global size), so storage tiers write it without reshaping.
 
-The copy runs off the training thread: on CPU a worker thread, on CUDA pinned buffers and a side stream.
-The training thread waits only when the next update would overwrite a source still being copied.
+The copy runs off the training thread: on CPU a worker thread, on CUDA pinned buffers and a side stream
+(device_copy.py). The training thread waits only when the next update would overwrite a source still being
+copied, and on CUDA that wait is on the device.
 """
 
 from __future__ import annotations
@@ -23,16 +25,17 @@ from torch import nn
 
 from . import faults
 from .background import stop_at_exit
+from .device_copy import CopyStream
 from .errors import TorchmoeError
-from .operators import Operator, Piece, local_tensor
+from .operators import Operator, Piece, StatePiece, local_tensor
 
-ROLES_FULL = ("master", "exp_avg", "exp_avg_sq")
+ROLES_FULL = ("master", "exp_avg", "exp_avg_sq")  # AdamW's full-state roles (other optimizers: their state keys)
 
 
 @dataclass
 class SlotItem:
     key: str  # DCP fqn, e.g. "model.<param>", "optim.<param>.exp_avg", "compute.<param>"
-    role: str  # master | exp_avg | exp_avg_sq | step | compute | buffer
+    role: str  # master | compute | buffer | the optimizer state key (exp_avg, step, momentum_buffer, row_var, ...)
     op: str  # owning operator
     piece: Piece
     buffer: torch.Tensor
@@ -46,9 +49,10 @@ class SlotItem:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-        offsets = torch.Size(self.piece.global_offset if self.role != "step" else ())
-        sizes = torch.Size(self.piece.shape if self.role != "step" else ())
-        glob = torch.Size(self.piece.global_shape if self.role != "step" else ())
+        scalar = self.buffer.dim() == 0  # a 0-dim state (step) is one whole tensor, whatever piece carries it
+        offsets = torch.Size(() if scalar else self.piece.global_offset)
+        sizes = torch.Size(() if scalar else self.piece.shape)
+        glob = torch.Size(() if scalar else self.piece.global_shape)
         return WriteItem(
             index=MetadataIndex(self.key, offsets),
             type=WriteItemType.SHARD,
@@ -101,10 +105,39 @@ class StateAccess:
         p = self.params[piece.fqn]
         if item.role in ("master", "compute"):
             return local_tensor(p)[piece.local_slices]
-        state = self.optimizer.state[p]
-        if item.role == "step":
-            return state["step"]
-        return local_tensor(state[item.role])[piece.local_slices]
+        v = local_tensor(self.optimizer.state[p][item.role])
+        return v if v.dim() == 0 else v[piece.local_slices]  # a factored state's piece is cut to its own shape
+
+
+_ADAMW_LAYOUT = (("exp_avg", False), ("exp_avg_sq", False), ("step", True))
+
+
+def full_specs(op: Operator) -> tuple[list[tuple], list[tuple]]:
+    """What an ACTIVE operator's full copy holds: per tensor piece (key, role, piece, shape, dtype) -- master
+    weights, the optimizer state that is not 0-dim, buffers -- and per parameter its 0-dim states
+    (fqn, piece, [(key, dtype)]), which a slot holds once per tensor (shared by the experts cut from it). From the
+    operator's described optimizer state (`Operator.state`), else the AdamW layout with fp32 masters."""
+    items: list[tuple] = []
+    scalars: list[tuple] = []
+    for pc in op.pieces:
+        if not pc.is_param:
+            items.append((f"model.{pc.fqn}", "buffer", pc, pc.shape, pc.dtype))
+            continue
+        if op.state is None:
+            master = torch.float32
+            state = [StatePiece(k, None if sc else pc, torch.float32) for k, sc in _ADAMW_LAYOUT]
+        else:
+            master, state = pc.dtype, op.state.get(pc.fqn, ())
+        sc = [(s.key, s.dtype) for s in state if s.scalar]
+        if sc:  # uneven sharding may leave this rank no elements of the tensor, but its step counter
+            scalars.append((pc.fqn, pc, sc))
+        if pc.numel == 0:
+            continue
+        items.append((f"model.{pc.fqn}", "master", pc, pc.shape, master))
+        for s in state:
+            if not s.scalar and s.piece.numel > 0:
+                items.append((f"optim.{pc.fqn}.{s.key}", s.key, s.piece, s.piece.shape, s.dtype))
+    return items, scalars
 
 
 def build_slot(
@@ -119,28 +152,19 @@ def build_slot(
     """Allocate the host buffers of one slot (done once per window plan, then reused). `alloc(shape, dtype)`
     replaces the allocator (meta tensors: the slot's layout without memory, as DCP planners use it)."""
     items: list[SlotItem] = []
-    seen_steps: set[str] = set()
+    seen_scalars: set[str] = set()
     if alloc is None:
 
         def alloc(shape, dtype) -> torch.Tensor:
             return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
 
     for name in active:
-        for pc in ops[name].pieces:
-            if not pc.is_param:
-                items.append(SlotItem(f"model.{pc.fqn}", "buffer", name, pc, alloc(pc.shape, pc.dtype)))
-                continue
-            if pc.numel == 0:  # uneven sharding left this rank no elements, but a step counter
-                if pc.fqn not in seen_steps:
-                    seen_steps.add(pc.fqn)
-                    items.append(SlotItem(f"optim.{pc.fqn}.step", "step", name, pc, alloc((), torch.float32)))
-                continue
-            items.append(SlotItem(f"model.{pc.fqn}", "master", name, pc, alloc(pc.shape, torch.float32)))
-            items.append(SlotItem(f"optim.{pc.fqn}.exp_avg", "exp_avg", name, pc, alloc(pc.shape, torch.float32)))
-            items.append(SlotItem(f"optim.{pc.fqn}.exp_avg_sq", "exp_avg_sq", name, pc, alloc(pc.shape, torch.float32)))
-            if pc.fqn not in seen_steps:  # one step counter per tensor, shared by the experts sliced from it
-                seen_steps.add(pc.fqn)
-                items.append(SlotItem(f"optim.{pc.fqn}.step", "step", name, pc, alloc((), torch.float32)))
+        full, scalars = full_specs(ops[name])
+        items += [SlotItem(key, role, name, pc, alloc(shape, dt)) for key, role, pc, shape, dt in full]
+        for fqn, pc, sc in scalars:
+            if fqn not in seen_scalars:  # one step counter per tensor, shared by the experts sliced from it
+                seen_scalars.add(fqn)
+                items += [SlotItem(f"optim.{fqn}.{k}", k, name, pc, alloc((), dt)) for k, dt in sc]
     for name in frozen:
         for pc in ops[name].pieces:
             if pc.numel == 0:
@@ -158,26 +182,50 @@ class SimulatedCopyFault(TorchmoeError, RuntimeError):
     """Raised by the fault hook to tear a slot copy in the middle (failure-injection tests)."""
 
 
-class SnapshotEngine:
-    """Copies slots off the training thread and measures how long the training thread waits for it."""
+@dataclass
+class _Job:
+    """One slot copy in flight. `released`: the sources may be overwritten once the training stream is ordered
+    after `end` (CUDA: as soon as the copies are queued; CPU: once they are done)."""
 
-    def __init__(self, access: StateAccess, use_cuda: bool = False):
+    slot: Slot
+    step: int
+    srcs: list[torch.Tensor]
+    dsts: list[torch.Tensor]
+    ready: object  # CopyStream.mark_ready()
+    keep: list[torch.Tensor]  # device staging copies of buffers, alive until the copy is done
+    end: object = None
+    released: threading.Event = field(default_factory=threading.Event)
+
+
+class SnapshotEngine:
+    """Copies slots off the training thread and measures how long the training thread waits for it.
+
+    One code path for CPU and CUDA (device_copy.CopyStream): the copy thread copies a slot's items with two
+    batched `_foreach_copy_` calls (casts to the compute dtype on the source device), with the fault point between
+    them. On CUDA they are queued on a side stream after the optimizer step's event and the next update waits for
+    them on the device (`wait`), not on the host; the host waits for a copy to be *done* only at a window commit
+    (`wait_done`). On CPU the copy thread does the copy and `wait` returns once it is done."""
+
+    def __init__(self, access: StateAccess, device: torch.device | str | None = None):
         self.access = access
-        self.use_cuda = use_cuda and torch.cuda.is_available()
-        self.inflight: Slot | None = None
+        if device is None:  # where the model lives: its slots are copied from there
+            device = next((local_tensor(p).device for p in access.params.values()), torch.device("cpu"))
+        self.copier = CopyStream(device)
+        self.use_cuda = self.copier.cuda
+        self.inflight: _Job | None = None  # not yet released: the next update waits for it
+        self._last: _Job | None = None  # the newest job, maybe not done
         self.wait_seconds_total = 0.0
         self.waits: list[float] = []
-        # What copies cost under training (for pricing the window): the last one as (bytes, wall s, copy-thread
-        # CPU s), and totals over every finished copy.
+        # What copies cost under training (for pricing the window): the last one as (bytes, copy s, copy-thread
+        # CPU s), and totals over every finished copy. On CUDA the seconds are the copy alone (CUDA events).
         self.last_copy: tuple[int, float, float] | None = None
         self.copy_totals = {"copies": 0, "bytes": 0, "wall_s": 0.0, "cpu_s": 0.0}
-        self._sources: dict[int, tuple] = {}  # id(slot) -> (slot ref, state key, source views): see capture
+        self._sources: dict[int, tuple] = {}  # id(slot) -> (slot ref, state key, sources, buffers, buffer items)
         self._views_key: tuple | None = None  # the state key the per-piece views below were resolved under
         self._views: dict[tuple, tuple] = {}  # (id(piece), role) -> (piece, live view)
         # One-shot hook called with (slot, items_copied); may raise SimulatedCopyFault to tear the copy.
         self.fault_hook: Callable[[Slot, int], None] | None = None
         self._jobs: queue.Queue = queue.Queue()
-        self._stream = torch.cuda.Stream() if self.use_cuda else None
         self._thread = threading.Thread(target=self._run, name="tmoe-snapshot", daemon=True)
         self._thread.start()
         stop_at_exit(self)
@@ -187,9 +235,29 @@ class SnapshotEngine:
         self.wait()
         slot.done.clear()
         slot.error, slot.step = None, None
-        # Resolving each item to its live tensor (lookups and a slice, ~4 us) costs milliseconds per capture for
-        # hundreds of items on the training thread: resolve a slot once and reuse the views while the model's
-        # and optimizer's tensors are the same storage (a new optimizer state or a reload changes the key).
+        srcs, dsts, buffer_items = self._resolve(slot)
+        keep: list[torch.Tensor] = []
+        with torch.no_grad():
+            for it in buffer_items:
+                # Buffers may change in the next forward (counters, running stats), before the next update that
+                # the copy is ordered against: on CPU copied now (they are small); on CUDA staged on the device
+                # now (queued, no wait) and copied to the host with the rest.
+                src = self.access.source(it)
+                if self.use_cuda:
+                    keep.append(src.clone())
+                else:
+                    it.buffer.copy_(src)
+        if keep:
+            srcs, dsts = srcs + keep, dsts + [it.buffer for it in buffer_items]
+        job = _Job(slot, step, srcs, dsts, self.copier.mark_ready(), keep)
+        self.inflight = self._last = job
+        self._jobs.put(job)
+
+    def _resolve(self, slot: Slot) -> tuple[list, list, list]:
+        """(sources, host buffers, buffer items) of a slot. Resolving each item to its live tensor (lookups and a
+        slice, ~4 us) costs milliseconds per capture for hundreds of items on the training thread: a slot is
+        resolved once and reused while the model's and optimizer's tensors are the same storage (a new optimizer
+        state or a reload changes the key)."""
         acc = self.access
         key = tuple(local_tensor(t).data_ptr() for t in acc.params.values()) + tuple(
             local_tensor(v).data_ptr() for st in acc.optimizer.state.values() for v in st.values() if torch.is_tensor(v)
@@ -201,33 +269,21 @@ class SnapshotEngine:
             if self._views_key != key:
                 self._views_key, self._views = key, {}
             views = self._views
-            srcs = []
+            srcs, dsts, buffers = [], [], []
             for it in slot.items:
                 if it.role == "buffer":
-                    srcs.append(None)
+                    buffers.append(it)
                     continue
                 vk = (id(it.piece), it.role)
                 got = views.get(vk)
                 if got is None or got[0] is not it.piece:  # the piece is held, so its id is not reused
                     got = views[vk] = (it.piece, acc.source(it))
                 srcs.append(got[1])
-            self._sources[id(slot)] = hit = (weakref.ref(slot), key, srcs)
+                dsts.append(it.buffer)
+            self._sources[id(slot)] = hit = (weakref.ref(slot), key, srcs, dsts, buffers)
             while len(self._sources) > 64:  # slots dropped from the pool leave stale entries behind
                 self._sources.pop(next(iter(self._sources)))
-        pairs = []
-        with torch.no_grad():
-            for it, src in zip(slot.items, hit[2]):
-                if src is None:
-                    # Buffers may change in the next forward (counters, running stats), before the next update
-                    # that the copy thread is ordered against: copy them now, they are small.
-                    it.buffer.copy_(acc.source(it))
-                else:
-                    pairs.append((src, it.buffer))
-        self.inflight = slot
-        if self._stream is not None:
-            # Side stream: ordered after the optimizer step, overlapping the next forward/backward.
-            self._stream.wait_stream(torch.cuda.current_stream())
-        self._jobs.put((slot, step, pairs))
+        return hit[2], hit[3], hit[4]
 
     def shutdown(self) -> None:
         """Stop the copy thread (after a simulated crash, or at exit)."""
@@ -239,64 +295,89 @@ class SnapshotEngine:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        self.copier.bind_thread()
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            slot, step, pairs = job
-            t0, c0 = time.perf_counter(), time.thread_time()
-            try:
-                with torch.no_grad():
-                    if self._stream is not None:
-                        with torch.cuda.stream(self._stream):
-                            for src, dst in pairs:
-                                dst.copy_(src, non_blocking=True)
-                        self._stream.synchronize()
-                    else:
-                        # Two batched calls instead of one Python call per item: each call drops the GIL once
-                        # for the whole batch (per-item calls contend for it with the training thread).
-                        half = len(pairs) // 2
-                        if half:
-                            torch._foreach_copy_([d for _, d in pairs[:half]], [s for s, _ in pairs[:half]])
-                        if pairs:  # the tear point: half-way through the items, as before
-                            faults.point("snapshot_copy")
-                            if self.fault_hook is not None:
-                                hook, self.fault_hook = self.fault_hook, None
-                                hook(slot, half)
-                            torch._foreach_copy_([d for _, d in pairs[half:]], [s for s, _ in pairs[half:]])
-                slot.step = step
-            except BaseException as exc:  # surfaced to the training thread by wait()
-                slot.error = exc
-            slot.copy_seconds = time.perf_counter() - t0
-            if slot.error is None:
-                last = (sum(d.numel() * d.element_size() for _, d in pairs), slot.copy_seconds, time.thread_time() - c0)
-                tot = self.copy_totals
-                tot["copies"] += 1
-                tot["bytes"] += last[0]
-                tot["wall_s"] += last[1]
-                tot["cpu_s"] += last[2]
-                self.last_copy = last
-            slot.done.set()
+            self._copy(job)
+
+    def _copy(self, job: _Job) -> None:
+        slot, srcs, dsts = job.slot, job.srcs, job.dsts
+        t0, c0 = time.perf_counter(), time.thread_time()
+        seconds = None
+        try:
+            with torch.no_grad(), self.copier.context():
+                start = self.copier.begin(job.ready)
+                # Two batched calls instead of one Python call per item: each call drops the GIL once for the
+                # whole batch (per-item calls contend for it with the training thread).
+                half = len(srcs) // 2
+                if half:
+                    torch._foreach_copy_(dsts[:half], srcs[:half], non_blocking=self.use_cuda)
+                if srcs:  # the tear point: half-way through the items, on CPU and CUDA alike
+                    faults.point("snapshot_copy")
+                    if self.fault_hook is not None:
+                        hook, self.fault_hook = self.fault_hook, None
+                        hook(slot, half)
+                    torch._foreach_copy_(dsts[half:], srcs[half:], non_blocking=self.use_cuda)
+                job.end = self.copier.end()
+            if self.use_cuda:
+                job.released.set()  # queued: the update may be queued behind it (CopyStream.order_after)
+            seconds = self.copier.finish(start, job.end)
+            slot.step = job.step
+        except BaseException as exc:  # surfaced to the training thread by wait()
+            slot.error = exc
+        slot.copy_seconds = seconds if seconds is not None else time.perf_counter() - t0
+        if slot.error is None:
+            last = (sum(d.numel() * d.element_size() for d in dsts), slot.copy_seconds, time.thread_time() - c0)
+            tot = self.copy_totals
+            tot["copies"] += 1
+            tot["bytes"] += last[0]
+            tot["wall_s"] += last[1]
+            tot["cpu_s"] += last[2]
+            self.last_copy = last
+        job.keep.clear()
+        slot.done.set()
+        job.released.set()
 
     def wait(self) -> float:
-        """Block until the in-flight copy is finished; returns (and accumulates) the seconds waited."""
-        slot = self.inflight
-        if slot is None:
+        """Before the next update: block until the in-flight copy no longer needs its sources (CPU: it is done;
+        CUDA: it is queued, and the training stream now waits for it on the device). Returns (and accumulates)
+        the seconds waited; raises the copy's error."""
+        job = self.inflight
+        if job is None:
             return 0.0
         t0 = time.perf_counter()
-        slot.done.wait()
+        job.released.wait()
         waited = time.perf_counter() - t0
         self.inflight = None
         self.wait_seconds_total += waited
         self.waits.append(waited)
-        if slot.error is not None:
-            raise slot.error
+        if job.slot.error is not None:
+            raise job.slot.error
+        self.copier.order_after(job.end)
+        return waited
+
+    def wait_done(self) -> float:
+        """Block until the newest copy is on the host (a window commit reads it; on CPU it already is). Counted in
+        `wait_seconds_total`; raises the copy's error."""
+        self.wait()
+        job = self._last
+        if job is None:
+            return 0.0
+        t0 = time.perf_counter()
+        job.slot.done.wait()
+        waited = time.perf_counter() - t0
+        self.wait_seconds_total += waited
+        if job.slot.error is not None:
+            raise job.slot.error
         return waited
 
 
 @torch.no_grad()
 def restore_slot(slot: Slot, access: StateAccess, roles: tuple[str, ...] | None = None) -> int:
-    """Copy a slot back into live tensors (all items, or only those with the given roles). Returns bytes."""
+    """Copy a slot back into live tensors (all items, or only those with the given roles). Returns bytes.
+    The optimizer state must exist (`optim_state.init_optimizer_state`): it is loaded in place."""
     n = 0
     for it in slot.items:
         if roles is not None and it.role not in roles:

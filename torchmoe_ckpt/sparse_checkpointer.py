@@ -18,18 +18,21 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import SparseConfig
-from .dcp.host_tier import HostTier
-from .dcp.manifest import plan_digest
-from .dcp.slot_files import all_free, backing
-from .dcp.tier_writer import TierWriter
+from .device_copy import host_copy
+from .distributed import library_group
 from .errors import ConfigError
 from .identity import RunIdentity, build_identity
 from .operators import Operator, agreed_sizes, discover_operators, expert_grid
+from .optim_state import describe_optimizer_state
 from .popularity import PopularityTracker, order_experts, reorder_needed
 from .replay_log import IterationRecord
 from .schedule import CopyCost, WindowPlan, choose_window, copy_budget, measure_copy_bandwidth, plan_window
 from .slot_pool import SlotPool
 from .snapshot import Slot, SnapshotEngine, StateAccess, build_slot
+from .storage.host_tier import HostTier
+from .storage.manifest import plan_digest
+from .storage.persist_thread import PersistThread
+from .storage.slot_files import all_free, backing
 from .window import Window
 
 log = logging.getLogger("torchmoe_ckpt")
@@ -55,6 +58,7 @@ class SparseCheckpointer:
         agree_group: dist.ProcessGroup | None | object = _SAME_GROUP,
         ops: list[Operator] | None = None,
         identity: RunIdentity | None = None,
+        sum_counts: bool = False,
     ):
         """`group`: the ranks that plan windows together (same operators). `agree_group` (default: `group`;
         None = all ranks): the ranks that agree on the retention floor and copy bandwidth, wider under
@@ -62,12 +66,15 @@ class SparseCheckpointer:
         window ids start when windows already exist on the tiers (default: after `committed`, else 0). `ops`: the
         model's operators when the caller discovered them already (e.g. with an `OperatorSpec`). `identity`: the
         run identity written into every manifest and slot (default: built from the model, optimizer, compute
-        dtype and world size, with the host tier's run id); recovery refuses windows of another identity."""
+        dtype and world size, with the host tier's run id); recovery refuses windows of another identity.
+        `sum_counts`: the routed-token counts in `after_step`'s results are this rank's own; they are summed over
+        `group`'s ranks here, once per window (default: they are summed over the ranks already)."""
         self.cfg = cfg or SparseConfig()
         self.group = group
         self.agree_group = group if agree_group is _SAME_GROUP else agree_group
         self.compute_dtype = compute_dtype
         self.ops: list[Operator] = ops if ops is not None else discover_operators(model)
+        describe_optimizer_state(model, self.ops, optimizer)  # slot layout and sizes from the real optimizer state
         self.op_by_name = {o.name: o for o in self.ops}
         self.grid = expert_grid(self.ops)
         n_layers = 1 + max((layer for layer, _ in self.grid), default=-1)
@@ -88,13 +95,16 @@ class SparseCheckpointer:
             )
         self.identity = identity
         self._identity_dict = identity.to_dict()
-        use_cuda = any(p.is_cuda for p in model.parameters())
-        self.pin_memory = use_cuda
-        self.engine = SnapshotEngine(self.access, use_cuda=use_cuda)
+        self.engine = SnapshotEngine(self.access)  # on the model's device: a side stream on CUDA
+        use_cuda = self.engine.use_cuda
+        self.pin_memory = use_cuda  # pinned host buffers: device-to-host copies that do not block
+        self.sum_counts = sum_counts
+        # Routed-token counts per iteration, left on the device until the next window start needs the popularity.
+        self._pending_counts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.current: Window | None = None
         self.committed: Window | None = committed
         self._inherited = committed  # a window handed over after a restart (still the recovery fallback)
-        # Optional host-memory tier (dcp.host_tier.HostTier): slots persisted off the training thread.
+        # Optional host-memory tier (storage.host_tier.HostTier): slots persisted off the training thread.
         self.tier_writer = None
         if host_tier is not None and not isinstance(host_tier, HostTier):
             raise ConfigError(
@@ -102,11 +112,11 @@ class SparseCheckpointer:
                 "build_tiers(TierConfig(...)), or use torchmoe_ckpt.Checkpointer, which owns them"
             )
         if host_tier is not None:
-            self.tier_writer = TierWriter(host_tier, replicator, store)
+            self.tier_writer = PersistThread(host_tier, replicator, store)
         self._order: list[str] | None = None
         self._order_freq: torch.Tensor | None = None
         # Slot buffer sets by plan, reused. With the host tier on CPU they are views of shared-memory data files
-        # (dcp/slot_files.py: the snapshot copy is the persist); a set is reused only once the host tier has
+        # (storage/slot_files.py: the snapshot copy is the persist); a set is reused only once the host tier has
         # unlinked its files from every window (collected), so a committed window is never overwritten.
         self._pool: dict[tuple, list[list[Slot]]] = {}
         self._direct = host_tier.slot_files if host_tier is not None and not use_cuda else None
@@ -153,7 +163,7 @@ class SparseCheckpointer:
     def after_step(self, res) -> None:
         """Call right after the optimizer step of iteration `res.step` (a harness StepResult or alike)."""
         self.t_iter = res.seconds if self.t_iter is None else 0.7 * self.t_iter + 0.3 * res.seconds
-        self.tracker.update(res.expert_counts.double(), res.expert_probs.double())
+        self._pending_counts.append((res.expert_counts, res.expert_probs))  # read at the next window start
         self.cost.observe_step(res.seconds)
         self.engine.wait()
         self._observe_copy()
@@ -161,9 +171,18 @@ class SparseCheckpointer:
         t = res.step
         cur = self.current
         if cur is not None and cur.start_step < t < cur.start_step + cur.plan.window:
+            # Host copies queued, not awaited (device_copy.host_copy): they land before this iteration's slot copy.
             cur.log.add(
                 IterationRecord(
-                    t, res.tokens, res.grad_norm, res.lr, res.loss, res.rng_state, lrs=getattr(res, "lrs", None)
+                    t,
+                    host_copy(res.tokens),
+                    host_copy(res.grad_norm),
+                    res.lr,
+                    host_copy(res.loss),
+                    res.rng_state,
+                    lrs=getattr(res, "lrs", None),
+                    device_rng=getattr(res, "device_rng", None),
+                    hyper=host_copy(getattr(res, "hyper", None) or None),
                 )
             )
         if cur is None or cur.captured >= cur.plan.window:
@@ -194,7 +213,7 @@ class SparseCheckpointer:
         self.counters["slot_bytes"].append(self._cur_slot_bytes[t - cur.start_step])
 
     def close(self) -> None:
-        self.engine.wait()
+        self.engine.wait_done()
         self._observe_copy()
         self._maybe_commit()
 
@@ -241,6 +260,10 @@ class SparseCheckpointer:
     # ---- windows -------------------------------------------------------------------------------------
     def _maybe_commit(self) -> None:
         cur = self.current
+        if cur is not None and cur.captured == cur.plan.window:
+            # Committed at the same iteration on every rank (the floor agreement below is a collective): a CUDA
+            # copy may still be running, so wait for the last one here, once per window.
+            self.engine.wait_done()
         if cur is None or not cur.committed:
             return
         old, self.committed, self.current = self.committed, cur, None
@@ -278,10 +301,25 @@ class SparseCheckpointer:
         if not dist.is_initialized():
             return value
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=op, group=self.agree_group if group is _SAME_GROUP else group)
+        dist.all_reduce(t, op=op, group=library_group(self.agree_group if group is _SAME_GROUP else group))
         return float(t.item())
 
+    def _update_popularity(self) -> None:
+        """The routed-token counts of the iterations since the last window start, into the popularity tracker:
+        read here (one device-to-host copy per window, not one per iteration), summed over the planning group's
+        ranks first with `sum_counts` (one collective on the library's gloo group), then applied iteration by
+        iteration, in order, exactly as if each had been applied when it ran (counts are whole numbers)."""
+        pending, self._pending_counts = self._pending_counts, []
+        if not pending:
+            return
+        stats = torch.stack([torch.stack([c.double(), p.double()]) for c, p in pending]).cpu()  # [n, 2, L, E]
+        if self.sum_counts and dist.is_initialized():
+            dist.all_reduce(stats, group=library_group(self.group))
+        for s in stats:
+            self.tracker.update(s[0], s[1])
+
     def _operator_order(self) -> list[str]:
+        self._update_popularity()
         freq = self.tracker.frequencies()
         if self._order is None or reorder_needed(
             self._order_freq, freq, self.cfg.reorder_change, self.cfg.reorder_fraction
@@ -322,7 +360,7 @@ class SparseCheckpointer:
                 auto_w = int(agreed.item())
             nxt = torch.tensor([proposal], dtype=torch.float64)
             self._w_pending = (
-                dist.all_reduce(nxt, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+                dist.all_reduce(nxt, op=dist.ReduceOp.MAX, group=library_group(self.group), async_op=True)
                 if dist.is_initialized()
                 else None,
                 nxt,

@@ -11,7 +11,9 @@ original iteration (replayed or loaded), so activations, losses and all gradient
 gradients are still computed for FROZEN operators and reduced in the unchanged FSDP layout (changing the
 reduce-scatter layout changes the summation order with >= 3 ranks). Their optimizer update is computed on
 the whole grouped tensor too, but it lands only on FROZEN slices, which the next slot overwrites ("masked"):
-Adam is elementwise, so ACTIVE slices are untouched by what happens to their frozen neighbours.
+that is exact for updates that do not couple elements across operators, which `optim_state` checks per
+optimizer up front (Adam/AdamW/SGD are elementwise; Muon couples whole matrices, Adafactor whole tensors, so
+tensors cut into several operators are refused for them).
 """
 
 from __future__ import annotations
@@ -24,19 +26,27 @@ from typing import Protocol
 import torch
 
 from . import faults
-from .errors import TorchmoeError
+from .optim_state import init_optimizer_state  # also imported from here by callers
+from .replay_check import ReplayComparison, ReplayDivergence, ReplayPolicy
 from .replay_log import Replay
-from .snapshot import ROLES_FULL, StateAccess, restore_slot
+from .snapshot import StateAccess, restore_slot
 
 log = logging.getLogger("torchmoe_ckpt.sparse_to_dense")
 
-
-class ReplayDivergence(TorchmoeError, RuntimeError):
-    """A replayed iteration did not reproduce the logged loss, so the rebuilt state would not be the run's."""
+__all__ = [
+    "RecoveryReport",
+    "ReplayDivergence",
+    "Replayable",
+    "ReplayedStep",
+    "init_optimizer_state",
+    "load_window_slot",
+    "sparse_to_dense",
+]
 
 
 class ReplayedStep(Protocol):
-    loss: torch.Tensor  # this rank's loss of the replayed iteration, compared bit for bit
+    loss: torch.Tensor  # this rank's loss of the replayed iteration, compared with the logged one (replay_check.py)
+    # optional: `replayed_grad_norm`, the global norm of the replayed gradients (compared with the logged norm)
 
 
 class Replayable(Protocol):
@@ -65,34 +75,25 @@ class RecoveryReport:
     bytes_loaded: int
     seconds: float
     replay_seconds: float
+    replay_check: str = "exact"  # the policy the replay was checked with (replay_check.py)
+    exact: bool = True  # every replayed loss (and recomputed gradient norm) equal to the original bit for bit
+    max_loss_deviation: float = 0.0  # largest relative deviation of a replayed loss (0 when exact)
+    max_grad_norm_deviation: float = 0.0  # likewise for the gradient norms
+    replay_tolerance: float | None = None  # the bound a tolerant replay was held to
+    grad_norms_compared: int = 0  # replayed iterations whose trainer recomputed the gradient norm for the check
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create AdamW state for every trainable parameter (zeros, step 0: what AdamW's lazy init creates), so
-    slots can be loaded into it in place, and so a parameter that got no gradient yet (an expert no token
-    reached) still has state a slot can copy. FROZEN slices keep placeholder values until their operator
-    becomes ACTIVE."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not p.requires_grad:
-                continue  # never updated, so no state (and no empty entry in state_dict)
-            st = optimizer.state[p]
-            if "exp_avg" not in st:
-                st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
 def load_window_slot(slot, access: StateAccess) -> int:
     """ACTIVE-on-this-slot operators get their full state; later operators get compute weights."""
-    return restore_slot(slot, access, roles=ROLES_FULL + ("step", "compute", "buffer"))
+    return restore_slot(slot, access)
 
 
-def sparse_to_dense(trainer: Replayable, window) -> RecoveryReport:
-    """Run the conversion for `window` (a committed `Window`) on a freshly built trainer."""
+def sparse_to_dense(trainer: Replayable, window, replay_check: ReplayPolicy | None = None) -> RecoveryReport:
+    """Run the conversion for `window` (a committed `Window`) on a freshly built trainer; every replayed iteration
+    is checked per `replay_check` (default: exact)."""
     t_start = time.perf_counter()
     if not window.committed:
         raise ValueError(f"window {window.id} is not committed (slots missing or torn); use an older one")
@@ -102,23 +103,18 @@ def sparse_to_dense(trainer: Replayable, window) -> RecoveryReport:
     trainer.set_step(t0)
     nbytes = load_window_slot(window.slots[0], access)
     replay_s = 0.0
+    check = ReplayComparison(replay_check)
     for i in range(1, w):
         rec = window.log.get(t0 + i)
         r0 = time.perf_counter()
         res = trainer.train_step(Replay.of(rec))
         replay_s += time.perf_counter() - r0
-        if not torch.equal(res.loss, rec.loss):
-            raise ReplayDivergence(
-                f"replay of iteration {t0 + i} (window {window.id}, replay {i} of {w - 1}) gave loss "
-                f"{res.loss.item()!r}, the original run logged {rec.loss.item()!r}. Likely causes (most usual "
-                "first): randomness outside torch's CPU generator (random.random(), numpy or an RNG of your own "
-                "inside forward), state the checkpoint does not capture (a non-persistent buffer or a Python "
-                "attribute that changes during training), a non-deterministic kernel or a different thread count, "
-                "or a model/data/world size other than the run that wrote the window. The window is not loaded"
-            )
+        check.check(f"iteration {t0 + i} (window {window.id}, replay {i} of {w - 1})", res, rec)
         nbytes += load_window_slot(window.slots[i], access)
         faults.point("recovery")
     trainer.set_step(t0 + w - 1)
-    rep = RecoveryReport(window.id, w, t0, t0 + w - 1, w - 1, nbytes, time.perf_counter() - t_start, replay_s)
+    rep = RecoveryReport(
+        window.id, w, t0, t0 + w - 1, w - 1, nbytes, time.perf_counter() - t_start, replay_s, **check.report()
+    )
     log.debug("recovered %s", rep.to_dict())
     return rep

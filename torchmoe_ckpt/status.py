@@ -22,6 +22,8 @@ import threading
 import time
 from collections import deque
 
+from .replay_check import replay_verdict
+
 log = logging.getLogger("torchmoe_ckpt")
 
 
@@ -221,13 +223,13 @@ def _committed_on_host(host_dir: str | None, rank: int) -> list[int]:
         return []
     from pathlib import Path
 
-    from .dcp.manifest import parse_window_dirname, rank_manifest_name
+    from .storage.layout import manifest_name, parse_window_dirname, writer_name
 
     try:
         found = [
             wid
             for d in Path(host_dir).iterdir()
-            if (wid := parse_window_dirname(d.name)) is not None and (d / rank_manifest_name(rank)).exists()
+            if (wid := parse_window_dirname(d.name)) is not None and (d / manifest_name(writer_name(rank))).exists()
         ]
     except OSError:
         return []
@@ -236,8 +238,9 @@ def _committed_on_host(host_dir: str | None, rank: int) -> list[int]:
 
 def recovery_line(report: dict) -> str:
     """The line a user reads after a recovery: which window, where the copy came from, and the exactness proof
-    (recovery compares every replayed loss with the one the original run logged, bit for bit)."""
-    src = str(report.get("source") or "?")  # "host", "peer N" or "object store" (dcp/tiers.py)
+    (recovery compares every replayed loss with the one the original run logged: bit for bit, or within the
+    tolerant bound, then said to be approximate with the deviation: replay_check.replay_verdict)."""
+    src = str(report.get("source") or "?")  # "host", "peer N" or "object store" (storage/recover.py)
     where = (
         "this node's host memory"
         if src == "host"
@@ -248,8 +251,7 @@ def recovery_line(report: dict) -> str:
     n = report.get("replayed_iterations", 0)
     return (
         f"recovered step {report.get('recovered_step')} from window {report.get('window_id')} (copy from {where}), "
-        f"replayed {n} iteration(s) in {report.get('seconds', 0.0):.2f} s; every replayed loss matched the "
-        f"original run bit for bit"
+        f"replayed {n} iteration(s) in {report.get('seconds', 0.0):.2f} s; {replay_verdict(report)}"
     )
 
 

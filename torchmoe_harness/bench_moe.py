@@ -23,6 +23,7 @@ from pathlib import Path
 from torchmoe_harness.baselines.ettr_run import compare_run
 from torchmoe_harness.baselines.runner import run_system
 from torchmoe_harness.bench_moe_report import markdown, plot  # noqa: F401  (the section interface)
+from torchmoe_harness.bench_optim_bytes import byte_ratios
 from torchmoe_harness.launch import launch
 
 # 2 x 64 experts of 3 x 128 x 448: 133 MB of fp32 master + AdamW state per rank. Two layers, not four of half
@@ -310,6 +311,7 @@ def run(out: Path, say) -> dict:
     bf16 = _bench_variant("bf16", list(BF16_SYSTEMS), {}, out, say)
     ettr = _ettr_runs(fp32["intervals"], out, say)
     return {
+        "optimizers": byte_ratios(MODEL),  # slot bytes / dense bytes per optimizer: sizes, deterministic
         "model": MODEL,
         "run": RUN,
         "overlap": OVERLAP,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torchmoe_harness.bench_optim_bytes import markdown as optimizer_markdown
+
 
 def _ci(t, scale=1000.0, fmt=".1f") -> str:
     m, lo, hi = t
@@ -57,6 +59,8 @@ def markdown(res: dict) -> list[str]:
         "",
     ]
     lines += variant_markdown(res["fp32"]) + variant_markdown(res["bf16"])
+    if res.get("optimizers"):  # sizes per optimizer (bench_optim_bytes), not timed
+        lines += optimizer_markdown(res["optimizers"])
     if res["fp32"].get("intervals"):
         lines += [
             "Periodic baselines at their best interval (ETTR-optimal at MTBF = "

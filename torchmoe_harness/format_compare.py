@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from torchmoe_ckpt.dcp.host_tier import HostTier
-from torchmoe_ckpt.dcp.manifest import window_dirname
 from torchmoe_ckpt.operators import Piece
 from torchmoe_ckpt.replay_log import IterationRecord, ReplayLog
 from torchmoe_ckpt.schedule import SlotPlan, WindowPlan
 from torchmoe_ckpt.snapshot import Slot, SlotItem
+from torchmoe_ckpt.storage.host_tier import HostTier
+from torchmoe_ckpt.storage.layout import store_writer_prefix, window_dirname, writer_name
 
 
 def _item(key, role, fqn, gshape, offset, shape, t) -> SlotItem:
@@ -80,7 +80,7 @@ def synthetic_slot(
 def synthetic_window(
     root: str | Path, world: int = 2, window_id: int = 1, slots: int = 2, run_id: str = "syn", **shape
 ) -> list[HostTier]:
-    """One committed host-tier window per rank (what TierWriter produces), with synthetic MoE slots."""
+    """One committed host-tier window per rank (what the PersistThread produces), with synthetic MoE slots."""
     tiers = []
     for r in range(world):
         tier = HostTier(Path(root) / "node-0", run_id, r, world)
@@ -116,8 +116,9 @@ def compare_formats(
     """Upload `tier`'s committed window with both formats to `uri` and measure, per format: bytes and
     objects written for the window, upload seconds, bytes read to recover this rank (download into a fresh
     host tier), and bytes read to fetch `experts_to_read` of this rank's experts of one grouped expert tensor."""
-    from torchmoe_ckpt.dcp.object_tier import make_store, open_store
-    from torchmoe_ckpt.dcp.tensorstore_format import io_counters, read_pieces
+    from torchmoe_ckpt.storage.object_tier import make_store
+    from torchmoe_ckpt.storage.store_open import open_store
+    from torchmoe_ckpt.storage.tensorstore_tier import io_counters, read_pieces
 
     run_id = run_id or f"cmp-{time.monotonic_ns()}"
     fs, root = open_store(uri, storage_options, probe=False)
@@ -129,7 +130,9 @@ def compare_formats(
         t0 = time.perf_counter()
         payload = store.upload(tier, window_id)
         upload_s = time.perf_counter() - t0
-        objects, nbytes = _stored(fs, f"{root.rstrip('/')}/{run}/rank-{tier.rank:05d}/{window_dirname(window_id)}")
+        # the DCP format keeps the host layout (every writer under window-N/), tensorstore one database per writer
+        prefix = f"{run}/" if fmt == "dcp" else store_writer_prefix(run, writer_name(tier.rank))
+        objects, nbytes = _stored(fs, f"{root.rstrip('/')}/{prefix}{window_dirname(window_id)}")
         with tempfile.TemporaryDirectory() as tmp:
             fresh = HostTier(tmp, run, tier.rank, tier.world_size)
             c0, t0 = io_counters(), time.perf_counter()
@@ -176,7 +179,7 @@ def compare_formats(
 
 
 def _expert_key(store, window_id: int):
-    from torchmoe_ckpt.dcp.tensorstore_format import _is_expert_key
+    from torchmoe_ckpt.storage.tensorstore_tier import _is_expert_key
 
     items = store._read_meta(window_id)["slots"][0]["items"]
     for e in items:

@@ -32,7 +32,8 @@ def run_torchrun(
     extra_env: dict | None = None,
     max_restarts: int = 0,
 ) -> RunResult:
-    """Run `torchmoe_harness.worker` on `nproc` local ranks (gloo) and load what each rank wrote."""
+    """Run `torchmoe_harness.worker` on `nproc` local ranks (on the spec's device: CPU + gloo, or one GPU per rank +
+    NCCL) and load what each rank wrote."""
     out = Path(out_dir or tempfile.mkdtemp(prefix="tmoe-run-"))
     log = launch(nproc, spec, out, timeout, extra_env, max_restarts)
     return load_result(out, nproc, log)
@@ -135,7 +136,7 @@ def stop_torchrun(proc: subprocess.Popen, grace_s: float = 40.0) -> None:
 def load_result(out: Path, nproc: int, log: str = "") -> RunResult:
     states, losses = [], []
     for r in range(nproc):
-        blob = torch.load(out / f"rank{r}.pt", weights_only=True)
+        blob = torch.load(out / f"rank{r}.pt", weights_only=True, map_location="cpu")
         states.append(blob["state"])
         losses.append(blob["losses"])
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}

@@ -1,5 +1,5 @@
-"""FSDP2/HSDP setup for the harness (CPU + gloo; the process group comes from torchmoe_ckpt.init_process_group),
-optionally with expert parallelism (the experts left out of FSDP2)."""
+"""FSDP2/HSDP setup for the harness (CPU + gloo, or CUDA + NCCL; the process group comes from
+torchmoe_ckpt.init_process_group), optionally with expert parallelism (the experts left out of FSDP2)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ from torchmoe_harness.model import GroupedExperts, TinyMoE
 EXPERT_PARAM_NAMES = WEIGHTS  # ("w1_EFD", "w2_EDF", "w3_EFD")
 
 
-def build_mesh(world_size: int, replicate: int) -> DeviceMesh:
-    """1-D mesh for FSDP2, or a (dp_replicate, dp_shard) mesh for HSDP when replicate > 1."""
+def build_mesh(world_size: int, replicate: int, device_type: str = "cpu") -> DeviceMesh:
+    """1-D mesh for FSDP2, or a (dp_replicate, dp_shard) mesh for HSDP when replicate > 1, on `device_type`
+    ("cpu": gloo; "cuda": NCCL, through the default group's backend for that device)."""
     if replicate < 1 or world_size % replicate:
         raise ValueError(f"hsdp replicate degree {replicate} must divide the world size {world_size}")
     if replicate == 1:
-        return init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
-    return init_device_mesh("cpu", (replicate, world_size // replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp_shard",))
+    shape = (replicate, world_size // replicate)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def _average_over(world: int):

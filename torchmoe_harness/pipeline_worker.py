@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 
 from torchmoe_ckpt.config import SparseConfig, TierConfig
-from torchmoe_ckpt.dcp.host_tier import HostTier
 from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.pipeline_log import BoundaryLog, LogReader
 from torchmoe_ckpt.pipeline_recovery import StageStatus, plan_recovery, recover_global, recover_in_segment
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.sparse_to_dense import ReplayDivergence
+from torchmoe_ckpt.storage.host_tier import HostTier
 from torchmoe_harness.pipeline_trainer import PipelineConfig, StageTrainer
 from torchmoe_harness.trainer import RunConfig
 from torchmoe_harness.worker import serve

@@ -14,6 +14,9 @@ What survives is what would survive in host memory: the newest committed window.
              ends them; torchrun then restarts every worker (the watchdog's stop guard SIGKILLs the
              stopped one on torchrun's SIGTERM, which a stopped process never acts on).
 
+Spec "replay_check" ("exact", the default, or "tolerant") and "replay_tolerance": how recovery checks its replay
+(torchmoe_ckpt.replay_check; "exact" on a GPU refuses to start without deterministic kernels).
+
 Spec "watchdog_timeout_s" (None: off) arms a CollectiveWatchdog around each train step and checkpointer
 call; "watchdog_events" (a path) keeps its hang records across restarts for the report. Spec "jit": true
 (needs both) adds the just-in-time checkpoint of jit.py: healthy replicas save on failure, restarts use it.
@@ -31,14 +34,15 @@ from pathlib import Path
 import torch
 
 from torchmoe_ckpt.config import SparseConfig, TierConfig
-from torchmoe_ckpt.dcp.tiers import Tiers, build_tiers, node_of
 from torchmoe_ckpt.errors import UnusableCheckpointError
 from torchmoe_ckpt.identity import IdentityMismatch, RunIdentity, build_identity
 from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.recovery import recover
+from torchmoe_ckpt.replay_check import DEFAULT_TOLERANCE, ReplayPolicy, check_replay_check
 from torchmoe_ckpt.snapshot import SimulatedCopyFault
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.sparse_to_dense import sparse_to_dense
+from torchmoe_ckpt.storage.tiers import Tiers, build_tiers, node_of
 from torchmoe_ckpt.watchdog import CollectiveWatchdog, read_events
 from torchmoe_harness.trainer import Trainer
 
@@ -68,7 +72,7 @@ def _tear(slot, n) -> None:
 
 
 def _tiers(trainer: Trainer, host: dict | None) -> Tiers:
-    """(HostTier, PeerReplicator, ObjectTier) from the spec's "host_tier" section, or Nones."""
+    """(HostTier, PeerTier, ObjectTier) from the spec's "host_tier" section, or Nones."""
     if not host:
         return Tiers(None, None, None)
     return build_tiers(host, trainer.rank, trainer.world, trainer.cfg.hsdp)
@@ -134,6 +138,7 @@ def restart(
     host: dict | None = None,
     fail: dict | None = None,
     wd: CollectiveWatchdog | None = None,
+    replay_check: ReplayPolicy | None = None,
 ) -> tuple[Trainer, SparseCheckpointer, dict]:
     """Drop the live state; rebuild from the newest committed window (from the storage tiers if configured,
     else the in-memory one), or cold-start when there is none."""
@@ -170,11 +175,12 @@ def restart(
             fresh.rank,
             identity=ck.identity,
             watchdog=wd,
+            replay_check=replay_check,
         )
         committed = res.window
         rep.update(res.report)
     elif committed is not None:
-        rep.update(sparse_to_dense(fresh, committed).to_dict())
+        rep.update(sparse_to_dense(fresh, committed, replay_check).to_dict())
     if committed is None:
         fresh = Trainer(cfg)  # nothing to recover from: start over from the deterministic initialisation
         rep.update(cold_start="the initialisation", recovered_step=0, replayed_iterations=0)
@@ -194,7 +200,9 @@ def restart(
     return fresh, new_ck.attach(fresh), rep
 
 
-def resume_from_host_tier(trainer: Trainer, host: dict, wd: CollectiveWatchdog | None = None):
+def resume_from_host_tier(
+    trainer: Trainer, host: dict, wd: CollectiveWatchdog | None = None, replay_check: ReplayPolicy | None = None
+):
     """Process start: recover from the newest window every rank can get from the tiers, if any."""
     t0 = time.perf_counter()
     ops = {o.name: o for o in discover_operators(trainer.model)}
@@ -208,6 +216,7 @@ def resume_from_host_tier(trainer: Trainer, host: dict, wd: CollectiveWatchdog |
             fresh.rank,
             identity=run_identity(trainer, host),
             watchdog=wd,
+            replay_check=replay_check,
         )
     except (IdentityMismatch, UnusableCheckpointError) as exc:  # another run's, or none usable: one line, exit 2
         log.error("event=refused rank=%d: %s", trainer.rank, exc)
@@ -235,6 +244,8 @@ def _check_jit(spec: dict) -> bool:
 def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch.Tensor]) -> tuple[Trainer, dict]:
     cfg = trainer.cfg
     ck_cfg = SparseConfig(**spec["checkpoint"])
+    policy = ReplayPolicy(spec.get("replay_check", "exact"), spec.get("replay_tolerance", DEFAULT_TOLERANCE))
+    check_replay_check(policy.mode, trainer.device)
     pending = [dict(f) for f in spec.get("failures", [])]
     for f in pending:
         if f.get("phase", "update") not in PHASES:
@@ -259,7 +270,7 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
         if jit_rep is not None:
             recoveries.append(dict(jit_rep, attempt=attempt))
     if host and spec.get("resume") and jit_rep is None:
-        trainer, committed, rep = resume_from_host_tier(trainer, host, wd)
+        trainer, committed, rep = resume_from_host_tier(trainer, host, wd, policy)
         if rep is None:  # no window anywhere: say what this run starts from
             src = (
                 f"dense export {spec['initial_load']['uri']} (step {trainer.step})"
@@ -344,7 +355,7 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
             inflight_id = inflight.id if inflight is not None else None
             if isinstance(exc, SimulatedCopyFault) and inflight is not None:
                 position -= 1  # the torn slot was never captured
-            trainer, ck, rep = restart(trainer, ck, ck_cfg, host, fail, wd)
+            trainer, ck, rep = restart(trainer, ck, ck_cfg, host, fail, wd, policy)
             if jit is not None:
                 jit.set_trainer(trainer)
             rep.update(failed_at=nxt, error=str(exc), slot_position=position, inflight_window_id=inflight_id)

@@ -1,7 +1,8 @@
 """The harness trainer: one deterministic training iteration, usable for normal steps and for replay.
 
 Replay runs the very same code path with the logged batch, RNG state and global gradient norm, so a
-replayed iteration is bit-identical to the original one on CPU."""
+replayed iteration is bit-identical to the original one on CPU (and on a GPU with deterministic kernels).
+The model, its batches and its collectives live on `RunConfig.device`: CPU + gloo, or CUDA + NCCL."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from torchmoe_ckpt import faults
+from torchmoe_ckpt import faults, rng
 from torchmoe_ckpt.capture import position_lambda_lr
-from torchmoe_ckpt.replay_log import Replay
+from torchmoe_ckpt.optim_state import Optimizers
+from torchmoe_ckpt.replay_log import Replay, group_hyper
 from torchmoe_harness.data import TokenStream
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
+from torchmoe_harness.optimizers import KINDS, build_optimizers
 from torchmoe_harness.parallel import apply_expert_parallel, apply_fsdp, build_mesh
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -43,6 +46,12 @@ class RunConfig:
     # AdamW implementation: "single" (per-tensor loop, the default everywhere), "foreach" or "fused" (one pass
     # over param, grad and moments, TorchTitan's default; the MoE-regime bench uses it).
     optimizer: str = "single"
+    # Where the model trains: "cpu", "cuda" (this rank's GPU: LOCAL_RANK), or None: CUDA when available, else CPU.
+    device: str | None = None
+    # Which optimizers (torchmoe_harness.optimizers.KINDS): "adamw" (the default, with `optimizer` above as its
+    # implementation), "amsgrad", "sgd", "muon-adamw" (Muon on the 2-D matrices, AdamW on the rest),
+    # "adafactor-adamw". "adamw-bf16" is priced by the bench but not trained here (CPU AdamW: one dtype).
+    optimizer_kind: str = "adamw"
 
     def __post_init__(self):
         if isinstance(self.model, dict):
@@ -55,8 +64,24 @@ class RunConfig:
             raise ValueError(
                 f"optimizer {self.optimizer!r}: use 'single', 'foreach' or 'fused' (AdamW implementations)"
             )
+        if self.optimizer_kind not in KINDS or self.optimizer_kind == "adamw-bf16":
+            trainable = ", ".join(k for k in KINDS if k != "adamw-bf16")
+            raise ValueError(
+                f"optimizer_kind {self.optimizer_kind!r}: use one of {trainable} "
+                "(adamw-bf16 needs torch's CUDA AdamW: on CPU it steps one dtype, fp32 parameters with bf16 states "
+                "fail in its kernels)"
+            )
         if self.expert_parallel and self.hsdp != 1:
             raise ValueError(f"expert_parallel supports plain FSDP2 only (hsdp = 1), not hsdp = {self.hsdp}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ValueError(f"device {self.device!r}: use 'cpu', 'cuda' or None (CUDA when available)")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' but this machine has no CUDA device: use device 'cpu' or None")
+
+    def torch_device(self) -> torch.device:
+        """This rank's device: the current CUDA device (init_process_group set it from LOCAL_RANK), or the CPU."""
+        kind = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,6 +98,10 @@ class StepResult:
     expert_counts: torch.Tensor  # [layers, experts] routed tokens, summed over all ranks
     expert_probs: torch.Tensor  # [layers, experts] summed gating probabilities, over all ranks
     seconds: float = 0.0
+    device_rng: dict | None = None  # device generators' states (torchmoe_ckpt.rng)
+    replayed_grad_norm: torch.Tensor | None = None  # replay only: the norm of the replayed gradients
+    lrs: tuple[float, ...] = ()  # every param group's LR (all optimizers)
+    hyper: tuple[dict, ...] = ()  # every param group's other hyper-parameters (replay_log.group_hyper)
 
 
 class Trainer:
@@ -80,19 +109,28 @@ class Trainer:
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.compute_dtype = DTYPES[cfg.dtype]
-        self.mesh = build_mesh(self.world, cfg.hsdp)
+        self.device = cfg.torch_device()
+        self.mesh = build_mesh(self.world, cfg.hsdp, self.device.type)
         torch.manual_seed(cfg.seed)
         model = TinyMoE(cfg.model)
-        model.init_weights(cfg.seed if init_seed is None else init_seed)
+        model.init_weights(cfg.seed if init_seed is None else init_seed)  # on the CPU: the same on any device
+        model.to(self.device)
         ignored = apply_expert_parallel(model, self.mesh, self.compute_dtype) if cfg.expert_parallel else None
         apply_fsdp(model, self.mesh, self.compute_dtype, ignored)
         self.model = model
         self.params = [p for p in model.parameters()]
-        impl = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[cfg.optimizer]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, **impl
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        if cfg.optimizer_kind == "adamw":
+            impl = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[cfg.optimizer]
+            self.optimizer = torch.optim.AdamW(
+                self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay, **impl
+            )
+            self.schedulers = [torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)]
+        else:
+            opts, self.schedulers = build_optimizers(
+                cfg.optimizer_kind, model, cfg.lr, cfg.weight_decay, lr_factor=self._lr_factor
+            )
+            self.optimizer = opts[0] if len(opts) == 1 else Optimizers(opts)  # several: stepped as one
+        self.scheduler = self.schedulers[0]
         self.stream = TokenStream(cfg.model.vocab_size, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
         self.step = 0  # iterations completed
         # Called after clipping and before anything mutates the training state (bias update, optimizer step):
@@ -113,22 +151,22 @@ class Trainer:
         faults.set_iteration(step)
         faults.point("forward")
         if replay is None:
-            tokens = self.stream.batch(step, self.rank)
-            rng_state = torch.get_rng_state()
+            tokens = self.stream.batch(step, self.rank).to(self.device, non_blocking=True)
+            rng_state, device_rng = rng.capture()
         else:
-            tokens, rng_state = replay.tokens, replay.rng_state
-            torch.set_rng_state(rng_state)
+            tokens, rng_state, device_rng = replay.tokens.to(self.device), replay.rng_state, replay.device_rng
+            replay.restore_rng()
         logits = self.model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         faults.point("backward")  # as backward starts: the peers are about to block in its reduce-scatter
         loss.backward()
         grads = [p.grad for p in self.params if p.grad is not None]
-        if replay is None:
-            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
-        else:
-            norm = replay.grad_norm  # frozen operators compute no trustworthy weight gradient: reuse the log
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        replayed_norm = None
+        if replay is not None:  # clip with the logged norm; the replayed one is what the replay check compares
+            replayed_norm, norm = norm, replay.grad_norm.to(self.device)
         torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_norm, norm)
         for hook in self.before_update:
             hook()
@@ -140,9 +178,12 @@ class Trainer:
             if replay is not None:
                 replay.apply_lrs(self.optimizer)  # the original iteration's LR, whatever the schedule says now
             lr = self.optimizer.param_groups[0]["lr"]
+            lrs = tuple(float(g["lr"]) for g in self.optimizer.param_groups)
+            hyper = group_hyper(self.optimizer.param_groups)
             self.optimizer.step()
             faults.point("optimizer")  # the update is applied, the snapshot of this iteration not yet taken
-            self.scheduler.step()
+            for sched in self.schedulers:
+                sched.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step = step
         return StepResult(
@@ -155,6 +196,10 @@ class Trainer:
             counts,
             probs,
             time.perf_counter() - t_start,
+            device_rng,
+            replayed_norm,
+            lrs,
+            hyper,
         )
 
     @torch.no_grad()
@@ -181,7 +226,8 @@ class Trainer:
     def set_step(self, step: int) -> None:
         """Position the iteration counter and LR schedule at `step` completed iterations."""
         self.step = step
-        position_lambda_lr(self.scheduler, step)
+        for sched in self.schedulers:
+            position_lambda_lr(sched, step)
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """Every tensor that defines the training state on this rank, for torch.equal comparisons."""
@@ -193,15 +239,20 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ste
     buffers (router_prob_E is per-iteration scratch), LR and step."""
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        out[f"param/{name}"] = local(p).clone()
+        out[f"param/{name}"] = _host(local(p))
         for key, val in optimizer.state.get(p, {}).items():
-            out[f"optim/{name}/{key}"] = local(val).clone() if torch.is_tensor(val) else torch.tensor(val)
+            out[f"optim/{name}/{key}"] = _host(local(val)) if torch.is_tensor(val) else torch.tensor(val)
     for name, b in model.named_buffers():
         if b is not None and not name.endswith("router_prob_E"):
-            out[f"buffer/{name}"] = b.clone()
+            out[f"buffer/{name}"] = _host(b)
     out["lr"] = torch.tensor(optimizer.param_groups[0]["lr"], dtype=torch.float64)
     out["step"] = torch.tensor(step)
     return out
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy (a clone on CPU): states compare on any machine, whatever device trained them."""
+    return t.detach().to("cpu", copy=True)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,9 @@ def run(spec: dict, out: Path) -> dict:
 
         trainer, extra = run_with_checkpointing(trainer, spec, losses)
         report.update(extra)
-    torch.save({"state": trainer.export_state(), "losses": losses}, out / f"rank{trainer.rank}.pt")
+    # Host copies (read once, at the end): results compare on any machine, whatever device trained them.
+    host_losses = {step: loss.detach().to("cpu") for step, loss in losses.items()}
+    torch.save({"state": trainer.export_state(), "losses": host_losses}, out / f"rank{trainer.rank}.pt")
     return report
 
 
@@ -64,7 +66,7 @@ def start() -> tuple[dict, Path]:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     spec = json.loads(Path(args.spec).read_text())
-    init_process_group("gloo", timeout_s=spec.get("timeout_s", 120))
+    init_process_group(timeout_s=spec.get("timeout_s", 120))  # gloo; with CUDA NCCL for GPU tensors, gloo for CPU
     return spec, Path(args.out)
 
 

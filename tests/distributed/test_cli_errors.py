@@ -112,8 +112,8 @@ def test_s3_without_credentials_is_one_line(moto):
 def _two_rank_run(root: Path, run_id: str = "run", **run):
     """A run of 2 ranks (each a 1-process checkpointer writing as rank r of 2) with windows 0 and 1."""
     from torchmoe_ckpt.config import SparseConfig
-    from torchmoe_ckpt.dcp.host_tier import HostTier
     from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+    from torchmoe_ckpt.storage.host_tier import HostTier
     from torchmoe_harness.trainer import RunConfig, Trainer
 
     for rank in (0, 1):

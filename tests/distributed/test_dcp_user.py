@@ -141,7 +141,7 @@ def test_stock_dcp_load_with_our_reader_reads_a_slot_into_a_plain_dict(tmp_path,
 
 def test_corrupt_host_copy_is_never_loaded_and_the_store_copy_is_read(tmp_path, one_rank_group):
     t, sch = _saved_slot(tmp_path)
-    data = next((tmp_path / "shm" / sch.slot_name(3)).glob("*.distcp"))
+    data = next((tmp_path / "shm" / sch.slot_name(3)).glob("rank-*/*.distcp"))  # this writer's piece
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     data.write_bytes(bytes(raw))
@@ -162,42 +162,49 @@ def test_corrupt_host_copy_is_never_loaded_and_the_store_copy_is_read(tmp_path, 
     assert torch.equal(it.buffer, local_tensor(live[it.piece.fqn])[it.piece.local_slices])
 
 
-def test_peer_copy_commits_with_its_rank_metadata_and_every_item_is_verified(tmp_path, one_rank_group):
-    """One rank: the PeerReader reads a copy that has no global `.metadata` (the coordinator's node is gone) from
-    the rank metadata written last; a torn copy (no rank metadata) is not held; a flipped byte is refused."""
+def test_peer_copy_commits_with_its_window_manifest_and_every_item_is_verified(tmp_path, one_rank_group):
+    """One rank: the PeerReader reads a copy this node holds for a writer (as a peer keeps it, under `.peers/`,
+    committed by the window manifest written last) when the writer's own copy is gone; a torn copy (no
+    manifest) is not held; a flipped byte is refused."""
+    from torchmoe_ckpt.replay_log import IterationRecord
     from torchmoe_harness.trainer import RunConfig, Trainer
 
-    t = Trainer(RunConfig(steps=1, dtype="bf16"))
+    t = Trainer(RunConfig(steps=3, dtype="bf16"))
     sch = tmc.SparseSchedule(t.model, 3, t.compute_dtype)
-    t.train_step()
-    m, o = get_state_dict(t.model, t.optimizer)
     placement = tmc.place_replicas(tmc.Topology.from_mesh_shape(1, 1, 1), r=0)
     host = tmp_path / "shm"
-    dcp.save(
-        {"model": m, "optim": o}, planner=tmc.SparseSavePlanner(sch, 1), storage_writer=tmc.PeerWriter(host, placement)
-    )  # standalone (the torchrun cases: in a TieredWriter)
-    copy = host / "peers" / "from-00000"  # as if a peer had sent it: move the files, drop the global metadata
+    for step in (1, 2, 3):
+        res = t.train_step()
+        rec = IterationRecord(res.step, res.tokens, res.grad_norm, res.lr, res.loss, res.rng_state)
+        m, o = get_state_dict(t.model, t.optimizer)
+        dcp.save(
+            {"model": m, "optim": o},
+            planner=tmc.SparseSavePlanner(sch, step, rec),
+            storage_writer=tmc.PeerWriter(sch.slot_path(host, step), placement),
+        )  # standalone (the torchrun cases: in a TieredWriter)
+    copy = host / ".peers" / "rank-00000" / "from-rank-00000"  # as if a peer had sent it: this node lost its own
     copy.mkdir(parents=True)
-    for f in ("__0_0.distcp", "__0_0.rankmd"):
-        (host / f).rename(copy / f)
-    (host / ".metadata").unlink()
-    assert tmc.held_copies(host) == {0: copy}
+    (host / "window-000000").rename(copy / "window-000000")
+    assert tmc.held_copies(sch.slot_path(host, 3)) == {0: copy / "window-000000"}
 
     def load():
-        slot = sch.slot_items(0, alloc=lambda shape, dtype: torch.zeros(shape, dtype=dtype))
-        dcp.load({}, storage_reader=tmc.PeerReader(host), planner=tmc.SparseLoadPlanner(sch, 1, into=slot))
+        slot = sch.slot_items(2, alloc=lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+        dcp.load(
+            {}, storage_reader=tmc.PeerReader(sch.slot_path(host, 3)), planner=tmc.SparseLoadPlanner(sch, 3, into=slot)
+        )
         return slot
 
     live = dict(t.model.named_parameters())
     for it in (i for i in load().items if i.role == "master"):
         assert torch.equal(it.buffer, local_tensor(live[it.piece.fqn])[it.piece.local_slices])
-    raw = bytearray((copy / "__0_0.distcp").read_bytes())
+    data = copy / "window-000000" / "slot-02" / "rank-00000" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x01
-    (copy / "__0_0.distcp").write_bytes(bytes(raw))
+    data.write_bytes(bytes(raw))
     with pytest.raises(BaseException, match="item checksums do not match"):
         load()
-    (copy / "__0_0.rankmd").unlink()  # torn: data without its rank metadata
-    assert tmc.held_copies(host) == {}
+    (copy / "window-000000" / "MANIFEST.rank-00000.json").unlink()  # torn: files without the window manifest
+    assert tmc.held_copies(sch.slot_path(host, 3)) == {}
     with pytest.raises(BaseException, match="no node holds a committed copy"):
         load()
 
@@ -258,28 +265,34 @@ def test_store_writer_and_reader_on_s3(tmp_path, one_rank_group, moto):
         assert torch.equal(it.buffer, local_tensor(live[it.piece.fqn])[it.piece.local_slices])
 
 
-def test_cli_inspect_and_verify_say_a_dcp_user_slot_directory_is_checked_by_loading(tmp_path, one_rank_group, capsys):
-    """The CLI reads the Checkpointer/TorchTitan layout (windows with manifests); on a DCP user's slots it
-    says, in one line, what the location is and how to check it, instead of "uncommitted" for every window."""
+def test_cli_inspect_and_verify_read_a_dcp_users_checkpoint(tmp_path, one_rank_group, capsys):
+    """A DCP user's `dcp.save` writes the layout and the window manifests the checkpointer writes, so the CLI
+    checks it the same way, on the host tier and in the store: verify exits 0 while every byte verifies and 1
+    once one data byte is flipped, naming the file."""
     from torchmoe_ckpt.cli import main
 
     _saved_slot(tmp_path)
-    capsys.readouterr()
+    for location in (str(tmp_path / "shm"), f"file://{tmp_path}/store"):
+        assert main(["verify", location]) == 0, capsys.readouterr()
+        capsys.readouterr()
+        assert main(["inspect", location]) == 0
+        out, _ = capsys.readouterr()
+        assert "1 window(s)" in out and "window 0: verified; steps 1..3, W=3, ranks [0]/1" in out, out
+        assert out.count("checksummed items") == 3, out  # every slot's items listed with their checksums
+    data = next((tmp_path / "shm" / "window-000000" / "slot-01").glob("rank-*/*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
     assert main(["verify", str(tmp_path / "shm")]) == 1
-    out, err = capsys.readouterr()
-    assert not out and len(err.strip().splitlines()) == 1, err
-    assert "written by dcp.save with SparseSavePlanner" in err and "load_sparse_window" in err, err
-    assert "CorruptItemError" in err and "uncommitted" not in err, err
-    assert main(["inspect", str(tmp_path / "shm")]) == 0
-    out, _ = capsys.readouterr()
-    assert len(out.strip().splitlines()) == 1 and "1 window(s), 3 slot(s)" in out, out
+    _, err = capsys.readouterr()
+    assert "window 0 rank 0: slot-01/rank-00000/__0_0.distcp: sum64b512" in err and "(corrupt)" in err, err
 
 
 def test_a_corrupt_newest_window_falls_back_to_the_previous_one(tmp_path, reference):
     """What docs/dcp-user.md tells a DCP user to do when load_sparse_window raises CorruptItemError (no tier
     holds a verified copy of a slot): load the previous window; examples/dcp_user.py does it, bit-exactly."""
     run(tmp_path, "stopped", "--stop-at", "9", *tiers(tmp_path, "host"))
-    data = max((tmp_path / "shm" / "window-000002" / "slot-01").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = max((tmp_path / "shm" / "window-000002" / "slot-01").glob("rank-*/*.distcp"), key=lambda p: p.stat().st_size)
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     data.write_bytes(bytes(raw))

@@ -1,4 +1,4 @@
-"""The host tier's direct persist (dcp/slot_files.py): on CPU a slot's buffers ARE its shared-memory data file,
+"""The host tier's direct persist (storage/slot_files.py): on CPU a slot's buffers ARE its shared-memory data file,
 so the snapshot copy is the persist. A committed window is never overwritten by a later one (the pool hands out
 a set only once no window links its files), a failure while the next window is half-written recovers the
 previous one bit-exactly, and after a process restart the files are read back (also by stock dcp.load)."""
@@ -12,13 +12,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchmoe_ckpt.config import SparseConfig
-from torchmoe_ckpt.dcp.host_tier import HostTier
-from torchmoe_ckpt.dcp.manifest import slot_rank_dir
-from torchmoe_ckpt.dcp.planner import SlotSavePlanner
-from torchmoe_ckpt.dcp.raw_layout import DATA_FILE
 from torchmoe_ckpt.dcp.raw_storage import RawReader, RawWriter
-from torchmoe_ckpt.dcp.slot_files import backing
+from torchmoe_ckpt.dcp.slot_planner import SlotSavePlanner
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.storage.host_tier import HostTier
+from torchmoe_ckpt.storage.layout import DATA_FILE
+from torchmoe_ckpt.storage.slot_files import backing
 from torchmoe_harness.trainer import RunConfig, Trainer
 
 
@@ -34,9 +33,23 @@ def _inodes(slots) -> set[int]:
 
 
 def _committed_inodes(tier: HostTier) -> dict[int, set[int]]:
-    return {
-        w: {f.stat().st_ino for f in tier.window_dir(w).glob("slot-*/rank-00000/*.distcp")} for w in tier.window_ids()
-    }
+    """Inodes of the committed windows' data files. The writer thread collects old windows meanwhile (manifest
+    first, then the files): a file that vanished between listing and stat belongs to a collected window."""
+    out: dict[int, set[int]] = {}
+    for w in tier.window_ids():
+        for f in tier.window_dir(w).glob("slot-*/rank-00000/*.distcp"):
+            try:
+                out.setdefault(w, set()).add(f.stat().st_ino)
+            except FileNotFoundError:
+                assert w not in tier.window_ids(), f"window {w} is committed but its file {f} is gone"
+    return out
+
+
+def _verified(tier: HostTier, step: int) -> None:
+    """Every committed window verifies (one the writer collected while it was being read is no longer listed)."""
+    for wid in tier.window_ids():
+        problems = tier.verify(wid)
+        assert problems == [] or wid not in tier.window_ids(), (step, wid, problems)
 
 
 def _stop(ck):
@@ -63,11 +76,11 @@ def test_persist_links_the_snapshot_file_and_metadata_matches_a_dcp_save(tmp_pat
     assert tier.window_ids() == [0] and tier.verify(0) == []
     for s in ck.committed.slots:  # no second copy: the window's data file is the slot's own buffer file
         assert backing(s) is not None
-        assert os.path.samefile(backing(s).path, slot_rank_dir(tier.window_dir(0), s.index, 0) / DATA_FILE)
+        assert os.path.samefile(backing(s).path, tier.slot_dir(0, s.index) / DATA_FILE)
     # The once-pickled layout record unpickles to the Metadata a full DCP save through RawWriter writes.
     s = ck.committed.slots[1]
     info = {"window": 0, "slot": 1, "step": s.step}
-    got = RawReader(slot_rank_dir(tier.window_dir(0), 1, 0)).read_metadata()
+    got = RawReader(tier.slot_dir(0, 1)).read_metadata()
     plain = tmp_path / "plain"
     dcp.save(
         {}, storage_writer=RawWriter(plain, checksum_algo="sum64b512"), planner=SlotSavePlanner(s, info), no_dist=True
@@ -84,7 +97,7 @@ def test_persist_links_the_snapshot_file_and_metadata_matches_a_dcp_save(tmp_pat
     # stock dcp.load with our reader reads the persisted slot into a plain dict
     item = next(i for i in s.items if i.role == "master")
     full = torch.zeros(item.piece.global_shape)
-    dcp.load({item.key: full}, storage_reader=RawReader(slot_rank_dir(tier.window_dir(0), 1, 0)), no_dist=True)
+    dcp.load({item.key: full}, storage_reader=RawReader(tier.slot_dir(0, 1)), no_dist=True)
     region = full[tuple(slice(o, o + n) for o, n in zip(item.piece.global_offset, item.piece.shape))]
     assert torch.equal(region, item.buffer)
     _stop(ck)
@@ -103,8 +116,7 @@ def test_pool_never_hands_out_a_committed_windows_files(tmp_path, one_rank_group
         live = _inodes(ck.current.slots)
         for wid, inodes in _committed_inodes(tier).items():
             assert not inodes & live, f"step {step}: window {wid}'s files handed to window {ck.current.id}"
-        for wid in tier.window_ids():
-            assert tier.verify(wid) == [], (step, wid)
+        _verified(tier, step)
     ck.close()
     ck.tier_writer.flush()
     assert len(tier.window_ids()) >= 1 and all(tier.verify(w) == [] for w in tier.window_ids())
@@ -144,7 +156,7 @@ import os, sys, torch
 from torchmoe_ckpt import init_process_group
 from torchmoe_ckpt.config import SparseConfig
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
-from torchmoe_ckpt.dcp.host_tier import HostTier
+from torchmoe_ckpt.storage.host_tier import HostTier
 from torchmoe_harness.trainer import RunConfig, Trainer
 init_process_group("gloo")
 t = Trainer(RunConfig(steps=8))
@@ -180,7 +192,7 @@ def test_host_files_are_read_back_after_a_process_restart(tmp_path, one_rank_gro
         assert all(torch.equal(it.buffer, b) for it, b in zip(slot.items, bufs))
     item = next(i for i in win.slots[-1].items if i.role == "master")
     full = torch.zeros(item.piece.global_shape)
-    dcp.load({item.key: full}, storage_reader=RawReader(slot_rank_dir(tier.window_dir(want["id"]), 2, 0)), no_dist=True)
+    dcp.load({item.key: full}, storage_reader=RawReader(tier.slot_dir(want["id"], 2)), no_dist=True)
     region = full[tuple(slice(o, o + n) for o, n in zip(item.piece.global_offset, item.piece.shape))]
     assert torch.equal(region, item.buffer)
     tier.collect(want["id"] + 1)  # collected: the windows' memory comes back (no spare kept for a direct run)

@@ -53,10 +53,9 @@ def test_corrupt_or_torn_copy_is_reported_and_never_loaded(tmp_path, how, refere
 
 def test_stock_dcp_load_reads_a_slot(tmp_path, one_rank_group):
     from torchmoe_ckpt.config import SparseConfig
-    from torchmoe_ckpt.dcp.host_tier import HostTier
-    from torchmoe_ckpt.dcp.manifest import slot_rank_dir
     from torchmoe_ckpt.dcp.raw_storage import RawReader
     from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+    from torchmoe_ckpt.storage.host_tier import HostTier
     from torchmoe_harness.trainer import RunConfig, Trainer
 
     t = Trainer(RunConfig(steps=4))
@@ -77,7 +76,7 @@ def test_stock_dcp_load_reads_a_slot(tmp_path, one_rank_group):
     item = next(i for i in last.items if i.role == "master")
     full = torch.zeros(item.piece.global_shape)
     # (the slot is raw bytes: stock dcp.load and DefaultLoadPlanner, with our reader)
-    dcp.load({item.key: full}, storage_reader=RawReader(slot_rank_dir(tier.window_dir(0), 2, 0)), no_dist=True)
+    dcp.load({item.key: full}, storage_reader=RawReader(tier.slot_dir(0, 2)), no_dist=True)
     region = full[tuple(slice(o, o + s) for o, s in zip(item.piece.global_offset, item.piece.shape))]
     assert torch.equal(region, item.buffer)
     ck.engine.shutdown()

@@ -6,10 +6,12 @@ import json
 
 import pytest
 
-from torchmoe_ckpt.dcp.host_tier import HostTier
-from torchmoe_ckpt.dcp.manifest import FileEntry, WindowManifest, crc32_bytes, rank_manifest_name
-from torchmoe_ckpt.dcp.object_tier import ObjectTier, StoreConfigError
-from torchmoe_ckpt.dcp.uploader import Uploader
+from torchmoe_ckpt.storage.checksums import FileEntry, crc32_bytes
+from torchmoe_ckpt.storage.host_tier import HostTier
+from torchmoe_ckpt.storage.layout import manifest_name, writer_name
+from torchmoe_ckpt.storage.manifest import WindowManifest
+from torchmoe_ckpt.storage.object_tier import ObjectTier, StoreConfigError
+from torchmoe_ckpt.storage.uploader import Uploader
 from torchmoe_harness.launch import compare, run_torchrun
 
 
@@ -32,8 +34,8 @@ def test_azure_blob_round_trip_on_azurite(tmp_path, azurite):
 def _cli_verifies_the_store(uri: str, opts: dict, window_id: int) -> None:
     """`torchmoe-ckpt verify URI` exits 0 while every byte in the store verifies, 1 after one byte flips."""
     from torchmoe_ckpt.cli import main
-    from torchmoe_ckpt.dcp.object_tier import open_store
     from torchmoe_ckpt.inspection import inspect_location
+    from torchmoe_ckpt.storage.store_open import open_store
 
     assert main(["verify", uri, "--storage-options", json.dumps(opts)]) == 0
     info = inspect_location(uri, opts)
@@ -96,7 +98,7 @@ def _window(tier: HostTier, wid: int, payload: bytes) -> None:
         {"slots": []},
         {f"slot-00/rank-{tier.rank:05d}/__0_0.distcp": FileEntry(len(payload), crc32_bytes(payload))},
     )
-    (wdir / rank_manifest_name(tier.rank)).write_text(man.to_json())
+    (wdir / manifest_name(writer_name(tier.rank))).write_text(man.to_json())
 
 
 def test_corrupt_or_half_uploaded_windows_are_never_used(tmp_path):
@@ -106,8 +108,8 @@ def test_corrupt_or_half_uploaded_windows_are_never_used(tmp_path):
         _window(tier, wid, bytes([wid]) * 1000)
         store.upload(tier, wid)
     assert store.window_ids() == [1, 2, 3]
-    base = tmp_path / "store" / "run" / "rank-00000"
-    (base / "window-000003" / "MANIFEST.json").unlink()  # half-uploaded: invisible
+    base = tmp_path / "store" / "run"
+    (base / "window-000003" / "MANIFEST.rank-00000.json").unlink()  # half-uploaded: invisible
     data = base / "window-000002" / "slot-00" / "rank-00000" / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[:-1] + b"\xff")  # corrupt
     assert store.window_ids() == [1, 2]
@@ -117,7 +119,7 @@ def test_corrupt_or_half_uploaded_windows_are_never_used(tmp_path):
     assert fresh.window_ids() == []  # nothing half-downloaded looks committed
     assert store.download(1, fresh) == [] and fresh.verify(1) == []
     store.keep = 1
-    assert store.apply_retention() == [1] and store.window_ids() == [2]  # retention really deletes
+    assert store.collect() == [1] and store.window_ids() == [2]  # retention really deletes
 
 
 def test_bad_store_settings_fail_at_start_with_one_clear_message(tmp_path, moto):
@@ -148,7 +150,7 @@ def test_bad_store_settings_fail_at_start_with_one_clear_message(tmp_path, moto)
 def test_a_scheme_without_slashes_is_refused_naming_the_uri_meant(tmp_path, monkeypatch, uri, meant):
     """fsspec reads "s3:/bucket" as the local directory ./s3:/bucket: uploads would "succeed" into it."""
     import torchmoe_ckpt as tmc
-    from torchmoe_ckpt.dcp.object_tier import make_store
+    from torchmoe_ckpt.storage.object_tier import make_store
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(tmc.ConfigError, match=f"did you mean '{meant}'"):
@@ -161,7 +163,7 @@ def test_a_scheme_without_slashes_is_refused_naming_the_uri_meant(tmp_path, monk
 
 
 def test_error_explanations_do_not_read_port_numbers_as_http_status():
-    from torchmoe_ckpt.dcp.store_errors import explain as _explain
+    from torchmoe_ckpt.storage.store_open import explain as _explain
 
     class EndpointConnectionError(Exception):  # botocore's name; only the text and name are read
         pass
@@ -209,7 +211,7 @@ def test_a_store_that_loses_files_mid_upload_gets_the_whole_window_again(tmp_pat
         (wdir / rel).parent.mkdir(parents=True)
         (wdir / rel).write_bytes(bytes([i + 1]) * 3000)
         files[rel] = FileEntry(3000, crc32_bytes(bytes([i + 1]) * 3000))
-    (wdir / rank_manifest_name(0)).write_text(WindowManifest(1, 1, 2, 1, {"slots": []}, files).to_json())
+    (wdir / manifest_name(writer_name(0))).write_text(WindowManifest(1, 1, 2, 1, {"slots": []}, files).to_json())
     uri = f"s3://tmoe-bucket/{tmp_path.name}"
     store = ObjectTier(uri, "run", 0, storage_options=moto.storage_options)
     real_put, lost = store._put, []

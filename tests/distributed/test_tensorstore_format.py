@@ -13,10 +13,10 @@ import textwrap
 import pytest
 import torch
 
-from torchmoe_ckpt.dcp.host_tier import HostTier
-from torchmoe_ckpt.dcp.object_tier import ObjectTier, make_store
-from torchmoe_ckpt.dcp.tensorstore_format import TensorstoreTier, io_counters, read_global, read_pieces, slot_from_dcp
 from torchmoe_ckpt.inspection import verify_location
+from torchmoe_ckpt.storage.host_tier import HostTier
+from torchmoe_ckpt.storage.object_tier import ObjectTier, make_store
+from torchmoe_ckpt.storage.tensorstore_tier import TensorstoreTier, io_counters, read_global, read_pieces, slot_from_dcp
 from torchmoe_harness.format_compare import compare_formats, synthetic_window
 from torchmoe_harness.launch import compare, run_torchrun
 
@@ -32,7 +32,7 @@ def _store(kind, tmp_path, request):
 def _items(tier: HostTier, wid: int) -> dict:
     out = {}
     for i in range(tier.manifest(wid).window):
-        slot, _ = slot_from_dcp(i, tier.window_dir(wid) / f"slot-{i:02d}" / f"rank-{tier.rank:05d}")
+        slot, _ = slot_from_dcp(i, tier.slot_dir(wid, i))
         out.update({(i, it.key, it.piece.global_offset): it.buffer for it in slot.items})
     return out
 
@@ -101,7 +101,7 @@ def test_round_trip_world_size_change_partial_reads_and_retention(tmp_path, kind
     synthetic_window(tmp_path / "host", world=2, window_id=2, experts=E, ffn=F, dim=D)
     for s, t in zip(stores, tiers):
         s.upload(t, 2)
-        assert s.apply_retention() == [1] and s.window_ids() == [2]
+        assert s.collect() == [1] and s.window_ids() == [2]
 
 
 def test_corrupt_chunk_is_detected_and_never_used(tmp_path):
@@ -124,7 +124,7 @@ CRASH = textwrap.dedent("""
     import os, signal, sys, threading, time
     from pathlib import Path
     from torchmoe_ckpt import faults
-    from torchmoe_ckpt.dcp.tensorstore_format import TensorstoreTier
+    from torchmoe_ckpt.storage.tensorstore_tier import TensorstoreTier
     from torchmoe_harness.format_compare import synthetic_window
     tmp, how = Path(sys.argv[1]), sys.argv[2]
     tiers = synthetic_window(tmp / "host", world=1, window_id=2, experts=8, ffn=256, dim=256)  # 14 MiB
@@ -168,7 +168,7 @@ def test_writer_killed_mid_commit_leaves_previous_window_and_no_torn_one(tmp_pat
     # the next upload of the same id replaces the leftovers; retention then collects window 1
     tier2 = synthetic_window(tmp_path / "host", world=1, window_id=2, experts=E, ffn=F, dim=D)[0]
     store.upload(tier2, 2)
-    assert store.apply_retention() == [1] and store.window_ids() == [2]
+    assert store.collect() == [1] and store.window_ids() == [2]
 
 
 def test_azure_keeps_the_dcp_format_with_one_message(tmp_path, azurite, caplog):

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from torchmoe_ckpt.config import ConfigError, SparseConfig, TierConfig
-from torchmoe_ckpt.dcp.manifest import rank_manifest_name
-from torchmoe_ckpt.dcp.tier_health import CheckpointStallError
-from torchmoe_ckpt.dcp.tiers import build_tiers
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.storage.layout import manifest_name, writer_name
+from torchmoe_ckpt.storage.tier_health import CheckpointStallError
+from torchmoe_ckpt.storage.tiers import build_tiers
 from torchmoe_harness.trainer import RunConfig, Trainer
 
 
@@ -73,7 +73,9 @@ def test_full_tmpfs_is_visible_cleaned_and_checkpointing_resumes(tmpfs, one_rank
     inflight = ck.current.id if ck.current is not None else None
     for wdir in tier.dir.glob("window-*"):
         wid = int(wdir.name.split("-")[1])
-        assert (wdir / rank_manifest_name(0)).exists() or wid == inflight, sorted(p.name for p in tier.dir.iterdir())
+        assert (wdir / manifest_name(writer_name(0))).exists() or wid == inflight, sorted(
+            p.name for p in tier.dir.iterdir()
+        )
     assert all(tier.verify(w) == [] for w in tier.window_ids())
     os.unlink(filler)  # space is back: new windows commit again (after the backoff)
     _steps(t, ck, 12)

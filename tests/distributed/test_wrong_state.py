@@ -19,12 +19,13 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import torchmoe_ckpt as tmc
 from torchmoe_ckpt.checkpointer import _Replay
-from torchmoe_ckpt.dcp.host_tier import HostTier
-from torchmoe_ckpt.dcp.manifest import content_checksum, crc32_bytes
-from torchmoe_ckpt.dcp.tiers import build_tiers
 from torchmoe_ckpt.identity import IdentityMismatch, build_identity
 from torchmoe_ckpt.inspection import verify_location
 from torchmoe_ckpt.recovery import recover
+from torchmoe_ckpt.storage.checksums import crc32_bytes
+from torchmoe_ckpt.storage.host_tier import HostTier
+from torchmoe_ckpt.storage.manifest import content_checksum
+from torchmoe_ckpt.storage.tiers import build_tiers
 from torchmoe_harness.launch import run_torchrun
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
 
@@ -461,7 +462,7 @@ def test_store_fallback_after_host_loss_and_a_damaged_store_window(written, tmp_
         for step in range(ck.resume() + 1, STEPS + 1):
             ck.step(batch(step))
     shutil.rmtree(run_dir(root))  # every host copy lost
-    data = next((store / RUN / "rank-00000" / "window-000002" / "slot-02" / "rank-00000").glob("*.distcp"))
+    data = next((store / RUN / "window-000002" / "slot-02" / "rank-00000").glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:-10])  # the newest store window is torn
     got: dict = {}
     model, opt, sched, fb = build(init_seed=7777)

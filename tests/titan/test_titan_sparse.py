@@ -385,3 +385,19 @@ def test_on_unusable_checkpoint_is_a_checked_key_passed_to_recovery():
         SparseCheckpointSection.from_table({"on_unusable_checkpoint": "never"})
     src = (Path(__file__).resolve().parents[2] / "titan_integration" / "sparse_trainer.py").read_text()
     assert "on_unusable=self.sc.on_unusable_checkpoint" in src
+
+
+def test_replay_check_is_a_checked_key_mapped_onto_the_core_policy():
+    """[sparse_checkpoint] replay_check ("exact" | "tolerant") and replay_tolerance: validated in one line, mapped
+    onto torchmoe_ckpt's ReplayPolicy with the core's default bound."""
+    from torchmoe_ckpt.replay_check import DEFAULT_TOLERANCE, ReplayPolicy
+
+    sec = SparseCheckpointSection()
+    assert sec.replay_policy() == ReplayPolicy("exact", DEFAULT_TOLERANCE)
+    got = SparseCheckpointSection.from_table({"replay_check": "tolerant", "replay_tolerance": 2e-3}).replay_policy()
+    assert got == ReplayPolicy("tolerant", 2e-3)
+    with pytest.raises(JobConfigError, match=r'replay_check = .bitwise.: must be "exact" or "tolerant"; fix:'):
+        SparseCheckpointSection.from_table({"replay_check": "bitwise"})
+    for bad in (0, 1, "1e-3", True):
+        with pytest.raises(JobConfigError, match=r"replay_tolerance = .*: must be a relative bound in \(0, 1\); fix:"):
+            SparseCheckpointSection.from_table({"replay_tolerance": bad})

@@ -35,9 +35,10 @@ def _rank0(lines: list[str], needle: str) -> list[int]:
 
 def test_store_outage_mid_run_warns_summarises_exits_in_time_and_catches_up(tmp_path):
     from torchmoe_ckpt.cli import main as cli
-    from torchmoe_ckpt.dcp.host_tier import HostTier
-    from torchmoe_ckpt.dcp.object_tier import ObjectTier, open_store
-    from torchmoe_ckpt.dcp.uploader import Uploader
+    from torchmoe_ckpt.storage.host_tier import HostTier
+    from torchmoe_ckpt.storage.object_tier import ObjectTier
+    from torchmoe_ckpt.storage.store_open import open_store
+    from torchmoe_ckpt.storage.uploader import Uploader
 
     with moto_server() as moto:
         create_bucket(moto.storage_options, "outage")
@@ -97,7 +98,7 @@ def test_store_outage_mid_run_warns_summarises_exits_in_time_and_catches_up(tmp_
         fs, _ = open_store("s3://outage/ckpt", opts)
         fs.rm("outage/ckpt", recursive=True)
         uri, cli_opts = "s3://outage/ckpt", ["--storage-options", json.dumps(opts)]
-        for rank in range(2):  # what a run with this run_id does first (TierWriter: Uploader.catch_up)
+        for rank in range(2):  # what a run with this run_id does first (PersistThread: Uploader.catch_up)
             tier = HostTier(host / "node-0", "demo", rank, 2)
             up = Uploader(ObjectTier(uri, "demo", rank, opts), tier)
             up.catch_up()

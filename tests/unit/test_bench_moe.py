@@ -97,3 +97,27 @@ def test_pairing_cancels_drift_and_goals_are_judged():
     }
     text = "\n".join(markdown(res))
     assert "| ours_auto |" in text and "met" in text and "noise of the no-checkpoint turns" in text
+
+
+def test_optimizer_byte_ratios_follow_the_real_state_sizes():
+    """The bench's per-optimizer slot bytes (sizes, deterministic) on a small MoE: a full copy's bytes per parameter
+    are the real state's (12 AdamW, 8 bf16 states / SGD / DistMuon layout), and one copy budget gives a smaller
+    optimizer state a smaller auto W (fewer bytes per full copy fit more operators per slot)."""
+    from torchmoe_harness.bench_optim_bytes import byte_ratios
+    from torchmoe_harness.bench_optim_bytes import markdown as opt_markdown
+
+    model = {"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 2, "num_experts": 16, "expert_hidden": 64}
+    r = byte_ratios(model, windows=(2, 4))
+    for compute in ("float32", "bfloat16"):
+        rows = r["compute"][compute]
+        bpp = {k: row["bytes_per_param"] for k, row in rows.items()}  # + buffers and step counters: a little over
+        assert 12 < bpp["adamw"] < 12.01 and 8 < bpp["sgd"] < 8.01 and 8 < bpp["adamw-bf16"] < 8.01
+        assert bpp["sgd"] < bpp["distmuon-adamw"] < bpp["muon-adamw"] < bpp["adamw"]
+        for row in rows.values():
+            assert 0 < row["forced"][4]["mean"] < row["forced"][2]["mean"] < 1
+        assert rows["sgd"]["auto"]["W"] <= rows["adamw"]["auto"]["W"]
+    assert r["compute"]["float32"]["sgd"]["auto"]["W"] < r["compute"]["float32"]["adamw"]["auto"]["W"]
+    text = "\n".join(opt_markdown(r))
+    assert (
+        "| AdamW, bf16 states | 8.00 |" in text and "| SGD + momentum | 8.00 |" in text and "| AdamW | 12.00 |" in text
+    )

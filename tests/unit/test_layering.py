@@ -30,9 +30,9 @@ THIRD_PARTY_OK = {"torch", "numpy", "fsspec", "s3fs", "adlfs", "azure", "tensors
 
 @dataclass(frozen=True)
 class Import:
-    source: str  # importing module, e.g. torchmoe_ckpt.dcp.host_tier
-    target: str  # absolute name as written or resolved, e.g. torchmoe_ckpt.dcp.manifest.file_entry
-    module: str  # the part that must be a module: torchmoe_ckpt.dcp.manifest (the target may be one too)
+    source: str  # importing module, e.g. torchmoe_ckpt.storage.host_tier
+    target: str  # absolute name as written or resolved, e.g. torchmoe_ckpt.storage.manifest.file_entry
+    module: str  # the part that must be a module: torchmoe_ckpt.storage.manifest (the target may be one too)
     line: int
     local: bool  # inside a function or method
 

@@ -22,9 +22,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from ..optim_state import optimizer_list
+from ..storage.layout import METADATA
+from ..storage.layout import dense_step_dirname as step_dirname
+from ..storage.store_open import open_store
+
 log = logging.getLogger("torchmoe_ckpt.dense_export")
 TRAIN_STATE = "torchmoe_train_state"  # not TorchTitan's "train_state", which has other fields
-METADATA = ".metadata"  # DCP writes it last, after every rank's data: the commit
 
 
 # Flattened optimizer keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): TorchTitan's OptimizersContainer
@@ -32,8 +36,10 @@ METADATA = ".metadata"  # DCP writes it last, after every rank's data: the commi
 _OPTIONS = StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True)
 
 
-def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    msd, osd = get_state_dict(model, optimizer, options=_OPTIONS)
+def _state(model: torch.nn.Module, optimizer) -> dict:
+    # Several optimizers (Muon + AdamW, TorchTitan's container) flatten into one FQN-keyed dict, as TorchTitan's
+    # OptimizersContainer.state_dict does: every parameter belongs to one of them.
+    msd, osd = get_state_dict(model, optimizer_list(optimizer), options=_OPTIONS)
     return {**msd, "optimizer": osd}
 
 
@@ -45,7 +51,7 @@ def _export_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step
     """`extra`: more top-level entries (a dict, or a function returning one at export time), e.g. a framework's
     data-loader position and step counter, so that its own full resume finds every key it expects."""
     state = _state(model, optimizer)
-    state[TRAIN_STATE] = _train_state(step, float(optimizer.param_groups[0]["lr"]))
+    state[TRAIN_STATE] = _train_state(step, float(optimizer_list(optimizer)[0].param_groups[0]["lr"]))
     more = extra() if callable(extra) else (extra or {})
     clash = sorted(set(more) & set(state))
     if clash:
@@ -76,10 +82,9 @@ def load_dense(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: str, storage_options: dict | None = None
 ) -> int:
     """Collective: load an export into a (freshly built) model and optimizer; returns the step it holds."""
-    import fsspec
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    fs, root = open_store(uri, storage_options, probe=False)
     if not fs.exists(f"{root.rstrip('/')}/{METADATA}"):
         raise FileNotFoundError(
             f"{uri} is not a complete dense export ({METADATA} missing): the export was "
@@ -103,14 +108,10 @@ def load_dense(
             f"configuration: load an export of this model, or start without initial_load"
         ) from None
     osd, ts = state.pop("optimizer"), state.pop(TRAIN_STATE)
-    set_state_dict(model, optimizer, model_state_dict=state, optim_state_dict=osd, options=_OPTIONS)
+    set_state_dict(model, optimizer_list(optimizer), model_state_dict=state, optim_state_dict=osd, options=_OPTIONS)
     step = int(ts["step"])
     log.info("event=dense_load step=%d path=%s", step, uri)
     return step
-
-
-def step_dirname(step: int) -> str:
-    return f"step-{step}"  # TorchTitan's `{folder}/step-{N}`
 
 
 class DenseExporter:
@@ -122,8 +123,6 @@ class DenseExporter:
     def __init__(self, uri: str, storage_options: dict | None = None, every: int | None = None, keep: int = 2):
         if every is not None and every < 1:
             raise ValueError(f"dense export interval must be >= 1 iterations or None (off), got {every}")
-        from .object_tier import open_store
-
         self.uri, self.opts, self.every, self.keep = uri.rstrip("/"), dict(storage_options or {}), every, keep
         self.fs, self.root = open_store(uri, self.opts, probe=True)
         self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None

@@ -6,10 +6,11 @@ checkpoint every iteration sparsely, without our `Slot` objects.
     dcp.save(sd, planner=SparseSavePlanner(schedule, step, record),
              storage_writer=HostWriter(schedule.slot_path(root, step)))
 
-Iteration `step` writes exactly its slot of the window plan: the full state (fp32 master weight, AdamW
-exp_avg/exp_avg_sq, step, buffers) of the slot's ACTIVE operators under the keys a dense save uses
-(`model.<fqn>`, `optim.state.<fqn>.exp_avg`, ...), and the compute weights of the operators whose full copy
-comes later under `compute.<fqn>` (in the compute dtype), one chunk per expert with global offsets. The
+Iteration `step` writes exactly its slot of the window plan: the full state (master weight, every optimizer
+state tensor -- AdamW's exp_avg/exp_avg_sq/step, SGD's momentum_buffer, ...: pass the optimizer to
+`SparseSchedule`; without it the AdamW layout is assumed -- and buffers) of the slot's ACTIVE operators under
+the keys a dense save uses (`model.<fqn>`, `optim.state.<fqn>.<key>`), and the compute weights of the operators
+whose full copy comes later under `compute.<fqn>` (in the compute dtype), one chunk per expert with global offsets. The
 window/slot/step/plan go into `Metadata.planner_data`; our writers add a checksum per item in
 `Metadata.storage_data`. `record` (this rank's replay record: batch, grad norm, LR, RNG, loss) is saved as
 one bytes item per rank; sparse-to-dense replay needs it.
@@ -43,12 +44,15 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..operators import agreed_sizes, discover_operators, local_tensor
+from ..optim_state import describe_optimizer_state
 from ..replay_log import IterationRecord, ReplayLog
 from ..schedule import plan_window
 from ..snapshot import Slot, SlotItem, build_slot
+from ..storage.layout import slot_name
+from ..storage.manifest import plan_digest
+from ..storage.slot_format import PLANNER_KEY
 from ..window import Window
-from .manifest import plan_digest
-from .planner import PLANNER_KEY, partial_global_plan
+from .slot_planner import partial_global_plan
 
 # DCP's state-dict helpers drop these wrapper names from FQNs (torch.compile, activation checkpointing).
 _WRAPPERS = re.compile(r"(^|\.)(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)(?=\.|$)")
@@ -69,9 +73,20 @@ class SparseSchedule:
     rank computes the same plan)."""
 
     def __init__(
-        self, model: torch.nn.Module, window: int, compute_dtype: torch.dtype, first_step: int = 1, ops=None, group=None
+        self,
+        model: torch.nn.Module,
+        window: int,
+        compute_dtype: torch.dtype,
+        first_step: int = 1,
+        ops=None,
+        group=None,
+        optimizer=None,
     ):
+        """`optimizer` (one or several): slots hold its state as it is (keys, dtypes; created now if missing, as
+        its first step would); None: the AdamW layout (fp32 master, exp_avg, exp_avg_sq, step)."""
         ops = ops if ops is not None else discover_operators(model)
+        if optimizer is not None:
+            describe_optimizer_state(model, ops, optimizer)
         self.ops = {o.name: o for o in ops}
         self.compute_dtype, self.first_step = compute_dtype, first_step
         kind = {"expert": 0, "router": 1, "dense": 2}
@@ -99,7 +114,7 @@ class SparseSchedule:
     def slot_name(self, step: int) -> str:
         """Where step's slot goes under a tier's root: `window-NNNNNN/slot-SS`."""
         wid, slot, _ = self.locate(step)
-        return f"window-{wid:06d}/slot-{slot:02d}"
+        return slot_name(wid, slot)
 
     def slot_path(self, root: str | Path, step: int) -> str:
         return f"{str(root).rstrip('/')}/{self.slot_name(step)}"
@@ -113,7 +128,7 @@ class SparseSchedule:
             "start_step": start,
             "window_size": self.window,
             "plan": self.digest,
-            "run": run,
+            "run": run or None,
         }
 
 
@@ -124,7 +139,7 @@ def dcp_key(item: SlotItem, model_key: str = "model", optim_key: str = "optim") 
         return f"{model_key}.{fqn}"
     if item.role == "compute":
         return f"compute.{fqn}"
-    return f"{optim_key}.state.{fqn}.{item.role}"  # exp_avg | exp_avg_sq | step
+    return f"{optim_key}.state.{fqn}.{item.role}"  # the optimizer state key: exp_avg, step, momentum_buffer, ...
 
 
 def _source(sd: dict, item: SlotItem, model_key: str, optim_key: str) -> torch.Tensor:
@@ -141,8 +156,8 @@ def _source(sd: dict, item: SlotItem, model_key: str, optim_key: str) -> torch.T
             f"optimizer) as {{{model_key!r}: ..., {optim_key!r}: ...}}, after the first optimizer "
             "step"
         ) from None
-    if item.role == "step":
-        return t if torch.is_tensor(t) else torch.tensor(float(t))
+    if item.role not in ("master", "buffer", "compute") and (not torch.is_tensor(t) or t.dim() == 0):
+        return t if torch.is_tensor(t) else torch.tensor(float(t))  # a 0-dim state (step), whole
     return local_tensor(t)[item.piece.local_slices]
 
 
@@ -161,6 +176,7 @@ class SparseSavePlanner(DefaultSavePlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
         self.schedule, self.step, self.record, self.keys = schedule, step, record, (model_key, optim_key)
         self.info = schedule.info(step, run)
+        self.window_plan = schedule.plan  # our writers commit the window's manifest with its last slot
         self.slot = schedule.slot_items(self.info["slot"])
         self._items: dict[tuple, SlotItem] = {}
 
@@ -294,7 +310,7 @@ class SparseLoadPlanner(DefaultLoadPlanner):
             view.copy_(tensor)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self.record = IterationRecord.from_dict(torch.load(value, weights_only=True))
+        self.record = IterationRecord.from_dict(torch.load(value, weights_only=True, map_location="cpu"))
 
 
 def load_sparse_window(schedule: SparseSchedule, window_id: int, reader_for, pin_memory: bool = False) -> Window:

@@ -1,16 +1,15 @@
-"""One StorageWriter/StorageReader per tier, composable, for DCP users (`dcp.save` / `dcp.async_save` /
-`dcp.load` drive them):
+"""One StorageWriter/StorageReader per tier for DCP users (`dcp.save` / `dcp.async_save` / `dcp.load` drive them),
+each a thin adapter over the tier objects the checkpointer uses (raw_storage.py says how):
 
-    HostWriter / HostReader      node-local shared memory (a /dev/shm path): raw bytes, one pwritev per file
-    PeerWriter / PeerReader      r copies in peers' host memory (peer_storage.py); a later tier of a TieredWriter
-    StoreWriter / StoreReader    any fsspec URI (file://, s3://, az://, memory://) with storage options
+    HostWriter / HostReader      node-local shared memory (a /dev/shm path): HostTier
+    StoreWriter / StoreReader    any fsspec URI (file://, s3://, az://, memory://) with storage options: ObjectTier
+    PeerWriter / PeerReader      r copies in peers' host memory: PeerTier (peer_storage.py)
     TieredWriter / TieredReader  write through several tiers; read from the fastest holding a verified copy
 
-All of them store the raw-bytes layout of `raw_storage.py` (a checksum per item, `.metadata` written last).
-The tiered writer writes the first tier (host memory) from the state dict, then hands the *files* it wrote
-to the other tiers (a sendfile/put of those bytes, no re-serialization, no second pass over the state), and
-commits each tier with its own `.metadata` after its data: a tier that failed half-way has no metadata and
-is invisible to readers.
+The tiered writer writes the first tier (host memory) from the state dict, then hands the *files* it wrote to the
+other tiers (a streamed copy or put of those bytes, no second pass over the state): each slot's files as they are
+written, the window manifest last once the first tier committed the window. A tier that failed half-way has no
+manifest and is invisible to readers.
 """
 
 from __future__ import annotations
@@ -23,10 +22,10 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .raw_storage import CorruptItemError, RawReader, RawWriter, _Local, done
+from ..storage.slot_format import CorruptCopyError
+from .raw_storage import RawReader, RawWriter, done
 
 log = logging.getLogger("torchmoe_ckpt.tier_storage")
-DEFAULT_HOST_ROOT = "/dev/shm/torchmoe-ckpt"
 
 
 def _under(base: str, checkpoint_id) -> str | None:
@@ -48,8 +47,10 @@ def _local_path(path: str) -> str:
 class HostWriter(RawWriter):
     """Node-local shared memory: survives a worker restart (torchrun), not a node loss."""
 
-    def __init__(self, path: str | os.PathLike = "", item_checksums: bool = True):
-        super().__init__(_local_path(str(path)), None, item_checksums)
+    _store = False
+
+    def __init__(self, path: str | os.PathLike = ""):
+        super().__init__(_local_path(str(path)))
 
 
 class HostReader(RawReader):
@@ -61,8 +62,10 @@ class StoreWriter(RawWriter):
     """An fsspec object store; `storage_options` go to fsspec (endpoint, credentials), unlike DCP's own
     auto-selection from a checkpoint id, which passes none."""
 
-    def __init__(self, uri: str = "", storage_options: dict | None = None, item_checksums: bool = True):
-        super().__init__(uri, storage_options, item_checksums)
+    _store = True
+
+    def __init__(self, uri: str = "", storage_options: dict | None = None):
+        super().__init__(uri, storage_options)
 
 
 class StoreReader(RawReader):
@@ -94,42 +97,26 @@ class TieredWriter(StorageWriter):
         return self.writers[0].storage_meta()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        for w in self.writers[1:]:
-            w.prepare_local_plan(plan)
-        return self.writers[0].prepare_local_plan(plan)
+        return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return self.writers[0].prepare_global_plan(plans)
+        return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         first = self.writers[0]
         results = first.write_data(plan, planner).wait()
-        src = first.files()
-        for i, w in enumerate(self.writers[1:], 1):
-            if hasattr(w, "write_from"):  # a tier with work of its own (PeerWriter: a push to peers, collective)
-                self.bytes_per_tier[i] += w.write_from(first, plan, results, planner)
-                continue
-            dst = w.files()
-            for rel, n in first.written.items():
-                if isinstance(src, _Local):
-                    dst.copy_from(rel, os.path.join(src.root, rel))  # stream the bytes just written
-                else:
-                    data = src.read(rel)
-                    dst.write_data(rel, len(data), [data])
-                self.bytes_per_tier[i] += n
         self.bytes_per_tier[0] += sum(first.written.values())
+        for i, w in enumerate(self.writers[1:], 1):
+            try:  # each tier commits after its own data; one failing keeps the others
+                self.bytes_per_tier[i] += w.write_from(first)
+            except Exception as exc:
+                log.warning("tier %s did not take the checkpoint: %s", w.path, exc)
+                if getattr(w, "collective", False):
+                    raise  # a peer push is collective: every rank must fail it together (DCP gathers the error)
         return done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        failed = []
-        for w in self.writers:  # each tier commits after its own data; one failing keeps the others
-            try:
-                w.finish(metadata, results)
-            except Exception as exc:
-                failed.append(f"{w.path}: {exc}")
-                log.warning("tier %s did not commit: %s", w.path, exc)
-        if len(failed) == len(self.writers):
-            raise RuntimeError(f"no tier committed the checkpoint: {failed}")
+        pass  # every tier committed in write_data
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -159,10 +146,15 @@ class TieredReader(StorageReader):
             except Exception as exc:  # missing or unreadable on this tier
                 self._mds.append(None)
                 self.skipped.append(f"{r.path}: {type(exc).__name__}: {exc}")
-        first = next((m for m in self._mds if m is not None), None)
-        if first is None:
+        # Planned against the fullest view (a node may hold only its own writers' pieces, a peer or the store all
+        # of them); a tier that lacks an item the plan reads falls through to the next in read_data.
+        best = None
+        for md in self._mds:
+            if md is not None and (best is None or len(md.storage_data) > len(best.storage_data)):
+                best = md
+        if best is None:
             raise FileNotFoundError(f"no tier holds a committed checkpoint: {self.skipped}")
-        return first
+        return best
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         for r, md in zip(self.readers, self._mds):
@@ -187,10 +179,10 @@ class TieredReader(StorageReader):
                 fut.wait()
                 self.source = i
                 return fut
-            except (CorruptItemError, OSError) as exc:  # the next tier re-reads every item in place
+            except (CorruptCopyError, OSError) as exc:  # the next tier re-reads every item in place
                 self.skipped.append(f"{r.path}: {exc}")
                 log.warning("tier %s unusable (%s): reading the next tier", r.path, exc)
-        raise CorruptItemError(f"no tier holds a verified copy: {self.skipped}")
+        raise CorruptCopyError(f"no tier holds a verified copy: {self.skipped}")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

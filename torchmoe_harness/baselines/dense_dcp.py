@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from torchmoe_ckpt.dcp.dense_export import METADATA, DenseExporter, export_dense, load_dense, step_dirname
-from torchmoe_harness.baselines.common import Timer, rng_state
+from torchmoe_harness.baselines.common import Timer, restore_rng, rng_state
 
 
 def _dir_bytes(path: Path) -> int:
@@ -83,7 +83,7 @@ class DenseDcp:
         fresh = fresh_trainer_plain(cfg) if step == 0 else fresh_trainer_from(cfg)
         if step:
             fresh.set_step(load_dense(fresh.model, fresh.optimizer, f"file://{self.root / step_dirname(step)}"))
-            torch.set_rng_state(torch.load(self.root / f"rng-{step}-rank{self.rank}.pt"))
+            restore_rng(torch.load(self.root / f"rng-{step}-rank{self.rank}.pt", map_location="cpu"))
         return fresh, {"recovered_step": step, "seconds": time.perf_counter() - t0}
 
     def close(self) -> None:

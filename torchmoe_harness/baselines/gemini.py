@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.snapshot import SnapshotEngine, StateAccess, build_slot
-from torchmoe_harness.baselines.common import HostCopyBaseline, Timer, fresh_trainer, restore_slots, rng_state
+from torchmoe_harness.baselines.common import HostCopyBaseline, Timer, restored_trainer, rng_state
 
 
 class HostDense(HostCopyBaseline):
@@ -23,21 +21,23 @@ class HostDense(HostCopyBaseline):
         self.every = every
         ops = discover_operators(trainer.model)
         names = tuple(o.name for o in ops)
-        self.buffers = [build_slot(i, names, (), {o.name: o for o in ops}, trainer.compute_dtype) for i in (0, 1)]
-        self.engine = SnapshotEngine(StateAccess(trainer.model, trainer.optimizer))
+        self.engine = SnapshotEngine(StateAccess(trainer.model, trainer.optimizer))  # on the model's device
+        pin = self.engine.use_cuda  # pinned host buffers on a GPU, as our slots: the same copy path, a fair price
+        by_name = {o.name: o for o in ops}
+        self.buffers = [build_slot(i, names, (), by_name, trainer.compute_dtype, pin_memory=pin) for i in (0, 1)]
         self.latest = None  # (slot, step, rng) of the newest complete snapshot
         self.pending = None
         self.wait = Timer()
         self.checkpoints = 0
 
-    def before_update(self) -> None:
-        if self._wait_for_copy():
+    def before_update(self, until_done: bool = False) -> None:
+        if self._wait_for_copy(until_done):
             self.latest, self.pending = self.pending, None
 
     def after_step(self, trainer, res) -> None:
         if trainer.step % self.every:
             return
-        self.before_update()  # one copy in flight at a time
+        self.before_update(until_done=True)  # one copy in flight at a time; the finished one becomes the latest
         slot = self.buffers[self.checkpoints % 2]
         t0 = time.perf_counter()
         self.engine.capture(slot, trainer.step)
@@ -54,16 +54,13 @@ class HostDense(HostCopyBaseline):
             fresh, step = fresh_trainer_plain(trainer.cfg), 0
         else:
             slot, step, rng = self.latest
-            fresh = fresh_trainer(trainer)
-            restore_slots(fresh, [slot])
-            fresh.set_step(step)
-            torch.set_rng_state(rng)
+            fresh = restored_trainer(trainer, [slot], step, rng)
         self.engine = SnapshotEngine(StateAccess(fresh.model, fresh.optimizer))
         self.pending = None
         return fresh, {"recovered_step": step, "seconds": time.perf_counter() - t0}
 
     def close(self) -> None:
-        self.before_update()
+        self.before_update(until_done=True)
         self.engine.shutdown()
 
     def stats(self) -> dict:

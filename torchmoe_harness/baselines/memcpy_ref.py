@@ -34,6 +34,8 @@ class _Engine:
     def wait(self) -> None:
         self._done.wait()
 
+    wait_done = wait  # a host copy: queued and done are the same
+
     def shutdown(self) -> None:
         self._stop = True
         self._go.set()

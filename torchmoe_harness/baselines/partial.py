@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from torchmoe_ckpt.operators import discover_operators, expert_grid
 from torchmoe_ckpt.snapshot import Slot, SnapshotEngine, StateAccess, build_slot
-from torchmoe_harness.baselines.common import HostCopyBaseline, Timer, fresh_trainer, restore_slots, rng_state
+from torchmoe_harness.baselines.common import HostCopyBaseline, Timer, restored_trainer, rng_state
 
 
 class PartialExperts(HostCopyBaseline):
@@ -32,16 +32,20 @@ class PartialExperts(HostCopyBaseline):
         self.n_layers = 1 + max(layer for layer, _ in self.grid)
         self.n_experts = 1 + max(e for _, e in self.grid)
         self.always = tuple(o.name for o in ops if o.kind != "expert")
-        self.bufs = {o.name: build_slot(0, (o.name,), (), self.op_by_name, trainer.compute_dtype) for o in ops}
+        self.engine = SnapshotEngine(StateAccess(trainer.model, trainer.optimizer))  # on the model's device
+        pin = self.engine.use_cuda  # pinned host buffers on a GPU, as our slots
+        self.bufs = {
+            o.name: build_slot(0, (o.name,), (), self.op_by_name, trainer.compute_dtype, pin_memory=pin) for o in ops
+        }
         # bytes of one expert's full state (max over ranks: selection must be identical everywhere)
         t = torch.tensor([max(self.op_by_name[n].full_bytes() for n in self.grid.values())], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         self.expert_bytes = float(t)
         self.saved_at: dict[str, int] = {}  # operator -> iteration of its host copy
         self.unsaved = torch.zeros(self.n_layers, self.n_experts, dtype=torch.float64)
+        self._counts: list[torch.Tensor] = []  # routed-token counts since the last fold, where the model made them
         self.latest = None  # (step, rng, tokens lost if recovering there)
         self.pending = None
-        self.engine = SnapshotEngine(StateAccess(trainer.model, trainer.optimizer))
         self.wait = Timer()
         self.checkpoints = 0
         self.bytes: list[int] = []
@@ -56,20 +60,27 @@ class PartialExperts(HostCopyBaseline):
         pass
 
     # ---- hooks -----------------------------------------------------------------------------------------
-    def before_update(self) -> None:
-        if self._wait_for_copy():
+    def before_update(self, until_done: bool = False) -> None:
+        if self._wait_for_copy(until_done):
             slot, step, rng, lost = self.pending
             for name in slot.active:
                 self.saved_at[name] = step
             self.latest, self.pending = (step, rng, lost), None
 
+    def _fold_counts(self) -> None:
+        """The counts since the last checkpoint into `unsaved`: read once per checkpoint, not per iteration."""
+        if self._counts:
+            counts = torch.stack(self._counts).double().sum(0).cpu()
+            self._counts = []
+            self.unsaved += counts
+            self.tokens_processed += float(counts.sum())
+
     def after_step(self, trainer, res) -> None:
-        counts = res.expert_counts.double()
-        self.unsaved += counts
-        self.tokens_processed += float(counts.sum())
+        self._counts.append(res.expert_counts)
         if trainer.step % self.every:
             return
-        self.before_update()
+        self._fold_counts()
+        self.before_update(until_done=True)
         chosen = self.select()
         for le in chosen:
             self.unsaved[le] = 0.0
@@ -87,6 +98,7 @@ class PartialExperts(HostCopyBaseline):
     def recover(self, trainer, failed_at: int):
         self.engine.shutdown()
         t0 = time.perf_counter()
+        self._fold_counts()
         self.pending = None  # an in-flight copy is torn by the crash
         if self.latest is None:
             from torchmoe_harness.baselines.dense_dcp import fresh_trainer_plain
@@ -95,11 +107,8 @@ class PartialExperts(HostCopyBaseline):
             self.saved_at.clear()
         else:
             step, rng, lost = self.latest
-            fresh = fresh_trainer(trainer)
             order = sorted(self.saved_at, key=self.saved_at.get)  # oldest first: shared step counters end newest
-            restore_slots(fresh, [self.bufs[n] for n in order])
-            fresh.set_step(step)
-            torch.set_rng_state(rng)
+            fresh = restored_trainer(trainer, [self.bufs[n] for n in order], step, rng)
         # Expert updates not in the checkpoint are gone: the unsaved counts restart from what was lost.
         self.tokens_lost += lost
         self.unsaved.zero_()
@@ -115,7 +124,8 @@ class PartialExperts(HostCopyBaseline):
         }
 
     def close(self) -> None:
-        self.before_update()
+        self.before_update(until_done=True)
+        self._fold_counts()
         self.engine.shutdown()
 
     def stats(self) -> dict:

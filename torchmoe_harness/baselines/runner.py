@@ -118,7 +118,8 @@ def run(spec: dict, out: Path) -> dict:
         "failure_times_s": trace,
         "mtbf_s": mtbf_s,
     }
-    torch.save({"state": trainer.export_state(), "losses": losses}, out / f"rank{trainer.rank}.pt")
+    host_losses = {step: loss.detach().cpu() for step, loss in losses.items()}  # read once, at the end
+    torch.save({"state": trainer.export_state(), "losses": host_losses}, out / f"rank{trainer.rank}.pt")
     return report
 
 

@@ -1,178 +1,26 @@
-"""The window manifest: the file that makes a window visible.
+"""The window manifest: the file that makes a writer's copy of a window visible.
 
-A window is stored as a directory (on any tier) of plain files:
-
-    window-000042/
-        slot-00/.metadata, slot-00/__0_0.distcp, ...   one standard DCP checkpoint per slot
-        slot-01/...
-        replay/rank-00000.pt, ...                      per-rank replay records
-        MANIFEST.json                                  written last, after every other file
-                                                       (per rank on a host tier: MANIFEST.rank-RRRRR.json)
-
-MANIFEST.json lists every other file with its size and digest (CRC32, or for host-tier data files the
-memory-speed sum64b512 of checksums.py, named in the entry; as reported by the write that produced it,
-never re-read from disk), the run identity of the writer (identity.py), the window/slot/step each slot file
-was written for, and a SHA-256 of its own canonical content: an edited manifest (a start step changed by one
-bit, a plan edited) no longer matches its checksum and is refused. Readers treat a window without a
-manifest as invisible (half-written), and verify each file against the manifest before using it: a torn or
-corrupt file makes the window unusable on that tier, and the reader moves on to the next tier.
+Each writer commits its own files of a window (layout.py) with `MANIFEST.<writer>.json`, written last. It
+lists every other file of the writer with its size and digest (CRC32, or for slot data files the memory-speed
+sum64b512 of checksums.py, named in the entry; as reported by the write that produced it, never re-read from
+disk), the run identity of the writer (identity.py), the window/slot/step each slot file was written for, and a
+SHA-256 of its own canonical content: an edited manifest (a start step changed by one bit, a plan edited) no
+longer matches its checksum and is refused. Readers treat a window without a manifest as invisible
+(half-written), and verify each file against the manifest before using it: a torn or corrupt file makes the
+copy unusable on that tier, and the reader moves on to the next tier.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import zlib
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
-
-import numpy as np
 
 from ..errors import TorchmoeError
-from .checksums import BLOCK, CRC32, SUM64, UnknownChecksum, block_sums, digest, digest_blocks
+from .checksums import CRC32, FileEntry
+from .layout import METADATA, slot_of
 
 FORMAT = "torchmoe-ckpt/window/2"  # 2: identity, slot records and a self-checksum
-MANIFEST_NAME = "MANIFEST.json"
-
-
-def window_dirname(window_id: int) -> str:
-    return f"window-{window_id:06d}"
-
-
-def parse_window_dirname(name: str) -> int | None:
-    if name.startswith("window-") and name[7:].isdigit():
-        return int(name[7:])
-    return None
-
-
-def rank_manifest_name(rank: int) -> str:
-    """A rank's manifest of a window on a host tier (each rank commits its own files)."""
-    return f"MANIFEST.rank-{rank:05d}.json"
-
-
-def slot_rank_dir(window_dir: Path, slot: int, rank: int) -> Path:
-    """Where one rank's DCP checkpoint of one slot lives inside a window directory on a host tier."""
-    return window_dir / f"slot-{slot:02d}" / f"rank-{rank:05d}"
-
-
-def crc32_bytes(data: bytes | memoryview, crc: int = 0) -> int:
-    return zlib.crc32(data, crc) & 0xFFFFFFFF
-
-
-def _gf2_times(mat: tuple, vec: int) -> int:
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def _gf2_square(mat: tuple) -> tuple:
-    return tuple(_gf2_times(mat, mat[n]) for n in range(32))
-
-
-@functools.lru_cache(maxsize=256)
-def _zeros_tables(nbytes: int) -> tuple:
-    """`_zeros_operator(nbytes)` as four 256-entry tables (one per CRC byte): applying it is four lookups."""
-    rows = _zeros_operator(nbytes)
-    tables = []
-    for k in range(4):
-        t = [0] * 256
-        for b in range(1, 256):
-            low = (b & -b).bit_length() - 1
-            t[b] = t[b & (b - 1)] ^ rows[8 * k + low]
-        tables.append(t)
-    return tuple(tables)
-
-
-def _zeros_operator(nbytes: int) -> tuple:
-    """The GF(2) matrix that advances a CRC32 over `nbytes` zero bytes (zlib's crc32_combine, composed once
-    per length; `_zeros_tables` caches it: a slot's item sizes repeat every window)."""
-    odd = (0xEDB88320,) + tuple(1 << n for n in range(31))  # one zero bit
-    even = _gf2_square(odd)  # two
-    odd = _gf2_square(even)  # four
-    op = tuple(1 << n for n in range(32))  # identity
-    while nbytes:
-        even = _gf2_square(odd)
-        if nbytes & 1:
-            op = tuple(_gf2_times(even, op[n]) for n in range(32))
-        nbytes >>= 1
-        if not nbytes:
-            break
-        odd = _gf2_square(even)
-        if nbytes & 1:
-            op = tuple(_gf2_times(odd, op[n]) for n in range(32))
-        nbytes >>= 1
-    return op
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32 of A+B from crc32(A), crc32(B) and len(B), without reading any byte again."""
-    if len2 <= 0:
-        return crc1
-    t0, t1, t2, t3 = _zeros_tables(len2)
-    return (t0[crc1 & 0xFF] ^ t1[(crc1 >> 8) & 0xFF] ^ t2[(crc1 >> 16) & 0xFF] ^ t3[crc1 >> 24] ^ crc2) & 0xFFFFFFFF
-
-
-def crc32_stream(chunks: Iterable[bytes]) -> tuple[int, int]:
-    """(crc32, size) of a stream of byte chunks."""
-    crc, size = 0, 0
-    for c in chunks:
-        crc = zlib.crc32(c, crc)
-        size += len(c)
-    return crc & 0xFFFFFFFF, size
-
-
-@dataclass
-class FileEntry:
-    bytes: int
-    crc32: int  # the file's 32-bit digest under `algo` (a CRC32 unless `algo` names another one)
-    algo: str = CRC32  # checksums.py: "sum64b512" for host-tier data files (computed at memory speed)
-
-    def matches(self, data) -> bool:
-        """Whether `data` (the whole file) has this entry's size and digest."""
-        return len(data) == self.bytes and digest(data, self.algo) == self.crc32
-
-
-class Digester:
-    """A file's digest under `algo`, fed chunk by chunk (every chunk but the last a multiple of 512 bytes), so a
-    copy loop checksums each chunk while it is in cache instead of in a second pass over the file."""
-
-    def __init__(self, algo: str = CRC32):
-        if algo not in (CRC32, SUM64):
-            raise UnknownChecksum(f"unknown checksum algorithm {algo!r}")
-        self.algo, self.size, self._crc, self._sums = algo, 0, 0, []
-
-    def update(self, chunk) -> None:
-        if self.size % BLOCK and self.algo == SUM64:
-            raise ValueError("sum64b512 chunks must be multiples of 512 bytes, all but the last")
-        if self.algo == CRC32:
-            self._crc = zlib.crc32(chunk, self._crc)
-        else:
-            self._sums.append(block_sums(chunk))
-        self.size += len(memoryview(chunk).cast("B"))
-
-    def entry(self) -> FileEntry:
-        if self.algo == CRC32:
-            return FileEntry(self.size, self._crc & 0xFFFFFFFF)
-        sums = np.concatenate(self._sums) if self._sums else np.zeros(0, dtype="<i8")
-        return FileEntry(self.size, digest_blocks(sums, self.size), self.algo)
-
-
-CHUNK = 1 << 20  # bytes per read of a streamed file: one chunk stays in cache between its copy and its checksum
-
-
-def file_entry(path: Path, algo: str = CRC32) -> FileEntry:
-    """Size and digest of a file on disk, read in chunks into one reused buffer."""
-    d, buf = Digester(algo), bytearray(CHUNK)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            d.update(memoryview(buf)[:n])
-    return d.entry()
 
 
 def _entry_dict(v: FileEntry) -> dict:
@@ -299,7 +147,7 @@ def check_window(
     if len(man.slots) != man.window:
         return out + [f"manifest records {len(man.slots)} slot files for W={man.window}"]
     digest = plan_digest(man.plan)
-    run = (man.identity or {}).get("fingerprint")
+    run = (man.identity or {}).get("fingerprint") or None  # a DCP user's window names no run
     for i, rec in enumerate(man.slots):
         # A writer that gave no plan digest (a tool, not the checkpointer) records None for it.
         want = {
@@ -310,7 +158,7 @@ def check_window(
             "run": run,
             "plan": digest if rec.get("plan") is not None else None,
         }
-        bad = [k for k, v in want.items() if rec.get(k) != v]
+        bad = _differs(rec, want)
         if bad:
             out.append(
                 f"slot {i}: manifest records {', '.join(f'{k} {rec.get(k)!r}' for k in bad)}, expected "
@@ -319,7 +167,7 @@ def check_window(
             continue
         if slot_info is None:
             continue
-        rel = next((r for r in sorted(man.files) if r.startswith(f"slot-{i:02d}/") and r.endswith(".metadata")), None)
+        rel = slot_metadata_file(man, i)
         if rel is None:
             out.append(f"slot {i}: no DCP metadata file listed")
             continue
@@ -328,10 +176,20 @@ def check_window(
         except Exception as exc:  # unreadable metadata: a damaged or foreign file
             out.append(f"slot {i}: metadata unreadable ({type(exc).__name__}: {exc})")
             continue
-        bad = [k for k, v in want.items() if info.get(k) != v]
+        bad = _differs(info, want)
         if bad:
             out.append(
                 f"{rel}: written for {', '.join(f'{k} {info.get(k)!r}' for k in bad)}, but sits at "
                 f"{', '.join(f'{k} {want[k]!r}' for k in bad)} (a slot file of another window or run)"
             )
     return out
+
+
+def _differs(got: dict, want: dict) -> list[str]:
+    """The keys whose recorded value is not the expected one (a run recorded as "" is no run)."""
+    return [k for k, v in want.items() if ((got.get(k) or None) if k == "run" else got.get(k)) != v]
+
+
+def slot_metadata_file(man: WindowManifest, slot: int) -> str | None:
+    """The DCP metadata file of one slot among a manifest's files."""
+    return next((r for r in sorted(man.files) if slot_of(r) == slot and r.endswith(f"/{METADATA}")), None)

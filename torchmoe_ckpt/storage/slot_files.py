@@ -1,8 +1,8 @@
 """Slot buffers that are views of mapped data files in node-local shared memory: the snapshot copy IS the persist.
 
 With the host tier on (CPU training), the checkpointer allocates each slot's buffers, once per window plan,
-as views of one data file under `<run>/.slots/rank-R/`, laid out as the slot's raw DCP data file
-(raw_layout.py: items BLOCK-aligned, zero padding). The snapshot copy then writes the slot's bytes straight
+as views of one data file under `<run>/.slots/<writer>/`, laid out as the slot's raw DCP data file
+(slot_format.py: items BLOCK-aligned, zero padding). The snapshot copy then writes the slot's bytes straight
 into shared memory, and persisting the slot (HostTier.write_slot) is: hard-link that file into the window's
 directory, one summing pass over it for the checksums, and the small per-save `.metadata` record.
 
@@ -24,7 +24,6 @@ reliably supported, and the async device-to-host copy needs page-locked memory t
 
 from __future__ import annotations
 
-import mmap
 import os
 import uuid
 import weakref
@@ -35,6 +34,8 @@ import torch
 
 from ..snapshot import Slot, build_slot
 from .checksums import BLOCK
+from .layout import slots_dir
+from .mapped_files import map_file
 
 
 @dataclass
@@ -67,8 +68,8 @@ def _release(path: str, fd: int) -> None:
 
 
 class SlotFiles:
-    def __init__(self, run_dir: str | Path, rank: int):
-        self.dir = Path(run_dir) / ".slots" / f"rank-{rank:05d}"
+    def __init__(self, run_dir: str | Path, writer: str):
+        self.dir = Path(run_dir) / slots_dir(writer)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             for f in self.dir.glob("*.distcp"):  # a previous process's names (this rank's process is the only writer)
@@ -108,16 +109,11 @@ class SlotFiles:
         else:
             path = str(self.dir / f"{uuid.uuid4().hex}.distcp")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.ftruncate(fd, size)  # a reused file shrinks to this layout (its tail pages are freed)
-            if reuse is None:
-                # Every page allocated now: a full /dev/shm is an OSError (ENOSPC) here, never a SIGBUS in the copy.
-                os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(fd, size)
+        try:  # a reused file shrinks to this layout (its tail pages are freed); a new one is allocated whole
+            _, base = map_file(fd, size, allocate=reuse is None)
         except BaseException:
             _release(path, fd)
             raise
-        base = torch.frombuffer(mm, dtype=torch.uint8)
         if reuse is not None:  # the padding between items must read as zeros (the checksums cover it)
             ends = [off + n for off, n, _, _ in offsets]
             for a, b in zip(ends, [off for off, _, _, _ in offsets[1:]] + [size]):

@@ -2,10 +2,10 @@
 chunked one expert per chunk, committed in a single atomic transaction.
 
 Selected per store with `{"uri": ..., "format": "tensorstore"}` (default "dcp", see `object_tier.make_store`).
-Same interface as `ObjectTier` (upload / download / window_ids / apply_retention), so the Uploader and
+A copy tier (tier.py: upload / download / window_ids / verify / collect), like `ObjectTier`, so the Uploader and
 `recover_from_tiers` use it unchanged. Layout under the store URI:
 
-    <uri>/<run>/rank-RRRRR/window-NNNNNN/      an OCDBT database (manifest.ocdbt + d/<data files>)
+    <uri>/<run>/<writer>/window-NNNNNN/       an OCDBT database (manifest.ocdbt + d/<data files>)
         meta.json                              window manifest, plan, per-piece shape/dtype/CRC32, DCP info
         replay.pt                              this rank's replay records (the host tier's bytes, CRC32 in meta)
         sSS/<key>/zarr.json, sSS/<key>/c/...   one zarr3 array per tensor key and slot, GLOBAL shape; grouped
@@ -25,35 +25,35 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import faults
 from ..errors import TorchmoeError
 from ..operators import EXPERT_PARAM_NAMES, Piece
 from ..snapshot import Slot, SlotItem
-from .manifest import (
-    FileEntry,
-    WindowManifest,
-    crc32_bytes,
-    file_entry,
+from .checksums import FileEntry, crc32_bytes, crc32_tensor
+from .files import LocalFiles
+from .layout import (
+    manifest_name,
     parse_window_dirname,
-    rank_manifest_name,
+    replay_file,
+    slot_writer_dir,
+    store_writer_prefix,
     window_dirname,
+    writer_name,
+    writer_rank,
 )
-from .planner import PLANNER_KEY, SlotLoadPlanner, SlotSavePlanner, verify_items
-from .raw_storage import RawReader
-from .store_errors import StoreConfigError, explain
+from .manifest import WindowManifest
+from .slot_format import read_slot, read_slot_metadata
+from .store_open import StoreConfigError, explain
+from .tier import StoreTier
 
-log = logging.getLogger("torchmoe_ckpt.tensorstore_format")
+log = logging.getLogger("torchmoe_ckpt.tensorstore_tier")
 TS_SCHEMES = ("file", "memory", "s3")
 META_KEY, REPLAY_KEY = "meta.json", "replay.pt"
 META_FORMAT = "torchmoe-ckpt/tensorstore-window/1"
@@ -172,73 +172,48 @@ def _to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()) & 0xFFFFFFFF
-
-
 def _region(offset, shape) -> tuple:
     return tuple(slice(int(o), int(o) + int(s)) for o, s in zip(offset, shape))
 
 
 # ---------------------------------------------------------------------------------------------------------
+def _item(key: str, global_shape, offset, shape, t: torch.Tensor) -> SlotItem:
+    """A plain slot item (no operator): what a window copied between formats is made of."""
+    pc = Piece(key, True, tuple(global_shape), tuple(offset), (), tuple(shape))
+    return SlotItem(key, "step" if len(global_shape) == 0 else "data", "", pc, t)
+
+
 def slot_from_dcp(index: int, path: Path) -> tuple[Slot, dict]:
-    """Read one host-tier slot checkpoint (a DCP directory) into a Slot of plain items, verified against the
-    CRC32s recorded at save time; returns (slot, the DCP planner info without the checksums)."""
-    reader = RawReader(path, verify=False)  # raw-bytes slots or DCP format; verify_items checks below
-    md = reader.read_metadata()
+    """Read one host-tier slot piece (slot_format.py) into a Slot of plain items, every item checked against the
+    checksum recorded at save time; returns (slot, the DCP planner info without the checksums)."""
+    files = LocalFiles(path)
+    md = read_slot_metadata(files, "")
     items = []
     for fqn, tm in md.state_dict_metadata.items():
         if not isinstance(tm, TensorStorageMetadata):
             raise ValueError(f"{path}: {fqn} is not a tensor; not a torchmoe-ckpt slot")
         for ch in tm.chunks:
-            role = "step" if len(tm.size) == 0 else "data"
-            pc = Piece(fqn, True, tuple(tm.size), tuple(ch.offsets), (), tuple(ch.sizes))
-            items.append(SlotItem(fqn, role, "", pc, torch.empty(tuple(ch.sizes), dtype=tm.properties.dtype)))
+            t = torch.empty(tuple(ch.sizes), dtype=tm.properties.dtype)
+            items.append(_item(fqn, tm.size, ch.offsets, ch.sizes, t))
     slot = Slot(index, (), (), items)
-    dcp.load({}, storage_reader=reader, planner=SlotLoadPlanner(slot), no_dist=True)
-    bad = verify_items(slot, md)
-    if bad:
-        raise RuntimeError(f"local slot {path} does not match its checksums: {bad[:3]}")
-    info = dict((md.planner_data or {}).get(PLANNER_KEY, {}))
+    info = dict(read_slot(files, "", slot, md))
     info.pop("checksums", None)
     return slot, info
 
 
-def write_slot_dcp(slot: Slot, info: dict, path: Path) -> None:
-    """Write a Slot as a host-tier slot checkpoint (what HostTier.write_slot produces)."""
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-    dcp.save(
-        {},
-        storage_writer=FileSystemWriter(path, sync_files=False, overwrite=True),
-        planner=SlotSavePlanner(slot, info),
-        no_dist=True,
-    )
-
-
-class TensorstoreTier:
+class TensorstoreTier(StoreTier):
     """Object-store tier in the tensorstore format (see the module docstring). One instance per rank."""
 
     format = "tensorstore"
+    attempts = 4
 
-    def __init__(
-        self,
-        uri: str,
-        run_id: str,
-        rank: int,
-        storage_options: dict | None = None,
-        keep_windows: int = 2,
-        attempts: int = 4,
-        backoff_s: float = 0.2,
-        probe: bool = True,
-    ):
-        self.uri, self.run_id, self.rank = uri, run_id, rank
-        self.root = kvstore_spec(uri, storage_options)
-        self.base = _sub(self.root, (f"{run_id.strip('/')}/" if run_id.strip("/") else "") + f"rank-{rank:05d}/")
-        self.keep, self.attempts, self.backoff = keep_windows, attempts, backoff_s
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.root = kvstore_spec(self.uri, self.storage_options)
+        self.writer = writer_name(self.rank)
+        self.base = _sub(self.root, store_writer_prefix(self.run_id, self.writer))
         self.last_upload: dict = {}
-        if probe:
+        if self.probe:
             self._probe()
 
     def _probe(self) -> None:
@@ -256,18 +231,6 @@ class TensorstoreTier:
     def _db(self, window_id: int) -> dict:
         return _db_spec(self.base, window_dirname(window_id) + "/")
 
-    def _retry(self, what: str, fn, *args):
-        for i in range(self.attempts):
-            try:
-                return fn(*args)
-            except Exception as exc:
-                if i == self.attempts - 1:
-                    raise
-                log.warning(
-                    "object store (tensorstore) %s failed (%s), retry %d/%d", what, exc, i + 1, self.attempts - 1
-                )
-                time.sleep(self.backoff * 2**i)
-
     # ---- write -------------------------------------------------------------------------------------------
     def upload(self, tier, window_id: int) -> int:
         """Upload this rank's copy of a committed host-tier window as one atomic OCDBT commit."""
@@ -278,10 +241,8 @@ class TensorstoreTier:
             raise RuntimeError(f"local copy of window {window_id} does not verify: {problems[0]}")
         man = tier.manifest(window_id)
         wdir = tier.window_dir(window_id)
-        slots = []
-        for i in range(man.window):
-            slots.append(slot_from_dcp(i, wdir / f"slot-{i:02d}" / f"rank-{self.rank:05d}"))
-        replay = (wdir / "replay" / f"rank-{self.rank:05d}.pt").read_bytes()
+        slots = [slot_from_dcp(i, wdir / slot_writer_dir(i, self.writer)) for i in range(man.window)]
+        replay = (wdir / replay_file(self.writer)).read_bytes()
         t0, c0 = time.perf_counter(), io_counters()
         nbytes = self._retry("upload", self._commit, window_id, man, slots, replay)
         c1 = io_counters()
@@ -315,7 +276,7 @@ class TensorstoreTier:
                     "shape": list(it.piece.shape),
                     "global_shape": list(it.piece.global_shape),
                     "dtype": _DTYPES[it.buffer.dtype],
-                    "crc32": _crc(it.buffer),
+                    "crc32": crc32_tensor(it.buffer),
                 }
                 if it.role == "step" or it.buffer.dim() == 0:
                     e["value"] = it.buffer.double().item().hex()  # scalars live in the metadata
@@ -388,7 +349,9 @@ class TensorstoreTier:
         """Windows whose commit is in the store (meta.json present in the database's latest version)."""
         return sorted(w for w in self._listed() if self._read_meta(w) is not None)
 
-    def apply_retention(self) -> list[int]:
+    def collect(self) -> list[int]:
+        """Retention: the newest `keep_windows` windows stay; a database torn by a writer that died mid-commit
+        goes too."""
         ids = self.window_ids()
         gone = ids[: -self.keep] if self.keep > 0 else []
         torn = [w for w in self._listed() - set(ids) if ids and w < ids[-1]]  # died mid-commit: garbage
@@ -421,24 +384,29 @@ class TensorstoreTier:
             else:
                 t = _to_torch(f.result(), dtype)
             out.append(
-                (e, t, None if _crc(t) == e["crc32"] else f"{e['key']}@{e['offset']}: CRC32 does not match (corrupt)")
+                (
+                    e,
+                    t,
+                    None
+                    if crc32_tensor(t) == e["crc32"]
+                    else f"{e['key']}@{e['offset']}: CRC32 does not match (corrupt)",
+                )
             )
         return out
 
     def download(self, window_id: int, tier) -> list[str]:
-        """Fetch this rank's copy into the host tier (as DCP slot checkpoints), verifying every piece;
-        returns problems (empty = ok). The local rank manifest is written only after everything verified."""
+        """Fetch this writer's copy into the host tier (as its slot files: HostTier.write_slot), verifying every
+        piece; returns problems (empty = ok). The local manifest is written only after everything verified."""
         try:
             meta = self._read_meta(window_id)
         except Exception as exc:
             return [f"metadata unreadable: {exc}"]
         if meta is None:
             return ["window not committed in the store (no meta.json)"]
-        wdir = tier.window_dir(window_id)
-        wdir.mkdir(parents=True, exist_ok=True)
-        (wdir / rank_manifest_name(self.rank)).unlink(missing_ok=True)
+        w = window_dirname(window_id)
+        tier.files.remove([f"{w}/{manifest_name(tier.writer)}"])
         problems: list[str] = []
-        files: dict[str, FileEntry] = {}
+        files: dict = {}
         for s in meta["slots"]:
             try:
                 got = self._retry("download", self.read_items, window_id, meta, s["items"])
@@ -448,42 +416,42 @@ class TensorstoreTier:
             problems += [p for _, _, p in got if p]
             if problems:
                 continue
-            items = [
-                SlotItem(
-                    e["key"],
-                    "step" if "value" in e else "data",
-                    "",
-                    Piece(e["key"], True, tuple(e["global_shape"]), tuple(e["offset"]), (), tuple(e["shape"])),
-                    t,
-                )
-                for e, t, _ in got
-            ]
-            out = wdir / f"slot-{s['slot']:02d}" / f"rank-{self.rank:05d}"
-            write_slot_dcp(Slot(s["slot"], (), (), items), s["info"], out)
-            for f in sorted(out.iterdir()):
-                files[str(f.relative_to(wdir))] = file_entry(f)
+            items = [_item(e["key"], e["global_shape"], e["offset"], e["shape"], t) for e, t, _ in got]
+            slot = Slot(s["slot"], (), (), items)
+            tier.write_slot(window_id, slot, s["info"])
+            files.update(tier.written(window_id, slot.index))
         try:
-            r = self._kv(self._db(window_id)).read(REPLAY_KEY).result()
-            replay = bytes(r.value)
-            if r.state != "value" or crc32_bytes(replay) != meta["replay"]["crc32"]:
-                problems.append("replay records: missing or CRC32 does not match (corrupt)")
+            replay, problem = self._replay(window_id, meta)
+            problems += [problem] if problem else []
         except Exception as exc:
             problems.append(f"replay records: {exc}")
         if problems:
             return problems
-        rp = wdir / "replay" / f"rank-{self.rank:05d}.pt"
-        rp.parent.mkdir(parents=True, exist_ok=True)
-        rp.write_bytes(replay)
-        files[str(rp.relative_to(wdir))] = file_entry(rp)
-        m = meta["manifest"]
+        tier.files.write(f"{w}/{replay_file(tier.writer)}", replay)
+        files[replay_file(tier.writer)] = FileEntry(len(replay), crc32_bytes(replay))
         # The store's copy of the manifest (identity, slot records) with the files just written here.
-        man = WindowManifest.from_dict(
-            dict(m, files={k: {"bytes": v.bytes, "crc32": v.crc32} for k, v in files.items()})
-        )
-        tmp = wdir / (rank_manifest_name(self.rank) + ".tmp")
-        tmp.write_text(man.to_json())
-        tmp.rename(wdir / rank_manifest_name(self.rank))
+        man = WindowManifest.from_dict(dict(meta["manifest"], files={}))
+        man.files = files
+        tier.files.write_last(f"{w}/{manifest_name(tier.writer)}", man.to_json().encode())
         return []
+
+    def inspect(self, window_id: int) -> tuple[WindowManifest, list[str], list[dict], int] | None:
+        """What `inspect` lists of this writer's window: (its manifest, the problems `verify` finds, per slot the
+        planner info with its items as "checksums", payload bytes); None while it is not committed."""
+        meta = self._read_meta(window_id)
+        if meta is None:
+            return None
+        try:
+            problems = self.verify(window_id)
+        except Exception as exc:
+            problems = [f"read failed: {' '.join(str(exc).split())[:200]}"]
+        nbytes = meta["replay"]["bytes"] + sum(
+            int(np.prod(i["shape"], dtype=np.int64)) * _TORCH[i["dtype"]].itemsize
+            for s in meta["slots"]
+            for i in s["items"]
+        )
+        infos = [dict(s["info"], checksums=s["items"]) for s in meta["slots"]]
+        return WindowManifest.from_dict(dict(meta["manifest"], files={})), problems, infos, nbytes
 
     def verify(self, window_id: int) -> list[str]:
         """Read every piece and the replay records of this rank's window and check them (nothing written)."""
@@ -493,10 +461,14 @@ class TensorstoreTier:
         problems = []
         for s in meta["slots"]:
             problems += [p for _, _, p in self.read_items(window_id, meta, s["items"]) if p]
+        return problems + [p for p in self._replay(window_id, meta)[1:] if p]
+
+    def _replay(self, window_id: int, meta: dict) -> tuple[bytes, str | None]:
+        """The window's replay records and why they are unusable (None: their CRC32 matches)."""
         r = self._kv(self._db(window_id)).read(REPLAY_KEY).result()
-        if r.state != "value" or crc32_bytes(bytes(r.value)) != meta["replay"]["crc32"]:
-            problems.append("replay records: missing or CRC32 does not match (corrupt)")
-        return problems
+        data = bytes(r.value) if r.state == "value" else b""
+        ok = r.state == "value" and crc32_bytes(data) == meta["replay"]["crc32"]
+        return data, None if ok else "replay records: missing or CRC32 does not match (corrupt)"
 
 
 # ---- readers at any world size ---------------------------------------------------------------------------
@@ -505,8 +477,8 @@ def rank_ids(uri: str, run_id: str, storage_options: dict | None = None) -> list
     out = set()
     for k in kv.list().result():
         head = k.decode().split("/", 1)[0]
-        if head.startswith("rank-") and head[5:].isdigit():
-            out.add(int(head[5:]))
+        if (r := writer_rank(head)) is not None:
+            out.add(r)
     return sorted(out)
 
 
@@ -559,67 +531,4 @@ def read_global(uri: str, run_id: str, window_id: int, slot: int = 0, storage_op
         if e["key"] not in out:
             out[e["key"]] = torch.zeros(e["global_shape"], dtype=t.dtype)
         out[e["key"]][_region(e["offset"], e["shape"])] = t
-    return out
-
-
-# ---- inspect / verify ------------------------------------------------------------------------------------
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4}
-
-
-def inspect_windows(location: str, storage_options: dict | None, root: str, files: list[str]) -> dict[int, dict]:
-    """Tensorstore-format windows under an inspect location: `{window_id: partial inspect entry}` with the
-    committed ranks, per-rank problems (every piece read and CRC-checked), slots and payload bytes.
-    `files` are the fsspec paths under `root` (the location's path)."""
-    found: dict[tuple[str, int], set[int]] = {}
-    for f in files:
-        parts = f.split("/")
-        if (
-            parts[-1] == "manifest.ocdbt"
-            and len(parts) >= 3
-            and parse_window_dirname(parts[-2]) is not None
-            and parts[-3].startswith("rank-")
-            and parts[-3][5:].isdigit()
-        ):
-            run = "/".join(parts[:-3])[len(root) :].strip("/")
-            found.setdefault((run, int(parts[-3][5:])), set()).add(parse_window_dirname(parts[-2]))
-    out: dict[int, dict] = {}
-    for (run, rank), wids in sorted(found.items()):
-        tier = TensorstoreTier(location, run, rank, storage_options, probe=False)
-        for wid in sorted(wids):
-            e = out.setdefault(
-                wid, {"committed_ranks": [], "problems": {}, "slots": [], "bytes": 0, "format": "tensorstore"}
-            )
-            try:
-                meta = tier._read_meta(wid)
-            except Exception as exc:
-                e["problems"][rank] = [f"database unreadable: {' '.join(str(exc).split())[:200]}"]
-                continue
-            if meta is None:
-                continue  # torn commit: invisible
-            e["committed_ranks"].append(rank)
-            try:
-                problems = tier.verify(wid)
-            except Exception as exc:
-                problems = [f"read failed: {' '.join(str(exc).split())[:200]}"]
-            if problems:
-                e["problems"][rank] = problems
-            m = meta["manifest"]
-            e.update(start_step=m["start_step"], window=m["window"], world_size=m["world_size"])
-            e["bytes"] += meta["replay"]["bytes"] + sum(
-                int(np.prod(i["shape"], dtype=np.int64)) * _ITEMSIZE[i["dtype"]]
-                for s in meta["slots"]
-                for i in s["items"]
-            )
-            if not e["slots"] and not problems:
-                e["slots"] = [
-                    {
-                        "slot": i,
-                        "step": s["info"].get("step"),
-                        "active": sp["active"],
-                        "frozen_count": len(sp["frozen"]),
-                        "planned_bytes": sp["bytes"],
-                        "items_with_checksum": len(s["items"]),
-                    }
-                    for i, (s, sp) in enumerate(zip(meta["slots"], m["plan"]["slots"]))
-                ]
     return out

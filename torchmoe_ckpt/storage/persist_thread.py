@@ -1,12 +1,11 @@
-"""The host tier's writer: a background thread that persists captured slots, commits windows on the host
-tier in order, then hands each committed window to the peers and the object store. The training thread only
-enqueues."""
+"""The persist thread: a background thread that persists captured slots on the host tier, commits windows
+there in order, then hands each committed window to the peers and the object store (tier.py: the call order
+of a save). The training thread only enqueues."""
 
 from __future__ import annotations
 
 import logging
 import queue
-import shutil
 import threading
 import time
 
@@ -14,7 +13,6 @@ from ..background import stop_at_exit
 from ..snapshot import Slot
 from ..status import RunStatus
 from .host_tier import HostTier
-from .manifest import rank_manifest_name
 from .tier_health import TierHealth
 from .uploader import Uploader
 
@@ -23,7 +21,7 @@ MAX_UPLOAD_BACKLOG = 4  # windows kept in host memory for a slow or unreachable 
 DEFAULT_STALL = (50, "warn")  # TierConfig's defaults, for a HostTier built without build_tiers
 
 
-class TierWriter:
+class PersistThread:
     """Background thread that persists captured slots and commits windows on the host tier, in order."""
 
     def __init__(self, tier: HostTier, replicator=None, store=None):
@@ -40,12 +38,12 @@ class TierWriter:
         self.status = RunStatus(
             tier.rank, peers, None if store is None else str(getattr(store, "uri", None) or type(store).__name__)
         )
-        # Uploads each committed window to the object store (object_tier / tensorstore_format) in the background;
+        # Uploads each committed window to the object store (object_tier / tensorstore_tier) in the background;
         # first what a previous run committed but could not upload (an outage, an exit before the store caught up).
         self.uploader = Uploader(store, tier, status=self.status) if store is not None else None
         if self.uploader is not None:
             self.uploader.catch_up()
-        self.replicator = replicator  # peer_tier.PeerReplicator: pushes each committed window to peers
+        self.replicator = replicator  # peer_tier.PeerTier: pushes each committed window to peers
         self.jobs: queue.Queue = queue.Queue()
         self.persisted: set[int] = set()  # window ids whose rank manifest is written
         self.errors: list[str] = []
@@ -218,16 +216,4 @@ class TierWriter:
         self._failed.add(wid)
         self.errors.append(f"{what}: {exc}"[:300])
         self.health.failed(what, exc)
-        remove_rank_files(self.tier, wid)
-
-
-def remove_rank_files(tier: HostTier, wid: int) -> None:
-    """Remove this rank's part of a window whose write failed, so nothing torn is left (and space comes back)."""
-    wdir = tier.window_dir(wid)
-    (wdir / rank_manifest_name(tier.rank)).unlink(missing_ok=True)
-    (wdir / (rank_manifest_name(tier.rank) + ".tmp")).unlink(missing_ok=True)
-    for slot_dir in wdir.glob("slot-*"):
-        shutil.rmtree(slot_dir / f"rank-{tier.rank:05d}", ignore_errors=True)
-    (wdir / "replay" / f"rank-{tier.rank:05d}.pt").unlink(missing_ok=True)
-    if wdir.exists() and not any(p.is_file() for p in wdir.rglob("*")):
-        shutil.rmtree(wdir, ignore_errors=True)
+        self.tier.remove_window(wid)  # nothing torn is left, and the space comes back

@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 
 from ..errors import ConfigError
+from .commit import write_last
+from .layout import LOCK_NAME
 
 log = logging.getLogger("torchmoe_ckpt.run_lock")
-LOCK_NAME = "LOCK.json"
 
 
 class RunLockedError(ConfigError):
@@ -108,14 +109,15 @@ def _refuse(run_dir: Path, holder: dict) -> RunLockedError:
 
 
 def _write(run_dir: Path, me: dict, exclusive: bool) -> bool:
-    """Write the lock atomically: a fresh lock by link (fails if one appeared meanwhile), a takeover by rename."""
+    """Write the lock atomically: a fresh lock by link (fails if one appeared meanwhile), a takeover by the
+    commit-last write (commit.py)."""
+    if not exclusive:
+        write_last(run_dir / LOCK_NAME, json.dumps(me, indent=1).encode())
+        return True
     tmp = run_dir / f".{LOCK_NAME}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(me, indent=1))
     try:
-        if exclusive:
-            os.link(tmp, run_dir / LOCK_NAME)
-        else:
-            os.replace(tmp, run_dir / LOCK_NAME)
+        os.link(tmp, run_dir / LOCK_NAME)
         return True
     except FileExistsError:
         return False

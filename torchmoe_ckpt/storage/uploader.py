@@ -1,8 +1,8 @@
 """Background uploads of committed host-tier windows to an object store, off the training path.
 
-The store is any object with `upload(tier, window_id) -> bytes`, `apply_retention()` and `window_ids()`:
-`object_tier.ObjectTier` (DCP files) or `tensorstore_format.TensorstoreTier`. The host tier's writer
-(`tier_writer.TierWriter`) owns one. A store that is down is retried with capped backoff, whole windows at a
+The store is any copy tier (tier.py) -- `upload(tier, window_id) -> bytes`, `collect()`, `window_ids()`:
+`object_tier.ObjectTier` (DCP files) or `tensorstore_tier.TensorstoreTier`. The persist thread
+(`persist_thread.PersistThread`) owns one. A store that is down is retried with capped backoff, whole windows at a
 time (a window the store lost part of is uploaded again); `catch_up()` queues what a previous run left
 behind; every outcome goes to the `status.RunStatus` the user reads.
 """
@@ -12,25 +12,17 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Protocol
 
+from .tier import CopyTier
 from .tier_health import TierHealth
 
 CATCH_UP = "catch-up"  # a queue entry: list the store and queue what it lacks
 
 
-class WindowStore(Protocol):
-    """An object-store tier as the uploader sees it."""
-
-    def upload(self, tier, window_id: int) -> int: ...  # bytes uploaded; the manifest goes last
-    def apply_retention(self) -> list[int]: ...  # window ids deleted from the store
-    def window_ids(self) -> list[int]: ...  # windows whose manifest is in the store
-
-
 class Uploader:
     """Background uploads of committed windows; never blocks the caller."""
 
-    def __init__(self, store: WindowStore, tier, max_pending: int = 2, status=None):
+    def __init__(self, store: CopyTier, tier, max_pending: int = 2, status=None):
         # tier: the host_tier.HostTier read from; status: a torchmoe_ckpt.status.RunStatus (what the user reads)
         self.store, self.tier, self.status = store, tier, status
         self.q: queue.Queue = queue.Queue()
@@ -117,7 +109,7 @@ class Uploader:
             while wid is not CATCH_UP:  # the store may be down: keep trying (capped backoff) until it is back
                 try:
                     self.bytes += self.store.upload(self.tier, wid)  # a torn copy raises: the window is redone
-                    self.store.apply_retention()
+                    self.store.collect()
                     self.uploaded.append(wid)
                     self.lag_seconds.append(time.perf_counter() - t0)
                     self.health.succeeded(wid)

@@ -1,64 +1,20 @@
-"""Build the storage tiers of one rank from a `TierConfig`, and find + fetch the window to recover from.
-
-    TierConfig(root="/dev/shm/torchmoe-ckpt", run_id="job", ranks_per_node=2, replicas=1)
-
-`ranks_per_node` sets the failure domains (default: LOCAL_WORLD_SIZE, i.e. one node per torchrun agent).
-Each node gets its own host directory `<root>/node-N/` -- on one machine this emulates separate nodes, so a
-"lost node" is a wiped directory. `replicas` is r, the number of peers that hold a copy of each window.
-"""
+"""Find and fetch the window to recover from, across the tiers: the newest window every rank can get (its own
+checked host copy, a peer's, else the object store's), agreed by all ranks, loaded, and handed to the replay;
+any failure on any rank excludes that window everywhere and the next newest is tried. Collective."""
 
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from ..config import TierConfig
+from ..distributed import library_group
 from ..identity import RunIdentity
-from ..placement import Topology, place_replicas
-from . import run_lock
-from .host_tier import CorruptCopyError, HostTier
-from .object_tier import make_store
-from .peer_tier import PeerReplicator
+from .host_tier import HostTier
+from .slot_format import CorruptCopyError
 
 log = logging.getLogger("torchmoe_ckpt.tiers")
-
-
-def node_of(rank: int, ranks_per_node: int) -> int:
-    return rank // ranks_per_node
-
-
-class Tiers(NamedTuple):
-    """One rank's storage tiers: host memory (always), peers and object store (optional)."""
-
-    host: HostTier
-    replicator: PeerReplicator | None
-    store: object | None  # object_tier.ObjectTier / tensorstore_format.TensorstoreTier
-
-
-def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: int = 1) -> Tiers:
-    """(HostTier, PeerReplicator or None, ObjectTier or None). Collective when replicas > 0 (creates the
-    peer gloo group). A dict is read as `TierConfig.from_dict` (the job-spec form)."""
-    if isinstance(cfg, dict):
-        cfg = TierConfig.from_dict(cfg)
-    rpn = int(cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", world))
-    run_id = cfg.resolved_run_id()
-    tier = HostTier(Path(cfg.root) / f"node-{node_of(rank, rpn)}", run_id, rank, world)
-    run_lock.acquire(tier.dir, leader=rank % rpn == 0, world=world)  # one job per run directory (run_lock.py)
-    tier.stall_policy = (cfg.stall_iterations, cfg.on_stall)  # read by its TierWriter (tier_health.py)
-    store = None
-    if cfg.object_store is not None:
-        o = cfg.object_store
-        store = make_store(o.uri, run_id, rank, o.storage_options or None, keep_windows=o.keep, format=o.format)
-    if cfg.replicas <= 0:
-        return Tiers(tier, None, store)
-    placement = place_replicas(Topology.from_mesh_shape(world, hsdp_replicate, rpn), cfg.replicas)
-    group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-    return Tiers(tier, PeerReplicator(tier, placement, group), store)
 
 
 def recover_from_tiers(
@@ -130,7 +86,7 @@ def recover_from_tiers(
 
 def _pull_and_load(tier: HostTier, replicator, wid: int, needers: dict, ops, compute_dtype, identity):
     if needers:
-        replicator.pull(wid, needers)
+        replicator.pull(wid, [(holder, dst, dst) for dst, holder in needers.items()])
     return tier.load_window(wid, ops, compute_dtype, identity)
 
 
@@ -230,9 +186,9 @@ def _from_store(
 
 
 def all_gather_objects(obj) -> list:
-    """Every rank's `obj` (a one-element list without a process group)."""
+    """Every rank's `obj` (a one-element list without a process group), on the library's gloo group."""
     if not dist.is_initialized():
         return [obj]
     out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=library_group())
     return out

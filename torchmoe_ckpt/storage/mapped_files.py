@@ -24,6 +24,18 @@ import torch
 from .checksums import BLOCK, tensor_block_sums
 
 
+def map_file(fd: int, size: int, allocate: bool = True) -> tuple[mmap.mmap, torch.Tensor]:
+    """A shared read/write mapping of the open file `fd` cut to `size` bytes, and its uint8 view. `allocate`: every
+    page allocated now, so a full /dev/shm is an OSError (ENOSPC) here, never a SIGBUS when a copy touches a page
+    tmpfs cannot allocate (a reused file has its pages already)."""
+    if os.fstat(fd).st_size != size:
+        os.ftruncate(fd, size)
+    if allocate:
+        os.posix_fallocate(fd, 0, size)
+    mm = mmap.mmap(fd, size)
+    return mm, torch.frombuffer(mm, dtype=torch.uint8)
+
+
 @dataclass
 class _Map:
     mm: mmap.mmap
@@ -39,7 +51,6 @@ class MappedFiles:
     def __init__(self, limit: int = 64):
         self._maps: dict[tuple[int, int], _Map] = {}
         self.limit = limit  # mappings kept (oldest dropped first): bounds pinned shared memory
-        self.layouts: dict[int, tuple] = {}  # callers' layouts, by id() of a key object they keep alive here
         self._lock = threading.Lock()  # the persist thread writes while another may collect (forget)
 
     def __len__(self) -> int:
@@ -63,16 +74,11 @@ class MappedFiles:
                 return m
             self._drop(key)
             try:
-                if st.st_size != size:
-                    os.ftruncate(fd, size)
-                # Every page allocated now: a full /dev/shm is an OSError (ENOSPC) here, never a SIGBUS when the
-                # copy touches a page tmpfs cannot allocate. Once per mapping; a reused file has its pages already.
-                os.posix_fallocate(fd, 0, size)
-                mm = mmap.mmap(fd, size)  # shared, read/write
+                mm, t = map_file(fd, size)  # once per mapping
             except BaseException:
                 os.close(fd)
                 raise
-            m = self._maps[key] = _Map(mm, fd, torch.frombuffer(mm, dtype=torch.uint8), size)
+            m = self._maps[key] = _Map(mm, fd, t, size)
             while len(self._maps) > self.limit:
                 self._drop(next(iter(self._maps)))
             return m

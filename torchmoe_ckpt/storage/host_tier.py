@@ -1,0 +1,151 @@
+"""Host-memory tier: each writer's slots as raw-bytes DCP checkpoints (slot_format.py) in a node-local directory
+(default under /dev/shm, so a copy survives a worker restart by torchrun but not a node loss), in the layout of
+layout.py, committed per window by the writer's manifest (window_tier.py).
+
+Persisting costs about one summing pass: with the checkpointer on CPU, a slot's buffers ARE a mapped data file
+of this directory (slot_files.py), so the snapshot copy writes the bytes and the persist hard-links the file
+into the window, sums it once (sum64b512, checksums.py) and writes a small `.metadata` record; the DCP metadata
+is computed and pickled once per slot layout (slot_format.py). Slots in plain memory (pinned CUDA buffers) and
+a DCP user's state dict are copied into a kept mapping of a collected window's data file (`.spare/`,
+mapped_files.py): one memcpy more, no shared-memory page allocated again.
+
+A window is readable by a writer iff its manifest exists, every file verifies, the manifest matches its own
+checksum, and every slot file was written for the window/slot/step/run where it sits (`check`). The manifest
+lists only what the slot writes of this process reported, never what happens to be on disk at commit time: a
+window one of whose slot writes failed (ENOSPC, ...) is never committed. The checkpointer's slots are written
+by a background thread (persist_thread.py) after their copy finished; the training thread never waits on it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from .. import faults
+from ..identity import RunIdentity
+from ..replay_log import IterationRecord, ReplayLog
+from ..schedule import WindowPlan
+from ..snapshot import Slot, build_slot
+from ..window import Window
+from .checksums import SUM64, tensor_block_sums
+from .files import LocalFiles
+from .layout import (
+    replay_file,
+    slot_writer_dir,
+    window_dirname,
+    writer_name,
+)
+from .mapped_files import MappedFiles
+from .slot_files import SlotFiles, backing
+from .slot_format import CorruptCopyError, SlotLayout, read_slot, slot_items
+from .window_tier import WindowTier, encoded, mapped, mapped_items
+
+# Each writer deliberately saves its own pieces without collectives (no_dist=True); DCP warns about that.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+MAX_SPARES = 16  # data files of collected windows kept per writer for reuse
+
+
+class HostTier(WindowTier):
+    def __init__(self, root: str | Path, run_id: str, rank: int, world_size: int):
+        self.dir = Path(root) / run_id
+        self.dir.mkdir(parents=True, exist_ok=True)
+        super().__init__(LocalFiles(self.dir), rank, world_size)
+        # Data files stay mapped across reuse (mapped_files.py): a persist is one memcpy plus one summing pass.
+        self._maps = MappedFiles(limit=MAX_SPARES + 64)
+        self._slot_files: SlotFiles | None = None
+
+    def window_dir(self, window_id: int) -> Path:
+        return self.dir / window_dirname(window_id)
+
+    def slot_dir(self, window_id: int, slot: int, rank: int | None = None) -> Path:
+        """A writer's piece of one slot: a self-contained DCP checkpoint (stock dcp.load reads it)."""
+        return self.window_dir(window_id) / slot_writer_dir(slot, self.writer if rank is None else writer_name(rank))
+
+    # ---- write path (background thread) --------------------------------------------------------------
+    def write_slot(self, window_id: int, slot: Slot, info: dict) -> int:
+        """Persist one captured slot of the checkpointer; returns its bytes."""
+        lay, items = self._slot_layout(slot)
+        back = backing(slot)
+
+        def write(data_rel: str):
+            data = self.dir / data_rel
+            if back is not None:
+                # The snapshot copy already wrote the bytes into this file (slot_files.py): link it into the window
+                # (it is not reused until collect unlinks it) and sum it once for the checksums.
+                os.link(back.path, data)
+                return tensor_block_sums(back.t).numpy()
+            return mapped(self._maps, self.files, lay, items, self.take_spare)(data_rel)
+
+        self._store_slot(window_id, slot.index, lay, info, write)
+        faults.point("persist")
+        return lay.nbytes
+
+    def _slot_layout(self, slot: Slot) -> tuple[SlotLayout, list]:
+        """The slot's layout and its [(offset, bytes, buffer)], computed once per slot object (its items never
+        change); slot objects of one plan share the planned layout."""
+        got = getattr(slot, "_raw_layout", None)
+        if got is None or got[0] != len(slot.items):
+            back = backing(slot)
+            items, offsets = slot_items(slot, None if back is None else back.t)
+            lay = self.layout(items, offsets, None if back is None else back.t.numel())
+            got = slot._raw_layout = (len(slot.items), lay, mapped_items(lay, [it.buffer for it in slot.items]))
+        return got[1], got[2]
+
+    def _data_writer(self, lay: SlotLayout, sources: list, algo: str):
+        if algo != SUM64:
+            return encoded(self.files, lay, sources, algo)
+        return mapped(self._maps, self.files, lay, mapped_items(lay, sources), self.take_spare)
+
+    def _discard_slot(self, rel: str) -> None:
+        for f in (self.dir / rel).glob("*.distcp"):
+            self._maps.forget(f)
+        super()._discard_slot(rel)
+
+    @property
+    def slot_files(self) -> SlotFiles:
+        """Allocator of slot buffers backed by this writer's data files (the checkpointer's, on CPU)."""
+        if self._slot_files is None:
+            self._slot_files = SlotFiles(self.dir, self.writer)
+        return self._slot_files
+
+    @property
+    def max_spares(self) -> int:
+        return 0 if self._slot_files is not None else MAX_SPARES  # slot files are shared-memory files of their own
+
+    def _forget(self, path: Path) -> None:
+        self._maps.forget(path)
+
+    # ---- read path -----------------------------------------------------------------------------------
+    def load_window(self, window_id: int, ops: dict, compute_dtype: torch.dtype, identity: RunIdentity | None = None):
+        """Read this writer's copy of a committed window back into fresh slot buffers (checked first)."""
+        problems = self.check(window_id, identity)
+        if problems:
+            raise CorruptCopyError(
+                f"window {window_id} on host tier {self.dir} is unusable: {problems[0]}"
+                + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
+            )
+        man = self.manifest(window_id)
+        plan = WindowPlan.from_dict(man.plan)
+        w = window_dirname(window_id)
+        slots = []
+        for i, sp in enumerate(plan.slots):
+            slot = build_slot(i, sp.active, sp.frozen, ops, compute_dtype)
+            read_slot(self.files, f"{w}/{slot_writer_dir(i, self.writer)}", slot)  # every item checked
+            slot.step = man.start_step + i
+            slot.done.set()
+            slots.append(slot)
+        rlog = ReplayLog()
+        for d in torch.load(
+            self.window_dir(window_id) / replay_file(self.writer), weights_only=True, map_location="cpu"
+        ):
+            rlog.add(IterationRecord.from_dict(d))
+        win = Window(window_id, man.start_step, plan, slots, rlog, captured=plan.window)
+        if not win.committed:
+            raise CorruptCopyError(
+                f"window {window_id}: replay records do not cover steps {man.start_step + 1}.."
+                f"{man.start_step + plan.window - 1}"
+            )
+        return win

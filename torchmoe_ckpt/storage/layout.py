@@ -1,0 +1,166 @@
+"""Names and paths of everything the storage tiers write, in one place: every tier, `inspect`/`verify` and the
+DCP adapters agree on where a file sits because they all ask this module.
+
+One layout for every tier that stores files (the host tier, the object store in the DCP format, a DCP user's
+`dcp.save`). A *run directory* is a host tier's `<root>/node-N/<run>`, an object store's `<uri>/<run>`, or the
+base path a DCP user saves under:
+
+    window-000042/                        one window: W slots
+        slot-00/rank-00003/.metadata      writer rank-00003's piece of slot 0, a self-contained one-writer DCP
+        slot-00/rank-00003/__0_0.distcp       checkpoint (raw bytes, slot_format.py); `.metadata` after the data
+        replay/rank-00003.pt              the writer's replay records (a DCP user's are items of the slots)
+        MANIFEST.rank-00003.json          written last: the writer's commit of the window (manifest.py)
+    .slots/rank-00003/                    the host tier's slot buffer files (slot_files.py)
+    .spare/rank-00003/                    data files of collected windows, kept to be written over
+    .peers/rank-00003/from-rank-00001/    copies of another writer's windows held here (peer_tier.py), in
+        window-000042/...                     this same layout
+    LOCK.json                             the run lock (run_lock.py)
+
+Internal directories start with a dot: never a window, never listed by `inspect`. Files are named by their
+*writer* (`writer_name(rank)`) and listings return writer names (`parse_manifest_name`), so a later stable writer
+identity changes `writer_name` only. The tensorstore format keeps one OCDBT database per writer and window
+(`store_writer_prefix`); dense exports are TorchTitan's `step-N`, JIT copies `step-NNNNNNNN/<writer>`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import PurePosixPath
+
+DATA_FILE = "__0_0.distcp"  # a writer's data file of one slot (DCP's name for rank 0 of a one-writer save)
+METADATA = ".metadata"  # DCP's metadata file name; in a slot it is the writer's commit of that slot
+LOCK_NAME = "LOCK.json"
+SLOTS_DIR, SPARE_DIR, PEERS_DIR = ".slots", ".spare", ".peers"
+REPLAY_DIR = "replay"
+_WINDOW = re.compile(r"^window-(\d+)$")
+_SLOT = re.compile(r"^slot-(\d+)$")
+_WRITER = re.compile(r"^rank-(\d+)$")
+_MANIFEST = re.compile(r"^MANIFEST\.(rank-\d+)\.json$")
+
+
+# ---- writers -------------------------------------------------------------------------------------------------
+def writer_name(rank: int) -> str:
+    """The name a writer's files carry (today its rank)."""
+    return f"rank-{rank:05d}"
+
+
+def writer_rank(name: str) -> int | None:
+    """The rank of a writer name, None for anything else."""
+    m = _WRITER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def node_dirname(node: int) -> str:
+    """A node's directory under a host tier's root (`<root>/node-N/<run>`): one failure domain."""
+    return f"node-{node}"
+
+
+# ---- windows and slots ---------------------------------------------------------------------------------------
+def window_dirname(window_id: int) -> str:
+    return f"window-{window_id:06d}"
+
+
+def parse_window_dirname(name: str) -> int | None:
+    m = _WINDOW.match(name)
+    return int(m.group(1)) if m else None
+
+
+def slot_dirname(slot: int) -> str:
+    return f"slot-{slot:02d}"
+
+
+def slot_name(window_id: int, slot: int) -> str:
+    """A slot directory relative to the run directory: `window-NNNNNN/slot-SS` (where a DCP user saves it)."""
+    return f"{window_dirname(window_id)}/{slot_dirname(slot)}"
+
+
+def parse_slot_path(path: str) -> tuple[str, int, int] | None:
+    """(run directory, window id, slot) of a path ending in `window-NNNNNN/slot-SS`; None otherwise."""
+    p = PurePosixPath(str(path).rstrip("/"))
+    if len(p.parts) < 2 or (slot := _SLOT.match(p.name)) is None:
+        return None
+    wid = parse_window_dirname(p.parent.name)
+    if wid is None:
+        return None
+    run = str(path).rstrip("/")[: -len(f"{p.parent.name}/{p.name}")].rstrip("/")
+    return run, wid, int(slot.group(1))
+
+
+def slot_writer_dir(slot: int, writer: str) -> str:
+    """A writer's piece of one slot, relative to the window directory."""
+    return f"{slot_dirname(slot)}/{writer}"
+
+
+def slot_of(rel: str) -> int | None:
+    """The slot a window file belongs to (`slot-SS/...`), None for the replay records."""
+    m = _SLOT.match(rel.split("/", 1)[0])
+    return int(m.group(1)) if m else None
+
+
+def replay_file(writer: str) -> str:
+    return f"{REPLAY_DIR}/{writer}.pt"
+
+
+def manifest_name(writer: str) -> str:
+    """A writer's commit of a window (each writer commits its own files)."""
+    return f"MANIFEST.{writer}.json"
+
+
+def parse_manifest_name(name: str) -> str | None:
+    """The writer of a manifest file name, None for any other file."""
+    m = _MANIFEST.match(name)
+    return m.group(1) if m else None
+
+
+def is_data_file(rel: str) -> bool:
+    return rel.endswith(".distcp")
+
+
+def belongs_to(rel: str, writer: str) -> bool:
+    """Whether a window file (relative to the window directory) is `writer`'s: its slot pieces, its replay
+    records, its manifest (and a manifest's temporary name)."""
+    return re.search(rf"(^|[/.]){re.escape(writer)}([/.]|$)", rel) is not None
+
+
+# ---- a writer's internal directories under the run directory ------------------------------------------------
+def slots_dir(writer: str) -> str:
+    return f"{SLOTS_DIR}/{writer}"
+
+
+def spare_dir(writer: str) -> str:
+    return f"{SPARE_DIR}/{writer}"
+
+
+def held_copies_dir(holder: str) -> str:
+    """Where writer `holder` keeps the copies it holds for other writers (one `from-<writer>` each)."""
+    return f"{PEERS_DIR}/{holder}"
+
+
+def peer_copy_dir(holder: str, src: str) -> str:
+    """Where writer `holder` keeps the copies of writer `src`'s windows (a run directory of its own)."""
+    return f"{held_copies_dir(holder)}/from-{src}"
+
+
+def parse_peer_copy_name(name: str) -> str | None:
+    """The source writer of a `from-<writer>` directory name."""
+    return name[5:] if name.startswith("from-") and writer_rank(name[5:]) is not None else None
+
+
+def is_internal(name: str) -> bool:
+    """A directory that is never a window or a run (slot buffers, spares, peer copies, probes)."""
+    return name.startswith(".")
+
+
+# ---- other formats -------------------------------------------------------------------------------------------
+def store_writer_prefix(run_id: str, writer: str) -> str:
+    """The tensorstore format's databases of one writer: `<run>/<writer>/window-NNNNNN/` under it."""
+    run = run_id.strip("/")
+    return f"{run + '/' if run else ''}{writer}/"
+
+
+def dense_step_dirname(step: int) -> str:
+    return f"step-{step}"  # TorchTitan's `{folder}/step-{N}`
+
+
+def jit_step_dirname(step: int) -> str:
+    return f"step-{step:08d}"

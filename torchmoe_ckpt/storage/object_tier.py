@@ -1,0 +1,188 @@
+"""Object-store tier in the DCP format: any fsspec URI (file://, s3:// via s3fs, az:// and abfs:// via adlfs,
+memory://), in the layout of every other tier (layout.py): `<uri>/<run>/window-NNNNNN/slot-SS/<writer>/...`,
+each writer's `MANIFEST.<writer>.json` written last as its commit (no rename: on Azure a rename is a non-atomic
+copy). Every writer uploads and fetches only its own files.
+
+The checkpointer's uploader (uploader.py) copies each committed host-tier window here off the training path
+(`upload`, streamed and checked against the host manifest; the manifest goes up only once every file is in the
+store at its size); a DCP user's StoreWriter writes slots here directly (WindowTier.write_items). Storage options
+are passed explicitly to fsspec (DCP's `reset(checkpoint_id)` path would drop them); every store call retries
+with backoff (retry.py), and a store that is down or slow only delays the upload queue, never training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from .. import faults
+from .checksums import CHUNK, Digester, FileEntry
+from .files import StoreFiles
+from .layout import METADATA, is_data_file, manifest_name, window_dirname
+from .manifest import WindowManifest
+from .spare_files import place_new_file, pwrite_all
+from .store_open import StoreConfigError, check_uri, open_store, quiet_third_party_loggers
+from .tensorstore_tier import NoTensorstoreDriver, TensorstoreTier
+from .tier import StoreTier
+from .window_tier import WindowTier
+
+log = logging.getLogger("torchmoe_ckpt.object_tier")
+FORMATS = ("dcp", "tensorstore")
+MAX_SPARES = 8  # data files of deleted windows kept per writer in a local store, to be written over
+
+
+def make_store(
+    uri: str,
+    run_id: str,
+    rank: int,
+    storage_options: dict | None = None,
+    keep_windows: int = 2,
+    format: str = "dcp",
+    **kw,
+):
+    """The object-store tier for one URI in the chosen on-store format: "dcp" (ObjectTier, default) or
+    "tensorstore" (tensorstore_tier.TensorstoreTier). tensorstore has no driver for az:// and abfs://:
+    those stores say so once and keep the DCP format."""
+    if format not in FORMATS:
+        raise StoreConfigError(f"unknown object-store format {format!r}: use one of {', '.join(FORMATS)}")
+    check_uri(uri)
+    quiet_third_party_loggers()
+    if format == "tensorstore":
+        try:
+            return TensorstoreTier(uri, run_id, rank, storage_options, keep_windows=keep_windows, **kw)
+        except NoTensorstoreDriver as exc:
+            if rank == 0:
+                log.warning("%s: using the DCP/fsspec format for this store instead", exc)
+    return ObjectTier(uri, run_id, rank, storage_options, keep_windows=keep_windows, **kw)
+
+
+class ObjectTier(WindowTier, StoreTier):
+    format = "dcp"
+
+    def __init__(self, *args, world_size: int = 1, **kw):
+        """StoreTier's arguments. `world_size`: recorded in the manifests this tier commits itself (a DCP user's);
+        an uploaded window keeps its host manifest."""
+        StoreTier.__init__(self, *args, **kw)
+        self.fs, root = open_store(self.uri, self.storage_options, self.probe)
+        run = self.run_id.strip("/")
+        self.base = f"{root.rstrip('/')}/{run}" if run else root.rstrip("/")
+        where = f"{self.uri.rstrip('/')}/{run}" if run else self.uri
+        WindowTier.__init__(self, StoreFiles(self.fs, self.base, where), self.rank, world_size)
+        self.max_spares = MAX_SPARES if self.files.local else 0  # a local store keeps deleted windows' files
+        self._buf = bytearray(CHUNK)  # the upload thread's one chunk buffer (a local store streams through it)
+
+    # ---- put: a committed host-tier window (or a part of it) ------------------------------------------------
+    def upload(self, tier: WindowTier, window_id: int, entries: dict | None = None, commit: bool = True) -> int:
+        """Upload this writer's copy of a committed window of `tier`: every file its manifest lists (or the files
+        `entries` names, e.g. one slot's as it is written), each checked against its entry; `commit`: then the
+        manifest, once every file it lists is in the store. Returns the bytes uploaded."""
+        man = tier.manifest(window_id) if commit else None
+        w = window_dirname(window_id)
+        if entries is None:  # a whole window: invisible here until its manifest is back
+            self._retry("delete", self.files.remove, [f"{w}/{manifest_name(self.writer)}"])
+        files = man.files if entries is None else entries
+        nbytes = 0
+        for rel in sorted(files, key=lambda r: r.endswith(METADATA)):  # a slot's `.metadata` after its data
+            entry = files[rel]
+            if self.files.local:  # one pass: each chunk is copied, checksummed and written while in cache
+                self._retry("upload", self._stream, tier.files.path(f"{w}/{rel}"), self.files.path(f"{w}/{rel}"), entry)
+            else:
+                data = tier.files.read(f"{w}/{rel}")
+                if not entry.matches(data):  # size and digest (CRC32, or the algorithm the entry names)
+                    raise RuntimeError(f"local copy of window {window_id} changed under the uploader: {rel}")
+                self._retry("upload", self._put, self.files.path(f"{w}/{rel}"), bytes(data))
+            nbytes += entry.bytes
+        if commit:
+            faults.point("upload")
+            self._check_complete(w, man, window_id)
+            self._retry(
+                "commit", self._put, self.files.path(f"{w}/{manifest_name(self.writer)}"), man.to_json().encode()
+            )
+            self.files.invalidate()
+        return nbytes
+
+    def _check_complete(self, w: str, man: WindowManifest, window_id: int) -> None:
+        """Before the manifest: every file is in the store at its size. A store that restarted (even empty)
+        during the upload lost the files written before; a manifest over them would list a torn window as good.
+        Raises, so the uploader uploads the whole window again."""
+        self.files.invalidate()
+        sizes = self._retry("list", self.files.sizes, w)
+        torn = [rel for rel, e in man.files.items() if sizes.get(rel) != e.bytes]
+        if torn:
+            raise RuntimeError(
+                f"window {window_id} is torn in the store ({len(torn)} of {len(man.files)} file(s) "
+                f"missing or short, e.g. {torn[0]}; did the store restart?): uploading it again"
+            )
+
+    def _stream(self, src, path: str, entry: FileEntry) -> None:
+        """Copy a host-tier file to a local store through one reused buffer, checksumming exactly the bytes
+        written; a file that does not match its manifest entry raises (no manifest is written over it). A data
+        file is written over a spare (a deleted window's file): on a page-cache or tmpfs store that reuses its
+        pages instead of allocating and zeroing new ones."""
+        place_new_file(Path(path), self.take_spare(entry.bytes) if is_data_file(path) else None)
+        d, mv = Digester(entry.algo), memoryview(self._buf)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            with open(src, "rb", buffering=0) as f:
+                pos = 0
+                while n := f.readinto(self._buf):
+                    d.update(mv[:n])
+                    pwrite_all(fd, mv[:n], pos)
+                    pos += n
+            os.ftruncate(fd, pos)  # a longer spare's tail
+        finally:
+            os.close(fd)
+        if d.entry() != entry:  # size and digest (CRC32, or the algorithm the entry names)
+            raise RuntimeError(f"local copy changed under the uploader: {src}")
+
+    def _put(self, path: str, data: bytes) -> None:
+        if self.files.local:
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        self.fs.pipe_file(path, data)
+
+    # ---- list / get / collect --------------------------------------------------------------------------------
+    def window_ids(self, require_manifest: bool = True, rank: int | None = None) -> list[int]:
+        """Windows whose manifest is in the store (a window without one is half-uploaded: invisible)."""
+        self.files.invalidate()
+        return super().window_ids(require_manifest, rank)
+
+    def download(self, window_id: int, tier: WindowTier) -> list[str]:
+        """Fetch this writer's copy into `tier` (the host tier), verifying every file; returns problems (empty =
+        ok). The local manifest is written only after every file verified."""
+        w = window_dirname(window_id)
+        try:
+            man = self.manifest(window_id)
+        except Exception as exc:
+            return [f"manifest unreadable: {exc}"]
+        tier.files.remove([f"{w}/{manifest_name(tier.writer)}"])
+        problems = []
+        for rel, entry in man.files.items():
+            try:
+                data = self._retry("download", self.files.read, f"{w}/{rel}")
+            except Exception as exc:
+                problems.append(f"{rel}: {exc}")
+                continue
+            if not entry.matches(data):
+                problems.append(f"{rel}: does not match the manifest (torn or corrupt)")
+                continue
+            tier.files.write(f"{w}/{rel}", data)  # a new file, never written into (it may link live slot buffers)
+        if not problems:
+            tier.files.write_last(f"{w}/{manifest_name(tier.writer)}", man.to_json().encode())
+        return problems
+
+    def collect(self, keep_from: int | None = None) -> list[int]:
+        """Keep this writer's newest `keep_windows` windows (or those from `keep_from` on); returns deleted ids."""
+        ids = self.window_ids()
+        if keep_from is not None:
+            gone = [w for w in ids if w < keep_from]
+        else:
+            gone = ids[: -self.keep] if self.keep > 0 else []
+        for wid in gone:
+            self._retry("delete", self.remove_window, wid)
+        kept = [w for w in ids if w not in gone]
+        for wid in self.window_ids(require_manifest=False):
+            # uploads cut off by an outage or an exit: invisible to recovery, but they take space
+            if kept and wid < min(kept) and wid not in ids:
+                self._retry("delete", self.remove_window, wid)
+        return gone

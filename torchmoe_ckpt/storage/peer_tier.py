@@ -1,0 +1,285 @@
+"""Peer tier: every window a writer commits on its host tier also reaches r peers on other nodes, and comes back
+from them when its node lost it.
+
+Placement (`torchmoe_ckpt.placement`) picks, per rank, HSDP replica peers first and then other ranks on
+other nodes. A *replica* peer already holds bit-identical slot data (HSDP replicas apply the same update to
+the same shard), so it is sent only what differs: the writer's manifest, its replay records (each replica
+trains on its own batches) and the small DCP `.metadata` files; it verifies, by comparing digests, that its
+own slot data equals the sender's. Any other peer receives the full window. (A DCP user's `dcp.save`
+dedups replicated items to one replica, so its PeerWriter sends every peer the data: `replicas_hold_data`.)
+
+Push (after each commit: the persist thread, or a DCP user's PeerWriter) and pull (at restart: recovery, or a
+DCP user's PeerReader) run over a gloo group, rank pairs in one global order, so every rank issues matching
+send/recv calls without deadlock. A received copy lives in the receiver's run directory under
+`.peers/<receiver>/from-<sender>/` in the layout of every tier (layout.py), its manifest written last.
+
+What a push costs (it runs on the tier thread, beside training, on the same cores): a small JSON header, then
+each file as one gloo message, read into one reused buffer, received into another and written over the data
+files of a collected copy (`.spare/`: their pages are reused, not allocated and zeroed again). Per byte: one
+read, one socket copy each way and one write, into warm memory; no pickling, no joined payload, no checksum
+pass (a copy is verified when it is used: `holdings`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .. import faults
+from .files import LocalFiles
+from .layout import (
+    held_copies_dir,
+    is_data_file,
+    manifest_name,
+    parse_manifest_name,
+    parse_peer_copy_name,
+    peer_copy_dir,
+    window_dirname,
+    writer_name,
+    writer_rank,
+)
+from .manifest import WindowManifest
+from .spare_files import place_new_file, pwrite_all
+from .window_tier import WindowTier
+
+log = logging.getLogger("torchmoe_ckpt.peer_tier")
+MAX_SPARES = 8  # data files of collected peer copies kept per sender for reuse
+REPLICA_VERIFIED = "REPLICA_VERIFIED"  # in a replica's copy: its slot data is the receiver's own
+
+
+def send_files(
+    files: list[tuple[str, Path]], dst: int, group, meta: dict | None = None, buf: Buffer | None = None
+) -> int:
+    """Send named files to `dst`: a JSON header (names, sizes, `meta`), then each non-empty file as one message,
+    read into `buf` (reused: no allocation, no page faults; one copy from the page cache, cheaper than mapping
+    the file, whose page-table setup and teardown cost more per byte here). Returns the bytes sent (8-byte
+    length + header + file bytes)."""
+    buf = buf or Buffer()
+    sizes = [os.stat(path).st_size for _, path in files]
+    header = json.dumps({"meta": meta or {}, "files": [[rel, n] for (rel, _), n in zip(files, sizes)]}).encode()
+    dist.send(torch.tensor([len(header)], dtype=torch.int64), dst, group=group)
+    dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group)
+    short = []
+    for (_rel, path), n in zip(files, sizes):
+        if n:
+            with open(path, "rb", buffering=0) as f:
+                got = f.readinto(buf.view(n))
+            if got != n:  # shrank since the header: still send n bytes, the receiver (and the pair order) waits
+                short.append(f"{path}: {got} bytes read, {n} announced")
+            dist.send(buf.t[:n], dst, group=group)
+    if short:  # not raised: the rest of the exchange must go on; the copy fails verification where it is used
+        log.warning("file(s) changed while being sent to rank %d, its copy is torn: %s", dst, short)
+    return 8 + len(header) + sum(sizes)
+
+
+class Buffer:
+    """One uint8 tensor reused for every file sent or received, grown to the largest (then no allocation and
+    no page faults)."""
+
+    def __init__(self):
+        self.t = torch.empty(0, dtype=torch.uint8)
+
+    def view(self, n: int) -> memoryview:
+        if n > self.t.numel():
+            self.t = torch.empty(n, dtype=torch.uint8)
+        return memoryview(self.t.numpy())[:n]
+
+
+class Inbox(Buffer):
+    """The receiving side of `send_files`."""
+
+    def recv(self, src: int, group, write) -> dict:
+        """Receive one `send_files` transfer; `write(rel, view)` stores each file (the view is only valid during
+        the call). Returns the sender's `meta`."""
+        n = torch.zeros(1, dtype=torch.int64)
+        dist.recv(n, src, group=group)
+        header = torch.empty(int(n.item()), dtype=torch.uint8)
+        dist.recv(header, src, group=group)
+        header = json.loads(header.numpy().tobytes())
+        for rel, size in header["files"]:
+            view = self.view(size)
+            if size:
+                dist.recv(self.t[:size], src, group=group)
+            write(rel, view)
+        return header["meta"]
+
+
+def write_file(path: Path, data: memoryview, spare: Path | None = None) -> None:
+    """Write `data` to `path`, over `spare` (a collected copy's file, renamed into place) when given: writing
+    over existing shared-memory pages skips allocating and zeroing new ones. Never writes into another file
+    that was at `path` (on a host tier it may be a link to live slot buffers): that name is replaced."""
+    place_new_file(path, spare)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        pwrite_all(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
+
+
+class PeerTier:
+    def __init__(self, tier, placement=None, group=None, replicas_hold_data: bool = True):
+        """`tier`: this writer's HostTier (the copies it pushes, the run directory the copies it holds live in).
+        `placement`: where pushes go (None: this tier only pulls). `replicas_hold_data`: an HSDP replica peer
+        holds the sender's slot data already (the checkpointer's windows; not a DCP user's, see above)."""
+        self.tier, self.placement, self.group = tier, placement, group
+        self.pairs = (
+            []
+            if placement is None
+            else [
+                (src, dst, replicas_hold_data and dst in placement.replica_peers[src])
+                for src in range(tier.world_size)
+                for dst in placement.peers[src]
+            ]
+        )
+        self.bytes_sent = 0  # all bytes this rank sent to peers
+        self.data_bytes_sent = 0  # of which slot data (0 when every peer is an HSDP replica)
+        self.own_data_bytes = 0  # slot data of the windows this rank pushed (sent r times without replicas)
+        self.replica_verified = 0
+        self.replica_mismatch = 0
+        self.inbox, self.outbox = Inbox(), Buffer()
+
+    def held(self, src: int) -> WindowTier:
+        """The copies of `src`'s windows this writer holds, as a tier of their own (list, verify, read)."""
+        held = WindowTier(LocalFiles(self.tier.dir / peer_copy_dir(self.tier.writer, writer_name(src))), src, 0)
+        held.max_spares = MAX_SPARES  # collected copies' data files are written over by the next ones
+        return held
+
+    # ---- push (after each commit; collective over the group) ----------------------------------------------
+    def push(self, window_id: int, manifest: WindowManifest | None) -> None:
+        """Send this writer's committed window to its peers and store what peers send (all ranks, in order).
+        `manifest` None: this rank has nothing committed to send, but takes its part in the exchange."""
+        me = self.tier.rank
+        files = {} if manifest is None else manifest.files
+        data_bytes = sum(f.bytes for r, f in files.items() if is_data_file(r))
+        self.own_data_bytes += data_bytes
+        for src, dst, replica in self.pairs:
+            if me == src:
+                wdir = self.tier.window_dir(window_id)
+                send = [(rel, wdir / rel) for rel in sorted(files) if not (replica and is_data_file(rel))]
+                meta = {"manifest": None if manifest is None else manifest.to_json()}
+                faults.point("replication")
+                self.bytes_sent += send_files(send, dst, self.group, meta, self.outbox)
+                self.data_bytes_sent += 0 if replica else data_bytes
+            elif me == dst:
+                held = self.held(src)
+                theirs = self._receive(src, held, window_id)
+                if replica and theirs is not None:
+                    self._verify_replica(window_id, theirs, held)
+                self._collect(held, window_id)
+
+    def _verify_replica(self, window_id: int, theirs: WindowManifest, held: WindowTier) -> None:
+        mine = self.tier.manifest(window_id)
+        ours = {r.replace(self.tier.writer, held.writer): f.crc32 for r, f in mine.files.items() if is_data_file(r)}
+        same = all(ours.get(r) == f.crc32 for r, f in theirs.files.items() if is_data_file(r))
+        marker = f"{window_dirname(window_id)}/{REPLICA_VERIFIED}"
+        if same:
+            self.replica_verified += 1
+            held.files.write(marker, str(self.tier.rank).encode())
+        else:  # not bit-identical after all: this copy cannot stand in for the sender's
+            self.replica_mismatch += 1
+            log.warning(
+                "rank %d's window %d differs from replica rank %d's: not counted as a copy",
+                held.rank,
+                window_id,
+                self.tier.rank,
+            )
+
+    def _receive(self, holder: int, dest: WindowTier, window_id: int) -> WindowManifest | None:
+        """One window copy of `dest.writer` from `holder` into `dest`, its data files written over `dest`'s spares
+        when it keeps some; the manifest goes last (a torn copy has none and is not held; None: the sender had
+        none)."""
+        w = window_dirname(window_id)
+        dest.files.remove([f"{w}/{manifest_name(dest.writer)}"])  # incomplete until the manifest is back
+
+        def write(rel: str, data: memoryview) -> None:
+            spare = dest.take_spare(len(data)) if is_data_file(rel) and dest is not self.tier else None
+            write_file(dest.files.path(f"{w}/{rel}"), data, spare)
+
+        text = self.inbox.recv(holder, self.group, write)["manifest"]
+        if text is None:
+            return None
+        man = WindowManifest.from_json(text)
+        dest.files.write_last(f"{w}/{manifest_name(dest.writer)}", man.to_json().encode())  # the copy is complete
+        return man
+
+    def _collect(self, held: WindowTier, newest: int) -> None:
+        """Drop copies older than the two newest; their data files are kept (bounded) for the next copies."""
+        for wid in held.window_ids(require_manifest=False):
+            if wid < newest - 1:
+                held.remove_window(wid)
+
+    # ---- what this writer holds for others; pull (at restart; collective) ---------------------------------
+    def sources(self) -> list[int]:
+        """The writers this writer holds copies of."""
+        names = [parse_peer_copy_name(n) for n in self.tier.files.listdir(held_copies_dir(self.tier.writer))]
+        return sorted(writer_rank(n) for n in names if n is not None)
+
+    def copies(self, window_id: int) -> dict[int, Path]:
+        """Rank -> the directory holding that writer's committed copy of a window here: this node's own writers'
+        (the host tier's directory), else the copy held for it."""
+        w = window_dirname(window_id)
+        out = {
+            writer_rank(n): self.tier.window_dir(window_id)
+            for n in map(parse_manifest_name, self.tier.files.listdir(w))
+            if n
+        }
+        for src in self.sources():
+            if src not in out and (held := self.held(src)).files.exists(f"{w}/{manifest_name(held.writer)}"):
+                out[src] = Path(held.files.path(w))
+        return out
+
+    def holdings(self) -> dict[int, list[int]]:
+        """src rank -> windows this writer can provide for it (a full copy, or a verified replica copy)."""
+        out: dict[int, list[int]] = {}
+        for src in self.sources():
+            held = self.held(src)
+            ok = []
+            for wid in held.window_ids():
+                if held.files.exists(f"{window_dirname(wid)}/{REPLICA_VERIFIED}"):
+                    if self.tier.verify(wid) == [] and not [p for p in held.verify(wid) if ".distcp" not in p]:
+                        ok.append(wid)
+                elif not held.verify(wid):
+                    ok.append(wid)
+            if ok:
+                out[src] = ok
+        return out
+
+    def _source(self, window_id: int, src: int):
+        """(manifest, rel -> path) of the copy of `src`'s window this writer sends: its own host directory's
+        (its own, or a writer of the same node), else a held copy, whose slot data may be this writer's own
+        verified-identical replica files."""
+        if self.tier.files.exists(f"{window_dirname(window_id)}/{manifest_name(writer_name(src))}"):
+            man, wdir = self.tier.manifest(window_id, src), self.tier.window_dir(window_id)
+            return man, lambda rel: wdir / rel
+        held = self.held(src)
+        man, wdir, own = (
+            held.manifest(window_id),
+            held.files.path(window_dirname(window_id)),
+            self.tier.window_dir(window_id),
+        )
+        if (wdir / REPLICA_VERIFIED).exists():
+            return (
+                man,
+                lambda rel: own / rel.replace(held.writer, self.tier.writer) if is_data_file(rel) else wdir / rel,
+            )
+        return man, lambda rel: wdir / rel
+
+    def pull(self, window_id: int, transfers: list[tuple[int, int, int]]) -> None:
+        """Bring copies of `window_id` where they are missing: each (holder, needer, src) sends src's copy from
+        holder to needer, which keeps it as its own window when src is itself, else as a held copy. Collective
+        over the group: every rank calls it with the same transfers."""
+        me = self.tier.rank
+        for holder, needer, src in sorted(transfers):
+            if me == holder:
+                man, path = self._source(window_id, src)
+                send_files(
+                    [(rel, path(rel)) for rel in sorted(man.files)], needer, self.group, {"manifest": man.to_json()}
+                )
+            elif me == needer:
+                self._receive(holder, self.tier if src == me else self.held(src), window_id)

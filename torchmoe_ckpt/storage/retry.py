@@ -1,0 +1,22 @@
+"""Retry with exponential backoff, one implementation for every store operation that may fail transiently."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger("torchmoe_ckpt.storage")
+
+
+def retry(what: str, fn, *args, attempts: int = 2, backoff_s: float = 0.2):
+    """`fn(*args)`, tried up to `attempts` times, waiting `backoff_s` x 2^i between tries; the last error
+    is raised. Logged at DEBUG: whoever owns the tier (the uploader's TierHealth, RunStatus) warns once per
+    outage, not once per retry."""
+    for i in range(attempts):
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if i == attempts - 1:
+                raise
+            log.debug("store %s failed (%s), retry %d/%d", what, exc, i + 1, attempts - 1)
+            time.sleep(backoff_s * 2**i)

@@ -1,0 +1,283 @@
+"""What the host tier and the object store (DCP format) share: one writer's windows kept as files in the layout
+(layout.py), written slot by slot, committed with a manifest written last, listed, verified, checked and
+collected the same way on a local directory or any fsspec store (files.py). tier.py states the contract and
+who calls each step.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+from pathlib import Path
+
+import torch
+
+from .. import faults
+from ..errors import TorchmoeError
+from ..identity import RunIdentity, identity_mismatch
+from ..replay_log import ReplayLog
+from ..schedule import WindowPlan
+from .checksums import SUM64, FileEntry, crc32_bytes, tensor_block_sums
+from .layout import (
+    DATA_FILE,
+    METADATA,
+    belongs_to,
+    is_data_file,
+    manifest_name,
+    parse_window_dirname,
+    replay_file,
+    slot_writer_dir,
+    spare_dir,
+    window_dirname,
+    writer_name,
+)
+from .manifest import WindowManifest, check_window, plan_digest, slot_record
+from .slot_format import SlotLayout, as_source, nbytes_of, pack, slot_info
+from .spare_files import keep_spares, spares
+
+MAX_LAYOUTS = 64  # slot layouts kept per tier (a plan change brings new ones; old plans' are dropped)
+
+
+class UncommittableWindow(TorchmoeError, RuntimeError):
+    """A window one of whose slot writes failed (or never ran): its manifest is never written."""
+
+
+def write_slot_dir(files, rel: str, lay: SlotLayout, info: dict, write_data, algo: str = SUM64):
+    """Write one writer's piece of a slot at `rel` (slot_format.py): the data file through `write_data(data_rel)`,
+    which returns the file's block sums (sum64b512) or its bytes (CRC32), then its `.metadata`, last. Returns
+    the two files' entries (by name) and the items' checksums."""
+    files.makedirs(rel)
+    got = write_data(f"{rel}/{DATA_FILE}")
+    meta, digest, items = lay.record(
+        info, f"{files.where}/{rel}", uuid.uuid4().hex, sums=got if algo == SUM64 else None, data=got, algo=algo
+    )
+    files.write_last(f"{rel}/{METADATA}", meta)
+    return {DATA_FILE: FileEntry(lay.size, digest, algo), METADATA: FileEntry(len(meta), crc32_bytes(meta))}, items
+
+
+def encoded(files, lay: SlotLayout, sources: list, algo: str = SUM64):
+    """`write_data` for a data file assembled in memory and written whole (a store, a plain directory)."""
+
+    def write(data_rel: str):
+        data = pack(lay, sources)
+        files.write(data_rel, data.numpy())
+        return tensor_block_sums(data).numpy() if algo == SUM64 else data.numpy()
+
+    return write
+
+
+def mapped_items(lay: SlotLayout, sources: list) -> list:
+    """[(offset, bytes, data)] of a save, as MappedFiles.write takes them."""
+    return [(off, n, as_source(d)) for off, n, d in zip(lay.offsets, lay.lengths, sources)]
+
+
+def mapped(maps, files, lay: SlotLayout, items: list, take_spare=None):
+    """`write_data` through a kept shared mapping of the data file (mapped_files.py): one copy per item, and the
+    block sums from the same pass. `take_spare(size)` offers a collected window's file to write over (its
+    shared-memory pages are reused, not faulted in)."""
+
+    def write(data_rel: str):
+        path = files.path(data_rel)
+        spare = take_spare(lay.size) if take_spare is not None else None
+        if spare is not None:
+            os.rename(spare, path)
+        return maps.write(str(path), lay.size, items, lay)
+
+    return write
+
+
+class WindowTier:
+    """One writer's windows on one Files backend (see the module docstring)."""
+
+    def __init__(self, files, rank: int, world_size: int):
+        self.files, self.rank, self.world_size = files, rank, world_size
+        self.writer = writer_name(rank)
+        # (window, slot) -> what that slot's write reported: its files (size, digest) and its DCP info.
+        self._written: dict[tuple[int, int], tuple[dict[str, FileEntry], dict]] = {}
+        self._layouts: dict[tuple, SlotLayout] = {}  # planned once per layout, not per save
+
+    # ---- write (one writer; the persist thread, or a DCP adapter's write_data) ----------------------------
+    def layout(self, items: list, offsets=None, size=None) -> SlotLayout:
+        key = SlotLayout.key(items, offsets, size)
+        lay = self._layouts.get(key)
+        if lay is None:
+            if len(self._layouts) >= MAX_LAYOUTS:
+                self._layouts.clear()
+            lay = self._layouts[key] = SlotLayout(items, offsets, size)
+        return lay
+
+    def write_items(self, window_id: int, slot: int, items: list, info: dict, algo: str = SUM64) -> list:
+        """Write one slot from DCP write items and their data [(WriteItem, tensor or bytes)]; returns DCP's
+        WriteResults (the DCP adapters' path; the checkpointer's is HostTier.write_slot)."""
+        lay = self.layout([(wi, nbytes_of(wi, d)) for wi, d in items])
+        sources = [d for _, d in items]
+        digests = self._store_slot(window_id, slot, lay, info, self._data_writer(lay, sources, algo), algo)
+        return lay.results(f"{self.writer}/{DATA_FILE}", digests)
+
+    def _data_writer(self, lay: SlotLayout, sources: list, algo: str):
+        return encoded(self.files, lay, sources, algo)
+
+    def _store_slot(self, window_id: int, slot: int, lay: SlotLayout, info: dict, write_data, algo=SUM64) -> list:
+        self._written.pop((window_id, slot), None)  # a failed write below leaves no record: no commit
+        rel = f"{window_dirname(window_id)}/{slot_writer_dir(slot, self.writer)}"
+        if self.files.exists(rel):  # left over by a run that died before committing this window id
+            self._discard_slot(rel)
+            self.files.remove([f"{window_dirname(window_id)}/{manifest_name(self.writer)}"])
+        entries, digests = write_slot_dir(self.files, rel, lay, info, write_data, algo)
+        d = slot_writer_dir(slot, self.writer)
+        # Reported by the call that wrote them: the commit lists these entries, not a later re-read.
+        self._written[(window_id, slot)] = ({f"{d}/{k}": e for k, e in entries.items()}, dict(info))
+        return digests
+
+    def _discard_slot(self, rel: str) -> None:
+        self.files.remove_tree(rel)
+
+    def written(self, window_id: int, slot: int) -> dict[str, FileEntry]:
+        """The files one slot write of this process reported (relative to the window directory)."""
+        return self._written[(window_id, slot)][0]
+
+    def write_commit(
+        self, window_id: int, start_step: int, plan: WindowPlan, log: ReplayLog | None, extra: dict
+    ) -> WindowManifest:
+        """Commit this writer's copy of a window: only if every slot write of it succeeded in this process.
+        `log`: the replay records, written beside the slots (None: they are items of the slots, a DCP user's).
+        `extra["identity"]` (a RunIdentity dict) goes into the manifest's identity."""
+        extra = dict(extra)
+        identity = extra.pop("identity", None) or {}
+        missing = [i for i in range(plan.window) if (window_id, i) not in self._written]
+        if missing:
+            raise UncommittableWindow(
+                f"window {window_id} is not committed: the write of slot(s) {missing} failed or never happened"
+            )
+        digest = plan_digest(plan.to_dict())
+        files: dict[str, FileEntry] = {}
+        records = []
+        for i in range(plan.window):
+            got, info = self._written[(window_id, i)]
+            rec = slot_record(info)
+            if (
+                rec["window"] != window_id
+                or rec["slot"] != i
+                or rec["step"] != start_step + i
+                or rec["plan"] not in (None, digest)
+            ):
+                raise UncommittableWindow(f"window {window_id} slot {i} was written as {rec}: not committed")
+            files.update(got)
+            records.append(rec)
+        w = window_dirname(window_id)
+        if log is not None:
+            buf = io.BytesIO()
+            torch.save([r.to_dict() for r in log.records.values()], buf)
+            data = buf.getvalue()
+            self.files.write(f"{w}/{replay_file(self.writer)}", data)
+            files[replay_file(self.writer)] = FileEntry(len(data), crc32_bytes(data))
+        man = WindowManifest(
+            window_id,
+            start_step,
+            plan.window,
+            self.world_size,
+            plan.to_dict(),
+            files,
+            dict(extra, rank=self.rank),
+            identity=identity,
+            slots=records,
+        )
+        faults.point("manifest")
+        self.files.write_last(f"{w}/{manifest_name(self.writer)}", man.to_json().encode())  # the commit
+        for key in [k for k in self._written if k[0] <= window_id]:
+            del self._written[key]
+        return man
+
+    # ---- read ----------------------------------------------------------------------------------------------
+    def window_ids(self, require_manifest: bool = True, rank: int | None = None) -> list[int]:
+        """Windows this writer committed (`require_manifest=False`: every window directory)."""
+        man = manifest_name(self.writer if rank is None else writer_name(rank))
+        ids = []
+        for name in self.files.listdir(""):
+            wid = parse_window_dirname(name)
+            if wid is not None and (not require_manifest or self.files.exists(f"{name}/{man}")):
+                ids.append(wid)
+        return sorted(ids)
+
+    def manifest(self, window_id: int, rank: int | None = None) -> WindowManifest:
+        writer = self.writer if rank is None else writer_name(rank)
+        return WindowManifest.from_json(bytes(self.files.read(f"{window_dirname(window_id)}/{manifest_name(writer)}")))
+
+    def verify(self, window_id: int, rank: int | None = None) -> list[str]:
+        """Problems with one writer's copy of a window's files (empty list = every file verifies)."""
+        try:
+            man = self.manifest(window_id, rank)
+        except FileNotFoundError:
+            return ["no manifest (window not committed on this tier)"]
+        except ValueError as exc:
+            return [f"bad manifest: {exc}"]
+        return self.verify_files(window_id, man)
+
+    def verify_files(self, window_id: int, man: WindowManifest) -> list[str]:
+        w, problems = window_dirname(window_id), []
+        for rel, want in man.files.items():
+            try:
+                got = self.files.entry(f"{w}/{rel}", want.algo)
+            except FileNotFoundError:
+                problems.append(f"{rel}: missing")
+                continue
+            if (why := want.problem(rel, got)) is not None:
+                problems.append(why)
+        return problems
+
+    def check(self, window_id: int, identity: RunIdentity | None = None, rank: int | None = None) -> list[str]:
+        """Everything recovery checks before loading a writer's copy: the files (`verify`), where the manifest
+        and every slot file sit (window/slot/step/run), and, given `identity`, that this run wrote it."""
+        problems = self.verify(window_id, rank)
+        if problems:
+            return problems
+        rank = self.rank if rank is None else rank
+        man = self.manifest(window_id, rank)
+        if identity is not None and (why := identity_mismatch(man.identity, identity)):
+            return [f"identity: {why}"]
+        return check_window(man, window_id, rank, self.world_size, lambda rel: self.slot_info(window_id, rel))
+
+    def slot_info(self, window_id: int, rel: str) -> dict:
+        """The planner info (window, slot, step, run, plan, checksums) of a slot's `.metadata` in a window."""
+        return slot_info(bytes(self.files.read(f"{window_dirname(window_id)}/{rel}")))
+
+    # ---- collect -------------------------------------------------------------------------------------------
+    def remove_window(self, window_id: int) -> None:
+        """Remove this writer's files of a window, its manifest first (never a half-deleted copy committed);
+        the window directory too once nothing else is in it."""
+        w = window_dirname(window_id)
+        self.files.remove([f"{w}/{manifest_name(self.writer)}"])
+        self._discard([f"{w}/{r}" for r in self.files.find(w) if belongs_to(r, self.writer)], w)
+        if not self.files.find(w):
+            self.files.remove_tree(w)
+
+    max_spares = 0  # data files of collected windows kept (local backends) for the next ones to be written over
+
+    def spare_path(self) -> Path:
+        return Path(self.files.path(spare_dir(self.writer)))  # an internal name: never listed as a window
+
+    def take_spare(self, nbytes: int) -> Path | None:
+        """The kept data file whose size is closest to `nbytes` (None when there is none): written over, its
+        page-cache or shared-memory pages are reused instead of being allocated and zeroed again."""
+        files = spares(self.spare_path()) if self.max_spares else []
+        return min(files, key=lambda f: abs(f.stat().st_size - nbytes)) if files else None
+
+    def _discard(self, rels: list[str], window_dir: str) -> None:
+        """Remove a collected window's files, keeping (bounded) its data files as spares."""
+        if self.max_spares and self.files.local:
+            # a second link is a live slot file's (slot_files.py): unlinking it frees the slot for reuse
+            data = [f for r in rels if is_data_file(r) and (f := Path(self.files.path(r))).stat().st_nlink == 1]
+            for f in keep_spares(data, self.spare_path(), self.max_spares, window_dir):
+                self._forget(f)
+        self.files.remove(rels)
+
+    def _forget(self, path: Path) -> None:
+        """A data file about to be deleted (the host tier drops its mapping: it would pin the pages)."""
+
+    def collect(self, keep_from: int) -> list[int]:
+        """Delete this writer's files of windows older than `keep_from`; returns the deleted ids."""
+        gone = [w for w in self.window_ids(require_manifest=False) if w < keep_from]
+        for wid in gone:
+            self.remove_window(wid)
+        return gone
