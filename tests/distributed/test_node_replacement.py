@@ -15,6 +15,7 @@ the per-round store makes work.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,23 @@ def replace_host(tmp: Path, lost_rank: int, replicas: int, store: str | None, en
         raise
 
 
-def _replace_host(tmp: Path, lost_rank: int, replicas: int, store: str | None, env: dict) -> RunResult:
+@dataclass
+class Replacement:
+    codes: tuple[int, int]  # exit codes of the survivor's agent and the new host's
+    logs: list[str]
+    out: Path
+    survivor_root: Path
+    before: dict[str, bytes]  # the survivor's window files once its first worker was gone
+
+
+def window_files(root: Path) -> dict[str, bytes]:
+    """Every file of every window under a host root (all node directories, the run's and peer copies)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("window-*/**/*")) if p.is_file()}
+
+
+def run_replacement(tmp: Path, lost_rank: int, replicas: int, store: str | None, env: dict, new_restarts: int = 1):
+    """Two hosts train; the host of `lost_rank` freezes in iteration 8 and is killed whole; a new host with an
+    empty directory joins (torchrun --max-restarts `new_restarts`)."""
     out = tmp / "run"
     with Cluster(out, nnodes=2, env=env) as cluster:
         hosts = [
@@ -69,13 +86,22 @@ def _replace_host(tmp: Path, lost_rank: int, replicas: int, store: str | None, e
 
         hosts[0].wait_for(frozen, 60, "a frozen worker on either host")
         lost = found[0]
-        lost.kill()
         survivor = hosts[1 - hosts.index(lost)]
-        new = cluster.start(2, _program(out, "new-host", _spec(tmp / "new-host", replicas, store, None)), 1)
+        first = survivor.workers()
+        lost.kill()
+        survivor.wait_for(lambda: all(process_state(p) in (None, "Z") for p in first), 60, "its worker's exit")
+        root = tmp / f"host{hosts.index(survivor)}"
+        before = window_files(root)  # the new attempt only reads until it has recovered (or refused)
+        new = cluster.start(2, _program(out, "new-host", _spec(tmp / "new-host", replicas, store, None)), new_restarts)
         codes = survivor.wait(120), new.wait(60)
         logs = [n.log() for n in cluster.nodes]
-    assert codes == (0, 0), f"exit codes {codes}:\n" + "\n".join(lg[-3000:] for lg in logs)
-    return load_result(out, 2, "\n".join(logs))
+    return Replacement(codes, logs, out, root, before)
+
+
+def _replace_host(tmp: Path, lost_rank: int, replicas: int, store: str | None, env: dict) -> RunResult:
+    got = run_replacement(tmp, lost_rank, replicas, store, env)
+    assert got.codes == (0, 0), f"exit codes {got.codes}:\n" + "\n".join(lg[-3000:] for lg in got.logs)
+    return load_result(got.out, 2, "\n".join(got.logs))
 
 
 def exact(run, reference, fault_summary, case: str) -> None:
@@ -117,6 +143,23 @@ def test_rank0_host_lost_on_the_shared_store_recovers_from_the_store(tmp_path, r
     # multi-host without torch's opt-out: rank 0 says once per attempt what torch cannot do here
     assert "event=rendezvous_note" in run.log and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in run.log
     exact(run, reference, fault_summary, CASES[2])
+
+
+def test_host_replaced_without_any_copy_is_refused_and_the_survivors_windows_untouched(tmp_path, fault_summary):
+    """replicas = 0, no object store: rank 1's part of every window is gone with its host. Rank 0 still holds
+    its part, so starting over would overwrite it (the outside trial: "nothing to recover, a new run starts").
+    Every rank refuses in one line; the survivor's windows are byte for byte what they were."""
+    got = run_replacement(tmp_path, 1, replicas=0, store=None, env=OPT_OUT, new_restarts=0)
+    log = "\n".join(got.logs)
+    refused = [ln for ln in log.splitlines() if "event=refused" in ln]
+    after = window_files(got.survivor_root)
+    ok = bool(refused) and got.before and after == got.before and not (got.out / "rank0.pt").exists()
+    fault_summary("host replaced, no copy anywhere", 1, "refused with one line" if ok else "data lost")
+    assert got.codes[0] != 0 and got.codes[1] != 0, got.codes
+    assert refused and "cannot resume" in refused[0] and "rank(s) 1 have no copy" in refused[0], log[-3000:]
+    fresh = [ln for ln in log.splitlines() if "event=cold_start" in ln or "event=no_window" in ln]
+    assert all("attempt=0" in ln for ln in fresh) and "event=cold_start" not in got.logs[-1], fresh  # only the first
+    assert got.before and after == got.before, sorted(set(after) ^ set(got.before))[:10]
 
 
 @pytest.fixture(autouse=True)

@@ -50,6 +50,7 @@ def recover_from_tiers(
                 f" (+{len(p) - 1} more)" if len(p) > 1 else "",
             )
     excluded: set[int] = set()
+    seen: list[set[int]] = []  # per rank: every window it could get in the first round (host, peers)
     for i in range(rounds or 1 << 30):
         local = [w for w in tier.window_ids() if w not in excluded and w not in report["unusable_copies"]]
         held = replicator.holdings() if replicator is not None else {}
@@ -61,6 +62,8 @@ def recover_from_tiers(
             set(everyone[r][0]).union(*(everyone[h][1].get(r, ()) for h in range(world))) - excluded
             for r in range(world)
         ]
+        if i == 0:
+            seen = [set(a) for a in avail]
         common = set.intersection(*avail)
         if not common:
             break
@@ -81,7 +84,28 @@ def recover_from_tiers(
             report.update(source=src, pulled_from_peers={str(k): v for k, v in needers.items()})
             return window, _outcome(report)
         excluded.add(wid)
-    return _from_store(tier, store, ops, compute_dtype, report, identity, use, excluded)
+    window, report = _from_store(tier, store, ops, compute_dtype, report, identity, use, excluded)
+    listed = report.pop("store_listed", None)
+    if window is None:
+        _not_every_rank(report, seen, listed)
+    return window, report
+
+
+def _not_every_rank(report: dict, seen: list[set[int]], listed: list[set[int]] | None) -> None:
+    """Windows some rank can get but another cannot, from any tier: never "no window" (a new run would start
+    and overwrite the copies that are left). Each is rejected with the ranks that have no copy, so recovery
+    refuses (UnusableCheckpointError) unless the user opted into restarts. The same on every rank (`seen` and
+    the store listing are gathered)."""
+    listed = listed or [set() for _ in seen]
+    have = [set(a) | set(b) for a, b in zip(seen, listed)] if seen else [set(b) for b in listed]
+    for wid in sorted(set().union(*have) - set(report["rejected"]), reverse=True) if have else []:
+        missing = [r for r, h in enumerate(have) if wid not in h]
+        report["rejected"][wid] = {
+            str(r): f"no copy: rank {r}'s part of window {wid} is on no tier (its host copy is gone and no peer "
+            "or object store holds it)"
+            for r in missing
+        }
+    _outcome(report)
 
 
 def _pull_and_load(tier: HostTier, replicator, wid: int, needers: dict, ops, compute_dtype, identity):
@@ -167,6 +191,7 @@ def _from_store(
     except Exception as exc:  # a store that cannot be listed is a tier without windows, said in the report
         mine, why = [], _reason(exc)
     listed = all_gather_objects(mine)
+    report["store_listed"] = [set(x) for x in listed]
     if why is not None:
         report["store_unreachable"] = why
     candidates = sorted(set.intersection(*map(set, listed)) - set(excluded), reverse=True)
