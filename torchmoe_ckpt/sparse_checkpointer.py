@@ -170,21 +170,21 @@ class SparseCheckpointer:
         self._maybe_commit()
         t = res.step
         cur = self.current
+        record = None
         if cur is not None and cur.start_step < t < cur.start_step + cur.plan.window:
             # Host copies queued, not awaited (device_copy.host_copy): they land before this iteration's slot copy.
-            cur.log.add(
-                IterationRecord(
-                    t,
-                    host_copy(res.tokens),
-                    host_copy(res.grad_norm),
-                    res.lr,
-                    host_copy(res.loss),
-                    res.rng_state,
-                    lrs=getattr(res, "lrs", None),
-                    device_rng=getattr(res, "device_rng", None),
-                    hyper=host_copy(getattr(res, "hyper", None) or None),
-                )
+            record = IterationRecord(
+                t,
+                host_copy(res.tokens),
+                host_copy(res.grad_norm),
+                res.lr,
+                host_copy(res.loss),
+                res.rng_state,
+                lrs=getattr(res, "lrs", None),
+                device_rng=getattr(res, "device_rng", None),
+                hyper=host_copy(getattr(res, "hyper", None) or None),
             )
+            cur.log.add(record)
         if cur is None or cur.captured >= cur.plan.window:
             t0 = time.perf_counter()
             cur = self._start_window(t)
@@ -206,6 +206,7 @@ class SparseCheckpointer:
                     "window_size": cur.plan.window,
                     "plan": plan_digest(cur.plan.to_dict()),
                     "run": self._identity_dict["fingerprint"],
+                    "record": record,  # the persist thread writes its digest (storage.manifest.record_digest)
                 },
             )
         cur.captured += 1

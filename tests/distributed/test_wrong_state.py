@@ -171,6 +171,31 @@ def test_slot_file_from_another_window_is_rejected(written, tmp_path, fault_summ
     assert exact
 
 
+# ---- (c2) a forged replay record of the last replayed step, every checksum recomputed ------------------------
+def _forge_record(wdir: Path, what: str) -> None:
+    path = wdir / "replay" / "rank-00000.pt"
+    records = torch.load(path, weights_only=True)
+    last = max(records, key=lambda r: r["step"])  # nothing is replayed after it: no later loss would differ
+    if what == "lr_x10":
+        last["lr"] *= 10
+        last["lrs"] = [lr * 10 for lr in last["lrs"]] if last.get("lrs") else last["lrs"]
+    else:
+        last["grad_norm"] = last["grad_norm"] * 0.5
+    torch.save(records, path)
+    resign(wdir, lambda d: None)  # the record file's CRC and the manifest's checksum match the forgery
+
+
+@pytest.mark.parametrize("what", ["lr_x10", "grad_norm_half"])
+def test_forged_replay_record_is_rejected_not_replayed(written, tmp_path, what, fault_summary):
+    root = copy_run(written, tmp_path)
+    _forge_record(run_dir(root) / "window-000002", what)
+    rep, start, exact = resume_and_finish(root, written[1])
+    fault_summary(f"forged_replay_record_{what}", 1, outcome(exact and start == 6))
+    assert start == 6 and rep["window_id"] == 1, rep
+    assert "replay record of step 9 is not the one slot 2 was written with" in str(rep["rejected"][2]), rep
+    assert exact
+
+
 # ---- (d) a slot write that fails (ENOSPC) -----------------------------------------------------------------
 def test_failed_slot_write_never_commits_its_window(written, tmp_path, monkeypatch, fault_summary):
     real = HostTier.write_slot

@@ -38,6 +38,7 @@ from .layout import (
     window_dirname,
     writer_name,
 )
+from .manifest import record_digest, slot_metadata_file
 from .mapped_files import MappedFiles
 from .slot_files import SlotFiles, backing
 from .slot_format import CorruptCopyError, SlotLayout, read_slot, slot_items
@@ -141,6 +142,7 @@ class HostTier(WindowTier):
         for d in torch.load(
             self.window_dir(window_id) / replay_file(self.writer), weights_only=True, map_location="cpu"
         ):
+            self._check_record(window_id, man, d)
             rlog.add(IterationRecord.from_dict(d))
         win = Window(window_id, man.start_step, plan, slots, rlog, captured=plan.window)
         if not win.committed:
@@ -149,3 +151,15 @@ class HostTier(WindowTier):
                 f"{man.start_step + plan.window - 1}"
             )
         return win
+
+    def _check_record(self, window_id: int, man, record: dict) -> None:
+        """A replay record must be the one its slot was written with (the digest in the slot's DCP metadata):
+        an edited record whose CRC and manifest checksum were recomputed is refused, never replayed."""
+        slot = record.get("step", -1) - man.start_step
+        rel = slot_metadata_file(man, slot) if 0 < slot < man.window else None
+        want = self.slot_info(window_id, rel).get("record") if rel is not None else None
+        if want is not None and record_digest(record) != want:
+            raise CorruptCopyError(
+                f"window {window_id}: the replay record of step {record.get('step')} is not the one slot {slot} "
+                "was written with (its digest differs: an edited or swapped record); it is not replayed"
+            )

@@ -13,6 +13,7 @@ from ..background import stop_at_exit
 from ..snapshot import Slot
 from ..status import RunStatus
 from .host_tier import HostTier
+from .manifest import record_digest
 from .tier_health import TierHealth
 from .uploader import Uploader
 
@@ -192,7 +193,10 @@ class PersistThread:
                 return
             self._attempted.add(wid)
         try:
-            self.bytes_written += self.tier.write_slot(wid, slot, dict(info, step=slot.step))
+            info = dict(info, step=slot.step)
+            if info.get("record") is not None:  # the iteration's replay record, bound to this slot by its digest
+                info["record"] = record_digest(info["record"].to_dict())
+            self.bytes_written += self.tier.write_slot(wid, slot, info)
         except BaseException as exc:  # ENOSPC, EACCES, DCP's CheckpointException (a BaseException)
             self._give_up(wid, f"window {wid} slot {slot.index}", exc)
 
