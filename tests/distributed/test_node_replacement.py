@@ -25,7 +25,12 @@ from torchmoe_harness.nodes import Cluster, process_state
 
 RUN = {"steps": 12, "dtype": "fp32"}
 OPT_OUT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-CASES = ("host replaced, peer copy", "host replaced, object store", "rank-0 host replaced, shared store")
+CASES = (
+    "host replaced, peer copy",
+    "host replaced, object store",
+    "rank-0 host replaced, shared store",
+    "rank-0 host replaced, ranks renumbered, peer copies",
+)
 
 
 def _spec(root: Path, replicas: int, store: str | None, freeze_rank: int | None) -> dict:
@@ -143,6 +148,22 @@ def test_rank0_host_lost_on_the_shared_store_recovers_from_the_store(tmp_path, r
     # multi-host without torch's opt-out: rank 0 says once per attempt what torch cannot do here
     assert "event=rendezvous_note" in run.log and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in run.log
     exact(run, reference, fault_summary, CASES[2])
+
+
+def test_rank0_host_replaced_ranks_renumbered_recovers_from_the_copies_where_they_are(
+    tmp_path, reference, fault_summary
+):
+    """replicas = 1, no store: the host of rank 0 dies; the survivor becomes rank 0 and writes node-0 now, but
+    its copies sit in node-1 of its root (its own part as rank 1, and the peer copy of rank 0's part). It
+    takes rank 0's part from there and sends rank 1's to the new host; exact. The old directory is removed
+    after the recovery (a newer leftover must not mix with the windows the new numbering writes)."""
+    reference(2, RUN)
+    run = replace_host(tmp_path, 0, replicas=1, store=None, env={}, summary=(fault_summary, CASES[3]))
+    rec = run.report["recoveries"][0]
+    assert rec.get("source") == "peer 0" or rec.get("source") == "host", rec  # not the store: there is none
+    assert rec.get("pulled_from_peers") == {"1": 0}, rec  # rank 1 (the new host) got its part from rank 0
+    assert rec.get("orphans_removed"), rec
+    exact(run, reference, fault_summary, CASES[3])
 
 
 def test_host_replaced_without_any_copy_is_refused_and_the_survivors_windows_untouched(tmp_path, fault_summary):

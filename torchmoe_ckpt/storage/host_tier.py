@@ -50,6 +50,8 @@ MAX_SPARES = 16  # data files of collected windows kept per writer for reuse
 
 
 class HostTier(WindowTier):
+    orphans = None  # orphans.OrphanCopies: this host's copies under an older node numbering (build_tiers)
+
     def __init__(self, root: str | Path, run_id: str, rank: int, world_size: int):
         self.dir = Path(root) / run_id
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -51,9 +51,16 @@ def recover_from_tiers(
             )
     excluded: set[int] = set()
     seen: list[set[int]] = []  # per rank: every window it could get in the first round (host, peers)
+    orphans = tier.orphans  # copies under an older node numbering (orphans.py): this rank's own part, others'
+    adopted = orphans.holdings() if orphans is not None else {}
     for i in range(rounds or 1 << 30):
-        local = [w for w in tier.window_ids() if w not in excluded and w not in report["unusable_copies"]]
+        own = set(tier.window_ids()) | set(adopted.get(tier.rank, ()))
+        local = [w for w in sorted(own) if w not in excluded and w not in report["unusable_copies"]]
         held = replicator.holdings() if replicator is not None else {}
+        if replicator is not None:  # others' parts can be sent from the orphans over the peer tier
+            for src, wids in adopted.items():
+                if src != tier.rank:
+                    held[src] = sorted(set(held.get(src, ())) | set(wids))
         everyone = all_gather_objects((local, held, report["unusable_copies"] if i == 0 else None))
         world = len(everyone)
         if i == 0:
@@ -82,13 +89,23 @@ def recover_from_tiers(
         )
         if window is not None:
             report.update(source=src, pulled_from_peers={str(k): v for k, v in needers.items()})
+            _retire(orphans, report)
             return window, _outcome(report)
         excluded.add(wid)
     window, report = _from_store(tier, store, ops, compute_dtype, report, identity, use, excluded)
     listed = report.pop("store_listed", None)
     if window is None:
         _not_every_rank(report, seen, listed)
+    else:
+        _retire(orphans, report)
     return window, report
+
+
+def _retire(orphans, report: dict) -> None:
+    """After a successful recovery the copies of an older node numbering go (orphans.py says why)."""
+    if orphans is not None:
+        report["orphans_removed"] = [str(d) for d in orphans.run_dirs]
+        orphans.retire()
 
 
 def _not_every_rank(report: dict, seen: list[set[int]], listed: list[set[int]] | None) -> None:
@@ -111,6 +128,8 @@ def _not_every_rank(report: dict, seen: list[set[int]], listed: list[set[int]] |
 def _pull_and_load(tier: HostTier, replicator, wid: int, needers: dict, ops, compute_dtype, identity):
     if needers:
         replicator.pull(wid, [(holder, dst, dst) for dst, holder in needers.items()])
+    if wid not in tier.window_ids() and tier.orphans is not None and tier.orphans.copy_of(wid, tier.rank):
+        tier.orphans.copy_into(wid, tier.rank, tier)  # this rank's part, from its host's older numbering
     return tier.load_window(wid, ops, compute_dtype, identity)
 
 

@@ -107,6 +107,11 @@ def _verdict(holder: dict | None, me: dict) -> str:
     return "held"
 
 
+def held_by_another_job(run_dir: str | Path, me: dict) -> bool:
+    """Whether a live job other than `me` (`this_job()`) holds the run directory's lock."""
+    return _verdict(read(run_dir), me) == "held"
+
+
 def _refuse(run_dir: Path, holder: dict) -> RunLockedError:
     return RunLockedError(
         f"run directory {run_dir} is in use by another job (torchrun run id {holder.get('torchrun_run_id')}, "

@@ -22,6 +22,7 @@ from . import run_lock
 from .host_tier import HostTier
 from .layout import node_dirname
 from .object_tier import make_store
+from .orphans import OrphanCopies
 from .peer_tier import PeerTier
 
 log = logging.getLogger("torchmoe_ckpt.tiers")
@@ -48,6 +49,7 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
     run_id = cfg.resolved_run_id()
     tier = HostTier(Path(cfg.root) / node_dirname(node_of(rank, rpn)), run_id, rank, world)
     run_lock.acquire(tier.dir, leader=rank % rpn == 0, world=world)  # one job per run directory (run_lock.py)
+    tier.orphans = OrphanCopies.find(Path(cfg.root), run_id, rank, rpn, world)  # an older numbering's copies
     tier.stall_policy = (cfg.stall_iterations, cfg.on_stall)  # read by its PersistThread (tier_health.py)
     store = None
     if cfg.object_store is not None:
