@@ -138,6 +138,12 @@ def _write(run_dir: Path, me: dict, exclusive: bool) -> bool:
         tmp.unlink(missing_ok=True)
 
 
+def _probe_writable(run_dir: Path) -> None:
+    probe = run_dir / f".lock-probe-{os.getpid()}"
+    probe.write_bytes(bytes(4096))  # a page: on a full tmpfs an empty file would still fit
+    probe.unlink()
+
+
 @contextmanager
 def _mutex(run_dir: Path):
     """Exclusive between the processes of this host that judge and write this run's lock."""
@@ -151,8 +157,29 @@ def _mutex(run_dir: Path):
 
 def acquire(run_dir: str | Path, leader: bool, world: int = 1, wait_s: float = 60.0) -> dict:
     """Take (leader: this node's local rank 0) or join (the other local ranks) the run's lock. Returns the
-    lock's content; raises `RunLockedError` (one line: holder and fix) when another live job holds it."""
-    run_dir, me = Path(run_dir), this_job(world)
+    lock's content; raises `RunLockedError` (one line: holder and fix) when another live job holds it.
+
+    A run directory that cannot be written (a full tmpfs, a read-only remount) is the host tier's unhealthy
+    state, not an error: the lock is left unwritten (a job that cannot write cannot mix its windows into the
+    run either), the warning says why, recovery reads what the directory holds and training goes on; the
+    tier's writes fail and are retried, and the stall policy (TierConfig.on_stall) applies."""
+    try:
+        return _acquire(Path(run_dir), leader, world, wait_s)
+    except OSError as exc:
+        me = this_job(world)
+        log.warning(
+            "event=tier_unhealthy tier=host rank=%s reason='run lock of %s: %s: %s': the host directory cannot be "
+            "written; what it holds is still recovered, new windows are retried (TierConfig.on_stall applies)",
+            os.environ.get("RANK", "0"),
+            run_dir,
+            type(exc).__name__,
+            exc,
+        )
+        return dict(me, unwritten=f"{type(exc).__name__}: {exc}")
+
+
+def _acquire(run_dir: Path, leader: bool, world: int, wait_s: float) -> dict:
+    me = this_job(world)
     deadline = time.monotonic() + wait_s
     while True:
         holder = read(run_dir)
@@ -162,6 +189,7 @@ def acquire(run_dir: str | Path, leader: bool, world: int = 1, wait_s: float = 6
         if not leader:  # wait for this node's local rank 0 to take it for this job
             if verdict == "mine":
                 return holder
+            _probe_writable(run_dir)  # OSError: the leader cannot write it either (acquire says so)
             if time.monotonic() > deadline:
                 raise RunLockedError(
                     f"run directory {run_dir}: this node's local rank 0 did not take the run lock "

@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from ..config import TierConfig
+from ..config import DEFAULT_HOST_ROOT, TierConfig
+from ..errors import ConfigError
 from ..placement import Topology, place_replicas
 from . import run_lock
 from .host_tier import HostTier
@@ -47,7 +48,15 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
         cfg = TierConfig.from_dict(cfg)
     rpn = int(cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", world))
     run_id = cfg.resolved_run_id()
-    tier = HostTier(Path(cfg.root) / node_dirname(node_of(rank, rpn)), run_id, rank, world)
+    node_dir = Path(cfg.root) / node_dirname(node_of(rank, rpn))
+    try:
+        tier = HostTier(node_dir, run_id, rank, world)
+    except OSError as exc:  # the root is a file, under /proc, read-only or not ours: one line, before training
+        raise ConfigError(
+            f"host tier root {cfg.root!r}: cannot create the run directory {node_dir / run_id} "
+            f"({type(exc).__name__}: {exc.strerror or exc}); fix: TierConfig(root=...) a writable node-local "
+            f"directory, e.g. {DEFAULT_HOST_ROOT}"
+        ) from None
     run_lock.acquire(tier.dir, leader=rank % rpn == 0, world=world)  # one job per run directory (run_lock.py)
     tier.orphans = OrphanCopies.find(Path(cfg.root), run_id, rank, rpn, world)  # an older numbering's copies
     tier.stall_policy = (cfg.stall_iterations, cfg.on_stall)  # read by its PersistThread (tier_health.py)
