@@ -137,7 +137,7 @@ class SparseCheckpointSection:
         ):
             raise bad(
                 "store_exit_wait_s",
-                "must be a finite number of seconds >= 0",
+                "must be a number of seconds >= 0",
                 "store_exit_wait_s = 30 (0: do not wait for pending uploads at exit)",
             )
         for key in ("dense_export_every", "dense_export_keep", "pipeline_log_max_bytes"):

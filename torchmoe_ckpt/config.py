@@ -76,6 +76,8 @@ class ObjectStoreConfig:
     format: str = "dcp"  # "dcp" (standard DCP files) | "tensorstore" (zarr3 + OCDBT, one expert per chunk)
     exit_wait_s: float = 30.0  # at the end of a run, wait at most this long for pending uploads (then exit;
     # what is left stays in host memory and the next run with this run_id uploads it)
+    lease_s: float = 30.0  # the writing job's lease on <uri>/<run_id> (storage/store_lease.py): renewed every
+    # lease_s/3; another job with the same run id is refused while it is renewed; a crashed job's expires
 
     def __post_init__(self):
         if not isinstance(self.uri, str) or not self.uri:
@@ -95,9 +97,12 @@ class ObjectStoreConfig:
             or not 0 <= self.exit_wait_s < math.inf
         ):
             raise ConfigError(
-                f"object_store.exit_wait_s must be a finite number of seconds >= 0 (the bounded wait for "
+                f"object_store.exit_wait_s must be a number of seconds >= 0 (finite: the bounded wait for "
                 f"pending uploads at exit), got {self.exit_wait_s!r}"
             )
+        check_timeout("object_store.lease_s", self.lease_s, ConfigError)
+        if self.lease_s is None:
+            raise ConfigError("object_store.lease_s must be a finite number of seconds > 0, got None")
         if not isinstance(self.storage_options, dict):
             raise ConfigError(
                 "object_store.storage_options must be a dict of fsspec options, got "

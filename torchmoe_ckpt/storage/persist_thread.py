@@ -116,7 +116,14 @@ class PersistThread:
         t0 = time.monotonic()
         if self.uploader is not None:
             self.uploader.flush(wait_s)
+        self.release_lease()
         return self.status.exit_summary(time.monotonic() - t0, wait_s, str(self.tier.dir))
+
+    def release_lease(self) -> None:
+        """A clean exit gives the object-store prefix up at once (store_lease.py), not after its lease expires."""
+        lease = getattr(self.uploader.store, "lease", None) if self.uploader is not None else None
+        if lease is not None:
+            lease.release()
 
     def shutdown(self) -> None:
         self.jobs.put(None)

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
+from ..background import stop_at_exit
 from ..config import DEFAULT_HOST_ROOT, TierConfig
 from ..errors import ConfigError
 from ..placement import Topology, place_replicas
@@ -25,6 +26,7 @@ from .layout import node_dirname
 from .object_tier import make_store
 from .orphans import OrphanCopies
 from .peer_tier import PeerTier
+from .store_lease import StoreLease, StoreLeasedError
 
 log = logging.getLogger("torchmoe_ckpt.tiers")
 
@@ -64,8 +66,30 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
     if cfg.object_store is not None:
         o = cfg.object_store
         store = make_store(o.uri, run_id, rank, o.storage_options or None, keep_windows=o.keep, format=o.format)
+        store.lease = _lease(o, run_id, rank)
     if cfg.replicas <= 0:
         return Tiers(tier, None, store)
     placement = place_replicas(Topology.from_mesh_shape(world, hsdp_replicate, rpn), cfg.replicas)
     group = dist.new_group(backend="gloo") if dist.is_initialized() else None
     return Tiers(tier, PeerTier(tier, placement, group), store)
+
+
+def _lease(o, run_id: str, rank: int) -> StoreLease | None:
+    """This job's writer lease on the store's run prefix (store_lease.py). A store that cannot be reached now is
+    the store's outage (the uploads retry and say so), not a reason to stop the job: then no lease is held."""
+    lease = StoreLease(o.uri, run_id, o.storage_options or None, o.lease_s, rank)
+    try:
+        lease.acquire()
+    except StoreLeasedError:
+        raise
+    except Exception as exc:
+        log.warning(
+            "event=store_lease_unavailable rank=%d store=%s: %s: %s; training goes on without the writer lease",
+            rank,
+            lease.where,
+            type(exc).__name__,
+            exc,
+        )
+        return None
+    stop_at_exit(lease)
+    return lease
