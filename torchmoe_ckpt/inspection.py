@@ -183,6 +183,7 @@ def _inspect_run(location: str, storage_options: dict | None, fs, root: str, fil
             bytes=entry["bytes"] + nbytes,
             run_id=ident.get("run_id"),
             fingerprint=ident.get("fingerprint"),
+            node_ranks=sorted(set(entry.get("node_ranks", [])) | set(man.extra.get("node_ranks") or [])),
         )
         if not entry["slots"] and not problems:
             entry["slots"] = _slots(man, infos)
@@ -300,8 +301,10 @@ def _foreign_windows(windows: list[dict], run_name: str | None = None) -> list[s
 def _missing_ranks(window: dict, windows: list[dict]) -> dict[str, list[str]]:
     """A window is usable only when every rank committed it. The ranks expected: every rank of the world
     size the manifests record when they are all in this location, else every rank seen committing here
-    (a host directory of one node holds that node's ranks only)."""
+    (a host directory of one node holds that node's ranks only), and every rank the host tier's manifests
+    say writes into this node directory (`node_ranks`): a rank whose files were all wiped is missed."""
     seen = {r for w in windows for r in w["committed_ranks"]} | set(window["ranks_with_files"])
+    seen |= {r for w in windows for r in w.get("node_ranks") or []}
     world = window.get("world_size") or 0
     expected = set(range(world)) if seen >= set(range(world)) else seen
     missing = sorted(expected - set(window["committed_ranks"]))

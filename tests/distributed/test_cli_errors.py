@@ -109,8 +109,9 @@ def test_s3_without_credentials_is_one_line(moto):
     one_line_error(p.returncode, p.stderr, "authentication failed", "credentials")
 
 
-def _two_rank_run(root: Path, run_id: str = "run", **run):
-    """A run of 2 ranks (each a 1-process checkpointer writing as rank r of 2) with windows 0 and 1."""
+def _two_rank_run(root: Path, run_id: str = "run", node_ranks=None, **run):
+    """A run of 2 ranks (each a 1-process checkpointer writing as rank r of 2) with windows 0 and 1.
+    `node_ranks`: the ranks the host tier says write into this node directory (build_tiers sets them)."""
     from torchmoe_ckpt.config import SparseConfig
     from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
     from torchmoe_ckpt.storage.host_tier import HostTier
@@ -118,9 +119,9 @@ def _two_rank_run(root: Path, run_id: str = "run", **run):
 
     for rank in (0, 1):
         t = Trainer(RunConfig(steps=6, **run))
-        ck = SparseCheckpointer(
-            t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), host_tier=HostTier(root, run_id, rank, 2)
-        ).attach(t)
+        tier = HostTier(root, run_id, rank, 2)
+        tier.node_ranks = node_ranks
+        ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), host_tier=tier).attach(t)
         for _ in range(7):
             ck.after_step(t.train_step())
         ck.tier_writer.flush()
@@ -145,6 +146,20 @@ def test_verify_fails_on_a_window_not_committed_by_every_rank(capsys, tmp_path, 
     data.write_bytes(bytes(raw))
     rc, out, err = run_cli(capsys, "verify", str(run))
     assert rc == 1 and "FAILED (2 problem(s)" in err and "window 0 rank 0:" in err, err
+
+
+def test_verify_fails_when_every_file_of_one_rank_is_wiped(capsys, tmp_path, one_rank_group):
+    """Both ranks write one node directory; every file of rank 1 is wiped (its manifests, slots, records):
+    the host tier's manifests name the ranks of the node, so verify misses rank 1 (it said OK before)."""
+    import shutil
+
+    run = _two_rank_run(tmp_path, node_ranks=[0, 1])
+    assert run_cli(capsys, "verify", str(run))[0] == 0
+    for p in sorted(run.rglob("*rank-00001*"), reverse=True):
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    assert not list(run.rglob("*rank-00001*"))
+    rc, out, err = run_cli(capsys, "verify", str(run))
+    assert rc == 1 and "not committed by rank(s) [1]" in err, (out, err)
 
 
 def test_verify_names_a_window_copied_in_from_another_run(capsys, tmp_path, one_rank_group):

@@ -109,6 +109,8 @@ class OrphanCopies:
             dest = tier.files.path(f"{w}/{rel}")
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path(rel), dest)  # a copy, not a link: the tier later writes over collected files
+        if tier.node_ranks:  # now a window of the node this rank writes today
+            man.extra["node_ranks"] = tier.node_ranks
         tier.files.write_last(f"{w}/{manifest_name(tier.writer)}", man.to_json().encode())
 
     def retire(self) -> None:

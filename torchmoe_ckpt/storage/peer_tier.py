@@ -205,6 +205,8 @@ class PeerTier:
         if text is None:
             return None
         man = WindowManifest.from_json(text)
+        if dest is self.tier and self.tier.node_ranks:  # now this node's own window: the ranks that write here
+            man.extra["node_ranks"] = self.tier.node_ranks
         dest.files.write_last(f"{w}/{manifest_name(dest.writer)}", man.to_json().encode())  # the copy is complete
         return man
 

@@ -61,6 +61,8 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
         ) from None
     run_lock.acquire(tier.dir, leader=rank % rpn == 0, world=world)  # one job per run directory (run_lock.py)
     tier.orphans = OrphanCopies.find(Path(cfg.root), run_id, rank, rpn, world)  # an older numbering's copies
+    node = node_of(rank, rpn)
+    tier.node_ranks = list(range(node * rpn, min(world, (node + 1) * rpn)))  # recorded: verify expects them all
     tier.stall_policy = (cfg.stall_iterations, cfg.on_stall)  # read by its PersistThread (tier_health.py)
     store = None
     if cfg.object_store is not None:
