@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import pickle
 import shutil
 from pathlib import Path
 
@@ -24,7 +25,8 @@ from torchmoe_ckpt.inspection import verify_location
 from torchmoe_ckpt.recovery import recover
 from torchmoe_ckpt.storage.checksums import crc32_bytes
 from torchmoe_ckpt.storage.host_tier import HostTier
-from torchmoe_ckpt.storage.manifest import content_checksum
+from torchmoe_ckpt.storage.manifest import content_checksum, record_digest
+from torchmoe_ckpt.storage.slot_format import PLANNER_KEY
 from torchmoe_ckpt.storage.tiers import build_tiers
 from torchmoe_harness.launch import run_torchrun
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
@@ -251,10 +253,20 @@ def _bad_item_good_file(wdir: Path) -> None:
 
 
 def _replay_diverges(wdir: Path) -> None:
+    """A window whose replay does not reproduce its logged loss. Editing the record alone is now refused at
+    load (its digest in the slot's metadata no longer matches: test_forged_replay_record_...), so the
+    slots' record digests are rewritten too, as a divergence that no checksum can see would look."""
     path = wdir / "replay" / "rank-00000.pt"
     recs = torch.load(path, weights_only=True)
     recs[-1]["loss"] = recs[-1]["loss"] + 1.0
     torch.save(recs, path)
+    by_step = {r["step"]: r for r in recs}
+    for meta in wdir.glob("slot-*/rank-00000/.metadata"):
+        md = pickle.loads(meta.read_bytes())
+        info = md.planner_data[PLANNER_KEY]
+        if info.get("record") is not None:
+            info["record"] = record_digest(by_step[info["step"]])
+        meta.write_bytes(pickle.dumps(md))
     resign(wdir, lambda d: None)
 
 
