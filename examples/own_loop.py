@@ -28,12 +28,25 @@ def main(argv: list[str] | None = None, mesh=None):
     ap.add_argument("--run-id", default=None, help="default: torchrun's run id (one per launch)")
     ap.add_argument("--host-dir", default="/dev/shm/torchmoe-ckpt")
     ap.add_argument("--window", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0, help="initialisation and data order (part of the run identity)")
     ap.add_argument(
         "--on-unusable-checkpoint",
         choices=("fail", "restart"),
         default="fail",
         help="windows exist but every one is rejected (corrupt, replay diverged): refuse (default) or "
         "start over from step 0, overwriting them",
+    )
+    ap.add_argument(
+        "--hang-timeout-s",
+        type=float,
+        default=tmc.CheckpointConfig.hang_timeout_s,
+        help="a rank blocked this long in a step (a frozen peer) ends its process, so torchrun restarts the job",
+    )
+    ap.add_argument(
+        "--hang-start-timeout-s",
+        type=float,
+        default=tmc.CheckpointConfig.hang_start_timeout_s,
+        help="the same for resume() and the first step after it",
     )
     ap.add_argument(
         "--replay-check",
@@ -47,7 +60,7 @@ def main(argv: list[str] | None = None, mesh=None):
 
     rank, world = tmc.init_process_group()  # ckpt: dist.init_process_group that survives torchrun restarts
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)  # part of the run identity: a relaunch with another seed is refused
     cfg = MixtralConfig(
         vocab_size=128,
         hidden_size=32,
@@ -67,7 +80,7 @@ def main(argv: list[str] | None = None, mesh=None):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
 
     def batch_for(step: int) -> torch.Tensor:  # the data position is the step: any rank, any attempt
-        g = torch.Generator().manual_seed(step * 1000 + rank)
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1000 + rank)
         return torch.randint(0, cfg.vocab_size, (2, 17), generator=g).to(device)
 
     def forward_backward(tokens: torch.Tensor) -> torch.Tensor:
@@ -82,9 +95,12 @@ def main(argv: list[str] | None = None, mesh=None):
         window=tmc.SparseConfig(window=args.window),
         max_grad_norm=1.0,  # ckpt
         on_unusable_checkpoint=args.on_unusable_checkpoint,
+        hang_timeout_s=args.hang_timeout_s,
+        hang_start_timeout_s=args.hang_start_timeout_s,
         replay_check=args.replay_check,
     )  # ckpt
-    with tmc.Checkpointer(model, optimizer, forward_backward, scheduler, config) as ckpt:  # ckpt
+    data = f"synthetic tokens, seed {args.seed}"  # ckpt: names the data order (windows of other data are refused)
+    with tmc.Checkpointer(model, optimizer, forward_backward, scheduler, config, data_identity=data) as ckpt:  # ckpt
         for step in range(ckpt.resume() + 1, args.steps + 1):  # ckpt: resume() = last completed step
             # ckpt.step = forward_backward + clip_grad_norm_ + optimizer.step + scheduler.step + zero_grad
             losses[step] = ckpt.step(batch_for(step))  # ckpt

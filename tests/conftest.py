@@ -60,9 +60,10 @@ _FAULTS: list[tuple[str, int, str]] = []  # (case, faults injected, outcome) fro
 
 @pytest.fixture
 def fault_summary():
-    """Record one failure-test outcome: "recovered exactly", "refused with one line" (another run's state
-    refused at start, nothing loaded), "started fresh" (a new run, nothing of another loaded), "failed loudly"
-    or "silently wrong"."""
+    """Record one failure-test outcome: "recovered exactly", "refused with one line" (another run's state, or a
+    state no rank can rebuild, refused at start, nothing loaded or overwritten), "started fresh" (a new run,
+    nothing of another loaded), "failed loudly", "data lost" (a window some rank still held was not used: a
+    fresh start or an older window) or "silently wrong"."""
     return lambda case, injected, outcome: _FAULTS.append((case, injected, outcome))
 
 
@@ -79,5 +80,6 @@ def pytest_terminal_summary(terminalreporter):
         f"{count('recovered exactly')}, refused with one line: {count('refused with one line')}, "
         f"started fresh: {count('started fresh')}, "
         f"failed loudly: {count('failed loudly')}, "
+        f"data lost: {count('data lost')} (must be 0), "
         f"silently wrong: {count('silently wrong')} (must be 0)"
     )

@@ -143,8 +143,8 @@ def _register() -> None:
 
 _register()
 # ConfigManager imports this module before the Trainer exists, so also on TorchTitan's stock entry point
-# (python -m torchtitan.train --module titan_integration.config_registry) every process group is keyed by
-# torchrun attempt (torchmoe_ckpt.distributed: why a restart fails without it).
+# (python -m torchtitan.train --module titan_integration.config_registry) every process group gets a store of
+# its rendezvous round (torchmoe_ckpt.distributed: why a restart fails without it).
 key_rendezvous_by_attempt()
 
 

@@ -45,9 +45,9 @@ if torch.distributed.is_initialized():
     restart_timing.mark("pg_ready")
 if key_groups_by_attempt() and os.environ.get("RANK", "0") == "0":
     logger.warning(
-        "torchmoe: TorchTitan set up its process group before torchmoe could key it by torchrun "
-        "attempt; groups created from now on are keyed, but a restart can still read the previous "
-        "attempt's keys in TorchTitan's init_distributed (Gloo connectFullMesh failed / a hang); fix: "
+        "torchmoe: TorchTitan set up its process group before torchmoe could give it a store of its "
+        "rendezvous round; groups created from now on are keyed, but a restart can still read the previous "
+        "round's keys in TorchTitan's init_distributed (Gloo connectFullMesh failed / a hang); fix: "
         "launch with python -m titan_integration.train, or --module titan_integration.config_registry,"
         " or set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun"
     )

@@ -49,7 +49,15 @@ DEFAULT_OUT = "outputs/titan-recovery-demo"
 
 
 def write_job(
-    d: Path, *, steps: int, window: int, host_dir: Path, extra_sparse: str = "", extra: str = "", seed: int = 7
+    d: Path,
+    *,
+    steps: int,
+    window: int,
+    host_dir: Path,
+    extra_sparse: str = "",
+    extra: str = "",
+    seed: int = 7,
+    fault_timeout_s: float = 60,
 ) -> Path:
     """A TorchTitan job file (our TOML loader) with sparse checkpointing on."""
     d.mkdir(parents=True, exist_ok=True)
@@ -65,7 +73,7 @@ enable = true
 window = {window}
 host_dir = "{host_dir}"
 run_id = "demo"
-fault_timeout_s = 60
+fault_timeout_s = {fault_timeout_s}
 {extra_sparse}
 {extra}
 """
@@ -124,7 +132,13 @@ def torchrun(
         if echo is not None:
             echo(line.rstrip("\n"))
         if time.monotonic() > deadline:
-            proc.kill()
+            # SIGTERM, not SIGKILL: torchrun then stops its workers, which lead sessions of their own and would
+            # otherwise outlive it (orphans training on, on a shared machine)
+            proc.terminate()
+            try:
+                proc.wait(40)
+            except subprocess.TimeoutExpired:
+                proc.kill()
             break
     rc = proc.wait()
     return rc, "".join(lines)

@@ -34,6 +34,7 @@ the URI) and the object store / dense-export location (opened and probe-written)
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import uuid
 from dataclasses import asdict, dataclass, field, fields
@@ -126,13 +127,13 @@ class SparseCheckpointSection:
         if (
             isinstance(self.fault_timeout_s, bool)
             or not isinstance(self.fault_timeout_s, (int, float))
-            or self.fault_timeout_s < 0
+            or not 0 <= self.fault_timeout_s < math.inf
         ):
-            raise bad("fault_timeout_s", "must be a number >= 0", "fault_timeout_s = 0 (off) or e.g. 60")
+            raise bad("fault_timeout_s", "must be a finite number >= 0", "fault_timeout_s = 0 (off) or e.g. 60")
         if (
             isinstance(self.store_exit_wait_s, bool)
             or not isinstance(self.store_exit_wait_s, (int, float))
-            or self.store_exit_wait_s < 0
+            or not 0 <= self.store_exit_wait_s < math.inf
         ):
             raise bad(
                 "store_exit_wait_s",

@@ -35,6 +35,7 @@ Test/diagnostic environment variables (off by default: ``TORCHMOE_FAULT``, ``TOR
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -138,8 +139,8 @@ class SparseTrainer(Trainer):
         trainer._init_sparse(section, check=False)  # the caller is the SparseCheckpointManager being built
 
     def init_distributed(self):
-        """TorchTitan's own init_distributed with every process group keyed by torchrun attempt (the shared
-        agent store otherwise hands a restart the previous attempt's keys: torchmoe_ckpt.distributed)."""
+        """TorchTitan's own init_distributed with a store of this rendezvous round for every process group (the
+        shared agent store otherwise hands a restart the previous round's keys: torchmoe_ckpt.distributed)."""
         key_rendezvous_by_attempt()
         dims = super().init_distributed()
         restart_timing.mark("pg_ready")
@@ -396,43 +397,47 @@ class SparseTrainer(Trainer):
         # The optimizer state slots are laid out on and loaded into, as the first step would make it (bf16 moments
         # under "fused_opt_states_bf16"), before the identity records its layout and before any recovery.
         init_titan_optimizer_state(self.optimizers, self.config.optimizer.implementation)
-        tier, replicator, store = self._build_tiers()
-        if self.parallel_dims.pp_enabled:
-            self._pp = TitanPipeline(self)
-            if self._watchdog is not None:  # a peer's death is the pipeline's business (live state, then exit);
-                self._watchdog.exit_on_dist_error = False  # the watchdog still ends a rank stuck in a hang
-            first_window = self._pp.recover(tier, self._attempt)
-            self.recovery_report = self._pp.report
-            # Plans over this stage's operators; retention and bandwidth agreed over the whole pipeline.
-            self.sparse = SparseCheckpointer(
-                self.model,
-                OptimizerView(self.optimizers),
-                self.compute_dtype,
-                sc.core_config(),
-                group=self._pp.stage_group,
-                host_tier=tier,
-                first_window_id=first_window,
-                agree_group=None,
-            ).attach(self)
-            if self._pp.completed:
-                self.checkpointer.restored_step = self._pp.completed
-        else:
-            identity = self._identity()
-            committed = self._recover(tier, replicator, store, identity)
-            self.sparse = SparseCheckpointer(
-                self.model,
-                OptimizerView(self.optimizers),
-                self.compute_dtype,
-                sc.core_config(),
-                committed=committed,
-                host_tier=tier,
-                replicator=replicator,
-                store=store,
-                identity=identity,
-                sum_counts=True,  # _expert_counts are this rank's
-            ).attach(self)
-            if committed is not None:  # newer than any TorchTitan checkpoint: its load is skipped
-                self.checkpointer.restored_step = self.recovery_report["recovered_step"]
+        # Recovery issues collectives too (the run lock, the window agreement, peer pulls, the replay): a peer
+        # frozen there ends the attempt like one frozen in a training step.
+        watched = self._watchdog.watch("recovery") if self._watchdog is not None else contextlib.nullcontext()
+        with watched:
+            tier, replicator, store = self._build_tiers()
+            if self.parallel_dims.pp_enabled:
+                self._pp = TitanPipeline(self)
+                if self._watchdog is not None:  # a peer's death is the pipeline's business (live state, then exit);
+                    self._watchdog.exit_on_dist_error = False  # the watchdog still ends a rank stuck in a hang
+                first_window = self._pp.recover(tier, self._attempt)
+                self.recovery_report = self._pp.report
+                # Plans over this stage's operators; retention and bandwidth agreed over the whole pipeline.
+                self.sparse = SparseCheckpointer(
+                    self.model,
+                    OptimizerView(self.optimizers),
+                    self.compute_dtype,
+                    sc.core_config(),
+                    group=self._pp.stage_group,
+                    host_tier=tier,
+                    first_window_id=first_window,
+                    agree_group=None,
+                ).attach(self)
+                if self._pp.completed:
+                    self.checkpointer.restored_step = self._pp.completed
+            else:
+                identity = self._identity()
+                committed = self._recover(tier, replicator, store, identity)
+                self.sparse = SparseCheckpointer(
+                    self.model,
+                    OptimizerView(self.optimizers),
+                    self.compute_dtype,
+                    sc.core_config(),
+                    committed=committed,
+                    host_tier=tier,
+                    replicator=replicator,
+                    store=store,
+                    identity=identity,
+                    sum_counts=True,  # _expert_counts are this rank's
+                ).attach(self)
+                if committed is not None:  # newer than any TorchTitan checkpoint: its load is skipped
+                    self.checkpointer.restored_step = self.recovery_report["recovered_step"]
         restart_timing.mark("recovered")
         try:
             super().train()

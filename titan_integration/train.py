@@ -23,9 +23,9 @@ Run under torchrun::
   imported: its values, the host directory (created, probe-written), the on-store format and the object
   store (probe-written in torchrun's first attempt; a restart only opens it). A problem is one
   ``error: ... fix: ...`` line, exit status 2, on every rank.
-* Before TorchTitan is imported, every process group this process will create is keyed by torchrun attempt
-  (:func:`torchmoe_ckpt.distributed.key_rendezvous_by_attempt`): a restart must not read the previous
-  attempt's rendezvous keys (the cause of "Gloo connectFullMesh failed" on restart).
+* Before TorchTitan is imported, every process group this process will create gets a store of its rendezvous
+  round (:func:`torchmoe_ckpt.distributed.key_rendezvous_by_attempt`): a restart must not read the previous
+  round's rendezvous keys (the cause of "Gloo connectFullMesh failed" on restart).
 * ``TORCHMOE_STANDBY=1``: the first attempt forks a pre-imported standby per rank, and a restarted worker hands
   itself over to it instead of importing torch and TorchTitan again (:mod:`titan_integration.standby`).
 """

@@ -36,7 +36,7 @@ from .capture import SchedulerPosition, check_coverage, check_optimizer, check_o
 from .config import CheckpointConfig
 from .device_copy import host_copy
 from .errors import ConfigError
-from .identity import build_identity
+from .identity import build_identity, process_seed
 from .operators import discover_operators, local_tensor
 from .optim_state import as_optimizers, describe_optimizer_state
 from .recovery import ResumeResult, recover
@@ -47,6 +47,7 @@ from .sparse_checkpointer import SparseCheckpointer
 from .sparse_to_dense import ReplayDivergence, init_optimizer_state
 from .status import log_recovery
 from .storage.tiers import Tiers, build_tiers
+from .watchdog import CollectiveWatchdog
 
 log = logging.getLogger("torchmoe_ckpt.checkpointer")
 
@@ -85,12 +86,16 @@ class Checkpointer:
         config: CheckpointConfig | None = None,
         group: dist.ProcessGroup | None = None,
         data_identity: str | None = None,
+        seed: int | None | str = "auto",
     ):
         """`forward_backward(batch)` runs forward and `loss.backward()` and returns the loss; it must not
         step the optimizer or scheduler, clip, zero gradients or change state outside forward/backward.
-        `data_identity`: a string naming the data order (dataset, seed); part of the run identity, so windows
-        of a run on other data are never loaded. `optimizer`: one, or a list whose optimizers hold every trainable
-        parameter exactly once (each with a known update rule: optim_state); `scheduler`: one, a list, or None."""
+        `data_identity`: a string naming the data order (dataset, sampler seed, shard); part of the run
+        identity, so windows of a run on other data are never loaded. `seed`: also part of it; "auto" (the
+        default) is the seed this process gave `torch.manual_seed` (none if it never seeded torch: a random
+        seed differs every restart), an int names it, None leaves it out. `optimizer`: one, or a list whose
+        optimizers hold every trainable parameter exactly once (each with a known update rule: optim_state);
+        `scheduler`: one, a list, or None."""
         self.config = config or CheckpointConfig()
         if not callable(forward_backward):
             raise ConfigError("forward_backward must be a function batch -> loss that also calls loss.backward()")
@@ -101,6 +106,9 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.forward_backward, self.group = forward_backward, group
         self.data_identity = data_identity
+        if seed != "auto" and seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ConfigError(f'seed must be "auto", an integer or None, got {seed!r}')
+        self.seed = process_seed() if seed == "auto" else seed  # now: a later RNG restore changes initial_seed
         self.compute_dtype = self.config.compute_dtype or infer_compute_dtype(model)
         self.ops = discover_operators(model, self.config.operators)
         self.op_by_name = {o.name: o for o in self.ops}
@@ -118,6 +126,10 @@ class Checkpointer:
         self.resumed: ResumeResult | None = None
         self._checked_state = False
         self._closed = False
+        # Hangs end the process (exit 124) instead of waiting out the process group's timeout; only with peers.
+        on = self.world > 1 and self.config.hang_timeout_s is not None
+        self.watchdog = CollectiveWatchdog(self.config.hang_timeout_s if on else None, rank=self.rank)
+        self._start_timeout_s = self.config.hang_start_timeout_s or self.config.hang_timeout_s
 
     # ---- public --------------------------------------------------------------------------------------
     def resume(self) -> int:
@@ -125,6 +137,10 @@ class Checkpointer:
         state, replayed) and returns the number of completed iterations to continue after (0: a new run)."""
         if self.sparse is not None:
             raise RuntimeError("resume() was already called: call it once, before the first step()")
+        with self.watchdog.watch("resume", self._start_timeout_s):  # a peer frozen in recovery ends it too
+            return self._resume()
+
+    def _resume(self) -> int:
         window, hsdp = None, _hsdp_replicate(self.model)
         # Who this run is (identity.py): written into every window, and what a window must match to be loaded.
         self.identity = build_identity(
@@ -136,6 +152,7 @@ class Checkpointer:
             self.world,
             hsdp,
             data=self.data_identity,
+            seed=self.seed,
         )
         if self.config.tiers is not None:
             self.tiers = build_tiers(self.config.tiers, self.rank, self.world, hsdp)
@@ -178,11 +195,13 @@ class Checkpointer:
             )
         if self._closed:
             raise RuntimeError("step() after close(): the checkpointer's threads are stopped")
-        res = self._iteration(batch, None)
-        if not self._checked_state:
-            check_optimizer_state(self.model, self.optimizer, self.ops)
-            self._checked_state = True
-        self.sparse.after_step(res)
+        first = not self._checked_state
+        with self.watchdog.watch(f"step {self.step_count + 1}", self._start_timeout_s if first else None):
+            res = self._iteration(batch, None)
+            if first:
+                check_optimizer_state(self.model, self.optimizer, self.ops)
+                self._checked_state = True
+            self.sparse.after_step(res)
         return res.loss
 
     def stats(self) -> dict:
@@ -197,19 +216,22 @@ class Checkpointer:
         sp = self.sparse
         if sp is None or self._closed:
             self.routers.close()
+            self.watchdog.close()
             return
         self._closed = True
         store_cfg = self.config.tiers.object_store if self.config.tiers is not None else None
         if upload_timeout_s is None:
             upload_timeout_s = store_cfg.exit_wait_s if store_cfg is not None else 30.0
         try:
-            sp.close()
-            if sp.tier_writer is not None:
-                sp.tier_writer.finish(upload_timeout_s)
-                sp.tier_writer.shutdown()
+            with self.watchdog.watch("close", (self._start_timeout_s or 0) + upload_timeout_s):
+                sp.close()
+                if sp.tier_writer is not None:
+                    sp.tier_writer.finish(upload_timeout_s)
+                    sp.tier_writer.shutdown()
         finally:
             sp.engine.shutdown()
             self.routers.close()
+            self.watchdog.close()
 
     def __enter__(self) -> Checkpointer:
         return self

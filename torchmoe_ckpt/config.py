@@ -7,6 +7,7 @@ writability of a directory are checked when the tiers are built (`Checkpointer.r
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -16,6 +17,7 @@ from .errors import ConfigError
 from .operators import OperatorSpec
 from .replay_check import DEFAULT_TOLERANCE, ReplayPolicy
 from .storage.store_open import StoreConfigError, check_uri
+from .watchdog import check_timeout
 
 __all__ = ["ConfigError", "SparseConfig", "ObjectStoreConfig", "TierConfig", "CheckpointConfig", "DEFAULT_HOST_ROOT"]
 
@@ -56,8 +58,16 @@ class SparseConfig:
                 )
         if self.window is not None and self.window < 1:
             raise ConfigError(f"window must be >= 1 or None (auto), got {self.window}")
-        if not 0 < self.overlap:
-            raise ConfigError(f"overlap must be > 0, got {self.overlap}")
+        if not 0 < self.overlap < math.inf:
+            raise ConfigError(f"overlap must be a finite number > 0 (share of an iteration), got {self.overlap}")
+        if self.bandwidth_bytes_per_s is not None and not 0 < self.bandwidth_bytes_per_s < math.inf:
+            raise ConfigError(
+                "bandwidth_bytes_per_s must be a finite number > 0 or None (measured), got "
+                f"{self.bandwidth_bytes_per_s}"
+            )
+        for name in ("decay", "reorder_change", "reorder_fraction"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"SparseConfig.{name} must be in [0, 1], got {getattr(self, name)}")
         if self.popularity not in ("hard", "soft", "decayed", "capacity"):
             raise ConfigError(f"popularity {self.popularity!r} is not one of hard, soft, decayed, capacity")
 
@@ -72,6 +82,8 @@ class ObjectStoreConfig:
     format: str = "dcp"  # "dcp" (standard DCP files) | "tensorstore" (zarr3 + OCDBT, one expert per chunk)
     exit_wait_s: float = 30.0  # at the end of a run, wait at most this long for pending uploads (then exit;
     # what is left stays in host memory and the next run with this run_id uploads it)
+    lease_s: float = 30.0  # the writing job's lease on <uri>/<run_id> (storage/store_lease.py): renewed every
+    # lease_s/3; another job with the same run id is refused while it is renewed; a crashed job's expires
 
     def __post_init__(self):
         if not isinstance(self.uri, str) or not self.uri:
@@ -85,11 +97,18 @@ class ObjectStoreConfig:
             raise ConfigError(f"object_store.keep must be >= 1 (windows kept in the store), got {self.keep}")
         if self.format not in STORE_FORMATS:
             raise ConfigError(f"object_store.format {self.format!r} is not one of {STORE_FORMATS}")
-        if isinstance(self.exit_wait_s, bool) or not isinstance(self.exit_wait_s, (int, float)) or self.exit_wait_s < 0:
+        if (
+            isinstance(self.exit_wait_s, bool)
+            or not isinstance(self.exit_wait_s, (int, float))
+            or not 0 <= self.exit_wait_s < math.inf
+        ):
             raise ConfigError(
-                f"object_store.exit_wait_s must be a number of seconds >= 0 (the bounded wait for "
+                f"object_store.exit_wait_s must be a number of seconds >= 0 (finite: the bounded wait for "
                 f"pending uploads at exit), got {self.exit_wait_s!r}"
             )
+        check_timeout("object_store.lease_s", self.lease_s, ConfigError)
+        if self.lease_s is None:
+            raise ConfigError("object_store.lease_s must be a finite number of seconds > 0, got None")
         if not isinstance(self.storage_options, dict):
             raise ConfigError(
                 "object_store.storage_options must be a dict of fsspec options, got "
@@ -128,7 +147,9 @@ class TierConfig:
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ConfigError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
         if self.stall_iterations is not None and (
-            not isinstance(self.stall_iterations, int) or self.stall_iterations < 1
+            isinstance(self.stall_iterations, bool)
+            or not isinstance(self.stall_iterations, int)
+            or self.stall_iterations < 1
         ):
             raise ConfigError(
                 f"stall_iterations must be an integer >= 1 (iterations without a durable window "
@@ -174,10 +195,18 @@ class CheckpointConfig:
     operators: OperatorSpec | None = None
     router_top_k: int | None = None  # experts per token, for popularity counts when the router returns only
     # logits and the model config does not say it
-    compute_dtype: Any = None  # torch.dtype
+    compute_dtype: Any = None  # torch.dtype (floating point) or a name ("bf16", "float32"); None: from the model
     on_unusable_checkpoint: str = "fail"  # windows exist but every one is rejected (corrupt, torn, replay
     # diverged): "fail" raises UnusableCheckpointError on every rank, nothing
     # touched; "restart" starts from step 0 and overwrites them
+    # The hang watchdog (watchdog.py), on whenever there is more than one rank: a step (`Checkpointer.step`: the
+    # step function, clipping, the checkpoint's collectives) that blocks longer than this ends the process with
+    # exit 124 and one `event=hang` line, so torchrun restarts the job instead of waiting out the process
+    # group's timeout for a frozen peer. None: off. Keep it below that timeout and above the slowest step.
+    hang_timeout_s: float | None = 100.0
+    # The bound for resume() (tiers, agreement, fetch, replay) and the first step after it (compilation,
+    # warm-up), which may take longer; and, plus the upload wait, for close(). None: hang_timeout_s.
+    hang_start_timeout_s: float | None = 300.0
     replay_check: str = "exact"  # "exact": every replayed loss equals the original bit for bit (a CUDA model needs
     # deterministic kernels, checked at construction); "tolerant": within replay_tolerance, reported approximate
     replay_tolerance: float = DEFAULT_TOLERANCE  # tolerant: largest relative deviation of a replayed loss or
@@ -206,13 +235,55 @@ class CheckpointConfig:
             raise ConfigError(f"max_grad_norm must be a number > 0 or None (no clipping), got {self.max_grad_norm!r}")
         if self.router_top_k is not None and self.router_top_k < 1:
             raise ConfigError(f"router_top_k must be >= 1 or None, got {self.router_top_k}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm}")
+        if self.max_grad_norm is not None and not 0 < self.max_grad_norm < math.inf:
+            raise ConfigError(
+                f"max_grad_norm must be a finite number > 0 or None (no clipping), got {self.max_grad_norm}"
+            )
+        self.compute_dtype = compute_dtype_of(self.compute_dtype)
+        check_timeout("hang_timeout_s", self.hang_timeout_s, ConfigError)
+        check_timeout("hang_start_timeout_s", self.hang_start_timeout_s, ConfigError)
         self.replay_policy()  # validates replay_check and replay_tolerance
 
     def replay_policy(self) -> ReplayPolicy:
         """How recovery checks each replayed iteration (replay_check.py)."""
         return ReplayPolicy(self.replay_check, self.replay_tolerance)
+
+
+# What compute_dtype may be given as besides a torch.dtype: the names job files and command lines use.
+DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "float64": "float64",
+}
+
+
+def compute_dtype_of(value):
+    """CheckpointConfig.compute_dtype as a torch dtype: a floating-point torch.dtype, one of DTYPE_NAMES ("bf16",
+    "torch.bfloat16" too), or None (inferred from the model)."""
+    import torch
+
+    if value is None:
+        return None
+    if isinstance(value, str):
+        name = DTYPE_NAMES.get(value.lower().removeprefix("torch."))
+        if name is None:
+            raise ConfigError(
+                f"compute_dtype {value!r} is not a dtype name: use one of {sorted(DTYPE_NAMES)} or a torch.dtype"
+            )
+        value = getattr(torch, name)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ConfigError(
+            f"compute_dtype must be a floating-point dtype (torch.bfloat16, torch.float16, torch.float32 or a name "
+            f"such as 'bf16'), or None (inferred from the model), got {value!r}"
+        )
+    return value
 
 
 def _whole(name: str, value, none_ok: bool = False) -> None:

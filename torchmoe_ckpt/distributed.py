@@ -1,25 +1,43 @@
-"""Process groups that come back after a torchrun restart.
+"""Process groups that come back after a torchrun restart, and after a host is replaced.
 
-Root cause of "Gloo connectFullMesh failed ... Connection refused" (or a hang) in attempt k > 0: with its
-default c10d rendezvous, torchrun's agent hosts ONE TCPStore for the whole job and every attempt's workers
-use it (`TORCHELASTIC_USE_AGENT_STORE=True`); torch >= 2.5 no longer prefixes the workers' keys by attempt
-(`torch.distributed.rendezvous._create_c10d_store`: "we create a new TCPStore for every retry", which the
-shared agent store does not do; pytorch/pytorch#135712). So attempt k finds attempt k-1's keys: gloo reads a
-dead peer's address before the live peer has overwritten it (refused, or a hang until the init timeout), and
-NCCL can read the previous unique id. Every sub-group (`new_group`, DeviceMesh) keeps its keys under the
-default group's store, with names from a counter that restarts at 0: the same stale keys again.
+Root cause of "Gloo connectFullMesh failed ... Connection refused" (or a hang) in a restarted job: with its
+default c10d rendezvous, torchrun's agent hosts ONE TCPStore for the whole job and every rendezvous round's
+workers use it (`TORCHELASTIC_USE_AGENT_STORE=True`); torch >= 2.5 no longer prefixes the workers' keys by
+round (`torch.distributed.rendezvous._create_c10d_store`: "we create a new TCPStore for every retry", which the
+shared agent store does not do; pytorch/pytorch#135712). So a new round finds the previous round's keys: gloo
+reads a dead peer's address before the live peer has overwritten it (refused, or a hang until the init
+timeout), and NCCL can read the previous unique id. Every sub-group (`new_group`, DeviceMesh) keeps its keys
+under the default group's store, with names from a counter that restarts at 0: the same stale keys again.
 
-`key_rendezvous_by_attempt()` puts the attempt back into the store's key prefix, as torch < 2.5 did, for
-every env:// or tcp:// process group this process creates afterwards (TorchTitan's own init_distributed
-included) and therefore for every sub-group. `key_groups_by_attempt()` is the late fallback for a default group
-created before that (sub-groups created afterwards are keyed). Launching torchrun with
-`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (torch's own opt-out: a fresh store per attempt) fixes it too.
+A prefix from TORCHELASTIC_RESTART_COUNT is not the fix: each agent counts its own restarts, so after a host
+is replaced the new agent's workers say 0 and the survivor's say 1, 2, ... and never meet. What every worker
+of one round does share is the round's rank-0 worker. `key_rendezvous_by_attempt()` therefore gives each
+process group rendezvous (env:// or tcp://, TorchTitan's own init_distributed included, and so every
+sub-group) a store of its own round, as torch's opt-out does: rank 0 starts a fresh TCPStore on a free port
+and advertises "port nonce" under a key of the agent's store; the other ranks read the advertisement,
+connect, and accept the store only if it holds that nonce. An advertisement left by an earlier round points
+at a server that died with that round's rank 0 (refused) or at a port reused since (another nonce): they read
+again until this round's is there. Everything in the fresh store is this round's by construction.
+
+`key_groups_by_attempt()` is the late fallback for a default group created before that (TorchTitan's stock
+entry point): the ranks agree on a fresh prefix over the default group, and every later group is keyed by it.
+
+Launching torchrun with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (torch's own opt-out) gives the same fresh store
+per round, and is still needed for one case no worker code can reach (torch 2.13): when the rank-0 host
+survives and a new host joins at another rank, the surviving agent does not republish the store address for
+the new round, and the new agent waits for it inside torchrun until its rendezvous read timeout (60 s) and
+exits. `init_process_group` says so once on multi-host jobs that run without the opt-out.
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
+import logging
 import os
+import socket
+import time
+import uuid
 from datetime import timedelta
 
 import torch
@@ -29,44 +47,88 @@ import torch.distributed.distributed_c10d as c10d
 # `torch.distributed.rendezvous` the attribute is a function that shadows the module of that name.
 rdzv = importlib.import_module("torch.distributed.rendezvous")
 
+log = logging.getLogger("torchmoe_ckpt.distributed")
+
 __all__ = [
     "init_process_group",
     "restart_attempt",
     "key_rendezvous_by_attempt",
     "key_groups_by_attempt",
     "default_group_keyed",
-    "attempt_prefix",
     "default_backend",
     "library_group",
 ]
 
+ROUND_STORE_KEY = "/torchmoe/round-store"  # in the agent's store: "<port> <nonce>" of a round's own store
+_NONCE_KEY = "/torchmoe/round-nonce"  # in a round's own store: the nonce its advertisement names
+_rendezvous_count = itertools.count()  # process groups rendezvoused by this process (the same on every rank)
+
 
 def restart_attempt() -> int:
-    """Which torchrun attempt this process belongs to (0 = the first launch, or not under torchrun)."""
+    """How often this host's torchrun agent restarted its workers (0 = the first launch, or not under
+    torchrun). Per agent: a host that joined later counts from 0, so it names no round the job shares."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def attempt_prefix() -> str:
-    return f"/torchmoe/attempt-{restart_attempt()}"
 
 
 def _shared_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
+def round_store(
+    agent_store: dist.Store, host: str, rank: int, world_size: int, timeout: timedelta, seq: int = 0
+) -> dist.Store:
+    """A store that holds only this rendezvous round's keys, found through `agent_store` (see the module doc).
+    Collective in effect: every rank of the round calls it for the same process group. `seq`: which process
+    group rendezvous of this process it is (0, 1, ...; the same on every rank), so a second one in the same
+    round never takes the first one's store."""
+    key = f"{ROUND_STORE_KEY}/{seq}"
+    if rank == 0:
+        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        nonce = uuid.uuid4().hex
+        store.set(_NONCE_KEY, nonce)
+        agent_store.set(key, f"{store.port} {nonce}")
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        port, nonce = agent_store.get(key).decode().split()
+        store = _connect_if_fresh(host, int(port), world_size, nonce)
+        if store is not None:
+            store.set_timeout(timeout)
+            return store
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"rank {rank}: no store of this rendezvous round was advertised under {key!r} within "
+                f"{timeout.total_seconds():.0f} s (rank 0 of the round never started, or its host cannot be "
+                f"reached at {host})"
+            )
+        time.sleep(0.1)
+
+
+def _connect_if_fresh(host: str, port: int, world_size: int, nonce: str) -> dist.Store | None:
+    try:
+        socket.create_connection((host, port), timeout=2.0).close()  # refused at once when the server is gone
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=5))
+        if store.check([_NONCE_KEY]) and store.get(_NONCE_KEY).decode() == nonce:
+            return store
+    except (OSError, RuntimeError):  # DistStoreError / DistNetworkError are RuntimeErrors
+        pass
+    return None
+
+
 def key_rendezvous_by_attempt() -> None:
-    """From now on, every process group created through env:// or tcp:// rendezvous in this process keys its
-    store by the torchrun attempt (no effect without torchrun's shared agent store). Idempotent; every rank
-    must do the same, which it does when every rank runs the same code."""
+    """From now on, every process group created through env:// or tcp:// rendezvous in this process gets a
+    store of its own rendezvous round (no effect without torchrun's shared agent store, where torch already
+    makes a fresh store per round). Idempotent; every rank must do the same, which it does when every rank
+    runs the same code."""
     create = rdzv._create_c10d_store
     if getattr(create, "torchmoe_keyed", False):
         return
 
-    def keyed(*args, **kwargs):
-        store = create(*args, **kwargs)
+    def keyed(hostname, port, rank, world_size, timeout, *args, **kwargs):
+        store = create(hostname, port, rank, world_size, timeout, *args, **kwargs)
         if _shared_agent_store():
             keyed.used = True
-            return dist.PrefixStore(attempt_prefix(), store)
+            return round_store(store, hostname, rank, world_size, timeout, next(_rendezvous_count))
         return store
 
     keyed.torchmoe_keyed = True
@@ -78,8 +140,9 @@ _late_keyed: list = []  # the default group keyed by key_groups_by_attempt (pybi
 
 
 def default_group_keyed() -> bool:
-    """Whether the default group's keys are this attempt's own: its rendezvous was keyed, it was keyed late,
-    or there is no shared agent store (then each attempt has a fresh store). True before any group exists."""
+    """Whether the default group's keys are this round's own: its rendezvous went through a round store, it
+    was keyed late, or there is no shared agent store (then each round has a fresh store). True before any
+    group exists."""
     if not dist.is_initialized() or not _shared_agent_store():
         return True
     return bool(getattr(rdzv._create_c10d_store, "used", False)) or c10d._get_default_group() in _late_keyed
@@ -87,15 +150,20 @@ def default_group_keyed() -> bool:
 
 def key_groups_by_attempt() -> bool:
     """For a default group that was created before `key_rendezvous_by_attempt` (TorchTitan's stock entry point
-    sets it up before any override module is imported): key every sub-group created from now on by attempt.
-    Returns True when it had to (the default group itself was not keyed: its own rendezvous could have read
-    the previous attempt's keys). Every rank must call it at the same point, as every rank does."""
+    sets it up before any override module is imported): key every sub-group created from now on by a prefix
+    the ranks of this round agree on (rank 0's nonce, broadcast over the default group). Returns True when it
+    had to (the default group itself was not keyed: its own rendezvous could have read an earlier round's
+    keys). Every rank must call it at the same point, as every rank does."""
     key_rendezvous_by_attempt()
     if default_group_keyed():
         return False
     pg = c10d._get_default_group()
+    nonce = [uuid.uuid4().hex]
+    # Once, at start, on the default group (NCCL on a GPU job: TorchTitan set the device): its store may hold an
+    # earlier round's keys, so a new group could not be trusted to carry the nonce; the group itself works.
+    dist.broadcast_object_list(nonce, src=0)
     backend, store = c10d._world.pg_map[pg]
-    c10d._world.pg_map[pg] = (backend, dist.PrefixStore(attempt_prefix(), store))
+    c10d._world.pg_map[pg] = (backend, dist.PrefixStore(f"/torchmoe/round-{nonce[0]}", store))
     _late_keyed.append(pg)
     return True
 
@@ -104,6 +172,16 @@ def default_backend() -> str:
     """gloo on CPU. With CUDA: NCCL for CUDA tensors and gloo for CPU tensors in one default group, so the user's
     own CPU collectives (all_gather_object of a small dict, a barrier on CPU) keep working next to NCCL."""
     return "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
+
+
+def _warn_shared_store_multi_host() -> None:
+    if _shared_agent_store() and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 and dist.get_rank() == 0:
+        log.warning(
+            "event=rendezvous_note: torchrun shares its agent store with the workers (the default); a host "
+            "that replaces a lost one at a non-zero node rank while node rank 0 survives cannot join in "
+            "torch 2.13 (the new agent waits 60 s for the store address inside torchrun and exits); fix: "
+            "launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every host"
+        )
 
 
 def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> tuple[int, int]:
@@ -123,6 +201,7 @@ def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> 
         return 0, 1
     key_rendezvous_by_attempt()
     dist.init_process_group(backend, timeout=timeout)
+    _warn_shared_store_multi_host()
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -132,7 +211,8 @@ def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> 
 # NCCL, which refuses CPU tensors (and would queue them behind the training's GPU collectives), so the library
 # runs them on gloo groups of its own: one over every rank, and one per distinct rank set the caller plans
 # over. Created on first use through `new_group`, i.e. keyed under the default group's store exactly like every
-# other sub-group (attempt-keyed across torchrun restarts, see above), and again after a new default group.
+# other sub-group (a store of its rendezvous round across torchrun restarts, see above), and again after a new
+# default group.
 _owned: dict = {"default": None, "groups": {}}
 
 

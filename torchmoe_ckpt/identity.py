@@ -4,7 +4,9 @@ A window is loaded only into the run that wrote it. The identity is the explicit
 (SHA-256 of a canonical JSON) of its parts: operator names, every model tensor's name, global shape and
 dtype, the expert count of every MoE block, the optimizer kind and the hyper-parameters that shape its state
 (betas, eps, weight_decay, amsgrad, ...; not the LR, which a schedule changes anyway), the compute dtype,
-the world size and mesh layout (HSDP replicate degree), and a data/seed identity when the caller gives one.
+the world size and mesh layout (HSDP replicate degree), the seed the process gave torch (`process_seed`: a
+relaunch with another seed is another run, whether or not the caller names its data), and a data identity
+when the caller gives one (the dataset and order; TorchTitan and the harness always do).
 The parts are kept next to the fingerprint in every manifest, so a mismatch is *named*
 ("expert count 4 != 8 in layers.0.moe", "world size 2 != 4") instead of surfacing later as a bad load.
 
@@ -32,10 +34,24 @@ __all__ = [
     "identity_mismatch",
     "allowed_changes",
     "mesh_replicate",
+    "process_seed",
 ]
 
 # Optimizer param-group keys that do not shape the state (the LR is scheduled; the rest are kernel choices).
 _NOT_STATE = frozenset({"params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable", "name"})
+
+
+# torch seeds its default generator at random when it starts; a process that calls torch.manual_seed(n) after
+# importing the library has initial_seed() == n. The value at import tells the two apart.
+_STARTUP_SEED = torch.initial_seed()
+
+
+def process_seed() -> int | None:
+    """The seed this process gave torch (`torch.manual_seed`), None when it never seeded it (then it is random
+    per process, so not an identity: every restart would differ) or seeded it before importing the library.
+    Call it before anything restores an RNG state (`torch.set_rng_state` changes `initial_seed`)."""
+    seed = torch.initial_seed()
+    return None if seed == _STARTUP_SEED else int(seed)
 
 
 class IdentityMismatch(ConfigError):
@@ -104,9 +120,11 @@ def build_identity(
     hsdp_replicate: int | None = None,
     data: str | None = None,
     steps: int | None = None,
+    seed: int | None = None,
 ) -> RunIdentity:
     """The identity of a run from what it trains. `ops`: the model's operators (list or name -> Operator);
     `data`: an identity of the data order / seed when the caller has one (part of the fingerprint);
+    `seed`: the run's torch seed (`process_seed()`; part of the fingerprint when not None);
     `steps`: the planned number of iterations (free: may grow between attempts)."""
     op_list = list(ops.values()) if isinstance(ops, dict) else list(ops)
     experts: dict[str, int] = {}
@@ -128,6 +146,8 @@ def build_identity(
         "optimizer_state": [_state_layout(o) for o in opts],
         "data": data,
     }
+    if seed is not None:  # absent, not null: windows written before the seed was recorded keep their fingerprint
+        parts["seed"] = int(seed)
     # The base LR (a scheduler's initial_lr): the current LR depends on where the schedule is.
     lrs = [g.get("initial_lr", g.get("lr")) for o in opts for g in o.param_groups]
     free = {"lrs": [float(x) for x in lrs if isinstance(x, (int, float))], "steps": steps}
@@ -147,6 +167,7 @@ def _diff(found: dict, want: dict) -> str | None:
         ("world_size", "world size"),
         ("hsdp_replicate", "HSDP replicate degree"),
         ("compute_dtype", "dtype"),
+        ("seed", "seed"),
         ("data", "data/seed identity"),
         ("optimizer", "optimizer"),
         ("optimizer_state", "optimizer state (key, dtype)"),

@@ -183,6 +183,7 @@ def _inspect_run(location: str, storage_options: dict | None, fs, root: str, fil
             bytes=entry["bytes"] + nbytes,
             run_id=ident.get("run_id"),
             fingerprint=ident.get("fingerprint"),
+            node_ranks=sorted(set(entry.get("node_ranks", [])) | set(man.extra.get("node_ranks") or [])),
         )
         if not entry["slots"] and not problems:
             entry["slots"] = _slots(man, infos)
@@ -253,7 +254,8 @@ def verify_location(location: str, storage_options: dict | None = None) -> tuple
         committed = [w for w in run["windows"] if w["committed_ranks"] or w["problems"]]
         if not committed:
             problems.append(f"{prefix}no committed window")
-        problems += [prefix + p for p in _foreign_windows(committed)]
+        name = run.get("run") or str(run.get("location", location)).rstrip("/").rsplit("/", 1)[-1]
+        problems += [prefix + p for p in _foreign_windows(committed, name)]
         for w in committed:
             w["problems"].update(_missing_ranks(w, run["windows"]))
             for rank, probs in sorted(w["problems"].items(), key=lambda kv: str(kv[0])):
@@ -264,27 +266,45 @@ def verify_location(location: str, storage_options: dict | None = None) -> tuple
     return not problems, info
 
 
-def _foreign_windows(windows: list[dict]) -> list[str]:
+def _foreign_windows(windows: list[dict], run_name: str | None = None) -> list[str]:
     """Windows of one run directory written by different runs (a copied-in window, a reused run id with another
-    model): recovery refuses them (IdentityMismatch), so verify names them and the run they belong to."""
-    idents = [(w.get("run_id"), w.get("fingerprint")) for w in windows if w.get("fingerprint")]
-    if len(set(idents)) < 2:
+    model or seed): recovery refuses all but the job's own (IdentityMismatch), so verify names them. Which
+    identity is the run's: the one whose run id names the directory (`run_name`), else the one most windows
+    carry; with no such answer (one window each) every group is named and none is blamed."""
+    groups: dict[tuple, list[int]] = {}
+    for w in windows:
+        if w.get("fingerprint"):
+            groups.setdefault((w.get("run_id"), w.get("fingerprint")), []).append(w["window_id"])
+    if len(groups) < 2:
         return []
-    newest = next(i for w in reversed(windows) if (i := (w.get("run_id"), w.get("fingerprint")))[1])
+    named = [k for k in groups if k[0] == run_name]
+    counts = sorted((len(v) for v in groups.values()), reverse=True)
+    own = named[0] if len(named) == 1 else None
+    if own is None and counts[0] > counts[1]:
+        own = max(groups, key=lambda k: len(groups[k]))
+    say = lambda k: f"run {k[0]!r} (identity {str(k[1])[:12]})"  # noqa: E731
+    if own is None:
+        listed = "; ".join(f"window(s) {groups[k]} by {say(k)}" for k in groups)
+        return [
+            f"windows here were written by different runs: {listed}; recovery loads only the windows of the "
+            f"job's own identity: remove the ones that do not belong here"
+        ]
     return [
-        f"window {w['window_id']}: written by run {w.get('run_id')!r} (identity {str(w['fingerprint'])[:12]}), "
-        f"the newest window here by run {newest[0]!r} (identity {str(newest[1])[:12]}): recovery refuses it; "
-        f"remove the window that does not belong here"
-        for w in windows
-        if w.get("fingerprint") and (w.get("run_id"), w.get("fingerprint")) != newest
+        f"window {wid}: written by {say(k)}, not by this run's {say(own)}: recovery refuses it; remove the "
+        f"window that does not belong here"
+        for k, ids in groups.items()
+        if k != own
+        for wid in ids
     ]
 
 
 def _missing_ranks(window: dict, windows: list[dict]) -> dict[str, list[str]]:
     """A window is usable only when every rank committed it. The ranks expected: every rank of the world
     size the manifests record when they are all in this location, else every rank seen committing here
-    (a host directory of one node holds that node's ranks only)."""
+    (a host directory of one node holds that node's ranks only), and every rank the host tier's manifests
+    say writes into this node directory (`node_ranks`): a rank whose files were all wiped is missed."""
     seen = {r for w in windows for r in w["committed_ranks"]} | set(window["ranks_with_files"])
+    seen |= {r for w in windows for r in w.get("node_ranks") or []}
     world = window.get("world_size") or 0
     expected = set(range(world)) if seen >= set(range(world)) else seen
     missing = sorted(expected - set(window["committed_ranks"]))

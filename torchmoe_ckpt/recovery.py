@@ -251,6 +251,8 @@ def _listing(windows: dict[int, dict[str, list]], sep: str) -> str:
 def unusable_message(run_id: str | None, run_dir, windows: dict[int, dict[str, list]]) -> str:
     """The refusal: each window and why, the likely cause, and how to start over deliberately."""
     text = " ".join(why for whys in windows.values() for why in whys)
+    if windows and all(why.startswith("no copy:") for whys in windows.values() for why in whys):
+        return _lost_part_message(run_id, run_dir, windows)
     if "ReplayDivergence" in text:
         cause = (
             "a replay did not reproduce the logged loss: the step function depends on something the checkpoint "
@@ -273,6 +275,18 @@ def unusable_message(run_id: str | None, run_dir, windows: dict[int, dict[str, l
         "[sparse_checkpoint] run_id), or set on_unusable_checkpoint='restart' (CheckpointConfig, "
         '[sparse_checkpoint] on_unusable_checkpoint = "restart"), which starts from step 0 and overwrites these '
         "windows. Nothing was deleted or overwritten."
+    )
+
+
+def _lost_part_message(run_id: str | None, run_dir, windows: dict[int, dict[str, list]]) -> str:
+    """One line: windows some ranks still hold, that other ranks have no copy of on any tier."""
+    lost = sorted({r for whys in windows.values() for ranks in whys.values() for r in ranks}, key=str)
+    return (
+        f"run id {run_id!r} cannot resume: window(s) {', '.join(map(str, sorted(windows, reverse=True)))} are "
+        f"still held by some ranks, but rank(s) {', '.join(map(str, lost))} have no copy of their part on any "
+        "tier (their host's copies are gone; no peer (replicas) or object store holds them); refusing to start "
+        "over, which would overwrite the copies that are left (nothing was deleted or overwritten); fix: start "
+        "this job with a new run id, or set on_unusable_checkpoint='restart' to start from step 0 deliberately"
     )
 
 

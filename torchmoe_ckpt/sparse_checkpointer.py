@@ -180,8 +180,9 @@ class SparseCheckpointer:
             self._redo["phases"]["redo"] = time.perf_counter() - self._redo["since"]
             self._redo = None
         cur = self.current
+        record = None
 
-        def record() -> IterationRecord:
+        def make_record() -> IterationRecord:
             # Host copies queued, not awaited (device_copy.host_copy): they land before this iteration's slot copy.
             return IterationRecord(
                 t,
@@ -196,7 +197,8 @@ class SparseCheckpointer:
             )
 
         if cur is not None and cur.start_step < t < cur.start_step + cur.plan.window:
-            cur.log.add(record())
+            record = make_record()
+            cur.log.add(record)
         if cur is None or cur.captured >= cur.plan.window:
             t0 = time.perf_counter()
             cur = self._start_window(t)
@@ -206,7 +208,8 @@ class SparseCheckpointer:
             self.counters["plan_s_max"] = max(self.counters["plan_s_max"], dt)
             self.counters["plan_s_recent"] = (self.counters.get("plan_s_recent", []) + [dt])[-64:]
             if cur.plan.sliding:  # a sliding recovery may start in the window before and replay this one's first
-                cur.log.add(record())
+                record = make_record()
+                cur.log.add(record)
         slot = cur.slots[t - cur.start_step]
         self.engine.capture(slot, t)
         if self.tier_writer is not None:
@@ -220,6 +223,7 @@ class SparseCheckpointer:
                     "window_size": cur.plan.window,
                     "plan": plan_digest(cur.plan.to_dict()),
                     "run": self._identity_dict["fingerprint"],
+                    "record": record,  # the persist thread writes its digest (storage.manifest.record_digest)
                 },
                 # sliding plans: how far the window got, so that a restart can use it before it commits
                 (cur.start_step, cur.plan, list(cur.log.records.values())) if cur.plan.sliding else None,

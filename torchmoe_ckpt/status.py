@@ -175,8 +175,19 @@ class RunStatus:
                 first, last, _ = self.committed[newest]
                 text += f" (newest {newest}, steps {first}..{last})"
             text += " on the host tier" + (f" {host_dir}" if host_dir else "")
-            if not self.committed_count:  # nothing to resume from: a restart of this run would start over
-                self.say(
+            if not self.committed_count:
+                durable = _committed_on_host(host_dir, self.rank)  # an earlier attempt's, the one resumed from
+                summ["durable_on_host"] = durable
+                if durable:  # this attempt added nothing, but a restart still has a window to resume from
+                    self.say(
+                        f"exit: no window committed by this attempt; window {durable[-1]} (committed earlier) is "
+                        f"the newest on the host tier {host_dir}: a restart resumes from it. This attempt's "
+                        "windows did not commit (every host-tier write failed, see the warnings above, or it "
+                        "ran fewer iterations than one window)",
+                        self.warn_level,
+                    )
+                    return summ
+                self.say(  # nothing to resume from: a restart of this run would start over
                     text + ": nothing a restart could resume from. A window commits once all W iterations "
                     "of it are copied and written, so the run was shorter than one window (fewer iterations "
                     "than W, or it stopped before the copies finished) or every host-tier write failed (see "
@@ -220,6 +231,25 @@ PHASES = (
 def phases_text(phases: dict) -> str:
     """'find 0.01 s, rebuild 0.00 s, load 0.03 s, replay 0.21 s' (the phases present, in PHASES order)."""
     return ", ".join(f"{k} {phases[k]:.2f} s" for k in PHASES if phases.get(k) is not None)
+
+
+def _committed_on_host(host_dir: str | None, rank: int) -> list[int]:
+    """Windows this rank has committed in `host_dir` (its manifest is there), whichever attempt wrote them."""
+    if not host_dir:
+        return []
+    from pathlib import Path
+
+    from .storage.layout import manifest_name, parse_window_dirname, writer_name
+
+    try:
+        found = [
+            wid
+            for d in Path(host_dir).iterdir()
+            if (wid := parse_window_dirname(d.name)) is not None and (d / manifest_name(writer_name(rank))).exists()
+        ]
+    except OSError:
+        return []
+    return sorted(found)
 
 
 def recovery_line(report: dict) -> str:

@@ -21,13 +21,16 @@ connection) also ends the process, with `event=collective_error` and EXIT_COLLEC
 normally could block at interpreter exit on a background thread that waits on the same dead peer.
 Other exceptions (the scenario's simulated crashes) propagate unchanged.
 
-timeout_s=None switches the watchdog off: watch() then costs one attribute check.
+timeout_s=None switches the watchdog off: watch() then costs one attribute check. A region may have a longer
+bound of its own (`watch(op, timeout_s=...)`): the recovery and the first step after a start, an exit that
+waits for uploads.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import json
+import math
 import os
 import select
 import subprocess
@@ -159,8 +162,7 @@ class CollectiveWatchdog:
         exit_on_dist_error: bool = True,
         stop_guard_s: float | None = 5.0,
     ):
-        if timeout_s is not None and timeout_s <= 0:
-            raise ValueError(f"watchdog timeout_s must be > 0 or None (off), got {timeout_s}")
+        check_timeout("watchdog timeout_s", timeout_s)
         self.timeout_s = timeout_s
         self.rank = rank
         self.exit_code = exit_code
@@ -175,7 +177,8 @@ class CollectiveWatchdog:
         # A hook must not issue collectives (the peers are gone); jit.py saves the rank's state here.
         self.on_failure: list[Callable[[dict], None]] = []
         self._cv = threading.Condition()
-        self._open: dict[int, tuple[str, float]] = {}  # token -> (op, start); threads may watch concurrently
+        self._open: dict[int, tuple[str, float, float]] = {}  # token -> (op, start, timeout); threads may watch
+        # concurrently
         self._next = 0
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -190,7 +193,9 @@ class CollectiveWatchdog:
         return self.timeout_s is not None
 
     @contextmanager
-    def watch(self, op: str) -> Iterator[None]:
+    def watch(self, op: str, timeout_s: float | None = None) -> Iterator[None]:
+        """Watch the region `op`; `timeout_s`: its own bound (default: the watchdog's). A no-op when the
+        watchdog is off."""
         if self.timeout_s is None:
             yield
             return
@@ -199,7 +204,7 @@ class CollectiveWatchdog:
         with self._cv:
             token = self._next
             self._next += 1
-            self._open[token] = (op, start)
+            self._open[token] = (op, start, self.timeout_s if timeout_s is None else timeout_s)
             self._cv.notify()  # the thread may be sleeping until a later deadline, or idle
         try:
             yield
@@ -250,8 +255,8 @@ class CollectiveWatchdog:
                 if not self._open:
                     self._cv.wait()
                     continue
-                _, (op, start) = min(self._open.items(), key=lambda kv: kv[1][1])
-                left = start + self.timeout_s - time.monotonic()
+                op, start, limit = min(self._open.values(), key=lambda r: r[1] + r[2])  # the earliest deadline
+                left = start + limit - time.monotonic()
                 if left > 0:
                     self._cv.wait(left)  # woken early by a new/closed region; re-evaluate either way
                     continue
@@ -260,9 +265,11 @@ class CollectiveWatchdog:
                 return
         # Outside the lock: a region finishing right now cannot save the process any more, and _fail must
         # not hold a lock the main thread might need to unwind.
-        self._fail("hang", op, time.monotonic() - start, self.exit_code)
+        self._fail("hang", op, time.monotonic() - start, self.exit_code, limit=limit)
 
-    def _fail(self, event: str, op: str, waited: float, code: int, error: str | None = None) -> None:
+    def _fail(
+        self, event: str, op: str, waited: float, code: int, error: str | None = None, limit: float | None = None
+    ) -> None:
         self.hangs_detected += event == "hang"
         self.last_detect_s = round(waited, 4)
         rank = self.rank if self.rank is not None else _rank()
@@ -271,7 +278,7 @@ class CollectiveWatchdog:
             "rank": rank,
             "op": op,
             "waited_s": round(waited, 3),
-            "timeout_s": self.timeout_s,
+            "timeout_s": self.timeout_s if limit is None else limit,
             "pid": os.getpid(),
             "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             "exit_code": code,
@@ -311,6 +318,14 @@ class CollectiveWatchdog:
             t.join(ABORT_WAIT_S)
             _write(2, f"event=exit rank={rank} abort={result[0] if result else 'timed_out'} exit_code={code}\n")
         os._exit(code)
+
+
+def check_timeout(name: str, value, error=ValueError) -> None:
+    """A timeout in seconds: a finite number > 0, or None (off). inf, nan, True and "60" are refused."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise error(f"{name} must be a finite number of seconds > 0, or None (off), got {value!r}")
 
 
 def _write(fd: int, text: str) -> None:

@@ -9,10 +9,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from torchmoe_ckpt.cli import bounded
 
 _positive = bounded(int, 1)
+RANK_MEMORY_BYTES = 512 << 20  # what one harness rank needs at least (torch, the model, its slot buffers)
+
+
+def max_ranks() -> int:
+    """The most local ranks this machine runs: 4 per CPU core, and RANK_MEMORY_BYTES of memory each."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = 1 << 40
+    return max(1, min(4 * (os.cpu_count() or 1), memory // RANK_MEMORY_BYTES))
+
+
+def _ranks(text: str) -> int:
+    """--nproc: a count of local ranks this machine can run (an absurd number would start torchrun with it)."""
+    n = _positive(text)
+    if n > max_ranks():
+        raise argparse.ArgumentTypeError(
+            f"{text} is out of range: this machine runs at most {max_ranks()} local ranks "
+            f"(4 per CPU core, {RANK_MEMORY_BYTES >> 20} MiB of memory each)"
+        )
+    return n
 
 
 def _window(text: str):
@@ -101,7 +123,7 @@ def register_selftest(sub: argparse._SubParsersAction) -> None:
         help="'harness' (default), or hf:<model_type>: any transformers MoE model type built tiny, e.g. "
         "hf:mixtral, hf:deepseek_v3 (trained through the own-loop Checkpointer, killed with kill -9)",
     )
-    s.add_argument("--nproc", type=_positive, default=2)
+    s.add_argument("--nproc", type=_ranks, default=2)
     s.add_argument("--experts", type=_positive, default=4)
     s.add_argument("--layers", type=_positive, default=2)
     s.add_argument("--steps", type=_positive, default=12)
@@ -126,7 +148,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="measure slot bytes, training-thread wait and recovery cost")
     b.add_argument("--out", default="benchmarks/results")
     b.add_argument("--models", default="tiny")  # cpu-large: superseded by the MoE-regime section (bench_moe)
-    b.add_argument("--nproc", type=_positive, default=2)
+    b.add_argument("--nproc", type=_ranks, default=2)
     b.add_argument(
         "--overlap",
         type=bounded(float, 0.0, 1.0, low_open=True),

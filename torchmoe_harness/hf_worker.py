@@ -88,7 +88,8 @@ def run(spec: dict, out: Path) -> dict:
     tiers = tmc.TierConfig(root=spec["host_root"], run_id=spec["run_id"])
     cfg = tmc.CheckpointConfig(tiers=tiers, window=tmc.SparseConfig(window=spec.get("window")), max_grad_norm=0.5)
     losses: dict[int, torch.Tensor] = {}
-    with tmc.Checkpointer(model, optimizer, forward_backward, scheduler, cfg) as ckpt:
+    data = f"synthetic tokens, seed {seed}"  # with the process seed (torch.manual_seed above): the run identity
+    with tmc.Checkpointer(model, optimizer, forward_backward, scheduler, cfg, data_identity=data) as ckpt:
         start = ckpt.resume()
         for step in range(start + 1, spec["steps"] + 1):
             losses[step] = ckpt.step(batch_for(step))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -80,16 +81,23 @@ def torchrun(
         *program,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
-    # Own process group, so a timeout kills torchrun *and* its workers instead of orphaning them.
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
     )
     try:
         log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    except BaseException as exc:  # a timeout, or this process interrupted: torchrun and its workers go too
+        stop_torchrun(proc)
         log, _ = proc.communicate()
         log_path.write_text(log)
+        if not isinstance(exc, subprocess.TimeoutExpired):
+            raise
         raise RuntimeError(
             f"torchrun did not finish within {timeout:.0f} s (killed; log: {log_path}); last output:\n{log[-3000:]}"
         ) from None
@@ -97,6 +105,32 @@ def torchrun(
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun exited {proc.returncode} (full log: {log_path}); last output:\n{log[-4000:]}")
     return log
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` of a launched torchrun: SIGTERM it when the process that launched it dies, even by
+    SIGKILL (Linux PR_SET_PDEATHSIG), so a killed `torchmoe-ckpt selftest` leaves no job behind; torchrun
+    acts on SIGTERM by stopping its workers (SIGTERM, SIGKILL after its grace)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+def stop_torchrun(proc: subprocess.Popen, grace_s: float = 40.0) -> None:
+    """End a torchrun and every worker it started. Its workers lead sessions of their own, so a SIGKILL to
+    torchrun's group alone orphans them: SIGTERM first (torchrun stops its workers, SIGKILLing them after
+    its 30 s grace), then SIGKILL to torchrun and to whatever of its workers is left."""
+    workers = children_of(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(grace_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    for pid in [proc.pid, *workers]:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
 
 
 def load_result(out: Path, nproc: int, log: str = "") -> RunResult:
@@ -134,6 +168,19 @@ def compare(a: RunResult, b: RunResult, loss_steps_from: int = 1) -> Comparison:
             if step not in lb or not torch.equal(la[step], lb[step]):
                 mism.append(f"rank{r}: loss at step {step}")
     return Comparison(not mism and n_t > 0, n_t, n_l, mism)
+
+
+def children_of(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (from /proc): a torchrun agent's workers."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
 
 
 def processes_mentioning(marker: str) -> list[int]:

@@ -365,6 +365,7 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
             ck.tier_writer.flush()
         if ck.tier_writer.uploader is not None:
             ck.tier_writer.uploader.flush(30)  # end of training: let the last upload land before reporting
+        ck.tier_writer.release_lease()  # a clean end: the next job on this store prefix need not wait
     stats = ck.stats()
     ck.engine.shutdown()
     wd.close()

@@ -48,6 +48,8 @@ def one_line_error(rc: int, err: str, *needles: str) -> None:
         (["simulate", "--hours", "-5"], "--hours: -5 is out of range: must be > 0"),
         (["simulate", "--hours", "nan"], "--hours: nan is out of range"),
         (["selftest", "--nproc", "0"], "--nproc: 0 is out of range"),
+        (["selftest", "--nproc", "99999999999999999999"], "this machine runs at most"),
+        (["bench", "--nproc", "100000"], "--nproc: 100000 is out of range: this machine runs at most"),
         (["selftest", "--steps", "0"], "--steps: 0 is out of range"),
         (["selftest", "--experts", "-1"], "--experts: -1 is out of range"),
         (["selftest", "--layers", "0"], "--layers: 0 is out of range"),
@@ -107,8 +109,9 @@ def test_s3_without_credentials_is_one_line(moto):
     one_line_error(p.returncode, p.stderr, "authentication failed", "credentials")
 
 
-def _two_rank_run(root: Path, **run):
-    """A run of 2 ranks (each a 1-process checkpointer writing as rank r of 2) with windows 0 and 1."""
+def _two_rank_run(root: Path, run_id: str = "run", node_ranks=None, **run):
+    """A run of 2 ranks (each a 1-process checkpointer writing as rank r of 2) with windows 0 and 1.
+    `node_ranks`: the ranks the host tier says write into this node directory (build_tiers sets them)."""
     from torchmoe_ckpt.config import SparseConfig
     from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
     from torchmoe_ckpt.storage.host_tier import HostTier
@@ -116,15 +119,15 @@ def _two_rank_run(root: Path, **run):
 
     for rank in (0, 1):
         t = Trainer(RunConfig(steps=6, **run))
-        ck = SparseCheckpointer(
-            t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), host_tier=HostTier(root, "run", rank, 2)
-        ).attach(t)
+        tier = HostTier(root, run_id, rank, 2)
+        tier.node_ranks = node_ranks
+        ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), host_tier=tier).attach(t)
         for _ in range(7):
             ck.after_step(t.train_step())
         ck.tier_writer.flush()
         ck.engine.shutdown()
         ck.tier_writer.shutdown()
-    return root / "run"
+    return root / run_id
 
 
 def test_verify_fails_on_a_window_not_committed_by_every_rank(capsys, tmp_path, one_rank_group):
@@ -145,6 +148,20 @@ def test_verify_fails_on_a_window_not_committed_by_every_rank(capsys, tmp_path, 
     assert rc == 1 and "FAILED (2 problem(s)" in err and "window 0 rank 0:" in err, err
 
 
+def test_verify_fails_when_every_file_of_one_rank_is_wiped(capsys, tmp_path, one_rank_group):
+    """Both ranks write one node directory; every file of rank 1 is wiped (its manifests, slots, records):
+    the host tier's manifests name the ranks of the node, so verify misses rank 1 (it said OK before)."""
+    import shutil
+
+    run = _two_rank_run(tmp_path, node_ranks=[0, 1])
+    assert run_cli(capsys, "verify", str(run))[0] == 0
+    for p in sorted(run.rglob("*rank-00001*"), reverse=True):
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    assert not list(run.rglob("*rank-00001*"))
+    rc, out, err = run_cli(capsys, "verify", str(run))
+    assert rc == 1 and "not committed by rank(s) [1]" in err, (out, err)
+
+
 def test_verify_names_a_window_copied_in_from_another_run(capsys, tmp_path, one_rank_group):
     """A window of another model's run copied into this run's directory verifies file by file, but recovery
     would refuse it (IdentityMismatch): verify says so, naming the run each belongs to."""
@@ -156,7 +173,23 @@ def test_verify_names_a_window_copied_in_from_another_run(capsys, tmp_path, one_
     shutil.copytree(other / "window-000001", run / "window-000001")
     rc, out, err = run_cli(capsys, "verify", str(run))
     assert rc == 1, (out, err)
-    assert "recovery refuses it" in err and "window 0: written by run" in err, err
+    # Same run id, one window each: nothing tells which is the run's own, so both are named, neither blamed.
+    assert "written by different runs" in err and "window(s) [0] by run 'run'" in err, err
+    assert "window(s) [1] by run 'run'" in err, err
+
+
+def test_verify_blames_the_window_of_another_run_id_not_the_runs_own(capsys, tmp_path, one_rank_group):
+    """The copied-in window is the newest one here; the directory's run id says which windows are the run's."""
+    import shutil
+
+    run = _two_rank_run(tmp_path / "a")
+    other = _two_rank_run(tmp_path / "b", run_id="other")
+    shutil.rmtree(run / "window-000001")
+    shutil.copytree(other / "window-000001", run / "window-000001")
+    rc, out, err = run_cli(capsys, "verify", str(run))
+    assert rc == 1, (out, err)
+    assert "window 1: written by run 'other'" in err and "recovery refuses it" in err, err
+    assert "window 0: written by" not in err, err
 
 
 def test_inspect_of_a_root_lists_each_run_separately(capsys, tmp_path, one_rank_group):
@@ -175,3 +208,40 @@ def test_inspect_of_a_root_lists_each_run_separately(capsys, tmp_path, one_rank_
     assert runs == {"node-0/other": [1, 2], "node-0/run": [0, 1, 2]}, runs  # 2: in flight, uncommitted
     rc, out, err = run_cli(capsys, "verify", str(tmp_path))
     assert rc == 0, err
+
+
+_LAUNCHER = """
+import sys
+from pathlib import Path
+from torchmoe_harness.launch import torchrun
+torchrun(1, [sys.argv[1], sys.argv[2]], Path(sys.argv[2]) / "torchrun.log", timeout=300)
+"""
+_QUIET_WORKER = "import time; time.sleep(300)  # writes nothing: a dead launcher's pipe cannot end it\n"
+
+
+def test_a_killed_launcher_leaves_no_job_behind(tmp_path):
+    """The CLI's `selftest` runs torchrun through `torchmoe_harness.launch.torchrun`; torchrun's workers lead
+    sessions of their own. When the launching process dies, even by SIGKILL, torchrun gets SIGTERM and stops
+    its workers: nothing of the job keeps running (a job that writes nothing is not ended by the broken pipe
+    either)."""
+    from torchmoe_harness.launch import processes_mentioning
+
+    worker = tmp_path / "quiet_worker.py"
+    worker.write_text(_QUIET_WORKER)
+    marker = str(tmp_path)
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(worker), marker], start_new_session=True)
+    try:
+        end = time.monotonic() + 50
+        while len(processes_mentioning(marker)) < 3 and time.monotonic() < end:  # launcher, torchrun, worker
+            time.sleep(0.2)
+        assert len(processes_mentioning(marker)) >= 3, "torchrun never started its worker"
+    finally:
+        launcher.kill()
+        launcher.wait()
+    end = time.monotonic() + 50  # torchrun's grace for its workers is 30 s
+    while processes_mentioning(marker) and time.monotonic() < end:
+        time.sleep(0.2)
+    left = processes_mentioning(marker)
+    for pid in left:  # do not leave them to the next test either
+        os.kill(pid, 9)
+    assert not left, "processes of the killed launcher's job are still running"

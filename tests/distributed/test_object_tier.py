@@ -3,6 +3,7 @@ When every host copy is gone, recovery downloads the window, verifies every file
 store that is down never blocks the caller and the upload catches up when it is back."""
 
 import json
+import os
 
 import pytest
 
@@ -285,3 +286,59 @@ def test_exit_with_no_window_committed_is_a_warning_that_says_why(caplog):
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "exit: 0 window(s) committed" in warned[0], warned
     assert "nothing a restart could resume from" in warned[0] and "shorter than one window" in warned[0], warned
+
+
+_HOLDER = """
+import sys, time
+from torchmoe_ckpt.config import TierConfig
+from torchmoe_ckpt.storage.tiers import build_tiers
+store = {"uri": sys.argv[2], "lease_s": 2.0}
+if len(sys.argv) > 3:
+    import json
+    store["storage_options"] = json.loads(sys.argv[3])
+build_tiers(TierConfig(root=sys.argv[1], run_id="t", object_store=store), 0, 1)
+print("holding", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_a_second_job_on_the_same_store_prefix_is_refused(tmp_path, monkeypatch, kind, request, fault_summary):
+    """Two jobs with the same run id on different host roots meet in one object store: the second is refused
+    in one line while the first renews its lease; once the first is gone (SIGKILL), its lease expires and a
+    third job takes the prefix over."""
+    import subprocess
+    import sys
+
+    from torchmoe_ckpt.config import TierConfig
+    from torchmoe_ckpt.storage.store_lease import StoreLeasedError
+    from torchmoe_ckpt.storage.tiers import build_tiers
+
+    if kind == "file":
+        store, opts = {"uri": f"file://{tmp_path / 'store'}"}, None
+    else:
+        opts = request.getfixturevalue("moto").storage_options
+        store = {"uri": f"s3://tmoe-bucket/{tmp_path.name}", "storage_options": opts}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path / "host-a"), store["uri"], *([json.dumps(opts)] if opts else [])],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, TORCHELASTIC_RUN_ID="job-a"),
+    )
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+        cfg = TierConfig(root=str(tmp_path / "host-b"), run_id="t", object_store=dict(store, lease_s=2.0))
+        with pytest.raises(StoreLeasedError) as exc:
+            build_tiers(cfg, 0, 1)
+        msg = str(exc.value)
+        fault_summary(f"second job on the same store prefix ({kind})", 1, "refused with one line")
+        assert "\n" not in msg and "torchrun:job-a" in msg and "another run_id" in msg, msg
+    finally:
+        holder.kill()
+        holder.wait()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-c")  # the holder is gone: its lease expires, c takes over
+    tiers = build_tiers(TierConfig(root=str(tmp_path / "host-c"), run_id="t", object_store=cfg.object_store), 0, 1)
+    assert tiers.store.lease is not None and tiers.store.lease.read()["job"] == "torchrun:job-c"
+    tiers.store.lease.release()
+    assert tiers.store.lease.read() is None  # a clean exit gives the prefix up at once

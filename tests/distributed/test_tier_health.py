@@ -8,11 +8,13 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from torchmoe_ckpt.config import ConfigError, SparseConfig, TierConfig
+from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.storage.layout import manifest_name, writer_name
 from torchmoe_ckpt.storage.tier_health import CheckpointStallError
@@ -123,7 +125,108 @@ def test_stall_policy_warn_trains_on_and_says_it_once(tmpfs, one_rank_group, cap
     ck.tier_writer.shutdown()
 
 
-@pytest.mark.parametrize("bad", [{"stall_iterations": 0}, {"stall_iterations": -3}, {"on_stall": "ignore"}])
+def test_exit_line_names_the_durable_window_when_this_attempt_committed_none(tmpfs, one_rank_group, caplog):
+    """An attempt whose every host write fails (ENOSPC) must not say "nothing a restart could resume from"
+    while an earlier attempt's window is committed on the same host tier: the exit line names it."""
+    t, ck, tier = _checkpointer(tmpfs)
+    _steps(t, ck, 7)  # the first attempt: windows 0 and 1 commit while there is space
+    ck.tier_writer.flush()
+    ck.engine.shutdown()
+    ck.tier_writer.shutdown()
+    caplog.set_level(logging.WARNING)
+    t2, ck2, _ = _checkpointer(tmpfs)  # the next attempt (it takes the run lock while there is space)
+    ck2._next_id = 2  # windows after the existing ones, as after a recovery
+    filler = _fill(tmpfs)  # then the tier is full: none of its windows can commit
+    _steps(t2, ck2, 7)
+    summ = ck2.tier_writer.finish(0.0)
+    os.unlink(filler)
+    ck2.engine.shutdown()
+    ck2.tier_writer.shutdown()
+    assert summ["windows_committed"] == 0 and summ["durable_on_host"] == [0, 1], summ
+    said = [r.getMessage() for r in caplog.records if "exit:" in r.getMessage()]
+    assert len(said) == 1 and "window 1 (committed earlier) is the newest" in said[0], said
+    assert "nothing a restart could resume from" not in said[0] and "a restart resumes from it" in said[0], said
+
+
+@pytest.mark.parametrize(
+    "bad", [{"stall_iterations": 0}, {"stall_iterations": -3}, {"stall_iterations": True}, {"on_stall": "ignore"}]
+)
 def test_stall_policy_is_validated(bad):
     with pytest.raises(ConfigError, match="stall_iterations|on_stall"):
         TierConfig(run_id="r", **bad)
+
+
+# ---- a bad host directory at start: one line before training, or the unhealthy tier and training goes on ----
+@pytest.mark.parametrize("where", ["a_file", "under_proc", "read_only_new_run"])
+def test_impossible_host_root_is_one_line_before_training(tmpfs, tmp_path, where):
+    if where == "a_file":
+        root = tmp_path / "root-file"
+        root.write_text("not a directory")
+    elif where == "under_proc":
+        root = Path("/proc/torchmoe-nope")
+    else:
+        root = tmpfs
+        subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    try:
+        with pytest.raises(ConfigError) as err:
+            build_tiers(TierConfig(root=str(root), run_id="run"), 0, 1)
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], check=True)
+    msg = str(err.value)
+    assert "\n" not in msg and "cannot create the run directory" in msg and "fix: TierConfig(root=...)" in msg, msg
+
+
+_FIRST_ATTEMPT = """
+import sys
+import torch.distributed as dist
+from torchmoe_ckpt import init_process_group
+from torchmoe_ckpt.config import SparseConfig, TierConfig
+from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.storage.tiers import build_tiers
+from torchmoe_harness.trainer import RunConfig, Trainer
+init_process_group("gloo")
+t = Trainer(RunConfig(steps=60))
+tiers = build_tiers(TierConfig(root=sys.argv[1], run_id="run"), 0, 1)
+ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), host_tier=tiers.host).attach(t)
+for _ in range(7):
+    ck.after_step(t.train_step())
+ck.tier_writer.flush()
+assert tiers.host.window_ids() == [0, 1], tiers.host.window_ids()
+"""
+
+
+@pytest.mark.parametrize("how", ["read_only", "full"])
+def test_unwritable_host_root_holding_a_run_recovers_and_trains_on(tmpfs, one_rank_group, caplog, how):
+    """A read-only remount or a full tmpfs under a committed run: no traceback from the lock file; the
+    committed window is recovered, training goes on with the tier unhealthy, and the stall policy applies."""
+    from torchmoe_ckpt.storage.recover import recover_from_tiers
+
+    # The first attempt commits windows 0 and 1, in a process of its own: a remount needs its files closed.
+    first = subprocess.run([sys.executable, "-c", _FIRST_ATTEMPT, str(tmpfs)], capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    ops = {o.name: o for o in discover_operators(Trainer(RunConfig(steps=60)).model)}
+    filler = None
+    if how == "read_only":
+        subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    else:
+        filler = _fill(tmpfs)
+    caplog.set_level(logging.WARNING)
+    try:
+        t2 = Trainer(RunConfig(steps=60), init_seed=7777)
+        tiers = build_tiers(TierConfig(root=str(tmpfs), run_id="run", stall_iterations=4, on_stall="fail"), 0, 1)
+        window, rep = recover_from_tiers(tiers.host, None, ops, t2.compute_dtype, identity=None)
+        assert window is not None and window.id == 1 and rep["outcome"] == "recovered", rep
+        ck2 = SparseCheckpointer(t2.model, t2.optimizer, t2.compute_dtype, SparseConfig(window=3), host_tier=tiers.host)
+        ck2.attach(t2)
+        t2.set_step(6)
+        with pytest.raises(CheckpointStallError) as stall:  # the documented policy, in the training thread
+            _steps(t2, ck2, 12)
+        ck2.engine.shutdown()
+        ck2.tier_writer.shutdown()
+    finally:
+        if filler is not None:
+            os.unlink(filler)
+        subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], check=True)
+    unhealthy = _events(caplog, "tier_unhealthy")
+    assert unhealthy and "run lock of" in unhealthy[0], unhealthy
+    assert "\n" not in str(stall.value) and "no window committed durably" in str(stall.value)

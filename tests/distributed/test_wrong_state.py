@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import pickle
 import shutil
 from pathlib import Path
 
@@ -24,7 +25,8 @@ from torchmoe_ckpt.inspection import verify_location
 from torchmoe_ckpt.recovery import recover
 from torchmoe_ckpt.storage.checksums import crc32_bytes
 from torchmoe_ckpt.storage.host_tier import HostTier
-from torchmoe_ckpt.storage.manifest import content_checksum
+from torchmoe_ckpt.storage.manifest import content_checksum, record_digest
+from torchmoe_ckpt.storage.slot_format import PLANNER_KEY
 from torchmoe_ckpt.storage.tiers import build_tiers
 from torchmoe_harness.launch import run_torchrun
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
@@ -32,10 +34,13 @@ from torchmoe_harness.model import TinyMoE, TinyMoEConfig
 STEPS, RUN = 10, "a"  # W = 3: windows 0 (steps 1-3), 1 (4-6), 2 (7-9) committed; 1 and 2 kept on the tier
 
 
-def build(seed: int = 0, lr: float = 3e-3, betas=(0.9, 0.999), **model_kw):
+def build(seed: int = 0, lr: float = 3e-3, betas=(0.9, 0.999), init_seed: int | None = None, **model_kw):
+    """The run's model, optimizer, scheduler and step function. `seed`: the run's seed (torch.manual_seed, part
+    of its identity); `init_seed`: other initial weights for a restarted attempt of the same run, so what
+    recovery forgets to restore shows up as a mismatch."""
     torch.manual_seed(seed)
     model = TinyMoE(TinyMoEConfig(load_balance_coeff=None, **model_kw))
-    model.init_weights(seed)
+    model.init_weights(seed if init_seed is None else init_seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 3))
 
@@ -74,19 +79,20 @@ def train(
     root: Path,
     run_id: str = RUN,
     steps: int = STEPS,
-    data: int = 0,
+    data: int | None = 0,
     seed: int = 0,
     states: dict | None = None,
     **build_kw,
 ):
     """One attempt of a run: resume what the tiers hold, train to `steps`. Returns (Checkpointer, resumed step)."""
     model, opt, sched, fb = build(seed, **build_kw)
-    with tmc.Checkpointer(model, opt, fb, sched, config(root, run_id), data_identity=f"data={data}") as ck:
+    ident = None if data is None else f"data={data}"  # None: the caller names no data (the seed still counts)
+    with tmc.Checkpointer(model, opt, fb, sched, config(root, run_id), data_identity=ident) as ck:
         start = ck.resume()
         if states is not None:
             states[start] = state_of(model, opt, sched)
         for step in range(start + 1, steps + 1):
-            ck.step(batch(step, data))
+            ck.step(batch(step, data or 0))
             if states is not None:
                 states[step] = state_of(model, opt, sched)
     return ck, start
@@ -111,7 +117,7 @@ def copy_run(written, tmp_path: Path) -> Path:
 def resume_and_finish(root: Path, ref: dict, run_id: str = RUN, **kw):
     """A restarted attempt (other initial weights) on `root`: recover, check, train to the end, check."""
     got: dict = {}
-    ck, start = train(root, run_id, seed=7777, states=got, **kw)
+    ck, start = train(root, run_id, init_seed=7777, states=got, **kw)
     exact = start > 0 and same(got[start], ref[start]) and same(got[STEPS], ref[STEPS])
     return ck.resumed.report, start, exact
 
@@ -164,6 +170,31 @@ def test_slot_file_from_another_window_is_rejected(written, tmp_path, fault_summ
     rep, start, exact = resume_and_finish(root, written[1])
     fault_summary("slot_file_of_another_window", 1, outcome(exact))
     assert start == 6 and "written for window 1" in rep["unusable_copies"][2], rep
+    assert exact
+
+
+# ---- (c2) a forged replay record of the last replayed step, every checksum recomputed ------------------------
+def _forge_record(wdir: Path, what: str) -> None:
+    path = wdir / "replay" / "rank-00000.pt"
+    records = torch.load(path, weights_only=True)
+    last = max(records, key=lambda r: r["step"])  # nothing is replayed after it: no later loss would differ
+    if what == "lr_x10":
+        last["lr"] *= 10
+        last["lrs"] = [lr * 10 for lr in last["lrs"]] if last.get("lrs") else last["lrs"]
+    else:
+        last["grad_norm"] = last["grad_norm"] * 0.5
+    torch.save(records, path)
+    resign(wdir, lambda d: None)  # the record file's CRC and the manifest's checksum match the forgery
+
+
+@pytest.mark.parametrize("what", ["lr_x10", "grad_norm_half"])
+def test_forged_replay_record_is_rejected_not_replayed(written, tmp_path, what, fault_summary):
+    root = copy_run(written, tmp_path)
+    _forge_record(run_dir(root) / "window-000002", what)
+    rep, start, exact = resume_and_finish(root, written[1])
+    fault_summary(f"forged_replay_record_{what}", 1, outcome(exact and start == 6))
+    assert start == 6 and rep["window_id"] == 1, rep
+    assert "replay record of step 9 is not the one slot 2 was written with" in str(rep["rejected"][2]), rep
     assert exact
 
 
@@ -222,10 +253,20 @@ def _bad_item_good_file(wdir: Path) -> None:
 
 
 def _replay_diverges(wdir: Path) -> None:
+    """A window whose replay does not reproduce its logged loss. Editing the record alone is now refused at
+    load (its digest in the slot's metadata no longer matches: test_forged_replay_record_...), so the
+    slots' record digests are rewritten too, as a divergence that no checksum can see would look."""
     path = wdir / "replay" / "rank-00000.pt"
     recs = torch.load(path, weights_only=True)
     recs[-1]["loss"] = recs[-1]["loss"] + 1.0
     torch.save(recs, path)
+    by_step = {r["step"]: r for r in recs}
+    for meta in wdir.glob("slot-*/rank-00000/.metadata"):
+        md = pickle.loads(meta.read_bytes())
+        info = md.planner_data[PLANNER_KEY]
+        if info.get("record") is not None:
+            info["record"] = record_digest(by_step[info["step"]])
+        meta.write_bytes(pickle.dumps(md))
     resign(wdir, lambda d: None)
 
 
@@ -273,7 +314,7 @@ def test_every_window_damaged_is_refused_with_the_reasons_and_nothing_touched(wr
     for w in (1, 2):
         (_replay_diverges if damage == "replay_diverges" else _flip_data_file)(run_dir(root) / f"window-00000{w}")
     before_files = _files(run_dir(root))
-    model, opt, sched, fb = build(seed=7777)
+    model, opt, sched, fb = build(init_seed=7777)
     before = state_of(model, opt, sched)
     with tmc.Checkpointer(model, opt, fb, sched, config(root), data_identity="data=0") as ck:
         with pytest.raises(tmc.UnusableCheckpointError) as exc:
@@ -295,7 +336,7 @@ def test_every_window_damaged_with_restart_opt_in_starts_over(written, tmp_path,
     root = copy_run(written, tmp_path)
     for w in (1, 2):
         _replay_diverges(run_dir(root) / f"window-00000{w}")
-    model, opt, sched, fb = build(seed=7777)
+    model, opt, sched, fb = build(init_seed=7777)
     cfg = config(root, on_unusable_checkpoint="restart")
     with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.recovery"):
         with tmc.Checkpointer(model, opt, fb, sched, cfg, data_identity="data=0") as ck:
@@ -332,7 +373,7 @@ def test_same_run_id_other_model_is_refused_with_one_line(written, tmp_path, wha
 
 def test_same_run_id_other_world_size_is_refused_with_one_line(written, tmp_path, fault_summary):
     root = copy_run(written, tmp_path)
-    model, opt, sched, fb = build(seed=7777)
+    model, opt, sched, fb = build(init_seed=7777)
     ck = tmc.Checkpointer(model, opt, fb, sched, config(root), data_identity="data=0")
     tiers = build_tiers(config(root).tiers, 0, 1)
     ident = build_identity(model, opt, torch.float32, ck.ops, RUN, world_size=2, hsdp_replicate=1, data="data=0")
@@ -347,12 +388,64 @@ def test_more_steps_and_another_lr_are_accepted_and_logged(written, tmp_path, ca
     root = copy_run(written, tmp_path)
     got: dict = {}
     with caplog.at_level(logging.INFO, logger="torchmoe_ckpt.recovery"):
-        ck, start = train(root, steps=STEPS + 3, seed=7777, states=got, lr=1e-3)
+        ck, start = train(root, steps=STEPS + 3, init_seed=7777, states=got, lr=1e-3)
     exact = start == 9 and same(got[9], written[1][9])
     fault_summary("more_steps_other_lr", 0, outcome(exact))
     assert exact and STEPS + 3 in got
     assert "event=allowed_change" in caplog.text and "learning rate (0.003) -> (0.001)" in caplog.text
     assert ck.resumed.report["allowed_changes"]
+
+
+# ---- (h) the seed is part of the identity without the caller naming its data ----------------------------
+@pytest.fixture(scope="module")
+def written_no_data(tmp_path_factory):
+    """Run `a` (seed 0) written by a caller that names no data identity."""
+    root = tmp_path_factory.mktemp("written-no-data")
+    train(root, data=None)
+    return root
+
+
+def test_relaunch_with_another_seed_is_refused_without_a_data_identity(written_no_data, tmp_path, fault_summary):
+    root = tmp_path / "root"
+    shutil.copytree(written_no_data, root)
+    before = _files(run_dir(root))
+    model, opt, sched, fb = build(seed=1)
+    ck = tmc.Checkpointer(model, opt, fb, sched, config(root))  # no data_identity: the seed alone tells
+    with pytest.raises(IdentityMismatch) as exc:
+        ck.resume()
+    ck.close()
+    msg = str(exc.value)
+    fault_summary("relaunch_other_seed_no_data_identity", 1, "refused with one line")
+    assert "\n" not in msg and "seed 0 != 1" in msg and "new run id" in msg, msg
+    assert _files(run_dir(root)) == before  # nothing touched
+
+
+def test_window_of_a_run_with_another_seed_copied_in_is_rejected(written_no_data, written, tmp_path, fault_summary):
+    """Same run id, same model, same (unnamed) data: only the seed differs. The copied window is rejected
+    with the reason, `verify` names it, and recovery ends exact from the run's own older window."""
+    root = tmp_path / "root"
+    shutil.copytree(written_no_data, root)
+    other = tmp_path / "other"
+    train(other, data=None, seed=1)
+    shutil.rmtree(run_dir(root) / "window-000002")
+    shutil.copytree(run_dir(other) / "window-000002", run_dir(root) / "window-000002")
+    ok, info = verify_location(str(run_dir(root)))
+    assert not ok and any("window(s) [2]" in p and "different runs" in p for p in info["problems"]), info["problems"]
+    rep, start, exact = resume_and_finish(root, written[1], data=None)
+    fault_summary("window_of_another_seed_copied_in", 1, outcome(exact))
+    assert start == 6 and rep["window_id"] == 1 and "seed 1 != 0" in rep["unusable_copies"][2], rep
+    assert exact
+
+
+def test_checkpointer_seed_argument(written_no_data, tmp_path):
+    """`seed=` names the run's seed instead of the process's; a wrong type is one ConfigError."""
+    model, opt, sched, fb = build(seed=5)
+    with pytest.raises(tmc.ConfigError, match="seed must be"):
+        tmc.Checkpointer(model, opt, fb, sched, seed="0")
+    root = tmp_path / "root"
+    shutil.copytree(written_no_data, root)
+    with tmc.Checkpointer(model, opt, fb, sched, config(root), seed=0) as ck:
+        assert ck.resume() == 9  # the windows of seed 0 are this run's
 
 
 # ---- (a) a second job, other seed, same run id (real torchrun, 2 ranks) ------------------------------------
@@ -409,7 +502,7 @@ def test_store_fallback_after_host_loss_and_a_damaged_store_window(written, tmp_
     data = next((store / RUN / "window-000002" / "slot-02" / "rank-00000").glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:-10])  # the newest store window is torn
     got: dict = {}
-    model, opt, sched, fb = build(seed=7777)
+    model, opt, sched, fb = build(init_seed=7777)
     with tmc.Checkpointer(model, opt, fb, sched, cfg, data_identity="data=0") as ck:
         start = ck.resume()
         got[start] = state_of(model, opt, sched)

@@ -7,7 +7,7 @@ final model, optimizer state, buffers, LR and step of every rank, and every loss
 ``torch.equal`` to one fault-free run, shared by both entry points (the stock Trainer with the
 ``--override.imports`` factory and the job-file SparseTrainer train identically: tests/titan/test_titan_sparse.py).
 
-Without every process group keyed by torchrun attempt, the second or third attempt reads the previous
+Without a store of its own for every rendezvous round, the second or third attempt reads the previous
 attempt's store keys and dies in ``Gloo connectFullMesh`` or hangs (torchmoe_ckpt/distributed.py): each
 attempt here starts a new default group, device meshes and our own gloo groups, so these runs cover it.
 
@@ -145,69 +145,5 @@ def test_survives_repeated_kills(tmp_path, tmp_path_factory, env, entry, kills):
     _check(reference, tmp_path / "run", out, faults)
 
 
-# ---- the root cause, on a real TCPStore -------------------------------------------------------------------
-def test_rendezvous_store_is_keyed_by_attempt(monkeypatch):
-    """torchrun's agent hosts one store for every attempt; each attempt's workers must see only their own keys
-    (torch >= 2.5 stopped prefixing them: a restart read the previous attempt's gloo addresses)."""
-    import importlib
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from torchmoe_ckpt.distributed import key_rendezvous_by_attempt
-
-    rdzv = importlib.import_module("torch.distributed.rendezvous")
-    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=10))
-    monkeypatch.setattr(rdzv, "_create_c10d_store", rdzv._create_c10d_store)  # restored after the test
-    key_rendezvous_by_attempt()
-    key_rendezvous_by_attempt()  # idempotent: one prefix, not two
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    for attempt in (0, 1):
-        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
-        store = rdzv._create_c10d_store("127.0.0.1", server.port, 0, 1, timedelta(seconds=10))
-        store.set("rank_0", f"address of attempt {attempt}")
-    assert server.get("/torchmoe/attempt-0/rank_0") == b"address of attempt 0"
-    assert server.get("/torchmoe/attempt-1/rank_0") == b"address of attempt 1"
-    assert not server.check(["rank_0"])  # nothing unkeyed that a later attempt could read
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # no shared store: nothing to key
-    assert type(rdzv._create_c10d_store("127.0.0.1", server.port, 1, 2, timedelta(seconds=10))) is dist.TCPStore
-
-
-_LATE = """
-import os, sys
-import torch.distributed as dist
-from torchmoe_ckpt.distributed import default_group_keyed, key_groups_by_attempt
-dist.init_process_group("gloo")  # as TorchTitan's stock entry point does, before any override module is imported
-assert not default_group_keyed()
-assert key_groups_by_attempt() and default_group_keyed() and not key_groups_by_attempt()  # once
-dist.new_group(backend="gloo")
-print("ok")
-"""
-
-
-def test_a_default_group_made_before_us_keys_later_groups(tmp_path):
-    """The stock entry point's fallback: TorchTitan made the default group unkeyed; every later group is keyed."""
-    import os
-    import subprocess
-    import sys
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=10))
-    env = dict(
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(server.port),
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        TORCHELASTIC_USE_AGENT_STORE="True",
-        TORCHELASTIC_RESTART_COUNT="1",
-    )
-    proc = subprocess.run([sys.executable, "-c", _LATE], env=env, capture_output=True, text=True, timeout=50)
-    assert proc.returncode == 0 and proc.stdout.split()[-1] == "ok", proc.stderr[-3000:]
-    keys = server.list_keys()
-    default = [k for k in keys if "/torchmoe/" not in k]  # the default group's own (made before us)
-    later = [k for k in keys if "/torchmoe/attempt-1/" in k]
-    assert len(default) == 1 and later and len(default) + len(later) == len(keys), keys
+# The root cause (stale keys in torchrun's shared store) is tested on a real TCPStore in
+# tests/distributed/test_rendezvous.py.

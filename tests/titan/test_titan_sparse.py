@@ -72,6 +72,8 @@ def test_section_defaults_and_mapping():
         ({"replicas": -1}, "replicas = -1"),
         ({"enable": "yes"}, "enable = 'yes': must be a boolean"),
         ({"fault_timeout_s": -1}, "fault_timeout_s = -1"),
+        ({"fault_timeout_s": float("nan")}, "fault_timeout_s = nan: must be a finite number"),
+        ({"store_exit_wait_s": float("inf")}, "store_exit_wait_s = inf: must be a number of seconds >= 0"),
         ({"storage_options": {"key": "k"}}, "object_store_uri is empty"),
         ({"dense_export_every": 5}, "dense_export_every = 5: needs a place to write; fix: set dense_export_uri"),
         ({"dense_export_keep": -1, "dense_export_uri": "file:///tmp/x"}, "dense_export_keep = -1: must be an integer"),

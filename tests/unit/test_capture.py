@@ -69,10 +69,12 @@ def batch_for(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(step))
 
 
-def train(steps: int, seed: int = 0, tiers=None, lam=None, stop_after: int | None = None):
+def train(steps: int, init_seed: int = 0, tiers=None, lam=None, stop_after: int | None = None):
     """Train to `steps` (optionally stopping early, as if killed after `stop_after`); returns (model, opt,
-    sched, losses, ckpt)."""
-    model = Net(seed)
+    sched, losses, ckpt). `init_seed`: other initial weights for a restarted attempt; the run's seed (part of
+    its identity) is 0 either way."""
+    model = Net(init_seed)
+    torch.manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lam or (lambda s: min(1.0, (s + 1) / 3)))
 
@@ -110,7 +112,7 @@ def test_unknown_buffers_captured_and_recovered_exactly(tmp_path):
     ref = train(10)
     tiers = tmc.TierConfig(root=str(tmp_path), run_id="buffers")
     train(10, tiers=tiers, stop_after=7)  # "dies" after iteration 7: windows 1-3, 4-6 committed
-    got = train(10, seed=123, tiers=tiers)  # another init: only recovery can make it equal
+    got = train(10, init_seed=123, tiers=tiers)  # another init: only recovery can make it equal
     assert got[4].resumed.recovered_step == 6
     assert got[1].state[next(got[0].parameters())]["step"].item() == 10
     assert float(got[0].temperature) != 1.0 and int(got[0].tokens_seen) > 0
@@ -129,7 +131,7 @@ def test_extension_with_changed_schedule_is_exact(tmp_path):
     ref = train(18, lam=new)
     tiers = tmc.TierConfig(root=str(tmp_path), run_id="extend")
     train(12, tiers=tiers, lam=old)
-    got = train(18, seed=5, tiers=tiers, lam=new)
+    got = train(18, init_seed=5, tiers=tiers, lam=new)
     assert got[4].resumed.recovered_step == 12 and sorted(got[3]) == list(range(13, 19))
     assert_same(ref, got)
 

@@ -65,7 +65,7 @@ def noisy_run(steps, gen_seed, tracked, tiers=None, stop_after=None, seed=0):
         cfg = tmc.CheckpointConfig(
             tiers=tiers, window=tmc.SparseConfig(window=3), max_grad_norm=0.5, router_top_k=TOP_K
         )
-        losses, ckpt = {}, tmc.Checkpointer(model, opt, fb, None, cfg)
+        losses, ckpt = {}, tmc.Checkpointer(model, opt, fb, None, cfg, seed=0)  # `seed` varies the init only
         for step in range(ckpt.resume() + 1, steps + 1):
             losses[step] = ckpt.step(batch_for(step))
             if step == stop_after:

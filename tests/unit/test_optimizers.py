@@ -52,7 +52,7 @@ def train(kind: str, steps: int, seed: int = 0, tiers=None, stop_after: int | No
 
     cfg = tmc.CheckpointConfig(tiers=tiers, window=tmc.SparseConfig(window=3), max_grad_norm=0.5)
     losses = {}
-    ckpt = tmc.Checkpointer(model, opts, fb, scheds, cfg)
+    ckpt = tmc.Checkpointer(model, opts, fb, scheds, cfg, seed=0)  # the run's seed: `seed` varies the init only
     for step in range(ckpt.resume() + 1, steps + 1):
         losses[step] = ckpt.step(batch_for(step))
         if step == stop_after:

@@ -70,7 +70,7 @@ def train(steps, threads, seed=0, tiers=None, stop_after=None, check="exact", da
             tiers=tiers, window=tmc.SparseConfig(window=W), max_grad_norm=1.0, router_top_k=TOP_K, replay_check=check
         )
         losses, batch_for = {}, batches(data_seed)
-        ckpt = tmc.Checkpointer(model, opt, fb, None, cfg)
+        ckpt = tmc.Checkpointer(model, opt, fb, None, cfg, seed=0)  # the run's seed: `seed` varies the init only
         for step in range(ckpt.resume() + 1, steps + 1):
             losses[step] = ckpt.step(batch_for(step))
             if step == stop_after:

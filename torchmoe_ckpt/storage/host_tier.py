@@ -40,7 +40,7 @@ from .layout import (
     window_dirname,
     writer_name,
 )
-from .manifest import plan_digest, slot_record
+from .manifest import plan_digest, record_digest, slot_metadata_file, slot_record
 from .mapped_files import MappedFiles
 from .slot_files import SlotFiles, backing
 from .slot_format import CorruptCopyError, SlotLayout, read_slot, slot_items
@@ -52,6 +52,8 @@ MAX_SPARES = 16  # data files of collected windows kept per writer for reuse
 
 
 class HostTier(WindowTier):
+    orphans = None  # orphans.OrphanCopies: this host's copies under an older node numbering (build_tiers)
+
     def __init__(self, root: str | Path, run_id: str, rank: int, world_size: int):
         self.dir = Path(root) / run_id
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -148,6 +150,7 @@ class HostTier(WindowTier):
         for d in torch.load(
             self.window_dir(window_id) / replay_file(self.writer), weights_only=True, map_location="cpu"
         ):
+            self._check_record(window_id, man, d)
             rlog.add(IterationRecord.from_dict(d))
         win = Window(window_id, man.start_step, plan, slots, rlog, captured=plan.window)
         if not win.committed:
@@ -173,6 +176,7 @@ class HostTier(WindowTier):
         if not plan.sliding:
             return None
         digest, w = plan_digest(got["plan"]), window_dirname(window_id)
+        records = {d["step"]: d for d in got["records"]}
         slots = []
         for i, sp in enumerate(plan.slots[: got["slots"]]):
             slot = build_slot(i, sp.active, sp.frozen, ops, compute_dtype)
@@ -185,6 +189,9 @@ class HostTier(WindowTier):
                 run is not None and rec["run"] not in (None, run)
             ):
                 break
+            want = info.get("record")  # the slot's replay record, bound by its digest (as a committed window's)
+            if want is not None and (start_step + i not in records or record_digest(records[start_step + i]) != want):
+                break
             slot.step = start_step + i
             slot.done.set()
             slots.append(slot)
@@ -194,3 +201,15 @@ class HostTier(WindowTier):
         for d in got["records"]:
             rlog.add(IterationRecord.from_dict(d))
         return Window(window_id, start_step, plan, slots, rlog, captured=len(slots))
+
+    def _check_record(self, window_id: int, man, record: dict) -> None:
+        """A replay record must be the one its slot was written with (the digest in the slot's DCP metadata):
+        an edited record whose CRC and manifest checksum were recomputed is refused, never replayed."""
+        slot = record.get("step", -1) - man.start_step
+        rel = slot_metadata_file(man, slot) if 0 < slot < man.window else None
+        want = self.slot_info(window_id, rel).get("record") if rel is not None else None
+        if want is not None and record_digest(record) != want:
+            raise CorruptCopyError(
+                f"window {window_id}: the replay record of step {record.get('step')} is not the one slot {slot} "
+                "was written with (its digest differs: an edited or swapped record); it is not replayed"
+            )

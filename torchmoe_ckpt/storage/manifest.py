@@ -120,6 +120,28 @@ def plan_digest(plan: dict) -> str:
     return hashlib.sha256(json.dumps(plan, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
+def record_digest(record: dict) -> str:
+    """Digest of one iteration's replay record (`IterationRecord.to_dict()`): every tensor's dtype, shape and
+    bytes and every other value, in key order. Slot i of a window is written with the digest of the record of
+    its iteration (steps start+1 .. start+W-1, the ones replay uses) in its DCP metadata, so a record edited
+    after the fact (its CRC and the manifest's checksum recomputed) no longer matches the slot it belongs to."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    h = hashlib.sha256()
+    for key in sorted(record):
+        leaves, spec = tree_flatten(record[key])
+        h.update(f"{key}={spec}".encode())
+        for x in leaves:
+            if torch.is_tensor(x):
+                t = x.detach().cpu().contiguous()
+                h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            else:
+                h.update(repr(x).encode())
+    return h.hexdigest()[:32]
+
+
 def slot_record(info: dict) -> dict:
     """What a slot file was written for (kept per slot in the manifest, compared with its DCP metadata)."""
     return {k: info.get(k) for k in ("window", "slot", "step", "start_step", "run", "plan")}

@@ -205,6 +205,8 @@ class PeerTier:
         if text is None:
             return None
         man = WindowManifest.from_json(text)
+        if dest is self.tier and self.tier.node_ranks:  # now this node's own window: the ranks that write here
+            man.extra["node_ranks"] = self.tier.node_ranks
         dest.files.write_last(f"{w}/{manifest_name(dest.writer)}", man.to_json().encode())  # the copy is complete
         return man
 
@@ -258,6 +260,11 @@ class PeerTier:
             man, wdir = self.tier.manifest(window_id, src), self.tier.window_dir(window_id)
             return man, lambda rel: wdir / rel
         held = self.held(src)
+        orphans = getattr(self.tier, "orphans", None)  # copies of an older node numbering (orphans.py)
+        if orphans is not None and not held.files.exists(f"{window_dirname(window_id)}/{manifest_name(held.writer)}"):
+            got = orphans.source(window_id, src)
+            if got is not None:
+                return got
         man, wdir, own = (
             held.manifest(window_id),
             held.files.path(window_dirname(window_id)),

@@ -13,6 +13,7 @@ from ..background import stop_at_exit
 from ..snapshot import Slot
 from ..status import RunStatus
 from .host_tier import HostTier
+from .manifest import record_digest
 from .tier_health import TierHealth
 from .uploader import Uploader
 
@@ -118,7 +119,14 @@ class PersistThread:
         t0 = time.monotonic()
         if self.uploader is not None:
             self.uploader.flush(wait_s)
+        self.release_lease()
         return self.status.exit_summary(time.monotonic() - t0, wait_s, str(self.tier.dir))
+
+    def release_lease(self) -> None:
+        """A clean exit gives the object-store prefix up at once (store_lease.py), not after its lease expires."""
+        lease = getattr(self.uploader.store, "lease", None) if self.uploader is not None else None
+        if lease is not None:
+            lease.release()
 
     def shutdown(self) -> None:
         self.jobs.put(None)
@@ -195,7 +203,10 @@ class PersistThread:
                 return
             self._attempted.add(wid)
         try:
-            self.bytes_written += self.tier.write_slot(wid, slot, dict(info, step=slot.step), partial)
+            info = dict(info, step=slot.step)
+            if info.get("record") is not None:  # the iteration's replay record, bound to this slot by its digest
+                info["record"] = record_digest(info["record"].to_dict())
+            self.bytes_written += self.tier.write_slot(wid, slot, info, partial)
         except BaseException as exc:  # ENOSPC, EACCES, DCP's CheckpointException (a BaseException)
             self._give_up(wid, f"window {wid} slot {slot.index}", exc)
 

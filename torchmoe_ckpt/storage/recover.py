@@ -50,9 +50,17 @@ def recover_from_tiers(
                 f" (+{len(p) - 1} more)" if len(p) > 1 else "",
             )
     excluded: set[int] = set()
+    seen: list[set[int]] = []  # per rank: every window it could get in the first round (host, peers)
+    orphans = tier.orphans  # copies under an older node numbering (orphans.py): this rank's own part, others'
+    adopted = orphans.holdings() if orphans is not None else {}
     for i in range(rounds or 1 << 30):
-        local = [w for w in tier.window_ids() if w not in excluded and w not in report["unusable_copies"]]
+        own = set(tier.window_ids()) | set(adopted.get(tier.rank, ()))
+        local = [w for w in sorted(own) if w not in excluded and w not in report["unusable_copies"]]
         held = replicator.holdings() if replicator is not None else {}
+        if replicator is not None:  # others' parts can be sent from the orphans over the peer tier
+            for src, wids in adopted.items():
+                if src != tier.rank:
+                    held[src] = sorted(set(held.get(src, ())) | set(wids))
         everyone = all_gather_objects((local, held, report["unusable_copies"] if i == 0 else None))
         world = len(everyone)
         if i == 0:
@@ -61,6 +69,8 @@ def recover_from_tiers(
             set(everyone[r][0]).union(*(everyone[h][1].get(r, ()) for h in range(world))) - excluded
             for r in range(world)
         ]
+        if i == 0:
+            seen = [set(a) for a in avail]
         common = set.intersection(*avail)
         if not common:
             break
@@ -79,14 +89,47 @@ def recover_from_tiers(
         )
         if window is not None:
             report.update(source=src, pulled_from_peers={str(k): v for k, v in needers.items()})
+            _retire(orphans, report)
             return window, _outcome(report)
         excluded.add(wid)
-    return _from_store(tier, store, ops, compute_dtype, report, identity, use, excluded)
+    window, report = _from_store(tier, store, ops, compute_dtype, report, identity, use, excluded)
+    listed = report.pop("store_listed", None)
+    if window is None:
+        _not_every_rank(report, seen, listed)
+    else:
+        _retire(orphans, report)
+    return window, report
+
+
+def _retire(orphans, report: dict) -> None:
+    """After a successful recovery the copies of an older node numbering go (orphans.py says why)."""
+    if orphans is not None:
+        report["orphans_removed"] = [str(d) for d in orphans.run_dirs]
+        orphans.retire()
+
+
+def _not_every_rank(report: dict, seen: list[set[int]], listed: list[set[int]] | None) -> None:
+    """Windows some rank can get but another cannot, from any tier: never "no window" (a new run would start
+    and overwrite the copies that are left). Each is rejected with the ranks that have no copy, so recovery
+    refuses (UnusableCheckpointError) unless the user opted into restarts. The same on every rank (`seen` and
+    the store listing are gathered)."""
+    listed = listed or [set() for _ in seen]
+    have = [set(a) | set(b) for a, b in zip(seen, listed)] if seen else [set(b) for b in listed]
+    for wid in sorted(set().union(*have) - set(report["rejected"]), reverse=True) if have else []:
+        missing = [r for r, h in enumerate(have) if wid not in h]
+        report["rejected"][wid] = {
+            str(r): f"no copy: rank {r}'s part of window {wid} is on no tier (its host copy is gone and no peer "
+            "or object store holds it)"
+            for r in missing
+        }
+    _outcome(report)
 
 
 def _pull_and_load(tier: HostTier, replicator, wid: int, needers: dict, ops, compute_dtype, identity):
     if needers:
         replicator.pull(wid, [(holder, dst, dst) for dst, holder in needers.items()])
+    if wid not in tier.window_ids() and tier.orphans is not None and tier.orphans.copy_of(wid, tier.rank):
+        tier.orphans.copy_into(wid, tier.rank, tier)  # this rank's part, from its host's older numbering
     return tier.load_window(wid, ops, compute_dtype, identity)
 
 
@@ -167,6 +210,7 @@ def _from_store(
     except Exception as exc:  # a store that cannot be listed is a tier without windows, said in the report
         mine, why = [], _reason(exc)
     listed = all_gather_objects(mine)
+    report["store_listed"] = [set(x) for x in listed]
     if why is not None:
         report["store_unreachable"] = why
     candidates = sorted(set.intersection(*map(set, listed)) - set(excluded), reverse=True)

@@ -16,13 +16,17 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from ..config import TierConfig
+from ..background import stop_at_exit
+from ..config import DEFAULT_HOST_ROOT, TierConfig
+from ..errors import ConfigError
 from ..placement import Topology, place_replicas
 from . import run_lock
 from .host_tier import HostTier
 from .layout import node_dirname
 from .object_tier import make_store
+from .orphans import OrphanCopies
 from .peer_tier import PeerTier
+from .store_lease import StoreLease, StoreLeasedError
 
 log = logging.getLogger("torchmoe_ckpt.tiers")
 
@@ -46,15 +50,48 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
         cfg = TierConfig.from_dict(cfg)
     rpn = int(cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", world))
     run_id = cfg.resolved_run_id()
-    tier = HostTier(Path(cfg.root) / node_dirname(node_of(rank, rpn)), run_id, rank, world)
+    node_dir = Path(cfg.root) / node_dirname(node_of(rank, rpn))
+    try:
+        tier = HostTier(node_dir, run_id, rank, world)
+    except OSError as exc:  # the root is a file, under /proc, read-only or not ours: one line, before training
+        raise ConfigError(
+            f"host tier root {cfg.root!r}: cannot create the run directory {node_dir / run_id} "
+            f"({type(exc).__name__}: {exc.strerror or exc}); fix: TierConfig(root=...) a writable node-local "
+            f"directory, e.g. {DEFAULT_HOST_ROOT}"
+        ) from None
     run_lock.acquire(tier.dir, leader=rank % rpn == 0, world=world)  # one job per run directory (run_lock.py)
+    tier.orphans = OrphanCopies.find(Path(cfg.root), run_id, rank, rpn, world)  # an older numbering's copies
+    node = node_of(rank, rpn)
+    tier.node_ranks = list(range(node * rpn, min(world, (node + 1) * rpn)))  # recorded: verify expects them all
     tier.stall_policy = (cfg.stall_iterations, cfg.on_stall)  # read by its PersistThread (tier_health.py)
     store = None
     if cfg.object_store is not None:
         o = cfg.object_store
         store = make_store(o.uri, run_id, rank, o.storage_options or None, keep_windows=o.keep, format=o.format)
+        store.lease = _lease(o, run_id, rank)
     if cfg.replicas <= 0:
         return Tiers(tier, None, store)
     placement = place_replicas(Topology.from_mesh_shape(world, hsdp_replicate, rpn), cfg.replicas)
     group = dist.new_group(backend="gloo") if dist.is_initialized() else None
     return Tiers(tier, PeerTier(tier, placement, group), store)
+
+
+def _lease(o, run_id: str, rank: int) -> StoreLease | None:
+    """This job's writer lease on the store's run prefix (store_lease.py). A store that cannot be reached now is
+    the store's outage (the uploads retry and say so), not a reason to stop the job: then no lease is held."""
+    lease = StoreLease(o.uri, run_id, o.storage_options or None, o.lease_s, rank)
+    try:
+        lease.acquire()
+    except StoreLeasedError:
+        raise
+    except Exception as exc:
+        log.warning(
+            "event=store_lease_unavailable rank=%d store=%s: %s: %s; training goes on without the writer lease",
+            rank,
+            lease.where,
+            type(exc).__name__,
+            exc,
+        )
+        return None
+    stop_at_exit(lease)
+    return lease

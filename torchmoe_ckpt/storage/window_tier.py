@@ -180,7 +180,7 @@ class WindowTier:
             self.world_size,
             plan.to_dict(),
             files,
-            dict(extra, rank=self.rank),
+            dict(extra, rank=self.rank, **({"node_ranks": self.node_ranks} if self.node_ranks else {})),
             identity=identity,
             slots=records,
         )
@@ -272,6 +272,7 @@ class WindowTier:
             self.files.remove_tree(w)
 
     max_spares = 0  # data files of collected windows kept (local backends) for the next ones to be written over
+    node_ranks: list[int] | None = None  # every rank writing into this directory (a host tier's node: build_tiers)
 
     def spare_path(self) -> Path:
         return Path(self.files.path(spare_dir(self.writer)))  # an internal name: never listed as a window

@@ -1,0 +1,131 @@
+"""Copies a host still holds under node directories none of its ranks write any more: after torchrun numbered
+the hosts anew (a host died, a new one joined, c10d sorted the survivors first), a surviving host's ranks
+write `<root>/node-M/<run>` while their copies of every window, and the peer copies they held for others, sit
+in `<root>/node-N/<run>` of the old numbering. They are found by who wrote them (the writer names of their
+files and manifests), not by today's rank or node number.
+
+A node directory under this host's root is an *orphan* of this agent when no rank of this agent maps to it and
+its run lock is this job's own or stale (its holder is gone) -- a directory locked by another live agent on
+this host (two agents sharing one root) is never touched. The agent's local rank 0 reads the orphans; recovery
+(recover.py) counts their verified copies like peer copies: a rank takes its own part from them locally, and
+serves the others' parts over the peer tier. Once a recovery succeeded, the orphans are removed: their windows
+are either in the current tiers now or older than the window recovered from, and a newer leftover must never
+be mixed with the windows the new numbering writes under the same ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from . import run_lock
+from .files import LocalFiles
+from .layout import (
+    PEERS_DIR,
+    manifest_name,
+    node_dirname,
+    parse_manifest_name,
+    parse_peer_copy_name,
+    parse_window_dirname,
+    window_dirname,
+    writer_rank,
+)
+from .window_tier import WindowTier
+
+log = logging.getLogger("torchmoe_ckpt.tiers")
+REPLICA_VERIFIED = "REPLICA_VERIFIED"  # peer_tier's marker of a data-less replica copy (not usable alone)
+
+
+def agent_nodes(rank: int, ranks_per_node: int) -> set[int]:
+    """The node indices of every rank of this torchrun agent (its ranks are contiguous: LOCAL_RANK and
+    LOCAL_WORLD_SIZE say which)."""
+    local, size = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    first = rank - local
+    return {r // ranks_per_node for r in range(first, first + size)}
+
+
+class OrphanCopies:
+    """Every complete window copy in this host's orphan node directories of one run, by writer."""
+
+    def __init__(self, run_dirs: list[Path]):
+        self.run_dirs = run_dirs
+        self._copies: list[WindowTier] = []  # one per (directory, writer): its windows of that writer
+        for d in run_dirs:
+            writers = {
+                w for name in _listdir(d) if parse_window_dirname(name) is not None for w in _manifest_writers(d / name)
+            }
+            self._copies += [WindowTier(LocalFiles(d), writer_rank(w), 0) for w in sorted(writers)]
+            for holder in _listdir(d / PEERS_DIR):
+                for name in _listdir(d / PEERS_DIR / holder):
+                    if (src := parse_peer_copy_name(name)) is not None:
+                        self._copies.append(WindowTier(LocalFiles(d / PEERS_DIR / holder / name), writer_rank(src), 0))
+
+    @staticmethod
+    def find(root: Path, run_id: str, rank: int, ranks_per_node: int, world: int) -> OrphanCopies | None:
+        """This agent's orphans under `root` (only its local rank 0 reads them; None elsewhere or when none)."""
+        if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+            return None
+        mine, me = agent_nodes(rank, ranks_per_node), run_lock.this_job(world)
+        dirs = []
+        for node_dir in sorted(Path(root).glob("node-*")):
+            run_dir = node_dir / run_id
+            if node_dir.name in {node_dirname(n) for n in mine} or not run_dir.is_dir():
+                continue
+            if run_lock.held_by_another_job(run_dir, me):  # a live agent's of this host: never touched
+                continue
+            dirs.append(run_dir)
+        return OrphanCopies(dirs) if dirs else None
+
+    def _usable(self, copy: WindowTier, wid: int) -> bool:
+        if copy.files.exists(f"{window_dirname(wid)}/{REPLICA_VERIFIED}"):
+            return False  # its data files are the old holder's own: not a copy that stands alone
+        return not copy.verify(wid)
+
+    def holdings(self) -> dict[int, list[int]]:
+        """writer rank -> windows of it that verify here."""
+        out: dict[int, set[int]] = {}
+        for c in self._copies:
+            out.setdefault(c.rank, set()).update(w for w in c.window_ids() if self._usable(c, w))
+        return {r: sorted(ws) for r, ws in out.items() if ws}
+
+    def copy_of(self, wid: int, src: int) -> WindowTier | None:
+        return next((c for c in self._copies if c.rank == src and wid in c.window_ids() and self._usable(c, wid)), None)
+
+    def source(self, wid: int, src: int):
+        """(manifest, rel -> path) of writer `src`'s copy of window `wid` (what the peer tier sends), or None."""
+        c = self.copy_of(wid, src)
+        if c is None:
+            return None
+        wdir = Path(c.files.path(window_dirname(wid)))
+        return c.manifest(wid), lambda rel: wdir / rel
+
+    def copy_into(self, wid: int, src: int, tier) -> None:
+        """Writer `src`'s copy of `wid` into `tier` (this rank's own window now), every file, the manifest last."""
+        man, path = self.source(wid, src)
+        w = window_dirname(wid)
+        for rel in sorted(man.files):
+            dest = tier.files.path(f"{w}/{rel}")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path(rel), dest)  # a copy, not a link: the tier later writes over collected files
+        if tier.node_ranks:  # now a window of the node this rank writes today
+            man.extra["node_ranks"] = tier.node_ranks
+        tier.files.write_last(f"{w}/{manifest_name(tier.writer)}", man.to_json().encode())
+
+    def retire(self) -> None:
+        """Remove the orphan directories (after a successful recovery: see the module docstring)."""
+        for d in self.run_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        log.info("event=orphans_removed dirs=%s: copies of the old node numbering, no longer needed", self.run_dirs)
+
+
+def _listdir(d: Path) -> list[str]:
+    try:
+        return sorted(os.listdir(d))
+    except OSError:
+        return []
+
+
+def _manifest_writers(window_dir: Path) -> set[str]:
+    return {w for name in _listdir(window_dir) if (w := parse_manifest_name(name)) is not None}

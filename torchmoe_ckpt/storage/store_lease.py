@@ -1,0 +1,136 @@
+"""One writing job per run prefix of an object store: a lease, `<uri>/<run>/LEASE.json`.
+
+The run lock (run_lock.py) keeps a second job out of a host directory, but two jobs with the same run id on
+different hosts (or host roots) met in the store: each uploaded its windows under the same prefix, and one
+later recovered the other's window. The job that writes a prefix holds its lease and renews it every
+`lease_s / 3` seconds (a daemon thread on rank 0); a lease not renewed for `lease_s` is gone (its job died),
+and a clean exit releases it. A job is torchrun's run id (every rank and every restart of one launch share
+it), else this process.
+
+At start, rank 0 takes the lease when it is free, this job's own or expired; every rank refuses, in one line,
+a lease of another job that is renewed while it watches (a live writer); a lease that is neither renewed nor
+expired is waited on until it expires (at most `lease_s`: the job that held it died moments ago). Stores have
+no compare-and-swap that every fsspec backend offers, so a take-over is written and then read back after a
+pause: of two jobs that wrote at once, the one that reads another's lease yields (and is refused while the
+other renews).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+
+from ..errors import ConfigError
+from .store_open import open_store
+
+log = logging.getLogger("torchmoe_ckpt.store_lease")
+LEASE_NAME = "LEASE.json"
+SETTLE_S = 0.3  # written, then read back after this long (two writers at once: the later one wins)
+
+
+class StoreLeasedError(ConfigError):
+    """Another live job writes this run's prefix of the object store; the message names it and the fix."""
+
+
+def this_job() -> str:
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    return f"torchrun:{run}" if run and run != "none" else f"process:{socket.gethostname()}:{os.getpid()}"
+
+
+class StoreLease:
+    def __init__(self, uri: str, run_id: str, storage_options: dict | None, lease_s: float, rank: int):
+        self.fs, root = open_store(uri, storage_options, probe=False)
+        run = run_id.strip("/")
+        self.path = f"{root.rstrip('/')}/{run}/{LEASE_NAME}" if run else f"{root.rstrip('/')}/{LEASE_NAME}"
+        self.where = f"{uri.rstrip('/')}/{run}" if run else uri
+        self.lease_s, self.rank, self.job = float(lease_s), rank, this_job()
+        self.nonce = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- the lease file -----------------------------------------------------------------------------------
+    def read(self) -> dict | None:
+        try:
+            return json.loads(self.fs.cat_file(self.path))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return {"job": "unreadable", "renewed": 0.0, "lease_s": 0.0}
+
+    def _write(self) -> None:
+        body = {"job": self.job, "nonce": self.nonce, "host": socket.gethostname(), "pid": os.getpid()}
+        body.update(renewed=time.time(), lease_s=self.lease_s)
+        self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)  # a local store's run directory may not exist
+        self.fs.pipe_file(self.path, json.dumps(body).encode())
+
+    @staticmethod
+    def _expired(lease: dict) -> bool:
+        return time.time() - float(lease.get("renewed", 0.0)) > float(lease.get("lease_s", 0.0))
+
+    # ---- start ----------------------------------------------------------------------------------------------
+    def acquire(self) -> None:
+        """Rank 0 takes the lease (and renews it from now on); the other ranks only judge it. Raises
+        StoreLeasedError (one line) when another live job holds it."""
+        first = self.read()
+        deadline = time.monotonic() + self.lease_s * 1.5 + 1.0
+        while True:
+            cur = self.read()
+            if cur is None or cur.get("job") == self.job or self._expired(cur):
+                if self.rank != 0:
+                    return  # rank 0 takes it (or has taken it) for this job
+                self._write()
+                time.sleep(SETTLE_S)
+                back = self.read()
+                if back is not None and back.get("nonce") == self.nonce:
+                    self._start_renewing()
+                    return
+                first = back  # another job wrote at the same time: judge it
+                continue
+            if first is not None and cur.get("renewed") != first.get("renewed"):
+                raise self._refusal(cur)  # renewed while we watched: its job is alive
+            if time.monotonic() > deadline:
+                raise self._refusal(cur)
+            time.sleep(min(1.0, self.lease_s / 10))
+
+    def _refusal(self, cur: dict) -> StoreLeasedError:
+        return StoreLeasedError(
+            f"object store prefix {self.where} is written by another job ({cur.get('job')}, pid {cur.get('pid')} "
+            f"on host {cur.get('host')}, renewed {time.time() - float(cur.get('renewed', 0)):.1f} s ago): two jobs "
+            "on one run would mix their windows; give this job another run_id (TierConfig.run_id, [sparse_checkpoint] "
+            "run_id), or stop that job (its lease expires "
+            f"{cur.get('lease_s')} s after its last renewal)"
+        )
+
+    # ---- renewal and release (rank 0) -----------------------------------------------------------------------
+    def _start_renewing(self) -> None:
+        def loop() -> None:
+            while not self._stop.wait(self.lease_s / 3):
+                try:
+                    self._write()
+                except Exception as exc:  # a store outage: the uploads say so too; renewed when it is back
+                    log.debug("lease renewal of %s failed: %s", self.path, exc)
+
+        self._thread = threading.Thread(target=loop, name="tmoe-store-lease", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """At a clean exit: stop renewing and remove the lease (a relaunch need not wait for it to expire)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(2.0)
+        self._thread = None
+        try:
+            cur = self.read()
+            if cur is not None and cur.get("nonce") == self.nonce:
+                self.fs.rm_file(self.path)
+        except Exception as exc:  # the store is down at exit: the lease expires by itself
+            log.debug("lease release of %s failed: %s", self.path, exc)
+
+    def stop(self, timeout_s: float) -> None:  # background.stop_at_exit: stop renewing, the lease then expires
+        self._stop.set()
