@@ -3,7 +3,7 @@
 ``SparseTrainer`` is a ``torchtitan.trainer.Trainer`` whose ``Config`` adds one field,
 ``sparse_checkpoint`` (:class:`titan_integration.sparse_config.SparseCheckpointSection`), and builds its
 checkpointer as a :class:`titan_integration.checkpoint_manager.SparseCheckpointManager`. A stock Trainer
-becomes one through ``--override.imports`` (:mod:`titan_integration.overrides`, :meth:`SparseTrainer.adopt`).
+becomes one through ``--override.imports`` (:func:`titan_integration.overrides.adopt`).
 With ``enable = false`` it trains exactly like the stock Trainer. With ``enable = true``:
 
 * every iteration runs :meth:`SparseTrainer.sparse_step` -- TorchTitan's own ``train_step`` body (same
@@ -92,9 +92,11 @@ class SparseTrainer(Trainer):
 
     def __init__(self, config: Config):
         super().__init__(config)  # builds self.checkpointer (a SparseCheckpointManager)
-        self._init_sparse(config.sparse_checkpoint)
+        self.init_sparse(config.sparse_checkpoint)
 
-    def _init_sparse(self, section: SparseCheckpointSection, check: bool = True) -> None:
+    def init_sparse(self, section: SparseCheckpointSection, check: bool = True) -> None:
+        """Our part of the trainer: called once Trainer.__init__ has built model, optimizer, data loader and
+        checkpointer (from ``__init__``, or from ``overrides.adopt`` for a stock Trainer)."""
         restart_timing.mark("model_built")  # called once Trainer.__init__ has built model, optimizer, data loader
         if check and section.enable and not isinstance(self.checkpointer, SparseCheckpointManager):
             raise TypeError(
@@ -116,27 +118,6 @@ class SparseTrainer(Trainer):
         self._watchdog = None
         self._pp = None  # TitanPipeline under pipeline parallelism
         self._resume_iter = None
-
-    @classmethod
-    def adopt(cls, trainer: Trainer, section: SparseCheckpointSection) -> None:
-        """Turn a stock ``Trainer`` that is still being built into a SparseTrainer (the ``--override.imports``
-        path, where TorchTitan, not we, chose the Trainer class). Called from SparseCheckpointManager's
-        constructor, i.e. from inside ``Trainer.__init__``; ``train()`` runs ours afterwards."""
-        if isinstance(trainer, cls):
-            if trainer.config.sparse_checkpoint.enable:
-                raise ValueError(
-                    "sparse checkpointing is configured twice ([sparse_checkpoint] in the job file and "
-                    "--override.imports); fix: keep one of them"
-                )
-            trainer.config.sparse_checkpoint = section
-            return
-        if type(trainer) is not Trainer:
-            raise TypeError(
-                f"--override.imports sparse checkpointing needs TorchTitan's own Trainer, got "
-                f"{type(trainer).__name__}; fix: use titan_integration.train --config job.toml instead"
-            )
-        trainer.__class__ = cls  # same instance layout: Trainer plus the attributes _init_sparse adds
-        trainer._init_sparse(section, check=False)  # the caller is the SparseCheckpointManager being built
 
     def init_distributed(self):
         """TorchTitan's own init_distributed with a store of this rendezvous round for every process group (the

@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     pipeline_compat.install()
     from titan_integration import restart_timing
 
-    standby.start()  # first attempt, TORCHMOE_STANDBY=1: fork this rank's standby, every import done
+    standby.start(main)  # first attempt, TORCHMOE_STANDBY=1: fork this rank's standby, every import done
     restart_timing.mark("titan_main")  # every import and check done: TorchTitan's own start from here
     sys.argv = [sys.argv[0]] + args
     try:
