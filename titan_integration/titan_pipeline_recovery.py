@@ -169,9 +169,7 @@ class TitanPipeline:
             t = moe.tokens_per_expert_E
             (t.to_local() if hasattr(t, "to_local") else t).zero_()
         if tr.sparse is not None:
-            tr.sparse.engine.wait()
-            if tr.sparse.tier_writer is not None:
-                tr.sparse.tier_writer.flush()
+            tr.sparse.flush(commit=False)  # the copy in flight and what the host tier has queued; no collective
         self.log.flush()
         step = self.completed
         tr.set_lr_step(step)

@@ -25,6 +25,7 @@ from .identity import RunIdentity, build_identity
 from .operators import Operator, agreed_sizes, discover_operators, expert_grid
 from .optim_state import describe_optimizer_state
 from .popularity import PopularityTracker, order_experts, reorder_needed
+from .recovery import ResumeResult
 from .replay_log import IterationRecord
 from .schedule import CopyCost, WindowPlan, choose_window, copy_budget, measure_copy_bandwidth, plan_window
 from .slot_pool import SlotPool
@@ -34,46 +35,53 @@ from .storage.host_tier import HostTier
 from .storage.manifest import plan_digest
 from .storage.persist_thread import PersistThread
 from .storage.slot_files import all_free, backing
+from .storage.tiers import Tiers
 from .window import SlidingSuffix, Window, sliding_suffix
 
 log = logging.getLogger("torchmoe_ckpt")
 DIRECT_SETS = 6  # shared-memory slot sets kept per plan: committed + being written + upload backlog + current
 
 
-_SAME_GROUP = object()  # agree_group not given: the planning group
+SAME_GROUP = object()  # agree_group not given: the planning group
 _PROBED: dict[str, float] = {}  # the idle copy bandwidth, measured once per process (agreed across ranks)
 
 
 class SparseCheckpointer:
+    """Per-iteration sparse checkpointing of one rank: `after_step` after every optimizer step; `close()` at the
+    end (or `abandon()` for an emulated death). Owns its threads: the copy thread (snapshot.py) and, with tiers,
+    the persist and upload threads (storage/persist_thread.py); `close`/`abandon` stop all of them."""
+
     def __init__(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         compute_dtype: torch.dtype,
         cfg: SparseConfig | None = None,
-        group: dist.ProcessGroup | None = None,
-        committed: Window | None = None,
-        host_tier=None,
-        replicator=None,
-        store=None,
-        first_window_id: int | None = None,
-        agree_group: dist.ProcessGroup | None | object = _SAME_GROUP,
-        ops: list[Operator] | None = None,
+        *,
+        tiers: Tiers | None = None,
+        resumed: ResumeResult | None = None,
         identity: RunIdentity | None = None,
+        ops: list[Operator] | None = None,
+        group: dist.ProcessGroup | None = None,
+        agree_group: dist.ProcessGroup | None | object = SAME_GROUP,
         sum_counts: bool = False,
     ):
-        """`group`: the ranks that plan windows together (same operators). `agree_group` (default: `group`;
-        None = all ranks): the ranks that agree on the retention floor and copy bandwidth, wider under
-        pipeline parallelism (every stage keeps the windows any stage may need). `first_window_id`: where
-        window ids start when windows already exist on the tiers (default: after `committed`, else 0). `ops`: the
-        model's operators when the caller discovered them already (e.g. with an `OperatorSpec`). `identity`: the
-        run identity written into every manifest and slot (default: built from the model, optimizer, compute
-        dtype and world size, with the host tier's run id); recovery refuses windows of another identity.
-        `sum_counts`: the routed-token counts in `after_step`'s results are this rank's own; they are summed over
-        `group`'s ranks here, once per window (default: they are summed over the ranks already)."""
+        """`tiers` (storage.tiers.build_tiers): where slots and windows are persisted (None: in this process only).
+        `resumed` (recovery.recover, or a start-up hook): the window recovered, kept as the recovery fallback until
+        the next one commits, and where new window ids start (`next_window_id`; default: after that window, else
+        0). `identity`: the run identity written into every manifest and slot (default: built from the model,
+        optimizer, compute dtype and world size, with the host tier's run id); recovery refuses windows of another
+        identity. `ops`: the model's operators when the caller discovered them already (e.g. with an
+        `OperatorSpec`). `group`: the ranks that plan windows together (same operators). `agree_group` (default:
+        `group`; None = all ranks): the ranks that agree on the retention floor and copy bandwidth, wider under
+        pipeline parallelism (every stage keeps the windows any stage may need). `sum_counts`: the routed-token
+        counts in `after_step`'s results are this rank's own; they are summed over `group`'s ranks here, once per
+        window (default: they are summed over the ranks already)."""
+        host_tier = tiers.host if tiers is not None else None
+        committed = resumed.window if resumed is not None else None
         self.cfg = cfg or SparseConfig()
         self.group = group
-        self.agree_group = group if agree_group is _SAME_GROUP else agree_group
+        self.agree_group = group if agree_group is SAME_GROUP else agree_group
         self.compute_dtype = compute_dtype
         self.ops: list[Operator] = ops if ops is not None else discover_operators(model)
         describe_optimizer_state(model, self.ops, optimizer)  # slot layout and sizes from the real optimizer state
@@ -110,11 +118,11 @@ class SparseCheckpointer:
         self.tier_writer = None
         if host_tier is not None and not isinstance(host_tier, HostTier):
             raise ConfigError(
-                f"host_tier must be a HostTier, got {type(host_tier).__name__}: build the tiers with "
+                f"tiers.host must be a HostTier, got {type(host_tier).__name__}: build the tiers with "
                 "build_tiers(TierConfig(...)), or use torchmoe_ckpt.Checkpointer, which owns them"
             )
         if host_tier is not None:
-            self.tier_writer = PersistThread(host_tier, replicator, store)
+            self.tier_writer = PersistThread(host_tier, tiers.replicator, tiers.store)
         self._order: list[str] | None = None
         self._order_freq: torch.Tensor | None = None
         # Slot buffer sets by plan, reused. With the host tier on CPU they are views of shared-memory data files
@@ -125,7 +133,9 @@ class SparseCheckpointer:
         # Otherwise slots are assembled from per-operator groups of buffers (slot_pool.py): a reorder or a new W
         # reuses them whole instead of rebuilding ~2,000 items on the training thread at each window start.
         self._groups = SlotPool(self.op_by_name, self.compute_dtype, self.pin_memory) if self._direct is None else None
-        self._next_id = first_window_id if first_window_id is not None else (committed.id + 1) if committed else 0
+        first_id = resumed.next_window_id if resumed is not None else None
+        self._next_id = first_id if first_id is not None else (committed.id + 1) if committed else 0
+        self._closed = False
         self.t_iter: float | None = None
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._level = logging.INFO if self._rank == 0 else logging.DEBUG  # one line per window, not one per rank
@@ -232,15 +242,64 @@ class SparseCheckpointer:
         self.counters["slots"] += 1
         self.counters["slot_bytes"].append(self._cur_slot_bytes[t - cur.start_step])
 
-    def close(self) -> None:
-        self.engine.wait_done()
-        self._observe_copy()
-        self._maybe_commit()
+    # ---- lifecycle -----------------------------------------------------------------------------------
+    def flush(self, commit: bool = True) -> None:
+        """Finish the copy in flight and commit the window it completes (collective, like `after_step`), then wait
+        until the host tier has written every slot and commit queued (not the uploads). Training may go on.
+        `commit=False` (a peer failed: no collective): the copy in flight and what is queued only."""
+        if commit:
+            self.engine.wait_done()
+            self._observe_copy()
+            self._maybe_commit()
+        else:
+            self.engine.wait()
+        if self.tier_writer is not None:
+            self.tier_writer.flush()
+
+    def close(self, upload_timeout_s: float = 30.0) -> dict | None:
+        """The end of training: `flush()`, then give the object store up to `upload_timeout_s` seconds to take the
+        pending uploads (what it has not taken stays on the host tier; the next run with this run id uploads it),
+        give its writer lease up, log the exit summary (status.py) and stop the copy, persist and upload threads.
+        Returns the exit summary (None without tiers). Idempotent. When the flush raises (a copy that failed),
+        only the copy thread is stopped: then `stop()` (or `abandon()`, an emulated death) ends the others."""
+        if self._closed:
+            return None
+        try:
+            self.flush()
+        except BaseException:
+            self.engine.shutdown()
+            raise
+        summary = self.tier_writer.finish(upload_timeout_s) if self.tier_writer is not None else None
+        self.stop()
+        return summary
+
+    def stop(self) -> None:
+        """Stop the threads without waiting for anything (after an error: no flush, no collective): the persist
+        thread still writes what it has queued, then ends (at interpreter exit it gets up to background.JOIN_S
+        for that); the upload thread stops now. Idempotent; `close` ends with it."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.shutdown()
+        if self.tier_writer is not None:
+            self.tier_writer.shutdown()
+
+    def abandon(self, upload_wait_s: float = 0.0) -> None:
+        """Emulate this process dying (the harness's in-process crash, tests): the copy thread stops, the persist
+        thread drops what it has queued (a job already running finishes) and stops, nothing more is committed. The
+        object store gets up to `upload_wait_s` seconds for the windows already handed to it (a test that wants
+        them there), then the upload thread stops. This object cannot be used afterwards (build another)."""
+        self._closed = True
+        self.engine.shutdown()
+        if self.tier_writer is not None:
+            self.tier_writer.abandon(upload_wait_s)
 
     def abandon_window(self) -> None:
         """Finish the copy in flight, then drop the window being filled if it is not complete (its buffers go
         back to the pool): the next `after_step` starts a new window. For a loop that pauses checkpointing."""
-        self.close()
+        self.engine.wait_done()
+        self._observe_copy()
+        self._maybe_commit()
         self._drop_current()
 
     def _drop_current(self) -> None:
@@ -368,11 +427,11 @@ class SparseCheckpointer:
         elif old is not None and self._groups is not None:
             self._groups.forget(old.slots)
 
-    def _agree(self, value: float, op, group: object = _SAME_GROUP) -> float:
+    def _agree(self, value: float, op, group: object = SAME_GROUP) -> float:
         if not dist.is_initialized():
             return value
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=op, group=library_group(self.agree_group if group is _SAME_GROUP else group))
+        dist.all_reduce(t, op=op, group=library_group(self.agree_group if group is SAME_GROUP else group))
         return float(t.item())
 
     def _update_popularity(self) -> None:

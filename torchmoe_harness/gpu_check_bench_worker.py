@@ -51,25 +51,18 @@ class OursHostTier(Ours):
     def __init__(self, trainer, root: str, window: int | None = None, overlap: float = 1.0):
         host = {"root": root, "run_id": Path(root).name}
         self.cfg = SparseConfig(window=window, overlap=overlap)
-        tier, replicator, store = build_tiers(host, trainer.rank, trainer.world, trainer.cfg.hsdp)
         self.ck = SparseCheckpointer(
             trainer.model,
             trainer.optimizer,
             trainer.compute_dtype,
             self.cfg,
-            host_tier=tier,
-            replicator=replicator,
-            store=store,
+            tiers=build_tiers(host, trainer.rank, trainer.world, trainer.cfg.hsdp),
             identity=run_identity(trainer, host),
         )
         self._attached = None
 
     def close(self) -> None:
-        self.ck.close()
-        if self.ck.tier_writer is not None:
-            self.ck.tier_writer.finish(30.0)
-            self.ck.tier_writer.shutdown()
-        self.ck.engine.shutdown()
+        self.ck.close(upload_timeout_s=30.0)
 
 
 def build(kind: str, params: dict, trainer: Trainer, workdir: Path):

@@ -52,7 +52,6 @@ def test_in_place_loss_recovers_exactly_with_phases(one_rank_group):
     bad = [k for k in a if not torch.equal(a[k], b[k])]
     assert not bad, bad[:5]
     assert all(torch.equal(losses[s], ref_losses[s]) for s in range(1, 13))
-    ck.engine.shutdown()
 
 
 @pytest.mark.parametrize("fail_after,recovered,replayed", [(8, 8, 2), (7, 7, 2), (6, 6, 2), (2, 0, 0)])
@@ -79,7 +78,7 @@ def test_sliding_window_loses_only_the_failed_iteration(one_rank_group, fail_aft
     rep = ck.recover_in_memory(tr)
     if recovered == 0:
         assert rep is None
-        ck.engine.shutdown()
+        ck.stop()
         return
     assert (rep.recovered_step, rep.replayed_iterations, tr.step) == (recovered, replayed, recovered)
     _train(tr, ck, 12, losses)
@@ -89,7 +88,6 @@ def test_sliding_window_loses_only_the_failed_iteration(one_rank_group, fail_aft
     bad = [k for k in a if not torch.equal(a[k], b[k])]
     assert not bad, bad[:5]
     assert all(torch.equal(losses[s], ref_losses[s]) for s in range(1, 13))
-    ck.engine.shutdown()
 
 
 def test_frozen_experts_get_no_weight_gradient_and_active_ones_theirs(one_rank_group):
@@ -131,4 +129,3 @@ def test_bandwidth_probe_once_per_process_and_never_when_given(one_rank_group, m
     assert forced.bandwidth is None and given.bandwidth == 1e9
     for ck in (forced, given, *auto):
         ck.close()
-        ck.engine.shutdown()
