@@ -2,9 +2,11 @@
 fails or falls behind (once per change of state, and a line when it recovers), a summary at exit, and a line
 after a recovery. TorchTitan style: rank 0 speaks, other ranks log the same lines at DEBUG (a rank's own
 failure is logged by `tier_health.TierHealth` on that rank): a window line is rank 0's commit, not every rank's.
+A window line ends with the host memory the rank's checkpointer holds (host_memory.py: "; host memory X of LIMIT")
+when the checkpointer gives one (`RunStatus.memory`).
 Logger "torchmoe_ckpt", lines start "torchmoe:".
 
-    torchmoe: window 3 steps 7..8 bytes 2.3 MiB host ok peers 1/1 store uploaded (lag 0.08 s)
+    torchmoe: window 3 steps 7..8 bytes 2.3 MiB host ok peers 1/1 store uploaded (lag 0.08 s); host memory 9.4 MiB
     torchmoe: window 4 steps 9..10 bytes 2.3 MiB host ok peers 1/1 store pending (2 behind, lag 6.1 s)
     torchmoe: object store failing: upload of window 4: EndpointConnectionError: ...; training goes on ...
     torchmoe: object store back: window 5 uploaded after 7 failed attempt(s) in 12.3 s; catching up
@@ -60,6 +62,7 @@ class RunStatus:
         self._fail_since: float | None = None
         self._failed_attempts = 0
         self._lock = threading.Lock()
+        self.memory = None  # () -> "host memory X of LIMIT" (host_memory.HostMemory.line), set by the checkpointer
 
     def say(self, text: str, level: int | None = None) -> None:
         self.lines.append(text)
@@ -89,7 +92,8 @@ class RunStatus:
         if self.peers is not None:
             ok = self.peers if self._peers_ok is None else self._peers_ok
             text += f" peers {ok}/{self.peers}"
-        return text + (f" store {store}" if store is not None else "")
+        text += f" store {store}" if store is not None else ""
+        return text + (f"; {self.memory()}" if self.memory is not None else "")
 
     def _pending_text(self) -> str:
         oldest = min(self.pending.values(), default=time.monotonic())

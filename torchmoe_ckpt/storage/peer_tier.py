@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .. import faults
+from . import usage
 from .files import LocalFiles
 from .layout import (
     held_copies_dir,
@@ -48,7 +49,6 @@ from .spare_files import place_new_file, pwrite_all
 from .window_tier import WindowTier
 
 log = logging.getLogger("torchmoe_ckpt.peer_tier")
-MAX_SPARES = 8  # data files of collected peer copies kept per sender for reuse
 REPLICA_VERIFIED = "REPLICA_VERIFIED"  # in a replica's copy: its slot data is the receiver's own
 
 
@@ -143,12 +143,32 @@ class PeerTier:
         self.replica_verified = 0
         self.replica_mismatch = 0
         self.inbox, self.outbox = Inbox(), Buffer()
+        self._window_files: dict[int, int] = {}  # sender -> data files of its newest copy held here
 
     def held(self, src: int) -> WindowTier:
         """The copies of `src`'s windows this writer holds, as a tier of their own (list, verify, read)."""
         held = WindowTier(LocalFiles(self.tier.dir / peer_copy_dir(self.tier.writer, writer_name(src))), src, 0)
-        held.max_spares = MAX_SPARES  # collected copies' data files are written over by the next ones
+        # collected copies' data files are written over by the next ones: the host tier's `spare_windows` of them
+        held.max_spares = self._spare_limit(src)
         return held
+
+    def trim_spares(self) -> int:
+        """Delete the spare data files of every copy held here (memory pressure); returns their bytes."""
+        return sum(self.held(src).trim_spares() for src in self.sources())
+
+    def _spare_limit(self, src: int) -> int:
+        return getattr(self.tier, "spare_windows", 1) * self._window_files.get(src, 0)
+
+    def host_bytes(self) -> dict[str, int]:
+        """What this writer holds for others, from the file system (copies, their spares), and its two transfer
+        buffers."""
+        root, seen = self.tier.dir / held_copies_dir(self.tier.writer), set()
+        spare = sum(usage.tree_bytes(d, seen) for d in root.glob("from-*/.spare"))
+        return {
+            "peer_copies": usage.tree_bytes(root, seen),
+            "peer_spares": spare,
+            "peer_buffers": self.inbox.t.numel() + self.outbox.t.numel(),
+        }
 
     # ---- push (after each commit; collective over the group) ----------------------------------------------
     def push(self, window_id: int, manifest: WindowManifest | None) -> None:
@@ -169,6 +189,9 @@ class PeerTier:
             elif me == dst:
                 held = self.held(src)
                 theirs = self._receive(src, held, window_id)
+                if theirs is not None:
+                    self._window_files[src] = sum(map(is_data_file, theirs.files))
+                    held.max_spares = self._spare_limit(src)
                 if replica and theirs is not None:
                     self._verify_replica(window_id, theirs, held)
                 self._collect(held, window_id)

@@ -49,6 +49,7 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
     tier = HostTier(Path(cfg.root) / node_dirname(node_of(rank, rpn)), run_id, rank, world)
     run_lock.acquire(tier.dir, leader=rank % rpn == 0, world=world)  # one job per run directory (run_lock.py)
     tier.stall_policy = (cfg.stall_iterations, cfg.on_stall)  # read by its PersistThread (tier_health.py)
+    tier.upload_backlog, tier.spare_windows = cfg.upload_backlog, cfg.spare_windows  # host memory (host_memory.py)
     store = None
     if cfg.object_store is not None:
         o = cfg.object_store

@@ -185,6 +185,7 @@ class WindowTier:
         )
         faults.point("manifest")
         self.files.write_last(f"{w}/{manifest_name(self.writer)}", man.to_json().encode())  # the commit
+        self.window_data_files = sum(map(is_data_file, files))
         for key in [k for k in self._written if k[0] <= window_id]:
             del self._written[key]
         return man
@@ -253,6 +254,7 @@ class WindowTier:
             self.files.remove_tree(w)
 
     max_spares = 0  # data files of collected windows kept (local backends) for the next ones to be written over
+    window_data_files = 0  # data files of the newest window this writer committed (spare limits derive from it)
 
     def spare_path(self) -> Path:
         return Path(self.files.path(spare_dir(self.writer)))  # an internal name: never listed as a window
@@ -262,6 +264,15 @@ class WindowTier:
         page-cache or shared-memory pages are reused instead of being allocated and zeroed again."""
         files = spares(self.spare_path()) if self.max_spares else []
         return min(files, key=lambda f: abs(f.stat().st_size - nbytes)) if files else None
+
+    def trim_spares(self) -> int:
+        """Delete every spare data file (memory pressure); returns their bytes. Only while nothing writes here."""
+        n = 0
+        for f in spares(self.spare_path()):
+            n += f.stat().st_size
+            self._forget(f)
+            f.unlink(missing_ok=True)
+        return n
 
     def _discard(self, rels: list[str], window_dir: str) -> None:
         """Remove a collected window's files, keeping (bounded) its data files as spares."""
