@@ -130,7 +130,7 @@ class _Full(Exception):
     """The arena of a set cannot hold the groups a plan needs."""
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (list.remove): its fields hold tensors
 class _Set:
     arena: Arena
     groups: dict[tuple, list[Group]] = field(default_factory=dict)  # every group carved in the arena
@@ -196,8 +196,9 @@ class ArenaSlotPool(SlotAllocator):
         return pow2ceil(need) if self.pin_memory else int(need * (1 + HEADROOM)) + ALIGN
 
     def has_free(self, plan: WindowPlan) -> bool:
+        need = self.set_need(plan)
         with self.lock:
-            return any(self._writer_done(s.ticket) for s in self.sets)
+            return any(self._writer_done(s.ticket) and s.arena.capacity >= need for s in self.sets)
 
     def trim(self) -> int:
         with self.lock:

@@ -165,7 +165,7 @@ def all_free(slots: list[Slot]) -> bool:
     return all(b is None or b.free() for b in map(backing, slots))
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (list.remove): its fields hold tensors
 class _FileSet:
     slots: list[Slot]
     sig: tuple
@@ -254,8 +254,12 @@ class FileSlotPool(SlotAllocator):
         return got
 
     def has_free(self, plan: WindowPlan) -> bool:
+        """A free set of this plan, or free sets whose files are as large as the plan's (recycled whole)."""
+        sig, need = signature(plan), self.set_bytes(plan)
         with self.lock:
-            return any(self._free(s) for s in self.sets) or self.fallback.has_free(plan)
+            free = [s for s in self.sets if self._free(s)]
+            held = sum(os.fstat(b.fd).st_blocks * 512 for s in free for b in map(backing, s.slots) if b)
+            return any(s.sig == sig for s in free) or held >= need or self.fallback.has_free(plan)
 
     def trim(self) -> int:
         with self.lock:
