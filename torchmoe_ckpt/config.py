@@ -21,7 +21,7 @@ from .storage.store_open import StoreConfigError, check_uri
 __all__ = ["ConfigError", "SparseConfig", "ObjectStoreConfig", "TierConfig", "CheckpointConfig", "DEFAULT_HOST_ROOT"]
 
 DEFAULT_HOST_ROOT = "/dev/shm/torchmoe-ckpt"
-HOST_BUFFERS = ("auto", "shm-registered")  # SparseConfig.host_buffers (slot_alloc.py)
+HOST_BUFFERS = ("auto", "arena", "shm-registered")  # SparseConfig.host_buffers (slot_alloc.py)
 STORE_FORMATS = ("dcp", "tensorstore")
 UNUSABLE_POLICIES = ("fail", "restart")  # CheckpointConfig.on_unusable_checkpoint (resume.recover's on_unusable)
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -45,8 +45,9 @@ class SparseConfig:
     host_memory_limit: int | str | None = None
     max_window: int | None = None  # auto W never above this (a smaller W holds fewer bytes per window)
     # Slot buffers (slot_alloc.py): "auto" (shared-memory slot files on CPU with a host tier, one pinned arena per
-    # slot set on CUDA) | "shm-registered" (CUDA: the slot files, page-locked with cudaHostRegister; opt-in,
-    # unmeasured: docs/gpu.md)
+    # slot set on CUDA) | "arena" (one arena per slot set, pinned on CUDA, the host tier copies it into its files:
+    # CUDA's default, also on CPU) | "shm-registered" (CUDA: the slot files, page-locked with cudaHostRegister;
+    # opt-in, unmeasured: docs/gpu.md)
     host_buffers: str = "auto"
 
     def __post_init__(self):

@@ -144,8 +144,14 @@ class HostMemory:
                 out["window_files"] = 3 * (F + small)
                 out["upload_backlog"] = backlog * (F + small)
                 out["spares"] = spare_w * F
-        if senders:
-            out["peer_copies"] = senders * ((2 + spare_w) * F + 2 * small)
+        if senders:  # per sender: two copies held, and the arriving one or the collected one's spares
+            out["peer_copies"] = senders * (2 + max(1, spare_w)) * (F + small)
+            from .storage.peer_tier import CHUNK  # each of the peer tier's two transfer buffers at most
+
+            out["peer_buffers"] = 2 * min(CHUNK, F)
+        store = None if tw is None or tw.uploader is None else tw.uploader.store
+        if store is not None and getattr(store, "in_memory", lambda: False)():  # a local store on tmpfs
+            out["store_files"] = (store.keep + 1 + spare_w) * (F + small)  # kept, being uploaded, spares
         out["replay_logs"] = 2 * plan.window * REPLAY_RECORD  # RNG states and scalars of two windows
         out["inherited_window"] = _plain_bytes(alloc, plan)  # after a restart, until the next window commits
         return out

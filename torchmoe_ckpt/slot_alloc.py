@@ -3,8 +3,8 @@ contract every allocator keeps).
 
 * CPU with a host tier: `storage.slot_files.FileSlotPool`, a set is W shared-memory files (the snapshot copy
   is the persist);
-* CUDA with a host tier, `host_buffers="auto"`: `slot_pool.ArenaSlotPool(pin_memory=True)`, a set is one pinned
-  arena, which the host tier copies into its files;
+* CUDA with a host tier, `host_buffers="auto"` (or `"arena"`, on CPU too): `slot_pool.ArenaSlotPool`, a set is
+  one arena (pinned on CUDA), which the host tier copies into its files;
 * CUDA with a host tier, `host_buffers="shm-registered"` (opt-in, unmeasured): `FileSlotPool` whose files are
   page-locked with `cudaHostRegister`, so the device-to-host copy lands in the persisted file;
 * no host tier: `ArenaSlotPool`, one pinned (CUDA) or plain (CPU) arena per set.
@@ -27,7 +27,7 @@ def make_slot_allocator(
     `writer`: its persist thread (sets are reused once it is past them)."""
     if host_buffers not in HOST_BUFFERS:
         raise ConfigError(f"host_buffers {host_buffers!r} is not one of {HOST_BUFFERS}")
-    if host_tier is not None and (not cuda or host_buffers == "shm-registered"):
+    if host_tier is not None and ((not cuda and host_buffers == "auto") or host_buffers == "shm-registered"):
         files = host_tier.slot_files
         if cuda:
             files.register = cuda_host_register  # CUDA only

@@ -18,8 +18,8 @@ are carved from the arena's spare capacity. A set whose arena is too small or mo
 the plan gets a new arena and the old one is returned (`_host_emptyCache` on CUDA: the caching host allocator
 would keep it otherwise).
 
-Reuse rule: a released set is reused once the persist thread has processed every job queued before the release
-(`writer.done(ticket)`): its slots were copied to the host tier, or dropped. On CUDA the caching host allocator
+Reuse rule: a released set is reused once the persist thread has processed the window's last job (its commit;
+`writer.done(ticket)`): its slots were copied to the host tier, or dropped. On CUDA the caching host allocator
 rounds every block to a power of two, so an arena's capacity is that block: counted as held, used as headroom.
 """
 
@@ -71,8 +71,9 @@ class SlotAllocator:
         """The slots of a new window with this plan."""
         raise NotImplementedError
 
-    def release(self, slots: list[Slot]) -> None:
-        """The checkpointer no longer holds the window these slots belong to."""
+    def release(self, slots: list[Slot], ticket: int | None = None) -> None:
+        """The checkpointer no longer holds the window these slots belong to; the persist thread reads them until
+        it is past `ticket` (its ticket after the window's last job; None: every job queued so far)."""
         raise NotImplementedError
 
     def slot_bytes(self, slots: list[Slot]) -> list[int]:
@@ -101,8 +102,8 @@ class SlotAllocator:
         return set()
 
     # ---- shared bookkeeping --------------------------------------------------------------------------------
-    def _ticket(self) -> int:
-        return self.writer.ticket() if self.writer is not None else 0
+    def _ticket(self, ticket: int | None = None) -> int:
+        return ticket if ticket is not None else self.writer.ticket() if self.writer is not None else 0
 
     def _writer_done(self, ticket: int | None) -> bool:
         return ticket is not None and (self.writer is None or self.writer.done(ticket))
@@ -179,11 +180,11 @@ class ArenaSlotPool(SlotAllocator):
                 self._drop(other)
             return s.slots
 
-    def release(self, slots: list[Slot]) -> None:
+    def release(self, slots: list[Slot], ticket: int | None = None) -> None:
         with self.lock:
             for s in self.sets:
                 if s.slots and slots and s.slots[0] is slots[0] and s.ticket is None:
-                    s.ticket = self._ticket()
+                    s.ticket = self._ticket(ticket)
 
     def slot_bytes(self, slots: list[Slot]) -> list[int]:
         for s in self.sets:

@@ -133,6 +133,7 @@ class SparseCheckpointer:
         self._auto_w: int | None = None
         self._w_pending: tuple | None = None  # (async all-reduce, tensor): the next window's agreed W
         self._cur_slot_bytes: list[int] = []
+        self._last_job: dict[int, int] = {}  # window id -> the persist thread's ticket after its commit job
         self._sizes: tuple[dict[str, int], dict[str, int]] | None = None
         self.counters = {
             "slots": 0,
@@ -261,12 +262,13 @@ class SparseCheckpointer:
             self.tier_writer.commit(
                 cur, {"dtype": str(self.compute_dtype), "identity": self._identity_dict}, keep_from=floor
             )
+            self._last_job[cur.id] = self.tier_writer.ticket()  # its buffers are read until this job is done
         # The old window's buffers go back to the allocator (reused once the host tier is done with them); an
         # inherited window (recovered after a restart) is not the allocator's: let go, its memory with it.
         if old is not None and old is self._inherited:
             self._inherited = None
         elif old is not None:
-            self.slots.release(old.slots)
+            self.slots.release(old.slots, self._last_job.pop(old.id, None))
 
     def _agree(self, value: float, op, group: object = _SAME_GROUP) -> float:
         if not dist.is_initialized():

@@ -22,7 +22,6 @@ from test_capture import TOP_K, Net, batch_for  # pytest puts tests/unit on sys.
 import torchmoe_ckpt as tmc
 from torchmoe_ckpt.config import CheckpointConfig, ConfigError, SparseConfig, TierConfig
 from torchmoe_ckpt.host_memory import HostMemoryLimitError, parse_bytes
-from torchmoe_ckpt.slot_pool import ArenaSlotPool
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.storage.host_tier import HostTier
 from torchmoe_harness.trainer import RunConfig, Trainer
@@ -53,10 +52,9 @@ def du(root: Path) -> int:
 def checkpointer(root, steps=40, window=3, arena=False, **sparse):
     t = Trainer(RunConfig(steps=steps))
     tier = None if root is None else HostTier(root, "run", 0, 1)
-    cfg = SparseConfig(window=window, **sparse)
+    # arena: the CUDA allocator (one arena per set, the tier copies it into its files), unpinned on CPU
+    cfg = SparseConfig(window=window, host_buffers="arena" if arena else "auto", **sparse)
     ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, cfg, host_tier=tier).attach(t)
-    if arena:  # the CUDA allocator (one arena per set, the tier copies it into its files), without pinning
-        ck.slots = ArenaSlotPool(ck.op_by_name, t.compute_dtype, False, ck.tier_writer)
     return t, ck
 
 
@@ -79,9 +77,25 @@ def arena_storages(ck) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("arena", [False, True], ids=["shm-files", "arena+tier"])
-def test_account_equals_what_is_allocated(shm, one_rank_group, arena):
+def deleted_but_mapped(root: Path) -> int:
+    """Resident bytes of this process's mappings of files under `root` that were deleted (/proc/self/smaps): memory
+    no directory shows."""
+    total, cur = 0, ""
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:
+            cur = line
+        elif line.startswith("Rss:") and str(root) in cur and "(deleted)" in cur:
+            total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.parametrize(
+    "arena, spares", [(False, 1), (True, 1), (True, 0)], ids=["shm-files", "arena+tier", "arena+tier-no-spares"]
+)
+def test_account_equals_what_is_allocated(shm, one_rank_group, arena, spares):
     t, ck = checkpointer(shm, window=3, arena=arena)
+    ck.tier_writer.tier.spare_windows = spares
     for step in range(1, 25):
         ck.after_step(t.train_step())
         if step % 4:
@@ -92,6 +106,7 @@ def test_account_equals_what_is_allocated(shm, one_rank_group, arena):
         assert acct["total"] == sum(parts.values()) > 0
         # /dev/shm: the run directory's blocks are exactly the slot sets' files plus the tier's other files
         assert sum(parts[k] for k in FILE_PARTS) - (arena and parts["slot_sets"]) == du(shm / "run"), (step, parts)
+        assert deleted_but_mapped(shm) == parts["unlinked_mappings"] == 0  # nothing outside the directory
         if arena:  # the arenas: one allocation per set, every item a view into it
             assert parts["slot_sets"] == sum(s.arena.capacity for s in ck.slots.sets) == arena_storages(ck)
             # collected windows' files kept to be written over by the next window: at most one window's
@@ -105,6 +120,8 @@ def test_account_equals_what_is_allocated(shm, one_rank_group, arena):
         )
     assert ck.memory.account()["peak"] >= ck.memory.account()["total"]
     stop(ck)
+    ck.tier_writer.tier.collect(ck.committed.id + 1)  # a collect drops its files' mappings at once, spares or not
+    assert deleted_but_mapped(shm) == ck.memory.account()["parts"]["unlinked_mappings"] == 0
 
 
 def test_no_allocation_at_a_window_start_in_steady_state(one_rank_group, monkeypatch):
@@ -151,19 +168,6 @@ def test_a_long_run_stays_flat(shm, one_rank_group):
     assert max(totals[warm:]) <= max(totals[:warm]), totals  # nothing accumulates
     assert allocs[-1] == allocs[warm], allocs  # no new slot file after the warm-up
     stop(ck)
-
-
-def deleted_but_mapped(root: Path) -> int:
-    """Resident bytes of this process's mappings of files under `root` that were deleted (/proc/self/smaps): memory
-    no directory shows."""
-    total, cur = 0, ""
-    for line in open("/proc/self/smaps"):
-        head = line.split()
-        if head and "-" in head[0] and len(head) >= 5:
-            cur = line
-        elif line.startswith("Rss:") and str(root) in cur and "(deleted)" in cur:
-            total += int(head[1]) * 1024
-    return total
 
 
 def test_plan_changes_leave_no_memory_behind(shm, one_rank_group):

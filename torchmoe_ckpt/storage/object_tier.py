@@ -77,11 +77,19 @@ class ObjectTier(WindowTier, StoreTier):
         """A local store keeps `spare_windows` deleted windows' data files, to be written over."""
         return self.spare_windows * self.window_data_files if self.files.local else 0
 
+    def in_memory(self) -> bool:
+        """A local store on a memory file system (tmpfs): its files are host memory."""
+        if self._in_memory is None:
+            self._in_memory = self.files.local and usage.in_memory(self.files.path(""))
+        return self._in_memory
+
+    _in_memory: bool | None = None
+
     def host_bytes(self) -> dict[str, int]:
         """A local store on a memory file system (tmpfs) holds host memory: this writer's files there; and the
         upload thread's chunk buffer. A store on disk or remote: the buffer only."""
         out = {"store_buffers": len(self._buf)}
-        if self.files.local and usage.in_memory(self.files.path("")):
+        if self.in_memory():
             root, seen = Path(self.files.path("")), set()
             spare = usage.tree_bytes(self.spare_path(), seen)
             out["store_files"] = sum(usage.window_bytes(root, self.writer, seen).values()) + spare

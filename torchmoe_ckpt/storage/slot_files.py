@@ -229,13 +229,13 @@ class FileSlotPool(SlotAllocator):
                 self.sets.remove(next((f for f in old if self._free(f)), old[0]))
             return slots
 
-    def release(self, slots: list[Slot]) -> None:
+    def release(self, slots: list[Slot], ticket: int | None = None) -> None:
         with self.lock:
             for s in self.sets:
                 if s.slots and slots and s.slots[0] is slots[0] and s.ticket is None:
-                    s.ticket = self._ticket()
+                    s.ticket = self._ticket(ticket)
                     return
-        self.fallback.release(slots)
+        self.fallback.release(slots, ticket)
 
     def slot_bytes(self, slots: list[Slot]) -> list[int]:
         for s in self.sets:

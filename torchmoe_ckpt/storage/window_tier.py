@@ -276,11 +276,18 @@ class WindowTier:
 
     def _discard(self, rels: list[str], window_dir: str) -> None:
         """Remove a collected window's files, keeping (bounded) its data files as spares."""
-        if self.max_spares and self.files.local:
-            # a second link is a live slot file's (slot_files.py): unlinking it frees the slot for reuse
-            data = [f for r in rels if is_data_file(r) and (f := Path(self.files.path(r))).stat().st_nlink == 1]
-            for f in keep_spares(data, self.spare_path(), self.max_spares, window_dir):
-                self._forget(f)
+        if self.files.local:
+            data = [Path(self.files.path(r)) for r in rels if is_data_file(r)]
+            if self.max_spares:
+                # a second link is a live slot file's (slot_files.py): unlinking it frees the slot for reuse
+                spare = [f for f in data if f.stat().st_nlink == 1]
+                for f in keep_spares(spare, self.spare_path(), self.max_spares, window_dir):
+                    if f.parent == self.spare_path():  # a spare beyond the limit (it went down)
+                        self._forget(f)
+                        f.unlink(missing_ok=True)
+            for f in data:
+                if f.exists():  # to be deleted: a kept mapping would hold its pages
+                    self._forget(f)
         self.files.remove(rels)
 
     def _forget(self, path: Path) -> None:
