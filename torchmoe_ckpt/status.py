@@ -179,6 +179,7 @@ class RunStatus:
                 first, last, _ = self.committed[newest]
                 text += f" (newest {newest}, steps {first}..{last})"
             text += " on the host tier" + (f" {host_dir}" if host_dir else "")
+            mem = f" ({self.memory()} at exit)" if self.memory is not None else ""  # what stays in /dev/shm
             if not self.committed_count:  # nothing to resume from: a restart of this run would start over
                 self.say(
                     text + ": nothing a restart could resume from. A window commits once all W iterations "
@@ -189,11 +190,11 @@ class RunStatus:
                 )
                 return summ
             if self.store is None:
-                self.say(text)
+                self.say(text + mem)
                 return summ
             text += f"; object store {self.store}: {self.uploaded_count} uploaded"
             if not self.pending:
-                self.say(text + ", none pending" + (f" (waited {waited_s:.1f} s)" if waited_s >= 0.05 else ""))
+                self.say(text + ", none pending" + (f" (waited {waited_s:.1f} s)" if waited_s >= 0.05 else "") + mem)
                 return summ
             label = "windows" if len(self.pending) > 1 else "window"
             self.say(
@@ -204,7 +205,8 @@ class RunStatus:
                     f"; {self.superseded_count} older window(s) were superseded by newer ones"
                     if self.superseded_count
                     else ""
-                ),
+                )
+                + mem,
                 logging.WARNING if self.rank == 0 else logging.DEBUG,
             )
             return summ
