@@ -384,9 +384,16 @@ class SparseCheckpointer:
         if self.memory.limit is None:
             return None
         order, (full, comp) = self._operator_order(), self._op_sizes()
+        # Reorders permute the experts (routers and dense blocks stay last). Plans use sizes agreed over the ranks,
+        # so the slot boundaries stay, but which experts this rank holds most of moves: the worst case puts those
+        # with the most local compute bytes last (frozen in the most slots).
+        tail = {o.name for o in self.ops if o.kind in ("router", "dense")}
+        itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
+        local = {o.name: o.compute_bytes(itemsize) for o in self.ops}
+        worst = sorted((n for n in order if n not in tail), key=local.__getitem__) + [n for n in order if n in tail]
 
         def plans(w: int) -> WindowPlan:
-            return plan_window(order, full, comp, float("inf"), forced_window=w, warn=False)
+            return plan_window(worst, full, comp, float("inf"), forced_window=w, warn=False)
 
         max_w = choose_window(order, full, comp, 0.0)  # the largest W Algorithm 1 can choose (its budget floor)
         if self.cfg.max_window is not None:

@@ -146,7 +146,11 @@ class SlotFiles:
             return base[off : off + n].view(dtype).view(shape)
 
         slot = build_slot(index, active, frozen, ops, compute_dtype, alloc=alloc)
-        unreg = self.register(base) if self.register is not None else None
+        try:
+            unreg = self.register(base) if self.register is not None else None
+        except BaseException:  # not page-locked: the file goes, the allocator takes an arena for this plan
+            _release(path, fd)
+            raise
         slot.backing = Backing(path, fd, base, weakref.finalize(slot, _release, path, fd, unreg), unreg)
         return slot
 
