@@ -20,6 +20,7 @@ from .config import CheckpointConfig, ObjectStoreConfig, SparseConfig, TierConfi
 from .dcp import *  # noqa: F403  (the DCP users' names: dcp.__all__)
 from .distributed import init_process_group, restart_attempt
 from .errors import ConfigError, UncapturedStateError, UnusableCheckpointError
+from .host_memory import HostMemoryLimitError
 from .identity import IdentityMismatch, RunIdentity
 from .operators import Operator, OperatorDiscoveryError, OperatorSpec, discover_operators
 from .optim_state import Optimizers, UpdateRule, optimizer_list, register_update_rule
@@ -81,4 +82,5 @@ __all__ = [
     "IdentityMismatch",
     "RunIdentity",
     "UnusableCheckpointError",
+    "HostMemoryLimitError",
 ] + dcp.__all__

@@ -17,22 +17,23 @@ def allocated(st: os.stat_result) -> int:
     return st.st_blocks * 512
 
 
+def _count(path: str, seen: set, skip: set) -> int:
+    """Allocated bytes of one file, unless its inode is in `seen` or `skip` (then 0); adds it to `seen`."""
+    try:
+        st = os.lstat(path)
+    except OSError:  # collected meanwhile
+        return 0
+    key = (st.st_dev, st.st_ino)
+    if key in seen or key in skip:
+        return 0
+    seen.add(key)
+    return allocated(st)
+
+
 def tree_bytes(root: Path, seen: set, skip: set = frozenset()) -> int:
     """Allocated bytes of every file under `root` not in `seen` or `skip` ((dev, inode) sets); adds them to
     `seen`."""
-    total = 0
-    for dirpath, _dirs, names in os.walk(root):
-        for n in names:
-            try:
-                st = os.lstat(os.path.join(dirpath, n))
-            except OSError:  # collected meanwhile
-                continue
-            key = (st.st_dev, st.st_ino)
-            if key in seen or key in skip:
-                continue
-            seen.add(key)
-            total += allocated(st)
-    return total
+    return sum(_count(os.path.join(d, n), seen, skip) for d, _dirs, names in os.walk(root) for n in names)
 
 
 def window_bytes(run_dir: Path, writer: str, seen: set, skip: set = frozenset()) -> dict[int, int]:
@@ -48,23 +49,12 @@ def window_bytes(run_dir: Path, writer: str, seen: set, skip: set = frozenset())
         if wid is None:
             continue
         wdir = run_dir / name
-        n = 0
-        for dirpath, _dirs, files in os.walk(wdir):
-            rel_dir = os.path.relpath(dirpath, wdir)
-            for f in files:
-                rel = f if rel_dir == "." else f"{rel_dir}/{f}"
-                if not belongs_to(rel, writer):
-                    continue
-                try:
-                    st = os.lstat(os.path.join(dirpath, f))
-                except OSError:
-                    continue
-                key = (st.st_dev, st.st_ino)
-                if key in seen or key in skip:
-                    continue
-                seen.add(key)
-                n += allocated(st)
-        out[wid] = n
+        out[wid] = sum(
+            _count(os.path.join(d, f), seen, skip)
+            for d, _dirs, files in os.walk(wdir)
+            for f in files
+            if belongs_to(os.path.relpath(os.path.join(d, f), wdir), writer)
+        )
     return out
 
 
