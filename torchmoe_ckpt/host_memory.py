@@ -156,10 +156,11 @@ class HostMemory:
         out["inherited_window"] = _plain_bytes(alloc, plan)  # after a restart, until the next window commits
         return out
 
-    def check(self, plans, forced: int | None, max_w: int, agree_min, senders: int = 0):
+    def check(self, plans, forced: int | None, max_w: int, agree, senders: int = 0):
         """The construction check. `plans(W)`: this rank's plan for W; `forced`: the forced W or None (auto, up to
-        `max_w`); `agree_min(x)`: MIN over the planning ranks. Returns the largest W auto mode may use (None:
-        forced or no limit); raises HostMemoryLimitError when even the smallest possible window does not fit."""
+        `max_w`); `agree(x, "min" | "max")`: over the planning ranks. Returns the largest W auto mode may use
+        (None: forced or no limit); raises HostMemoryLimitError when even the smallest possible window does not
+        fit on some rank."""
         if self.limit is None:
             return None
 
@@ -168,21 +169,20 @@ class HostMemory:
             return sum(parts.values()), parts
 
         if forced is not None:
-            total, parts = need(forced)
-            cap = forced if total <= self.limit else 0
+            cap = forced if need(forced)[0] <= self.limit else 0
         else:
-            cap, total, parts = 0, None, None
+            cap = 0
             for w in range(1, max_w + 1):  # the need grows with W (more compute copies per window)
-                t, p = need(w)
-                if t > self.limit:
-                    if total is None:
-                        total, parts = t, p
+                if need(w)[0] > self.limit:
                     break
-                cap, total, parts = w, t, p
-        cap = int(agree_min(cap))
-        self.need = {"window": forced or cap or 1, "total": total, "parts": parts, "limit": self.limit}
+                cap = w
+        cap = int(agree(cap, "min"))
+        w = forced or max(cap, 1)
+        total, parts = need(w)
+        worst = int(agree(total, "max"))
+        self.need = {"window": w, "total": total, "parts": parts, "limit": self.limit}
         if cap < 1:
-            raise HostMemoryLimitError(self._refusal(forced or 1, total, parts))
+            raise HostMemoryLimitError(self._refusal(w, total, parts, worst))
         if forced is None and cap < max_w:
             log.warning(
                 "torchmoe: auto window capped at W=%d by host_memory_limit %s (W=%d would need %s per rank)",
@@ -193,12 +193,15 @@ class HostMemory:
             )
         return None if forced is not None else cap
 
-    def _refusal(self, w: int, total: int, parts: dict) -> str:
+    def _refusal(self, w: int, total: int, parts: dict, worst: int) -> str:
         shown = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items() if v)
+        here = f"{human_bytes(total)} ({shown})"
+        if worst > total:  # another rank holds more (uneven shards): its figure is the one to meet
+            here = f"{human_bytes(worst)} on another rank (this one: {here})"
         return (
             f"host_memory_limit {human_bytes(self.limit)} per rank is below what this checkpointer can hold with "
-            f"W={w}: {human_bytes(total)} ({shown}); lower it with {KNOBS}, or raise host_memory_limit to at "
-            f"least {human_bytes(total)} ({total} bytes)"
+            f"W={w}: {here}; lower it with {KNOBS}, or raise host_memory_limit to at least {human_bytes(worst)} "
+            f"({worst} bytes)"
         )
 
     # ---- at a window start (training thread) ---------------------------------------------------------------

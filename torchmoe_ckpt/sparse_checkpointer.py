@@ -383,7 +383,9 @@ class SparseCheckpointer:
         forced. Raises HostMemoryLimitError with the figure when no window fits."""
         if self.memory.limit is None:
             return None
+        saved = self._order, self._order_freq  # the first window plans as it would without a limit
         order, (full, comp) = self._operator_order(), self._op_sizes()
+        self._order, self._order_freq = saved
         # Reorders permute the experts (routers and dense blocks stay last). Plans use sizes agreed over the ranks,
         # so the slot boundaries stay, but which experts this rank holds most of moves: the worst case puts those
         # with the most local compute bytes last (frozen in the most slots).
@@ -405,7 +407,7 @@ class SparseCheckpointer:
             plans,
             self.cfg.window,
             max_w,
-            lambda x: self._agree(float(x), dist.ReduceOp.MIN, self.group),
+            lambda x, op: self._agree(float(x), dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, self.group),
             senders=senders,
         )
 
