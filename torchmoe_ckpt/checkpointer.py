@@ -184,6 +184,8 @@ class Checkpointer:
             identity=self.identity,
             sum_counts=True,  # the routed-token counts below are this rank's
         )
+        if self.resumed is not None:  # handed over: the SparseCheckpointer lets it go at its next commit
+            self.resumed.window = None  # (the report stays; a whole window held all run is host memory)
         return self.step_count
 
     def step(self, batch: Any) -> torch.Tensor:
