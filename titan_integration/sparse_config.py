@@ -23,6 +23,11 @@
                                # torch.use_deterministic_algorithms + CUBLAS_WORKSPACE_CONFIG, checked at start);
                                # "tolerant" = within replay_tolerance, reported as approximate
     replay_tolerance = 1e-3    # tolerant: largest relative deviation of a replayed loss / gradient norm accepted
+    host_memory_limit = ""     # host memory per rank the checkpointer may hold: bytes or e.g. "64 GiB" ("" = none;
+                               # counted either way); refused at start with the figure when the plan needs more
+    max_window = 0             # auto W never above this (0 = no bound besides the memory limit)
+    upload_backlog = 4         # windows kept in host memory while the object store lags or is down
+    spare_windows = 1          # collected windows whose data files are kept to be written over (0 = delete them)
 
 Everything is checked before training starts; a bad value raises :class:`JobConfigError` whose message is
 one line ``... ; fix: ...`` (the launcher prints it as ``error: <message>`` and exits with status 2).
@@ -72,6 +77,10 @@ class SparseCheckpointSection:
     on_unusable_checkpoint: str = "fail"  # torchmoe_ckpt.CheckpointConfig.on_unusable_checkpoint: "fail" | "restart"
     replay_check: str = "exact"  # torchmoe_ckpt.CheckpointConfig.replay_check: "exact" | "tolerant"
     replay_tolerance: float = 1e-3  # torchmoe_ckpt.CheckpointConfig.replay_tolerance (replay_check.DEFAULT_TOLERANCE)
+    host_memory_limit: int | str = ""  # torchmoe_ckpt.SparseConfig.host_memory_limit ("" or 0: none)
+    max_window: int = 0  # torchmoe_ckpt.SparseConfig.max_window (0: none)
+    upload_backlog: int = 4  # torchmoe_ckpt.TierConfig.upload_backlog
+    spare_windows: int = 1  # torchmoe_ckpt.TierConfig.spare_windows
 
     # ---- construction from a TOML table ------------------------------------------------------------
     @classmethod
@@ -140,7 +149,13 @@ class SparseCheckpointSection:
                 "must be a number of seconds >= 0",
                 "store_exit_wait_s = 30 (0: do not wait for pending uploads at exit)",
             )
-        for key in ("dense_export_every", "dense_export_keep", "pipeline_log_max_bytes"):
+        for key in (
+            "dense_export_every",
+            "dense_export_keep",
+            "pipeline_log_max_bytes",
+            "max_window",
+            "upload_backlog",
+        ):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(key, "must be an integer >= 0", f"{key} = 0 (off) or e.g. 100")
@@ -174,6 +189,16 @@ class SparseCheckpointSection:
             raise bad("replay_tolerance", "must be a relative bound in (0, 1)", "replay_tolerance = 1e-3")
         if self.object_store_format not in STORE_FORMATS:
             raise bad("object_store_format", "unknown format", f"use one of {', '.join(STORE_FORMATS)}")
+        if isinstance(self.spare_windows, bool) or not isinstance(self.spare_windows, int) or self.spare_windows < 0:
+            raise bad("spare_windows", "must be an integer >= 0", "spare_windows = 1 (or 0: delete collected files)")
+        try:
+            self.memory_limit()
+        except ValueError:
+            raise bad(
+                "host_memory_limit",
+                'must be bytes > 0 or a size like "64 GiB"',
+                'host_memory_limit = "64 GiB" (or "": none)',
+            ) from None
         if self.object_store_format != "dcp" and not self.object_store_uri:
             raise bad(
                 "object_store_format",
@@ -245,11 +270,24 @@ class SparseCheckpointSection:
                 raise JobConfigError(f"[sparse_checkpoint] {key}: {msg}") from None
 
     # ---- mapping onto the core ---------------------------------------------------------------------
+    def memory_limit(self) -> int | None:
+        """host_memory_limit in bytes (None: no limit). Raises ValueError (a ConfigError) for a bad value."""
+        if self.host_memory_limit in ("", 0):
+            return None
+        from torchmoe_ckpt.host_memory import parse_bytes
+
+        return parse_bytes(self.host_memory_limit)
+
     def core_config(self):
         """The library's SparseConfig for this section."""
         from torchmoe_ckpt.config import SparseConfig
 
-        return SparseConfig(window=None if self.window == "auto" else int(self.window), popularity=self.ordering)
+        return SparseConfig(
+            window=None if self.window == "auto" else int(self.window),
+            popularity=self.ordering,
+            host_memory_limit=self.memory_limit(),
+            max_window=self.max_window or None,
+        )
 
     def replay_policy(self):
         """How recovery checks each replayed iteration (torchmoe_ckpt.replay_check.ReplayPolicy)."""
@@ -275,6 +313,9 @@ class SparseCheckpointSection:
         cfg: dict[str, Any] = {"root": self.host_dir, "run_id": self.resolved_run_id(), "replicas": self.replicas}
         if ranks_per_node:
             cfg["ranks_per_node"] = ranks_per_node
+        for key, default in (("upload_backlog", 4), ("spare_windows", 1)):  # host memory: only when changed
+            if getattr(self, key) != default:
+                cfg[key] = getattr(self, key)
         if self.object_store_uri:
             cfg["object_store"] = {
                 "uri": self.object_store_uri,

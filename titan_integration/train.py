@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     import torchtitan.train
 
     from titan_integration import pipeline_compat
-    from torchmoe_ckpt import IdentityMismatch, RunLockedError, UnusableCheckpointError
+    from torchmoe_ckpt import HostMemoryLimitError, IdentityMismatch, RunLockedError, UnusableCheckpointError
 
     pipeline_compat.install()
     from titan_integration import restart_timing
@@ -277,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = [sys.argv[0]] + args
     try:
         torchtitan.train.main()
-    except (IdentityMismatch, RunLockedError, UnusableCheckpointError) as e:  # another run's windows, another job
-        # on this run, every window rejected
+    except (IdentityMismatch, RunLockedError, UnusableCheckpointError, HostMemoryLimitError) as e:
+        # another run's windows, another job on this run, every window rejected, more host memory than allowed
         print(f"error: {e}", file=sys.stderr, flush=True)
         os._exit(2)
     if "RANK" in os.environ:

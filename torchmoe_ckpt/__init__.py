@@ -37,6 +37,7 @@ _EXPORTS = {  # public name -> the module that defines it, imported on first use
     "ConfigError": "errors",
     "UncapturedStateError": "errors",
     "UnusableCheckpointError": "errors",
+    "HostMemoryLimitError": "host_memory",
     "IdentityMismatch": "identity",
     "RunIdentity": "identity",
     "Operator": "operators",
@@ -96,6 +97,7 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they come
     from .config import CheckpointConfig, ObjectStoreConfig, SparseConfig, TierConfig
     from .distributed import init_process_group, restart_attempt
     from .errors import ConfigError, UncapturedStateError, UnusableCheckpointError
+    from .host_memory import HostMemoryLimitError
     from .identity import IdentityMismatch, RunIdentity
     from .operators import Operator, OperatorDiscoveryError, OperatorSpec, discover_operators
     from .optim_state import Optimizers, UpdateRule, optimizer_list, register_update_rule
@@ -191,4 +193,5 @@ __all__ = [
     "IdentityMismatch",
     "RunIdentity",
     "UnusableCheckpointError",
+    "HostMemoryLimitError",
 ] + list(_DCP_EXPORTS)  # the DCP users' names (dcp.__all__)

@@ -162,6 +162,8 @@ class Checkpointer:
             started.resumed,
             started.checkpointer,
         )
+        if self.resumed is not None:  # handed over: the SparseCheckpointer lets it go at its next commit
+            self.resumed.window = None  # (the report stays; a whole window held all run is host memory)
         return self.step_count
 
     def step(self, batch: Any) -> torch.Tensor:

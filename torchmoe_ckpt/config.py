@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .errors import ConfigError
+from .host_memory import parse_bytes
 from .operators import OperatorSpec
 from .replay_check import DEFAULT_TOLERANCE, ReplayPolicy
 from .storage.store_open import StoreConfigError, check_uri
@@ -22,6 +23,7 @@ from .watchdog import check_timeout
 __all__ = ["ConfigError", "SparseConfig", "ObjectStoreConfig", "TierConfig", "CheckpointConfig", "DEFAULT_HOST_ROOT"]
 
 DEFAULT_HOST_ROOT = "/dev/shm/torchmoe-ckpt"
+HOST_BUFFERS = ("auto", "arena", "shm-registered")  # SparseConfig.host_buffers (slot_alloc.py)
 STORE_FORMATS = ("dcp", "tensorstore")
 UNUSABLE_POLICIES = ("fail", "restart")  # CheckpointConfig.on_unusable_checkpoint (resume.recover's on_unusable)
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -43,6 +45,16 @@ class SparseConfig:
     # consecutive slots recover (a failure loses only its own iteration, not the window being filled); costs
     # more bytes per slot (fp32 W = 4: 0.50 of a dense snapshot instead of 0.42; docs/benchmarks.md)
     sliding: bool = False
+    # Host memory (host_memory.py). Bytes per rank the checkpointer may hold (slot buffers, its /dev/shm files,
+    # copies held for peers, logs), or a string like "64 GiB"; checked against the plan's worst case at
+    # construction and at every window start. None: no limit (still counted: stats()["host_memory"]).
+    host_memory_limit: int | str | None = None
+    max_window: int | None = None  # auto W never above this (a smaller W holds fewer bytes per window)
+    # Slot buffers (slot_alloc.py): "auto" (shared-memory slot files on CPU with a host tier, one pinned arena per
+    # slot set on CUDA) | "arena" (one arena per slot set, pinned on CUDA, the host tier copies it into its files:
+    # CUDA's default, also on CPU) | "shm-registered" (CUDA: the slot files, page-locked with cudaHostRegister;
+    # opt-in, unmeasured: docs/gpu.md)
+    host_buffers: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.sliding, bool):
@@ -68,6 +80,13 @@ class SparseConfig:
         for name in ("decay", "reorder_change", "reorder_fraction"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(f"SparseConfig.{name} must be in [0, 1], got {getattr(self, name)}")
+        self.host_memory_limit = parse_bytes(self.host_memory_limit, "host_memory_limit")
+        if self.max_window is not None and (
+            isinstance(self.max_window, bool) or not isinstance(self.max_window, int) or self.max_window < 1
+        ):
+            raise ConfigError(f"max_window must be an integer >= 1 or None, got {self.max_window!r}")
+        if self.host_buffers not in HOST_BUFFERS:
+            raise ConfigError(f"host_buffers {self.host_buffers!r} is not one of {', '.join(HOST_BUFFERS)}")
         if self.popularity not in ("hard", "soft", "decayed", "capacity"):
             raise ConfigError(f"popularity {self.popularity!r} is not one of hard, soft, decayed, capacity")
 
@@ -129,6 +148,10 @@ class TierConfig:
     stall_iterations: int | None = 50  # no window committed durably for this many iterations = stalled (a tier
     # that cannot write); keep it above 2 x the window size. None: no check
     on_stall: str = "warn"  # "warn" (log once per stall) | "fail" (raise in the training thread)
+    # Host memory the tiers hold (host_memory.py: every byte is counted, SparseConfig.host_memory_limit caps it):
+    upload_backlog: int = 4  # windows kept in host memory beyond retention while the object store lags or is down
+    spare_windows: int = 1  # collected windows whose data files are kept to be written over (their pages are
+    # reused, not allocated and zeroed again); 0: deleted at once
 
     def __post_init__(self):
         if isinstance(self.object_store, dict):
@@ -141,6 +164,10 @@ class TierConfig:
         if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
             raise ConfigError(f"root is empty: give a node-local directory, e.g. {DEFAULT_HOST_ROOT}")
         _whole("replicas", self.replicas)
+        for name in ("upload_backlog", "spare_windows"):
+            _whole(name, getattr(self, name))
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (windows kept in host memory), got {getattr(self, name)}")
         _whole("ranks_per_node", self.ranks_per_node, none_ok=True)
         if self.replicas < 0:
             raise ConfigError(f"replicas must be >= 0 (peers holding a copy of each window), got {self.replicas}")
@@ -211,6 +238,8 @@ class CheckpointConfig:
     # deterministic kernels, checked at construction); "tolerant": within replay_tolerance, reported approximate
     replay_tolerance: float = DEFAULT_TOLERANCE  # tolerant: largest relative deviation of a replayed loss or
     # gradient norm accepted (docs/gpu.md: how the default was chosen)
+    host_memory_limit: int | str | None = None  # bytes of host memory per rank the checkpointer may hold, or e.g.
+    # "64 GiB" (host_memory.py); the same as window.host_memory_limit, which it sets
 
     def __post_init__(self):
         if self.on_unusable_checkpoint not in UNUSABLE_POLICIES:
@@ -226,6 +255,14 @@ class CheckpointConfig:
             raise ConfigError(
                 f"window must be a SparseConfig (e.g. SparseConfig(window=3)) or a dict, got {self.window!r}"
             )
+        if self.host_memory_limit is not None:
+            limit = parse_bytes(self.host_memory_limit, "host_memory_limit")
+            if self.window.host_memory_limit not in (None, limit):
+                raise ConfigError(
+                    f"host_memory_limit is set twice ({limit} and window.host_memory_limit "
+                    f"{self.window.host_memory_limit}): set one"
+                )
+            self.host_memory_limit = self.window.host_memory_limit = limit
         if self.tiers is not None and not isinstance(self.tiers, TierConfig):
             raise ConfigError(f"tiers must be a TierConfig, a dict or None, got {type(self.tiers).__name__}")
         _whole("router_top_k", self.router_top_k, none_ok=True)

@@ -1,21 +1,32 @@
-"""Free slot buffers kept per operator, so a new window plan is assembled from whole groups of items.
+"""Slot buffers: one allocator contract, and the arena allocator (pinned host memory on CUDA, plain memory else).
 
-A popularity reorder (or a new W) moves operators between slots; it does not change what any operator's
-items are. Building a plan's slots item by item (~2,000 items on a 4 x 32-expert model) costs milliseconds of
-Python on the training thread at every window start; here an operator's items for one slot -- its full state
-(`"full"`: master weights, optimizer state, buffers) or its compute weights (`"compute"`) -- are one group,
-taken and given back whole with their buffers. 0-dim optimizer states (step counters) are one group per tensor
-(one counter is shared by the experts sliced from that tensor). Slots built here hold the same items as
-`build_slot`'s (`snapshot.full_specs` says what a full copy holds).
+The checkpointer asks for a window's slot buffers at each window start and gives them back when it no longer
+holds the window; which allocator does that is chosen once (`slot_alloc.make_slot_allocator`):
 
-    pool = SlotPool(ops, compute_dtype)
-    slots = pool.build(plan)        # reuses given-back groups, allocates the rest once
-    pool.give_back(old_window.slots)  # after that window can no longer be recovered from
+    slots = alloc.slots_for(plan)     # at a window start: no allocation while a free set of buffers fits
+    alloc.release(window.slots)       # the checkpointer dropped the window: reusable once nobody reads it
+    alloc.host_bytes()                # what the allocator holds, for the host-memory account (host_memory.py)
+
+A *set* is one window's W slots. Here every set is ONE allocation (an arena: on CUDA one pinned
+`torch.empty(n, dtype=uint8, pin_memory=True)`, so a window start makes no `cudaHostAlloc` per item) and every
+slot item is a view into it. An arena is carved into *groups*: an operator's items for one slot -- its full state
+(master weights, optimizer state, buffers) or its compute weights -- and the 0-dim optimizer states (step
+counters) of one tensor. A popularity reorder or a new W moves operators between slots but changes no operator's
+items, so a free set is re-assembled for the new plan from its own groups (compute groups of operators with the
+same layout, e.g. every expert of a layer, are relabelled to the operator that takes them); only groups it lacks
+are carved from the arena's spare capacity. A set whose arena is too small or more than twice too large for
+the plan gets a new arena and the old one is returned (`_host_emptyCache` on CUDA: the caching host allocator
+would keep it otherwise).
+
+Reuse rule: a released set is reused once the persist thread has processed the window's last job (its commit;
+`writer.done(ticket)`): its slots were copied to the host tier, or dropped. On CUDA the caching host allocator
+rounds every block to a power of two, so an arena's capacity is that block: counted as held, used as headroom.
 """
 
 from __future__ import annotations
 
-import weakref
+import threading
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,91 +35,280 @@ from .schedule import WindowPlan
 from .snapshot import Slot, SlotItem, full_specs
 
 Group = tuple[list[SlotItem], int]  # (items, bytes)
+ALIGN = 64  # bytes: every item view starts at a multiple (any dtype may view it; vectorised copies stay aligned)
+PAGE = 4096  # what a file system (tmpfs) allocates a file in
+HEADROOM = 1 / 8  # spare capacity of a plain arena, for the groups a reorder adds without a new arena
 
 
-class SlotPool:
-    def __init__(self, ops: dict[str, Operator], compute_dtype: torch.dtype, pin_memory: bool = False):
+def signature(plan: WindowPlan) -> tuple:
+    """What makes two plans' slots identical (the same operators in the same slots)."""
+    return tuple((s.active, s.frozen) for s in plan.slots)
+
+
+def pow2ceil(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def pageup(n: int, page: int = PAGE) -> int:
+    return (int(n) + page - 1) // page * page
+
+
+class SlotAllocator:
+    """The contract of a slot-buffer allocator, and the reuse bookkeeping every allocator shares: sets in use by
+    a window, sets released (reusable once the writer is past the release's ticket), a lock for readers on
+    other threads (the persist thread prints the memory account)."""
+
+    kind = "?"  # "pinned-arena" | "plain-arena" | "shm-files": what the sets are
+
+    def __init__(self, writer=None):
+        self.writer = writer  # the persist thread (ticket() / done(ticket)) or None
+        self.lock = threading.RLock()
+        self.allocations = 0  # new memory allocated (arenas, or slot files): 0 per window in steady state
+        self.allocated_bytes = 0
+
+    # ---- the contract (training thread) --------------------------------------------------------------------
+    def slots_for(self, plan: WindowPlan) -> list[Slot]:
+        """The slots of a new window with this plan."""
+        raise NotImplementedError
+
+    def release(self, slots: list[Slot], ticket: int | None = None) -> None:
+        """The checkpointer no longer holds the window these slots belong to; the persist thread reads them until
+        it is past `ticket` (its ticket after the window's last job; None: every job queued so far)."""
+        raise NotImplementedError
+
+    def slot_bytes(self, slots: list[Slot]) -> list[int]:
+        """This rank's bytes per slot (what each copy moves)."""
+        return [sl.nbytes for sl in slots]
+
+    def set_bytes(self, plan: WindowPlan) -> int:
+        """Host bytes one set for `plan` holds (what a window start that cannot reuse a set adds)."""
+        raise NotImplementedError
+
+    def has_free(self, plan: WindowPlan) -> bool:
+        """A window start for `plan` would reuse a set (no new memory)."""
+        raise NotImplementedError
+
+    def trim(self) -> int:
+        """Drop every free set (under memory pressure); returns the bytes given back."""
+        raise NotImplementedError
+
+    def host_bytes(self) -> dict[str, int]:
+        """{part: bytes} this allocator holds (host_memory.py sums it with the tiers' parts)."""
+        raise NotImplementedError
+
+    def files(self) -> set[tuple[int, int]]:
+        """(device, inode) of the files the sets are (shm-files): window files that are these are not counted
+        twice."""
+        return set()
+
+    # ---- shared bookkeeping --------------------------------------------------------------------------------
+    def _ticket(self, ticket: int | None = None) -> int:
+        return ticket if ticket is not None else self.writer.ticket() if self.writer is not None else 0
+
+    def _writer_done(self, ticket: int | None) -> bool:
+        return ticket is not None and (self.writer is None or self.writer.done(ticket))
+
+
+class Arena:
+    """One allocation a slot set's buffers are views of, carved front to back."""
+
+    def __init__(self, need: int, pin: bool):
+        # Pinned: the caching host allocator hands out a power-of-two block whatever is asked; take all of it.
+        cap = pow2ceil(need) if pin else int(need * (1 + HEADROOM)) + ALIGN
+        self.t = torch.empty(max(cap, ALIGN), dtype=torch.uint8, pin_memory=pin)
+        self.capacity, self.used, self.pinned = self.t.numel(), 0, pin
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
+        n = torch.Size(shape).numel() * dtype.itemsize
+        off = (self.used + ALIGN - 1) // ALIGN * ALIGN
+        if off + n > self.capacity:
+            return None
+        self.used = off + n
+        return self.t[off : off + n].view(dtype).view(shape)
+
+
+class _Full(Exception):
+    """The arena of a set cannot hold the groups a plan needs."""
+
+
+@dataclass(eq=False)  # compared by identity (list.remove): its fields hold tensors
+class _Set:
+    arena: Arena
+    groups: dict[tuple, list[Group]] = field(default_factory=dict)  # every group carved in the arena
+    slots: list[Slot] = field(default_factory=list)  # the current assembly
+    sig: tuple | None = None
+    nbytes: list[int] = field(default_factory=list)  # per slot
+    ticket: int | None = None  # None: in use by a window
+
+
+class ArenaSlotPool(SlotAllocator):
+    def __init__(self, ops: dict[str, Operator], compute_dtype: torch.dtype, pin_memory: bool = False, writer=None):
+        super().__init__(writer)
         self.ops, self.compute_dtype, self.pin_memory = ops, compute_dtype, pin_memory
-        # Free groups by what makes them interchangeable: an operator's full state is its own (one per window);
-        # compute groups of operators with the same layout (all experts of a layer) and step counters are
-        # relabelled to the operator that takes them (a reorder changes how many compute copies each needs).
-        self._free: dict[tuple, list[Group]] = {}
+        self.kind = "pinned-arena" if pin_memory else "plain-arena"
+        self.sets: list[_Set] = []
         self._specs: dict[tuple[str, str], list[tuple]] = {}  # (form, op) -> [(key, role, piece, shape, dtype)]
         self._scalars: dict[str, list[tuple]] = {}  # op -> [(fqn, piece, [(state key, dtype)])]
-        # id(slot) -> (the slot, weakly: an id is reused once its slot is gone; its groups by pool key; its bytes)
-        self._groups: dict[int, tuple[weakref.ref, list[tuple[tuple, Group]], int]] = {}
-        self.allocated_groups = 0  # groups made with new buffers (the rest were reused)
+        self._bytes: dict[tuple, int] = {}  # (form, name, alignment) -> group bytes
+        self.carved_groups = 0  # groups carved anew (the rest were re-assembled from a set's own)
+        self.new_memory_groups = 0  # of which in newly allocated arenas
 
-    def build(self, plan: WindowPlan) -> list[Slot]:
-        """This plan's slots. Free groups beyond what this plan used are let go (e.g. W went down)."""
-        need: dict[tuple, int] = {}
-        slots = []
+    # ---- contract ------------------------------------------------------------------------------------------
+    def slots_for(self, plan: WindowPlan) -> list[Slot]:
+        sig = signature(plan)
+        with self.lock:
+            free = [s for s in self.sets if self._writer_done(s.ticket)]
+            s = next((s for s in free if s.sig == sig), None)
+            if s is None:
+                need = self.set_need(plan)
+                fits = [s for s in free if need <= s.arena.capacity <= 2 * max(need, 1) + ALIGN]
+                s = min(fits, key=lambda s: s.arena.capacity, default=None)
+                if s is None and free:  # no free set of a fitting size: the largest one gets a new arena
+                    s = max(free, key=lambda s: s.arena.capacity)
+                    self._new_arena(s, need)
+                elif s is None:
+                    s = _Set(self._alloc(need))
+                    self.sets.append(s)
+                try:
+                    self._assemble(s, plan)
+                except _Full:  # a reorder needs groups the arena has no room left for
+                    self._new_arena(s, need)
+                    self._assemble(s, plan)
+                s.sig = sig
+            s.ticket = None
+            for other in [o for o in free if o is not s][1:]:  # keep at most one idle set
+                self._drop(other)
+            return s.slots
+
+    def release(self, slots: list[Slot], ticket: int | None = None) -> None:
+        with self.lock:
+            for s in self.sets:
+                if s.slots and slots and s.slots[0] is slots[0] and s.ticket is None:
+                    s.ticket = self._ticket(ticket)
+
+    def slot_bytes(self, slots: list[Slot]) -> list[int]:
+        for s in self.sets:
+            if s.slots and slots and s.slots[0] is slots[0]:
+                return list(s.nbytes)
+        return super().slot_bytes(slots)
+
+    def set_bytes(self, plan: WindowPlan) -> int:
+        need = self.set_need(plan)
+        return pow2ceil(need) if self.pin_memory else int(need * (1 + HEADROOM)) + ALIGN
+
+    def has_free(self, plan: WindowPlan) -> bool:
+        need = self.set_need(plan)
+        with self.lock:
+            return any(self._writer_done(s.ticket) and s.arena.capacity >= need for s in self.sets)
+
+    def trim(self) -> int:
+        with self.lock:
+            free = [s for s in self.sets if self._writer_done(s.ticket)]
+            for s in free:
+                self._drop(s)
+            return sum(s.arena.capacity for s in free)
+
+    def host_bytes(self) -> dict[str, int]:
+        with self.lock:
+            return {"slot_sets": sum(s.arena.capacity for s in self.sets)}
+
+    def set_need(self, plan: WindowPlan, align: int = ALIGN) -> int:
+        """Bytes the groups of `plan` take laid out with every item at a multiple of `align`."""
+        total = 0
+        for sp in plan.slots:
+            fqns = set()
+            for name in sp.active:
+                total += self._group_bytes("full", name, align)
+                fqns.update(fqn for fqn, _, _ in self._scalar_spec(name))
+            total += sum(self._group_bytes("scalar", f, align) for f in fqns)
+            total += sum(self._group_bytes("compute", name, align) for name in sp.frozen)
+        return total
+
+    def file_bytes(self, plan: WindowPlan, block: int) -> int:
+        """`plan`'s slots as data files: every item at a multiple of `block`, each file at least one block, in
+        whole pages (what tmpfs allocates)."""
+        return sum(
+            pageup(max(self.set_need(WindowPlan((sp,), plan.budget_bytes, plan.fits, plan.order), block), block))
+            for sp in plan.slots
+        )
+
+    def item_counts(self, plan: WindowPlan) -> list[int]:
+        """Items per slot of `plan` (what a slot's metadata lists)."""
+        out = []
+        for sp in plan.slots:
+            fqns = {fqn: len(sc) for name in sp.active for fqn, _, sc in self._scalar_spec(name)}
+            n = sum(len(self._spec("full", a)) for a in sp.active) + sum(fqns.values())
+            out.append(n + sum(len(self._spec("compute", f)) for f in sp.frozen))
+        return out
+
+    # ---- arenas --------------------------------------------------------------------------------------------
+    def _alloc(self, need: int) -> Arena:
+        a = Arena(need, self.pin_memory)
+        self.allocations += 1
+        self.allocated_bytes += a.capacity
+        return a
+
+    def _new_arena(self, s: _Set, need: int) -> None:
+        s.arena, s.groups, s.slots, s.sig = self._alloc(need), {}, [], None
+        _return_pinned(self.pin_memory)
+
+    def _drop(self, s: _Set) -> None:
+        self.sets.remove(s)
+        s.slots, s.groups = [], {}
+        _return_pinned(self.pin_memory)
+
+    # ---- assembling a set for a plan -----------------------------------------------------------------------
+    def _assemble(self, s: _Set, plan: WindowPlan) -> None:
+        fresh = s.arena.used == 0
+        avail = {k: list(v) for k, v in s.groups.items()}  # this set's groups, all free: the set is
+        slots, sizes = [], []
         for i, sp in enumerate(plan.slots):
-            groups: list[tuple[tuple, Group]] = []
+            groups: list[Group] = []
             first: dict[str, tuple[Piece, str, list]] = {}  # 0-dim states: the tensor's first piece in slot order
             for name in sp.active:
                 for fqn, pc, sc in self._scalar_spec(name):
                     first.setdefault(fqn, (pc, name, sc))
-                groups.append(self._take("full", name, need))
+                groups.append(self._take(s, avail, "full", name, fresh))
             for fqn, (pc, name, sc) in first.items():
-                key, g = self._take("scalar", fqn, need, pc, sc)
+                g = self._take(s, avail, "scalar", fqn, fresh, pc, sc)
                 for it, (k, _dt) in zip(g[0], sc):
                     it.key, it.piece, it.op = f"optim.{fqn}.{k}", pc, name
-                groups.append((key, g))
+                groups.append(g)
             for name in sp.frozen:
-                groups.append(self._take("compute", name, need))
-            items: list[SlotItem] = []
-            total = 0
-            for _key, (its, n) in groups:
-                items.extend(its)
-                total += n
-            slot = Slot(i, tuple(sp.active), tuple(sp.frozen), items)
-            self._groups[id(slot)] = (weakref.ref(slot), groups, total)
-            slots.append(slot)
-        for key, free in self._free.items():
-            del free[need.get(key, 0) :]
-        return slots
+                groups.append(self._take(s, avail, "compute", name, fresh))
+            items = [it for its, _ in groups for it in its]
+            slots.append(Slot(i, tuple(sp.active), tuple(sp.frozen), items))
+            sizes.append(sum(n for _, n in groups))
+        s.slots, s.nbytes = slots, sizes
 
-    def give_back(self, slots: list[Slot]) -> None:
-        """The groups of slots whose window is gone (their buffers are overwritten by later windows)."""
-        for sl in slots:
-            ref, groups, _ = self._groups.pop(id(sl), (None, (), 0))
-            if ref is not None and ref() is sl:  # not a slot of another owner that took a dead slot's id
-                for key, g in groups:
-                    self._free.setdefault(key, []).append(g)
-
-    def forget(self, slots: list[Slot]) -> None:
-        """Slots that leave the pool's care for good (inherited by another owner, or dropped)."""
-        for sl in slots:
-            self._groups.pop(id(sl), None)
-
-    def nbytes(self, slot: Slot) -> int:
-        got = self._groups.get(id(slot))
-        return got[2] if got is not None and got[0]() is slot else slot.nbytes
-
-    # ---- groups --------------------------------------------------------------------------------------
-    def _take(
-        self, form: str, name: str, need: dict, piece: Piece | None = None, scalars: list | None = None
-    ) -> tuple[tuple, Group]:
+    def _take(self, s: _Set, avail: dict, form: str, name: str, fresh: bool, piece=None, scalars=None) -> Group:
         if form == "scalar":  # `name` is the tensor's fqn; its items are relabelled by the caller
             key, specs = ("scalar",) + tuple(scalars), None
         else:
             specs = self._spec(form, name)
             key = ("full", name) if form == "full" else ("compute",) + tuple((sh, dt) for _, _, _, sh, dt in specs)
-        need[key] = need.get(key, 0) + 1
-        free = self._free.get(key)
+        free = avail.get(key)
         if free:
             g = free.pop()
             if form == "compute":
                 for it, (k, role, pc, _sh, _dt) in zip(g[0], specs):
                     it.key, it.role, it.piece, it.op = k, role, pc, name
-            return key, g
-        self.allocated_groups += 1
+            return g
         if form == "scalar":
-            its = [SlotItem(f"optim.{name}.{k}", k, "", piece, self._alloc((), dt)) for k, dt in scalars]
+            made = [(f"optim.{name}.{k}", k, "", piece, (), dt) for k, dt in scalars]
         else:
-            its = [SlotItem(k, role, name, pc, self._alloc(sh, dt)) for k, role, pc, sh, dt in specs]
-        return key, (its, sum(it.nbytes for it in its))
+            made = [(k, role, name, pc, sh, dt) for k, role, pc, sh, dt in specs]
+        items = []
+        for k, role, op, pc, sh, dt in made:
+            buf = s.arena.take(sh, dt)
+            if buf is None:
+                raise _Full
+            items.append(SlotItem(k, role, op, pc, buf))
+        g = (items, sum(it.nbytes for it in items))
+        s.groups.setdefault(key, []).append(g)
+        self.carved_groups += 1
+        self.new_memory_groups += fresh
+        return g
 
     def _spec(self, form: str, name: str) -> list[tuple]:
         got = self._specs.get((form, name))
@@ -133,5 +333,27 @@ class SlotPool:
             got = self._scalars[name] = full_specs(self.ops[name])[1]
         return got
 
-    def _alloc(self, shape, dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
+    def _group_bytes(self, form: str, name: str, align: int) -> int:
+        got = self._bytes.get((form, name, align))
+        if got is None:
+            if form == "scalar":  # `name` is a tensor's fqn: its 0-dim states, from the operator that has it
+                sc = next(sc for o in self.ops for fqn, _, sc in self._scalar_spec(o) if fqn == name)
+                shapes = [((), dt) for _, dt in sc]
+            else:
+                shapes = [(sh, dt) for _, _, _, sh, dt in self._spec(form, name)]
+            got = sum((torch.Size(sh).numel() * dt.itemsize + align - 1) // align * align for sh, dt in shapes)
+            self._bytes[(form, name, align)] = got
+        return got
+
+
+def _return_pinned(pinned: bool) -> None:
+    """A pinned arena just dropped goes back to the caching host allocator, which keeps it: hand the free blocks
+    back to the system (CUDA only; the other users' free cached blocks go too, and are allocated again when
+    needed)."""
+    if pinned:
+        empty = getattr(torch._C, "_host_emptyCache", None)  # CUDA only
+        if empty is not None:
+            import gc
+
+            gc.collect()  # the dropped views must be gone for the block to be free
+            empty()

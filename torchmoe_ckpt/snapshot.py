@@ -283,8 +283,10 @@ class SnapshotEngine:
                     got = views[vk] = (it.piece, acc.source(it))
                 srcs.append(got[1])
                 dsts.append(it.buffer)
-            self._sources[id(slot)] = hit = (weakref.ref(slot), key, srcs, dsts, buffers)
-            while len(self._sources) > 64:  # slots dropped from the pool leave stale entries behind
+            # Weakly: a slot its allocator dropped takes its entry (and the buffers it holds) with it.
+            ref = weakref.ref(slot, _forget_slot(self._sources, id(slot)))
+            self._sources[id(slot)] = hit = (ref, key, srcs, dsts, buffers)
+            while len(self._sources) > 64:  # bounded, should slots outlive their use
                 self._sources.pop(next(iter(self._sources)))
         return hit[2], hit[3], hit[4]
 
@@ -379,6 +381,17 @@ class SnapshotEngine:
         if job.slot.error is not None:
             raise job.slot.error
         return waited
+
+
+def _forget_slot(sources: dict, key: int):
+    """A weakref callback removing a dead slot's cached sources (only its own entry: the id may be reused)."""
+
+    def forget(ref) -> None:
+        got = sources.get(key)
+        if got is not None and got[0] is ref:
+            del sources[key]
+
+    return forget
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ from .config import SparseConfig
 from .device_copy import host_copy
 from .distributed import library_group
 from .errors import ConfigError
+from .host_memory import HostMemory
 from .identity import RunIdentity, build_identity
 from .operators import Operator, agreed_sizes, discover_operators, expert_grid
 from .optim_state import describe_optimizer_state
@@ -28,18 +29,16 @@ from .popularity import PopularityTracker, order_experts, reorder_needed
 from .recovery import ResumeResult
 from .replay_log import IterationRecord
 from .schedule import CopyCost, WindowPlan, choose_window, copy_budget, measure_copy_bandwidth, plan_window
-from .slot_pool import SlotPool
-from .snapshot import Slot, SnapshotEngine, StateAccess, build_slot
+from .slot_alloc import make_slot_allocator
+from .snapshot import SnapshotEngine, StateAccess
 from .sparse_to_dense import RecoveryReport, replay_slots, sparse_to_dense
 from .storage.host_tier import HostTier
 from .storage.manifest import plan_digest
 from .storage.persist_thread import PersistThread
-from .storage.slot_files import all_free, backing
 from .storage.tiers import Tiers
 from .window import SlidingSuffix, Window, sliding_suffix
 
 log = logging.getLogger("torchmoe_ckpt")
-DIRECT_SETS = 6  # shared-memory slot sets kept per plan: committed + being written + upload backlog + current
 
 
 SAME_GROUP = object()  # agree_group not given: the planning group
@@ -107,7 +106,6 @@ class SparseCheckpointer:
         self._identity_dict = identity.to_dict()
         self.engine = SnapshotEngine(self.access)  # on the model's device: a side stream on CUDA
         use_cuda = self.engine.use_cuda
-        self.pin_memory = use_cuda  # pinned host buffers: device-to-host copies that do not block
         self.sum_counts = sum_counts
         # Routed-token counts per iteration, left on the device until the next window start needs the popularity.
         self._pending_counts: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -125,14 +123,15 @@ class SparseCheckpointer:
             self.tier_writer = PersistThread(host_tier, tiers.replicator, tiers.store)
         self._order: list[str] | None = None
         self._order_freq: torch.Tensor | None = None
-        # Slot buffer sets by plan, reused. With the host tier on CPU they are views of shared-memory data files
-        # (storage/slot_files.py: the snapshot copy is the persist); a set is reused only once the host tier has
-        # unlinked its files from every window (collected), so a committed window is never overwritten.
-        self._pool: dict[tuple, list[list[Slot]]] = {}
-        self._direct = host_tier.slot_files if host_tier is not None and not use_cuda else None
-        # Otherwise slots are assembled from per-operator groups of buffers (slot_pool.py): a reorder or a new W
-        # reuses them whole instead of rebuilding ~2,000 items on the training thread at each window start.
-        self._groups = SlotPool(self.op_by_name, self.compute_dtype, self.pin_memory) if self._direct is None else None
+        # Slot buffers: one allocator, chosen once (slot_alloc.py): shared-memory slot files on CPU with the host
+        # tier (the snapshot copy is the persist), one pinned arena per slot set on CUDA, a plain one otherwise.
+        self.slots = make_slot_allocator(
+            self.op_by_name, compute_dtype, use_cuda, host_tier, self.tier_writer, self.cfg.host_buffers
+        )
+        # Every host byte held, counted from its owners, and the limit on it (host_memory.py).
+        self.memory = HostMemory(self, self.cfg.host_memory_limit)
+        if self.tier_writer is not None:
+            self.tier_writer.status.memory = self.memory.line
         first_id = resumed.next_window_id if resumed is not None else None
         self._next_id = first_id if first_id is not None else (committed.id + 1) if committed else 0
         self._closed = False
@@ -148,8 +147,8 @@ class SparseCheckpointer:
         self._copies_seen = 0
         self._auto_w: int | None = None
         self._w_pending: tuple | None = None  # (async all-reduce, tensor): the next window's agreed W
-        self._slot_bytes: dict[tuple, list[int]] = {}  # the last plan's bytes per slot on this rank
         self._cur_slot_bytes: list[int] = []
+        self._last_job: dict[int, int] = {}  # window id -> the persist thread's ticket after its commit job
         self._sizes: tuple[dict[str, int], dict[str, int]] | None = None
         self.counters = {
             "slots": 0,
@@ -166,6 +165,7 @@ class SparseCheckpointer:
         self._redo: dict | None = None  # after a recovery: the iteration to reach again and the clock (redo phase)
         full = [o.full_bytes() for o in self.ops]
         self.dense_bytes = sum(full)  # what one dense snapshot of this rank copies
+        self._w_cap = self._check_host_memory()  # None: no limit, or a forced W that fits
 
     # ---- hooks the trainer calls ---------------------------------------------------------------------
     def attach(self, trainer) -> SparseCheckpointer:
@@ -306,10 +306,8 @@ class SparseCheckpointer:
         """The window being filled is given up: its buffers back to the pool (kept from the pool for good when
         they may still be written to the host tier: never handed out again)."""
         cur, self.current = self.current, None
-        if cur is not None and self.tier_writer is None:
-            self._keep_buffers(cur)
-        elif cur is not None and self._groups is not None:
-            self._groups.forget(cur.slots)
+        if cur is not None:
+            self.slots.release(cur.slots)  # reused once the host tier is done with them
 
     def recover_in_memory(self, trainer) -> RecoveryReport | None:
         """In-process recovery after a failure that lost the training state but not this process: converts to the
@@ -365,28 +363,6 @@ class SparseCheckpointer:
             nbytes, wall, _cpu = self.engine.last_copy
             self.cost.observe_copy(nbytes, wall, self.engine.waits[-1] if self.engine.waits else 0.0)
 
-    def _keep_buffers(self, win: Window) -> None:
-        # At most two plans' buffers are kept: W (or the order) may change and must not pile up memory. Per plan
-        # one set, or with shared-memory slot files enough sets to rotate through the windows the host tier
-        # still holds (the last committed one, the one being written, an upload backlog).
-        if self._groups is not None:
-            self._groups.give_back(win.slots)
-            return
-        sig = self._signature(win.plan)
-        sets = self._pool.pop(sig, [])
-        sets.append(win.slots)
-        self._pool[sig] = sets[-(DIRECT_SETS if self._direct is not None else 1) :]
-        while len(self._pool) > 2:
-            self._pool.pop(next(iter(self._pool)))
-
-    def _take_pooled(self, plan: WindowPlan) -> list[Slot] | None:
-        """A pooled set of this plan's slot buffers that no window on the host tier links any more."""
-        sets = self._pool.get(self._signature(plan)) or []
-        for k, slots in enumerate(sets):
-            if all_free(slots):
-                return sets.pop(k)
-        return None
-
     # ---- windows -------------------------------------------------------------------------------------
     def _maybe_commit(self) -> None:
         cur = self.current
@@ -416,16 +392,13 @@ class SparseCheckpointer:
             self.tier_writer.commit(
                 cur, {"dtype": str(self.compute_dtype), "identity": self._identity_dict}, keep_from=floor
             )
-        # Reuse the old window's buffers unless they are inherited or still being written to the host tier.
-        reusable = (
-            old is not None
-            and old is not self._inherited
-            and (self.tier_writer is None or old.id in self.tier_writer.persisted)
-        )
-        if reusable:
-            self._keep_buffers(old)
-        elif old is not None and self._groups is not None:
-            self._groups.forget(old.slots)
+            self._last_job[cur.id] = self.tier_writer.ticket()  # its buffers are read until this job is done
+        # The old window's buffers go back to the allocator (reused once the host tier is done with them); an
+        # inherited window (recovered after a restart) is not the allocator's: let go, its memory with it.
+        if old is not None and old is self._inherited:
+            self._inherited = None
+        elif old is not None:
+            self.slots.release(old.slots, self._last_job.pop(old.id, None))
 
     def _agree(self, value: float, op, group: object = SAME_GROUP) -> float:
         if not dist.is_initialized():
@@ -482,7 +455,12 @@ class SparseCheckpointer:
             # Every rank plans the same window: W is the largest any rank proposed. Proposals are agreed in the
             # background during the window before (an async 8-byte all-reduce), so no rank waits here for a
             # slower one; only the first window agrees on the spot.
-            proposal = float(choose_window(order, full, comp, budget, self._auto_w, sliding=self.cfg.sliding))
+            proposal = float(
+                min(
+                    choose_window(order, full, comp, budget, self._auto_w, sliding=self.cfg.sliding),
+                    self._w_cap or len(order),
+                )
+            )
             if self._w_pending is None:
                 auto_w = int(self._agree(proposal, dist.ReduceOp.MAX, self.group))
             else:
@@ -509,13 +487,10 @@ class SparseCheckpointer:
             sliding=self.cfg.sliding,
         )
         self._warned_unfit = self._warned_unfit or not plan.fits
-        slots = (
-            self._groups.build(plan)
-            if self._groups is not None
-            else (self._take_pooled(plan) or self._build_direct(plan))
-        )
+        self.memory.before_window(plan, self._next_id)  # within host_memory_limit, or refused
+        slots = self.slots.slots_for(plan)
         win = Window(self._next_id, t, plan, slots)
-        self._cur_slot_bytes = self._slot_sizes(plan, slots)
+        self._cur_slot_bytes = self.slots.slot_bytes(slots)
         self._next_id += 1
         self.current = win
         self.counters["windows"].append(
@@ -548,38 +523,39 @@ class SparseCheckpointer:
         self.cost.prior_s_per_byte = 1.0 / self.bandwidth
         self._prior_known = True
 
-    def _build_direct(self, plan: WindowPlan) -> list[Slot]:
-        """Slot files for a new plan. The free sets of other plans give their files (pages allocated already: no
-        fallocate on the training thread); a set none of whose files was taken goes back to the pool."""
-        spent = [(sig, old) for sig, sets in self._pool.items() for old in sets if all_free(old)]
-        for sig in self._pool:
-            self._pool[sig] = [old for old in self._pool[sig] if not any(old is o for _, o in spent)]
-        try:
-            return self._direct.build(plan, self.op_by_name, self.compute_dtype, [o for _, o in spent])
-        except OSError as exc:  # shared memory full or read-only: train on, the host tier reports its state
-            log.debug("slot files not allocated (%s): slots in plain memory for this plan", exc)
-            # fresh buffers: pooled ones may be views of files a committed window still links
-            return [
-                build_slot(i, sp.active, sp.frozen, self.op_by_name, self.compute_dtype)
-                for i, sp in enumerate(plan.slots)
-            ]
-        finally:
-            for sig, old in spent:
-                if sig in self._pool and all(b is None or b.finalizer.alive for b in map(backing, old)):
-                    self._pool[sig].append(old)
+    def _check_host_memory(self) -> int | None:
+        """The limit against the worst case of the plan, before training (host_memory.py); returns the largest W
+        auto mode may choose under it (agreed over the planning ranks), None when there is no limit or W is
+        forced. Raises HostMemoryLimitError with the figure when no window fits."""
+        if self.memory.limit is None:
+            return None
+        saved = self._order, self._order_freq  # the first window plans as it would without a limit
+        order, (full, comp) = self._operator_order(), self._op_sizes()
+        self._order, self._order_freq = saved
+        # Reorders permute the experts (routers and dense blocks stay last). Plans use sizes agreed over the ranks,
+        # so the slot boundaries stay, but which experts this rank holds most of moves: the worst case puts those
+        # with the most local compute bytes last (frozen in the most slots).
+        tail = {o.name for o in self.ops if o.kind in ("router", "dense")}
+        itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
+        local = {o.name: o.compute_bytes(itemsize) for o in self.ops}
+        worst = sorted((n for n in order if n not in tail), key=local.__getitem__) + [n for n in order if n in tail]
 
-    def _slot_sizes(self, plan: WindowPlan, slots: list[Slot]) -> list[int]:
-        # this rank's bytes per slot, summed once per plan (~1,000 items each: ~1 ms), not at every iteration
-        if self._groups is not None:
-            return [self._groups.nbytes(sl) for sl in slots]
-        sig = self._signature(plan)
-        if sig not in self._slot_bytes:
-            self._slot_bytes = {sig: [sl.nbytes for sl in slots]}
-        return self._slot_bytes[sig]
+        def plans(w: int) -> WindowPlan:
+            return plan_window(worst, full, comp, float("inf"), forced_window=w, warn=False)
 
-    @staticmethod
-    def _signature(plan: WindowPlan) -> tuple:
-        return tuple((s.active, s.frozen) for s in plan.slots)
+        max_w = choose_window(order, full, comp, 0.0)  # the largest W Algorithm 1 can choose (its budget floor)
+        if self.cfg.max_window is not None:
+            max_w = min(max_w, self.cfg.max_window)
+        rep = None if self.tier_writer is None else self.tier_writer.replicator
+        me = self._rank
+        senders = 0 if rep is None else sum(1 for _src, dst, replica in rep.pairs if dst == me and not replica)
+        return self.memory.check(
+            plans,
+            self.cfg.window,
+            max_w,
+            lambda x, op: self._agree(float(x), dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, self.group),
+            senders=senders,
+        )
 
     def inherit_counters(self, old: SparseCheckpointer) -> SparseCheckpointer:
         """Continue the counters of the checkpointer that ran before a restart (for whole-run figures)."""
@@ -635,6 +611,7 @@ class SparseCheckpointer:
                 dict(r.phases, recovered_step=r.recovered_step, replayed=r.replayed_iterations, bytes=r.bytes_loaded)
                 for r in self.counters["recoveries"][-8:]
             ],
+            "host_memory": self.memory.account(),  # every host byte held, by part, and the limit
             "host_tier": None if self.tier_writer is None else self.tier_writer.stats(),
             "peers": None if self.tier_writer is None else self.tier_writer.replication_stats(),
             "object_store": None

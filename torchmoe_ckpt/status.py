@@ -2,9 +2,11 @@
 fails or falls behind (once per change of state, and a line when it recovers), a summary at exit, and a line
 after a recovery. TorchTitan style: rank 0 speaks, other ranks log the same lines at DEBUG (a rank's own
 failure is logged by `tier_health.TierHealth` on that rank): a window line is rank 0's commit, not every rank's.
+A window line ends with the host memory the rank's checkpointer holds (host_memory.py: "; host memory X of LIMIT")
+when the checkpointer gives one (`RunStatus.memory`).
 Logger "torchmoe_ckpt", lines start "torchmoe:".
 
-    torchmoe: window 3 steps 7..8 bytes 2.3 MiB host ok peers 1/1 store uploaded (lag 0.08 s)
+    torchmoe: window 3 steps 7..8 bytes 2.3 MiB host ok peers 1/1 store uploaded (lag 0.08 s); host memory 9.4 MiB
     torchmoe: window 4 steps 9..10 bytes 2.3 MiB host ok peers 1/1 store pending (2 behind, lag 6.1 s)
     torchmoe: object store failing: upload of window 4: EndpointConnectionError: ...; training goes on ...
     torchmoe: object store back: window 5 uploaded after 7 failed attempt(s) in 12.3 s; catching up
@@ -60,6 +62,7 @@ class RunStatus:
         self._fail_since: float | None = None
         self._failed_attempts = 0
         self._lock = threading.Lock()
+        self.memory = None  # () -> "host memory X of LIMIT" (host_memory.HostMemory.line), set by the checkpointer
 
     def say(self, text: str, level: int | None = None) -> None:
         self.lines.append(text)
@@ -89,7 +92,8 @@ class RunStatus:
         if self.peers is not None:
             ok = self.peers if self._peers_ok is None else self._peers_ok
             text += f" peers {ok}/{self.peers}"
-        return text + (f" store {store}" if store is not None else "")
+        text += f" store {store}" if store is not None else ""
+        return text + (f"; {self.memory()}" if self.memory is not None else "")
 
     def _pending_text(self) -> str:
         oldest = min(self.pending.values(), default=time.monotonic())
@@ -175,6 +179,7 @@ class RunStatus:
                 first, last, _ = self.committed[newest]
                 text += f" (newest {newest}, steps {first}..{last})"
             text += " on the host tier" + (f" {host_dir}" if host_dir else "")
+            mem = f" ({self.memory()} at exit)" if self.memory is not None else ""  # what stays in /dev/shm
             if not self.committed_count:
                 durable = _committed_on_host(host_dir, self.rank)  # an earlier attempt's, the one resumed from
                 summ["durable_on_host"] = durable
@@ -183,7 +188,7 @@ class RunStatus:
                         f"exit: no window committed by this attempt; window {durable[-1]} (committed earlier) is "
                         f"the newest on the host tier {host_dir}: a restart resumes from it. This attempt's "
                         "windows did not commit (every host-tier write failed, see the warnings above, or it "
-                        "ran fewer iterations than one window)",
+                        f"ran fewer iterations than one window){mem}",
                         self.warn_level,
                     )
                     return summ
@@ -196,11 +201,11 @@ class RunStatus:
                 )
                 return summ
             if self.store is None:
-                self.say(text)
+                self.say(text + mem)
                 return summ
             text += f"; object store {self.store}: {self.uploaded_count} uploaded"
             if not self.pending:
-                self.say(text + ", none pending" + (f" (waited {waited_s:.1f} s)" if waited_s >= 0.05 else ""))
+                self.say(text + ", none pending" + (f" (waited {waited_s:.1f} s)" if waited_s >= 0.05 else "") + mem)
                 return summ
             label = "windows" if len(self.pending) > 1 else "window"
             self.say(
@@ -211,7 +216,8 @@ class RunStatus:
                     f"; {self.superseded_count} older window(s) were superseded by newer ones"
                     if self.superseded_count
                     else ""
-                ),
+                )
+                + mem,
                 logging.WARNING if self.rank == 0 else logging.DEBUG,
             )
             return summ

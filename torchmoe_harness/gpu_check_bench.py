@@ -205,7 +205,7 @@ def analyse(rep: dict) -> dict:
                 d2h_vs_peak=cb / cs / peak if cs and peak else None,
             )
         last = ts[-1]
-        for key in ("own_host_bytes", "windows_W"):
+        for key in ("own_host_bytes", "own_host_parts", "windows_W"):
             if last.get(key) is not None:
                 row[key] = last[key]
         row["interval"] = (last.get("stats") or {}).get("interval", 1 if name != "none" else None)

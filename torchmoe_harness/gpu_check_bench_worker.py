@@ -107,13 +107,17 @@ def pinned_in_use(device: torch.device) -> int | None:
     return int(torch.cuda.host_memory_stats().get("active_bytes.current", 0))
 
 
-def own_host_bytes(system) -> int | None:
-    """The system's own account of the host bytes it holds, where its stats() has one."""
+def own_host_bytes(system) -> tuple[int | None, dict | None]:
+    """The system's own account of the host bytes it holds, where its stats() has one: ours (every part, counted
+    from its owners: torchmoe_ckpt/host_memory.py) or a baseline's `host_bytes`. Returns (total, parts)."""
     for stats in (system.stats(), system.ck.stats() if hasattr(system, "ck") else {}):
+        mem = stats.get("host_memory")
+        if isinstance(mem, dict) and isinstance(mem.get("total"), int):
+            return mem["total"], mem["parts"]
         for key in ("host_bytes", "host_bytes_total"):
             if isinstance(stats.get(key), (int, float)):
-                return int(stats[key])
-    return None
+                return int(stats[key]), None
+    return None, None
 
 
 class _Timed:
@@ -172,7 +176,7 @@ def turn(trainer: Trainer, system, warmup: int, steps: int) -> dict:
     out["sync_sites"] = dict(counter.sites.most_common(4)) if counter.enabled else None
     out["rss_bytes"], out["pinned_in_use_bytes"] = rss_bytes(), pinned_in_use(trainer.device)
     if system is not None:
-        out["own_host_bytes"] = own_host_bytes(system)
+        out["own_host_bytes"], out["own_host_parts"] = own_host_bytes(system)
     trainer.before_update[:] = before + added
     _detach(system, trainer)  # finishes the copies in flight: the figures below count them
     trainer.before_update[:] = before

@@ -187,7 +187,7 @@ def restart(
 def _start(trainer: Trainer, spec: dict, ck_cfg: SparseConfig, wd, policy, attempt: int, recoveries: list):
     """Process start: the library's start-up sequence; recovery (with "resume") from a JIT copy if one beats the
     newest window (spec "jit"), else from the newest window every rank can get from the tiers, if any. Returns
-    the trainer to train and what `start` gave."""
+    the trainer to train, its checkpointer and the host tier's run directory (None without tiers)."""
     cfg, host = trainer.cfg, spec.get("host_tier")
     resume = bool(host and spec.get("resume"))
     jit_rep = None
@@ -245,7 +245,8 @@ def _start(trainer: Trainer, spec: dict, ck_cfg: SparseConfig, wd, policy, attem
         )
         if attempt > 0 or spec.get("initial_load"):
             recoveries.append({"cold_start": src, "recovered_step": trainer.step, "attempt": attempt})
-    return started.trainer, started
+    host_dir = started.tiers.host.dir if started.tiers is not None else None
+    return started.trainer, started.checkpointer, host_dir  # not `started`: its recovered window is let go
 
 
 def _check_jit(spec: dict) -> bool:
@@ -277,15 +278,15 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
     use_jit = _check_jit(spec)
     # Recovery (fetch, agreement, replay) is watched like training: a rank frozen in replay ends the job.
     wd = CollectiveWatchdog(spec.get("watchdog_timeout_s"), rank=trainer.rank, events_path=spec.get("watchdog_events"))
-    trainer, started = _start(trainer, spec, ck_cfg, wd, policy, attempt, recoveries)
-    ck = started.checkpointer.attach(trainer)
+    trainer, ck, host_dir = _start(trainer, spec, ck_cfg, wd, policy, attempt, recoveries)
+    ck.attach(trainer)
     step_seconds: list[float] = []
     step_cpu: list[float] = []  # process CPU (every thread: training, copy, tier threads) per step
     jit = None
     if use_jit:
         from torchmoe_ckpt.jit import JitCheckpointer
 
-        jit = JitCheckpointer(trainer, host, started.tiers.host.dir / "jit")
+        jit = JitCheckpointer(trainer, host, host_dir / "jit")
         if not jit.enabled and trainer.rank == 0:
             log.warning(
                 "event=jit_off reason=no_replicas hsdp=%d: pure FSDP keeps one copy of each shard, so a "

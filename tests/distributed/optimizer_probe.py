@@ -1,4 +1,4 @@
-"""torchrun entry for tests/distributed/test_optimizers.py: the own loop of examples/own_loop.py (Hugging Face
+"""torchrun entry for tests/distributed/test_optimizers_kill9.py: the own loop of examples/own_loop.py (Hugging Face
 Mixtral, FSDP2, a crash with `kill -9`, resume) with another optimizer setup (torchmoe_harness.optimizers): SGD,
 AdamW with amsgrad or bf16 states, Muon + AdamW as two optimizers, Adafactor + AdamW. `--parallel ddp` runs
 DistributedDataParallel instead of FSDP2 (torch's Adafactor cannot step FSDP2's DTensor parameters: an in-place

@@ -60,3 +60,7 @@ def test_gpu_check_runs_every_phase_on_a_cpu(tmp_path):
     assert set(raw) == set(SYSTEMS)
     gemini = raw["gemini_k1"][-1]  # its own host-byte account: the two snapshot buffers
     assert gemini["own_host_bytes"] == 2 * gemini["stats"]["bytes_per_checkpoint"] > 0
+    for name in ("ours_auto", "ours_W4", "ours_host"):  # ours: stats()["host_memory"], every part from its owner
+        turn = raw[name][-1]
+        assert turn["own_host_bytes"] == sum(turn["own_host_parts"].values()) > 0, (name, turn["own_host_parts"])
+    assert raw["ours_host"][-1]["own_host_parts"]["slot_sets"] > 0  # the host tier's slot files

@@ -3,7 +3,7 @@ matrices on it, the rest on AdamW) refuses CPU devices at construction, and Adam
 (implementation = "fused_opt_states_bf16") fails in torch's CPU kernels at its first step. What the integration
 adds is checked anyway: DistMuon's update rule (per matrix: an expert cut from a grouped tensor replays exactly, a
 cut 2-D matrix is refused) and the bf16 state made up front exactly as TorchTitan's pre-hook makes it. The own-loop
-tests (tests/distributed/test_optimizers.py) cover Muon + AdamW and bf16 states end to end. One subprocess (the
+tests (tests/distributed/test_optimizers_kill9.py) cover Muon + AdamW and bf16 states end to end. One subprocess (the
 CPU-mode patches stay out of the test process)."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""SlotPool: slots assembled from per-operator groups hold exactly the items build_slot makes, and a reorder
-or a window-size change reuses the given-back buffers instead of allocating."""
+"""ArenaSlotPool (the arena allocator): slots assembled from per-operator groups of one arena per slot set hold
+exactly the items build_slot makes, and a reorder or a window-size change reuses the released set's buffers
+instead of allocating."""
 
 import random
 
@@ -7,7 +8,7 @@ import torch
 
 from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.schedule import plan_window
-from torchmoe_ckpt.slot_pool import SlotPool
+from torchmoe_ckpt.slot_pool import ArenaSlotPool
 from torchmoe_ckpt.snapshot import build_slot
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
 
@@ -39,19 +40,19 @@ def _items(slot):
 def test_same_items_as_build_slot_and_reuse_across_reorders():
     ops, by, full, comp = _setup()
     names = [o.name for o in ops]
-    pool = SlotPool(by, torch.bfloat16)
+    pool = ArenaSlotPool(by, torch.bfloat16)
     rnd = random.Random(0)
     live = []
     for window, w in enumerate((4, 4, 4, 4, 6, 2)):
         order = names[:]
         rnd.shuffle(order)  # a popularity reorder
         plan = plan_window(order, full, comp, float("inf"), forced_window=w, warn=False)
-        before = pool.allocated_groups
-        slots = pool.build(plan)
-        for sl, sp in zip(slots, plan.slots):
+        before, arenas = pool.new_memory_groups, pool.allocations
+        slots = pool.slots_for(plan)
+        for sl, sp, n in zip(slots, plan.slots, pool.slot_bytes(slots)):
             ref = build_slot(sl.index, sp.active, sp.frozen, by, torch.bfloat16)
             assert _items(sl) == _items(ref)
-            assert pool.nbytes(sl) == ref.nbytes
+            assert n == sl.nbytes == ref.nbytes
             assert len({it.buffer.data_ptr() for it in sl.items if it.buffer.numel()}) == len(
                 [it for it in sl.items if it.buffer.numel()]
             )  # no buffer shared within a slot
@@ -60,20 +61,21 @@ def test_same_items_as_build_slot_and_reuse_across_reorders():
             for sl in other:
                 assert not any(it.buffer.data_ptr() in set().union(*ptrs) for it in sl.items if it.buffer.numel())
         if window == 3:  # after a window of the same W came back, a reorder reuses (nearly) every buffer
-            used = sum(len(pool._groups[id(sl)][1]) for sl in slots)
-            assert pool.allocated_groups - before <= 0.05 * used, (pool.allocated_groups - before, used)
+            used = sum(len(sp.active) + len(sp.frozen) for sp in plan.slots)  # groups, besides step counters
+            assert pool.new_memory_groups - before <= 0.05 * used, (pool.new_memory_groups - before, used)
+            assert pool.allocations == arenas  # and allocates nothing: the released set's arena is re-assembled
         live.append(slots)
         if len(live) > 1:  # the committed window retires when the next one commits
-            pool.give_back(live.pop(0))
+            pool.release(live.pop(0))
 
 
 def test_shrinking_window_lets_buffers_go():
     ops, by, full, comp = _setup()
     names = [o.name for o in ops]
-    pool = SlotPool(by, torch.float32)
-    big = pool.build(plan_window(names, full, comp, float("inf"), forced_window=6, warn=False))
-    pool.give_back(big)
+    pool = ArenaSlotPool(by, torch.float32)
+    big = pool.slots_for(plan_window(names, full, comp, float("inf"), forced_window=6, warn=False))
+    pool.release(big)
     small = plan_window(names, full, comp, float("inf"), forced_window=2, warn=False)
-    pool.build(small)
-    kept = sum(len(v) for v in pool._free.values())
-    assert kept <= sum(len(sp.frozen) + 2 * len(sp.active) for sp in small.slots)  # at most one more window's worth
+    pool.slots_for(small)
+    kept = pool.host_bytes()["slot_sets"]
+    assert len(pool.sets) == 1 and kept <= 2 * pool.set_bytes(small)  # at most one more window's worth

@@ -31,12 +31,14 @@ from ..replay_log import IterationRecord, ReplayLog
 from ..schedule import WindowPlan
 from ..snapshot import Slot, build_slot
 from ..window import Window
+from . import usage
 from .checksums import SUM64, tensor_block_sums
 from .files import LocalFiles
 from .layout import (
     partial_file,
     replay_file,
     slot_writer_dir,
+    slots_dir,
     window_dirname,
     writer_name,
 )
@@ -48,7 +50,7 @@ from .window_tier import WindowTier, encoded, mapped, mapped_items
 
 # Each writer deliberately saves its own pieces without collectives (no_dist=True); DCP warns about that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-MAX_SPARES = 16  # data files of collected windows kept per writer for reuse
+MAX_MAPPINGS = 80  # data-file mappings kept open (mapped_files.py); their memory is the files'
 
 
 class HostTier(WindowTier):
@@ -59,8 +61,9 @@ class HostTier(WindowTier):
         self.dir.mkdir(parents=True, exist_ok=True)
         super().__init__(LocalFiles(self.dir), rank, world_size)
         # Data files stay mapped across reuse (mapped_files.py): a persist is one memcpy plus one summing pass.
-        self._maps = MappedFiles(limit=MAX_SPARES + 64)
+        self._maps = MappedFiles(limit=MAX_MAPPINGS)
         self._slot_files: SlotFiles | None = None
+        self.spare_windows = 1  # collected windows whose data files are kept to be written over (TierConfig)
 
     def window_dir(self, window_id: int) -> Path:
         return self.dir / window_dirname(window_id)
@@ -122,7 +125,25 @@ class HostTier(WindowTier):
 
     @property
     def max_spares(self) -> int:
-        return 0 if self._slot_files is not None else MAX_SPARES  # slot files are shared-memory files of their own
+        """Spare data files kept: `spare_windows` windows' worth (a window's files are what the next one writes);
+        none with slot files, whose sets are reused whole (slot_files.py)."""
+        return 0 if self._slot_files is not None else self.spare_windows * self.window_data_files
+
+    def host_bytes(self, aliased: set = frozenset(), backlog_below: int | None = None) -> dict[str, int]:
+        """This writer's host memory in the tier directory, from the file system: window files that are not
+        the live slot sets' (`aliased`: their (device, inode)s, counted by the allocator), split into the windows
+        the retention keeps and the older ones kept for the object store (`backlog_below`: the retention floor);
+        spare files; stale slot-file names; mappings of deleted files (their pages stay while mapped)."""
+        seen: set = set()
+        wins = usage.window_bytes(self.dir, self.writer, seen, aliased)
+        floor = min(wins, default=0) if backlog_below is None else backlog_below
+        return {
+            "window_files": sum(n for w, n in wins.items() if w >= floor)
+            + usage.tree_bytes(self.dir / slots_dir(self.writer), seen, aliased),
+            "upload_backlog": sum(n for w, n in wins.items() if w < floor),
+            "spares": usage.tree_bytes(self.spare_path(), seen, aliased),
+            "unlinked_mappings": self._maps.unlinked_bytes(),
+        }
 
     def _forget(self, path: Path) -> None:
         self._maps.forget(path)

@@ -123,6 +123,11 @@ class MappedFiles:
             torch._foreach_copy_(dst, src)  # one memcpy per item, no Python per byte
         return tensor_block_sums(m.t).numpy()
 
+    def unlinked_bytes(self) -> int:
+        """Bytes of kept mappings whose file was deleted meanwhile: their pages stay until dropped (next write)."""
+        with self._lock:
+            return sum(m.size for m in self._maps.values() if os.fstat(m.fd).st_nlink == 0)
+
     def forget(self, path) -> None:
         """Drop the mapping of a file about to be deleted (no-op when there is none)."""
         try:

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from .. import faults
+from . import usage
 from .checksums import CHUNK, Digester, FileEntry
 from .files import StoreFiles
 from .layout import METADATA, is_data_file, manifest_name, window_dirname
@@ -29,7 +30,6 @@ from .window_tier import WindowTier
 
 log = logging.getLogger("torchmoe_ckpt.object_tier")
 FORMATS = ("dcp", "tensorstore")
-MAX_SPARES = 8  # data files of deleted windows kept per writer in a local store, to be written over
 
 
 def make_store(
@@ -69,8 +69,31 @@ class ObjectTier(WindowTier, StoreTier):
         self.base = f"{root.rstrip('/')}/{run}" if run else root.rstrip("/")
         where = f"{self.uri.rstrip('/')}/{run}" if run else self.uri
         WindowTier.__init__(self, StoreFiles(self.fs, self.base, where), self.rank, world_size)
-        self.max_spares = MAX_SPARES if self.files.local else 0  # a local store keeps deleted windows' files
+        self.spare_windows = 1  # a local store keeps deleted windows' data files (the host tier's setting)
         self._buf = bytearray(CHUNK)  # the upload thread's one chunk buffer (a local store streams through it)
+
+    @property
+    def max_spares(self) -> int:
+        """A local store keeps `spare_windows` deleted windows' data files, to be written over."""
+        return self.spare_windows * self.window_data_files if self.files.local else 0
+
+    def in_memory(self) -> bool:
+        """A local store on a memory file system (tmpfs): its files are host memory."""
+        if self._in_memory is None:
+            self._in_memory = self.files.local and usage.in_memory(self.files.path(""))
+        return self._in_memory
+
+    _in_memory: bool | None = None
+
+    def host_bytes(self) -> dict[str, int]:
+        """A local store on a memory file system (tmpfs) holds host memory: this writer's files there; and the
+        upload thread's chunk buffer. A store on disk or remote: the buffer only."""
+        out = {"store_buffers": len(self._buf)}
+        if self.in_memory():
+            root, seen = Path(self.files.path("")), set()
+            spare = usage.tree_bytes(self.spare_path(), seen)
+            out["store_files"] = sum(usage.window_bytes(root, self.writer, seen).values()) + spare
+        return out
 
     # ---- put: a committed host-tier window (or a part of it) ------------------------------------------------
     def upload(self, tier: WindowTier, window_id: int, entries: dict | None = None, commit: bool = True) -> int:
@@ -78,6 +101,9 @@ class ObjectTier(WindowTier, StoreTier):
         `entries` names, e.g. one slot's as it is written), each checked against its entry; `commit`: then the
         manifest, once every file it lists is in the store. Returns the bytes uploaded."""
         man = tier.manifest(window_id) if commit else None
+        self.spare_windows = getattr(tier, "spare_windows", self.spare_windows)
+        if man is not None:
+            self.window_data_files = sum(map(is_data_file, man.files))
         w = window_dirname(window_id)
         if entries is None:  # a whole window: invisible here until its manifest is back
             self._retry("delete", self.files.remove, [f"{w}/{manifest_name(self.writer)}"])

@@ -14,7 +14,8 @@ send/recv calls without deadlock. A received copy lives in the receiver's run di
 `.peers/<receiver>/from-<sender>/` in the layout of every tier (layout.py), its manifest written last.
 
 What a push costs (it runs on the tier thread, beside training, on the same cores): a small JSON header, then
-each file as one gloo message, read into one reused buffer, received into another and written over the data
+each file in gloo messages of at most 64 MiB, read into one reused buffer, received into another (so the two
+buffers stay 64 MiB whatever the slot files' size: host memory, host_memory.py) and written over the data
 files of a collected copy (`.spare/`: their pages are reused, not allocated and zeroed again). Per byte: one
 read, one socket copy each way and one write, into warm memory; no pickling, no joined payload, no checksum
 pass (a copy is verified when it is used: `holdings`).
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .. import faults
+from . import usage
 from .files import LocalFiles
 from .layout import (
     held_copies_dir,
@@ -48,17 +50,19 @@ from .spare_files import place_new_file, pwrite_all
 from .window_tier import WindowTier
 
 log = logging.getLogger("torchmoe_ckpt.peer_tier")
-MAX_SPARES = 8  # data files of collected peer copies kept per sender for reuse
 REPLICA_VERIFIED = "REPLICA_VERIFIED"  # in a replica's copy: its slot data is the receiver's own
+
+
+CHUNK = 64 << 20  # bytes per gloo message: the two transfer buffers stay this small whatever the slot files' size
 
 
 def send_files(
     files: list[tuple[str, Path]], dst: int, group, meta: dict | None = None, buf: Buffer | None = None
 ) -> int:
-    """Send named files to `dst`: a JSON header (names, sizes, `meta`), then each non-empty file as one message,
-    read into `buf` (reused: no allocation, no page faults; one copy from the page cache, cheaper than mapping
-    the file, whose page-table setup and teardown cost more per byte here). Returns the bytes sent (8-byte
-    length + header + file bytes)."""
+    """Send named files to `dst`: a JSON header (names, sizes, `meta`), then each non-empty file in messages of at
+    most CHUNK bytes, read into `buf` (reused: no allocation, no page faults; one copy from the page cache, cheaper
+    than mapping the file, whose page-table setup and teardown cost more per byte here). Returns the bytes sent
+    (8-byte length + header + file bytes)."""
     buf = buf or Buffer()
     sizes = [os.stat(path).st_size for _, path in files]
     header = json.dumps({"meta": meta or {}, "files": [[rel, n] for (rel, _), n in zip(files, sizes)]}).encode()
@@ -66,20 +70,24 @@ def send_files(
     dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group)
     short = []
     for (_rel, path), n in zip(files, sizes):
-        if n:
-            with open(path, "rb", buffering=0) as f:
-                got = f.readinto(buf.view(n))
-            if got != n:  # shrank since the header: still send n bytes, the receiver (and the pair order) waits
-                short.append(f"{path}: {got} bytes read, {n} announced")
-            dist.send(buf.t[:n], dst, group=group)
+        if not n:
+            continue
+        got = 0
+        with open(path, "rb", buffering=0) as f:
+            for off in range(0, n, CHUNK):
+                m = min(CHUNK, n - off)
+                got += f.readinto(buf.view(m)) or 0
+                dist.send(buf.t[:m], dst, group=group)
+        if got != n:  # shrank since the header: still send n bytes, the receiver (and the pair order) waits
+            short.append(f"{path}: {got} bytes read, {n} announced")
     if short:  # not raised: the rest of the exchange must go on; the copy fails verification where it is used
         log.warning("file(s) changed while being sent to rank %d, its copy is torn: %s", dst, short)
     return 8 + len(header) + sum(sizes)
 
 
 class Buffer:
-    """One uint8 tensor reused for every file sent or received, grown to the largest (then no allocation and
-    no page faults)."""
+    """One uint8 tensor reused for every chunk sent or received, grown to the largest (at most CHUNK bytes): no
+    allocation and no page faults after the first transfers."""
 
     def __init__(self):
         self.t = torch.empty(0, dtype=torch.uint8)
@@ -94,30 +102,36 @@ class Inbox(Buffer):
     """The receiving side of `send_files`."""
 
     def recv(self, src: int, group, write) -> dict:
-        """Receive one `send_files` transfer; `write(rel, view)` stores each file (the view is only valid during
-        the call). Returns the sender's `meta`."""
+        """Receive one `send_files` transfer; `write(rel, size, chunks)` stores each file, consuming every
+        (offset, view) of `chunks` (a view is valid until the next one). Returns the sender's `meta`."""
         n = torch.zeros(1, dtype=torch.int64)
         dist.recv(n, src, group=group)
         header = torch.empty(int(n.item()), dtype=torch.uint8)
         dist.recv(header, src, group=group)
         header = json.loads(header.numpy().tobytes())
         for rel, size in header["files"]:
-            view = self.view(size)
-            if size:
-                dist.recv(self.t[:size], src, group=group)
-            write(rel, view)
+            write(rel, size, self._chunks(src, group, size))
         return header["meta"]
 
+    def _chunks(self, src: int, group, size: int):
+        for off in range(0, size, CHUNK):
+            m = min(CHUNK, size - off)
+            view = self.view(m)
+            dist.recv(self.t[:m], src, group=group)
+            yield off, view
 
-def write_file(path: Path, data: memoryview, spare: Path | None = None) -> None:
-    """Write `data` to `path`, over `spare` (a collected copy's file, renamed into place) when given: writing
-    over existing shared-memory pages skips allocating and zeroing new ones. Never writes into another file
-    that was at `path` (on a host tier it may be a link to live slot buffers): that name is replaced."""
+
+def write_file(path: Path, size: int, chunks, spare: Path | None = None) -> None:
+    """Write a file of `size` bytes from `chunks` [(offset, view)] to `path`, over `spare` (a collected copy's file,
+    renamed into place) when given: writing over existing shared-memory pages skips allocating and zeroing new
+    ones. Never writes into another file that was at `path` (on a host tier it may be a link to live slot
+    buffers): that name is replaced."""
     place_new_file(path, spare)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        pwrite_all(fd, data, 0)
-        os.ftruncate(fd, len(data))
+        for off, view in chunks:
+            pwrite_all(fd, view, off)
+        os.ftruncate(fd, size)
     finally:
         os.close(fd)
 
@@ -143,12 +157,32 @@ class PeerTier:
         self.replica_verified = 0
         self.replica_mismatch = 0
         self.inbox, self.outbox = Inbox(), Buffer()
+        self._window_files: dict[int, int] = {}  # sender -> data files of its newest copy held here
 
     def held(self, src: int) -> WindowTier:
         """The copies of `src`'s windows this writer holds, as a tier of their own (list, verify, read)."""
         held = WindowTier(LocalFiles(self.tier.dir / peer_copy_dir(self.tier.writer, writer_name(src))), src, 0)
-        held.max_spares = MAX_SPARES  # collected copies' data files are written over by the next ones
+        # collected copies' data files are written over by the next ones: the host tier's `spare_windows` of them
+        held.max_spares = self._spare_limit(src)
         return held
+
+    def trim_spares(self) -> int:
+        """Delete the spare data files of every copy held here (memory pressure); returns their bytes."""
+        return sum(self.held(src).trim_spares() for src in self.sources())
+
+    def _spare_limit(self, src: int) -> int:
+        return getattr(self.tier, "spare_windows", 1) * self._window_files.get(src, 0)
+
+    def host_bytes(self) -> dict[str, int]:
+        """What this writer holds for others, from the file system (copies, their spares), and its two transfer
+        buffers."""
+        root, seen = self.tier.dir / held_copies_dir(self.tier.writer), set()
+        spare = sum(usage.tree_bytes(d, seen) for d in root.glob("from-*/.spare"))
+        return {
+            "peer_copies": usage.tree_bytes(root, seen),
+            "peer_spares": spare,
+            "peer_buffers": self.inbox.t.numel() + self.outbox.t.numel(),
+        }
 
     # ---- push (after each commit; collective over the group) ----------------------------------------------
     def push(self, window_id: int, manifest: WindowManifest | None) -> None:
@@ -169,6 +203,9 @@ class PeerTier:
             elif me == dst:
                 held = self.held(src)
                 theirs = self._receive(src, held, window_id)
+                if theirs is not None:
+                    self._window_files[src] = sum(map(is_data_file, theirs.files))
+                    held.max_spares = self._spare_limit(src)
                 if replica and theirs is not None:
                     self._verify_replica(window_id, theirs, held)
                 self._collect(held, window_id)
@@ -197,9 +234,9 @@ class PeerTier:
         w = window_dirname(window_id)
         dest.files.remove([f"{w}/{manifest_name(dest.writer)}"])  # incomplete until the manifest is back
 
-        def write(rel: str, data: memoryview) -> None:
-            spare = dest.take_spare(len(data)) if is_data_file(rel) and dest is not self.tier else None
-            write_file(dest.files.path(f"{w}/{rel}"), data, spare)
+        def write(rel: str, size: int, chunks) -> None:
+            spare = dest.take_spare(size) if is_data_file(rel) and dest is not self.tier else None
+            write_file(dest.files.path(f"{w}/{rel}"), size, chunks, spare)
 
         text = self.inbox.recv(holder, self.group, write)["manifest"]
         if text is None:

@@ -18,7 +18,7 @@ from .tier_health import TierHealth
 from .uploader import Uploader
 
 log = logging.getLogger("torchmoe_ckpt.host_tier")
-MAX_UPLOAD_BACKLOG = 4  # windows kept in host memory for a slow or unreachable object store
+MAX_UPLOAD_BACKLOG = 4  # default of TierConfig.upload_backlog: windows kept for a slow or unreachable store
 DEFAULT_STALL = (50, "warn")  # TierConfig's defaults, for a HostTier built without build_tiers
 
 
@@ -46,6 +46,11 @@ class PersistThread:
             self.uploader.catch_up()
         self.replicator = replicator  # peer_tier.PeerTier: pushes each committed window to peers
         self.jobs: queue.Queue = queue.Queue()
+        # Jobs queued / processed: slot buffers released after `ticket()` are no longer read once `done(ticket)`.
+        self._queued, self._processed = 0, 0
+        # Windows kept beyond the retention floor while the object store still needs them (build_tiers sets it).
+        self.upload_backlog = getattr(tier, "upload_backlog", MAX_UPLOAD_BACKLOG)
+        self.keep_floor: int | None = None  # the retention floor of the last collect (older kept windows: backlog)
         self.persisted: set[int] = set()  # window ids whose rank manifest is written
         self.errors: list[str] = []
         self.lag_seconds: list[float] = []  # window committed in memory -> manifest on the host tier
@@ -102,15 +107,45 @@ class PersistThread:
         window commits."""
         if "start_step" in info and "slot" in info:  # the training thread: the stall policy may end the job here
             self.health.check_stall(info["start_step"] + info["slot"])
-        self.jobs.put(("slot", window_id, slot, info, partial))
+        self._put(("slot", window_id, slot, info, partial))
 
     def commit(self, window, extra: dict, keep_from: int) -> None:
-        self.jobs.put(("commit", window, extra, keep_from, time.perf_counter()))
+        self._put(("commit", window, extra, keep_from, time.perf_counter()))
 
     def flush(self) -> None:
         done = threading.Event()
-        self.jobs.put(("flush", done))
+        self._put(("flush", done))
         done.wait()
+
+    def _put(self, job) -> None:
+        self._queued += 1  # one enqueuing thread (the training thread)
+        self.jobs.put(job)
+
+    def ticket(self) -> int:
+        """The jobs queued so far: what `done` compares against."""
+        return self._queued
+
+    def done(self, ticket: int) -> bool:
+        """Every job queued before `ticket()` returned `ticket` was processed (or dropped by a dead writer)."""
+        return self._processed >= ticket
+
+    def trim_spares(self) -> int:
+        """Give back the host tier's and the held peer copies' spare files (memory pressure). Call it only while
+        this thread is idle (after `flush`, before the next job is queued)."""
+        n = self.tier.trim_spares()
+        return n + (self.replicator.trim_spares() if self.replicator is not None else 0)
+
+    def host_bytes(self, aliased: set = frozenset()) -> dict[str, int]:
+        """The tiers' part of the host-memory account (host_memory.py), from their owners: the host tier's files
+        (`aliased`: the live slot sets' own files, counted by the allocator), what this rank holds for its peers,
+        a local object store's files on tmpfs."""
+        out = dict(self.tier.host_bytes(aliased, self.keep_floor))
+        if self.replicator is not None:
+            out.update(self.replicator.host_bytes())
+        store = None if self.uploader is None else self.uploader.store
+        if store is not None and hasattr(store, "host_bytes"):
+            out.update(store.host_bytes())
+        return out
 
     def finish(self, wait_s: float) -> dict:
         """At the end of a run: write what is committed to the host tier, give the object store up to `wait_s`
@@ -164,6 +199,7 @@ class PersistThread:
             if job is None:
                 return
             if self._dead:
+                self._processed += 1
                 continue
             c0 = time.thread_time()
             try:
@@ -189,11 +225,12 @@ class PersistThread:
                         self._man.total_bytes,
                         self._peers_here,
                     )
+                    self.keep_floor = keep
                     if self.uploader is not None:
                         self.uploader.submit(win.id)
                         needed = self.uploader.oldest_needed()
                         if needed is not None:  # keep what still has to reach the store (a bounded backlog)
-                            keep = max(min(keep, needed), keep - MAX_UPLOAD_BACKLOG)
+                            keep = max(min(keep, needed), keep - self.upload_backlog)
                     self.tier.collect(keep)
                 else:
                     job[1].set()
@@ -203,6 +240,7 @@ class PersistThread:
                 self.errors.append(str(exc))
             finally:
                 self.cpu_s["host"] += time.thread_time() - c0
+                self._processed += 1
 
     def _write_slot(self, wid: int, slot: Slot, info: dict, partial: tuple | None = None) -> None:
         slot.done.wait()

@@ -18,24 +18,34 @@ committed data readable); a new process
 unlinks the names a previous one left (its committed windows stay readable through their window links, and
 their memory comes back when they are collected).
 
-Not used with pinned CUDA host buffers: pinning (cudaHostRegister) a file-backed shared mapping is not
-reliably supported, and the async device-to-host copy needs page-locked memory to overlap.
+`FileSlotPool` is the slot allocator (slot_pool.SlotAllocator) over these files: the checkpointer's on CPU with the
+host tier. On CUDA the default is a pinned arena (slot_pool.py) and one more copy into the tier's files; the
+opt-in `SparseConfig.host_buffers="shm-registered"` uses these files there too, page-locked with
+`cudaHostRegister` so the device-to-host copy lands in the persisted file itself (unmeasured: see docs/gpu.md).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from ..schedule import WindowPlan
+from ..slot_pool import ArenaSlotPool, SlotAllocator, signature
 from ..snapshot import Slot, build_slot
 from .checksums import BLOCK
 from .layout import slots_dir
 from .mapped_files import map_file
+
+log = logging.getLogger("torchmoe_ckpt.slot_files")
+MAX_SETS = 8  # sets kept (in use, linked or free) without a host-memory limit: current + committed + the
+# windows the host tier still links (retention floor, upload backlog) + one being collected
 
 
 @dataclass
@@ -46,6 +56,7 @@ class Backing:
     fd: int
     t: torch.Tensor  # uint8 view of the whole file (keeps the mapping alive)
     finalizer: weakref.finalize | None = None  # unlinks the name and closes the fd when the slot dies
+    unregister: Callable[[], None] | None = None  # undoes a cudaHostRegister of the mapping (opt-in, CUDA)
 
     def free(self) -> bool:
         """No window directory links this file (nothing committed or being written reads it), and nobody cut it
@@ -59,7 +70,9 @@ class Backing:
             return False
 
 
-def _release(path: str, fd: int) -> None:
+def _release(path: str, fd: int, unregister=None) -> None:
+    if unregister is not None:
+        unregister()
     try:
         os.unlink(path)
     except OSError:
@@ -68,8 +81,11 @@ def _release(path: str, fd: int) -> None:
 
 
 class SlotFiles:
-    def __init__(self, run_dir: str | Path, writer: str):
+    def __init__(self, run_dir: str | Path, writer: str, register=None):
+        """`register(t)`: page-lock the mapping `t` for device copies, returns the undo (opt-in, CUDA)."""
         self.dir = Path(run_dir) / slots_dir(writer)
+        self.register = register
+        self.created, self.created_bytes = 0, 0  # files allocated (the rest were reused)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             for f in self.dir.glob("*.distcp"):  # a previous process's names (this rank's process is the only writer)
@@ -105,10 +121,14 @@ class SlotFiles:
         if reuse is not None:
             spare.remove(reuse)
             reuse.finalizer.detach()  # the file now belongs to the new slot
+            if reuse.unregister is not None:
+                reuse.unregister()  # its mapping is replaced below
             path, fd = reuse.path, reuse.fd
         else:
             path = str(self.dir / f"{uuid.uuid4().hex}.distcp")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            self.created += 1
+            self.created_bytes += size
         try:  # a reused file shrinks to this layout (its tail pages are freed); a new one is allocated whole
             _, base = map_file(fd, size, allocate=reuse is None)
         except BaseException:
@@ -126,7 +146,12 @@ class SlotFiles:
             return base[off : off + n].view(dtype).view(shape)
 
         slot = build_slot(index, active, frozen, ops, compute_dtype, alloc=alloc)
-        slot.backing = Backing(path, fd, base, weakref.finalize(slot, _release, path, fd))
+        try:
+            unreg = self.register(base) if self.register is not None else None
+        except BaseException:  # not page-locked: the file goes, the allocator takes an arena for this plan
+            _release(path, fd)
+            raise
+        slot.backing = Backing(path, fd, base, weakref.finalize(slot, _release, path, fd, unreg), unreg)
         return slot
 
     def build(self, plan, ops: dict, compute_dtype: torch.dtype, recycle: list[list[Slot]] = ()) -> list[Slot]:
@@ -142,3 +167,124 @@ def backing(slot: Slot) -> Backing | None:
 def all_free(slots: list[Slot]) -> bool:
     """Every slot's file is unlinked from every window (or the slots are plain memory)."""
     return all(b is None or b.free() for b in map(backing, slots))
+
+
+@dataclass(eq=False)  # compared by identity (list.remove): its fields hold tensors
+class _FileSet:
+    slots: list[Slot]
+    sig: tuple
+    nbytes: list[int] = field(default_factory=list)  # per slot (the items' bytes)
+    ticket: int | None = None  # None: in use by a window
+
+
+class FileSlotPool(SlotAllocator):
+    """The slot allocator over shared-memory slot files (a set = one file per slot). A released set is reused
+    once the persist thread is past it and no window links its files (`all_free`): the last committed window,
+    the one being written, windows kept for the uploader or pushed to peers are never overwritten. A new plan
+    takes the files of the free sets (their pages are allocated already). When shared memory cannot be
+    allocated, that plan's slots come from a plain arena (the host tier then copies them into its files)."""
+
+    kind = "shm-files"
+
+    def __init__(
+        self,
+        files: SlotFiles,
+        ops: dict,
+        compute_dtype: torch.dtype,
+        writer=None,
+        max_sets: int = MAX_SETS,
+        pin_fallback: bool = False,
+    ):
+        super().__init__(writer)
+        self.slot_files, self.ops, self.compute_dtype, self.max_sets = files, ops, compute_dtype, max_sets
+        self.sets: list[_FileSet] = []
+        self.fallback = ArenaSlotPool(ops, compute_dtype, pin_fallback, writer)  # shared memory full or read-only
+        self._sizes: dict[tuple, int] = {}
+
+    def _free(self, s: _FileSet) -> bool:
+        return self._writer_done(s.ticket) and all_free(s.slots)
+
+    def slots_for(self, plan: WindowPlan) -> list[Slot]:
+        sig = signature(plan)
+        with self.lock:
+            free = [s for s in self.sets if self._free(s)]
+            s = next((s for s in free if s.sig == sig), None)
+            if s is not None:
+                s.ticket = None
+                return s.slots
+            before = self.slot_files.created, self.slot_files.created_bytes
+            try:
+                slots = self.slot_files.build(plan, self.ops, self.compute_dtype, [f.slots for f in free])
+            except OSError as exc:  # shared memory full or read-only: train on, the host tier reports its state
+                log.debug("slot files not allocated (%s): slots in plain memory for this plan", exc)
+                return self.fallback.slots_for(plan)
+            finally:  # a free set any of whose files went to the new plan is spent
+                for f in free:
+                    if any(b is not None and not b.finalizer.alive for b in map(backing, f.slots)):
+                        self.sets.remove(f)
+            if self.slot_files.created != before[0]:
+                self.allocations += 1
+                self.allocated_bytes += self.slot_files.created_bytes - before[1]
+            self.sets.append(_FileSet(slots, sig, [sl.nbytes for sl in slots]))
+            while len(self.sets) > self.max_sets:  # the oldest released set goes (a window linking it keeps it)
+                old = [f for f in self.sets if f.ticket is not None]
+                if not old:
+                    break
+                self.sets.remove(next((f for f in old if self._free(f)), old[0]))
+            return slots
+
+    def release(self, slots: list[Slot], ticket: int | None = None) -> None:
+        with self.lock:
+            for s in self.sets:
+                if s.slots and slots and s.slots[0] is slots[0] and s.ticket is None:
+                    s.ticket = self._ticket(ticket)
+                    return
+        self.fallback.release(slots, ticket)
+
+    def slot_bytes(self, slots: list[Slot]) -> list[int]:
+        for s in self.sets:
+            if s.slots and slots and s.slots[0] is slots[0]:
+                return list(s.nbytes)
+        return self.fallback.slot_bytes(slots)
+
+    def set_bytes(self, plan: WindowPlan) -> int:
+        """The plan's slot files: every item at a BLOCK-aligned offset, each file at least one BLOCK."""
+        sig = signature(plan)
+        got = self._sizes.get(sig)
+        if got is None:
+            got = self._sizes[sig] = self.fallback.file_bytes(plan, BLOCK)
+            if len(self._sizes) > 8:
+                self._sizes.pop(next(iter(self._sizes)))
+        return got
+
+    def has_free(self, plan: WindowPlan) -> bool:
+        """A free set of this plan, or free sets whose files are as large as the plan's (recycled whole)."""
+        sig, need = signature(plan), self.set_bytes(plan)
+        with self.lock:
+            free = [s for s in self.sets if self._free(s)]
+            held = sum(os.fstat(b.fd).st_blocks * 512 for s in free for b in map(backing, s.slots) if b)
+            return any(s.sig == sig for s in free) or held >= need or self.fallback.has_free(plan)
+
+    def trim(self) -> int:
+        with self.lock:
+            free = [s for s in self.sets if self._free(s)]
+            n = sum(b.t.numel() for s in free for b in map(backing, s.slots) if b is not None)
+            for s in free:
+                self.sets.remove(s)
+            return n + self.fallback.trim()
+
+    def host_bytes(self) -> dict[str, int]:
+        """The sets' files as tmpfs holds them (allocated blocks), plus plain-memory sets."""
+        with self.lock:
+            n = sum(os.fstat(b.fd).st_blocks * 512 for s in self.sets for b in map(backing, s.slots) if b)
+            return {"slot_sets": n + self.fallback.host_bytes()["slot_sets"]}
+
+    def files(self) -> set[tuple[int, int]]:
+        with self.lock:
+            out = set()
+            for s in self.sets:
+                for b in map(backing, s.slots):
+                    if b is not None:
+                        st = os.fstat(b.fd)
+                        out.add((st.st_dev, st.st_ino))
+            return out

@@ -14,12 +14,14 @@ from pathlib import Path
 
 def keep_spares(files: list[Path], spare_dir: Path, limit: int, tag: str) -> list[Path]:
     """Move as many of `files` as `spare_dir` has room for (at most `limit` spares) into it, named
-    `<tag>-<i>.distcp` (`tag` unique per deleted window); returns the files not kept, for the caller to delete."""
+    `<tag>-<i>.distcp` (`tag` unique per deleted window); returns the files not kept, for the caller to delete,
+    and the spares beyond `limit` (a limit that went down: fewer slots per window, memory pressure)."""
     spare_dir.mkdir(parents=True, exist_ok=True)
-    room = max(0, limit - len(spares(spare_dir)))
+    have = spares(spare_dir)
+    room = max(0, limit - len(have))
     for i, f in enumerate(files[:room]):
         f.rename(spare_dir / f"{tag}-{i}.distcp")
-    return files[room:]
+    return files[room:] + have[limit:]
 
 
 def spares(spare_dir: Path) -> list[Path]:

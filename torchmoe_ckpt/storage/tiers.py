@@ -64,6 +64,7 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
     node = node_of(rank, rpn)
     tier.node_ranks = list(range(node * rpn, min(world, (node + 1) * rpn)))  # recorded: verify expects them all
     tier.stall_policy = (cfg.stall_iterations, cfg.on_stall)  # read by its PersistThread (tier_health.py)
+    tier.upload_backlog, tier.spare_windows = cfg.upload_backlog, cfg.spare_windows  # host memory (host_memory.py)
     store = None
     if cfg.object_store is not None:
         o = cfg.object_store

@@ -186,6 +186,7 @@ class WindowTier:
         )
         faults.point("manifest")
         self.files.write_last(f"{w}/{manifest_name(self.writer)}", man.to_json().encode())  # the commit
+        self.window_data_files = sum(map(is_data_file, files))
         for key in [k for k in self._written if k[0] <= window_id]:
             del self._written[key]
         return man
@@ -273,6 +274,7 @@ class WindowTier:
 
     max_spares = 0  # data files of collected windows kept (local backends) for the next ones to be written over
     node_ranks: list[int] | None = None  # every rank writing into this directory (a host tier's node: build_tiers)
+    window_data_files = 0  # data files of the newest window this writer committed (spare limits derive from it)
 
     def spare_path(self) -> Path:
         return Path(self.files.path(spare_dir(self.writer)))  # an internal name: never listed as a window
@@ -283,13 +285,29 @@ class WindowTier:
         files = spares(self.spare_path()) if self.max_spares else []
         return min(files, key=lambda f: abs(f.stat().st_size - nbytes)) if files else None
 
+    def trim_spares(self) -> int:
+        """Delete every spare data file (memory pressure); returns their bytes. Only while nothing writes here."""
+        n = 0
+        for f in spares(self.spare_path()):
+            n += f.stat().st_size
+            self._forget(f)
+            f.unlink(missing_ok=True)
+        return n
+
     def _discard(self, rels: list[str], window_dir: str) -> None:
         """Remove a collected window's files, keeping (bounded) its data files as spares."""
-        if self.max_spares and self.files.local:
-            # a second link is a live slot file's (slot_files.py): unlinking it frees the slot for reuse
-            data = [f for r in rels if is_data_file(r) and (f := Path(self.files.path(r))).stat().st_nlink == 1]
-            for f in keep_spares(data, self.spare_path(), self.max_spares, window_dir):
-                self._forget(f)
+        if self.files.local:
+            data = [Path(self.files.path(r)) for r in rels if is_data_file(r)]
+            if self.max_spares:
+                # a second link is a live slot file's (slot_files.py): unlinking it frees the slot for reuse
+                spare = [f for f in data if f.stat().st_nlink == 1]
+                for f in keep_spares(spare, self.spare_path(), self.max_spares, window_dir):
+                    if f.parent == self.spare_path():  # a spare beyond the limit (it went down)
+                        self._forget(f)
+                        f.unlink(missing_ok=True)
+            for f in data:
+                if f.exists():  # to be deleted: a kept mapping would hold its pages
+                    self._forget(f)
         self.files.remove(rels)
 
     def _forget(self, path: Path) -> None:
