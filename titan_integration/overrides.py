@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 -m titan_integration.train --module titan_integration.config_registry \\
         --config deepseek_v3_tiny \\
-        --override.imports 'titan_integration.overrides.sparse_checkpoint={"window": 3, "host_dir": "/dev/shm/x"}'
+        --override.imports 'titan_integration.overrides.sparse_checkpoint={"window": 3, "root": "/dev/shm/x"}'
 
 (``python -m torchtitan.train`` with the same flags works where TorchTitan itself runs, i.e. with CUDA and
 triton; on CPU its entry point fails at ``import triton`` before any of our code runs, so use our launcher.)

@@ -67,6 +67,7 @@ from torchmoe_ckpt.replay_check import check_replay_check
 from torchmoe_ckpt.replay_log import group_hyper
 from torchmoe_ckpt.sparse_to_dense import ReplayDivergence
 from torchmoe_ckpt.startup import start
+from torchmoe_ckpt.watchdog import CollectiveWatchdog
 
 __all__ = ["SparseTrainer", "TitanReplayable", "TitanStepResult"]
 
@@ -363,13 +364,8 @@ class SparseTrainer(Trainer):
             return super().train()
 
         sc = self.sc
-        if sc.fault_timeout_s:
-            try:
-                from torchmoe_ckpt.watchdog import CollectiveWatchdog
-
-                self._watchdog = CollectiveWatchdog(timeout_s=float(sc.fault_timeout_s))
-            except ImportError:  # pragma: no cover - older core without the watchdog
-                logger.warning("fault_timeout_s set but torchmoe_ckpt.watchdog is not available; ignored")
+        if sc.hang_timeout_s:
+            self._watchdog = CollectiveWatchdog(timeout_s=float(sc.hang_timeout_s))
         check_replay_check(sc.replay_check, self.device)  # "exact" on CUDA needs deterministic kernels
         # The optimizer state slots are laid out on and loaded into, as the first step would make it (bf16 moments
         # under "fused_opt_states_bf16"), before the identity records its layout and before any recovery.
@@ -382,7 +378,7 @@ class SparseTrainer(Trainer):
         restart_timing.mark("recovered")
         try:
             super().train()
-            self.sparse.close(upload_timeout_s=float(sc.store_exit_wait_s))  # bounded wait for the store, exit summary
+            self.sparse.close(upload_timeout_s=sc.exit_wait_s)  # a bounded wait for the store, the exit summary
             self._export()
         finally:
             self.sparse.stop()  # after an error: the threads end, nothing collective (a no-op once closed)
