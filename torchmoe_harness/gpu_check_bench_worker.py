@@ -224,12 +224,12 @@ def run(spec: dict, out: Path) -> dict:
             kind = sp.pop("kind")
             system = None if kind == "none" else build(kind, sp, trainer, workdir / f"{name}-{rep}")
             if hasattr(system, "ck") and name in learned:
-                system.ck.cost, system.ck._auto_w = learned[name]
+                system.ck.planner.cost, system.ck.planner.auto_w = learned[name]
             built_s = time.perf_counter() - t0
             res = turn(trainer, system, spec["warmup"], steps)
             if system is not None:
                 if hasattr(system, "ck"):
-                    learned[name] = (system.ck.cost, system.ck._auto_w)
+                    learned[name] = (system.ck.planner.cost, system.ck.planner.auto_w)
                     res["windows_W"] = [w["W"] for w in system.ck.stats()["windows"]]
                 res["stats"] = {k: v for k, v in system.stats().items() if isinstance(v, (int, float, str, list))}
                 system.close()

@@ -152,7 +152,7 @@ def test_no_allocation_at_a_window_start_in_steady_state(one_rank_group, monkeyp
             per_start.append(len(calls) - before)
     # the first window allocates its arena (one call), the second one more; then nothing, reorders included
     assert per_start[:2] == [1, 1] and per_start[2:] == [0] * (len(per_start) - 2), per_start
-    assert ck.slots.allocations == 2 and ck.counters["reorders"] >= 0
+    assert ck.slots.allocations == 2 and ck.planner.reorders >= 0
     stop(ck)
 
 
@@ -175,7 +175,7 @@ def test_a_long_run_stays_flat(shm, one_rank_group):
         settled = allocs.index(allocs[-1])
         assert set(totals[settled:]) == {totals[-1]} == {max(totals)}, (allocs, totals)  # flat once every set exists
         assert allocs[-1] <= 4 if limit is None else allocs[-1] == 3 and totals[-1] <= limit, (limit, allocs)
-        assert ck.counters["reorders"] > 0 or limit is not None
+        assert ck.planner.reorders > 0 or limit is not None
         stop(ck)
 
 
@@ -231,7 +231,7 @@ def test_limit_caps_auto_window(shm, one_rank_group):
     need2 = sum(probe.memory.plan_need(plan_for(probe, 2)).values())
     stop(probe)
     t, ck = checkpointer(None, window=None, bandwidth_bytes_per_s=1.0, host_memory_limit=need2)
-    assert ck._w_cap == 2 and ck.memory.need["window"] == 2
+    assert ck.planner.w_cap == 2 and ck.memory.need["window"] == 2
     for _ in range(8):
         ck.after_step(t.train_step())
     assert {w["W"] for w in ck.counters["windows"]} == {2}
@@ -241,8 +241,8 @@ def test_limit_caps_auto_window(shm, one_rank_group):
 def plan_for(ck, w):
     from torchmoe_ckpt.schedule import plan_window
 
-    full, comp = ck._op_sizes()
-    return plan_window(ck._operator_order(), full, comp, float("inf"), forced_window=w, warn=False)
+    full, comp = ck.planner.op_sizes()
+    return plan_window(ck.planner.operator_order(), full, comp, float("inf"), forced_window=w, warn=False)
 
 
 def test_window_start_over_the_limit_is_refused_with_the_parts(shm, one_rank_group):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchmoe_ckpt import sparse_checkpointer as sc
+from torchmoe_ckpt import window_planner as wp
 from torchmoe_ckpt.config import SparseConfig
 from torchmoe_ckpt.replay_log import Replay
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
@@ -115,8 +115,8 @@ def test_frozen_experts_get_no_weight_gradient_and_active_ones_theirs(one_rank_g
 
 def test_bandwidth_probe_once_per_process_and_never_when_given(one_rank_group, monkeypatch):
     calls = []
-    monkeypatch.setattr(sc, "measure_copy_bandwidth", lambda: calls.append(1) or 5e9)
-    monkeypatch.setattr(sc, "_PROBED", {})
+    monkeypatch.setattr(wp, "measure_copy_bandwidth", lambda: calls.append(1) or 5e9)
+    monkeypatch.setattr(wp, "_PROBED", {})
     t = Trainer(RunConfig(**RUN))
     forced = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=2)).attach(t)
     given = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(bandwidth_bytes_per_s=1e9))
@@ -125,7 +125,7 @@ def test_bandwidth_probe_once_per_process_and_never_when_given(one_rank_group, m
     res = t.train_step()
     for ck in (forced, given, *auto):
         ck.after_step(res)
-    assert len(calls) == 1 and auto[1].bandwidth == pytest.approx(5e9)  # the second one reused the first's
-    assert forced.bandwidth is None and given.bandwidth == 1e9
+    assert len(calls) == 1 and auto[1].planner.bandwidth == pytest.approx(5e9)  # the second one reused the first's
+    assert forced.planner.bandwidth is None and given.planner.bandwidth == 1e9
     for ck in (forced, given, *auto):
         ck.close()
