@@ -321,7 +321,7 @@ class SparseCheckpointSection:
                 f"{key}: the tensorstore package is not installed; fix: pip install "
                 f"'torchmoe-ckpt[tensorstore]' or {fmt} = \"dcp\""
             )
-        from torchmoe_ckpt.storage.tensorstore_tier import NoTensorstoreDriver, kvstore_spec
+        from torchmoe_ckpt.storage.tensorstore_spec import NoTensorstoreDriver, kvstore_spec
 
         try:
             kvstore_spec(self.store_uri)  # no storage options: nothing but the scheme is looked at
