@@ -21,10 +21,8 @@ base class's guard still runs for TorchTitan's part through ``super()``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Annotated
+from dataclasses import dataclass
 
-import tyro
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.tools.logging import logger
 
@@ -37,9 +35,7 @@ __all__ = ["SparseCheckpointManager"]
 class SparseCheckpointManager(CheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
-        sparse: Annotated[SparseCheckpointSection | None, tyro.conf.Suppress] = field(default=None)
-        """The [sparse_checkpoint] settings when they come through ``--override.imports`` (a stock Trainer);
-        with a job file they live on ``SparseTrainer.Config.sparse_checkpoint``."""
+        pass
 
     def __init__(
         self,
@@ -69,10 +65,6 @@ class SparseCheckpointManager(CheckpointManager):
         self.export_states = dict(states, dataloader=dataloader, lr_scheduler=lr_schedulers)  # titan_export.py
         self.restored_step: int | None = None  # set by the trainer when sparse recovery restored a state
         self.dense_exporter = None
-        if config.sparse is not None and config.sparse.enable:
-            from titan_integration.sparse_trainer import SparseTrainer
-
-            SparseTrainer.adopt(self.trainer, config.sparse)
 
     # ---- TorchTitan's entry points --------------------------------------------------------------------
     def load(self, step: int = -1) -> bool:

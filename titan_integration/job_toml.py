@@ -31,7 +31,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from titan_integration.sparse_cli import env_overrides
+from titan_integration.sparse_cli import env_overrides, merged
 from titan_integration.sparse_config import JobConfigError, SparseCheckpointSection
 
 __all__ = ["read_job", "load_job", "from_toml", "JOB_ENV", "SECTIONS"]
@@ -89,7 +89,7 @@ def sparse_section(job: dict[str, Any]) -> SparseCheckpointSection:
     table = job.get("sparse_checkpoint", {})
     cli = env_overrides(os.environ)
     if cli and isinstance(table, dict):
-        table = {**table, **cli}
+        table = merged(table, cli)
     return SparseCheckpointSection.from_table(table)
 
 

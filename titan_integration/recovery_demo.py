@@ -57,7 +57,7 @@ def write_job(
     extra_sparse: str = "",
     extra: str = "",
     seed: int = 7,
-    fault_timeout_s: float = 60,
+    hang_timeout_s: float = 60,
 ) -> Path:
     """A TorchTitan job file (our TOML loader) with sparse checkpointing on."""
     d.mkdir(parents=True, exist_ok=True)
@@ -71,9 +71,9 @@ deterministic = true
 [sparse_checkpoint]
 enable = true
 window = {window}
-host_dir = "{host_dir}"
+root = "{host_dir}"
 run_id = "demo"
-fault_timeout_s = {fault_timeout_s}
+hang_timeout_s = {hang_timeout_s}
 {extra_sparse}
 {extra}
 """

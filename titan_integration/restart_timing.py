@@ -31,12 +31,13 @@ from torchtitan.tools.logging import logger
 
 from torchmoe_ckpt import faults
 
-__all__ = ["mark", "reset", "breakdown", "after_step", "result", "PHASES"]
+__all__ = ["mark", "note", "reset", "breakdown", "after_step", "result", "PHASES"]
 
 PHASES = ("agent_restart", "imports", "process_group", "model_build", "recovery", "first_step")
 _marks: dict[str, float] = {}
 _done = False
 _result: dict | None = None
+_notes: dict = {}  # facts of this process recorded with the breakdown (note())
 
 
 def _process_start() -> float | None:
@@ -57,12 +58,18 @@ def reset() -> None:
     the first one: titan_integration.standby)."""
     global _done, _result
     _marks.clear()
+    _notes.clear()
     _done, _result = False, None
 
 
 def mark(name: str) -> None:
     """Record the first time this process reached `name` (later calls keep the first)."""
     _marks.setdefault(name, time.time())
+
+
+def note(**values) -> None:
+    """Facts of this process to record with the breakdown (the standby's state: titan_integration.standby)."""
+    _notes.update(values)
 
 
 def breakdown(marks: dict[str, float], kill: float | None) -> dict[str, float | None]:
@@ -107,9 +114,7 @@ def after_step(report: dict | None, rank: int, attempt: int) -> None:
     # rank 0 reads the kill time and removes its file (a later failure of another kind must not reuse it)
     kill = faults.last_kill_time(consume=True) if attempt > 0 and rank == 0 else None
     res = breakdown(marks, kill)
-    from titan_integration import standby
-
-    _result = dict(res, attempt=attempt, marks=marks, kill=kill, standby=standby.state())
+    _result = dict(res, attempt=attempt, marks=marks, kill=kill, **_notes)
     out = os.environ.get("TORCHMOE_TITAN_EXPORT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,10 @@ flags: ``Unrecognized options``), so the launcher takes these flags out of the a
 
 Forms: ``--sparse_checkpoint.window 4``, ``--sparse_checkpoint.window=4``, ``--sparse_checkpoint.run-id X``
 (``-`` or ``_``), booleans as flags (``--sparse_checkpoint.enable``, ``--sparse_checkpoint.no-enable``) or
-with ``true``/``false``, ``storage_options`` as a JSON object. Values are typed by the field; the section's
-own validation then applies, so a bad value is the same one line as in a job file.
+with ``true``/``false``, tables (``storage_options``, ``object_store``) as a JSON object, one key of the
+object store as ``--sparse_checkpoint.object_store.uri s3://...``. The old key names work as in a job file.
+Values are typed by the field; the section's own validation then applies, so a bad value is the same one line
+as in a job file.
 
 Nothing here imports TorchTitan (CPU mode must be set up before it is imported) or torch.
 """
@@ -23,7 +25,7 @@ import json
 from dataclasses import MISSING, fields
 from typing import Any
 
-from titan_integration.sparse_config import JobConfigError, SparseCheckpointSection
+from titan_integration.sparse_config import DEPRECATED, STORE_KEYS, JobConfigError, SparseCheckpointSection
 
 __all__ = [
     "PREFIX",
@@ -34,17 +36,30 @@ __all__ = [
     "override_section",
     "merge_into_override",
     "env_overrides",
+    "merged",
 ]
 
 PREFIX = "--sparse_checkpoint."
 SPARSE_ENV = "TORCHMOE_TITAN_SPARSE_ARGS"
 OVERRIDE_TARGET = "titan_integration.overrides.sparse_checkpoint"  # == titan_integration.overrides.TARGET
 OVERRIDE_FLAG = "--override.imports"
-_DEFAULTS = {f.name: f for f in fields(SparseCheckpointSection)}
+_DEFAULTS = {f.name: f for f in fields(SparseCheckpointSection) if f.name != "given_as"}
 _TRUE, _FALSE = ("true", "True", "1", "yes"), ("false", "False", "0", "no")
+# the object store's keys (ObjectStoreConfig's types)
+_STORE_KINDS = {"uri": "str", "storage_options": "json", "keep": "int", "format": "str", "exit_wait_s": "float"}
+_STORE_KINDS["lease_s"] = "float"
+assert set(_STORE_KINDS) == set(STORE_KEYS)
+
+
+def _known(key: str) -> bool:
+    head, dot, sub = key.partition(".")
+    return head == "object_store" and sub in _STORE_KINDS if dot else key in _DEFAULTS or key in DEPRECATED
 
 
 def _kind(key: str) -> str:
+    key = DEPRECATED.get(key, key)
+    if key.startswith("object_store."):
+        return _STORE_KINDS[key.split(".", 1)[1]]
     if key == "window":  # "auto" or an int
         return "window"
     f = _DEFAULTS[key]
@@ -96,7 +111,7 @@ def split_args(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
         name = name.replace("-", "_")
         negated = name.startswith("no_") and name[3:] in _DEFAULTS and _kind(name[3:]) == "bool"
         key = name[3:] if negated else name
-        if key not in _DEFAULTS:
+        if not _known(key):
             raise JobConfigError(f"{PREFIX}{name}: unknown [sparse_checkpoint] key; fix: use one of {', '.join(valid)}")
         if _kind(key) == "bool" and not eq:
             if negated:
@@ -114,8 +129,20 @@ def split_args(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
                 raise JobConfigError(f"{PREFIX}{key} needs a value; fix: {PREFIX}{key} VALUE")
             raw = argv[i]
             i += 1
-        out[key] = _typed(key, raw)
+        head, dot, sub = key.partition(".")
+        if dot:  # one key of a table: merged into it (the table itself may come as JSON too)
+            out.setdefault(head, {})[sub] = _typed(key, raw)
+        else:
+            out[key] = _typed(key, raw)
     return rest, out
+
+
+def merged(table: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
+    """`flags` over `table`; the object store's keys one by one (a flag for its exit wait keeps the file's URI)."""
+    out = {**table, **flags}
+    if isinstance(table.get("object_store"), dict) and isinstance(flags.get("object_store"), dict):
+        out["object_store"] = {**table["object_store"], **flags["object_store"]}
+    return out
 
 
 def env_overrides(environ) -> dict[str, Any]:
@@ -189,7 +216,7 @@ def merge_into_override(args: list[str], values: dict[str, Any]) -> list[str]:
     for target, kw in entries:
         if target == OVERRIDE_TARGET:
             kwargs.update(kw)
-    kwargs.update(values)
+    kwargs = merged(kwargs, values)
     others = [t if not kw else f"{t}={json.dumps(kw)}" for t, kw in entries if t != OVERRIDE_TARGET]
     tokens = others + [f"{OVERRIDE_TARGET}={json.dumps(kwargs)}"]
     if span is None:

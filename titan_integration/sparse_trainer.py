@@ -3,7 +3,7 @@
 ``SparseTrainer`` is a ``torchtitan.trainer.Trainer`` whose ``Config`` adds one field,
 ``sparse_checkpoint`` (:class:`titan_integration.sparse_config.SparseCheckpointSection`), and builds its
 checkpointer as a :class:`titan_integration.checkpoint_manager.SparseCheckpointManager`. A stock Trainer
-becomes one through ``--override.imports`` (:mod:`titan_integration.overrides`, :meth:`SparseTrainer.adopt`).
+becomes one through ``--override.imports`` (:func:`titan_integration.overrides.adopt`).
 With ``enable = false`` it trains exactly like the stock Trainer. With ``enable = true``:
 
 * every iteration runs :meth:`SparseTrainer.sparse_step` -- TorchTitan's own ``train_step`` body (same
@@ -62,15 +62,12 @@ from titan_integration.titan_state_export import state_tensors, write_export
 from torchmoe_ckpt import faults, rng
 from torchmoe_ckpt.capture import position_lambda_lr
 from torchmoe_ckpt.distributed import key_rendezvous_by_attempt
-from torchmoe_ckpt.identity import build_identity
-from torchmoe_ckpt.operators import discover_operators
-from torchmoe_ckpt.recovery import recover
+from torchmoe_ckpt.recovery import ResumeResult
 from torchmoe_ckpt.replay_check import check_replay_check
 from torchmoe_ckpt.replay_log import group_hyper
-from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.sparse_to_dense import ReplayDivergence
-from torchmoe_ckpt.status import log_recovery
-from torchmoe_ckpt.storage.tiers import Tiers, build_tiers
+from torchmoe_ckpt.startup import start
+from torchmoe_ckpt.watchdog import CollectiveWatchdog
 
 __all__ = ["SparseTrainer", "TitanReplayable", "TitanStepResult"]
 
@@ -92,9 +89,11 @@ class SparseTrainer(Trainer):
 
     def __init__(self, config: Config):
         super().__init__(config)  # builds self.checkpointer (a SparseCheckpointManager)
-        self._init_sparse(config.sparse_checkpoint)
+        self.init_sparse(config.sparse_checkpoint)
 
-    def _init_sparse(self, section: SparseCheckpointSection, check: bool = True) -> None:
+    def init_sparse(self, section: SparseCheckpointSection, check: bool = True) -> None:
+        """Our part of the trainer: called once Trainer.__init__ has built model, optimizer, data loader and
+        checkpointer (from ``__init__``, or from ``overrides.adopt`` for a stock Trainer)."""
         restart_timing.mark("model_built")  # called once Trainer.__init__ has built model, optimizer, data loader
         if check and section.enable and not isinstance(self.checkpointer, SparseCheckpointManager):
             raise TypeError(
@@ -116,27 +115,6 @@ class SparseTrainer(Trainer):
         self._watchdog = None
         self._pp = None  # TitanPipeline under pipeline parallelism
         self._resume_iter = None
-
-    @classmethod
-    def adopt(cls, trainer: Trainer, section: SparseCheckpointSection) -> None:
-        """Turn a stock ``Trainer`` that is still being built into a SparseTrainer (the ``--override.imports``
-        path, where TorchTitan, not we, chose the Trainer class). Called from SparseCheckpointManager's
-        constructor, i.e. from inside ``Trainer.__init__``; ``train()`` runs ours afterwards."""
-        if isinstance(trainer, cls):
-            if trainer.config.sparse_checkpoint.enable:
-                raise ValueError(
-                    "sparse checkpointing is configured twice ([sparse_checkpoint] in the job file and "
-                    "--override.imports); fix: keep one of them"
-                )
-            trainer.config.sparse_checkpoint = section
-            return
-        if type(trainer) is not Trainer:
-            raise TypeError(
-                f"--override.imports sparse checkpointing needs TorchTitan's own Trainer, got "
-                f"{type(trainer).__name__}; fix: use titan_integration.train --config job.toml instead"
-            )
-        trainer.__class__ = cls  # same instance layout: Trainer plus the attributes _init_sparse adds
-        trainer._init_sparse(section, check=False)  # the caller is the SparseCheckpointManager being built
 
     def init_distributed(self):
         """TorchTitan's own init_distributed with a store of this rendezvous round for every process group (the
@@ -386,13 +364,8 @@ class SparseTrainer(Trainer):
             return super().train()
 
         sc = self.sc
-        if sc.fault_timeout_s:
-            try:
-                from torchmoe_ckpt.watchdog import CollectiveWatchdog
-
-                self._watchdog = CollectiveWatchdog(timeout_s=float(sc.fault_timeout_s))
-            except ImportError:  # pragma: no cover - older core without the watchdog
-                logger.warning("fault_timeout_s set but torchmoe_ckpt.watchdog is not available; ignored")
+        if sc.hang_timeout_s:
+            self._watchdog = CollectiveWatchdog(timeout_s=float(sc.hang_timeout_s))
         check_replay_check(sc.replay_check, self.device)  # "exact" on CUDA needs deterministic kernels
         # The optimizer state slots are laid out on and loaded into, as the first step would make it (bf16 moments
         # under "fused_opt_states_bf16"), before the identity records its layout and before any recovery.
@@ -401,110 +374,69 @@ class SparseTrainer(Trainer):
         # frozen there ends the attempt like one frozen in a training step.
         watched = self._watchdog.watch("recovery") if self._watchdog is not None else contextlib.nullcontext()
         with watched:
-            tier, replicator, store = self._build_tiers()
-            if self.parallel_dims.pp_enabled:
-                self._pp = TitanPipeline(self)
-                if self._watchdog is not None:  # a peer's death is the pipeline's business (live state, then exit);
-                    self._watchdog.exit_on_dist_error = False  # the watchdog still ends a rank stuck in a hang
-                first_window = self._pp.recover(tier, self._attempt)
-                self.recovery_report = self._pp.report
-                # Plans over this stage's operators; retention and bandwidth agreed over the whole pipeline.
-                self.sparse = SparseCheckpointer(
-                    self.model,
-                    OptimizerView(self.optimizers),
-                    self.compute_dtype,
-                    sc.core_config(),
-                    group=self._pp.stage_group,
-                    host_tier=tier,
-                    first_window_id=first_window,
-                    agree_group=None,
-                ).attach(self)
-                if self._pp.completed:
-                    self.checkpointer.restored_step = self._pp.completed
-            else:
-                identity = self._identity()
-                committed = self._recover(tier, replicator, store, identity)
-                self.sparse = SparseCheckpointer(
-                    self.model,
-                    OptimizerView(self.optimizers),
-                    self.compute_dtype,
-                    sc.core_config(),
-                    committed=committed,
-                    host_tier=tier,
-                    replicator=replicator,
-                    store=store,
-                    identity=identity,
-                    sum_counts=True,  # _expert_counts are this rank's
-                ).attach(self)
-                if committed is not None:  # newer than any TorchTitan checkpoint: its load is skipped
-                    self.checkpointer.restored_step = self.recovery_report["recovered_step"]
+            self._start()
         restart_timing.mark("recovered")
         try:
             super().train()
-            self.sparse.close()
-            if self.sparse.tier_writer is not None:  # bounded wait for the store, then the exit summary (status.py)
-                self.sparse.tier_writer.finish(float(sc.store_exit_wait_s))
+            self.sparse.close(upload_timeout_s=sc.exit_wait_s)  # a bounded wait for the store, the exit summary
             self._export()
         finally:
-            self.sparse.engine.shutdown()
-            if self.sparse.tier_writer is not None:
-                self.sparse.tier_writer.shutdown()
+            self.sparse.stop()  # after an error: the threads end, nothing collective (a no-op once closed)
 
-    def _build_tiers(self):
+    def _start(self) -> None:
+        """The library's start-up sequence (torchmoe_ckpt.startup): identity, tiers, recovery, the checkpointer.
+        Under pipeline parallelism the recovery is the pipeline's (titan_pipeline_recovery): windows are planned
+        per stage, retention and bandwidth agreed over the whole pipeline."""
+        sc, c = self.sc, self.config
+        if self.parallel_dims.pp_enabled:
+            self._pp = TitanPipeline(self)
+            if self._watchdog is not None:  # a peer's death is the pipeline's business (live state, then exit);
+                self._watchdog.exit_on_dist_error = False  # the watchdog still ends a rank stuck in a hang
+        replayable = TitanReplayable(self)
+        pp = self._pp
 
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        hsdp = self.config.parallelism.data_parallel_replicate_degree
-        return build_tiers(self.sc.tiers_config(), rank, world, hsdp)
+        def recover_pipeline(tiers, _identity):
+            first_window = pp.recover(tiers.host, self._attempt)
+            return ResumeResult(None, pp.completed or None, pp.report, next_window_id=first_window), replayable
 
-    def _identity(self):
-        """This run's identity (torchmoe_ckpt.identity): the same object for what is written and what is
-        accepted on recovery; the data identity is the dataset and seed of the job file."""
-
-        c = self.config
-        data = (
-            f"dataset={getattr(getattr(c, 'training', None), 'dataset', None)} "
-            f"seed={getattr(getattr(c, 'debug', None), 'seed', None)}"
-        )
-        return build_identity(
-            self.model,
-            OptimizerView(self.optimizers),
-            self.compute_dtype,
-            discover_operators(self.model),
-            self.sc.resolved_run_id(),
-            torch.distributed.get_world_size(),
-            c.parallelism.data_parallel_replicate_degree,
-            data=data,
-            steps=getattr(getattr(c, "training", None), "steps", None),
-        )
-
-    def _recover(self, tier, replicator, store, identity=None):
-
-        ops = {o.name: o for o in discover_operators(self.model)}
         # Tests scramble the live weights once a window is found: what recovery forgets shows up as a mismatch.
         scramble = (lambda _w: self._scramble()) if os.environ.get("TORCHMOE_TITAN_SCRAMBLE") == "1" else None
-        res = recover(
-            TitanReplayable(self),
-            Tiers(tier, replicator, store),
-            ops,
+        started = start(
+            replayable,
             self.compute_dtype,
-            rank=torch.distributed.get_rank(),
-            before_replay=scramble,
-            identity=identity,
+            sc.core_config(),
+            sc.tiers_config(),
+            hsdp_replicate=c.parallelism.data_parallel_replicate_degree,
+            # the data identity: the dataset and seed of the job file
+            data=f"dataset={getattr(c.training, 'dataset', None)} seed={getattr(c.debug, 'seed', None)}",
+            steps=c.training.steps,
             on_unusable=self.sc.on_unusable_checkpoint,
-            replay_check=self.sc.replay_policy(),
+            replay_check=sc.replay_policy(),
+            before_replay=scramble,
+            recover_with=recover_pipeline if pp is not None else None,
+            group=pp.stage_group if pp is not None else None,
+            agree_group=None,  # every rank (under pipeline parallelism: every stage)
+            sum_counts=pp is None,  # _expert_counts are this rank's (a stage plans alone)
         )
+        self.sparse = started.checkpointer.attach(self)
+        if pp is not None:
+            self.recovery_report = pp.report
+            if pp.completed:
+                self.checkpointer.restored_step = pp.completed
+            return
+        res = started.resumed
         if res.window is None:
             if self._attempt > 0:
                 logger.warning("torchmoe: no committed window on any tier; starting from scratch")
                 self.recovery_report = dict(res.report, cold_start=True, recovered_step=0, attempt=self._attempt)
-            return None
+            return
         rep = dict(res.report, attempt=self._attempt, restart_seconds=res.report["total_seconds"])
         self._skip_batches = (
             rep["recovered_step"] * self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches
         )
         self.recovery_report = rep
-        log_recovery(rep, torch.distributed.get_rank())  # where the copy came from; every replayed loss matched
-        return res.window
+        # newer than any TorchTitan checkpoint: its load is skipped
+        self.checkpointer.restored_step = rep["recovered_step"]
 
     @torch.no_grad()
     def _scramble(self) -> None:

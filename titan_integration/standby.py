@@ -34,16 +34,26 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 
 ENV = "TORCHMOE_STANDBY"
 _MAX_HEADER = 1 << 20
 _taken_over = False  # this process is a standby's child: it trains, it hands nothing over
 _forked: int | None = None  # the standby this process forked (first attempt)
+_entry: Callable[[list[str]], int] | None = None  # the launcher's main, run by a standby's child (start())
 
 
 def state() -> dict:
     """For the restart timing record: whether this worker runs in a standby, and the standby it started."""
     return {"in_standby": _taken_over, "standby_pid": _forked}
+
+
+def _note_state() -> None:
+    """Into this process's restart timing record (called once everything is imported: restart_timing imports
+    TorchTitan, which must not be imported before the launcher has set up CPU mode)."""
+    from titan_integration import restart_timing
+
+    restart_timing.note(standby=state())
 
 
 def enabled() -> bool:
@@ -113,9 +123,18 @@ def _read_line(conn: socket.socket) -> bytes:
 # ---- the first attempt: fork the standby -------------------------------------------------------------------
 
 
-def start() -> int | None:
+def start(entry: Callable[[list[str]], int]) -> int | None:
     """In torchrun's first attempt, once everything is imported and before any thread, process group or CUDA
-    context exists: fork this rank's standby. Returns its pid (None when not started)."""
+    context exists: fork this rank's standby, whose children run `entry` (the launcher's main) with a restarted
+    worker's arguments. Returns its pid (None when not started)."""
+    global _entry
+    _entry = entry
+    pid = _fork()
+    _note_state()
+    return pid
+
+
+def _fork() -> int | None:
     if not enabled() or _attempt() != 0 or address() is None or threading.active_count() > 1:
         return None
     torch = sys.modules.get("torch")
@@ -233,9 +252,7 @@ def _become(request: dict, fds: list[int], conn: socket.socket) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=watch, name="tmoe-standby-watch", daemon=True).start()
-        from titan_integration import train
-
-        code = train.main(sys.argv[1:]) or 0
+        code = _entry(sys.argv[1:]) or 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001
@@ -253,5 +270,6 @@ def _reset_for_attempt() -> None:
     from torchmoe_ckpt import faults
 
     restart_timing.reset()
+    _note_state()
     faults.arm(os.environ.get("TORCHMOE_FAULT", ""))  # parsed at import: the first attempt's copy
     faults.set_iteration(0)

@@ -6,7 +6,7 @@ each stage rank of a :class:`~titan_integration.sparse_trainer.SparseTrainer`:
 
 * boundary logs: the stage becomes a :class:`torchmoe_ckpt.pipeline_stock.LoggingPipelineStage` (in
   place), which logs every activation and gradient it sends, plus a per-iteration record (global grad norm,
-  loss), in ``<host_dir>/<run_id>/pp/log/stage-S`` (host memory), collected as windows commit;
+  loss), in ``<root>/<run_id>/pp/log/stage-S`` (host memory), collected as windows commit;
 * static stage shapes (:func:`titan_integration.pipeline_compat.set_static_shapes`), so no shape-inference
   forward runs on restart and a stage can be re-initialised alone;
 * a sparse window per stage (each stage plans over its own operators; all stages share W and window
@@ -76,10 +76,10 @@ def check_pipeline_job(config, sc, world_size: int) -> None:
             "[sparse_checkpoint] window = 'auto': pipeline stages must share window bounds; "
             "fix: window = 3 (an integer)"
         )
-    if sc.replicas or sc.object_store_uri:
+    if sc.replicas or sc.store_uri:
         raise JobConfigError(
-            "[sparse_checkpoint] replicas/object_store_uri: with pipeline parallelism windows are "
-            "kept on the host tier only so far; fix: replicas = 0 and no object_store_uri"
+            "[sparse_checkpoint] replicas/object_store: with pipeline parallelism windows are "
+            "kept on the host tier only so far; fix: replicas = 0 and no object_store"
         )
     gbs, lbs = config.training.global_batch_size, config.training.local_batch_size
     if gbs not in (-1, lbs):
@@ -100,7 +100,7 @@ class TitanPipeline:
         self.stage = trainer.pp_schedule._stage
         self.index, self.n = self.stage.stage_index, self.stage.num_stages
         self.microbatches = trainer.num_pipeline_parallel_microbatches
-        root = Path(sc.host_dir) / sc.run_id / "pp"
+        root = Path(sc.root) / sc.run_id / "pp"
         self.log_dirs = [root / "log" / f"stage-{s}" for s in range(self.n)]
         self.live = [root / "live" / f"stage-{s}.pt" for s in range(self.n)]
         self.recoveries = root / "recoveries.jsonl"
@@ -169,9 +169,7 @@ class TitanPipeline:
             t = moe.tokens_per_expert_E
             (t.to_local() if hasattr(t, "to_local") else t).zero_()
         if tr.sparse is not None:
-            tr.sparse.engine.wait()
-            if tr.sparse.tier_writer is not None:
-                tr.sparse.tier_writer.flush()
+            tr.sparse.flush(commit=False)  # the copy in flight and what the host tier has queued; no collective
         self.log.flush()
         step = self.completed
         tr.set_lr_step(step)

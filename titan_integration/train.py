@@ -36,9 +36,10 @@ import importlib
 import json
 import os
 import sys
+import warnings
 
 from titan_integration.sparse_cli import SPARSE_ENV, merge_into_override, override_section, split_args
-from titan_integration.sparse_config import JobConfigError  # neither imports torch or TorchTitan
+from titan_integration.sparse_config import DeprecatedKeyWarning, JobConfigError  # neither imports torch/TorchTitan
 
 DEFAULT_MODULE = "titan_integration.config_registry"
 DEFAULT_CONFIG = "deepseek_v3_tiny"
@@ -214,8 +215,24 @@ def validate(args: list[str]) -> None:
         )
 
 
+def _say_deprecated_keys_once() -> None:
+    """An old [sparse_checkpoint] key name is one ``warning: ...`` line, once per process (the section is read by
+    the launcher's checks and again by TorchTitan's ConfigManager)."""
+    warnings.filterwarnings("once", category=DeprecatedKeyWarning)
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, DeprecatedKeyWarning):
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _say_deprecated_keys_once()
     from titan_integration import standby
 
     handed = standby.hand_over(argv)  # a restarted worker: its rank's pre-imported standby trains instead
@@ -272,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     pipeline_compat.install()
     from titan_integration import restart_timing
 
-    standby.start()  # first attempt, TORCHMOE_STANDBY=1: fork this rank's standby, every import done
+    standby.start(main)  # first attempt, TORCHMOE_STANDBY=1: fork this rank's standby, every import done
     restart_timing.mark("titan_main")  # every import and check done: TorchTitan's own start from here
     sys.argv = [sys.argv[0]] + args
     try:

@@ -36,17 +36,17 @@ from .capture import SchedulerPosition, check_coverage, check_optimizer, check_o
 from .config import CheckpointConfig
 from .device_copy import host_copy
 from .errors import ConfigError
-from .identity import build_identity, process_seed
+from .identity import RunIdentity, process_seed
 from .operators import discover_operators, local_tensor
 from .optim_state import as_optimizers, describe_optimizer_state
-from .recovery import ResumeResult, recover
+from .recovery import ResumeResult
 from .replay_check import check_replay_check
 from .replay_log import Replay, group_hyper
 from .routing import RouterCounter
 from .sparse_checkpointer import SparseCheckpointer
 from .sparse_to_dense import ReplayDivergence, init_optimizer_state
-from .status import log_recovery
-from .storage.tiers import Tiers, build_tiers
+from .startup import start
+from .storage.tiers import Tiers
 from .watchdog import CollectiveWatchdog
 
 log = logging.getLogger("torchmoe_ckpt.checkpointer")
@@ -121,6 +121,7 @@ class Checkpointer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.step_count = 0
+        self.identity: RunIdentity | None = None
         self.tiers: Tiers | None = None
         self.sparse: SparseCheckpointer | None = None
         self.resumed: ResumeResult | None = None
@@ -141,48 +142,25 @@ class Checkpointer:
             return self._resume()
 
     def _resume(self) -> int:
-        window, hsdp = None, _hsdp_replicate(self.model)
-        # Who this run is (identity.py): written into every window, and what a window must match to be loaded.
-        self.identity = build_identity(
-            self.model,
-            self.optimizer,
+        cfg = self.config
+        started = start(
+            _Replay(self),
             self.compute_dtype,
-            self.ops,
-            self.config.tiers.resolved_run_id() if self.config.tiers else None,
-            self.world,
-            hsdp,
+            cfg.window,
+            cfg.tiers,
+            ops=self.ops,
             data=self.data_identity,
             seed=self.seed,
-        )
-        if self.config.tiers is not None:
-            self.tiers = build_tiers(self.config.tiers, self.rank, self.world, hsdp)
-            self.resumed = recover(
-                _Replay(self),
-                self.tiers,
-                self.op_by_name,
-                self.compute_dtype,
-                self.rank,
-                identity=self.identity,
-                on_unusable=self.config.on_unusable_checkpoint,
-                replay_check=self.config.replay_policy(),
-            )
-            window = self.resumed.window
-            if window is not None:
-                log_recovery(self.resumed.report, self.rank)  # where the copy came from; the losses matched
-        t = self.tiers
-        self.sparse = SparseCheckpointer(
-            self.model,
-            self.optimizer,
-            self.compute_dtype,
-            self.config.window,
+            on_unusable=cfg.on_unusable_checkpoint,
+            replay_check=cfg.replay_policy(),
             group=self.group,
-            committed=window,
-            host_tier=t.host if t else None,
-            replicator=t.replicator if t else None,
-            store=t.store if t else None,
-            ops=self.ops,
-            identity=self.identity,
-            sum_counts=True,  # the routed-token counts below are this rank's
+            sum_counts=True,  # the routed-token counts of _iteration are this rank's
+        )
+        self.identity, self.tiers, self.resumed, self.sparse = (
+            started.identity,
+            started.tiers,
+            started.resumed,
+            started.checkpointer,
         )
         if self.resumed is not None:  # handed over: the SparseCheckpointer lets it go at its next commit
             self.resumed.window = None  # (the report stays; a whole window held all run is host memory)
@@ -226,12 +204,9 @@ class Checkpointer:
             upload_timeout_s = store_cfg.exit_wait_s if store_cfg is not None else 30.0
         try:
             with self.watchdog.watch("close", (self._start_timeout_s or 0) + upload_timeout_s):
-                sp.close()
-                if sp.tier_writer is not None:
-                    sp.tier_writer.finish(upload_timeout_s)
-                    sp.tier_writer.shutdown()
+                sp.close(upload_timeout_s)
         finally:
-            sp.engine.shutdown()
+            sp.stop()  # after an error in close: the threads end all the same
             self.routers.close()
             self.watchdog.close()
 
@@ -323,11 +298,3 @@ class _Replay:
         if replay is None:
             raise ReplayDivergence("recovery replays logged iterations only")
         return self.ck._iteration(None, replay)
-
-
-def _hsdp_replicate(model: nn.Module) -> int:
-    """The replicate degree of an HSDP mesh (1 for FSDP2 or no sharding): peers that already hold a copy."""
-    for p in model.parameters():
-        if isinstance(p, DTensor) and p.device_mesh.ndim == 2:
-            return p.device_mesh.size(0)
-    return 1

@@ -35,6 +35,9 @@ class ResumeResult:
     window: Window | None  # the window recovered from (the checkpointer's fallback until the next commits)
     recovered_step: int | None  # iterations completed after recovery; None = no window anywhere
     report: dict = field(default_factory=dict)
+    # Where new window ids start (None: after `window`, else 0); set by a recovery that leaves windows on the tiers
+    # without handing one over (pipeline stages, a JIT copy), so that new windows sort after them.
+    next_window_id: int | None = None
 
     @property
     def recovered(self) -> bool:

@@ -1,10 +1,10 @@
 """SparseCheckpointer: checkpoint every iteration by spreading the dense state over a window of slots.
 
 Per iteration (after the optimizer step) it captures one slot of the current window off the training
-thread, and logs what exact replay needs. At a window boundary it re-plans: operator order by expert
-popularity (re-sorted only when the reorder rule fires), window size W from the measured iteration time
-and copy bandwidth (or a forced W), identical on every rank. A window is committed when all its slots are
-copied; the newest committed window and the one in flight are kept, older buffers are reused.
+thread, and logs what exact replay needs. At a window boundary it asks the WindowPlanner (window_planner.py)
+for the next plan, identical on every rank. A window is committed when all its slots are copied; the newest
+committed window and the one in flight are kept, older buffers are reused. Here: the lifecycle (after_step,
+flush/close/stop/abandon, in-memory recovery), window bookkeeping and the handing of slots to the tiers.
 """
 
 from __future__ import annotations
@@ -23,67 +23,66 @@ from .distributed import library_group
 from .errors import ConfigError
 from .host_memory import HostMemory
 from .identity import RunIdentity, build_identity
-from .operators import Operator, agreed_sizes, discover_operators, expert_grid
+from .operators import Operator, discover_operators
 from .optim_state import describe_optimizer_state
-from .popularity import PopularityTracker, order_experts, reorder_needed
+from .recovery import ResumeResult
 from .replay_log import IterationRecord
-from .schedule import CopyCost, WindowPlan, choose_window, copy_budget, measure_copy_bandwidth, plan_window
 from .slot_alloc import make_slot_allocator
 from .snapshot import SnapshotEngine, StateAccess
 from .sparse_to_dense import RecoveryReport, replay_slots, sparse_to_dense
 from .storage.host_tier import HostTier
 from .storage.manifest import plan_digest
 from .storage.persist_thread import PersistThread
+from .storage.tiers import Tiers
 from .window import SlidingSuffix, Window, sliding_suffix
+from .window_planner import WindowPlanner
 
 log = logging.getLogger("torchmoe_ckpt")
 
 
-_SAME_GROUP = object()  # agree_group not given: the planning group
-_PROBED: dict[str, float] = {}  # the idle copy bandwidth, measured once per process (agreed across ranks)
+SAME_GROUP = object()  # agree_group not given: the planning group
 
 
 class SparseCheckpointer:
+    """Per-iteration sparse checkpointing of one rank: `after_step` after every optimizer step; `close()` at the
+    end (or `abandon()` for an emulated death). Owns its threads: the copy thread (snapshot.py) and, with tiers,
+    the persist and upload threads (storage/persist_thread.py); `close`/`abandon` stop all of them."""
+
     def __init__(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         compute_dtype: torch.dtype,
         cfg: SparseConfig | None = None,
-        group: dist.ProcessGroup | None = None,
-        committed: Window | None = None,
-        host_tier=None,
-        replicator=None,
-        store=None,
-        first_window_id: int | None = None,
-        agree_group: dist.ProcessGroup | None | object = _SAME_GROUP,
-        ops: list[Operator] | None = None,
+        *,
+        tiers: Tiers | None = None,
+        resumed: ResumeResult | None = None,
         identity: RunIdentity | None = None,
+        ops: list[Operator] | None = None,
+        group: dist.ProcessGroup | None = None,
+        agree_group: dist.ProcessGroup | None | object = SAME_GROUP,
         sum_counts: bool = False,
     ):
-        """`group`: the ranks that plan windows together (same operators). `agree_group` (default: `group`;
-        None = all ranks): the ranks that agree on the retention floor and copy bandwidth, wider under
-        pipeline parallelism (every stage keeps the windows any stage may need). `first_window_id`: where
-        window ids start when windows already exist on the tiers (default: after `committed`, else 0). `ops`: the
-        model's operators when the caller discovered them already (e.g. with an `OperatorSpec`). `identity`: the
-        run identity written into every manifest and slot (default: built from the model, optimizer, compute
-        dtype and world size, with the host tier's run id); recovery refuses windows of another identity.
-        `sum_counts`: the routed-token counts in `after_step`'s results are this rank's own; they are summed over
-        `group`'s ranks here, once per window (default: they are summed over the ranks already)."""
+        """`tiers` (storage.tiers.build_tiers): where slots and windows are persisted (None: in this process only).
+        `resumed` (recovery.recover, or a start-up hook): the window recovered, kept as the recovery fallback until
+        the next one commits, and where new window ids start (`next_window_id`; default: after that window, else
+        0). `identity`: the run identity written into every manifest and slot (default: built from the model,
+        optimizer, compute dtype and world size, with the host tier's run id); recovery refuses windows of another
+        identity. `ops`: the model's operators when the caller discovered them already (e.g. with an
+        `OperatorSpec`). `group`: the ranks that plan windows together (same operators). `agree_group` (default:
+        `group`; None = all ranks): the ranks that agree on the retention floor and copy bandwidth, wider under
+        pipeline parallelism (every stage keeps the windows any stage may need). `sum_counts`: the routed-token
+        counts in `after_step`'s results are this rank's own; they are summed over `group`'s ranks here, once per
+        window (default: they are summed over the ranks already)."""
+        host_tier = tiers.host if tiers is not None else None
+        committed = resumed.window if resumed is not None else None
         self.cfg = cfg or SparseConfig()
         self.group = group
-        self.agree_group = group if agree_group is _SAME_GROUP else agree_group
+        self.agree_group = group if agree_group is SAME_GROUP else agree_group
         self.compute_dtype = compute_dtype
         self.ops: list[Operator] = ops if ops is not None else discover_operators(model)
         describe_optimizer_state(model, self.ops, optimizer)  # slot layout and sizes from the real optimizer state
         self.op_by_name = {o.name: o for o in self.ops}
-        self.grid = expert_grid(self.ops)
-        n_layers = 1 + max((layer for layer, _ in self.grid), default=-1)
-        n_experts = 1 + max((e for _, e in self.grid), default=-1)
-        cap = None if self.cfg.expert_capacity is None else torch.tensor(self.cfg.expert_capacity, dtype=torch.float64)
-        self.tracker = PopularityTracker(
-            max(n_layers, 1), max(n_experts, 1), policy=self.cfg.popularity, decay=self.cfg.decay, capacity=cap
-        )
         self.access = StateAccess(model, optimizer)
         if identity is None:
             identity = build_identity(
@@ -98,9 +97,6 @@ class SparseCheckpointer:
         self._identity_dict = identity.to_dict()
         self.engine = SnapshotEngine(self.access)  # on the model's device: a side stream on CUDA
         use_cuda = self.engine.use_cuda
-        self.sum_counts = sum_counts
-        # Routed-token counts per iteration, left on the device until the next window start needs the popularity.
-        self._pending_counts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.current: Window | None = None
         self.committed: Window | None = committed
         self._inherited = committed  # a window handed over after a restart (still the recovery fallback)
@@ -108,13 +104,11 @@ class SparseCheckpointer:
         self.tier_writer = None
         if host_tier is not None and not isinstance(host_tier, HostTier):
             raise ConfigError(
-                f"host_tier must be a HostTier, got {type(host_tier).__name__}: build the tiers with "
+                f"tiers.host must be a HostTier, got {type(host_tier).__name__}: build the tiers with "
                 "build_tiers(TierConfig(...)), or use torchmoe_ckpt.Checkpointer, which owns them"
             )
         if host_tier is not None:
-            self.tier_writer = PersistThread(host_tier, replicator, store)
-        self._order: list[str] | None = None
-        self._order_freq: torch.Tensor | None = None
+            self.tier_writer = PersistThread(host_tier, tiers.replicator, tiers.store)
         # Slot buffers: one allocator, chosen once (slot_alloc.py): shared-memory slot files on CPU with the host
         # tier (the snapshot copy is the persist), one pinned arena per slot set on CUDA, a plain one otherwise.
         self.slots = make_slot_allocator(
@@ -124,26 +118,19 @@ class SparseCheckpointer:
         self.memory = HostMemory(self, self.cfg.host_memory_limit)
         if self.tier_writer is not None:
             self.tier_writer.status.memory = self.memory.line
-        self._next_id = first_window_id if first_window_id is not None else (committed.id + 1) if committed else 0
-        self.t_iter: float | None = None
+        first_id = resumed.next_window_id if resumed is not None else None
+        self._next_id = first_id if first_id is not None else (committed.id + 1) if committed else 0
+        self._closed = False
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._level = logging.INFO if self._rank == 0 else logging.DEBUG  # one line per window, not one per rank
-        self._warned_unfit = False  # an impossible copy budget is reported once, not every window
-        # The copy bandwidth: given, or probed when a window is first priced without it (once per process, agreed
-        # across ranks; never on a recovery's path). It is the prior until copies under training are observed.
-        self.bandwidth: float | None = self.cfg.bandwidth_bytes_per_s
-        self.cost = CopyCost(self.bandwidth or _PROBED.get("bytes_per_s") or 1e9)
-        self._prior_known = self.bandwidth is not None or "bytes_per_s" in _PROBED
+        # Order, W and slot plan of every window (window_planner.py), the same on every rank of `group`.
+        self.planner = WindowPlanner(self.cfg, self.ops, compute_dtype, group, self._agree, sum_counts, self._rank)
         self._copies_seen = 0
-        self._auto_w: int | None = None
-        self._w_pending: tuple | None = None  # (async all-reduce, tensor): the next window's agreed W
         self._cur_slot_bytes: list[int] = []
         self._last_job: dict[int, int] = {}  # window id -> the persist thread's ticket after its commit job
-        self._sizes: tuple[dict[str, int], dict[str, int]] | None = None
         self.counters = {
             "slots": 0,
             "windows_committed": 0,
-            "reorders": 0,
             "slot_bytes": [],
             "copy_seconds": [],
             "windows": [],
@@ -155,7 +142,7 @@ class SparseCheckpointer:
         self._redo: dict | None = None  # after a recovery: the iteration to reach again and the clock (redo phase)
         full = [o.full_bytes() for o in self.ops]
         self.dense_bytes = sum(full)  # what one dense snapshot of this rank copies
-        self._w_cap = self._check_host_memory()  # None: no limit, or a forced W that fits
+        self.planner.cap_by_memory(self.memory, None if self.tier_writer is None else self.tier_writer.replicator)
 
     # ---- hooks the trainer calls ---------------------------------------------------------------------
     def attach(self, trainer) -> SparseCheckpointer:
@@ -169,9 +156,7 @@ class SparseCheckpointer:
 
     def after_step(self, res) -> None:
         """Call right after the optimizer step of iteration `res.step` (a harness StepResult or alike)."""
-        self.t_iter = res.seconds if self.t_iter is None else 0.7 * self.t_iter + 0.3 * res.seconds
-        self._pending_counts.append((res.expert_counts, res.expert_probs))  # read at the next window start
-        self.cost.observe_step(res.seconds)
+        self.planner.observe_step(res.seconds, res.expert_counts, res.expert_probs)
         self.engine.wait()
         self._observe_copy()
         self._maybe_commit()
@@ -232,15 +217,64 @@ class SparseCheckpointer:
         self.counters["slots"] += 1
         self.counters["slot_bytes"].append(self._cur_slot_bytes[t - cur.start_step])
 
-    def close(self) -> None:
-        self.engine.wait_done()
-        self._observe_copy()
-        self._maybe_commit()
+    # ---- lifecycle -----------------------------------------------------------------------------------
+    def flush(self, commit: bool = True) -> None:
+        """Finish the copy in flight and commit the window it completes (collective, like `after_step`), then wait
+        until the host tier has written every slot and commit queued (not the uploads). Training may go on.
+        `commit=False` (a peer failed: no collective): the copy in flight and what is queued only."""
+        if commit:
+            self.engine.wait_done()
+            self._observe_copy()
+            self._maybe_commit()
+        else:
+            self.engine.wait()
+        if self.tier_writer is not None:
+            self.tier_writer.flush()
+
+    def close(self, upload_timeout_s: float = 30.0) -> dict | None:
+        """The end of training: `flush()`, then give the object store up to `upload_timeout_s` seconds to take the
+        pending uploads (what it has not taken stays on the host tier; the next run with this run id uploads it),
+        give its writer lease up, log the exit summary (status.py) and stop the copy, persist and upload threads.
+        Returns the exit summary (None without tiers). Idempotent. When the flush raises (a copy that failed),
+        only the copy thread is stopped: then `stop()` (or `abandon()`, an emulated death) ends the others."""
+        if self._closed:
+            return None
+        try:
+            self.flush()
+        except BaseException:
+            self.engine.shutdown()
+            raise
+        summary = self.tier_writer.finish(upload_timeout_s) if self.tier_writer is not None else None
+        self.stop()
+        return summary
+
+    def stop(self) -> None:
+        """Stop the threads without waiting for anything (after an error: no flush, no collective): the persist
+        thread still writes what it has queued, then ends (at interpreter exit it gets up to background.JOIN_S
+        for that); the upload thread stops now. Idempotent; `close` ends with it."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.shutdown()
+        if self.tier_writer is not None:
+            self.tier_writer.shutdown()
+
+    def abandon(self, upload_wait_s: float = 0.0) -> None:
+        """Emulate this process dying (the harness's in-process crash, tests): the copy thread stops, the persist
+        thread drops what it has queued (a job already running finishes) and stops, nothing more is committed. The
+        object store gets up to `upload_wait_s` seconds for the windows already handed to it (a test that wants
+        them there), then the upload thread stops. This object cannot be used afterwards (build another)."""
+        self._closed = True
+        self.engine.shutdown()
+        if self.tier_writer is not None:
+            self.tier_writer.abandon(upload_wait_s)
 
     def abandon_window(self) -> None:
         """Finish the copy in flight, then drop the window being filled if it is not complete (its buffers go
         back to the pool): the next `after_step` starts a new window. For a loop that pauses checkpointing."""
-        self.close()
+        self.engine.wait_done()
+        self._observe_copy()
+        self._maybe_commit()
         self._drop_current()
 
     def _drop_current(self) -> None:
@@ -302,7 +336,7 @@ class SparseCheckpointer:
         if n != self._copies_seen and self.engine.last_copy is not None:
             self._copies_seen = n
             nbytes, wall, _cpu = self.engine.last_copy
-            self.cost.observe_copy(nbytes, wall, self.engine.waits[-1] if self.engine.waits else 0.0)
+            self.planner.observe_copy(nbytes, wall, self.engine.waits[-1] if self.engine.waits else 0.0)
 
     # ---- windows -------------------------------------------------------------------------------------
     def _maybe_commit(self) -> None:
@@ -341,93 +375,15 @@ class SparseCheckpointer:
         elif old is not None:
             self.slots.release(old.slots, self._last_job.pop(old.id, None))
 
-    def _agree(self, value: float, op, group: object = _SAME_GROUP) -> float:
+    def _agree(self, value: float, op, group: object = SAME_GROUP) -> float:
         if not dist.is_initialized():
             return value
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=op, group=library_group(self.agree_group if group is _SAME_GROUP else group))
+        dist.all_reduce(t, op=op, group=library_group(self.agree_group if group is SAME_GROUP else group))
         return float(t.item())
 
-    def _update_popularity(self) -> None:
-        """The routed-token counts of the iterations since the last window start, into the popularity tracker:
-        read here (one device-to-host copy per window, not one per iteration), summed over the planning group's
-        ranks first with `sum_counts` (one collective on the library's gloo group), then applied iteration by
-        iteration, in order, exactly as if each had been applied when it ran (counts are whole numbers)."""
-        pending, self._pending_counts = self._pending_counts, []
-        if not pending:
-            return
-        stats = torch.stack([torch.stack([c.double(), p.double()]) for c, p in pending]).cpu()  # [n, 2, L, E]
-        if self.sum_counts and dist.is_initialized():
-            dist.all_reduce(stats, group=library_group(self.group))
-        for s in stats:
-            self.tracker.update(s[0], s[1])
-
-    def _operator_order(self) -> list[str]:
-        self._update_popularity()
-        freq = self.tracker.frequencies()
-        if self._order is None or reorder_needed(
-            self._order_freq, freq, self.cfg.reorder_change, self.cfg.reorder_fraction
-        ):
-            if self._order is not None:
-                self.counters["reorders"] += 1
-            experts = [self.grid[le] for le in order_experts(self.tracker.scores()) if le in self.grid]
-            routers = [o.name for o in self.ops if o.kind == "router"]
-            dense = [o.name for o in self.ops if o.kind == "dense"]
-            self._order, self._order_freq = experts + routers + dense, freq.clone()
-        return self._order
-
-    def _op_sizes(self) -> tuple[dict[str, int], dict[str, int]]:
-        # Sizes never change during a run: agreed once (one collective), not at every window.
-        if self._sizes is None:
-            self._sizes = agreed_sizes(self.op_by_name, self.compute_dtype, self.group)
-        return self._sizes
-
     def _start_window(self, t: int) -> Window:
-        order = self._operator_order()
-        full, comp = self._op_sizes()
-        budget, auto_w = float("inf"), None
-        if self.cfg.window is None:
-            if self.cfg.bandwidth_bytes_per_s is None:  # priced by what copies cost under training
-                if not self._prior_known:
-                    self._probe_prior()
-                budget = self.cost.budget_bytes(self.cfg.overlap)
-            else:
-                budget = copy_budget(self.t_iter, self.bandwidth, self.cfg.overlap)
-            # Every rank plans the same window: W is the largest any rank proposed. Proposals are agreed in the
-            # background during the window before (an async 8-byte all-reduce), so no rank waits here for a
-            # slower one; only the first window agrees on the spot.
-            proposal = float(
-                min(
-                    choose_window(order, full, comp, budget, self._auto_w, sliding=self.cfg.sliding),
-                    self._w_cap or len(order),
-                )
-            )
-            if self._w_pending is None:
-                auto_w = int(self._agree(proposal, dist.ReduceOp.MAX, self.group))
-            else:
-                work, agreed = self._w_pending
-                if work is not None:
-                    work.wait()
-                auto_w = int(agreed.item())
-            nxt = torch.tensor([proposal], dtype=torch.float64)
-            self._w_pending = (
-                dist.all_reduce(nxt, op=dist.ReduceOp.MAX, group=library_group(self.group), async_op=True)
-                if dist.is_initialized()
-                else None,
-                nxt,
-            )
-            self._auto_w = auto_w
-        plan = plan_window(
-            order,
-            full,
-            comp,
-            budget,
-            forced_window=self.cfg.window,
-            auto_window=auto_w,
-            warn=not self._warned_unfit and self._rank == 0,
-            sliding=self.cfg.sliding,
-        )
-        self._warned_unfit = self._warned_unfit or not plan.fits
+        plan, budget = self.planner.plan()
         self.memory.before_window(plan, self._next_id)  # within host_memory_limit, or refused
         slots = self.slots.slots_for(plan)
         win = Window(self._next_id, t, plan, slots)
@@ -456,51 +412,9 @@ class SparseCheckpointer:
         )
         return win
 
-    def _probe_prior(self) -> None:
-        """Measure the idle copy bandwidth once per process (slowest rank's), the price until copies are seen."""
-        if "bytes_per_s" not in _PROBED:
-            _PROBED["bytes_per_s"] = self._agree(measure_copy_bandwidth(), dist.ReduceOp.MIN)
-        self.bandwidth = _PROBED["bytes_per_s"]
-        self.cost.prior_s_per_byte = 1.0 / self.bandwidth
-        self._prior_known = True
-
-    def _check_host_memory(self) -> int | None:
-        """The limit against the worst case of the plan, before training (host_memory.py); returns the largest W
-        auto mode may choose under it (agreed over the planning ranks), None when there is no limit or W is
-        forced. Raises HostMemoryLimitError with the figure when no window fits."""
-        if self.memory.limit is None:
-            return None
-        saved = self._order, self._order_freq  # the first window plans as it would without a limit
-        order, (full, comp) = self._operator_order(), self._op_sizes()
-        self._order, self._order_freq = saved
-        # Reorders permute the experts (routers and dense blocks stay last). Plans use sizes agreed over the ranks,
-        # so the slot boundaries stay, but which experts this rank holds most of moves: the worst case puts those
-        # with the most local compute bytes last (frozen in the most slots).
-        tail = {o.name for o in self.ops if o.kind in ("router", "dense")}
-        itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
-        local = {o.name: o.compute_bytes(itemsize) for o in self.ops}
-        worst = sorted((n for n in order if n not in tail), key=local.__getitem__) + [n for n in order if n in tail]
-
-        def plans(w: int) -> WindowPlan:
-            return plan_window(worst, full, comp, float("inf"), forced_window=w, warn=False)
-
-        max_w = choose_window(order, full, comp, 0.0)  # the largest W Algorithm 1 can choose (its budget floor)
-        if self.cfg.max_window is not None:
-            max_w = min(max_w, self.cfg.max_window)
-        rep = None if self.tier_writer is None else self.tier_writer.replicator
-        me = self._rank
-        senders = 0 if rep is None else sum(1 for _src, dst, replica in rep.pairs if dst == me and not replica)
-        return self.memory.check(
-            plans,
-            self.cfg.window,
-            max_w,
-            lambda x, op: self._agree(float(x), dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, self.group),
-            senders=senders,
-        )
-
     def inherit_counters(self, old: SparseCheckpointer) -> SparseCheckpointer:
         """Continue the counters of the checkpointer that ran before a restart (for whole-run figures)."""
-        for k in ("slots", "windows_committed", "reorders"):
+        for k in ("slots", "windows_committed"):
             self.counters[k] += old.counters[k]
         for k in ("slot_bytes", "copy_seconds", "windows"):
             self.counters[k] = old.counters[k] + self.counters[k]
@@ -511,9 +425,7 @@ class SparseCheckpointer:
         for k in ("plans", "plan_s_total"):
             self.counters[k] += old.counters[k]
         self.counters["plan_s_max"] = max(self.counters["plan_s_max"], old.counters["plan_s_max"])
-        self.cost, self._auto_w = old.cost, old._auto_w  # what copies cost is learned once, not per restart
-        self._prior_known = self._prior_known or old._prior_known
-        self.bandwidth = self.bandwidth or old.bandwidth
+        self.planner.inherit(old.planner)
         self.counters["recoveries"] = old.counters["recoveries"] + self.counters["recoveries"]
         return self
 
@@ -524,7 +436,7 @@ class SparseCheckpointer:
         return {
             "slots_captured": self.counters["slots"],
             "windows_committed": self.counters["windows_committed"],
-            "reorders": self.counters["reorders"],
+            "reorders": self.planner.reorders,
             "dense_bytes": self.dense_bytes,
             "mean_slot_bytes": sum(sb) / len(sb) if sb else 0,
             "max_slot_bytes": max(sb) if sb else 0,
@@ -535,13 +447,13 @@ class SparseCheckpointer:
                 if self.counters["copy_seconds"]
                 else 0.0
             ),
-            "t_iter": self.t_iter,
-            "bandwidth_bytes_per_s": self.bandwidth,
+            "t_iter": self.planner.t_iter,
+            "bandwidth_bytes_per_s": self.planner.bandwidth,
             # what the copies cost under training (copy thread), what auto W priced them at, planning time
             "copy": dict(self.engine.copy_totals),
-            "priced_bytes_per_s": self.cost.bytes_per_s,
-            "priced_t_iter": self.cost.t_iter,
-            "auto_window": self._auto_w,
+            "priced_bytes_per_s": self.planner.cost.bytes_per_s,
+            "priced_t_iter": self.planner.cost.t_iter,
+            "auto_window": self.planner.auto_w,
             "plan_seconds": dict(
                 {k: self.counters[k] for k in ("plans", "plan_s_total", "plan_s_max")},
                 median_recent=statistics.median(self.counters.get("plan_s_recent") or [0.0]),

@@ -11,7 +11,7 @@ Logger "torchmoe_ckpt", lines start "torchmoe:".
     torchmoe: object store failing: upload of window 4: EndpointConnectionError: ...; training goes on ...
     torchmoe: object store back: window 5 uploaded after 7 failed attempt(s) in 12.3 s; catching up
     torchmoe: exit: 6 window(s) committed (newest 5, steps 11..12) on the host tier ...; object store s3://b/x:
-              1 uploaded, 2 pending (windows 4, 5) after waiting 4.0 s of store_exit_wait_s = 4; ...
+              1 uploaded, 2 pending (windows 4, 5) after waiting 4.0 s of exit_wait_s = 4; ...
 
 A window's line waits for its upload while the store keeps up (so it can say "uploaded"); while the store is
 failing or behind it is printed at once with "pending". Thread-safe: the host-tier writer and the uploader call it.
@@ -210,7 +210,7 @@ class RunStatus:
             label = "windows" if len(self.pending) > 1 else "window"
             self.say(
                 f"{text}, {len(self.pending)} pending ({label} {_ids(self.pending)}) after waiting "
-                f"{waited_s:.1f} s of store_exit_wait_s = {wait_limit_s:g}; they are in host memory and a "
+                f"{waited_s:.1f} s of exit_wait_s = {wait_limit_s:g}; they are in host memory and a "
                 f"run with the same run_id uploads them"
                 + (
                     f"; {self.superseded_count} older window(s) were superseded by newer ones"

@@ -36,7 +36,7 @@ def measure(dtype: str, allocator: str, window: int, steps: int, root: Path, tie
     host = {"root": str(root / "host"), "run_id": f"{dtype}-{allocator}-{tiers}", "ranks_per_node": 1}
     if tiers == "all":
         host.update(replicas=1, object_store={"uri": f"file://{root}/store", "keep": 2})
-    tier, replicator, store = build_tiers(host, trainer.rank, trainer.world, trainer.cfg.hsdp)
+    opened = build_tiers(host, trainer.rank, trainer.world, trainer.cfg.hsdp)
     # no limit in effect, but the construction figure computed; "arena": the CUDA allocator, unpinned here
     limit_probe = SparseConfig(
         window=window, host_memory_limit=1 << 50, host_buffers=allocator.replace("files", "auto")
@@ -46,9 +46,7 @@ def measure(dtype: str, allocator: str, window: int, steps: int, root: Path, tie
         trainer.optimizer,
         trainer.compute_dtype,
         limit_probe,
-        host_tier=tier,
-        replicator=replicator,
-        store=store,
+        tiers=opened,
         identity=run_identity(trainer, host),
     ).attach(trainer)
     at_peak: dict[str, int] = {}
@@ -61,10 +59,7 @@ def measure(dtype: str, allocator: str, window: int, steps: int, root: Path, tie
             total, at_peak = acct["total"], dict(acct["parts"])
         for k, v in acct["parts"].items():
             part_max[k] = max(part_max.get(k, 0), v)
-    ck.close()
-    ck.tier_writer.finish(30.0)
-    ck.tier_writer.shutdown()
-    ck.engine.shutdown()
+    ck.close(upload_timeout_s=30.0)
     params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainer.model.parameters())
     need = ck.memory.need or {}
     return {

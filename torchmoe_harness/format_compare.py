@@ -118,7 +118,8 @@ def compare_formats(
     host tier), and bytes read to fetch `experts_to_read` of this rank's experts of one grouped expert tensor."""
     from torchmoe_ckpt.storage.object_tier import make_store
     from torchmoe_ckpt.storage.store_open import open_store
-    from torchmoe_ckpt.storage.tensorstore_tier import io_counters, read_pieces
+    from torchmoe_ckpt.storage.tensorstore_read import read_pieces
+    from torchmoe_ckpt.storage.tensorstore_spec import io_counters
 
     run_id = run_id or f"cmp-{time.monotonic_ns()}"
     fs, root = open_store(uri, storage_options, probe=False)
@@ -179,10 +180,10 @@ def compare_formats(
 
 
 def _expert_key(store, window_id: int):
-    from torchmoe_ckpt.storage.tensorstore_tier import _is_expert_key
+    from torchmoe_ckpt.storage.tensorstore_spec import is_expert_key
 
     items = store._read_meta(window_id)["slots"][0]["items"]
     for e in items:
-        if "array" in e and _is_expert_key(e["key"], e["global_shape"]):
+        if "array" in e and is_expert_key(e["key"], e["global_shape"]):
             return e["key"], [x["offset"] for x in items if x["key"] == e["key"]]
     return None, []

@@ -51,25 +51,18 @@ class OursHostTier(Ours):
     def __init__(self, trainer, root: str, window: int | None = None, overlap: float = 1.0):
         host = {"root": root, "run_id": Path(root).name}
         self.cfg = SparseConfig(window=window, overlap=overlap)
-        tier, replicator, store = build_tiers(host, trainer.rank, trainer.world, trainer.cfg.hsdp)
         self.ck = SparseCheckpointer(
             trainer.model,
             trainer.optimizer,
             trainer.compute_dtype,
             self.cfg,
-            host_tier=tier,
-            replicator=replicator,
-            store=store,
+            tiers=build_tiers(host, trainer.rank, trainer.world, trainer.cfg.hsdp),
             identity=run_identity(trainer, host),
         )
         self._attached = None
 
     def close(self) -> None:
-        self.ck.close()
-        if self.ck.tier_writer is not None:
-            self.ck.tier_writer.finish(30.0)
-            self.ck.tier_writer.shutdown()
-        self.ck.engine.shutdown()
+        self.ck.close(upload_timeout_s=30.0)
 
 
 def build(kind: str, params: dict, trainer: Trainer, workdir: Path):
@@ -231,12 +224,12 @@ def run(spec: dict, out: Path) -> dict:
             kind = sp.pop("kind")
             system = None if kind == "none" else build(kind, sp, trainer, workdir / f"{name}-{rep}")
             if hasattr(system, "ck") and name in learned:
-                system.ck.cost, system.ck._auto_w = learned[name]
+                system.ck.planner.cost, system.ck.planner.auto_w = learned[name]
             built_s = time.perf_counter() - t0
             res = turn(trainer, system, spec["warmup"], steps)
             if system is not None:
                 if hasattr(system, "ck"):
-                    learned[name] = (system.ck.cost, system.ck._auto_w)
+                    learned[name] = (system.ck.planner.cost, system.ck.planner.auto_w)
                     res["windows_W"] = [w["W"] for w in system.ck.stats()["windows"]]
                 res["stats"] = {k: v for k, v in system.stats().items() if isinstance(v, (int, float, str, list))}
                 system.close()

@@ -33,9 +33,11 @@ from torchmoe_ckpt.config import SparseConfig, TierConfig
 from torchmoe_ckpt.operators import discover_operators
 from torchmoe_ckpt.pipeline_log import BoundaryLog, LogReader
 from torchmoe_ckpt.pipeline_recovery import StageStatus, plan_recovery, recover_global, recover_in_segment
+from torchmoe_ckpt.recovery import ResumeResult
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.sparse_to_dense import ReplayDivergence
 from torchmoe_ckpt.storage.host_tier import HostTier
+from torchmoe_ckpt.storage.tiers import Tiers
 from torchmoe_harness.pipeline_trainer import PipelineConfig, StageTrainer
 from torchmoe_harness.trainer import RunConfig
 from torchmoe_harness.worker import serve
@@ -228,12 +230,11 @@ def run(spec: dict, out: Path) -> dict:
         trainer.optimizer,
         trainer.compute_dtype,
         ck_cfg,
+        tiers=Tiers(tier, None, None),
+        resumed=ResumeResult(None, None, next_window_id=int(nxt.item())),
         group=stage_group,
-        host_tier=tier,
-        first_window_id=int(nxt.item()),
         agree_group=None,
     )
-    tw = ck.tier_writer
     ck.attach(trainer)
     gc_floor = None
     step_seconds = []
@@ -252,14 +253,12 @@ def run(spec: dict, out: Path) -> dict:
                 blog.collect(floor)
                 gc_floor = floor
         ck.close()
-        tw.flush()
         blog.flush()
     except ReplayDivergence:
         raise
     except RuntimeError as exc:  # gloo's errors (DistBackendError) and our SIGTERM: a peer failed
         trainer.reset_iteration()
-        ck.engine.wait()
-        tw.flush()
+        ck.flush(commit=False)  # the copy in flight and what the host tier has queued; nothing collective
         blog.flush()
         _dump_live(paths.live[stage], trainer, losses, {})
         log.warning(
@@ -283,8 +282,6 @@ def run(spec: dict, out: Path) -> dict:
         },
         "step_seconds": step_seconds,
     }
-    ck.engine.shutdown()
-    tw.shutdown()
     reports = [None] * world
     dist.all_gather_object(reports, report)
     records = []

@@ -37,12 +37,13 @@ from torchmoe_ckpt.config import SparseConfig, TierConfig
 from torchmoe_ckpt.errors import UnusableCheckpointError
 from torchmoe_ckpt.identity import IdentityMismatch, RunIdentity, build_identity
 from torchmoe_ckpt.operators import discover_operators
-from torchmoe_ckpt.recovery import recover
+from torchmoe_ckpt.recovery import ResumeResult
 from torchmoe_ckpt.replay_check import DEFAULT_TOLERANCE, ReplayPolicy, check_replay_check
 from torchmoe_ckpt.snapshot import SimulatedCopyFault
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.sparse_to_dense import sparse_to_dense
-from torchmoe_ckpt.storage.tiers import Tiers, build_tiers, node_of
+from torchmoe_ckpt.startup import start
+from torchmoe_ckpt.storage.tiers import Tiers, node_of
 from torchmoe_ckpt.watchdog import CollectiveWatchdog, read_events
 from torchmoe_harness.trainer import Trainer
 
@@ -71,29 +72,20 @@ def _tear(slot, n) -> None:
     raise SimulatedCopyFault(f"injected failure after {n} of {len(slot.items)} items of slot {slot.index}")
 
 
-def _tiers(trainer: Trainer, host: dict | None) -> Tiers:
-    """(HostTier, PeerTier, ObjectTier) from the spec's "host_tier" section, or Nones."""
-    if not host:
-        return Tiers(None, None, None)
-    return build_tiers(host, trainer.rank, trainer.world, trainer.cfg.hsdp)
+def identity_facts(cfg) -> dict:
+    """What this run's identity names besides the model (identity.py): the data seed is part of it (a job on
+    other data with the same run id never resumes this one's windows); the planned steps are not (they may grow)."""
+    return {"data": f"seed={cfg.seed}", "steps": cfg.steps, "hsdp_replicate": cfg.hsdp}
 
 
 def run_identity(trainer: Trainer, host: dict | None) -> RunIdentity:
-    """This run's identity (identity.py). The data seed is part of it: a job on other data with the same run
-    id never resumes this one's windows. The planned steps and the LR are not (they may change)."""
-    cfg = trainer.cfg
+    """This run's identity, as `start` builds it (for a checkpointer built without it: gpu_check_bench_worker)."""
+    facts = identity_facts(trainer.cfg)
     run_id = TierConfig.from_dict(host).resolved_run_id() if host else None
+    hsdp = facts.pop("hsdp_replicate")
     ops = discover_operators(trainer.model)
     return build_identity(
-        trainer.model,
-        trainer.optimizer,
-        trainer.compute_dtype,
-        ops,
-        run_id,
-        trainer.world,
-        cfg.hsdp,
-        data=f"seed={cfg.seed}",
-        steps=cfg.steps,
+        trainer.model, trainer.optimizer, trainer.compute_dtype, ops, run_id, trainer.world, hsdp, **facts
     )
 
 
@@ -140,91 +132,121 @@ def restart(
     wd: CollectiveWatchdog | None = None,
     replay_check: ReplayPolicy | None = None,
 ) -> tuple[Trainer, SparseCheckpointer, dict]:
-    """Drop the live state; rebuild from the newest committed window (from the storage tiers if configured,
-    else the in-memory one), or cold-start when there is none."""
+    """Emulate the process dying and a new one starting: drop the live state; rebuild from the newest committed
+    window (from the storage tiers if configured, else the one in memory), or cold-start when there is none."""
     committed = ck.committed
-    ck.engine.shutdown()
-    if ck.tier_writer is not None:
-        ck.tier_writer.abandon()
+    ck.abandon(upload_wait_s=30.0 if host else 0.0)  # the test waits for the store to catch up, training never does
     cfg = trainer.cfg
     rep: dict = {}
     fail = fail or {}
-    if host:
-        if ck.tier_writer is not None and ck.tier_writer.uploader is not None:
-            ck.tier_writer.uploader.flush(30)  # the test waits for the store to catch up, training never does
-        # Nodes are lost before the restarted job opens its tiers (and takes the run lock), as in reality.
-        if fail.get("lose_node") is not None:
-            rep["lost"] = _lose_node(_node_dir(trainer, host), fail["lose_node"])
-        if fail.get("lose_all_hosts"):
-            rep["lost"] = _lose_node(_node_dir(trainer, host), None)
-        tier, replicator, store = _tiers(trainer, host)
-        if fail.get("corrupt"):
-            import torch.distributed as dist
-
-            rep["corrupted"] = _corrupt(tier, fail["corrupt"]) if trainer.rank == 0 else None
-            dist.barrier()
+    # Nodes are lost before the restarted job opens its tiers (and takes the run lock), as in reality.
+    if host and fail.get("lose_node") is not None:
+        rep["lost"] = _lose_node(_node_dir(trainer, host), fail["lose_node"])
+    if host and fail.get("lose_all_hosts"):
+        rep["lost"] = _lose_node(_node_dir(trainer, host), None)
     del trainer
     t0 = time.perf_counter()
     fresh = Trainer(cfg, init_seed=cfg.seed + 7777)  # another init: what recovery forgets shows as a mismatch
-    if host:
-        res = recover(
-            fresh,
-            Tiers(tier, replicator, store),
-            ck.op_by_name,
-            fresh.compute_dtype,
-            fresh.rank,
-            identity=ck.identity,
-            watchdog=wd,
-            replay_check=replay_check,
-        )
-        committed = res.window
-        rep.update(res.report)
-    elif committed is not None:
-        rep.update(sparse_to_dense(fresh, committed, replay_check).to_dict())
-    if committed is None:
-        fresh = Trainer(cfg)  # nothing to recover from: start over from the deterministic initialisation
-        rep.update(cold_start="the initialisation", recovered_step=0, replayed_iterations=0)
-    rep["restart_seconds"] = time.perf_counter() - t0
-    tier, replicator, store = _tiers(fresh, host)
-    new_ck = SparseCheckpointer(
-        fresh.model,
-        fresh.optimizer,
+
+    def corrupt(tiers: Tiers) -> None:
+        if fail.get("corrupt"):
+            import torch.distributed as dist
+
+            rep["corrupted"] = _corrupt(tiers.host, fail["corrupt"]) if fresh.rank == 0 else None
+            dist.barrier()
+
+    def in_memory(tiers: Tiers | None, _identity) -> tuple[ResumeResult, Trainer] | None:
+        if tiers is not None or committed is None:  # no tiers: the window the "dead" process held in memory
+            return None
+        done = sparse_to_dense(fresh, committed, replay_check)
+        return ResumeResult(committed, done.recovered_step, done.to_dict()), fresh
+
+    started = start(
+        fresh,
         fresh.compute_dtype,
         ck_cfg,
-        committed=committed,
-        host_tier=tier,
-        replicator=replicator,
-        store=store,
-        identity=run_identity(fresh, host),
-    ).inherit_counters(ck)
-    return fresh, new_ck.attach(fresh), rep
+        host or None,
+        **identity_facts(cfg),
+        replay_check=replay_check,
+        watchdog=wd,
+        on_tiers=corrupt,
+        recover_with=in_memory,
+        cold_start=lambda: Trainer(cfg),  # nothing to recover from: the deterministic initialisation
+    )
+    if started.recovered:
+        rep.update(started.resumed.report)
+    else:
+        if started.resumed is not None:
+            rep.update(started.resumed.report)
+        rep.update(cold_start="the initialisation", recovered_step=0, replayed_iterations=0)
+    rep["restart_seconds"] = time.perf_counter() - t0
+    new_ck = started.checkpointer.inherit_counters(ck)
+    return started.trainer, new_ck.attach(started.trainer), rep
 
 
-def resume_from_host_tier(
-    trainer: Trainer, host: dict, wd: CollectiveWatchdog | None = None, replay_check: ReplayPolicy | None = None
-):
-    """Process start: recover from the newest window every rank can get from the tiers, if any."""
+def _start(trainer: Trainer, spec: dict, ck_cfg: SparseConfig, wd, policy, attempt: int, recoveries: list):
+    """Process start: the library's start-up sequence; recovery (with "resume") from a JIT copy if one beats the
+    newest window (spec "jit"), else from the newest window every rank can get from the tiers, if any. Returns
+    the trainer to train, its checkpointer and the host tier's run directory (None without tiers)."""
+    cfg, host = trainer.cfg, spec.get("host_tier")
+    resume = bool(host and spec.get("resume"))
+    jit_rep = None
+
+    def jit_first(tiers: Tiers, _identity) -> tuple[ResumeResult, Trainer] | None:
+        nonlocal jit_rep
+        from torchmoe_ckpt.jit import resume as jit_resume
+
+        # A copy is loaded into a trainer with other initial weights: anything it fails to restore shows.
+        got, jit_rep = jit_resume(
+            trainer,
+            host,
+            tiers.host,
+            lambda for_copy: Trainer(cfg, init_seed=cfg.seed + 7777 if for_copy else None),
+        )
+        if jit_rep is None:
+            return None  # the window path (the trainer given is untouched)
+        # new windows sort after the ones already on the tiers
+        return ResumeResult(None, jit_rep["recovered_step"], jit_rep, next_window_id=jit_rep["next_window_id"]), got
+
     t0 = time.perf_counter()
-    ops = {o.name: o for o in discover_operators(trainer.model)}
-    fresh = Trainer(trainer.cfg, init_seed=trainer.cfg.seed + 7777)
     try:
-        res = recover(
-            fresh,
-            _tiers(trainer, host),
-            ops,
-            fresh.compute_dtype,
-            fresh.rank,
-            identity=run_identity(trainer, host),
+        started = start(
+            Trainer(cfg, init_seed=cfg.seed + 7777) if resume else trainer,  # another init: what recovery forgets
+            trainer.compute_dtype,
+            ck_cfg,
+            host,
+            **identity_facts(cfg),
+            resume=resume,
+            replay_check=policy,
             watchdog=wd,
-            replay_check=replay_check,
+            recover_with=jit_first if resume and _check_jit(spec) else None,
+            cold_start=(lambda: trainer) if resume else None,  # nothing recovered: the deterministic init
         )
     except (IdentityMismatch, UnusableCheckpointError) as exc:  # another run's, or none usable: one line, exit 2
         log.error("event=refused rank=%d: %s", trainer.rank, exc)
         sys.stderr.flush()
         os._exit(2)
-    if res.window is None:
-        return trainer, None, None  # nothing to recover from: a fresh start from the deterministic init
-    return fresh, res.window, dict(res.report, restart_seconds=time.perf_counter() - t0)
+    if jit_rep is not None:
+        recoveries.append(dict(jit_rep, attempt=attempt))
+    elif started.recovered:
+        recoveries.append(dict(started.resumed.report, restart_seconds=time.perf_counter() - t0, attempt=attempt))
+    elif resume:  # no window anywhere: say what this run starts from
+        src = (
+            f"dense export {spec['initial_load']['uri']} (step {trainer.step})"
+            if spec.get("initial_load")
+            else "the initialisation"
+        )
+        log.warning(
+            "event=cold_start rank=%d attempt=%d run=%s from=%r: no committed window in any tier: a new run starts",
+            trainer.rank,
+            attempt,
+            TierConfig.from_dict(host).resolved_run_id(),
+            src,
+        )
+        if attempt > 0 or spec.get("initial_load"):
+            recoveries.append({"cold_start": src, "recovered_step": trainer.step, "attempt": attempt})
+    host_dir = started.tiers.host.dir if started.tiers is not None else None
+    return started.trainer, started.checkpointer, host_dir  # not `started`: its recovered window is let go
 
 
 def _check_jit(spec: dict) -> bool:
@@ -253,63 +275,18 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
     host = spec.get("host_tier")
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     recoveries: list[dict] = []
-    committed = None
-    use_jit, jit_rep = _check_jit(spec), None
+    use_jit = _check_jit(spec)
     # Recovery (fetch, agreement, replay) is watched like training: a rank frozen in replay ends the job.
     wd = CollectiveWatchdog(spec.get("watchdog_timeout_s"), rank=trainer.rank, events_path=spec.get("watchdog_events"))
-    if use_jit and host and spec.get("resume"):
-        from torchmoe_ckpt.jit import resume as jit_resume
-
-        # A copy is loaded into a trainer with other initial weights: anything it fails to restore shows.
-        trainer, jit_rep = jit_resume(
-            trainer,
-            host,
-            _tiers(trainer, host)[0],
-            lambda for_copy: Trainer(cfg, init_seed=cfg.seed + 7777 if for_copy else None),
-        )
-        if jit_rep is not None:
-            recoveries.append(dict(jit_rep, attempt=attempt))
-    if host and spec.get("resume") and jit_rep is None:
-        trainer, committed, rep = resume_from_host_tier(trainer, host, wd, policy)
-        if rep is None:  # no window anywhere: say what this run starts from
-            src = (
-                f"dense export {spec['initial_load']['uri']} (step {trainer.step})"
-                if spec.get("initial_load")
-                else "the initialisation"
-            )
-            log.warning(
-                "event=cold_start rank=%d attempt=%d run=%s from=%r: no committed window in any tier: a new run starts",
-                trainer.rank,
-                attempt,
-                TierConfig.from_dict(host).resolved_run_id(),
-                src,
-            )
-            rep = (
-                {"cold_start": src, "recovered_step": trainer.step} if attempt > 0 or spec.get("initial_load") else None
-            )
-        if rep is not None:
-            recoveries.append(dict(rep, attempt=attempt))
-    tier, replicator, store = _tiers(trainer, host)
-    # After a JIT resume, new windows must sort after the ones already on the tiers.
-    ck = SparseCheckpointer(
-        trainer.model,
-        trainer.optimizer,
-        trainer.compute_dtype,
-        ck_cfg,
-        committed=committed,
-        host_tier=tier,
-        replicator=replicator,
-        store=store,
-        identity=run_identity(trainer, host),
-        first_window_id=None if jit_rep is None else jit_rep["next_window_id"],
-    ).attach(trainer)
+    trainer, ck, host_dir = _start(trainer, spec, ck_cfg, wd, policy, attempt, recoveries)
+    ck.attach(trainer)
     step_seconds: list[float] = []
     step_cpu: list[float] = []  # process CPU (every thread: training, copy, tier threads) per step
     jit = None
     if use_jit:
         from torchmoe_ckpt.jit import JitCheckpointer
 
-        jit = JitCheckpointer(trainer, host, tier.dir / "jit")
+        jit = JitCheckpointer(trainer, host, host_dir / "jit")
         if not jit.enabled and trainer.rank == 0:
             log.warning(
                 "event=jit_off reason=no_replicas hsdp=%d: pure FSDP keeps one copy of each shard, so a "
@@ -323,7 +300,7 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
         try:
             if trainer.step >= cfg.steps:
                 with wd.watch("checkpoint.close"):
-                    ck.close()  # a copy torn in the last iteration surfaces here
+                    ck.flush()  # a copy torn in the last iteration surfaces here; the host tier written
                 break
             if fail is not None:
                 pending.remove(fail)
@@ -360,14 +337,10 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
                 jit.set_trainer(trainer)
             rep.update(failed_at=nxt, error=str(exc), slot_position=position, inflight_window_id=inflight_id)
             recoveries.append(rep)
-    if ck.tier_writer is not None:
-        with wd.watch("host_tier.flush"):
-            ck.tier_writer.flush()
-        if ck.tier_writer.uploader is not None:
-            ck.tier_writer.uploader.flush(30)  # end of training: let the last upload land before reporting
-        ck.tier_writer.release_lease()  # a clean end: the next job on this store prefix need not wait
+    # End of training: the last upload may land before reporting; the store lease goes (the next job on this store
+    # prefix need not wait); the exit summary; every thread stops.
+    ck.close(upload_timeout_s=30.0)
     stats = ck.stats()
-    ck.engine.shutdown()
     wd.close()
     out = {"recoveries": recoveries, "checkpoint": stats, "step_seconds": step_seconds, "step_cpu_s": step_cpu}
     if jit is not None:

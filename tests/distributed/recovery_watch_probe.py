@@ -30,18 +30,15 @@ def main() -> None:
     fresh = Trainer(cfg, init_seed=cfg.seed + 7777)  # other weights: what recovery misses shows as a mismatch
     ops = {o.name: o for o in discover_operators(fresh.model)}
     res = recover(fresh, tiers, ops, fresh.compute_dtype, fresh.rank, watchdog=wd)
-    committed = None
     if res.window is not None:
-        trainer, committed = fresh, res.window
+        trainer = fresh
     ck = SparseCheckpointer(
         trainer.model,
         trainer.optimizer,
         trainer.compute_dtype,
         SparseConfig(**spec["checkpoint"]),
-        committed=committed,
-        host_tier=tiers.host,
-        replicator=tiers.replicator,
-        store=tiers.store,
+        tiers=tiers,
+        resumed=res,
     ).attach(trainer)
     losses = {}
     while trainer.step < cfg.steps:
@@ -51,8 +48,7 @@ def main() -> None:
         with wd.watch(f"checkpoint.after_step {step.step}"):
             ck.after_step(step)
     with wd.watch("checkpoint.close"):
-        ck.close()
-        ck.tier_writer.flush()
+        ck.flush()
     torch.save({"state": trainer.export_state(), "losses": losses}, out / f"rank{trainer.rank}.pt")
     write_report(
         out / "report.json",
@@ -62,7 +58,7 @@ def main() -> None:
             "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         },
     )
-    ck.engine.shutdown()
+    ck.stop()
     wd.close()
     leave()
 

@@ -115,18 +115,21 @@ def _two_rank_run(root: Path, run_id: str = "run", node_ranks=None, **run):
     from torchmoe_ckpt.config import SparseConfig
     from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
     from torchmoe_ckpt.storage.host_tier import HostTier
+    from torchmoe_ckpt.storage.tiers import Tiers
     from torchmoe_harness.trainer import RunConfig, Trainer
 
     for rank in (0, 1):
         t = Trainer(RunConfig(steps=6, **run))
         tier = HostTier(root, run_id, rank, 2)
         tier.node_ranks = node_ranks
-        ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), host_tier=tier).attach(t)
+        ck = SparseCheckpointer(
+            t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), tiers=Tiers(tier, None, None)
+        )
+        ck.attach(t)
         for _ in range(7):
             ck.after_step(t.train_step())
-        ck.tier_writer.flush()
-        ck.engine.shutdown()
-        ck.tier_writer.shutdown()
+        ck.flush(commit=False)
+        ck.stop()
     return root / run_id
 
 

@@ -18,13 +18,16 @@ from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.storage.host_tier import HostTier
 from torchmoe_ckpt.storage.layout import DATA_FILE
 from torchmoe_ckpt.storage.slot_files import backing
+from torchmoe_ckpt.storage.tiers import Tiers
 from torchmoe_harness.trainer import RunConfig, Trainer
 
 
 def _checkpointer(root, window=3, steps=40):
     t = Trainer(RunConfig(steps=steps))
     tier = HostTier(root, "run", 0, 1)
-    ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=window), host_tier=tier)
+    ck = SparseCheckpointer(
+        t.model, t.optimizer, t.compute_dtype, SparseConfig(window=window), tiers=Tiers(tier, None, None)
+    )
     return t, tier, ck.attach(t)
 
 
@@ -52,11 +55,6 @@ def _verified(tier: HostTier, step: int) -> None:
         assert problems == [] or wid not in tier.window_ids(), (step, wid, problems)
 
 
-def _stop(ck):
-    ck.engine.shutdown()
-    ck.tier_writer.shutdown()
-
-
 class _Gate:
     """A job that holds the host tier's writer thread until released (a slow writer, for real)."""
 
@@ -71,8 +69,7 @@ def test_persist_links_the_snapshot_file_and_metadata_matches_a_dcp_save(tmp_pat
     t, tier, ck = _checkpointer(tmp_path, steps=4)
     for _ in range(4):
         ck.after_step(t.train_step())
-    ck.close()
-    ck.tier_writer.flush()
+    ck.flush()
     assert tier.window_ids() == [0] and tier.verify(0) == []
     for s in ck.committed.slots:  # no second copy: the window's data file is the slot's own buffer file
         assert backing(s) is not None
@@ -100,7 +97,7 @@ def test_persist_links_the_snapshot_file_and_metadata_matches_a_dcp_save(tmp_pat
     dcp.load({item.key: full}, storage_reader=RawReader(tier.slot_dir(0, 1)), no_dist=True)
     region = full[tuple(slice(o, o + n) for o, n in zip(item.piece.global_offset, item.piece.shape))]
     assert torch.equal(region, item.buffer)
-    _stop(ck)
+    ck.stop()
 
 
 def test_pool_never_hands_out_a_committed_windows_files(tmp_path, one_rank_group):
@@ -117,13 +114,12 @@ def test_pool_never_hands_out_a_committed_windows_files(tmp_path, one_rank_group
         for wid, inodes in _committed_inodes(tier).items():
             assert not inodes & live, f"step {step}: window {wid}'s files handed to window {ck.current.id}"
         _verified(tier, step)
-    ck.close()
-    ck.tier_writer.flush()
+    ck.flush()
     assert len(tier.window_ids()) >= 1 and all(tier.verify(w) == [] for w in tier.window_ids())
     # the stall made the pool allocate more sets; afterwards they rotate (not a new file per window: 15 windows)
     files = list((tmp_path / "run" / ".slots" / "rank-00000").glob("*.distcp"))
     assert 2 * 3 <= len(files) <= 2 * 7, len(files)
-    _stop(ck)
+    ck.stop()
 
 
 def test_failure_while_next_window_half_written_recovers_previous_bit_exactly(tmp_path, one_rank_group):
@@ -131,16 +127,15 @@ def test_failure_while_next_window_half_written_recovers_previous_bit_exactly(tm
     want, gate = {}, _Gate()
     for step in range(1, 12):
         if step == 8:  # the writer stalls from here: window 1 is the last one it commits before the failure
-            ck.tier_writer.flush()
+            ck.flush(commit=False)
             ck.tier_writer.jobs.put(("flush", gate))
         ck.after_step(t.train_step())
         if ck.committed is not None and ck.committed.id not in want:  # what each window must read back as
             want[ck.committed.id] = [[it.buffer.clone() for it in s.items] for s in ck.committed.slots]
     # window 3 (steps 10..12) is half-captured into reused or new slot files; then the process "dies"
-    ck.engine.wait()
-    ck.tier_writer.abandon()
+    ck.before_update()  # the copy in flight done, as the next update would wait for it
+    ck.abandon()
     gate.release.set()
-    ck.engine.shutdown()
     assert ck.current.id == 3 and ck.current.captured == 2 and ck.committed.id == 2
     fresh = HostTier(tmp_path, "run", 0, 1)  # what a restarted process sees
     assert fresh.window_ids()[-1] == 1, fresh.window_ids()
@@ -157,15 +152,16 @@ from torchmoe_ckpt import init_process_group
 from torchmoe_ckpt.config import SparseConfig
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.storage.host_tier import HostTier
+from torchmoe_ckpt.storage.tiers import Tiers
 from torchmoe_harness.trainer import RunConfig, Trainer
 init_process_group("gloo")
 t = Trainer(RunConfig(steps=8))
 tier = HostTier(sys.argv[1], "run", 0, 1)
-ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), host_tier=tier).attach(t)
+ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), tiers=Tiers(tier, None, None))
+ck.attach(t)
 for _ in range(8):
     ck.after_step(t.train_step())
-ck.engine.wait()
-ck.tier_writer.flush()
+ck.flush(commit=False)
 torch.save({"id": ck.committed.id, "slots": [[it.buffer.clone() for it in s.items] for s in ck.committed.slots]},
            sys.argv[2])
 os._exit(0)  # no cleanup: the slot files stay behind as after a kill
@@ -197,7 +193,7 @@ def test_host_files_are_read_back_after_a_process_restart(tmp_path, one_rank_gro
     assert torch.equal(region, item.buffer)
     tier.collect(want["id"] + 1)  # collected: the windows' memory comes back (no spare kept for a direct run)
     assert tier.window_ids() == [] and not list((tmp_path / "run").glob(".spare/rank-00000/*.distcp"))
-    _stop(ck)
+    ck.stop()
 
 
 def test_a_new_plan_reuses_the_free_files_of_the_old_one_and_every_window_reads_back(tmp_path, one_rank_group):
@@ -213,7 +209,7 @@ def test_a_new_plan_reuses_the_free_files_of_the_old_one_and_every_window_reads_
         if ck.committed is not None and ck.committed.id not in want:
             want[ck.committed.id] = [[it.buffer.clone() for it in s.items] for s in ck.committed.slots]
         if step % 3 == 0:
-            ck.tier_writer.flush()
+            ck.flush(commit=False)
             for wid in tier.window_ids():  # recycled files: the padding is zero again, every item verifies
                 win = tier.load_window(wid, ck.op_by_name, t.compute_dtype, ck.identity)
                 for slot, bufs in zip(win.slots, want[wid]):
@@ -221,4 +217,4 @@ def test_a_new_plan_reuses_the_free_files_of_the_old_one_and_every_window_reads_
     assert {w["W"] for w in ck.counters["windows"]} == {2, 3}
     files = list((tmp_path / "run" / ".slots" / "rank-00000").glob("*.distcp"))
     assert len(files) <= 2 * 6 * 3, len(files)  # bounded: sets rotate and are recycled across plans
-    _stop(ck)
+    ck.stop()

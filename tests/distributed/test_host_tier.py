@@ -56,15 +56,17 @@ def test_stock_dcp_load_reads_a_slot(tmp_path, one_rank_group):
     from torchmoe_ckpt.dcp.raw_storage import RawReader
     from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
     from torchmoe_ckpt.storage.host_tier import HostTier
+    from torchmoe_ckpt.storage.tiers import Tiers
     from torchmoe_harness.trainer import RunConfig, Trainer
 
     t = Trainer(RunConfig(steps=4))
     tier = HostTier(tmp_path, "run", 0, 1)
-    ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), host_tier=tier).attach(t)
+    ck = SparseCheckpointer(
+        t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), tiers=Tiers(tier, None, None)
+    ).attach(t)
     for _ in range(4):
         ck.after_step(t.train_step())
-    ck.close()
-    ck.tier_writer.flush()
+    ck.flush()
     assert tier.window_ids() == [0] and tier.verify(0) == []
     win = tier.load_window(0, ck.op_by_name, t.compute_dtype)
     assert [s.step for s in win.slots] == [1, 2, 3]
@@ -79,8 +81,7 @@ def test_stock_dcp_load_reads_a_slot(tmp_path, one_rank_group):
     dcp.load({item.key: full}, storage_reader=RawReader(tier.slot_dir(0, 2)), no_dist=True)
     region = full[tuple(slice(o, o + s) for o, s in zip(item.piece.global_offset, item.piece.shape))]
     assert torch.equal(region, item.buffer)
-    ck.engine.shutdown()
-    ck.tier_writer.shutdown()
+    ck.close()
     # inspect/verify: exit 0 while every byte verifies, 1 once a data file is damaged
     from torchmoe_ckpt.cli import main
 

@@ -262,7 +262,7 @@ def test_status_lines_say_each_window_once_and_store_changes_once(caplog):
     assert st.lines[2].startswith("object store failing: upload of window 1: EndpointConnectionError: down;")
     assert st.lines[3].startswith("window 2 steps 5..6 bytes 3.0 MiB host ok peers 1/1 store pending (2 behind, lag")
     assert st.lines[4].startswith("object store back: window 1 uploaded after 3 failed attempt(s)")
-    assert "1 pending (window 2) after waiting 4.0 s of store_exit_wait_s = 4" in st.lines[5], st.lines[5]
+    assert "1 pending (window 2) after waiting 4.0 s of exit_wait_s = 4" in st.lines[5], st.lines[5]
     assert summary["pending"] == [2] and summary["uploaded"] == 2 and len(st.lines) == 6
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 3  # failing, back, exit with pending windows

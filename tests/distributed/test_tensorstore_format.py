@@ -16,7 +16,9 @@ import torch
 from torchmoe_ckpt.inspection import verify_location
 from torchmoe_ckpt.storage.host_tier import HostTier
 from torchmoe_ckpt.storage.object_tier import ObjectTier, make_store
-from torchmoe_ckpt.storage.tensorstore_tier import TensorstoreTier, io_counters, read_global, read_pieces, slot_from_dcp
+from torchmoe_ckpt.storage.tensorstore_read import read_global, read_pieces
+from torchmoe_ckpt.storage.tensorstore_spec import io_counters, slot_from_dcp
+from torchmoe_ckpt.storage.tensorstore_tier import TensorstoreTier
 from torchmoe_harness.format_compare import compare_formats, synthetic_window
 from torchmoe_harness.launch import compare, run_torchrun
 

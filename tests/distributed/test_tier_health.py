@@ -36,7 +36,7 @@ def tmpfs(tmp_path):
 def _checkpointer(root: Path, **policy):
     t = Trainer(RunConfig(steps=60))
     tiers = build_tiers(TierConfig(root=str(root), run_id="run", **policy), 0, 1)
-    ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), host_tier=tiers.host)
+    ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), tiers=tiers)
     return t, ck.attach(t), tiers.host
 
 
@@ -59,12 +59,12 @@ def test_full_tmpfs_is_visible_cleaned_and_checkpointing_resumes(tmpfs, one_rank
     caplog.set_level(logging.WARNING)
     t, ck, tier = _checkpointer(tmpfs)
     _steps(t, ck, 7)  # windows 0 and 1 commit while there is space
-    ck.tier_writer.flush()
+    ck.flush(commit=False)
     assert ck.tier_writer.persisted == {0, 1}
     filler = _fill(tmpfs)  # the disk is full now
     _steps(t, ck, 12)
-    ck.tier_writer.flush()
-    st = ck.tier_writer.stats()["health"]
+    ck.flush(commit=False)
+    st = ck.stats()["host_tier"]["health"]
     assert st["state"] == "failing" and st["failed_writes"] >= 1, st
     assert "No space left on device" in st["reason"], st["reason"]
     assert st["last_durable_window"] == {"window_id": 1, "last_step": 6}
@@ -81,14 +81,13 @@ def test_full_tmpfs_is_visible_cleaned_and_checkpointing_resumes(tmpfs, one_rank
     assert all(tier.verify(w) == [] for w in tier.window_ids())
     os.unlink(filler)  # space is back: new windows commit again (after the backoff)
     _steps(t, ck, 12)
-    ck.tier_writer.flush()
-    st = ck.tier_writer.stats()["health"]
+    ck.flush(commit=False)
+    st = ck.stats()["host_tier"]["health"]
     assert st["state"] == "ok" and st["last_durable_window"]["window_id"] > 1, st
     assert len(_events(caplog, "tier_recovered")) == 1
     assert all(tier.verify(w) == [] for w in tier.window_ids()) and max(tier.window_ids()) > 1
     assert "last durable window" in ck.tier_writer.summary()
-    ck.engine.shutdown()
-    ck.tier_writer.shutdown()
+    ck.stop()
 
 
 def test_stall_policy_fail_ends_the_job_in_the_training_thread(tmpfs, one_rank_group):
@@ -102,8 +101,7 @@ def test_stall_policy_fail_ends_the_job_in_the_training_thread(tmpfs, one_rank_g
         assert "\n" not in msg and "no window committed durably" in msg and "on_stall='warn'" in msg, msg
     finally:
         subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], check=True)
-        ck.engine.shutdown()
-        ck.tier_writer.shutdown()
+        ck.stop()
 
 
 def test_stall_policy_warn_trains_on_and_says_it_once(tmpfs, one_rank_group, caplog):
@@ -112,17 +110,16 @@ def test_stall_policy_warn_trains_on_and_says_it_once(tmpfs, one_rank_group, cap
     subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
     try:
         _steps(t, ck, 10)
-        ck.tier_writer.flush()
+        ck.flush(commit=False)
     finally:
         subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], check=True)
     assert t.step == 10
     stalls = _events(caplog, "checkpoint_stall")
     assert len(stalls) == 1 and "no durable window yet" in stalls[0], stalls
-    st = ck.tier_writer.stats()["health"]
+    st = ck.stats()["host_tier"]["health"]
     assert st["state"] == "failing" and "Read-only file system" in st["reason"], st
     assert list(tier.dir.glob("window-*")) == [] or ck.current is not None
-    ck.engine.shutdown()
-    ck.tier_writer.shutdown()
+    ck.stop()
 
 
 def test_exit_line_names_the_durable_window_when_this_attempt_committed_none(tmpfs, one_rank_group, caplog):
@@ -130,18 +127,15 @@ def test_exit_line_names_the_durable_window_when_this_attempt_committed_none(tmp
     while an earlier attempt's window is committed on the same host tier: the exit line names it."""
     t, ck, tier = _checkpointer(tmpfs)
     _steps(t, ck, 7)  # the first attempt: windows 0 and 1 commit while there is space
-    ck.tier_writer.flush()
-    ck.engine.shutdown()
-    ck.tier_writer.shutdown()
+    ck.flush(commit=False)
+    ck.stop()
     caplog.set_level(logging.WARNING)
     t2, ck2, _ = _checkpointer(tmpfs)  # the next attempt (it takes the run lock while there is space)
     ck2._next_id = 2  # windows after the existing ones, as after a recovery
     filler = _fill(tmpfs)  # then the tier is full: none of its windows can commit
     _steps(t2, ck2, 7)
-    summ = ck2.tier_writer.finish(0.0)
+    summ = ck2.close(upload_timeout_s=0.0)
     os.unlink(filler)
-    ck2.engine.shutdown()
-    ck2.tier_writer.shutdown()
     assert summ["windows_committed"] == 0 and summ["durable_on_host"] == [0, 1], summ
     said = [r.getMessage() for r in caplog.records if "exit:" in r.getMessage()]
     assert len(said) == 1 and "window 1 (committed earlier) is the newest" in said[0], said
@@ -187,10 +181,10 @@ from torchmoe_harness.trainer import RunConfig, Trainer
 init_process_group("gloo")
 t = Trainer(RunConfig(steps=60))
 tiers = build_tiers(TierConfig(root=sys.argv[1], run_id="run"), 0, 1)
-ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), host_tier=tiers.host).attach(t)
+ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), tiers=tiers).attach(t)
 for _ in range(7):
     ck.after_step(t.train_step())
-ck.tier_writer.flush()
+ck.flush(commit=False)
 assert tiers.host.window_ids() == [0, 1], tiers.host.window_ids()
 """
 
@@ -216,13 +210,12 @@ def test_unwritable_host_root_holding_a_run_recovers_and_trains_on(tmpfs, one_ra
         tiers = build_tiers(TierConfig(root=str(tmpfs), run_id="run", stall_iterations=4, on_stall="fail"), 0, 1)
         window, rep = recover_from_tiers(tiers.host, None, ops, t2.compute_dtype, identity=None)
         assert window is not None and window.id == 1 and rep["outcome"] == "recovered", rep
-        ck2 = SparseCheckpointer(t2.model, t2.optimizer, t2.compute_dtype, SparseConfig(window=3), host_tier=tiers.host)
+        ck2 = SparseCheckpointer(t2.model, t2.optimizer, t2.compute_dtype, SparseConfig(window=3), tiers=tiers)
         ck2.attach(t2)
         t2.set_step(6)
         with pytest.raises(CheckpointStallError) as stall:  # the documented policy, in the training thread
             _steps(t2, ck2, 12)
-        ck2.engine.shutdown()
-        ck2.tier_writer.shutdown()
+        ck2.stop()
     finally:
         if filler is not None:
             os.unlink(filler)

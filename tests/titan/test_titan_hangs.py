@@ -1,8 +1,8 @@
-"""A frozen rank on TorchTitan's path ends the attempt within `[sparse_checkpoint] fault_timeout_s`, in a
+"""A frozen rank on TorchTitan's path ends the attempt within `[sparse_checkpoint] hang_timeout_s`, in a
 training step and in the recovery (the tiers, the agreement, the replay: watched since issue 28; a freeze
 there cost ~150 s before, gloo's timeout plus torchrun's grace).
 
-One job (the job-file SparseTrainer, 2 ranks, fault_timeout_s = 5) under torchrun --max-restarts 2: rank 1
+One job (the job-file SparseTrainer, 2 ranks, hang_timeout_s = 5) under torchrun --max-restarts 2: rank 1
 SIGSTOPs itself at the start of iteration 4 (attempt 0), and half-way through the replay in attempt 1. Rank 0
 ends each attempt through the watchdog (`event=hang`), the stop guard kills the stopped rank on torchrun's
 SIGTERM, and attempt 2 recovers; every rank's final state and every loss after the recovery are `torch.equal`
@@ -28,7 +28,7 @@ FAULTS = "freeze:point=forward:rank=1:step=4:attempt=0;freeze:point=recovery:ran
 def test_frozen_rank_in_training_and_in_recovery_ends_the_attempt(tmp_path, tmp_path_factory, env, fault_summary):  # noqa: F811
     reference = _reference(tmp_path_factory, env)
     d = tmp_path / "run"
-    job = recovery_demo.write_job(d, steps=STEPS, window=WINDOW, host_dir=d / "host", fault_timeout_s=5)
+    job = recovery_demo.write_job(d, steps=STEPS, window=WINDOW, host_dir=d / "host", hang_timeout_s=5)
     rc, out = recovery_demo.torchrun(d, env, job, nproc=2, fault=FAULTS, timeout=110, max_restarts=2)
     if rc != 0:
         fault_summary("TorchTitan: frozen rank in training, then in recovery", 2, "failed loudly")

@@ -191,7 +191,7 @@ _BAD = [  # (extra [sparse_checkpoint] lines, extra [parallelism] lines, ranks, 
         "replicas = 1",
         "",
         2,
-        "replicas/object_store_uri: with pipeline parallelism windows are kept on the host "
+        "replicas/object_store: with pipeline parallelism windows are kept on the host "
         "tier only so far; fix: replicas = 0",
     ),
     ("", "", 2, "window = 'auto': pipeline stages must share window bounds; fix: window = 3"),
@@ -259,4 +259,4 @@ def test_unsupported_pipeline_job_is_one_error_line_at_launch(tmp_path, env):
     )
     err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert len(err) == 1 and err[0].startswith("error: [sparse_checkpoint] replicas/object_store_uri"), err
+    assert len(err) == 1 and err[0].startswith("error: [sparse_checkpoint] replicas/object_store"), err

@@ -61,7 +61,7 @@ def test_section_defaults_and_mapping():
 @pytest.mark.parametrize(
     "table, needle",
     [
-        ({"windwo": 3}, "unknown key 'windwo'; fix: use one of enable, window, replicas"),
+        ({"windwo": 3}, "unknown key 'windwo'; fix: use one of enable, window, popularity"),
         ({"window": 0}, "window = 0: must be >= 1"),
         ({"window": -2}, "window = -2: must be >= 1"),
         ({"window": "big"}, 'must be "auto" or an integer'),
@@ -74,7 +74,7 @@ def test_section_defaults_and_mapping():
         ({"fault_timeout_s": -1}, "fault_timeout_s = -1"),
         ({"fault_timeout_s": float("nan")}, "fault_timeout_s = nan: must be a finite number"),
         ({"store_exit_wait_s": float("inf")}, "store_exit_wait_s = inf: must be a number of seconds >= 0"),
-        ({"storage_options": {"key": "k"}}, "object_store_uri is empty"),
+        ({"storage_options": {"key": "k"}}, "(object_store.uri is empty)"),
         ({"dense_export_every": 5}, "dense_export_every = 5: needs a place to write; fix: set dense_export_uri"),
         ({"dense_export_keep": -1, "dense_export_uri": "file:///tmp/x"}, "dense_export_keep = -1: must be an integer"),
     ],
@@ -103,9 +103,9 @@ def test_store_uri_is_probed(tmp_path):
         ("ordering = 'fifo'", "", "error: [sparse_checkpoint] ordering = 'fifo': unknown ordering; fix: use one of"),
         ("bogus = 1", "", "error: [sparse_checkpoint] unknown key 'bogus'; fix: use one of enable, window"),
         (
-            "object_store_uri = 'gopher://x/y'",
+            "object_store = { uri = 'gopher://x/y' }",
             "",
-            "error: [sparse_checkpoint] object_store_uri: unknown object-store URI scheme 'gopher'",
+            "error: [sparse_checkpoint] object_store.uri: unknown object-store URI scheme 'gopher'",
         ),
         ("", "[trainingg]\nsteps = 3", "error: unknown section [trainingg]; fix: use one of [training]"),
     ],
@@ -150,7 +150,7 @@ def test_job_file_maps_onto_torchtitan_config(tmp_path, env):
         "kw = c.optimizer.param_groups[0].optimizer_kwargs\n"
         "assert kw['lr'] == 1e-3 and kw['betas'] == (0.9, 0.99), kw\n"
         "sc = c.sparse_checkpoint\n"
-        "assert sc.enable and sc.window == 3 and sc.ordering == 'soft' and sc.run_id == 'demo'\n"
+        "assert sc.enable and sc.window == 3 and sc.popularity == 'soft' and sc.run_id == 'demo'\n"
         "assert c.training.mixed_precision_param == 'float32'  # CPU mode settings kept\n"
         "print('ok')\n"
     )

@@ -44,7 +44,7 @@ def test_store_outage_mid_run_warns_summarises_exits_in_time_and_catches_up(tmp_
         create_bucket(moto.storage_options, "outage")
         opts = moto.storage_options
         sparse = (
-            f'object_store_uri = "s3://outage/ckpt"\nstore_exit_wait_s = {WAIT_S}\nstorage_options = '
+            f'object_store = {{ uri = "s3://outage/ckpt", exit_wait_s = {WAIT_S} }}\nstorage_options = '
             f'{{ key = "{opts["key"]}", secret = "{opts["secret"]}", client_kwargs = {{ endpoint_url = '
             f'"{moto.endpoint_url}" }} }}'
         )
@@ -77,13 +77,13 @@ def test_store_outage_mid_run_warns_summarises_exits_in_time_and_catches_up(tmp_
         assert "Cannot connect" in lines[warn[0]] or "Could not connect" in lines[warn[0]], lines[warn[0]]
         assert len(warn) == 1  # once per change of state, not once per retry
         assert _rank0(lines, "store pending")  # windows committed meanwhile say so
-        # The exit summary lists the pending windows; the wait is bounded by store_exit_wait_s.
+        # The exit summary lists the pending windows; the wait is bounded by object_store.exit_wait_s.
         summary = lines[_rank0(lines, "torchmoe: exit:")[0]]
         last = STEPS // 2 - 1
         m = re.search(
             rf"exit: (\d+) window\(s\) committed \(newest {last}, steps {STEPS - 1}\.\.{STEPS}\).* "
             rf"1 uploaded, (\d+) pending \(windows? ([\d, ]+)\) after waiting ([\d.]+) s of "
-            rf"store_exit_wait_s = {WAIT_S}",
+            rf"exit_wait_s = {WAIT_S}",
             summary,
         )
         assert m and "WARNING" in summary, summary

@@ -91,8 +91,8 @@ def test_object_store_format_maps_onto_the_library_config(tmp_path):
         ),
         (
             {"object_store_format": "tensorstore"},
-            "[sparse_checkpoint] object_store_format = 'tensorstore': is set but object_store_uri is empty; fix: set "
-            "object_store_uri",
+            "[sparse_checkpoint] object_store_format = 'tensorstore': is set but object_store.uri is empty; fix: set "
+            "object_store.uri",
         ),
     ],
 )
@@ -158,7 +158,7 @@ def test_sparse_flags_override_the_job_file_section(monkeypatch):
     job = {"sparse_checkpoint": {"enable": True, "window": 3, "run_id": "file"}}
     monkeypatch.setenv(SPARSE_ENV, '{"run_id": "cli", "ordering": "decayed"}')
     sec = sparse_section(job)
-    assert (sec.window, sec.run_id, sec.ordering) == (3, "cli", "decayed")
+    assert (sec.window, sec.run_id, sec.popularity) == (3, "cli", "decayed")  # an old key name from the CLI
     monkeypatch.setenv(SPARSE_ENV, '{"window": 0}')
     with pytest.raises(JobConfigError, match=r"^\[sparse_checkpoint\] window = 0: must be >= 1; fix:"):
         sparse_section(job)

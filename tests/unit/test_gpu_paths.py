@@ -180,12 +180,11 @@ def test_counts_applied_at_window_starts_equal_counts_applied_per_iteration(one_
     ck = SparseCheckpointer(
         t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3, popularity="decayed"), sum_counts=True
     ).attach(t)
-    ref = PopularityTracker(*ck.tracker.shape, policy="decayed", decay=ck.cfg.decay)
+    ref = PopularityTracker(*ck.planner.tracker.shape, policy="decayed", decay=ck.cfg.decay)
     for _ in range(4):  # windows start at steps 1 and 4: the second start reads iterations 2..4
         res = t.train_step()
         ck.after_step(res)
         ref.update(res.expert_counts, res.expert_probs)
     ck.close()
-    ck.engine.shutdown()
-    assert len(ck._pending_counts) == 0 and torch.equal(ck.tracker.score, ref.score)
+    assert len(ck.planner.pending_counts) == 0 and torch.equal(ck.planner.tracker.score, ref.score)
     assert ref.score.sum() > 0

@@ -22,8 +22,10 @@ from test_capture import TOP_K, Net, batch_for  # pytest puts tests/unit on sys.
 import torchmoe_ckpt as tmc
 from torchmoe_ckpt.config import CheckpointConfig, ConfigError, SparseConfig, TierConfig
 from torchmoe_ckpt.host_memory import HostMemoryLimitError, parse_bytes
+from torchmoe_ckpt.recovery import ResumeResult
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.storage.host_tier import HostTier
+from torchmoe_ckpt.storage.tiers import Tiers
 from torchmoe_harness.trainer import RunConfig, Trainer
 
 FILE_PARTS = ("slot_sets", "window_files", "upload_backlog", "spares")
@@ -54,16 +56,15 @@ def checkpointer(root, steps=40, window=3, arena=False, **sparse):
     tier = None if root is None else HostTier(root, "run", 0, 1)
     # arena: the CUDA allocator (one arena per set, the tier copies it into its files), unpinned on CPU
     cfg = SparseConfig(window=window, host_buffers="arena" if arena else "auto", **sparse)
-    ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, cfg, host_tier=tier).attach(t)
+    ck = SparseCheckpointer(
+        t.model, t.optimizer, t.compute_dtype, cfg, tiers=None if tier is None else Tiers(tier, None, None)
+    ).attach(t)
     return t, ck
 
 
 def stop(ck):
-    ck.close()
-    if ck.tier_writer is not None:
-        ck.tier_writer.flush()
-        ck.tier_writer.shutdown()
-    ck.engine.shutdown()
+    ck.flush()  # the last window committed and written, then the threads end (close() without the exit summary)
+    ck.stop()
 
 
 def arena_storages(ck) -> int:
@@ -100,7 +101,7 @@ def test_account_equals_what_is_allocated(shm, one_rank_group, arena, spares):
         ck.after_step(t.train_step())
         if step % 4:
             continue
-        ck.tier_writer.flush()  # the persist thread idle: the files are what they are
+        ck.flush(commit=False)  # the persist thread idle: the files are what they are
         acct = ck.memory.account()
         parts = acct["parts"]
         assert acct["total"] == sum(parts.values()) > 0
@@ -151,7 +152,7 @@ def test_no_allocation_at_a_window_start_in_steady_state(one_rank_group, monkeyp
             per_start.append(len(calls) - before)
     # the first window allocates its arena (one call), the second one more; then nothing, reorders included
     assert per_start[:2] == [1, 1] and per_start[2:] == [0] * (len(per_start) - 2), per_start
-    assert ck.slots.allocations == 2 and ck.counters["reorders"] >= 0
+    assert ck.slots.allocations == 2 and ck.planner.reorders >= 0
     stop(ck)
 
 
@@ -168,13 +169,13 @@ def test_a_long_run_stays_flat(shm, one_rank_group):
         for step in range(1, 91):
             ck.after_step(t.train_step())
             if ck.current is not None and ck.current.start_step == step:
-                ck.tier_writer.flush()
+                ck.flush(commit=False)
                 totals.append(ck.memory.total())
                 allocs.append(ck.slots.allocations)
         settled = allocs.index(allocs[-1])
         assert set(totals[settled:]) == {totals[-1]} == {max(totals)}, (allocs, totals)  # flat once every set exists
         assert allocs[-1] <= 4 if limit is None else allocs[-1] == 3 and totals[-1] <= limit, (limit, allocs)
-        assert ck.counters["reorders"] > 0 or limit is not None
+        assert ck.planner.reorders > 0 or limit is not None
         stop(ck)
 
 
@@ -186,7 +187,7 @@ def test_plan_changes_leave_no_memory_behind(shm, one_rank_group):
         if step % 9 == 0:
             ck.cfg.window = 2 + (step // 9) % 4
         ck.after_step(t.train_step())
-    ck.tier_writer.flush()
+    ck.flush(commit=False)
     assert len({w["W"] for w in ck.counters["windows"]}) == 4
     assert deleted_but_mapped(shm) == ck.memory.account()["parts"]["unlinked_mappings"] == 0
     parts = ck.memory.account()["parts"]
@@ -202,7 +203,7 @@ def test_limit_refuses_an_over_budget_plan_with_the_figure(shm, one_rank_group):
             t.optimizer,
             t.compute_dtype,
             SparseConfig(window=3, host_memory_limit="64 KiB"),
-            host_tier=HostTier(shm, "run", 0, 1),
+            tiers=Tiers(HostTier(shm, "run", 0, 1), None, None),
         )
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("host_memory_limit 64.0 KiB per rank is below"), msg
@@ -230,7 +231,7 @@ def test_limit_caps_auto_window(shm, one_rank_group):
     need2 = sum(probe.memory.plan_need(plan_for(probe, 2)).values())
     stop(probe)
     t, ck = checkpointer(None, window=None, bandwidth_bytes_per_s=1.0, host_memory_limit=need2)
-    assert ck._w_cap == 2 and ck.memory.need["window"] == 2
+    assert ck.planner.w_cap == 2 and ck.memory.need["window"] == 2
     for _ in range(8):
         ck.after_step(t.train_step())
     assert {w["W"] for w in ck.counters["windows"]} == {2}
@@ -240,8 +241,8 @@ def test_limit_caps_auto_window(shm, one_rank_group):
 def plan_for(ck, w):
     from torchmoe_ckpt.schedule import plan_window
 
-    full, comp = ck._op_sizes()
-    return plan_window(ck._operator_order(), full, comp, float("inf"), forced_window=w, warn=False)
+    full, comp = ck.planner.op_sizes()
+    return plan_window(ck.planner.operator_order(), full, comp, float("inf"), forced_window=w, warn=False)
 
 
 def test_window_start_over_the_limit_is_refused_with_the_parts(shm, one_rank_group):
@@ -268,7 +269,9 @@ def test_inherited_window_is_let_go_at_the_next_commit(one_rank_group):
         ck.after_step(t.train_step())
     win = ck.committed
     t2 = Trainer(RunConfig(steps=10))
-    new = SparseCheckpointer(t2.model, t2.optimizer, t2.compute_dtype, SparseConfig(window=2), committed=win)
+    resumed = ResumeResult(win, win.start_step + win.plan.window - 1)  # as a recovery hands it over
+    new = SparseCheckpointer(t2.model, t2.optimizer, t2.compute_dtype, SparseConfig(window=2), resumed=resumed)
+    del resumed
     new.attach(t2)
     stop(ck)
     del ck

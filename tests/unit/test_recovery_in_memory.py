@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchmoe_ckpt import sparse_checkpointer as sc
+from torchmoe_ckpt import window_planner as wp
 from torchmoe_ckpt.config import SparseConfig
 from torchmoe_ckpt.replay_log import Replay
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
@@ -52,7 +52,6 @@ def test_in_place_loss_recovers_exactly_with_phases(one_rank_group):
     bad = [k for k in a if not torch.equal(a[k], b[k])]
     assert not bad, bad[:5]
     assert all(torch.equal(losses[s], ref_losses[s]) for s in range(1, 13))
-    ck.engine.shutdown()
 
 
 @pytest.mark.parametrize("fail_after,recovered,replayed", [(8, 8, 2), (7, 7, 2), (6, 6, 2), (2, 0, 0)])
@@ -79,7 +78,7 @@ def test_sliding_window_loses_only_the_failed_iteration(one_rank_group, fail_aft
     rep = ck.recover_in_memory(tr)
     if recovered == 0:
         assert rep is None
-        ck.engine.shutdown()
+        ck.stop()
         return
     assert (rep.recovered_step, rep.replayed_iterations, tr.step) == (recovered, replayed, recovered)
     _train(tr, ck, 12, losses)
@@ -89,7 +88,6 @@ def test_sliding_window_loses_only_the_failed_iteration(one_rank_group, fail_aft
     bad = [k for k in a if not torch.equal(a[k], b[k])]
     assert not bad, bad[:5]
     assert all(torch.equal(losses[s], ref_losses[s]) for s in range(1, 13))
-    ck.engine.shutdown()
 
 
 def test_frozen_experts_get_no_weight_gradient_and_active_ones_theirs(one_rank_group):
@@ -117,8 +115,8 @@ def test_frozen_experts_get_no_weight_gradient_and_active_ones_theirs(one_rank_g
 
 def test_bandwidth_probe_once_per_process_and_never_when_given(one_rank_group, monkeypatch):
     calls = []
-    monkeypatch.setattr(sc, "measure_copy_bandwidth", lambda: calls.append(1) or 5e9)
-    monkeypatch.setattr(sc, "_PROBED", {})
+    monkeypatch.setattr(wp, "measure_copy_bandwidth", lambda: calls.append(1) or 5e9)
+    monkeypatch.setattr(wp, "_PROBED", {})
     t = Trainer(RunConfig(**RUN))
     forced = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=2)).attach(t)
     given = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(bandwidth_bytes_per_s=1e9))
@@ -127,8 +125,7 @@ def test_bandwidth_probe_once_per_process_and_never_when_given(one_rank_group, m
     res = t.train_step()
     for ck in (forced, given, *auto):
         ck.after_step(res)
-    assert len(calls) == 1 and auto[1].bandwidth == pytest.approx(5e9)  # the second one reused the first's
-    assert forced.bandwidth is None and given.bandwidth == 1e9
+    assert len(calls) == 1 and auto[1].planner.bandwidth == pytest.approx(5e9)  # the second one reused the first's
+    assert forced.planner.bandwidth is None and given.planner.bandwidth == 1e9
     for ck in (forced, given, *auto):
         ck.close()
-        ck.engine.shutdown()

@@ -24,7 +24,8 @@ from .layout import METADATA, is_data_file, manifest_name, window_dirname
 from .manifest import WindowManifest
 from .spare_files import place_new_file, pwrite_all
 from .store_open import StoreConfigError, check_uri, open_store, quiet_third_party_loggers
-from .tensorstore_tier import NoTensorstoreDriver, TensorstoreTier
+from .tensorstore_spec import NoTensorstoreDriver
+from .tensorstore_tier import TensorstoreTier
 from .tier import StoreTier
 from .window_tier import WindowTier
 

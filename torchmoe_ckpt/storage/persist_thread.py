@@ -164,7 +164,11 @@ class PersistThread:
             lease.release()
 
     def shutdown(self) -> None:
+        """Stop once the jobs queued so far are done (not waited for); the upload thread stops now (what it has
+        not taken stays on the host tier: the next run's catch_up uploads it)."""
         self.jobs.put(None)
+        if self.uploader is not None:
+            self.uploader.stop()
 
     def stop(self, timeout_s: float) -> None:
         """Finish the job in flight, then stop the thread (at interpreter exit: background.py). An abandoned
@@ -172,12 +176,19 @@ class PersistThread:
         if self._dead:
             return
         self.jobs.put(None)
+        if self.uploader is not None:
+            self.uploader.stop()
         self._thread.join(timeout_s)
 
-    def abandon(self) -> None:
-        """Emulate this process dying: drop the queued jobs (a job already running finishes) and stop."""
+    def abandon(self, upload_wait_s: float = 0.0) -> None:
+        """Emulate this process dying: drop the queued jobs (a job already running finishes) and stop; the store
+        gets up to `upload_wait_s` for the windows already handed to it, then the upload thread stops too."""
         self._dead = True
         self.jobs.put(None)  # not joined: a job blocked on a peer that "died" must not block the restart
+        if self.uploader is not None:
+            if upload_wait_s > 0:
+                self.uploader.flush(upload_wait_s)
+            self.uploader.stop()
 
     _dead = False
     _man = None  # the manifest of the window just committed (handed to the peers)

@@ -16,7 +16,7 @@ Everything of a window is written in ONE `ts.Transaction(atomic=True)`: nothing 
 the commit, and the OCDBT manifest, written last by the commit, makes the window visible. A writer killed
 mid-commit leaves at most unreferenced data files: the window has no `meta.json` and is invisible; older
 windows are separate databases and never touched. Retention deletes whole window databases (keep latest k).
-Reads fetch only the chunks a reader asks for (`read_pieces`, `read_global`); every piece read is checked
+Reads fetch only the chunks a reader asks for (`tensorstore_read.py`); every piece read is checked
 against its CRC32. tensorstore has no Azure driver: `az://`/`abfs://` stores keep the DCP format.
 """
 
@@ -26,18 +26,13 @@ import json
 import logging
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import faults
-from ..errors import TorchmoeError
-from ..operators import EXPERT_PARAM_NAMES, Piece
-from ..snapshot import Slot, SlotItem
+from ..snapshot import Slot
 from .checksums import FileEntry, crc32_bytes, crc32_tensor
-from .files import LocalFiles
 from .layout import (
     manifest_name,
     parse_window_dirname,
@@ -46,159 +41,31 @@ from .layout import (
     store_writer_prefix,
     window_dirname,
     writer_name,
-    writer_rank,
 )
 from .manifest import WindowManifest
-from .slot_format import read_slot, read_slot_metadata
 from .store_open import StoreConfigError, explain
+from .tensorstore_spec import (
+    DTYPES,
+    META_FORMAT,
+    META_KEY,
+    REPLAY_KEY,
+    TORCH_DTYPES,
+    chunk_shape,
+    context,
+    db_spec,
+    io_counters,
+    kvstore_spec,
+    plain_item,
+    region,
+    slot_from_dcp,
+    sub_spec,
+    to_numpy,
+    to_torch,
+    ts_module,
+)
 from .tier import StoreTier
 
 log = logging.getLogger("torchmoe_ckpt.tensorstore_tier")
-TS_SCHEMES = ("file", "memory", "s3")
-META_KEY, REPLAY_KEY = "meta.json", "replay.pt"
-META_FORMAT = "torchmoe-ckpt/tensorstore-window/1"
-MAX_CHUNK_BYTES = 4 << 20
-_DTYPES = {
-    torch.float32: "float32",
-    torch.bfloat16: "bfloat16",
-    torch.float16: "float16",
-    torch.float64: "float64",
-    torch.int64: "int64",
-    torch.int32: "int32",
-}
-_TORCH = {v: k for k, v in _DTYPES.items()}
-_CTX = None  # one tensorstore Context per process: memory:// stores and OCDBT caches are shared through it
-
-
-class NoTensorstoreDriver(TorchmoeError, ValueError):
-    """tensorstore has no kvstore driver for this URI scheme (az://, abfs://): use the DCP format."""
-
-
-def _ts():
-    import tensorstore as ts
-
-    return ts
-
-
-def context():
-    global _CTX
-    if _CTX is None:
-        _CTX = _ts().Context()
-    return _CTX
-
-
-def kvstore_spec(uri: str, storage_options: dict | None = None) -> dict:
-    """A tensorstore kvstore spec (path ending in '/') for a store URI, with the fsspec storage options
-    translated (s3: endpoint_url, region, key/secret -> the AWS_* environment, which the s3 driver reads)."""
-    scheme, rest = uri.split("://", 1) if "://" in uri else ("file", uri)
-    opts = dict(storage_options or {})
-    if scheme == "file":
-        return {"driver": "file", "path": str(Path(rest).resolve()).rstrip("/") + "/"}
-    if scheme == "memory":
-        return {"driver": "memory", "path": rest.strip("/") + "/" if rest.strip("/") else ""}
-    if scheme in ("s3", "s3a"):
-        bucket, _, path = rest.partition("/")
-        ck = opts.get("client_kwargs") or {}
-        spec = {
-            "driver": "s3",
-            "bucket": bucket,
-            "path": path.strip("/") + "/" if path.strip("/") else "",
-            "aws_region": ck.get("region_name")
-            or opts.get("region_name")
-            or os.environ.get("AWS_DEFAULT_REGION")
-            or "us-east-1",
-            "aws_credentials": {"type": "environment"},
-        }
-        endpoint = ck.get("endpoint_url") or opts.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
-        if endpoint:
-            spec["endpoint"] = endpoint
-        if opts.get("key") and opts.get("secret"):  # the s3 driver takes credentials from the environment only
-            os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = opts["key"], opts["secret"]
-        return spec
-    raise NoTensorstoreDriver(
-        f"tensorstore has no kvstore driver for {scheme}:// ({uri!r}); the tensorstore "
-        f"format works on {', '.join(s + '://' for s in TS_SCHEMES)}"
-    )
-
-
-def _sub(spec: dict, rel: str) -> dict:
-    return dict(spec, path=spec.get("path", "") + rel)
-
-
-def _db_spec(base: dict, rel: str) -> dict:
-    return {"driver": "ocdbt", "base": _sub(base, rel)}
-
-
-def io_counters() -> dict:
-    """Process-wide bytes/ops read and written by tensorstore's storage drivers (file, s3, memory):
-    what actually crossed the wire, including OCDBT manifests and b-tree nodes. Take differences."""
-    out = {"bytes_read": 0, "reads": 0, "bytes_written": 0, "writes": 0}
-    names = {"bytes_read": "bytes_read", "read": "reads", "bytes_written": "bytes_written", "write": "writes"}
-    for m in _ts().experimental_collect_matching_metrics("/tensorstore/kvstore/"):
-        parts = m["name"].split("/")  # /tensorstore/kvstore/<driver>/<metric>
-        if len(parts) == 5 and parts[3] in ("file", "s3", "memory") and parts[4] in names:
-            out[names[parts[4]]] += sum(int(v.get("value", 0)) for v in m.get("values", []))
-    return out
-
-
-def _is_expert_key(key: str, global_shape) -> bool:
-    base = key.split(".")
-    return len(global_shape) >= 2 and any(n in base for n in EXPERT_PARAM_NAMES)
-
-
-def chunk_shape(key: str, global_shape, piece_shape, itemsize: int) -> list[int]:
-    """One expert per chunk for grouped expert tensors [E, ...]; else the piece's shape, split along dim 0
-    to at most MAX_CHUNK_BYTES."""
-    if _is_expert_key(key, global_shape):
-        return [1] + [max(1, int(s)) for s in global_shape[1:]]
-    shape = [max(1, int(s)) for s in piece_shape]
-    if shape:
-        row = max(1, int(np.prod(shape[1:], dtype=np.int64)) * itemsize)
-        shape[0] = max(1, min(shape[0], MAX_CHUNK_BYTES // row))
-    return shape
-
-
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(_ts().bfloat16.numpy_dtype)
-    return t.numpy()
-
-
-def _to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    a = np.ascontiguousarray(a)
-    if dtype == torch.bfloat16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
-
-
-def _region(offset, shape) -> tuple:
-    return tuple(slice(int(o), int(o) + int(s)) for o, s in zip(offset, shape))
-
-
-# ---------------------------------------------------------------------------------------------------------
-def _item(key: str, global_shape, offset, shape, t: torch.Tensor) -> SlotItem:
-    """A plain slot item (no operator): what a window copied between formats is made of."""
-    pc = Piece(key, True, tuple(global_shape), tuple(offset), (), tuple(shape))
-    return SlotItem(key, "step" if len(global_shape) == 0 else "data", "", pc, t)
-
-
-def slot_from_dcp(index: int, path: Path) -> tuple[Slot, dict]:
-    """Read one host-tier slot piece (slot_format.py) into a Slot of plain items, every item checked against the
-    checksum recorded at save time; returns (slot, the DCP planner info without the checksums)."""
-    files = LocalFiles(path)
-    md = read_slot_metadata(files, "")
-    items = []
-    for fqn, tm in md.state_dict_metadata.items():
-        if not isinstance(tm, TensorStorageMetadata):
-            raise ValueError(f"{path}: {fqn} is not a tensor; not a torchmoe-ckpt slot")
-        for ch in tm.chunks:
-            t = torch.empty(tuple(ch.sizes), dtype=tm.properties.dtype)
-            items.append(_item(fqn, tm.size, ch.offsets, ch.sizes, t))
-    slot = Slot(index, (), (), items)
-    info = dict(read_slot(files, "", slot, md))
-    info.pop("checksums", None)
-    return slot, info
 
 
 class TensorstoreTier(StoreTier):
@@ -211,7 +78,7 @@ class TensorstoreTier(StoreTier):
         super().__init__(*args, **kw)
         self.root = kvstore_spec(self.uri, self.storage_options)
         self.writer = writer_name(self.rank)
-        self.base = _sub(self.root, store_writer_prefix(self.run_id, self.writer))
+        self.base = sub_spec(self.root, store_writer_prefix(self.run_id, self.writer))
         self.last_upload: dict = {}
         if self.probe:
             self._probe()
@@ -226,10 +93,10 @@ class TensorstoreTier(StoreTier):
             raise StoreConfigError(explain(self.uri, exc)) from None
 
     def _kv(self, spec: dict):
-        return _ts().KvStore.open(spec, context=context()).result()
+        return ts_module().KvStore.open(spec, context=context()).result()
 
     def _db(self, window_id: int) -> dict:
-        return _db_spec(self.base, window_dirname(window_id) + "/")
+        return db_spec(self.base, window_dirname(window_id) + "/")
 
     # ---- write -------------------------------------------------------------------------------------------
     def upload(self, tier, window_id: int) -> int:
@@ -256,7 +123,7 @@ class TensorstoreTier(StoreTier):
         return nbytes
 
     def _commit(self, window_id: int, man: WindowManifest, slots: list, replay: bytes) -> int:
-        ts = _ts()
+        ts = ts_module()
         db = self._db(window_id)
         self._clear_leftovers(window_id)
         txn = ts.Transaction(atomic=True)
@@ -275,7 +142,7 @@ class TensorstoreTier(StoreTier):
                     "offset": list(it.piece.global_offset),
                     "shape": list(it.piece.shape),
                     "global_shape": list(it.piece.global_shape),
-                    "dtype": _DTYPES[it.buffer.dtype],
+                    "dtype": DTYPES[it.buffer.dtype],
                     "crc32": crc32_tensor(it.buffer),
                 }
                 if it.role == "step" or it.buffer.dim() == 0:
@@ -286,7 +153,7 @@ class TensorstoreTier(StoreTier):
                         arrays[it.key] = ts.open(
                             {
                                 "driver": "zarr3",
-                                "kvstore": _sub(db, e["array"]),
+                                "kvstore": sub_spec(db, e["array"]),
                                 "metadata": {
                                     "shape": e["global_shape"],
                                     "data_type": e["dtype"],
@@ -305,7 +172,7 @@ class TensorstoreTier(StoreTier):
                             transaction=txn,
                         ).result()
                     writes.append(
-                        arrays[it.key][_region(it.piece.global_offset, it.piece.shape)].write(_to_numpy(it.buffer))
+                        arrays[it.key][region(it.piece.global_offset, it.piece.shape)].write(to_numpy(it.buffer))
                     )
                     nbytes += it.nbytes
                 entries.append(e)
@@ -322,9 +189,9 @@ class TensorstoreTier(StoreTier):
 
     def _clear_leftovers(self, window_id: int) -> None:
         """A database of this id without meta.json (a writer died mid-commit): delete its files first."""
-        base = self._kv(_sub(self.base, window_dirname(window_id) + "/"))
+        base = self._kv(sub_spec(self.base, window_dirname(window_id) + "/"))
         if base.list().result() and self._read_meta(window_id) is None:
-            base.delete_range(_ts().KvStore.KeyRange()).result()
+            base.delete_range(ts_module().KvStore.KeyRange()).result()
 
     # ---- listing / retention -----------------------------------------------------------------------------
     def _listed(self) -> set[int]:
@@ -356,33 +223,35 @@ class TensorstoreTier(StoreTier):
         gone = ids[: -self.keep] if self.keep > 0 else []
         torn = [w for w in self._listed() - set(ids) if ids and w < ids[-1]]  # died mid-commit: garbage
         for wid in gone + torn:
-            kv = self._kv(_sub(self.base, window_dirname(wid) + "/"))
+            kv = self._kv(sub_spec(self.base, window_dirname(wid) + "/"))
             self._retry("delete", lambda: kv.write("manifest.ocdbt", None).result())  # invisible first  # noqa: B023
-            self._retry("delete", lambda: kv.delete_range(_ts().KvStore.KeyRange()).result())  # noqa: B023
+            self._retry("delete", lambda: kv.delete_range(ts_module().KvStore.KeyRange()).result())  # noqa: B023
         return gone
 
     # ---- read --------------------------------------------------------------------------------------------
     def _open_arrays(self, window_id: int, paths: set[str]) -> dict:
-        ts = _ts()
+        ts = ts_module()
         db = self._db(window_id)
-        futs = {p: ts.open({"driver": "zarr3", "kvstore": _sub(db, p)}, open=True, context=context()) for p in paths}
+        futs = {
+            p: ts.open({"driver": "zarr3", "kvstore": sub_spec(db, p)}, open=True, context=context()) for p in paths
+        }
         return {p: f.result() for p, f in futs.items()}
 
     def read_items(self, window_id: int, meta: dict, wanted) -> list[tuple[dict, torch.Tensor | None, str | None]]:
         """[(entry, tensor, problem)] for the metadata entries `wanted`: reads only their chunks, checks CRC32."""
         arrays = self._open_arrays(window_id, {e["array"] for e in wanted if "array" in e})
         futs = [
-            (e, arrays[e["array"]][_region(e["offset"], e["shape"])].read() if "array" in e else None) for e in wanted
+            (e, arrays[e["array"]][region(e["offset"], e["shape"])].read() if "array" in e else None) for e in wanted
         ]
         out = []
         for e, f in futs:
-            dtype = _TORCH[e["dtype"]]
+            dtype = TORCH_DTYPES[e["dtype"]]
             if "value" in e:
                 t = torch.tensor(float.fromhex(e["value"]), dtype=dtype)
             elif f is None:
                 t = torch.empty(e["shape"], dtype=dtype)
             else:
-                t = _to_torch(f.result(), dtype)
+                t = to_torch(f.result(), dtype)
             out.append(
                 (
                     e,
@@ -416,7 +285,7 @@ class TensorstoreTier(StoreTier):
             problems += [p for _, _, p in got if p]
             if problems:
                 continue
-            items = [_item(e["key"], e["global_shape"], e["offset"], e["shape"], t) for e, t, _ in got]
+            items = [plain_item(e["key"], e["global_shape"], e["offset"], e["shape"], t) for e, t, _ in got]
             slot = Slot(s["slot"], (), (), items)
             tier.write_slot(window_id, slot, s["info"])
             files.update(tier.written(window_id, slot.index))
@@ -446,7 +315,7 @@ class TensorstoreTier(StoreTier):
         except Exception as exc:
             problems = [f"read failed: {' '.join(str(exc).split())[:200]}"]
         nbytes = meta["replay"]["bytes"] + sum(
-            int(np.prod(i["shape"], dtype=np.int64)) * _TORCH[i["dtype"]].itemsize
+            int(np.prod(i["shape"], dtype=np.int64)) * TORCH_DTYPES[i["dtype"]].itemsize
             for s in meta["slots"]
             for i in s["items"]
         )
@@ -469,66 +338,3 @@ class TensorstoreTier(StoreTier):
         data = bytes(r.value) if r.state == "value" else b""
         ok = r.state == "value" and crc32_bytes(data) == meta["replay"]["crc32"]
         return data, None if ok else "replay records: missing or CRC32 does not match (corrupt)"
-
-
-# ---- readers at any world size ---------------------------------------------------------------------------
-def rank_ids(uri: str, run_id: str, storage_options: dict | None = None) -> list[int]:
-    kv = _ts().KvStore.open(_sub(kvstore_spec(uri, storage_options), f"{run_id}/"), context=context()).result()
-    out = set()
-    for k in kv.list().result():
-        head = k.decode().split("/", 1)[0]
-        if (r := writer_rank(head)) is not None:
-            out.add(r)
-    return sorted(out)
-
-
-def _iter_pieces(uri, run_id, window_id, wanted, slot, storage_options):
-    for r in rank_ids(uri, run_id, storage_options):
-        t = TensorstoreTier(uri, run_id, r, storage_options, probe=False)
-        meta = t._read_meta(window_id)
-        if meta is None:
-            raise RuntimeError(f"rank {r} has no committed window {window_id} in {uri}")
-        for s in meta["slots"]:
-            if slot is not None and s["slot"] != slot:
-                continue
-            sel = [
-                e for e in s["items"] if wanted is None or any(_inside(e, o, sh) for o, sh in wanted.get(e["key"], ()))
-            ]
-            for e, tensor, problem in t.read_items(window_id, meta, sel):
-                if problem:
-                    raise RuntimeError(f"rank {r} window {window_id}: {problem}")
-                yield s["slot"], e, tensor
-
-
-def read_pieces(
-    uri: str,
-    run_id: str,
-    window_id: int,
-    wanted: dict[str, list[tuple[tuple, tuple]]] | None = None,
-    slot: int | None = None,
-    storage_options: dict | None = None,
-) -> dict:
-    """Read pieces of a window, whichever ranks wrote them, into `{(slot, key, offset): tensor}`, each
-    checked against its CRC32. `wanted` maps a key to regions `(offset, shape)`: only saved pieces inside
-    those regions are read (an expert's piece is one chunk, so 2 of 8 experts read 2 chunks); None: all."""
-    return {
-        (s, e["key"], tuple(e["offset"])): t
-        for s, e, t in _iter_pieces(uri, run_id, window_id, wanted, slot, storage_options)
-    }
-
-
-def _inside(e: dict, offset, shape) -> bool:
-    return len(e["offset"]) == len(offset) and all(
-        o <= eo and eo + es <= o + s for eo, es, o, s in zip(e["offset"], e["shape"], offset, shape)
-    )
-
-
-def read_global(uri: str, run_id: str, window_id: int, slot: int = 0, storage_options: dict | None = None) -> dict:
-    """One slot of a window as global tensors `{key: tensor}` assembled from every rank's pieces (any
-    reader world size, e.g. one process reading what 2 ranks wrote). Regions no rank saved stay zero."""
-    out: dict[str, torch.Tensor] = {}
-    for _, e, t in _iter_pieces(uri, run_id, window_id, None, slot, storage_options):
-        if e["key"] not in out:
-            out[e["key"]] = torch.zeros(e["global_shape"], dtype=t.dtype)
-        out[e["key"]][_region(e["offset"], e["shape"])] = t
-    return out

@@ -85,7 +85,16 @@ class Uploader:
                 self._lock.wait(0.05)
             return not self._pending and not self._busy
 
+    def stop(self) -> None:
+        """Stop the upload thread: what is still pending stays on the host tier (the next run's `catch_up` uploads
+        it); an upload in flight ends first (or at its next retry)."""
+        with self._lock:
+            self._stopped = True
+            self._pending.clear()
+            self._lock.notify_all()
+
     _busy = False
+    _stopped = False
     _current: int | None = None
 
     def oldest_needed(self) -> int | None:
@@ -99,8 +108,10 @@ class Uploader:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._pending:
+                while not self._pending and not self._stopped:
                     self._lock.wait()
+                if self._stopped:
+                    return
                 wid, t0 = self._pending.pop(0)
                 self._busy, self._current = True, (None if wid is CATCH_UP else wid)
             c0 = time.thread_time()
@@ -128,6 +139,8 @@ class Uploader:
                         self.status.upload_failed(wid, self.health.reason, self.health.backoff_cap_s)
                     time.sleep(self.health.retry_delay_s)
                     with self._lock:
+                        if self._stopped:
+                            break
                         if self._pending:  # a newer window is waiting: it supersedes this one
                             self.dropped += 1
                             if self.status is not None:

@@ -51,7 +51,7 @@ class Ours:
         if rep is None:
             from torchmoe_harness.baselines.dense_dcp import fresh_trainer_plain
 
-            self.ck.engine.shutdown()
+            self.ck.abandon()
             trainer = fresh_trainer_plain(trainer.cfg)
             self.ck = self._checkpointer(trainer).inherit_counters(self.ck)
             self._attached = None
@@ -71,7 +71,6 @@ class Ours:
 
     def close(self) -> None:
         self.ck.close()
-        self.ck.engine.shutdown()
 
     def stats(self) -> dict:
         s = self.ck.stats()

@@ -1,0 +1,151 @@
+"""The start-up sequence, written once: who this run is, its storage tiers, the recovery, the checkpointer.
+
+    own loop    checkpointer.Checkpointer.resume            ┐
+    TorchTitan  titan_integration.sparse_trainer.train      ├─> start():  identity -> tiers -> recovery -> log
+    harness     torchmoe_harness.scenario                   ┘              -> SparseCheckpointer (windows from here on)
+
+Every entry point calls `start` and passes what genuinely differs as parameters: what the run identity also
+names (`data`, `seed`, `steps`), how a recovery is checked, and three hooks -- `on_tiers` (the harness damages
+copies once the tiers are open), `recover_with` (a recovery of another kind: TorchTitan's pipeline stages, a JIT
+copy, the in-memory window of an emulated crash without tiers) and `cold_start` (the trainer to start over with
+when nothing was recovered, when recovery was tried on one with other initial weights). Collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import SparseConfig, TierConfig
+from .identity import RunIdentity, build_identity, mesh_replicate
+from .operators import Operator, discover_operators
+from .recovery import ResumeResult, recover
+from .replay_check import ReplayPolicy
+from .sparse_checkpointer import SAME_GROUP, SparseCheckpointer
+from .sparse_to_dense import Replayable
+from .status import log_recovery
+from .storage.tiers import Tiers, build_tiers
+from .window import Window
+
+log = logging.getLogger("torchmoe_ckpt.startup")
+
+__all__ = ["Started", "start"]
+
+# A recovery of another kind: (the tiers or None, the run identity) -> what it resumed and the trainer holding it,
+# or None for the usual recovery from the tiers.
+RecoverHook = Callable[[Tiers | None, RunIdentity], "tuple[ResumeResult, Replayable] | None"]
+
+
+@dataclass
+class Started:
+    """What `start` gives the entry point."""
+
+    checkpointer: SparseCheckpointer  # built on `trainer`'s model and optimizer; threads running
+    trainer: Replayable  # the trainer passed in, or the one a hook gave (`recover_with`, `cold_start`)
+    identity: RunIdentity
+    tiers: Tiers | None  # None: windows in this process only
+    resumed: ResumeResult | None  # None: no recovery was tried (no tiers and no hook, or resume=False)
+
+    @property
+    def recovered(self) -> bool:
+        return self.resumed is not None and self.resumed.recovered_step is not None
+
+
+def start(
+    trainer: Replayable,
+    compute_dtype: torch.dtype,
+    config: SparseConfig | None,
+    tiers: TierConfig | dict | None,
+    *,
+    ops: list[Operator] | None = None,
+    hsdp_replicate: int | None = None,
+    data: str | None = None,
+    seed: int | None = None,
+    steps: int | None = None,
+    resume: bool = True,
+    on_unusable: str = "fail",
+    replay_check: ReplayPolicy | None = None,
+    before_replay: Callable[[Window], None] | None = None,
+    watchdog=None,
+    on_tiers: Callable[[Tiers], None] | None = None,
+    recover_with: RecoverHook | None = None,
+    cold_start: Callable[[], Replayable] | None = None,
+    group: dist.ProcessGroup | None = None,
+    agree_group: dist.ProcessGroup | None | object = SAME_GROUP,
+    sum_counts: bool = False,
+) -> Started:
+    """Collective, every rank. `trainer` (a `Replayable`: `.model`, `.optimizer`, and the replay a recovery drives)
+    is what is recovered into and checkpointed; `config` the window settings, `tiers` where windows are kept
+    (`TierConfig`, its dict form, or None: in this process only).
+
+    Identity (identity.py): the model, optimizer, `compute_dtype`, `ops` (default: discovered once here), the run
+    id, the world size and `hsdp_replicate` (default: from the model's mesh), plus `data`, `seed` and `steps`.
+    Recovery (recovery.recover; with tiers and `resume`): `on_unusable`, `replay_check`, `before_replay` and
+    `watchdog` are its own; the recovered window is logged (status.log_recovery). `group`, `agree_group` and
+    `sum_counts` go to the SparseCheckpointer. Hooks: see the module docstring; `recover_with` returning None
+    leaves the recovery to the tiers."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    model, optimizer = trainer.model, trainer.optimizer
+    ops = ops if ops is not None else discover_operators(model)
+    hsdp = hsdp_replicate if hsdp_replicate is not None else mesh_replicate(model)
+    cfg = TierConfig.from_dict(tiers) if isinstance(tiers, dict) else tiers
+    # Who this run is: written into every window, and what a window must match to be loaded.
+    identity = build_identity(
+        model,
+        optimizer,
+        compute_dtype,
+        ops,
+        cfg.resolved_run_id() if cfg is not None else None,
+        world,
+        hsdp,
+        data=data,
+        steps=steps,
+        seed=seed,
+    )
+    opened = build_tiers(cfg, rank, world, hsdp) if cfg is not None else None
+    if opened is not None and on_tiers is not None:
+        on_tiers(opened)
+    resumed = None
+    if resume:
+        got = recover_with(opened, identity) if recover_with is not None else None
+        if got is not None:
+            resumed, trainer = got
+        elif opened is not None:
+            resumed = recover(
+                trainer,
+                opened,
+                {o.name: o for o in ops},
+                compute_dtype,
+                rank,
+                before_replay=before_replay,
+                identity=identity,
+                watchdog=watchdog,
+                on_unusable=on_unusable,
+                replay_check=replay_check,
+            )
+            if resumed.window is not None:
+                log_recovery(resumed.report, rank)  # where the copy came from; every replayed loss matched
+    if cold_start is not None and (resumed is None or resumed.recovered_step is None):
+        trainer = cold_start()  # nothing recovered: the trainer recovery was tried on is not the one to train
+    if trainer.model is not model:  # a hook handed over another trainer: its state is the one checkpointed
+        model, optimizer = trainer.model, trainer.optimizer
+        ops = discover_operators(model)
+    ck = SparseCheckpointer(
+        model,
+        optimizer,
+        compute_dtype,
+        config,
+        tiers=opened,
+        resumed=resumed,
+        identity=identity,
+        ops=ops,
+        group=group,
+        agree_group=agree_group,
+        sum_counts=sum_counts,
+    )
+    return Started(ck, trainer, identity, opened, resumed)
