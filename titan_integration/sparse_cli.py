@@ -138,10 +138,29 @@ def split_args(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
 
 
 def merged(table: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
-    """`flags` over `table`; the object store's keys one by one (a flag for its exit wait keeps the file's URI)."""
-    out = {**table, **flags}
-    if isinstance(table.get("object_store"), dict) and isinstance(flags.get("object_store"), dict):
-        out["object_store"] = {**table["object_store"], **flags["object_store"]}
+    """`flags` over `table`; the object store's keys one by one (a flag for its exit wait keeps the file's URI). A
+    flag replaces the file's value under either name: `--sparse_checkpoint.host_dir X` over a file that says
+    `root = ...` sets root (with the old name's warning), it is not a key given twice."""
+    out = dict(table)
+    if isinstance(out.get("object_store"), dict):
+        out["object_store"] = dict(out["object_store"])
+    for key, value in flags.items():
+        target = DEPRECATED.get(key, key)
+        targets = (
+            [f"object_store.{k}" for k in value] if target == "object_store" and isinstance(value, dict) else [target]
+        )
+        for t in targets:
+            out = {k: v for k, v in out.items() if k == key or DEPRECATED.get(k) != t}  # the file's old name
+            head, _, sub = t.partition(".")
+            if sub and key != "object_store" and isinstance(out.get("object_store"), dict):
+                out["object_store"].pop(sub, None)  # an old-name flag over the file's table key
+            elif not sub and key != t:
+                out.pop(t, None)  # an old-name flag over the file's new name
+    for key, value in flags.items():
+        if key == "object_store" and isinstance(value, dict) and isinstance(out.get("object_store"), dict):
+            out["object_store"] = {**out["object_store"], **value}
+        else:
+            out[key] = value
     return out
 
 

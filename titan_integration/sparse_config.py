@@ -400,7 +400,12 @@ class SparseCheckpointSection:
             if getattr(self, key) != default:
                 cfg[key] = getattr(self, key)
         if self.store_uri:
-            cfg["object_store"] = dict(self.object_store, storage_options=dict(self.store_options))
+            cfg["object_store"] = dict(
+                self.object_store,
+                format=self.store_format,
+                exit_wait_s=self.exit_wait_s,
+                storage_options=dict(self.store_options),
+            )
         return cfg
 
     # ---- the object store, as the core reads it (ObjectStoreConfig's defaults where the table is silent) ----------

@@ -227,13 +227,13 @@ def test_bad_host_dir_fails_at_launch_before_torchtitan(tmp_path, env, how):
     if how == "job":
         args = ["--config", str(recovery_demo.write_job(tmp_path / "job", steps=4, window=3, host_dir=Path(bad)))]
     elif how == "override":
-        args = [OVERRIDE_FLAG, f'{OVERRIDE_TARGET}={{"host_dir": "{bad}"}}']
+        args = [OVERRIDE_FLAG, f'{OVERRIDE_TARGET}={{"root": "{bad}"}}']
     else:
-        args = ["--sparse_checkpoint.host_dir", bad]
+        args = ["--sparse_checkpoint.root", bad]
     proc, titan_imported = _launch(tmp_path, env, args)
     line = _one_error_line(proc)
     assert line.startswith(
-        f"error: [sparse_checkpoint] host_dir = '{bad}': cannot create or write it "
+        f"error: [sparse_checkpoint] root = '{bad}': cannot create or write it "
         "(NotADirectoryError: Not a directory); fix:"
     ), line
     assert "torchtitan imported: False" in proc.stdout and not titan_imported, proc.stdout  # checked before it
@@ -282,7 +282,7 @@ def _ext_run(d: Path, env: dict[str, str], host: Path, run_id: str, steps: int, 
         "--training.steps",
         str(steps),
         *schedule,
-        "--sparse_checkpoint.host_dir",
+        "--sparse_checkpoint.root",
         str(host),
         "--sparse_checkpoint.run_id",
         run_id,

@@ -115,3 +115,28 @@ def test_the_shipped_job_file_uses_the_new_names():
     assert not set(table) & set(DEPRECATED)
     _, warned = _section(table)
     assert not warned
+
+
+@pytest.mark.parametrize(
+    "file, flag, want",
+    [
+        ({"root": "/f"}, {"host_dir": "/c"}, {"root": "/c"}),  # an old-name flag over the file's new name
+        ({"host_dir": "/f"}, {"root": "/c"}, {"root": "/c"}),  # a new-name flag over the file's old name
+        ({"object_store": {"uri": "memory://f", "keep": 3}}, {"object_store_uri": "memory://c"}, None),
+        ({"object_store_uri": "memory://f"}, {"object_store": {"uri": "memory://c"}}, None),
+    ],
+)
+def test_a_command_line_flag_replaces_the_files_value_under_either_name(file, flag, want):
+    sec, _ = _section(merged(file, flag))
+    if want is not None:
+        assert sec.root == want["root"]
+    else:
+        assert sec.store_uri == "memory://c"
+        assert sec.object_store.get("keep", 2) == file.get("object_store", {}).get("keep", 2)  # the file's others kept
+
+
+def test_tiers_config_carries_the_store_defaults():
+    sec, _ = _section({"object_store": {"uri": "memory://d"}, "run_id": "r"})
+    store = sec.tiers_config()["object_store"]
+    assert (store["format"], store["exit_wait_s"]) == ("dcp", 30.0)
+    assert TierConfig.from_dict(sec.tiers_config()).object_store == ObjectStoreConfig("memory://d")
