@@ -112,6 +112,12 @@ def analyse_run(rep: dict, t_iter: float, fails: list[int], memcpy: float) -> di
         sliding=sliding,
         from_recovery=rep["system"] == "ours",
         commit_lags=lags,
+        # the loop's own pace, iteration by iteration (scaled to its wall time: the step timer leaves out the
+        # loop's per-iteration bookkeeping), and each failure's time in its failed iteration
+        iter_times=[x * a * len(rep["step_seconds"]) / sum(rep["step_seconds"]) for x in rep["step_seconds"]]
+        if sum(rep["step_seconds"]) > 0
+        else None,
+        failed_s=[r["failed_step_s"] for r in recs],
     )
     measured = steps * t_iter / rep["wall_s"]
     phases = {k: statistics.mean(r.get("phases", {}).get(k, 0.0) for r in recs) if recs else 0.0 for k in PHASE_COLUMNS}

@@ -259,6 +259,8 @@ def simulate_iterations(
     sliding: bool = False,
     from_recovery: bool = False,
     commit_lags: list[float] | None = None,
+    iter_times: list[float] | None = None,
+    failed_s: list[float] | None = None,
 ) -> SimResult:
     """Run `p` for `iterations` with a failure in the first execution of each iteration of `fail_at`, after
     `fail_fraction` of it. The recovery point is the newest completed segment end (every `interval` iterations
@@ -267,9 +269,14 @@ def simulate_iterations(
     after it completed); recovery costs `recoveries[i]` for the i-th failure (default `p.recovery_s()`), then
     every iteration after the recovery point is trained again; `commit_lags[i]`: the i-th checkpoint's own lag
     (a replayed run's, in the order they were taken; `p.commit_lag_s` after them). Checkpoint costs are in
-    `p.iter_s` (stalls amortised: `stall_s` is not charged separately here)."""
+    `p.iter_s` (stalls amortised: `stall_s` is not charged separately here). A replayed run can also give its
+    pace as it was: `iter_times[i]`, the i-th executed iteration's wall time (then `p.iter_s` after them), and
+    `failed_s[i]`, the i-th failure's time in its failed iteration: whether an async checkpoint was durable
+    when a failure struck depends on the time since it, which a mean pace misjudges when the iterations right
+    after a checkpoint are slower (its background write shares the cores)."""
     a = p.iter_s
     lags = iter(commit_lags or ())
+    times = iter(iter_times or ())
     fails = sorted(set(fail_at))
     now, step, lost, rec_s, n, base = 0.0, 0, 0, 0.0, 0, 0
     ready = {0: 0.0}  # recovery point (iteration) -> wall time it became durable
@@ -277,7 +284,7 @@ def simulate_iterations(
         nxt = step + 1
         if fails and fails[0] == nxt:
             fails.pop(0)
-            now += fail_fraction * a
+            now += failed_s[n] if failed_s and n < len(failed_s) else fail_fraction * a
             usable = [pt for pt, t in ready.items() if t <= now and pt <= step]
             point = step if sliding else max(usable)
             lost += step - point
@@ -289,7 +296,7 @@ def simulate_iterations(
             step = point
             ready = {pt: t for pt, t in ready.items() if pt <= point}
             continue
-        now += a
+        now += next(times, a)
         step = nxt
         if (step - base) % p.interval == 0 or sliding:
             ready[step] = now + next(lags, p.commit_lag_s)

@@ -37,6 +37,11 @@ def test_simulate_iterations_loses_back_to_the_recovery_point():
     two = SystemProfile("two", 1.0, interval=2, commit_lag_s=5.0)
     assert simulate_iterations(two, 8, [6], 0.5).lost_iterations == 5  # 2 and 4 not durable at 5.5 s: from 0
     assert simulate_iterations(two, 8, [6], 0.5, commit_lags=[5.0, 0.0]).lost_iterations == 1  # 4 is
+    # the run's own pace: after iteration 4's async write (lag 1.6 s) the iterations took 1.5 s (the write shared
+    # the cores), so at the failure in iteration 6 more time had passed than a mean pace of 1 s says
+    assert simulate_iterations(lag, 8, [6], 0.5).lost_iterations == 5  # mean pace: 4 is not durable, from 0
+    paced = simulate_iterations(lag, 8, [6], 0.5, iter_times=[1, 1, 1, 1, 1.5], failed_s=[0.5])
+    assert paced.lost_iterations == 1 and paced.wall_s == pytest.approx(5.5 + 0.5 + 1 + 3)  # 4 durable at 5.6
 
 
 def _run(system: str, wall: float, recs: list[dict], steps: int = 10, interval: int = 1) -> dict:
