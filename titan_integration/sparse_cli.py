@@ -151,7 +151,7 @@ def merged(table: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
         )
         for t in targets:
             out = {k: v for k, v in out.items() if k == key or DEPRECATED.get(k) != t}  # the file's old name
-            head, _, sub = t.partition(".")
+            _, _, sub = t.partition(".")
             if sub and key != "object_store" and isinstance(out.get("object_store"), dict):
                 out["object_store"].pop(sub, None)  # an old-name flag over the file's table key
             elif not sub and key != t:
