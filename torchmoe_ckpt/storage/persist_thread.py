@@ -154,8 +154,11 @@ class PersistThread:
         t0 = time.monotonic()
         if self.uploader is not None:
             self.uploader.flush(wait_s)
+        summary = self.status.exit_summary(time.monotonic() - t0, wait_s, str(self.tier.dir))
+        # After the summary, whose wait is the uploads' alone: with the store down, releasing the lease may take
+        # its renewal thread's join (up to 2 s) and a failed read before the lease is left to expire.
         self.release_lease()
-        return self.status.exit_summary(time.monotonic() - t0, wait_s, str(self.tier.dir))
+        return summary
 
     def release_lease(self) -> None:
         """A clean exit gives the object-store prefix up at once (store_lease.py), not after its lease expires."""
