@@ -43,7 +43,7 @@ PREFIX = "--sparse_checkpoint."
 SPARSE_ENV = "TORCHMOE_TITAN_SPARSE_ARGS"
 OVERRIDE_TARGET = "titan_integration.overrides.sparse_checkpoint"  # == titan_integration.overrides.TARGET
 OVERRIDE_FLAG = "--override.imports"
-_DEFAULTS = {f.name: f for f in fields(SparseCheckpointSection) if f.name != "given_as"}
+_DEFAULTS = {f.name: f for f in fields(SparseCheckpointSection)}
 _TRUE, _FALSE = ("true", "True", "1", "yes"), ("false", "False", "0", "no")
 # the object store's keys (ObjectStoreConfig's types)
 _STORE_KINDS = {"uri": "str", "storage_options": "json", "keep": "int", "format": "str", "exit_wait_s": "float"}

@@ -59,7 +59,7 @@ import uuid
 import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "JobConfigError",
@@ -119,13 +119,14 @@ class SparseCheckpointSection:
     dense_export_every: int = 0
     dense_export_keep: int = 2
     pipeline_log_max_bytes: int = 0  # bound on each pipeline stage's boundary log (0: unbounded)
-    # how the file named each key that came under an old name (new name -> old name): messages say what it wrote
-    given_as: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    # How the file named each key that came under an old name (new name -> old name): messages say what it wrote.
+    # Not a field: it describes the file, not a setting (set per instance by from_table).
+    given_as: ClassVar[dict[str, str]] = {}
 
     # ---- construction from a TOML table ------------------------------------------------------------
     @classmethod
     def keys(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.name != "given_as"]
+        return [f.name for f in fields(cls)]
 
     @classmethod
     def from_table(cls, table: dict[str, Any], *, section: str = "sparse_checkpoint") -> SparseCheckpointSection:
@@ -138,7 +139,8 @@ class SparseCheckpointSection:
         if unknown:
             raise JobConfigError(f"[{section}] unknown key '{unknown[0]}'; fix: use one of {', '.join(valid)}")
         table, given_as = _core_names(table, section)
-        sec = cls(**table, given_as=given_as)
+        sec = cls(**table)
+        sec.given_as = given_as
         sec.validate(section)
         if given_as and os.environ.get("RANK", "0") == "0":  # every rank reads the file: one says it
             old = ", ".join(f"{o} -> {n}" for n, o in given_as.items())
@@ -428,9 +430,7 @@ class SparseCheckpointSection:
         return float(self.object_store.get("exit_wait_s", 30.0))
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out.pop("given_as")
-        return out
+        return asdict(self)
 
 
 def _core_names(table: dict[str, Any], section: str) -> tuple[dict[str, Any], dict[str, str]]:
