@@ -107,6 +107,8 @@ class HostMemory:
             "parts": parts,
             "allocator": ck.slots.kind,
             "allocations": ck.slots.allocations,
+            "prepared": ck.slots.prepared,
+            "alloc_seconds": {k: round(v, 6) for k, v in ck.slots.alloc_seconds.items()},
             "drain_waits": self.drain_waits,
             "drain_wait_s": round(self.drain_wait_s, 6),
             "need": self.need,
@@ -233,6 +235,10 @@ class HostMemory:
                 f"it holds {human_bytes(a['total'])} ({shown}) and a new slot set needs {human_bytes(add)}; "
                 f"lower it with {KNOBS}, or raise host_memory_limit"
             )
+
+    def room_for(self, nbytes: int) -> bool:
+        """`nbytes` more stay within the limit (a slot set allocated ahead: slot_pool.prepare)."""
+        return self.limit is None or self.total() + nbytes <= self.limit
 
     def _over_warning(self, window_id: int) -> None:
         total = self.total()

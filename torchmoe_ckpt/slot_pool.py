@@ -21,11 +21,19 @@ would keep it otherwise).
 Reuse rule: a released set is reused once the persist thread has processed the window's last job (its commit;
 `writer.done(ticket)`): its slots were copied to the host tier, or dropped. On CUDA the caching host allocator
 rounds every block to a power of two, so an arena's capacity is that block: counted as held, used as headroom.
+
+Off the training thread: pinning host memory is slow (an 8 GiB arena took ~3 s on an H200 host: the GPU check's
+phase 3 blocked one step for 3.3 s on it), so a window start that leaves no second set for the next window asks
+`prepare(plan)`, which allocates that set on a helper thread while the window fills; the next window start finds
+it free. A pinned set larger than a new plan needs is kept and reused (a smaller W after auto W has learned the
+copy cost): giving it back would pin a new one on the training thread and free the old one with `cudaFreeHost`,
+which synchronises the device. Memory pressure still drops free sets (`trim`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +73,8 @@ class SlotAllocator:
         self.lock = threading.RLock()
         self.allocations = 0  # new memory allocated (arenas, or slot files): 0 per window in steady state
         self.allocated_bytes = 0
+        self.prepared = 0  # sets allocated ahead by `prepare`, off the training thread
+        self.alloc_seconds = {"training_thread": 0.0, "helper": 0.0}  # time spent allocating, by thread
 
     # ---- the contract (training thread) --------------------------------------------------------------------
     def slots_for(self, plan: WindowPlan) -> list[Slot]:
@@ -91,6 +101,16 @@ class SlotAllocator:
     def trim(self) -> int:
         """Drop every free set (under memory pressure); returns the bytes given back."""
         raise NotImplementedError
+
+    def prepare(self, plan: WindowPlan, room=None) -> bool:
+        """Allocate the set the next window start will need off the training thread, where allocating is slow
+        (pinned arenas); `room(nbytes)` says whether the memory limit allows that many more bytes. Returns
+        whether an allocation started. Allocators that allocate quickly do nothing."""
+        return False
+
+    def close(self) -> None:
+        """The checkpointer is done (close, stop, abandon): wait for the allocator's helper thread, if any, and let
+        the sets go (their memory is freed once no window or writer holds their buffers)."""
 
     def host_bytes(self) -> dict[str, int]:
         """{part: bytes} this allocator holds (host_memory.py sums it with the tiers' parts)."""
@@ -152,16 +172,20 @@ class ArenaSlotPool(SlotAllocator):
         self._bytes: dict[tuple, int] = {}  # (form, name, alignment) -> group bytes
         self.carved_groups = 0  # groups carved anew (the rest were re-assembled from a set's own)
         self.new_memory_groups = 0  # of which in newly allocated arenas
+        self._spare: threading.Thread | None = None  # allocating a set for the next window (prepare)
+        self._spare_bytes = 0  # what it allocates: counted as held from the start
+        self._taken: _Set | None = None  # the set the last window start handed out
 
     # ---- contract ------------------------------------------------------------------------------------------
     def slots_for(self, plan: WindowPlan) -> list[Slot]:
         sig = signature(plan)
+        self._join_spare()
         with self.lock:
             free = [s for s in self.sets if self._writer_done(s.ticket)]
             s = next((s for s in free if s.sig == sig), None)
             if s is None:
                 need = self.set_need(plan)
-                fits = [s for s in free if need <= s.arena.capacity <= 2 * max(need, 1) + ALIGN]
+                fits = [s for s in free if need <= s.arena.capacity and self._keeps(s.arena.capacity, need)]
                 s = min(fits, key=lambda s: s.arena.capacity, default=None)
                 if s is None and free:  # no free set of a fitting size: the largest one gets a new arena
                     s = max(free, key=lambda s: s.arena.capacity)
@@ -176,9 +200,60 @@ class ArenaSlotPool(SlotAllocator):
                     self._assemble(s, plan)
                 s.sig = sig
             s.ticket = None
+            self._taken = s
             for other in [o for o in free if o is not s][1:]:  # keep at most one idle set
                 self._drop(other)
             return s.slots
+
+    def prepare(self, plan: WindowPlan, room=None) -> bool:
+        """Allocate, on a helper thread, the set the next window start will need when no set but the one just
+        handed out would fit `plan` (after the first window start, or a larger W's) and `room(bytes)` allows it
+        (the bytes count as held from now). Returns whether an allocation started."""
+        need = self.set_need(plan)
+        with self.lock:
+            if self._spare is not None or any(  # another set (the last window's, soon released) will do
+                s is not self._taken and need <= s.arena.capacity and self._keeps(s.arena.capacity, need)
+                for s in self.sets
+            ):
+                return False
+        nbytes = self.set_bytes(plan)
+        if room is not None and not room(nbytes):
+            return False
+        with self.lock:
+            self._spare_bytes = nbytes
+            self._spare = threading.Thread(target=self._allocate_spare, args=(need,), name="tmoe-slot-alloc")
+            self._spare.daemon = True  # close() joins it; an interpreter exit mid-allocation must not hang
+            self._spare.start()
+            return True
+
+    def _allocate_spare(self, need: int) -> None:
+        try:
+            arena = self._alloc(need, "helper")
+        except Exception:  # noqa: BLE001  (out of pinned memory: the window start allocates, and reports it)
+            arena = None
+        with self.lock:
+            if arena is not None:
+                self.sets.append(_Set(arena, ticket=0))  # free: nothing was ever written from it
+                self.prepared += 1
+            self._spare_bytes = 0
+
+    def _join_spare(self) -> None:
+        t = self._spare
+        if t is not None:
+            t.join()  # normally long done: it started a whole window ago
+            self._spare = None
+
+    def close(self) -> None:
+        self._join_spare()
+        with self.lock:
+            held, self.sets, self._taken = bool(self.sets), [], None
+        if held:  # pinned: back to the system, or the caching host allocator keeps every block for good
+            _return_pinned(self.pin_memory)
+
+    def _keeps(self, capacity: int, need: int) -> bool:
+        """A free set of `capacity` bytes serves a plan that needs `need`: a plain one when at most twice too large
+        (else it is replaced, cheaply), a pinned one whatever its size (see the module docstring)."""
+        return self.pin_memory or capacity <= 2 * max(need, 1) + ALIGN
 
     def release(self, slots: list[Slot], ticket: int | None = None) -> None:
         with self.lock:
@@ -198,10 +273,12 @@ class ArenaSlotPool(SlotAllocator):
 
     def has_free(self, plan: WindowPlan) -> bool:
         need = self.set_need(plan)
+        self._join_spare()
         with self.lock:
             return any(self._writer_done(s.ticket) and s.arena.capacity >= need for s in self.sets)
 
     def trim(self) -> int:
+        self._join_spare()
         with self.lock:
             free = [s for s in self.sets if self._writer_done(s.ticket)]
             for s in free:
@@ -210,7 +287,7 @@ class ArenaSlotPool(SlotAllocator):
 
     def host_bytes(self) -> dict[str, int]:
         with self.lock:
-            return {"slot_sets": sum(s.arena.capacity for s in self.sets)}
+            return {"slot_sets": sum(s.arena.capacity for s in self.sets) + self._spare_bytes}
 
     def set_need(self, plan: WindowPlan, align: int = ALIGN) -> int:
         """Bytes the groups of `plan` take laid out with every item at a multiple of `align`."""
@@ -242,10 +319,13 @@ class ArenaSlotPool(SlotAllocator):
         return out
 
     # ---- arenas --------------------------------------------------------------------------------------------
-    def _alloc(self, need: int) -> Arena:
+    def _alloc(self, need: int, thread: str = "training_thread") -> Arena:
+        t0 = time.perf_counter()
         a = Arena(need, self.pin_memory)
-        self.allocations += 1
-        self.allocated_bytes += a.capacity
+        with self.lock:
+            self.allocations += 1
+            self.allocated_bytes += a.capacity
+            self.alloc_seconds[thread] += time.perf_counter() - t0
         return a
 
     def _new_arena(self, s: _Set, need: int) -> None:

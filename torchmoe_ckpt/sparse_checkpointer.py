@@ -256,6 +256,7 @@ class SparseCheckpointer:
             return
         self._closed = True
         self.engine.shutdown()
+        self.slots.close()
         if self.tier_writer is not None:
             self.tier_writer.shutdown()
 
@@ -266,6 +267,7 @@ class SparseCheckpointer:
         them there), then the upload thread stops. This object cannot be used afterwards (build another)."""
         self._closed = True
         self.engine.shutdown()
+        self.slots.close()
         if self.tier_writer is not None:
             self.tier_writer.abandon(upload_wait_s)
 
@@ -387,6 +389,7 @@ class SparseCheckpointer:
         plan, budget = self.planner.plan()
         self.memory.before_window(plan, self._next_id)  # within host_memory_limit, or refused
         slots = self.slots.slots_for(plan)
+        self.slots.prepare(plan, self.memory.room_for)  # the next window's set, off this thread, if none is left
         win = Window(self._next_id, t, plan, slots)
         self._cur_slot_bytes = self.slots.slot_bytes(slots)
         self._next_id += 1

@@ -52,6 +52,9 @@ class WindowPlanner:
         )
         # Routed-token counts per iteration, left on the device until the next window start needs the popularity.
         self.pending_counts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # The last window's counts on their way to the host (CUDA: a pinned copy and its event), applied at the
+        # next window start: the popularity lags one window, so reading it never waits for the device.
+        self._counts_in_flight: tuple[torch.Tensor, object] | None = None
         self.reorders = 0
         self._order: list[str] | None = None
         self._order_freq: torch.Tensor | None = None
@@ -148,14 +151,29 @@ class WindowPlanner:
         return auto_w
 
     def _update_popularity(self) -> None:
-        """The routed-token counts of the iterations since the last window start, into the popularity tracker:
-        read here (one device-to-host copy per window, not one per iteration), summed over the planning group's
-        ranks first with `sum_counts` (one collective on the library's gloo group), then applied iteration by
-        iteration, in order, exactly as if each had been applied when it ran (counts are whole numbers)."""
+        """The routed-token counts of the iterations of the window before the last one, into the popularity
+        tracker. At each window start the last window's counts are stacked and queued for the host (CUDA: a
+        non-blocking copy into pinned memory: no host sync), and the ones queued at the window start before are
+        applied: long landed, so nothing waits. Applying means summing over the planning group's ranks with
+        `sum_counts` (one collective on the library's gloo group), then iteration by iteration, in order, exactly
+        as if each had been applied when it ran (counts are whole numbers). Every rank lags by the same window."""
         pending, self.pending_counts = self.pending_counts, []
-        if not pending:
+        ready, self._counts_in_flight = self._counts_in_flight, None
+        if pending:
+            stats = torch.stack([torch.stack([c.double(), p.double()]) for c, p in pending])  # [n, 2, L, E]
+            if stats.is_cuda:
+                host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+                host.copy_(stats, non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record()
+                self._counts_in_flight = (host, landed)
+            else:
+                self._counts_in_flight = (stats.cpu(), None)
+        if ready is None:
             return
-        stats = torch.stack([torch.stack([c.double(), p.double()]) for c, p in pending]).cpu()  # [n, 2, L, E]
+        stats, landed = ready
+        if landed is not None:
+            landed.synchronize()  # recorded a whole window ago
         if self.sum_counts and dist.is_initialized():
             dist.all_reduce(stats, group=library_group(self.group))
         for s in stats:

@@ -14,7 +14,8 @@ taking turns in the same process (A B C A B C ..., the order rotated each repeti
 
 A system lives for one turn: built, warmed up, measured, finished and closed, so that only one system's host buffers
 exist at a time and a model of half a billion parameters fits the host (every system's buffers at once would not).
-Pinned blocks go back to torch's host allocator and are reused by the next system; what auto W learned carries over
+Pinned blocks go back to torch's host allocator and are reused by the next system (handed back to the system when
+less than 40% of the host's memory is available); what auto W learned carries over
 to the next turn's instance, as `SparseCheckpointer.inherit_counters` carries it over a restart.
 
 Spec: {"run": RunConfig fields, "systems": {name: {"kind": ..., params}}, "periodic": {name: {"kind": ..., "of": k=1
@@ -101,6 +102,15 @@ def rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def host_available_fraction() -> float:
+    """MemAvailable / MemTotal of this machine (/proc/meminfo; 1.0 where there is none)."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return int(info["MemAvailable"].split()[0]) / int(info["MemTotal"].split()[0])
+    except (OSError, KeyError, ValueError):
+        return 1.0
+
+
 def pinned_in_use(device: torch.device) -> int | None:
     if device.type != "cuda" or not hasattr(torch.cuda, "host_memory_stats"):
         return None
@@ -134,7 +144,26 @@ class _Timed:
             self.box[0] += time.perf_counter() - t0
 
 
-def turn(trainer: Trainer, system, warmup: int, steps: int) -> dict:
+MAX_WARMUP = 40  # steps: ours' warm-up ends earlier (two window starts and a window boundary)
+
+
+def _warm(system) -> bool:
+    """Ours is in steady state: two windows started (both slot sets exist, the second allocated ahead on the
+    allocator's helper thread, which is done) and the window being filled is full (the next step starts one)."""
+    ck = getattr(system, "ck", None)
+    if ck is None:
+        return True
+    cur = ck.current
+    return (
+        len(ck.counters["windows"]) >= 2
+        and getattr(ck.slots, "_spare", None) is None
+        and (cur is None or cur.captured >= cur.plan.window)
+    )
+
+
+def turn(trainer: Trainer, system, warmup: int, measure: int, every: int = 1) -> dict:
+    """Warm up (at least `warmup` steps; ours until `_warm`), then measure whole checkpoint intervals: `measure`
+    steps rounded up to a multiple of the interval (`every`; ours: its W)."""
     cuda = trainer.device.type == "cuda"
     before = list(trainer.before_update)
     if system is not None:
@@ -142,10 +171,15 @@ def turn(trainer: Trainer, system, warmup: int, steps: int) -> dict:
     added = [h for h in trainer.before_update if h not in before]
     blocked = [0.0]
     trainer.before_update[:] = before + [_Timed(h, blocked) for h in added]
-    for _ in range(warmup):
+    warmed = 0
+    while warmed < warmup or (warmed < MAX_WARMUP and not _warm(system)):
         res = trainer.train_step()
         if system is not None:
             system.after_step(trainer, res)
+        warmed += 1
+    if getattr(system, "ck", None) is not None and system.ck.current is not None:
+        every = system.ck.current.plan.window
+    steps = every * math.ceil(measure / every)
     eng = _engine(system)
     copy0 = dict(eng.copy_totals) if eng is not None else None
     stage0 = len(getattr(system, "stage_seconds", []))
@@ -170,7 +204,7 @@ def turn(trainer: Trainer, system, warmup: int, steps: int) -> dict:
         if cuda:
             events[steps].record()
             torch.cuda.synchronize(trainer.device)
-    out = {"wall_s": wall, "turn_wall_s": time.perf_counter() - t_start, "blocked_s": blocked[0]}
+    out = {"wall_s": wall, "turn_wall_s": time.perf_counter() - t_start, "blocked_s": blocked[0], "warmup": warmed}
     out["device_s"] = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(steps)] if cuda else list(wall)
     out["syncs"] = sum(counter.by_step.values()) if counter.enabled else None
     out["sync_sites"] = dict(counter.sites.most_common(4)) if counter.enabled else None
@@ -218,15 +252,14 @@ def run(spec: dict, out: Path) -> dict:
         k = rep % len(order)
         for name in order[k:] + order[:k]:
             sp = dict(specs[name] or {"kind": "none"})
-            every = sp.get("every", 1)
-            steps = every * math.ceil(spec["measure"] / every)  # whole intervals: the mean covers one checkpoint each
+            every = sp.get("every", 1)  # whole intervals are measured: the mean covers one checkpoint each
             t0 = time.perf_counter()
             kind = sp.pop("kind")
             system = None if kind == "none" else build(kind, sp, trainer, workdir / f"{name}-{rep}")
             if hasattr(system, "ck") and name in learned:
                 system.ck.planner.cost, system.ck.planner.auto_w = learned[name]
             built_s = time.perf_counter() - t0
-            res = turn(trainer, system, spec["warmup"], steps)
+            res = turn(trainer, system, spec["warmup"], spec["measure"], every)
             if system is not None:
                 if hasattr(system, "ck"):
                     learned[name] = (system.ck.planner.cost, system.ck.planner.auto_w)
@@ -235,6 +268,10 @@ def run(spec: dict, out: Path) -> dict:
                 system.close()
             del system
             gc.collect()
+            if trainer.device.type == "cuda" and host_available_fraction() < 0.4:
+                # the caching host allocator keeps every system's pinned blocks (a block is reused only at its own
+                # power-of-two size): hand them back before the host runs out (a GPU run's worker was killed)
+                torch._C._host_emptyCache()  # CUDA only
             shutil.rmtree(workdir / f"{name}-{rep}", ignore_errors=True)
             turns[name].append(dict(res, rep=rep, build_s=built_s, total_s=time.perf_counter() - t0))
         rep_s.append(time.perf_counter() - t_rep)

@@ -194,6 +194,7 @@ def nondeterministic(device: str, tiny: bool, work: Path, timeout_s: float) -> d
     rec = rec or {}
     res["tolerant"] = {
         "recovered": tol["ok"] and bool(rec.get("recovered_step")),
+        "refused": (tol["refused"] or {}).get("line"),  # why not, when it did not recover
         "replay_exact": rec.get("exact"),
         "max_loss_deviation": rec.get("max_loss_deviation"),
         "max_grad_norm_deviation": rec.get("max_grad_norm_deviation"),

@@ -77,6 +77,8 @@ def _nondeterministic(r: dict) -> list[str]:
         f"(bound {t.get('replay_tolerance')})",
         f"- non-determinism seen in the replay: {r.get('nondeterminism_seen')}",
     ]
+    if t.get("refused"):
+        lines.insert(3, f"  > refused: {t['refused'][:400]}")
     return lines
 
 

@@ -71,6 +71,8 @@ def arena_storages(ck) -> int:
     """Bytes of every distinct storage the arena allocator's slot items are views of (what is really allocated)."""
     seen = {}
     for s in ck.slots.sets:
+        st = s.arena.t.untyped_storage()  # a set allocated ahead (prepare) has no slots assembled yet
+        seen[st.data_ptr()] = st.nbytes()
         for sl in s.slots:
             for it in sl.items:
                 st = it.buffer.untyped_storage()
@@ -150,9 +152,11 @@ def test_no_allocation_at_a_window_start_in_steady_state(one_rank_group, monkeyp
         ck.after_step(t.train_step())
         if ck.current is not None and ck.current.start_step == step:
             per_start.append(len(calls) - before)
-    # the first window allocates its arena (one call), the second one more; then nothing, reorders included
-    assert per_start[:2] == [1, 1] and per_start[2:] == [0] * (len(per_start) - 2), per_start
-    assert ck.slots.allocations == 2 and ck.planner.reorders >= 0
+    # the first window start allocates its arena (one call); the second set is allocated ahead, on the pool's
+    # helper thread (pinning is slow on CUDA); then nothing, reorders included
+    assert per_start[0] == 1 and per_start[1:] == [0] * (len(per_start) - 1), per_start
+    assert ck.slots.allocations == 2 and ck.slots.prepared == 1 and ck.planner.reorders >= 0
+    assert ck.memory.account()["alloc_seconds"]["helper"] > 0
     stop(ck)
 
 
@@ -165,16 +169,19 @@ def test_a_long_run_stays_flat(shm, one_rank_group):
         need = ck.memory.plan_need(plan_for(ck, 2))
         # no restart here: the limit checked at window starts is the figure without the inherited window's share
         limit = ck.memory.limit = sum(need.values()) - need["inherited_window"] if limited else None
-        totals, allocs = [], []
+        totals, allocs, held = [], [], []
         for step in range(1, 91):
             ck.after_step(t.train_step())
             if ck.current is not None and ck.current.start_step == step:
                 ck.flush(commit=False)
                 totals.append(ck.memory.total())
                 allocs.append(ck.slots.allocations)
+                held.append(len(ck.slots.sets))
         settled = allocs.index(allocs[-1])
-        assert set(totals[settled:]) == {totals[-1]} == {max(totals)}, (allocs, totals)  # flat once every set exists
-        assert allocs[-1] <= 4 if limit is None else allocs[-1] == 3 and totals[-1] <= limit, (limit, allocs)
+        # flat once every set exists
+        assert set(totals[settled:]) == {totals[-1]} == {max(totals)}, (limit, allocs, totals)
+        # a reorder may replace a set whose files do not fit it (an allocation, not a set more): count sets held
+        assert max(held) <= 4 if limit is None else max(held) == 3 and max(totals) <= limit, (limit, held, allocs)
         assert ck.planner.reorders > 0 or limit is not None
         stop(ck)
 

@@ -79,3 +79,63 @@ def test_shrinking_window_lets_buffers_go():
     pool.slots_for(small)
     kept = pool.host_bytes()["slot_sets"]
     assert len(pool.sets) == 1 and kept <= 2 * pool.set_bytes(small)  # at most one more window's worth
+
+
+def test_next_set_is_allocated_off_the_training_thread():
+    """A window start that leaves no second set asks `prepare`: the next set is allocated on the pool's helper
+    thread (pinning 8 GiB took 3 s on an H200 host, inside a training step, before this), counted as held from the
+    start; the next window start allocates nothing. A larger W prepares again."""
+    ops, by, full, comp = _setup()
+    names = [o.name for o in ops]
+    pool = ArenaSlotPool(by, torch.float32)
+    threads = []
+    real = pool._alloc
+
+    def alloc(need, thread="training_thread"):
+        threads.append(__import__("threading").current_thread().name)
+        return real(need, thread)
+
+    pool._alloc = alloc
+    plan = plan_window(names, full, comp, float("inf"), forced_window=3, warn=False)
+    first = pool.slots_for(plan)
+    assert pool.prepare(plan) and pool.host_bytes()["slot_sets"] == 2 * pool.set_bytes(plan)
+    assert not pool.prepare(plan)  # one at a time
+    pool._join_spare()
+    assert threads == ["MainThread", "tmoe-slot-alloc"] and pool.prepared == 1
+    assert not pool.prepare(plan)  # a second set exists: nothing to do
+    pool.release(first)
+    pool.slots_for(plan)  # the released set (or the prepared one): no allocation
+    assert pool.allocations == 2
+    bigger = plan_window(names, full, comp, float("inf"), forced_window=len(names), warn=False)
+    if pool.set_need(bigger) > max(s.arena.capacity for s in pool.sets):
+        assert pool.prepare(bigger, room=lambda n: False) is False  # over the memory limit: not ahead of time
+        assert pool.prepare(bigger)
+        pool.close()
+        assert threads[-1] == "tmoe-slot-alloc" and pool.allocations == 3
+
+
+def test_pinned_sets_are_kept_when_w_shrinks(monkeypatch):
+    """A pinned set larger than a new plan needs is reused (re-pinning would cost the training thread seconds and
+    freeing synchronises the device); a plain one more than twice too large is replaced. CPU stand-in: the pool
+    believes its arenas are pinned, they are plain (this machine has no pinned allocator)."""
+    ops, by, full, comp = _setup()
+    names = [o.name for o in ops]
+    big = plan_window(names, full, comp, float("inf"), forced_window=len(names), warn=False)
+    small = plan_window(names, full, comp, float("inf"), forced_window=1, warn=False)
+    for pinned in (False, True):
+        pool = ArenaSlotPool(by, torch.float32)
+        pool.pin_memory = pinned
+        monkeypatch.setattr("torchmoe_ckpt.slot_pool.Arena.__init__", _plain_arena)
+        pool.release(pool.slots_for(big))
+        assert pool.set_need(small) * 2 < pool.sets[0].arena.capacity  # more than twice too large
+        pool.slots_for(small)
+        assert pool.allocations == (1 if pinned else 2), pinned
+        monkeypatch.undo()
+
+
+def _plain_arena(self, need, pin):
+    from torchmoe_ckpt.slot_pool import ALIGN, pow2ceil
+
+    cap = pow2ceil(need) if pin else int(need * 1.125) + ALIGN
+    self.t = torch.empty(max(cap, ALIGN), dtype=torch.uint8)
+    self.capacity, self.used, self.pinned = self.t.numel(), 0, pin

@@ -201,6 +201,9 @@ class FileSlotPool(SlotAllocator):
         self.fallback = ArenaSlotPool(ops, compute_dtype, pin_fallback, writer)  # shared memory full or read-only
         self._sizes: dict[tuple, int] = {}
 
+    def close(self) -> None:
+        self.fallback.close()
+
     def _free(self, s: _FileSet) -> bool:
         return self._writer_done(s.ticket) and all_free(s.slots)
 
