@@ -25,6 +25,7 @@ __all__ = ["ConfigError", "SparseConfig", "ObjectStoreConfig", "TierConfig", "Ch
 DEFAULT_HOST_ROOT = "/dev/shm/torchmoe-ckpt"
 HOST_BUFFERS = ("auto", "arena", "shm-registered")  # SparseConfig.host_buffers (slot_alloc.py)
 STORE_FORMATS = ("dcp", "tensorstore")
+CUDA_OVERLAP = 0.4  # SparseConfig.overlap's default on CUDA: see there
 UNUSABLE_POLICIES = ("fail", "restart")  # CheckpointConfig.on_unusable_checkpoint (resume.recover's on_unusable)
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -32,7 +33,9 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 @dataclass
 class SparseConfig:
     window: int | None = None  # force W; None = Algorithm 1 priced with the observed copy cost
-    overlap: float = 1.0  # share of one iteration a slot copy may take
+    # Share of one iteration a slot copy may take. None: 1.0 on a CPU, CUDA_OVERLAP on CUDA, where copies longer
+    # than about half a step slowed it (docs/gpu.md, "GPU figures")
+    overlap: float | None = None
     # None: price slots by what copies cost under training (copy-thread time per byte, iteration time with
     # checkpointing; an idle memcpy figure only until the first copy); a number: that fixed bandwidth
     bandwidth_bytes_per_s: float | None = None
@@ -59,18 +62,19 @@ class SparseConfig:
     def __post_init__(self):
         if not isinstance(self.sliding, bool):
             raise ConfigError(f"SparseConfig.sliding must be true or false, got {self.sliding!r}")
+        optional = ("window", "overlap", "bandwidth_bytes_per_s")
         for name in ("window", "overlap", "bandwidth_bytes_per_s", "decay", "reorder_change", "reorder_fraction"):
             v, kinds = getattr(self, name), (int,) if name == "window" else (int, float)
-            if (v is not None or name not in ("window", "bandwidth_bytes_per_s")) and (
+            if (v is not None or name not in optional) and (
                 isinstance(v, bool) or not isinstance(v, kinds)
             ):  # "3" from a job file: one clear line
                 raise ConfigError(
                     f"SparseConfig.{name} must be {'an integer' if name == 'window' else 'a number'}"
-                    f"{' or None' if name in ('window', 'bandwidth_bytes_per_s') else ''}, got {v!r}"
+                    f"{' or None' if name in optional else ''}, got {v!r}"
                 )
         if self.window is not None and self.window < 1:
             raise ConfigError(f"window must be >= 1 or None (auto), got {self.window}")
-        if not 0 < self.overlap < math.inf:
+        if self.overlap is not None and not 0 < self.overlap < math.inf:
             raise ConfigError(f"overlap must be a finite number > 0 (share of an iteration), got {self.overlap}")
         if self.bandwidth_bytes_per_s is not None and not 0 < self.bandwidth_bytes_per_s < math.inf:
             raise ConfigError(

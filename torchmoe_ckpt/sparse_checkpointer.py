@@ -124,7 +124,9 @@ class SparseCheckpointer:
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._level = logging.INFO if self._rank == 0 else logging.DEBUG  # one line per window, not one per rank
         # Order, W and slot plan of every window (window_planner.py), the same on every rank of `group`.
-        self.planner = WindowPlanner(self.cfg, self.ops, compute_dtype, group, self._agree, sum_counts, self._rank)
+        self.planner = WindowPlanner(
+            self.cfg, self.ops, compute_dtype, group, self._agree, sum_counts, self._rank, cuda=use_cuda
+        )
         self._copies_seen = 0
         self._cur_slot_bytes: list[int] = []
         self._last_job: dict[int, int] = {}  # window id -> the persist thread's ticket after its commit job

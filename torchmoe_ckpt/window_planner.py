@@ -14,7 +14,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .config import SparseConfig
+from .config import CUDA_OVERLAP, SparseConfig
 from .distributed import library_group
 from .operators import Operator, agreed_sizes, expert_grid
 from .popularity import PopularityTracker, order_experts, reorder_needed
@@ -28,7 +28,8 @@ _PROBED: dict[str, float] = {}  # the idle copy bandwidth, measured once per pro
 class WindowPlanner:
     """Plans the windows of one rank. `agree(value, op)`: a collective over the ranks that agree on the copy
     bandwidth (the checkpointer's agree group); `group`: the ranks that plan together (same operators);
-    `sum_counts`: the routed-token counts given to `add_counts` are this rank's own (summed over `group` here)."""
+    `sum_counts`: the routed-token counts given to `add_counts` are this rank's own (summed over `group` here);
+    `cuda`: the model is on CUDA (the default copy budget, SparseConfig.overlap)."""
 
     def __init__(
         self,
@@ -39,8 +40,10 @@ class WindowPlanner:
         agree,
         sum_counts: bool,
         rank: int,
+        cuda: bool = False,
     ):
         self.cfg, self.ops, self.compute_dtype, self.group = cfg, ops, compute_dtype, group
+        self.overlap = cfg.overlap if cfg.overlap is not None else CUDA_OVERLAP if cuda else 1.0
         self._agree, self.sum_counts, self._rank = agree, sum_counts, rank
         self.op_by_name = {o.name: o for o in ops}
         self.grid = expert_grid(ops)
@@ -90,9 +93,9 @@ class WindowPlanner:
             if self.cfg.bandwidth_bytes_per_s is None:  # priced by what copies cost under training
                 if not self._prior_known:
                     self._probe_prior()
-                budget = self.cost.budget_bytes(self.cfg.overlap)
+                budget = self.cost.budget_bytes(self.overlap)
             else:
-                budget = copy_budget(self.t_iter, self.bandwidth, self.cfg.overlap)
+                budget = copy_budget(self.t_iter, self.bandwidth, self.overlap)
             auto_w = self._agreed_w(
                 min(
                     choose_window(order, full, comp, budget, self.auto_w, sliding=self.cfg.sliding),

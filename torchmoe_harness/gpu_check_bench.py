@@ -260,4 +260,12 @@ def markdown(res: dict) -> list[str]:
         )
     if res.get("skipped"):
         lines += ["", f"Skipped: {'; '.join(res['skipped'])}."]
+    if "none" in res["systems"] and "gemini_k1" in res["systems"]:
+        from torchmoe_harness.ettr_gpu import RESTART_S, break_even, table
+
+        lines += ["", f"ETTR from these costs (simulated; the same {RESTART_S:.0f} s restart for every system):", ""]
+        lines += table(res)
+        for (w, label), f in break_even(res).items():
+            say = "never" if f is None else f"below {f:.2%} of a step"
+            lines.append(f"- ours with W = {w} beats the dense snapshot at its best interval at MTBF {label}: {say}")
     return lines

@@ -49,7 +49,7 @@ from torchmoe_harness.worker import serve
 class OursHostTier(Ours):
     """Ours with the host tier (slots persisted to shared memory under `root`, committed windows kept there)."""
 
-    def __init__(self, trainer, root: str, window: int | None = None, overlap: float = 1.0):
+    def __init__(self, trainer, root: str, window: int | None = None, overlap: float | None = None):
         host = {"root": root, "run_id": Path(root).name}
         self.cfg = SparseConfig(window=window, overlap=overlap)
         self.ck = SparseCheckpointer(

@@ -10,7 +10,9 @@ What survives is what would survive in host memory: the newest committed window.
              (--max-restarts) restarts every worker, and with "resume" they recover from the host tier;
   "freeze" - rank `rank` sends itself SIGSTOP in iteration f (first attempt only): a hung, not dead, peer.
              `at`: "update" (default; after backward, before the optimizer step) or "forward" (start of
-             the step). The others block in a collective until the watchdog (spec "watchdog_timeout_s")
+             the step). `settled`: true waits first until this rank's host tier has written, and its peers
+             received, every window committed so far (a host lost after its copies were replicated: the
+             replication is asynchronous, and under load it may still be behind otherwise). The others block in a collective until the watchdog (spec "watchdog_timeout_s")
              ends them; torchrun then restarts every worker (the watchdog's stop guard SIGKILLs the
              stopped one on torchrun's SIGTERM, which a stopped process never acts on).
 
@@ -309,6 +311,8 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
                 elif fail["phase"] == "kill" and attempt == 0 and trainer.rank == fail.get("rank", 0):
                     trainer.before_update.append(_kill_self)
                 elif fail["phase"] == "freeze" and attempt == 0 and trainer.rank == fail.get("rank", 0):
+                    if fail.get("settled"):
+                        ck.flush(commit=False)  # no collective: the peers go on into the next step
                     if fail.get("at", "update") == "update":
                         trainer.before_update.append(_freeze_self)
                     else:

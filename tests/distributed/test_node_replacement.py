@@ -38,8 +38,8 @@ def _spec(root: Path, replicas: int, store: str | None, freeze_rank: int | None)
     if store:
         host["object_store"] = {"uri": store}
     spec = {"run": RUN, "checkpoint": {"window": 3}, "resume": True, "host_tier": host, "timeout_s": 60}
-    if freeze_rank is not None:
-        spec["failures"] = [{"step": 8, "phase": "freeze", "rank": freeze_rank}]
+    if freeze_rank is not None:  # settled: its windows on the peers first (replication is asynchronous)
+        spec["failures"] = [{"step": 8, "phase": "freeze", "rank": freeze_rank, "settled": replicas > 0}]
     return spec
 
 

@@ -16,7 +16,7 @@ class Ours:
         self,
         trainer,
         window: int | None = 4,
-        overlap: float = 1.0,
+        overlap: float | None = None,
         bandwidth_bytes_per_s: float | None = None,
         throttle_bytes_per_s: float | None = None,
         sliding: bool = False,
