@@ -13,8 +13,9 @@ What survives is what would survive in host memory: the newest committed window.
              the step). `settled`: true waits first until this rank's host tier has written, and its peers
              received, every window committed so far (a host lost after its copies were replicated: the
              replication is asynchronous, and under load it may still be behind otherwise). The others
-             block in a collective until the watchdog (spec "watchdog_timeout_s") ends them; torchrun then restarts every worker (the watchdog's stop guard SIGKILLs the
-             stopped one on torchrun's SIGTERM, which a stopped process never acts on).
+             block in a collective until the watchdog (spec "watchdog_timeout_s") ends them; torchrun then
+             restarts every worker (the watchdog's stop guard SIGKILLs the stopped one on torchrun's SIGTERM,
+             which a stopped process never acts on).
 
 Spec "replay_check" ("exact", the default, or "tolerant") and "replay_tolerance": how recovery checks its replay
 (torchmoe_ckpt.replay_check; "exact" on a GPU refuses to start without deterministic kernels).
