@@ -3,7 +3,7 @@ model sized to the card and the host (>= 0.5 B parameters on a GPU; tiny on a CP
 judged by: paired step overhead (CUDA events and wall), training-thread blocked time, device-to-host throughput
 against the pinned-copy peak, host memory, host syncs per iteration.
 
-Systems: none; ours with auto W; ours with W = 4; ours (auto W) with the host tier; the dense snapshot every
+Systems: none; ours with auto W; ours with W = 4 and W = 8; ours (auto W) with the host tier; the dense snapshot every
 iteration (Gemini-style, pinned double buffers on a side stream); DCP `async_save` with pinned async staging every
 iteration and at its best interval (ETTR-optimal for an MTBF of `MTBF_ITERATIONS` iterations, at most 8)."""
 
@@ -21,6 +21,7 @@ from torchmoe_harness.launch import launch
 SYSTEMS = {
     "ours_auto": {"kind": "ours", "window": None},
     "ours_W4": {"kind": "ours", "window": 4},
+    "ours_W8": {"kind": "ours", "window": 8},  # with W = 4 and auto: where a slot's copy stops costing a step
     "ours_host": {"kind": "ours_host", "window": None},
     "gemini_k1": {"kind": "gemini", "every": 1},
     "dcp_async_k1": {"kind": "dcp_async", "every": 1, "keep": 1},

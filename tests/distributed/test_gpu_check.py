@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SYSTEMS = ("none", "ours_auto", "ours_W4", "ours_host", "gemini_k1", "dcp_async_k1", "dcp_async_best")
+SYSTEMS = ("none", "ours_auto", "ours_W4", "ours_W8", "ours_host", "gemini_k1", "dcp_async_k1", "dcp_async_best")
 
 
 def test_gpu_check_runs_every_phase_on_a_cpu(tmp_path):
