@@ -108,6 +108,11 @@ class SlotAllocator:
         whether an allocation started. Allocators that allocate quickly do nothing."""
         return False
 
+    @property
+    def preparing(self) -> bool:
+        """A set is being allocated ahead (`prepare`), off the training thread."""
+        return False
+
     def close(self) -> None:
         """The checkpointer is done (close, stop, abandon): wait for the allocator's helper thread, if any, and let
         the sets go (their memory is freed once no window or writer holds their buffers)."""
@@ -236,6 +241,11 @@ class ArenaSlotPool(SlotAllocator):
                 self.sets.append(_Set(arena, ticket=0))  # free: nothing was ever written from it
                 self.prepared += 1
             self._spare_bytes = 0
+
+    @property
+    def preparing(self) -> bool:
+        t = self._spare
+        return t is not None and t.is_alive()
 
     def _join_spare(self) -> None:
         t = self._spare

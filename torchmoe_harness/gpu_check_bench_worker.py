@@ -155,9 +155,7 @@ def _warm(system) -> bool:
         return True
     cur = ck.current
     return (
-        len(ck.counters["windows"]) >= 2
-        and getattr(ck.slots, "_spare", None) is None
-        and (cur is None or cur.captured >= cur.plan.window)
+        len(ck.counters["windows"]) >= 2 and not ck.slots.preparing and (cur is None or cur.captured >= cur.plan.window)
     )
 
 

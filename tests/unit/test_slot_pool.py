@@ -101,6 +101,7 @@ def test_next_set_is_allocated_off_the_training_thread():
     assert pool.prepare(plan) and pool.host_bytes()["slot_sets"] == 2 * pool.set_bytes(plan)
     assert not pool.prepare(plan)  # one at a time
     pool._join_spare()
+    assert not pool.preparing
     assert threads == ["MainThread", "tmoe-slot-alloc"] and pool.prepared == 1
     assert not pool.prepare(plan)  # a second set exists: nothing to do
     pool.release(first)
