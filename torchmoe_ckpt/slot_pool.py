@@ -180,6 +180,7 @@ class ArenaSlotPool(SlotAllocator):
         self._spare: threading.Thread | None = None  # allocating a set for the next window (prepare)
         self._spare_bytes = 0  # what it allocates: counted as held from the start
         self._taken: _Set | None = None  # the set the last window start handed out
+        self._need_memo: tuple[tuple | None, int] = (None, 0)  # (signature, set_need) of the last plan priced
 
     # ---- contract ------------------------------------------------------------------------------------------
     def slots_for(self, plan: WindowPlan) -> list[Slot]:
@@ -190,7 +191,7 @@ class ArenaSlotPool(SlotAllocator):
             s = next((s for s in free if s.sig == sig), None)
             if s is None:
                 need = self.set_need(plan)
-                fits = [s for s in free if need <= s.arena.capacity and self._keeps(s.arena.capacity, need)]
+                fits = [s for s in free if self._serves(s.arena.capacity, need)]
                 s = min(fits, key=lambda s: s.arena.capacity, default=None)
                 if s is None and free:  # no free set of a fitting size: the largest one gets a new arena
                     s = max(free, key=lambda s: s.arena.capacity)
@@ -217,8 +218,7 @@ class ArenaSlotPool(SlotAllocator):
         need = self.set_need(plan)
         with self.lock:
             if self._spare is not None or any(  # another set (the last window's, soon released) will do
-                s is not self._taken and need <= s.arena.capacity and self._keeps(s.arena.capacity, need)
-                for s in self.sets
+                s is not self._taken and self._serves(s.arena.capacity, need) for s in self.sets
             ):
                 return False
         nbytes = self.set_bytes(plan)
@@ -260,10 +260,10 @@ class ArenaSlotPool(SlotAllocator):
         if held:  # pinned: back to the system, or the caching host allocator keeps every block for good
             _return_pinned(self.pin_memory)
 
-    def _keeps(self, capacity: int, need: int) -> bool:
-        """A free set of `capacity` bytes serves a plan that needs `need`: a plain one when at most twice too large
-        (else it is replaced, cheaply), a pinned one whatever its size (see the module docstring)."""
-        return self.pin_memory or capacity <= 2 * max(need, 1) + ALIGN
+    def _serves(self, capacity: int, need: int) -> bool:
+        """A free set of `capacity` bytes serves a plan that needs `need`: one large enough, a plain one when at
+        most twice too large (else it is replaced, cheaply), a pinned one whatever its size (module docstring)."""
+        return need <= capacity and (self.pin_memory or capacity <= 2 * max(need, 1) + ALIGN)
 
     def release(self, slots: list[Slot], ticket: int | None = None) -> None:
         with self.lock:
@@ -300,7 +300,11 @@ class ArenaSlotPool(SlotAllocator):
             return {"slot_sets": sum(s.arena.capacity for s in self.sets) + self._spare_bytes}
 
     def set_need(self, plan: WindowPlan, align: int = ALIGN) -> int:
-        """Bytes the groups of `plan` take laid out with every item at a multiple of `align`."""
+        """Bytes the groups of `plan` take laid out with every item at a multiple of `align`. The last plan's
+        figure is kept: a window start asks it up to three times (slots_for, prepare, the memory limit's check)."""
+        sig = signature(plan) if align == ALIGN else None
+        if sig is not None and self._need_memo[0] == sig:
+            return self._need_memo[1]
         total = 0
         for sp in plan.slots:
             fqns = set()
@@ -309,6 +313,8 @@ class ArenaSlotPool(SlotAllocator):
                 fqns.update(fqn for fqn, _, _ in self._scalar_spec(name))
             total += sum(self._group_bytes("scalar", f, align) for f in fqns)
             total += sum(self._group_bytes("compute", name, align) for name in sp.frozen)
+        if sig is not None:
+            self._need_memo = (sig, total)
         return total
 
     def file_bytes(self, plan: WindowPlan, block: int) -> int:

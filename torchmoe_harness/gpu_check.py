@@ -67,12 +67,9 @@ def environment(device: str, work: Path) -> dict:
         )
         nccl = torch.cuda.nccl.version()
         out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
-    meminfo = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("MemTotal", "MemAvailable"):
-            meminfo[key] = int(rest.split()[0]) * 1024
-    out["host_memory_bytes"] = meminfo
+    from torchmoe_harness.gpu_check_bench import host_meminfo
+
+    out["host_memory_bytes"] = host_meminfo()
     for name, path in (("dev_shm", "/dev/shm"), ("work", str(work))):
         if Path(path).is_dir():
             u = shutil.disk_usage(path)

@@ -102,11 +102,17 @@ def size_for(host_free: float, shm_free: float, gpu_total: float) -> dict:
     )
 
 
-def _mem_available() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return float(line.split()[1]) * 1024
-    return 0.0
+def host_meminfo() -> dict[str, int]:
+    """MemTotal and MemAvailable of this machine in bytes (/proc/meminfo; {} where there is none)."""
+    out = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                out[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
 
 
 def plan(device: str, tiny: bool) -> dict:
@@ -115,7 +121,7 @@ def plan(device: str, tiny: bool) -> dict:
     import torch
 
     shm = shutil.disk_usage("/dev/shm").free if Path("/dev/shm").is_dir() else 0
-    return size_for(_mem_available(), shm, torch.cuda.get_device_properties(0).total_memory)
+    return size_for(float(host_meminfo().get("MemAvailable", 0)), shm, torch.cuda.get_device_properties(0).total_memory)
 
 
 def run_bench(device: str, tiny: bool, work: Path, budget_s: float) -> dict:
@@ -262,11 +268,8 @@ def markdown(res: dict) -> list[str]:
     if res.get("skipped"):
         lines += ["", f"Skipped: {'; '.join(res['skipped'])}."]
     if "none" in res["systems"] and "gemini_k1" in res["systems"]:
-        from torchmoe_harness.ettr_gpu import RESTART_S, break_even, table
+        from torchmoe_harness.ettr_gpu import RESTART_S, report_lines
 
         lines += ["", f"ETTR from these costs (simulated; the same {RESTART_S:.0f} s restart for every system):", ""]
-        lines += table(res)
-        for (w, label), f in break_even(res).items():
-            say = "never" if f is None else f"below {f:.2%} of a step"
-            lines.append(f"- ours with W = {w} beats the dense snapshot at its best interval at MTBF {label}: {say}")
+        lines += report_lines(res)
     return lines

@@ -40,6 +40,7 @@ from torchmoe_ckpt.storage.tiers import build_tiers
 from torchmoe_harness.baselines import make_system
 from torchmoe_harness.baselines.ours import Ours
 from torchmoe_harness.bench_moe_worker import _detach, _engine, _pick_interval
+from torchmoe_harness.gpu_check_bench import host_meminfo
 from torchmoe_harness.gpu_check_syncs import SyncCounter
 from torchmoe_harness.scenario import run_identity
 from torchmoe_harness.trainer import RunConfig, Trainer
@@ -103,12 +104,9 @@ def rss_bytes() -> int:
 
 
 def host_available_fraction() -> float:
-    """MemAvailable / MemTotal of this machine (/proc/meminfo; 1.0 where there is none)."""
-    try:
-        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        return int(info["MemAvailable"].split()[0]) / int(info["MemTotal"].split()[0])
-    except (OSError, KeyError, ValueError):
-        return 1.0
+    """MemAvailable / MemTotal of this machine (1.0 where /proc/meminfo has neither)."""
+    info = host_meminfo()
+    return info["MemAvailable"] / info["MemTotal"] if info.get("MemTotal") and "MemAvailable" in info else 1.0
 
 
 def pinned_in_use(device: torch.device) -> int | None:
