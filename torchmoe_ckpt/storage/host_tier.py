@@ -1,19 +1,12 @@
 """Host-memory tier: each writer's slots as raw-bytes DCP checkpoints (slot_format.py) in a node-local directory
-(default under /dev/shm, so a copy survives a worker restart by torchrun but not a node loss), in the layout of
-layout.py, committed per window by the writer's manifest (window_tier.py).
+(default under /dev/shm: a copy survives a worker restart, not a node loss), committed per window by the writer's
+manifest (window_tier.py).
 
-Persisting costs about one summing pass: with the checkpointer on CPU, a slot's buffers ARE a mapped data file
-of this directory (slot_files.py), so the snapshot copy writes the bytes and the persist hard-links the file
-into the window, sums it once (sum64b512, checksums.py) and writes a small `.metadata` record; the DCP metadata
-is computed and pickled once per slot layout (slot_format.py). Slots in plain memory (pinned CUDA buffers) and
-a DCP user's state dict are copied into a kept mapping of a collected window's data file (`.spare/`,
-mapped_files.py): one memcpy more, no shared-memory page allocated again.
-
-A window is readable by a writer iff its manifest exists, every file verifies, the manifest matches its own
-checksum, and every slot file was written for the window/slot/step/run where it sits (`check`). The manifest
-lists only what the slot writes of this process reported, never what happens to be on disk at commit time: a
-window one of whose slot writes failed (ENOSPC, ...) is never committed. The checkpointer's slots are written
-by a background thread (persist_thread.py) after their copy finished; the training thread never waits on it.
+Persisting costs about one summing pass: on CPU a slot's buffers ARE a mapped data file here (slot_files.py), so
+the persist hard-links it into the window, sums it once and writes a small `.metadata`. Slots in plain memory
+(pinned CUDA buffers) and a DCP user's state dict are copied into a kept mapping of a spare data file
+(mapped_files.py). A window is committed only with what this process's slot writes reported (never what happens
+to be on disk), and readable only if every file verifies and sits where it was written for (`check`).
 """
 
 from __future__ import annotations
@@ -40,7 +33,6 @@ from .layout import (
     slot_writer_dir,
     slots_dir,
     window_dirname,
-    writer_name,
 )
 from .manifest import plan_digest, record_digest, slot_metadata_file, slot_record
 from .mapped_files import MappedFiles
@@ -70,9 +62,8 @@ class HostTier(WindowTier):
 
     def slot_dir(self, window_id: int, slot: int, rank: int | None = None) -> Path:
         """A writer's piece of one slot: a self-contained DCP checkpoint (stock dcp.load reads it)."""
-        return self.window_dir(window_id) / slot_writer_dir(slot, self.writer if rank is None else writer_name(rank))
+        return self.window_dir(window_id) / slot_writer_dir(slot, self.writer_of(rank))
 
-    # ---- write path (background thread) --------------------------------------------------------------
     def write_slot(self, window_id: int, slot: Slot, info: dict, partial: tuple | None = None) -> int:
         """Persist one captured slot of the checkpointer; returns its bytes. `partial` (sliding plans): (start
         step, plan, replay records so far) of its window, recorded after the slot (`write_partial`)."""
@@ -97,7 +88,7 @@ class HostTier(WindowTier):
 
     def _slot_layout(self, slot: Slot) -> tuple[SlotLayout, list]:
         """The slot's layout and its [(offset, bytes, buffer)], computed once per slot object (its items never
-        change); slot objects of one plan share the planned layout."""
+        change)."""
         got = getattr(slot, "_raw_layout", None)
         if got is None or got[0] != len(slot.items):
             back = backing(slot)
@@ -125,15 +116,13 @@ class HostTier(WindowTier):
 
     @property
     def max_spares(self) -> int:
-        """Spare data files kept: `spare_windows` windows' worth (a window's files are what the next one writes);
-        none with slot files, whose sets are reused whole (slot_files.py)."""
+        """Spare data files kept: `spare_windows` windows' worth; none with slot files (their sets are reused whole)."""
         return 0 if self._slot_files is not None else self.spare_windows * self.window_data_files
 
     def host_bytes(self, aliased: set = frozenset(), backlog_below: int | None = None) -> dict[str, int]:
-        """This writer's host memory in the tier directory, from the file system: window files that are not
-        the live slot sets' (`aliased`: their (device, inode)s, counted by the allocator), split into the windows
-        the retention keeps and the older ones kept for the object store (`backlog_below`: the retention floor);
-        spare files; stale slot-file names; mappings of deleted files (their pages stay while mapped)."""
+        """This writer's host memory here, from the file system: window files other than the live slot sets'
+        (`aliased`: their (device, inode)s), split at the retention floor `backlog_below` into kept windows and the
+        object store's backlog; spares; stale slot-file names; mappings of deleted files (pinned while mapped)."""
         seen: set = set()
         wins = usage.window_bytes(self.dir, self.writer, seen, aliased)
         floor = min(wins, default=0) if backlog_below is None else backlog_below
@@ -148,7 +137,6 @@ class HostTier(WindowTier):
     def _forget(self, path: Path) -> None:
         self._maps.forget(path)
 
-    # ---- read path -----------------------------------------------------------------------------------
     def load_window(self, window_id: int, ops: dict, compute_dtype: torch.dtype, identity: RunIdentity | None = None):
         """Read this writer's copy of a committed window back into fresh slot buffers (checked first)."""
         problems = self.check(window_id, identity)
@@ -159,21 +147,15 @@ class HostTier(WindowTier):
             )
         man = self.manifest(window_id)
         plan = WindowPlan.from_dict(man.plan)
-        w = window_dirname(window_id)
-        slots = []
-        for i, sp in enumerate(plan.slots):
-            slot = build_slot(i, sp.active, sp.frozen, ops, compute_dtype)
-            read_slot(self.files, f"{w}/{slot_writer_dir(i, self.writer)}", slot)  # every item checked
-            slot.step = man.start_step + i
+        slots = [self._read_slot(window_id, i, sp, ops, compute_dtype)[0] for i, sp in enumerate(plan.slots)]
+        for slot in slots:
+            slot.step = man.start_step + slot.index
             slot.done.set()
-            slots.append(slot)
-        rlog = ReplayLog()
-        for d in torch.load(
-            self.window_dir(window_id) / replay_file(self.writer), weights_only=True, map_location="cpu"
-        ):
+        rel = self.window_dir(window_id) / replay_file(self.writer)
+        records = torch.load(rel, weights_only=True, map_location="cpu")
+        for d in records:
             self._check_record(window_id, man, d)
-            rlog.add(IterationRecord.from_dict(d))
-        win = Window(window_id, man.start_step, plan, slots, rlog, captured=plan.window)
+        win = Window(window_id, man.start_step, plan, slots, _replay_log(records), captured=plan.window)
         if not win.committed:
             raise CorruptCopyError(
                 f"window {window_id}: replay records do not cover steps {man.start_step + 1}.."
@@ -196,13 +178,12 @@ class HostTier(WindowTier):
         plan = WindowPlan.from_dict(got["plan"])
         if not plan.sliding:
             return None
-        digest, w = plan_digest(got["plan"]), window_dirname(window_id)
+        digest = plan_digest(got["plan"])
         records = {d["step"]: d for d in got["records"]}
         slots = []
         for i, sp in enumerate(plan.slots[: got["slots"]]):
-            slot = build_slot(i, sp.active, sp.frozen, ops, compute_dtype)
             try:
-                info = read_slot(self.files, f"{w}/{slot_writer_dir(i, self.writer)}", slot)
+                slot, info = self._read_slot(window_id, i, sp, ops, compute_dtype)
             except (OSError, CorruptCopyError, ValueError, KeyError):
                 break
             rec = slot_record(info)
@@ -218,10 +199,12 @@ class HostTier(WindowTier):
             slots.append(slot)
         if not slots:
             return None
-        rlog = ReplayLog()
-        for d in got["records"]:
-            rlog.add(IterationRecord.from_dict(d))
-        return Window(window_id, start_step, plan, slots, rlog, captured=len(slots))
+        return Window(window_id, start_step, plan, slots, _replay_log(got["records"]), captured=len(slots))
+
+    def _read_slot(self, window_id: int, i: int, sp, ops: dict, compute_dtype: torch.dtype) -> tuple[Slot, dict]:
+        """Slot i of a window into fresh buffers, every item checked; and its planner info."""
+        slot = build_slot(i, sp.active, sp.frozen, ops, compute_dtype)
+        return slot, read_slot(self.files, f"{window_dirname(window_id)}/{slot_writer_dir(i, self.writer)}", slot)
 
     def _check_record(self, window_id: int, man, record: dict) -> None:
         """A replay record must be the one its slot was written with (the digest in the slot's DCP metadata):
@@ -234,3 +217,10 @@ class HostTier(WindowTier):
                 f"window {window_id}: the replay record of step {record.get('step')} is not the one slot {slot} "
                 "was written with (its digest differs: an edited or swapped record); it is not replayed"
             )
+
+
+def _replay_log(records: list[dict]) -> ReplayLog:
+    rlog = ReplayLog()
+    for d in records:
+        rlog.add(IterationRecord.from_dict(d))
+    return rlog

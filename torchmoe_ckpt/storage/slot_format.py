@@ -1,20 +1,11 @@
-"""The on-disk slot format: one writer's piece of a slot as a self-contained raw-bytes DCP checkpoint. Every tier
-stores it and every reader reads it (stock `dcp.load` with our reader, the DCP adapters, the host tier's
-`load_window`, peers, the object store, `inspect`/`verify`):
+"""The on-disk slot format: one writer's piece of a slot as a self-contained raw-bytes DCP checkpoint, read by
+every tier, the DCP adapters and `inspect`/`verify`:
 
-    slot-SS/<writer>/__0_0.distcp   the items' bytes as they are, each at a 512-byte-aligned offset, zero padding
-                                    between them: one summing pass gives every item's checksum and the file's
-    slot-SS/<writer>/.metadata      the pickled DCP `Metadata`: every item's chunk and `RawItem` (file, offset,
-                                    length, checksum), and `planner_data["torchmoe_ckpt"]` = window, slot, step,
-                                    run, plan and the items' checksums; written after the data file (the commit)
+    slot-SS/<writer>/__0_0.distcp   the items' bytes, each at a 512-byte-aligned offset, zero padding between
+    slot-SS/<writer>/.metadata      the pickled DCP `Metadata` (chunks, `RawItem`s, planner info), written last
 
-The items of a set of slot buffers never change while the buffers are reused, so everything DCP derives from
-them -- the items' chunks and properties, their offsets and block ranges, the pickled static `Metadata` -- is
-computed once per layout (`SlotLayout`). A save adds only what changes: window/slot/step/run ids and one digest
-per item; the `.metadata` it writes unpickles (`rebuild_metadata`) to the full DCP `Metadata`.
-
-A slot directory read as a whole (`read_slot_metadata`) merges the metadata of every writer in it, so a DCP
-user's `dcp.load` of `window-N/slot-SS` sees one checkpoint: the union of the writers' items.
+Everything DCP derives from a set of slot buffers is computed once per layout (`SlotLayout`); a save adds only
+its ids and one digest per item. A slot directory read as a whole merges its writers' pieces into one checkpoint.
 """
 
 from __future__ import annotations
@@ -54,8 +45,7 @@ class CorruptCopyError(TorchmoeError, RuntimeError):
 
 @dataclass
 class RawItem:
-    """Where one item's raw bytes sit (Metadata.storage_data value). `length` and `offset` as in DCP's own
-    _StorageInfo, so tools that read those keep working."""
+    """Where one item's raw bytes sit (a Metadata.storage_data value; fields named as DCP's _StorageInfo's)."""
 
     relative_path: str
     offset: int
@@ -218,10 +208,14 @@ def as_source(d):
 
 
 # ---- reading -------------------------------------------------------------------------------------------------
-def slot_info(metadata_bytes: bytes) -> dict:
-    """The planner info (window, slot, step, run, plan, checksums) of a slot's pickled DCP `.metadata`."""
-    md = pickle.loads(metadata_bytes)
+def planner_info(md) -> dict:
+    """Our planner info (window, slot, step, run, plan, checksums) of a DCP `Metadata` ({} when it has none)."""
     return (getattr(md, "planner_data", None) or {}).get(PLANNER_KEY) or {}
+
+
+def slot_info(metadata_bytes: bytes) -> dict:
+    """The planner info of a slot's pickled DCP `.metadata`."""
+    return planner_info(pickle.loads(metadata_bytes))
 
 
 def load_metadata(raw: bytes, where: str) -> Metadata:
@@ -240,7 +234,7 @@ def merge_metadata(pieces: dict[str, Metadata], where: str) -> Metadata:
     are refused."""
     sd: dict = {}
     storage: dict = {}
-    infos = {w: (md.planner_data or {}).get(PLANNER_KEY) or {} for w, md in pieces.items()}
+    infos = {w: planner_info(md) for w, md in pieces.items()}
     first = next(iter(infos.values()))
     for w, info in infos.items():
         if any(info.get(k) != first.get(k) for k in INFO_KEYS):
@@ -265,18 +259,21 @@ def merge_metadata(pieces: dict[str, Metadata], where: str) -> Metadata:
 def read_slot_metadata(files, rel: str = "") -> Metadata:
     """The metadata of a slot directory (`rel` under `files`): its own `.metadata` (one writer's piece, or a
     plain DCP checkpoint) when it has one, else every writer's piece in it, merged."""
-    top = f"{rel}/{METADATA}" if rel else METADATA
-    where = f"{files.where}/{rel}" if rel else files.where
-    if files.exists(top):
-        return load_metadata(bytes(files.read(top)), where)
+    where = _join(files.where, rel)
+    if files.exists(_join(rel, METADATA)):
+        return load_metadata(bytes(files.read(_join(rel, METADATA))), where)
     pieces = {}
     for w in sorted(files.listdir(rel)):
-        path = f"{rel}/{w}/{METADATA}" if rel else f"{w}/{METADATA}"
+        path = _join(rel, w, METADATA)
         if not w.startswith(".") and files.exists(path):
             pieces[w] = load_metadata(bytes(files.read(path)), f"{where}/{w}")
     if not pieces:
         raise FileNotFoundError(f"{where}: no committed checkpoint (no {METADATA})")
     return merge_metadata(pieces, where)
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p for p in parts if p)
 
 
 def chunk_sizes(md: Metadata) -> dict[tuple, tuple]:
@@ -322,7 +319,7 @@ def read_slot(files, rel: str, slot: Slot, md: Metadata | None = None) -> dict:
     planner info (window, slot, step, run, plan, checksums). The host tier's own read: no DCP planning per load."""
     where = f"{files.where}/{rel}"
     md = md if md is not None else read_slot_metadata(files, rel)
-    raw = memoryview(files.read(f"{rel}/{DATA_FILE}" if rel else DATA_FILE))
+    raw = memoryview(files.read(_join(rel, DATA_FILE)))
     for it in slot.items:
         wi = write_item(it)
         info = md.storage_data.get(wi.index)
@@ -336,7 +333,7 @@ def read_slot(files, rel: str, slot: Slot, md: Metadata | None = None) -> dict:
             raise CorruptCopyError(f"{where}: item checksums do not match for {wi.index.fqn} (torn or corrupt)")
         if info.length:
             it.buffer.view(-1).view(torch.uint8).copy_(torch.frombuffer(view, dtype=torch.uint8))
-    return (md.planner_data or {}).get(PLANNER_KEY) or {}
+    return planner_info(md)
 
 
 def checksum_matches(data, want) -> bool:

@@ -1,8 +1,6 @@
-"""What the host tier and the object store (DCP format) share: one writer's windows kept as files in the layout
-(layout.py), written slot by slot, committed with a manifest written last, listed, verified, checked and
-collected the same way on a local directory or any fsspec store (files.py). tier.py states the contract and
-who calls each step.
-"""
+"""What the host tier and the object store (DCP format) share: one writer's windows as files in the layout
+(layout.py), written slot by slot, committed by a manifest written last, on a local directory or any fsspec store
+(files.py). tier.py states the contract."""
 
 from __future__ import annotations
 
@@ -40,14 +38,20 @@ from .spare_files import keep_spares, spares
 MAX_LAYOUTS = 64  # slot layouts kept per tier (a plan change brings new ones; old plans' are dropped)
 
 
+def saved(obj) -> bytes:
+    """`obj` as `torch.save` writes it."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
 class UncommittableWindow(TorchmoeError, RuntimeError):
     """A window one of whose slot writes failed (or never ran): its manifest is never written."""
 
 
 def write_slot_dir(files, rel: str, lay: SlotLayout, info: dict, write_data, algo: str = SUM64):
-    """Write one writer's piece of a slot at `rel` (slot_format.py): the data file through `write_data(data_rel)`,
-    which returns the file's block sums (sum64b512) or its bytes (CRC32), then its `.metadata`, last. Returns
-    the two files' entries (by name) and the items' checksums."""
+    """Write one writer's piece of a slot at `rel`: the data file through `write_data(data_rel)` (returns its block
+    sums, sum64b512, or its bytes, CRC32), then its `.metadata`. Returns both files' entries and item checksums."""
     files.makedirs(rel)
     got = write_data(f"{rel}/{DATA_FILE}")
     meta, digest, items = lay.record(
@@ -74,9 +78,8 @@ def mapped_items(lay: SlotLayout, sources: list) -> list:
 
 
 def mapped(maps, files, lay: SlotLayout, items: list, take_spare=None):
-    """`write_data` through a kept shared mapping of the data file (mapped_files.py): one copy per item, and the
-    block sums from the same pass. `take_spare(size)` offers a collected window's file to write over (its
-    shared-memory pages are reused, not faulted in)."""
+    """`write_data` through a kept shared mapping of the data file (mapped_files.py); `take_spare(size)` offers a
+    collected window's file to write over (its pages are reused, not faulted in)."""
 
     def write(data_rel: str):
         path = files.path(data_rel)
@@ -89,16 +92,15 @@ def mapped(maps, files, lay: SlotLayout, items: list, take_spare=None):
 
 
 class WindowTier:
-    """One writer's windows on one Files backend (see the module docstring)."""
+    """One writer's windows on one Files backend."""
 
     def __init__(self, files, rank: int, world_size: int):
         self.files, self.rank, self.world_size = files, rank, world_size
         self.writer = writer_name(rank)
-        # (window, slot) -> what that slot's write reported: its files (size, digest) and its DCP info.
+        # (window, slot) -> what that slot's write reported: its files and its DCP info (the commit lists these).
         self._written: dict[tuple[int, int], tuple[dict[str, FileEntry], dict]] = {}
         self._layouts: dict[tuple, SlotLayout] = {}  # planned once per layout, not per save
 
-    # ---- write (one writer; the persist thread, or a DCP adapter's write_data) ----------------------------
     def layout(self, items: list, offsets=None, size=None) -> SlotLayout:
         key = SlotLayout.key(items, offsets, size)
         lay = self._layouts.get(key)
@@ -109,8 +111,7 @@ class WindowTier:
         return lay
 
     def write_items(self, window_id: int, slot: int, items: list, info: dict, algo: str = SUM64) -> list:
-        """Write one slot from DCP write items and their data [(WriteItem, tensor or bytes)]; returns DCP's
-        WriteResults (the DCP adapters' path; the checkpointer's is HostTier.write_slot)."""
+        """Write one slot from [(WriteItem, tensor or bytes)] (the DCP adapters'); returns DCP's WriteResults."""
         lay = self.layout([(wi, nbytes_of(wi, d)) for wi, d in items])
         sources = [d for _, d in items]
         digests = self._store_slot(window_id, slot, lay, info, self._data_writer(lay, sources, algo), algo)
@@ -127,7 +128,6 @@ class WindowTier:
             self.files.remove([f"{window_dirname(window_id)}/{manifest_name(self.writer)}"])
         entries, digests = write_slot_dir(self.files, rel, lay, info, write_data, algo)
         d = slot_writer_dir(slot, self.writer)
-        # Reported by the call that wrote them: the commit lists these entries, not a later re-read.
         self._written[(window_id, slot)] = ({f"{d}/{k}": e for k, e in entries.items()}, dict(info))
         return digests
 
@@ -141,9 +141,8 @@ class WindowTier:
     def write_commit(
         self, window_id: int, start_step: int, plan: WindowPlan, log: ReplayLog | None, extra: dict
     ) -> WindowManifest:
-        """Commit this writer's copy of a window: only if every slot write of it succeeded in this process.
-        `log`: the replay records, written beside the slots (None: they are items of the slots, a DCP user's).
-        `extra["identity"]` (a RunIdentity dict) goes into the manifest's identity."""
+        """Commit this writer's copy of a window, only if every slot write of it succeeded in this process. `log`:
+        the replay records (None: they are items of the slots, a DCP user's); `extra["identity"]`: the manifest's."""
         extra = dict(extra)
         identity = extra.pop("identity", None) or {}
         missing = [i for i in range(plan.window) if (window_id, i) not in self._written]
@@ -157,33 +156,21 @@ class WindowTier:
         for i in range(plan.window):
             got, info = self._written[(window_id, i)]
             rec = slot_record(info)
-            if (
-                rec["window"] != window_id
-                or rec["slot"] != i
-                or rec["step"] != start_step + i
-                or rec["plan"] not in (None, digest)
+            if (rec["window"], rec["slot"], rec["step"]) != (window_id, i, start_step + i) or rec["plan"] not in (
+                None,
+                digest,
             ):
                 raise UncommittableWindow(f"window {window_id} slot {i} was written as {rec}: not committed")
             files.update(got)
             records.append(rec)
         w = window_dirname(window_id)
         if log is not None:
-            buf = io.BytesIO()
-            torch.save([r.to_dict() for r in log.records.values()], buf)
-            data = buf.getvalue()
+            data = saved([r.to_dict() for r in log.records.values()])
             self.files.write(f"{w}/{replay_file(self.writer)}", data)
             files[replay_file(self.writer)] = FileEntry(len(data), crc32_bytes(data))
-        man = WindowManifest(
-            window_id,
-            start_step,
-            plan.window,
-            self.world_size,
-            plan.to_dict(),
-            files,
-            dict(extra, rank=self.rank, **({"node_ranks": self.node_ranks} if self.node_ranks else {})),
-            identity=identity,
-            slots=records,
-        )
+        extra = dict(extra, rank=self.rank, **({"node_ranks": self.node_ranks} if self.node_ranks else {}))
+        man = WindowManifest(window_id, start_step, plan.window, self.world_size, plan.to_dict(), files, extra)
+        man.identity, man.slots = identity, records
         faults.point("manifest")
         self.files.write_last(f"{w}/{manifest_name(self.writer)}", man.to_json().encode())  # the commit
         self.window_data_files = sum(map(is_data_file, files))
@@ -192,27 +179,15 @@ class WindowTier:
         return man
 
     def write_partial(self, window_id: int, start_step: int, plan: WindowPlan, records: list, slots: int) -> None:
-        """A window with a sliding plan, before its commit: how far it got (its first `slots` slots written), with
-        the plan and the replay records so far, replaced atomically after each slot. Recovery may start from a
-        committed window's slots and continue through these (sparse_to_dense.replay_slots); every slot is still
-        checked item by item and against its `.metadata` (window, slot, step, run, plan) when read."""
-        buf = io.BytesIO()
-        torch.save(
-            {
-                "window": window_id,
-                "start_step": start_step,
-                "plan": plan.to_dict(),
-                "slots": slots,
-                "records": [r.to_dict() for r in records],
-            },
-            buf,
-        )
-        self.files.write_last(f"{window_dirname(window_id)}/{partial_file(self.writer)}", buf.getvalue())
+        """A sliding plan's window before its commit: how far it got (its first `slots` slots), its plan and replay
+        records so far, replaced atomically after each slot (recovery may continue through them)."""
+        recs = [r.to_dict() for r in records]
+        data = saved(dict(window=window_id, start_step=start_step, plan=plan.to_dict(), slots=slots, records=recs))
+        self.files.write_last(f"{window_dirname(window_id)}/{partial_file(self.writer)}", data)
 
-    # ---- read ----------------------------------------------------------------------------------------------
     def window_ids(self, require_manifest: bool = True, rank: int | None = None) -> list[int]:
         """Windows this writer committed (`require_manifest=False`: every window directory)."""
-        man = manifest_name(self.writer if rank is None else writer_name(rank))
+        man = manifest_name(self.writer_of(rank))
         ids = []
         for name in self.files.listdir(""):
             wid = parse_window_dirname(name)
@@ -221,8 +196,11 @@ class WindowTier:
         return sorted(ids)
 
     def manifest(self, window_id: int, rank: int | None = None) -> WindowManifest:
-        writer = self.writer if rank is None else writer_name(rank)
-        return WindowManifest.from_json(bytes(self.files.read(f"{window_dirname(window_id)}/{manifest_name(writer)}")))
+        rel = f"{window_dirname(window_id)}/{manifest_name(self.writer_of(rank))}"
+        return WindowManifest.from_json(bytes(self.files.read(rel)))
+
+    def writer_of(self, rank: int | None) -> str:
+        return self.writer if rank is None else writer_name(rank)
 
     def verify(self, window_id: int, rank: int | None = None) -> list[str]:
         """Problems with one writer's copy of a window's files (empty list = every file verifies)."""
@@ -247,8 +225,8 @@ class WindowTier:
         return problems
 
     def check(self, window_id: int, identity: RunIdentity | None = None, rank: int | None = None) -> list[str]:
-        """Everything recovery checks before loading a writer's copy: the files (`verify`), where the manifest
-        and every slot file sit (window/slot/step/run), and, given `identity`, that this run wrote it."""
+        """What recovery checks before loading a writer's copy: `verify`, where the manifest and every slot file sit
+        (window/slot/step/run), and, given `identity`, that this run wrote it."""
         problems = self.verify(window_id, rank)
         if problems:
             return problems
@@ -262,10 +240,8 @@ class WindowTier:
         """The planner info (window, slot, step, run, plan, checksums) of a slot's `.metadata` in a window."""
         return slot_info(bytes(self.files.read(f"{window_dirname(window_id)}/{rel}")))
 
-    # ---- collect -------------------------------------------------------------------------------------------
     def remove_window(self, window_id: int) -> None:
-        """Remove this writer's files of a window, its manifest first (never a half-deleted copy committed);
-        the window directory too once nothing else is in it."""
+        """Remove this writer's files of a window, its manifest first; the directory too once it is empty."""
         w = window_dirname(window_id)
         self.files.remove([f"{w}/{manifest_name(self.writer)}"])
         self._discard([f"{w}/{r}" for r in self.files.find(w) if belongs_to(r, self.writer)], w)
@@ -280,8 +256,7 @@ class WindowTier:
         return Path(self.files.path(spare_dir(self.writer)))  # an internal name: never listed as a window
 
     def take_spare(self, nbytes: int) -> Path | None:
-        """The kept data file whose size is closest to `nbytes` (None when there is none): written over, its
-        page-cache or shared-memory pages are reused instead of being allocated and zeroed again."""
+        """The kept data file whose size is closest to `nbytes` (None: none), to be written over (its pages reused)."""
         files = spares(self.spare_path()) if self.max_spares else []
         return min(files, key=lambda f: abs(f.stat().st_size - nbytes)) if files else None
 
@@ -290,8 +265,7 @@ class WindowTier:
         n = 0
         for f in spares(self.spare_path()):
             n += f.stat().st_size
-            self._forget(f)
-            f.unlink(missing_ok=True)
+            self._delete(f)
         return n
 
     def _discard(self, rels: list[str], window_dir: str) -> None:
@@ -303,8 +277,7 @@ class WindowTier:
                 spare = [f for f in data if f.stat().st_nlink == 1]
                 for f in keep_spares(spare, self.spare_path(), self.max_spares, window_dir):
                     if f.parent == self.spare_path():  # a spare beyond the limit (it went down)
-                        self._forget(f)
-                        f.unlink(missing_ok=True)
+                        self._delete(f)
             for f in data:
                 if f.exists():  # to be deleted: a kept mapping would hold its pages
                     self._forget(f)
@@ -312,6 +285,10 @@ class WindowTier:
 
     def _forget(self, path: Path) -> None:
         """A data file about to be deleted (the host tier drops its mapping: it would pin the pages)."""
+
+    def _delete(self, path: Path) -> None:
+        self._forget(path)
+        path.unlink(missing_ok=True)
 
     def collect(self, keep_from: int) -> list[int]:
         """Delete this writer's files of windows older than `keep_from`; returns the deleted ids."""
