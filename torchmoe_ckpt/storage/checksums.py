@@ -1,21 +1,12 @@
-"""Every checksum the storage writes and checks, in one module: item digests, file digests, their names.
+"""Every checksum the storage writes and checks. What is recorded names its algorithm ("crc32:<hex>",
+"sum64b512:<hex>", a manifest entry's "algo"), so a reader checks whichever one a file was written with.
 
-What is recorded names its algorithm ("crc32:<hex>", "sum64b512:<hex>"; a manifest entry's "algo"), so a reader
-checks whichever one a file was written with (files written with CRC32 keep verifying).
-
-sum64b512 (the slot data files', computed at memory speed: one vectorised int64 sum pass, ~9x cheaper than
-CRC32 on the CPUs we measured): the bytes, zero-padded to a multiple of 512, are cut into 512-byte blocks; each
-block's 64 little-endian int64 words are summed (wrapping, mod 2**64); the digest is the CRC32 of those block
-sums followed by the byte length (8 bytes, little endian). Detects: any change confined to one block (a bit
-flip, a changed word: the block sum changes by a non-zero amount), a zeroed or stale page (torn write), bytes
-moved between blocks, a different length; each unless the block sums collide (mod 2**64) or their CRC32 does
-(2**-32). Does not detect words reordered within one 512-byte block. Not cryptographic: guards against
-corruption and torn writes, not against an adversary.
-
-Because an item's digest is a function of its padded blocks, a data file whose items start at 512-byte
-offsets with zero padding between them has, as a whole, the same kind of digest, computed from the same block
-sums in the same pass (`block_sums` over the file, then `digest_blocks` over each item's range and the whole).
-CRC32 stays for small files (manifests' metadata and replay entries) and the tensorstore format's pieces.
+sum64b512 (slot data files; one vectorised pass, ~9x cheaper than CRC32): the bytes, zero-padded to a multiple of
+512, are cut into 512-byte blocks; each block's 64 little-endian int64 words are summed (wrapping); the digest is
+the CRC32 of those block sums followed by the byte length (8 bytes, little endian). Detects a change confined to a
+block, a zeroed or stale page, bytes moved between blocks, another length (unless sums or CRC32 collide); not
+words reordered within a block, nor an adversary. Items at 512-byte offsets with zero padding between them get
+their digests and the whole file's from the same block sums. CRC32 stays for small files and tensorstore pieces.
 """
 
 from __future__ import annotations
@@ -44,13 +35,8 @@ def crc32_bytes(data, crc: int = 0) -> int:
     return zlib.crc32(data, crc) & 0xFFFFFFFF
 
 
-def tensor_bytes(t: torch.Tensor) -> np.ndarray:
-    """The bytes of a CPU tensor (a view when it is contiguous)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
 def crc32_tensor(t: torch.Tensor) -> int:
-    return crc32_bytes(tensor_bytes(t))
+    return crc32_bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def block_sums(data) -> np.ndarray:
@@ -120,8 +106,7 @@ class FileEntry:
         return len(data) == self.bytes and digest(data, self.algo) == self.crc32
 
     def problem(self, rel: str, got: FileEntry) -> str | None:
-        """Why a file whose size and digest (under this entry's algorithm) are `got` is not this one (torn or
-        corrupt); None when it is."""
+        """Why a file of size and digest `got` is not this one (torn or corrupt); None when it is."""
         if got.bytes != self.bytes:
             return f"{rel}: {got.bytes} bytes, manifest says {self.bytes} (torn)"
         if got.crc32 != self.crc32:
@@ -130,8 +115,7 @@ class FileEntry:
 
 
 class Digester:
-    """A file's digest under `algo`, fed chunk by chunk (every chunk but the last a multiple of 512 bytes), so a
-    copy loop checksums each chunk while it is in cache instead of in a second pass over the file."""
+    """A file's digest under `algo`, fed chunk by chunk (all but the last a multiple of 512 bytes) by a copy loop."""
 
     def __init__(self, algo: str = CRC32):
         if algo not in ALGOS:

@@ -1,9 +1,6 @@
-"""Where a tier's files go: a local directory or any fsspec store, behind one small interface, so the tiers,
-the DCP adapters and `inspect`/`verify` read and write the layout (layout.py) the same way on both.
-
-Paths are relative to the backend's root (a run directory, a slot directory, a peer copy). `write` makes a
-new file (whatever was at that name is replaced, never written into: on a host tier it may be a link to live
-slot buffers); `write_last` is the commit (commit.py locally; on a store the put that comes after every other).
+"""Where a tier's files go: a local directory or any fsspec store behind one small interface, paths relative to
+its root. `write` makes a new file (never writes into an existing one: on a host tier it may be a link to live
+slot buffers); `write_last` is the commit (commit.py locally; on a store, the put after every other).
 """
 
 from __future__ import annotations
@@ -14,6 +11,7 @@ from pathlib import Path
 
 from .checksums import FileEntry, digest, file_entry
 from .commit import write_last
+from .spare_files import place_new_file
 from .store_open import is_local, open_store
 
 
@@ -35,11 +33,8 @@ class LocalFiles:
         return buf
 
     def write(self, rel: str, data) -> None:
-        path = self.path(rel)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if os.path.lexists(path):
-            os.unlink(path)
-        with open(path, "wb") as f:
+        place_new_file(self.path(rel))
+        with open(self.path(rel), "wb") as f:
             f.write(memoryview(data).cast("B"))
 
     def write_last(self, rel: str, data: bytes) -> None:

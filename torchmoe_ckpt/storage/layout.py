@@ -1,26 +1,14 @@
-"""Names and paths of everything the storage tiers write, in one place: every tier, `inspect`/`verify` and the
-DCP adapters agree on where a file sits because they all ask this module.
+"""Names and paths of everything the storage tiers write, in one place (the host tier, the object store in the DCP
+format, a DCP user's save; `inspect`/`verify`). Under a run directory (`<root>/node-N/<run>`, `<uri>/<run>`, or a
+DCP user's base path):
 
-One layout for every tier that stores files (the host tier, the object store in the DCP format, a DCP user's
-`dcp.save`). A *run directory* is a host tier's `<root>/node-N/<run>`, an object store's `<uri>/<run>`, or the
-base path a DCP user saves under:
+    window-000042/slot-00/rank-00003/{__0_0.distcp,.metadata}   a writer's piece of slot 0 (slot_format.py)
+    window-000042/replay/rank-00003.pt (.partial.pt)            its replay records (sliding plans' progress)
+    window-000042/MANIFEST.rank-00003.json                      written last: its commit (manifest.py)
+    .slots/ .spare/ .peers/<writer>/from-<writer>/  LOCK.json    slot files, spares, held peer copies, run lock
 
-    window-000042/                        one window: W slots
-        slot-00/rank-00003/.metadata      writer rank-00003's piece of slot 0, a self-contained one-writer DCP
-        slot-00/rank-00003/__0_0.distcp       checkpoint (raw bytes, slot_format.py); `.metadata` after the data
-        replay/rank-00003.pt              the writer's replay records (a DCP user's are items of the slots)
-        replay/rank-00003.partial.pt      sliding plans, before the commit: the window's progress (host tier)
-        MANIFEST.rank-00003.json          written last: the writer's commit of the window (manifest.py)
-    .slots/rank-00003/                    the host tier's slot buffer files (slot_files.py)
-    .spare/rank-00003/                    data files of collected windows, kept to be written over
-    .peers/rank-00003/from-rank-00001/    copies of another writer's windows held here (peer_tier.py), in
-        window-000042/...                     this same layout
-    LOCK.json                             the run lock (run_lock.py)
-
-Internal directories start with a dot: never a window, never listed by `inspect`. Files are named by their
-*writer* (`writer_name(rank)`) and listings return writer names (`parse_manifest_name`), so a later stable writer
-identity changes `writer_name` only. The tensorstore format keeps one OCDBT database per writer and window
-(`store_writer_prefix`); dense exports are TorchTitan's `step-N`, JIT copies `step-NNNNNNNN/<writer>`.
+Internal directories start with a dot. Files are named by *writer* (`writer_name`) and listings return writer
+names, so a stable writer identity would change `writer_name` only.
 """
 
 from __future__ import annotations
@@ -39,7 +27,6 @@ _WRITER = re.compile(r"^rank-(\d+)$")
 _MANIFEST = re.compile(r"^MANIFEST\.(rank-\d+)\.json$")
 
 
-# ---- writers -------------------------------------------------------------------------------------------------
 def writer_name(rank: int) -> str:
     """The name a writer's files carry (today its rank)."""
     return f"rank-{rank:05d}"
@@ -56,7 +43,6 @@ def node_dirname(node: int) -> str:
     return f"node-{node}"
 
 
-# ---- windows and slots ---------------------------------------------------------------------------------------
 def window_dirname(window_id: int) -> str:
     return f"window-{window_id:06d}"
 
@@ -103,8 +89,7 @@ def replay_file(writer: str) -> str:
 
 
 def partial_file(writer: str) -> str:
-    """A writer's progress through a window not committed yet (sliding plans): its plan, start, how many slots
-    are written and the replay records so far, rewritten after each slot (host tier only)."""
+    """A writer's progress through a window not committed yet (sliding plans, host tier)."""
     return f"{REPLAY_DIR}/{writer}.partial.pt"
 
 
@@ -124,12 +109,10 @@ def is_data_file(rel: str) -> bool:
 
 
 def belongs_to(rel: str, writer: str) -> bool:
-    """Whether a window file (relative to the window directory) is `writer`'s: its slot pieces, its replay
-    records, its manifest (and a manifest's temporary name)."""
+    """Whether a window file is `writer`'s: its slot pieces, replay records, manifest (and its temporary name)."""
     return re.search(rf"(^|[/.]){re.escape(writer)}([/.]|$)", rel) is not None
 
 
-# ---- a writer's internal directories under the run directory ------------------------------------------------
 def slots_dir(writer: str) -> str:
     return f"{SLOTS_DIR}/{writer}"
 
@@ -158,7 +141,6 @@ def is_internal(name: str) -> bool:
     return name.startswith(".")
 
 
-# ---- other formats -------------------------------------------------------------------------------------------
 def store_writer_prefix(run_id: str, writer: str) -> str:
     """The tensorstore format's databases of one writer: `<run>/<writer>/window-NNNNNN/` under it."""
     run = run_id.strip("/")

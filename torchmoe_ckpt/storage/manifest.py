@@ -1,13 +1,6 @@
-"""The window manifest: the file that makes a writer's copy of a window visible.
-
-Each writer commits its own files of a window (layout.py) with `MANIFEST.<writer>.json`, written last. It
-lists every other file of the writer with its size and digest (CRC32, or for slot data files the memory-speed
-sum64b512 of checksums.py, named in the entry; as reported by the write that produced it, never re-read from
-disk), the run identity of the writer (identity.py), the window/slot/step each slot file was written for, and a
-SHA-256 of its own canonical content: an edited manifest (a start step changed by one bit, a plan edited) no
-longer matches its checksum and is refused. Readers treat a window without a manifest as invisible
-(half-written), and verify each file against the manifest before using it: a torn or corrupt file makes the
-copy unusable on that tier, and the reader moves on to the next tier.
+"""The window manifest, `MANIFEST.<writer>.json`, written last: the file that makes a writer's copy of a window
+visible. It lists every other file of the writer with its size and digest (as the write reported it), the run
+identity, what each slot file was written for, and a SHA-256 of its own content (an edited manifest is refused).
 """
 
 from __future__ import annotations
@@ -25,11 +18,7 @@ FORMAT = "torchmoe-ckpt/window/2"  # 2: identity, slot records and a self-checks
 
 def _entry_dict(v: FileEntry) -> dict:
     # "algo" only when not CRC32: manifests of CRC32 files stay byte-identical to earlier versions
-    return (
-        {"bytes": v.bytes, "crc32": v.crc32}
-        if v.algo == CRC32
-        else {"bytes": v.bytes, "crc32": v.crc32, "algo": v.algo}
-    )
+    return {"bytes": v.bytes, "crc32": v.crc32, **({} if v.algo == CRC32 else {"algo": v.algo})}
 
 
 class ManifestError(TorchmoeError, ValueError):
@@ -115,16 +104,13 @@ def content_checksum(d: dict) -> str:
 
 
 def plan_digest(plan: dict) -> str:
-    """Short digest of a window plan, written into every slot's DCP metadata: a slot written under another
-    plan (or a manifest whose plan was edited) is recognised when loading."""
+    """Short digest of a window plan, in every slot's DCP metadata (a slot of another plan is recognised)."""
     return hashlib.sha256(json.dumps(plan, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def record_digest(record: dict) -> str:
-    """Digest of one iteration's replay record (`IterationRecord.to_dict()`): every tensor's dtype, shape and
-    bytes and every other value, in key order. Slot i of a window is written with the digest of the record of
-    its iteration (steps start+1 .. start+W-1, the ones replay uses) in its DCP metadata, so a record edited
-    after the fact (its CRC and the manifest's checksum recomputed) no longer matches the slot it belongs to."""
+    """Digest of one replay record (`IterationRecord.to_dict()`: tensors' dtype, shape, bytes, other values, in key
+    order). Slot i's DCP metadata holds its iteration's, so a record edited later no longer matches its slot."""
     import torch
     from torch.utils._pytree import tree_flatten
 
@@ -150,10 +136,9 @@ def slot_record(info: dict) -> dict:
 def check_window(
     man: WindowManifest, window_id: int, rank: int, world_size: int | None = None, slot_info=None
 ) -> list[str]:
-    """Problems with where a manifest and its slot files sit: the window id of its directory, the rank, the
-    world size, the plan, and the window/slot/step/run/plan each slot's DCP metadata was written for
-    (`slot_info(rel)` returns that metadata's planner info). A window directory or a slot file copied from
-    another window or run is refused here even when every CRC matches. Empty list = consistent."""
+    """Problems with where a manifest and its slot files sit (window, rank, world size, plan, and what each slot's
+    DCP metadata, `slot_info(rel)`, was written for): a copy from another window or run is refused even when every
+    checksum matches. Empty list = consistent."""
     out = []
     if man.window_id != window_id:
         out.append(f"manifest is of window {man.window_id}, found in the directory of window {window_id}")

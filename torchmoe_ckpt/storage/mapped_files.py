@@ -1,14 +1,7 @@
-"""Data files written through a shared mapping, kept per file: persisting into node-local shared memory at
-the cost of one memcpy.
-
-The host tier reuses its data files (`.spare/` of collected windows), so a file is mapped once (MAP_SHARED:
-the mapping *is* the tmpfs page cache, no write() copy, no page fault on a reused file) and every later slot
-written into it is one `copy_` per item into views laid out once per layout. The same pass that follows the
-copy gives the block sums of the whole file (checksums.py), from which every item's digest and the file's are
-derived. A mapping is keyed by the file's inode, so it survives the renames the host tier does (spare ->
-window dir -> spare); a mapping of a file deleted meanwhile (by anyone) is dropped on the next write, and
-`forget` drops it at once (its pages stay pinned while it is mapped).
-Readers, in this process or after a restart, read the files normally.
+"""Data files written through a kept shared mapping (MAP_SHARED: the tmpfs page cache itself), one per file, so
+persisting into node-local shared memory costs one memcpy per item, and the same pass gives the file's block sums.
+A mapping is keyed by inode (it survives the host tier's renames: spare -> window -> spare); one of a file deleted
+meanwhile is dropped on the next write, or at once by `forget` (its pages stay pinned while mapped).
 """
 
 from __future__ import annotations
@@ -26,8 +19,7 @@ from .checksums import BLOCK, tensor_block_sums
 
 def map_file(fd: int, size: int, allocate: bool = True) -> tuple[mmap.mmap, torch.Tensor]:
     """A shared read/write mapping of the open file `fd` cut to `size` bytes, and its uint8 view. `allocate`: every
-    page allocated now, so a full /dev/shm is an OSError (ENOSPC) here, never a SIGBUS when a copy touches a page
-    tmpfs cannot allocate (a reused file has its pages already)."""
+    page now, so a full /dev/shm is an OSError (ENOSPC) here, never a SIGBUS in a later copy."""
     if os.fstat(fd).st_size != size:
         os.ftruncate(fd, size)
     if allocate:
@@ -84,9 +76,8 @@ class MappedFiles:
             return m
 
     def write(self, path: str, size: int, items: list, key: object = None) -> np.ndarray:
-        """Write `items` [(offset, nbytes, tensor or bytes-like)] into file `path` of `size` bytes (a multiple of
-        BLOCK; offsets BLOCK-aligned); bytes between items read as zeros. Returns the file's block sums.
-        `key`: an object standing for this layout (the same object = the same offsets, dtypes, shapes)."""
+        """Write `items` [(offset, nbytes, tensor or bytes-like)] into file `path` of `size` bytes (BLOCK-aligned),
+        zeros between them; returns the file's block sums. `key`: an object standing for this layout."""
         assert size % BLOCK == 0, size
         if size == 0:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))

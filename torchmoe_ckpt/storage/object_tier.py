@@ -1,13 +1,7 @@
-"""Object-store tier in the DCP format: any fsspec URI (file://, s3:// via s3fs, az:// and abfs:// via adlfs,
-memory://), in the layout of every other tier (layout.py): `<uri>/<run>/window-NNNNNN/slot-SS/<writer>/...`,
-each writer's `MANIFEST.<writer>.json` written last as its commit (no rename: on Azure a rename is a non-atomic
-copy). Every writer uploads and fetches only its own files.
-
-The checkpointer's uploader (uploader.py) copies each committed host-tier window here off the training path
-(`upload`, streamed and checked against the host manifest; the manifest goes up only once every file is in the
-store at its size); a DCP user's StoreWriter writes slots here directly (WindowTier.write_items). Storage options
-are passed explicitly to fsspec (DCP's `reset(checkpoint_id)` path would drop them); every store call retries
-with backoff (retry.py), and a store that is down or slow only delays the upload queue, never training.
+"""Object-store tier in the DCP format: any fsspec URI (file://, s3://, az://, abfs://, memory://) in the layout of
+every other tier, each writer's manifest put last as its commit (no rename: on Azure a rename is a non-atomic
+copy). The uploader copies committed host windows here off the training path; a DCP user's StoreWriter writes
+slots here directly. Storage options go to fsspec explicitly, and every store call retries (retry.py).
 """
 
 from __future__ import annotations
@@ -42,9 +36,8 @@ def make_store(
     format: str = "dcp",
     **kw,
 ):
-    """The object-store tier for one URI in the chosen on-store format: "dcp" (ObjectTier, default) or
-    "tensorstore" (tensorstore_tier.TensorstoreTier). tensorstore has no driver for az:// and abfs://:
-    those stores say so once and keep the DCP format."""
+    """The object-store tier for one URI in the format "dcp" (ObjectTier) or "tensorstore" (TensorstoreTier; with no
+    driver for az:// and abfs://, those stores say so once and keep the DCP format)."""
     if format not in FORMATS:
         raise StoreConfigError(f"unknown object-store format {format!r}: use one of {', '.join(FORMATS)}")
     check_uri(uri)
@@ -62,8 +55,7 @@ class ObjectTier(WindowTier, StoreTier):
     format = "dcp"
 
     def __init__(self, *args, world_size: int = 1, **kw):
-        """StoreTier's arguments. `world_size`: recorded in the manifests this tier commits itself (a DCP user's);
-        an uploaded window keeps its host manifest."""
+        """StoreTier's arguments. `world_size`: recorded in the manifests this tier commits itself (a DCP user's)."""
         StoreTier.__init__(self, *args, **kw)
         self.fs, root = open_store(self.uri, self.storage_options, self.probe)
         run = self.run_id.strip("/")
@@ -87,8 +79,7 @@ class ObjectTier(WindowTier, StoreTier):
     _in_memory: bool | None = None
 
     def host_bytes(self) -> dict[str, int]:
-        """A local store on a memory file system (tmpfs) holds host memory: this writer's files there; and the
-        upload thread's chunk buffer. A store on disk or remote: the buffer only."""
+        """The upload thread's chunk buffer, and this writer's files when the store is in memory (tmpfs)."""
         out = {"store_buffers": len(self._buf)}
         if self.in_memory():
             root, seen = Path(self.files.path("")), set()
@@ -96,11 +87,9 @@ class ObjectTier(WindowTier, StoreTier):
             out["store_files"] = sum(usage.window_bytes(root, self.writer, seen).values()) + spare
         return out
 
-    # ---- put: a committed host-tier window (or a part of it) ------------------------------------------------
     def upload(self, tier: WindowTier, window_id: int, entries: dict | None = None, commit: bool = True) -> int:
-        """Upload this writer's copy of a committed window of `tier`: every file its manifest lists (or the files
-        `entries` names, e.g. one slot's as it is written), each checked against its entry; `commit`: then the
-        manifest, once every file it lists is in the store. Returns the bytes uploaded."""
+        """Upload this writer's copy of a committed window of `tier`: every file its manifest lists (or `entries`),
+        each checked against its entry; `commit`: then the manifest, once every file is in the store. Returns bytes."""
         man = tier.manifest(window_id) if commit else None
         self.spare_windows = getattr(tier, "spare_windows", self.spare_windows)
         if man is not None:
@@ -130,9 +119,8 @@ class ObjectTier(WindowTier, StoreTier):
         return nbytes
 
     def _check_complete(self, w: str, man: WindowManifest, window_id: int) -> None:
-        """Before the manifest: every file is in the store at its size. A store that restarted (even empty)
-        during the upload lost the files written before; a manifest over them would list a torn window as good.
-        Raises, so the uploader uploads the whole window again."""
+        """Before the manifest: every file is in the store at its size (a store that restarted during the upload lost
+        files). Raises, so the uploader uploads the whole window again."""
         self.files.invalidate()
         sizes = self._retry("list", self.files.sizes, w)
         torn = [rel for rel, e in man.files.items() if sizes.get(rel) != e.bytes]
@@ -143,10 +131,8 @@ class ObjectTier(WindowTier, StoreTier):
             )
 
     def _stream(self, src, path: str, entry: FileEntry) -> None:
-        """Copy a host-tier file to a local store through one reused buffer, checksumming exactly the bytes
-        written; a file that does not match its manifest entry raises (no manifest is written over it). A data
-        file is written over a spare (a deleted window's file): on a page-cache or tmpfs store that reuses its
-        pages instead of allocating and zeroing new ones."""
+        """Copy a host-tier file to a local store through one reused buffer, checksumming exactly the bytes written
+        (a mismatch raises); a data file is written over a spare, reusing its pages."""
         place_new_file(Path(path), self.take_spare(entry.bytes) if is_data_file(path) else None)
         d, mv = Digester(entry.algo), memoryview(self._buf)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
@@ -168,15 +154,14 @@ class ObjectTier(WindowTier, StoreTier):
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         self.fs.pipe_file(path, data)
 
-    # ---- list / get / collect --------------------------------------------------------------------------------
     def window_ids(self, require_manifest: bool = True, rank: int | None = None) -> list[int]:
         """Windows whose manifest is in the store (a window without one is half-uploaded: invisible)."""
         self.files.invalidate()
         return super().window_ids(require_manifest, rank)
 
     def download(self, window_id: int, tier: WindowTier) -> list[str]:
-        """Fetch this writer's copy into `tier` (the host tier), verifying every file; returns problems (empty =
-        ok). The local manifest is written only after every file verified."""
+        """Fetch this writer's copy into `tier` (the host tier), every file verified, the manifest last; returns
+        problems (empty = ok)."""
         w = window_dirname(window_id)
         try:
             man = self.manifest(window_id)

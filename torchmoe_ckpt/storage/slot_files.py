@@ -1,27 +1,14 @@
 """Slot buffers that are views of mapped data files in node-local shared memory: the snapshot copy IS the persist.
 
-With the host tier on (CPU training), the checkpointer allocates each slot's buffers, once per window plan,
-as views of one data file under `<run>/.slots/<writer>/`, laid out as the slot's raw DCP data file
-(slot_format.py: items BLOCK-aligned, zero padding). The snapshot copy then writes the slot's bytes straight
-into shared memory, and persisting the slot (HostTier.write_slot) is: hard-link that file into the window's
-directory, one summing pass over it for the checksums, and the small per-save `.metadata` record.
+Each slot's buffers are views of one file under `<run>/.slots/<writer>/`, laid out as its raw DCP data file
+(slot_format.py), so persisting a slot is a hard link into the window, one summing pass and a small `.metadata`.
+Reuse is decided by the file system: a set is handed to a new window only when none of its files has another
+link (`free`), so committed windows, the one being written and those kept for the uploader or peers are never
+overwritten. A new plan takes the files of free sets of other plans (pages already allocated). A new process
+unlinks the names a previous one left; its committed windows stay readable through their window links.
 
-Reuse is decided by the file system, so it stays right across threads, tiers and restarts: a slot file is
-linked into a window directory from the moment its slot is persisted until the host tier collects that window
-(HostTier.collect unlinks it instead of keeping it as a spare). A set of slot buffers may be handed to a new
-window only when every one of its files has no other link (`free`): the last committed window, the window
-being written, and windows kept for the uploader or being pushed to peers are never overwritten.
-A new plan (another W, a reorder) takes the files of free sets of other plans (their pages are allocated
-already; the file is cut to the new layout and its padding zeroed), so a plan change allocates no shared memory
-on the training thread while such sets exist. A set whose slots die unlinks its names here (the window links keep
-committed data readable); a new process
-unlinks the names a previous one left (its committed windows stay readable through their window links, and
-their memory comes back when they are collected).
-
-`FileSlotPool` is the slot allocator (slot_pool.SlotAllocator) over these files: the checkpointer's on CPU with the
-host tier. On CUDA the default is a pinned arena (slot_pool.py) and one more copy into the tier's files; the
-opt-in `SparseConfig.host_buffers="shm-registered"` uses these files there too, page-locked with
-`cudaHostRegister` so the device-to-host copy lands in the persisted file itself (unmeasured: see docs/gpu.md).
+`FileSlotPool` is the slot allocator over these files (the checkpointer's on CPU with the host tier; on CUDA the
+opt-in `host_buffers="shm-registered"`, page-locked with `cudaHostRegister`, unmeasured: docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -59,8 +46,7 @@ class Backing:
     unregister: Callable[[], None] | None = None  # undoes a cudaHostRegister of the mapping (opt-in, CUDA)
 
     def free(self) -> bool:
-        """No window directory links this file (nothing committed or being written reads it), and nobody cut it
-        short (writing a page past a truncated end of a mapping is a SIGBUS)."""
+        """No window directory links this file, and nobody cut it short (writing past the end would be a SIGBUS)."""
         st = os.fstat(self.fd)
         if st.st_nlink != 1 or st.st_size != self.t.numel():
             return False
@@ -102,9 +88,8 @@ class SlotFiles:
         compute_dtype: torch.dtype,
         spare: list[Backing] | None = None,
     ) -> Slot:
-        """A slot whose buffers are views of a mapped data file, laid out like its raw DCP data file: the smallest
-        large-enough file of `spare` (free files of another plan's slots: their pages are allocated already,
-        only the padding is zeroed), else a new one."""
+        """A slot whose buffers are views of a mapped data file laid out like its raw DCP data file: the smallest
+        large-enough file of `spare` (free files of other plans' slots; only the padding is zeroed), else a new one."""
         offsets: list[tuple[int, int, tuple, torch.dtype]] = []
         pos = 0
 
@@ -164,9 +149,8 @@ def backing(slot: Slot) -> Backing | None:
     return getattr(slot, "backing", None)
 
 
-def all_free(slots: list[Slot]) -> bool:
-    """Every slot's file is unlinked from every window (or the slots are plain memory)."""
-    return all(b is None or b.free() for b in map(backing, slots))
+def _backings(sets) -> list[Backing]:
+    return [b for s in sets for b in map(backing, s.slots) if b is not None]
 
 
 @dataclass(eq=False)  # compared by identity (list.remove): its fields hold tensors
@@ -178,11 +162,9 @@ class _FileSet:
 
 
 class FileSlotPool(SlotAllocator):
-    """The slot allocator over shared-memory slot files (a set = one file per slot). A released set is reused
-    once the persist thread is past it and no window links its files (`all_free`): the last committed window,
-    the one being written, windows kept for the uploader or pushed to peers are never overwritten. A new plan
-    takes the files of the free sets (their pages are allocated already). When shared memory cannot be
-    allocated, that plan's slots come from a plain arena (the host tier then copies them into its files)."""
+    """The slot allocator over shared-memory slot files (a set = one file per slot). A released set is reused once
+    the persist thread is past it and no window links its files; a new plan takes the free sets' files. When shared
+    memory cannot be allocated, that plan's slots come from a plain arena (the host tier copies them into files)."""
 
     kind = "shm-files"
 
@@ -205,7 +187,7 @@ class FileSlotPool(SlotAllocator):
         self.fallback.close()
 
     def _free(self, s: _FileSet) -> bool:
-        return self._writer_done(s.ticket) and all_free(s.slots)
+        return self._writer_done(s.ticket) and all(b.free() for b in _backings([s]))
 
     def slots_for(self, plan: WindowPlan) -> list[Slot]:
         sig = signature(plan)
@@ -223,7 +205,7 @@ class FileSlotPool(SlotAllocator):
                 return self.fallback.slots_for(plan)
             finally:  # a free set any of whose files went to the new plan is spent
                 for f in free:
-                    if any(b is not None and not b.finalizer.alive for b in map(backing, f.slots)):
+                    if any(not b.finalizer.alive for b in _backings([f])):
                         self.sets.remove(f)
             if self.slot_files.created != before[0]:
                 self.allocations += 1
@@ -238,17 +220,18 @@ class FileSlotPool(SlotAllocator):
 
     def release(self, slots: list[Slot], ticket: int | None = None) -> None:
         with self.lock:
-            for s in self.sets:
-                if s.slots and slots and s.slots[0] is slots[0] and s.ticket is None:
-                    s.ticket = self._ticket(ticket)
-                    return
+            s = self._set_of(slots)
+            if s is not None and s.ticket is None:
+                s.ticket = self._ticket(ticket)
+                return
         self.fallback.release(slots, ticket)
 
+    def _set_of(self, slots: list[Slot]) -> _FileSet | None:
+        return next((s for s in self.sets if s.slots and slots and s.slots[0] is slots[0]), None)
+
     def slot_bytes(self, slots: list[Slot]) -> list[int]:
-        for s in self.sets:
-            if s.slots and slots and s.slots[0] is slots[0]:
-                return list(s.nbytes)
-        return self.fallback.slot_bytes(slots)
+        s = self._set_of(slots)
+        return list(s.nbytes) if s is not None else self.fallback.slot_bytes(slots)
 
     def set_bytes(self, plan: WindowPlan) -> int:
         """The plan's slot files: every item at a BLOCK-aligned offset, each file at least one BLOCK."""
@@ -265,13 +248,13 @@ class FileSlotPool(SlotAllocator):
         sig, need = signature(plan), self.set_bytes(plan)
         with self.lock:
             free = [s for s in self.sets if self._free(s)]
-            held = sum(os.fstat(b.fd).st_blocks * 512 for s in free for b in map(backing, s.slots) if b)
+            held = sum(os.fstat(b.fd).st_blocks * 512 for b in _backings(free))
             return any(s.sig == sig for s in free) or held >= need or self.fallback.has_free(plan)
 
     def trim(self) -> int:
         with self.lock:
             free = [s for s in self.sets if self._free(s)]
-            n = sum(b.t.numel() for s in free for b in map(backing, s.slots) if b is not None)
+            n = sum(b.t.numel() for b in _backings(free))
             for s in free:
                 self.sets.remove(s)
             return n + self.fallback.trim()
@@ -279,15 +262,9 @@ class FileSlotPool(SlotAllocator):
     def host_bytes(self) -> dict[str, int]:
         """The sets' files as tmpfs holds them (allocated blocks), plus plain-memory sets."""
         with self.lock:
-            n = sum(os.fstat(b.fd).st_blocks * 512 for s in self.sets for b in map(backing, s.slots) if b)
+            n = sum(os.fstat(b.fd).st_blocks * 512 for b in _backings(self.sets))
             return {"slot_sets": n + self.fallback.host_bytes()["slot_sets"]}
 
     def files(self) -> set[tuple[int, int]]:
         with self.lock:
-            out = set()
-            for s in self.sets:
-                for b in map(backing, s.slots):
-                    if b is not None:
-                        st = os.fstat(b.fd)
-                        out.add((st.st_dev, st.st_ino))
-            return out
+            return {(st.st_dev, st.st_ino) for st in (os.fstat(b.fd) for b in _backings(self.sets))}

@@ -1,9 +1,5 @@
-"""Data files of deleted windows, kept aside (bounded) to be written over by the next ones.
-
-Every tier that writes whole window copies into page-cache or shared-memory files -- the host tier's slots
-held in plain memory, peer copies, a local object store -- keeps a deleted window's data files in a `.spare`
-directory and puts the next data files in their place: their pages are reused instead of being allocated and
-zeroed again. A spare is never a `window-*` name, so it is never listed as a window.
+"""Data files of deleted windows, kept aside (bounded, in a `.spare` directory, never a `window-*` name) to be
+written over by the next ones: their page-cache or shared-memory pages are reused, not allocated and zeroed again.
 """
 
 from __future__ import annotations
@@ -13,9 +9,8 @@ from pathlib import Path
 
 
 def keep_spares(files: list[Path], spare_dir: Path, limit: int, tag: str) -> list[Path]:
-    """Move as many of `files` as `spare_dir` has room for (at most `limit` spares) into it, named
-    `<tag>-<i>.distcp` (`tag` unique per deleted window); returns the files not kept, for the caller to delete,
-    and the spares beyond `limit` (a limit that went down: fewer slots per window, memory pressure)."""
+    """Move as many of `files` as `spare_dir` has room for (at most `limit` spares) into it as `<tag>-<i>.distcp`
+    (`tag` unique per deleted window); returns what the caller deletes: files not kept, spares beyond `limit`."""
     spare_dir.mkdir(parents=True, exist_ok=True)
     have = spares(spare_dir)
     room = max(0, limit - len(have))

@@ -1,5 +1,5 @@
-"""The storage tier contract, written down once: what the tiers implement, in which order the steps of a save and
-of a recovery run, and who calls each step.
+"""The storage tier contract, written down once: what the tiers implement, the order of a save's and a recovery's
+steps, and who calls each.
 
     tier                  class                               where                               kind
     host memory           host_tier.HostTier                  node-local directory (/dev/shm)     WindowTier
@@ -7,15 +7,13 @@ of a recovery run, and who calls each step.
     object store (zarr3)  tensorstore_tier.TensorstoreTier    one OCDBT database per window        CopyTier
     peers                 peer_tier.PeerTier                  other nodes' host memory, over gloo  collective copies
 
-A *window* is W consecutive slots. A *writer* (today: a rank, `layout.writer_name`) writes its own piece of
-every slot and commits its own copy of the window: a copy becomes visible only through the writer's manifest,
-written after every file it lists (manifest.py). Every item and every file carries a checksum (checksums.py);
-where every file sits is layout.py; the files go through files.py (a local directory or any fsspec store).
+A *window* is W consecutive slots. A *writer* (today a rank, `layout.writer_name`) writes its own piece of every
+slot and commits its own copy of the window, visible only through its manifest, written after every file it lists.
 
 WindowTier: a tier slots are written into (host memory; a DCP user's object store)
 
-    write_slot(window, slot, info[, partial])  the checkpointer's captured slot: data file, then its `.metadata`;
-                                          sliding plans: then the window's progress (write_partial)
+    write_slot(window, slot, info[, partial])  the checkpointer's slot: data file, then `.metadata`; then, for
+                                          sliding plans, the window's progress (write_partial)
     write_partial(window, start, plan, records, slots)  (host) how far a window not committed yet got
     write_items(window, slot, items, info)  the same from DCP write items (the DCP adapters)
     write_commit(window, start, plan, log, extra)  only if every slot write of the window succeeded in this
@@ -28,47 +26,36 @@ WindowTier: a tier slots are written into (host memory; a DCP user's object stor
 
 CopyTier: a tier that holds copies of committed host windows (object stores)
 
-    upload(host, window)                  this writer's committed window copied from the host tier, every file
-                                          checked against the host manifest, the manifest put last
-    window_ids()                          committed copies in the store
-    verify(window)                        every file (piece) of the copy read and checked
-    download(window, host)                a verified copy back into the host tier, its manifest last; returns the
-                                          problems (empty: usable)
+    upload(host, window)                  a committed host window, every file checked, the manifest put last
+    window_ids() / verify(window)         committed copies / every file of one read and checked
+    download(window, host)                a verified copy into the host tier, manifest last; returns problems
     collect()                             retention: the newest `keep` windows stay
 
-PeerTier is a CopyTier whose steps are collective (every rank calls them in the same order, point-to-point in
-one global pair order): push(window, manifest) = upload to this writer's placed peers and receive theirs;
-holdings() = what this writer holds for others; pull(window, transfers) = download.
+PeerTier is a CopyTier whose steps are collective (one global pair order): push(window, manifest) = upload to
+this writer's placed peers and receive theirs; holdings() = what it holds for others; pull(window, transfers).
 
-Call order of a save, the checkpointer (who: the training thread T, the persist thread P, the upload thread U)
+A save (T: training thread, P: persist thread, U: upload thread)
 
-    T  SparseCheckpointer.after_step(i)   capture slot i into its buffers (copy engine), PersistThread.slot()
-    P  HostTier.write_slot(w, slot)       once the slot's copy finished (with slot files on CPU: a link + one
-                                          summing pass, slot_files.py)
+    T  SparseCheckpointer.after_step(i)   capture slot i (copy engine), PersistThread.slot()
+    P  HostTier.write_slot(w, slot)       once the copy finished (slot files on CPU: a link + one summing pass)
     T  window complete                    PersistThread.commit(w, keep_from = newest window every rank persisted)
-    P  HostTier.write_commit(w, ...)      the window is committed on the host tier
-    P  PeerTier.push(w, manifest)         collective
+    P  HostTier.write_commit(w, ...)      then PeerTier.push(w, manifest), collective
     P  Uploader.submit(w)  ->  U: ObjectTier.upload(host, w), ObjectTier.collect()
     P  HostTier.collect(keep_from)        keeping what the store still has to take (a bounded backlog)
 
-A DCP user's `dcp.save(planner=SparseSavePlanner, storage_writer=...)` runs the same steps through the thin
-adapters of dcp/ in StorageWriter.write_data (every rank): write_items into the first tier, write_commit on a
-window's last slot, then each later tier takes the files (ObjectTier.upload of the slot's files, the manifest
-at the commit; PeerTier.push at the commit).
+A DCP user's `dcp.save` runs the same steps in the dcp/ adapters' write_data: write_items into the first tier,
+write_commit on a window's last slot, then each later tier takes the files.
 
-Call order of a recovery (recover.recover_from_tiers, collective)
+A recovery (recover.recover_from_tiers, collective)
 
     HostTier.check(w, identity)           every local window; damaged copies are reported and skipped
-    PeerTier.holdings()                   what this rank holds for others
-    all-gather                            the newest window every rank can get (own copy or a peer's)
+    PeerTier.holdings(), all-gather       the newest window every rank can get (own copy or a peer's)
     PeerTier.pull(w, transfers)           ranks without a usable copy get theirs from a holder
-    HostTier.load_window(w)  -> agree  -> replay -> agree    a failure on any rank excludes w; the next newest
-        (sliding plans, in the replay: HostTier.load_partial(w + 1), the slots every rank has agreed, the newest
-        covering suffix of w and w + 1 replayed; if that fails anywhere, w alone -- recovery.py)
+    HostTier.load_window(w) -> agree -> replay -> agree    a failure on any rank excludes w; the next newest
+        (sliding plans: HostTier.load_partial(w + 1) too, the newest covering suffix replayed -- recovery.py)
     store.window_ids() -> store.download(w, host) -> HostTier.load_window(w)    the last tier, same agreement
 
-A DCP user's `dcp.load(storage_reader=...)` reads a slot through the same slot format (dcp/raw_storage.RawReader),
-merged over the writers of the slot; PeerReader pulls what its node lost first (PeerTier.pull).
+A DCP user's `dcp.load` reads a slot through the same format (dcp/raw_storage.RawReader), merged over its writers.
 """
 
 from __future__ import annotations
@@ -89,8 +76,7 @@ class CopyTier(Protocol):
 
 
 class StoreTier:
-    """What both object-store formats share: where the store is, whose copies, how many windows it keeps, and
-    how its calls are retried (retry.py)."""
+    """What both object-store formats share: where, whose copies, how many windows kept, how calls are retried."""
 
     attempts = 2  # tries per store call (a format may default to more)
 
