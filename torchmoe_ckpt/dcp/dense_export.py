@@ -1,14 +1,8 @@
-"""Dense export: the whole training state as a normal DCP checkpoint that stock `dcp.load` reads.
-
-After sparse-to-dense conversion (or at any iteration boundary) every rank holds the exact dense state; we
-write it with `dcp.save` in TorchTitan's layout: model tensors at the top level under their FQNs (what
-`--checkpoint.initial_load_path` with `initial_load_model_only` reads), the optimizer under `optimizer` with
-flattened keys as TorchTitan's OptimizersContainer saves it, and our `torchmoe_train_state` (step, LR); a framework
-adds its own entries (`extra`: TorchTitan's `train_state`, `dataloader`, `lr_scheduler`), so that its full resume
-finds every key. Any world size or mesh can read it back (DCP reshards).
-`load_dense` puts it back through `set_state_dict`, which goes through FSDP2's own load path
-(`FSDPParam.reset_sharded_param`): loading with `dcp.load` into the live parameters alone changes the
-values FSDP2 reads, but not necessarily the padded storage it all-gathers from.
+"""Dense export: the whole training state as a normal DCP checkpoint that stock `dcp.load` reads, in TorchTitan's
+layout (model tensors at the top level, the optimizer flattened under `optimizer`, our `torchmoe_train_state`,
+and a framework's own entries via `extra`), readable at any world size. `load_dense` goes through
+`set_state_dict`, i.e. FSDP2's own load path: `dcp.load` into the live parameters alone would not necessarily
+update the padded storage FSDP2 all-gathers from.
 """
 
 from __future__ import annotations
@@ -31,14 +25,12 @@ log = logging.getLogger("torchmoe_ckpt.dense_export")
 TRAIN_STATE = "torchmoe_train_state"  # not TorchTitan's "train_state", which has other fields
 
 
-# Flattened optimizer keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): TorchTitan's OptimizersContainer
-# layout, so its "optimizer" entry matches what TorchTitan itself saves.
+# Flattened optimizer keys ("state.<fqn>.exp_avg"): TorchTitan's OptimizersContainer layout.
 _OPTIONS = StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True)
 
 
 def _state(model: torch.nn.Module, optimizer) -> dict:
-    # Several optimizers (Muon + AdamW, TorchTitan's container) flatten into one FQN-keyed dict, as TorchTitan's
-    # OptimizersContainer.state_dict does: every parameter belongs to one of them.
+    # Several optimizers (Muon + AdamW) flatten into one FQN-keyed dict, as TorchTitan's container does.
     msd, osd = get_state_dict(model, optimizer_list(optimizer), options=_OPTIONS)
     return {**msd, "optimizer": osd}
 
@@ -49,7 +41,7 @@ def _train_state(step: int, lr: float) -> dict:
 
 def _export_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, extra=None) -> dict:
     """`extra`: more top-level entries (a dict, or a function returning one at export time), e.g. a framework's
-    data-loader position and step counter, so that its own full resume finds every key it expects."""
+    data-loader position, so that its own full resume finds every key."""
     state = _state(model, optimizer)
     state[TRAIN_STATE] = _train_state(step, float(optimizer_list(optimizer)[0].param_groups[0]["lr"]))
     more = extra() if callable(extra) else (extra or {})
@@ -115,10 +107,8 @@ def load_dense(
 
 
 class DenseExporter:
-    """Periodic dense exports to any fsspec URI (storage options passed explicitly), written by
-    `dcp.async_save` on its own gloo group so its background collectives never interleave with training's.
-    DCP writes `.metadata` last, after every rank's data: an export without it is incomplete and ignored.
-    Keeps the newest `keep` exports (rank 0 deletes older ones after a newer one is complete)."""
+    """Periodic dense exports to any fsspec URI by `dcp.async_save` on its own gloo group (its collectives never
+    interleave with training's); an export without `.metadata` (written last) is incomplete. Keeps the newest `keep`."""
 
     def __init__(
         self,
@@ -128,8 +118,8 @@ class DenseExporter:
         keep: int = 2,
         async_stager=None,
     ):
-        """`async_stager`: DCP's `AsyncStager` for `dcp.async_save` (e.g. `DefaultStager` with pinned memory and async
-        staging, TorchTitan's `async_with_pinned_mem`; the caller closes it); None: DCP's default stager."""
+        """`async_stager`: DCP's `AsyncStager` for `dcp.async_save` (e.g. TorchTitan's `async_with_pinned_mem`; the
+        caller closes it); None: DCP's default."""
         if every is not None and every < 1:
             raise ValueError(f"dense export interval must be >= 1 iterations or None (off), got {every}")
         self.uri, self.opts, self.every, self.keep = uri.rstrip("/"), dict(storage_options or {}), every, keep

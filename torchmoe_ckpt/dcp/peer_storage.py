@@ -1,23 +1,13 @@
 """The peer tier as a DCP StorageWriter/StorageReader: thin adapters over storage.peer_tier.PeerTier.
 
-    PeerWriter  writes this rank's host copy (a HostWriter) and, when the save commits a window (its last slot),
-                pushes the committed window to the peers `torchmoe_ckpt.placement` picked for the rank (r copies
-                on other failure domains, HSDP replicas first) with PeerTier.push: the transfer the
-                checkpointer's peer tier uses. Also a later tier of a TieredWriter (takes the first's window).
-    PeerReader  reads a slot on every rank: the writers' pieces this node holds (its own, and the copies it
-                holds for others) are gathered, merged into the slot's metadata, and a rank whose node lacks a
-                piece its reads need pulls that writer's window from a holder (PeerTier.pull) before reading it,
-                every item's checksum verified like HostReader.
+PeerWriter writes this rank's host copy and, on a window's last slot, pushes the committed window to the peers
+`placement` picked (PeerTier.push, the checkpointer's transfer); also a later tier of a TieredWriter. PeerReader
+merges the pieces every node holds into the slot's metadata, and a rank whose node lacks a piece it reads pulls
+that writer's window from a holder first (PeerTier.pull); every item is verified like HostReader's.
 
-Where the cross-rank work happens: DCP calls `finish` on the coordinator only, so nothing collective may run
-there. `write_data` and `read_metadata`/`prepare_local_plan` run on every rank between DCP's own collectives,
-so the transfers happen there, every rank walking the same (src, dst) list. A copy commits with its window
-manifest, written last: a torn copy is not held.
-
-Under HSDP, DCP's dedup writes each replicated item once (on one replica), so a replica peer does not hold the
-bytes by itself here: every placed peer, replica or not, is sent the data (`replicas_hold_data=False`). Use a
-gloo group (`group=`): the transfers are CPU tensors; with `dcp.async_save` pass a dedicated group, since the
-writes run off-thread.
+DCP calls `finish` on the coordinator only, so the transfers run in `write_data` / `prepare_local_plan` (every
+rank, the same (src, dst) list). Under HSDP, DCP's dedup writes a replicated item once, so every placed peer is
+sent the data (`replicas_hold_data=False`). Use a gloo group (a dedicated one with `dcp.async_save`).
 """
 
 from __future__ import annotations
@@ -61,8 +51,8 @@ def _peers(path: str, group=None) -> tuple[PeerTier, int, int]:
 
 
 def held_copies(path: str | os.PathLike) -> dict[int, Path]:
-    """Rank -> the window directory holding that writer's committed copy of the window of slot path `path` on this
-    node: its own writers' copies and the copies this rank holds for others (`.peers/<writer>/from-<writer>/`)."""
+    """Rank -> the window directory on this node holding that writer's committed copy of the window of slot path
+    `path`: its own writers' copies and those this rank holds for others."""
     peers, window, _ = _peers(str(path))
     return peers.copies(window)
 

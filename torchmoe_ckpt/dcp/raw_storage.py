@@ -1,17 +1,11 @@
 """`dcp.save` / `dcp.load` through the storage tiers: the StorageWriter/StorageReader every tier adapter builds on.
 
-`RawWriter(path)` writes the slot format of the tiers (storage/slot_format.py: raw bytes, every item checksummed,
-`.metadata` after the data), each rank its own piece under `<path>/<writer>/`. `path` is normally a slot
-directory, `<run>/window-NNNNNN/slot-SS` (`SparseSchedule.slot_path(root, step)`): saved with SparseSavePlanner
-there, the save goes through the run directory's tier object -- HostTier for a local path, ObjectTier for a
-URI -- so it writes what the checkpointer writes (the same files, the layout planned once per layout, the
-mapped /dev/shm writes) and, on the window's last slot, commits the writer's window manifest. `inspect` and
-`verify` read it like any window. Any other directory gets a plain checkpoint in the same slot format.
-
-There is no global `.metadata`: DCP calls `finish` on the coordinator only and a node holds only its own
-writers' files, so each writer commits its own piece and `RawReader(path)` merges
-the pieces it finds. Both follow DCP's contract, so `dcp.save` / `dcp.async_save` / `dcp.load` drive them, with
-or without a process group.
+`RawWriter(path)` writes the tiers' slot format (storage/slot_format.py), each rank its own piece under
+`<path>/<writer>/`. Into a slot directory, `<run>/window-NNNNNN/slot-SS` (`SparseSchedule.slot_path`), with
+SparseSavePlanner, the save goes through the run directory's tier (HostTier for a path, ObjectTier for a URI): the
+checkpointer's files and, on the window's last slot, the writer's window manifest. Anywhere else: a plain
+checkpoint in the same format. DCP's `finish` runs on the coordinator only, so each writer commits its own piece
+and `RawReader(path)` merges the pieces it finds.
 """
 
 from __future__ import annotations
@@ -41,6 +35,20 @@ MAX_TIERS = 8  # tier objects kept for the run directories DCP users save into (
 _TIERS: OrderedDict[tuple, object] = OrderedDict()
 
 
+class NoPlanning:
+    """DCP's planning hooks left as they are: every writer and reader handles its own piece."""
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans: list) -> list:
+        return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return bool(str(checkpoint_id))
+
+
 def done(value=None) -> Future:
     """A Future that already holds `value`: these writers and readers finish their I/O before returning."""
     fut: Future = Future()
@@ -49,8 +57,8 @@ def done(value=None) -> Future:
 
 
 def run_tier(run: str, rank: int, world: int, storage_options: dict | None = None, store: bool | None = None):
-    """The tier object of a run directory for one writer, kept across saves (its planned layouts, its record of
-    which slots of a window this process wrote): HostTier for a local path, ObjectTier for a URI."""
+    """The tier object of a run directory for one writer (HostTier for a local path, ObjectTier for a URI), kept
+    across saves: its planned layouts, its record of which slots of a window this process wrote."""
     store = "://" in run if store is None else store
     key = (run, rank, world, store, repr(sorted((storage_options or {}).items())))
     tier = _TIERS.pop(key, None)
@@ -66,7 +74,7 @@ def run_tier(run: str, rank: int, world: int, storage_options: dict | None = Non
     return tier
 
 
-class RawWriter(StorageWriter):
+class RawWriter(NoPlanning, StorageWriter):
     _store: bool | None = None  # the tier kind of a window save: None = by the path (URI: store)
 
     def __init__(
@@ -76,8 +84,8 @@ class RawWriter(StorageWriter):
         checksum_algo: str = SUM64,
         mapped=None,
     ):
-        """`checksum_algo`: "sum64b512" (memory speed, default) or "crc32". `mapped` (a MappedFiles) writes a
-        plain local directory's data file through a kept shared mapping (a window save uses its tier's)."""
+        """`checksum_algo`: "sum64b512" (default) or "crc32". `mapped` (a MappedFiles): a plain local directory's data
+        file is written through a kept shared mapping (a window save uses its tier's)."""
         super().__init__()
         self.path, self.storage_options, self.algo, self.mapped = str(path), storage_options, checksum_algo, mapped
         self.rank, self.world = 0, 1
@@ -103,12 +111,6 @@ class RawWriter(StorageWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         items = [(wi, planner.resolve_data(wi)) for wi in plan.items]
@@ -158,8 +160,8 @@ class RawWriter(StorageWriter):
             log.info("%s", exc)
 
     def write_from(self, first: RawWriter) -> int:
-        """As a later tier of a TieredWriter: the files `first` just wrote, copied here (data first, each commit
-        file last: a slot's `.metadata`, the window manifest once `first` committed it); returns the bytes."""
+        """As a later tier of a TieredWriter: the files `first` just wrote, copied here, each commit file last (a
+        slot's `.metadata`, the window manifest once `first` committed it); returns the bytes."""
         if first.tier is None:  # a plain directory: the writer's piece
             src, dst = open_files(first.path, first.storage_options), open_files(self.path, self.storage_options)
             for rel in sorted(first.written) + [f"{writer_name(first.rank)}/{METADATA}"]:
@@ -181,17 +183,12 @@ class RawWriter(StorageWriter):
         return nbytes
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        pass  # every writer committed its own piece in write_data (see the module docstring)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return bool(str(checkpoint_id))
+        pass  # every writer committed its own piece in write_data
 
 
-class RawReader(StorageReader):
-    """Reads the slot format at `path` (a local path or any fsspec URI): a writer's piece, or a slot directory
-    whose writers' pieces are merged into one checkpoint (slot_format.read_slot_metadata). Every item's checksum
-    is checked before it is copied anywhere; DCP's own torch.save format (FileSystemWriter) reads too."""
+class RawReader(NoPlanning, StorageReader):
+    """Reads the slot format at `path` (a local path or any fsspec URI): a writer's piece, or a slot directory's
+    pieces merged, every item checked before it is copied; DCP's own torch.save format reads too."""
 
     def __init__(self, path: str | os.PathLike = "", storage_options: dict | None = None, verify: bool = True):
         super().__init__()
@@ -217,12 +214,6 @@ class RawReader(StorageReader):
         self.metadata, self.storage_data = metadata, metadata.storage_data
         self._sizes = chunk_sizes(metadata)
 
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list] = {}
         for req in plan.items:
@@ -238,10 +229,6 @@ class RawReader(StorageReader):
     def read_file(self, rel: str):
         """The bytes of data file `rel` (PeerReader reads them from wherever a copy is held)."""
         return self.files.read(rel)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return bool(str(checkpoint_id))
 
 
 def has_checkpoint(path: str | os.PathLike, storage_options: dict | None = None) -> bool:

@@ -1,13 +1,7 @@
-"""DCP planning shared by the sparse save planners, and the DCP planner of the library's own `Slot` objects.
-
-`partial_global_plan`: a slot covers only part of most tensors by design, so DCP's "chunks must fill the tensor"
-check is relaxed for exactly that error (and not logged); out-of-bounds and overlapping chunks are still
-rejected. SparseSavePlanner (a DCP user's state dict) and SlotSavePlanner use it.
-
-`SlotSavePlanner` saves a captured `Slot` with any DCP StorageWriter: every `SlotItem` is already a shard with
-global offsets (one chunk per expert row of a grouped tensor), so the plan is the slot's items; window, slot,
-iteration, plan and a CRC32 per item go into `Metadata.planner_data`. The host tier does not run it (it plans a
-slot's layout once, storage/slot_format.py); with our RawWriter it writes the same metadata the host tier does.
+"""DCP planning shared by the sparse save planners (`partial_global_plan`: a slot covers only part of most tensors,
+so DCP's "chunks must fill the tensor" check alone is relaxed), and `SlotSavePlanner`, the DCP planner of a
+captured `Slot` for any StorageWriter (its items are shards with global offsets; window, slot, step, plan and a
+CRC32 per item go into `Metadata.planner_data`). The host tier does not run it: it plans a layout once.
 """
 
 from __future__ import annotations
@@ -33,9 +27,8 @@ from ..storage.slot_format import PLANNER_KEY, checksum_name, write_item
 def partial_global_plan(
     planner: DefaultSavePlanner, all_plans: list[SavePlan], what: str
 ) -> tuple[list[SavePlan], list[SavePlan], Metadata]:
-    """(deduplicated local plans, global plan, metadata) of a sparse slot save. A slot covers only part of
-    most tensors by design: of DCP's checks only "invalid fill tensor-volume" is relaxed (and not logged,
-    DCP would log every expected partial tensor); out-of-bounds and overlapping chunks still raise."""
+    """(deduplicated local plans, global plan, metadata) of a sparse slot save. Of DCP's checks only "invalid fill
+    tensor-volume" is relaxed (and not logged); out-of-bounds and overlapping chunks still raise."""
     plans = planner._dedup_save_plans(all_plans)  # HSDP replicas and step counters are written once
     global_plan, md = create_default_global_save_plan(plans)
     errors = [e for e in _plan_errors(global_plan, md) if "invalid fill tensor-volume" not in e]
@@ -57,9 +50,8 @@ class _Messages(logging.Handler):
 
 
 def _plan_errors(global_plan: list[SavePlan], md: Metadata) -> list[str]:
-    """DCP's global-plan check as a list of messages, kept off the log (DCP would log every expected partial
-    tensor). torch 2.13 returns the messages; torch 2.11 returns a bool and only logs them, so they are
-    collected from its logger."""
+    """DCP's global-plan check as a list of messages, kept off the log (torch 2.13 returns them; torch 2.11 returns
+    a bool and logs them, so they are collected from its logger)."""
     quiet = logging.getLogger(_validate_global_plan.__module__)
     collect = _Messages()
     with _PLAN_CHECK:  # tier threads plan concurrently: one logger setting (and one set of messages) at a time
@@ -88,9 +80,6 @@ class SlotSavePlanner(DefaultSavePlanner):
         self.slot, self.info = slot, info
         self._buffers: dict[tuple, torch.Tensor] = {}
 
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        self.state_dict, self.is_coordinator = state_dict, is_coordinator
-
     def create_local_plan(self) -> SavePlan:
         items = [write_item(it) for it in self.slot.items]
         self._buffers = {_index_key(wi.index.fqn, wi.index.offset): it.buffer for wi, it in zip(items, self.slot.items)}
@@ -110,10 +99,6 @@ class SlotSavePlanner(DefaultSavePlanner):
         data = {PLANNER_KEY: dict(self.info, checksums={k: v for k, v in sums.items() if k in kept})}
         self.global_plan, self.metadata = global_plan, dataclasses.replace(md, planner_data=data)
         return global_plan, self.metadata
-
-    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        self.plan = new_plan
-        return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         return self._buffers[_index_key(write_item.index.fqn, write_item.index.offset)]

@@ -1,23 +1,15 @@
-"""Sparse DCP planners on a *standard* state dict: what a DCP user passes to `dcp.save` / `dcp.load` to
-checkpoint every iteration sparsely, without our `Slot` objects.
+"""Sparse DCP planners on a *standard* state dict, for a DCP user who checkpoints every iteration sparsely:
 
     sd = {"model": model_sd, "optim": optim_sd}          # get_state_dict(model, optimizer): DTensors under FSDP2/HSDP
     schedule = SparseSchedule(model, window=3, compute_dtype=torch.bfloat16)   # once (collective: agrees sizes)
     dcp.save(sd, planner=SparseSavePlanner(schedule, step, record),
              storage_writer=HostWriter(schedule.slot_path(root, step)))
 
-Iteration `step` writes exactly its slot of the window plan: the full state (master weight, every optimizer
-state tensor -- AdamW's exp_avg/exp_avg_sq/step, SGD's momentum_buffer, ...: pass the optimizer to
-`SparseSchedule`; without it the AdamW layout is assumed -- and buffers) of the slot's ACTIVE operators under
-the keys a dense save uses (`model.<fqn>`, `optim.state.<fqn>.<key>`), and the compute weights of the operators
-whose full copy comes later under `compute.<fqn>` (in the compute dtype), one chunk per expert with global offsets. The
-window/slot/step/plan go into `Metadata.planner_data`; our writers add a checksum per item in
-`Metadata.storage_data`. `record` (this rank's replay record: batch, grad norm, LR, RNG, loss) is saved as
-one bytes item per rank; sparse-to-dense replay needs it.
-
-`SparseLoadPlanner` reads one slot back, either into a standard state dict (ACTIVE operators get their full
-state, the later ones their compute weights, cast up) or into a `Slot`'s buffers; `load_sparse_window`
-reads the W slots of a window into a `Window` that `torchmoe_ckpt.sparse_to_dense` replays.
+Iteration `step` writes its slot of the window plan: the full state of the slot's ACTIVE operators under the keys
+a dense save uses (`model.<fqn>`, `optim.state.<fqn>.<key>`; the optimizer's layout when `SparseSchedule` is given
+it, else AdamW's), and the compute weights of the later operators under `compute.<fqn>`, one chunk per expert;
+`record` (this rank's replay record) as one bytes item. `SparseLoadPlanner` reads a slot back into a state dict
+or a `Slot`; `load_sparse_window` reads a window for `torchmoe_ckpt.sparse_to_dense` to replay.
 """
 
 from __future__ import annotations
@@ -62,15 +54,17 @@ def _meta(shape, dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")  # shape and dtype only: planning allocates nothing
 
 
+def _fqn(item: SlotItem) -> str:
+    return _WRAPPERS.sub("", item.piece.fqn).lstrip(".")
+
+
 def replay_key(rank: int) -> str:
     return f"replay.rank-{rank:05d}"
 
 
 class SparseSchedule:
-    """The window plan a DCP user's loop follows: operator order, W slots, and which slot step t writes.
-    Windows start at `first_step`, `first_step + W`, ...; slot i of a window holds the state after iteration
-    `start_step + i`. Collective when a process group is up (the per-operator sizes are agreed, so every
-    rank computes the same plan)."""
+    """The window plan a DCP user's loop follows: windows start at `first_step`, `first_step + W`, ...; slot i holds
+    the state after iteration `start_step + i`. Collective with a process group (every rank agrees the sizes)."""
 
     def __init__(
         self,
@@ -82,8 +76,7 @@ class SparseSchedule:
         group=None,
         optimizer=None,
     ):
-        """`optimizer` (one or several): slots hold its state as it is (keys, dtypes; created now if missing, as
-        its first step would); None: the AdamW layout (fp32 master, exp_avg, exp_avg_sq, step)."""
+        """`optimizer` (one or several): slots hold its state as it is (created now if missing); None: AdamW's."""
         ops = ops if ops is not None else discover_operators(model)
         if optimizer is not None:
             describe_optimizer_state(model, ops, optimizer)
@@ -134,7 +127,7 @@ class SparseSchedule:
 
 def dcp_key(item: SlotItem, model_key: str = "model", optim_key: str = "optim") -> str:
     """The key of a slot item in a standard (flattened) DCP state dict; compute weights get their own."""
-    fqn = _WRAPPERS.sub("", item.piece.fqn).lstrip(".")
+    fqn = _fqn(item)
     if item.role in ("master", "buffer"):
         return f"{model_key}.{fqn}"
     if item.role == "compute":
@@ -144,7 +137,7 @@ def dcp_key(item: SlotItem, model_key: str = "model", optim_key: str = "optim") 
 
 def _source(sd: dict, item: SlotItem, model_key: str, optim_key: str) -> torch.Tensor:
     """The live tensor region of a standard state dict that `item` captures (a view, no copy)."""
-    fqn = _WRAPPERS.sub("", item.piece.fqn).lstrip(".")
+    fqn = _fqn(item)
     try:
         if item.role in ("master", "buffer", "compute"):
             t = sd[model_key][fqn]
@@ -211,10 +204,6 @@ class SparseSavePlanner(DefaultSavePlanner):
         self.global_plan, self.metadata = global_plan, md
         return global_plan, md
 
-    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        self.plan = new_plan
-        return new_plan
-
     def resolve_data(self, write_item: WriteItem):
         if write_item.type == WriteItemType.BYTE_IO:
             self._record_bytes.seek(0)
@@ -227,9 +216,8 @@ class SparseSavePlanner(DefaultSavePlanner):
 
 
 class SparseLoadPlanner(DefaultLoadPlanner):
-    """Read iteration `step`'s slot back: into the standard state dict given to `dcp.load` (ACTIVE operators
-    get their full state, later ones their compute weights), or, with `into=Slot`, into that slot's buffers
-    (plus this rank's replay record into `self.record`)."""
+    """Read iteration `step`'s slot back into the state dict given to `dcp.load` (ACTIVE operators get their full
+    state, later ones their compute weights), or, `into=Slot`, into its buffers (the replay record: `self.record`)."""
 
     def __init__(
         self,
@@ -288,14 +276,9 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         self.plan = LoadPlan(reads)
         return self.plan
 
-    def _target(self, item: SlotItem) -> torch.Tensor:
-        if self.into is not None:
-            return item.buffer
-        return _source(self.state_dict, item, *self.keys)
-
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         it = self._dest[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset or ()))]
-        view = self._target(it)
+        view = it.buffer if self.into is not None else _source(self.state_dict, it, *self.keys)
         for dim, (off, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             view = view.narrow(dim, off, length)
         if it.role == "compute" and self.into is None:  # read in the compute dtype, cast up in commit_tensor

@@ -1,15 +1,12 @@
-"""One StorageWriter/StorageReader per tier for DCP users (`dcp.save` / `dcp.async_save` / `dcp.load` drive them),
-each a thin adapter over the tier objects the checkpointer uses (raw_storage.py says how):
+"""One StorageWriter/StorageReader per tier for DCP users, each a thin adapter over the checkpointer's tier objects:
 
     HostWriter / HostReader      node-local shared memory (a /dev/shm path): HostTier
-    StoreWriter / StoreReader    any fsspec URI (file://, s3://, az://, memory://) with storage options: ObjectTier
+    StoreWriter / StoreReader    any fsspec URI, with storage options: ObjectTier
     PeerWriter / PeerReader      r copies in peers' host memory: PeerTier (peer_storage.py)
     TieredWriter / TieredReader  write through several tiers; read from the fastest holding a verified copy
 
-The tiered writer writes the first tier (host memory) from the state dict, then hands the *files* it wrote to the
-other tiers (a streamed copy or put of those bytes, no second pass over the state): each slot's files as they are
-written, the window manifest last once the first tier committed the window. A tier that failed half-way has no
-manifest and is invisible to readers.
+The tiered writer writes the first tier from the state dict, then hands the files it wrote to the others (each
+slot's files, the window manifest last): a tier that failed half-way has no manifest, invisible to readers.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ..storage.slot_format import CorruptCopyError
-from .raw_storage import RawReader, RawWriter, done
+from .raw_storage import NoPlanning, RawReader, RawWriter, done
 
 log = logging.getLogger("torchmoe_ckpt.tier_storage")
 
@@ -59,8 +56,7 @@ class HostReader(RawReader):
 
 
 class StoreWriter(RawWriter):
-    """An fsspec object store; `storage_options` go to fsspec (endpoint, credentials), unlike DCP's own
-    auto-selection from a checkpoint id, which passes none."""
+    """An fsspec object store; `storage_options` go to fsspec (DCP's own choice from a checkpoint id passes none)."""
 
     _store = True
 
@@ -73,7 +69,7 @@ class StoreReader(RawReader):
         super().__init__(uri, storage_options, verify)
 
 
-class TieredWriter(StorageWriter):
+class TieredWriter(NoPlanning, StorageWriter):
     """Write through `writers` (the first one, usually a HostWriter, from the state dict; the others from its
     files). `checkpoint_id` given to `dcp.save` is joined under every tier's own path."""
 
@@ -96,12 +92,6 @@ class TieredWriter(StorageWriter):
     def storage_meta(self) -> StorageMeta | None:
         return self.writers[0].storage_meta()
 
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
-
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         first = self.writers[0]
         results = first.write_data(plan, planner).wait()
@@ -123,7 +113,7 @@ class TieredWriter(StorageWriter):
         return True
 
 
-class TieredReader(StorageReader):
+class TieredReader(NoPlanning, StorageReader):
     """Read from the first of `readers` (fastest first) whose metadata reads and whose items verify; a
     missing, torn or corrupt copy falls through to the next tier."""
 
@@ -166,9 +156,6 @@ class TieredReader(StorageReader):
             if md is not None:
                 plan = r.prepare_local_plan(plan)
         return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         for i, (r, md) in enumerate(zip(self.readers, self._mds)):
