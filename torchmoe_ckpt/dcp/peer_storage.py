@@ -1,13 +1,10 @@
-"""The peer tier as a DCP StorageWriter/StorageReader: thin adapters over storage.peer_tier.PeerTier.
+"""The peer tier as a DCP StorageWriter/StorageReader over storage.peer_tier.PeerTier.
 
 PeerWriter writes this rank's host copy and, on a window's last slot, pushes the committed window to the peers
-`placement` picked (PeerTier.push, the checkpointer's transfer); also a later tier of a TieredWriter. PeerReader
-merges the pieces every node holds into the slot's metadata, and a rank whose node lacks a piece it reads pulls
-that writer's window from a holder first (PeerTier.pull); every item is verified like HostReader's.
-
-DCP calls `finish` on the coordinator only, so the transfers run in `write_data` / `prepare_local_plan` (every
-rank, the same (src, dst) list). Under HSDP, DCP's dedup writes a replicated item once, so every placed peer is
-sent the data (`replicas_hold_data=False`). Use a gloo group (a dedicated one with `dcp.async_save`).
+`placement` picked (PeerTier.push). PeerReader merges the pieces every node holds, and a rank whose node lacks a
+piece it reads first pulls that writer's window from a holder (PeerTier.pull). DCP's `finish` runs on the
+coordinator only, so the transfers run in `write_data` / `prepare_local_plan` on every rank. Under HSDP, DCP
+writes a replicated item once, so every placed peer gets the data (`replicas_hold_data=False`). Use a gloo group.
 """
 
 from __future__ import annotations

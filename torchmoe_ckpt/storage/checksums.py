@@ -42,16 +42,13 @@ def crc32_tensor(t: torch.Tensor) -> int:
 def block_sums(data) -> np.ndarray:
     """Per-512-byte-block wrapping int64 sums of a bytes-like object (zero-padded), little-endian int64."""
     mv = memoryview(data).cast("B")
-    n = len(mv)
-    full = n // BLOCK * BLOCK
-    parts = []
-    if full:
-        parts.append(np.frombuffer(mv[:full], dtype="<i8").reshape(-1, BLOCK // 8).sum(1, dtype="<i8"))
-    if n > full:
+    full = len(mv) // BLOCK * BLOCK
+    sums = np.frombuffer(mv[:full], dtype="<i8").reshape(-1, BLOCK // 8).sum(1, dtype="<i8")
+    if len(mv) > full:
         last = bytearray(BLOCK)
-        last[: n - full] = mv[full:]
-        parts.append(np.frombuffer(bytes(last), dtype="<i8").sum(dtype="<i8").reshape(1))
-    return np.concatenate(parts).astype("<i8", copy=False) if parts else np.zeros(0, dtype="<i8")
+        last[: len(mv) - full] = mv[full:]
+        sums = np.append(sums, np.frombuffer(last, dtype="<i8").sum(dtype="<i8")).astype("<i8", copy=False)
+    return sums
 
 
 def tensor_block_sums(t: torch.Tensor) -> torch.Tensor:
@@ -78,19 +75,14 @@ def checksum(data, algo: str = CRC32) -> str:
     return f"{algo}:{digest(data, algo):08x}"
 
 
-def parse(want: str) -> tuple[str, int]:
-    algo, _, hexd = want.partition(":")
-    if algo not in ALGOS:
-        raise UnknownChecksum(f"unknown checksum algorithm {algo!r}: written by another tool")
-    return algo, int(hexd, 16)
-
-
 def matches(data, want) -> bool:
     """Whether `data` has the checksum `want`: a named string, or a bare CRC32 int (older slot metadata)."""
     if isinstance(want, int):
         return crc32_bytes(data) == want
-    algo, value = parse(want)
-    return digest(data, algo) == value
+    algo, _, hexd = want.partition(":")
+    if algo not in ALGOS:
+        raise UnknownChecksum(f"unknown checksum algorithm {algo!r}: written by another tool")
+    return digest(data, algo) == int(hexd, 16)
 
 
 @dataclass

@@ -1,12 +1,7 @@
-"""Host-memory tier: each writer's slots as raw-bytes DCP checkpoints (slot_format.py) in a node-local directory
-(default under /dev/shm: a copy survives a worker restart, not a node loss), committed per window by the writer's
-manifest (window_tier.py).
-
-Persisting costs about one summing pass: on CPU a slot's buffers ARE a mapped data file here (slot_files.py), so
-the persist hard-links it into the window, sums it once and writes a small `.metadata`. Slots in plain memory
-(pinned CUDA buffers) and a DCP user's state dict are copied into a kept mapping of a spare data file
-(mapped_files.py). A window is committed only with what this process's slot writes reported (never what happens
-to be on disk), and readable only if every file verifies and sits where it was written for (`check`).
+"""Host-memory tier: each writer's slots in the slot format in a node-local directory (default /dev/shm: a copy
+survives a worker restart, not a node loss), committed per window by the writer's manifest (window_tier.py).
+On CPU a slot's buffers ARE a mapped data file here (slot_files.py): persisting is a hard link, one summing pass
+and a small `.metadata`; other slots are copied into a kept mapping of a spare file (mapped_files.py).
 """
 
 from __future__ import annotations

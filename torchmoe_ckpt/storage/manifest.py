@@ -5,6 +5,7 @@ identity, what each slot file was written for, and a SHA-256 of its own content 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -39,18 +40,8 @@ class WindowManifest:
     slots: list = field(default_factory=list)  # per slot: {"slot", "window", "step", ...} as it was written
 
     def to_dict(self) -> dict:
-        d = {
-            "format": self.format,
-            "window_id": self.window_id,
-            "start_step": self.start_step,
-            "window": self.window,
-            "world_size": self.world_size,
-            "plan": self.plan,
-            "files": {k: _entry_dict(v) for k, v in sorted(self.files.items())},
-            "extra": self.extra,
-            "identity": self.identity,
-            "slots": self.slots,
-        }
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["files"] = {k: _entry_dict(v) for k, v in sorted(self.files.items())}
         d["checksum"] = content_checksum(d)
         return d
 

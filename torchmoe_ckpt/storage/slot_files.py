@@ -1,14 +1,10 @@
 """Slot buffers that are views of mapped data files in node-local shared memory: the snapshot copy IS the persist.
 
-Each slot's buffers are views of one file under `<run>/.slots/<writer>/`, laid out as its raw DCP data file
-(slot_format.py), so persisting a slot is a hard link into the window, one summing pass and a small `.metadata`.
-Reuse is decided by the file system: a set is handed to a new window only when none of its files has another
-link (`free`), so committed windows, the one being written and those kept for the uploader or peers are never
-overwritten. A new plan takes the files of free sets of other plans (pages already allocated). A new process
-unlinks the names a previous one left; its committed windows stay readable through their window links.
-
-`FileSlotPool` is the slot allocator over these files (the checkpointer's on CPU with the host tier; on CUDA the
-opt-in `host_buffers="shm-registered"`, page-locked with `cudaHostRegister`, unmeasured: docs/gpu.md).
+Each slot's buffers are views of one file under `<run>/.slots/<writer>/` laid out as its raw DCP data file, so
+persisting it is a hard link into the window, one summing pass and a small `.metadata`. A set is reused only when
+none of its files has another link (`free`): no window that is committed, written, uploaded or pushed is
+overwritten. `FileSlotPool` is the slot allocator over these files (CPU with the host tier; on CUDA the opt-in
+`host_buffers="shm-registered"`, page-locked with `cudaHostRegister`, unmeasured: docs/gpu.md).
 """
 
 from __future__ import annotations
