@@ -19,13 +19,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..placement import Placement
-from ..storage.layout import (
-    METADATA,
-    parse_slot_path,
-    slot_dirname,
-    writer_name,
-    writer_rank,
-)
+from ..storage.layout import METADATA, parse_slot_path, slot_dirname, writer_name, writer_rank
 from ..storage.peer_tier import PeerTier
 from ..storage.slot_format import load_metadata, merge_metadata
 from .raw_storage import RawWriter, run_tier

@@ -43,6 +43,7 @@ from ..snapshot import Slot, SlotItem, build_slot
 from ..storage.layout import slot_name
 from ..storage.manifest import plan_digest
 from ..storage.slot_format import PLANNER_KEY
+from ..storage.window_tier import saved
 from ..window import Window
 from .slot_planner import partial_global_plan
 
@@ -185,15 +186,10 @@ class SparseSavePlanner(DefaultSavePlanner):
             items.append(dataclasses.replace(wi, index=index))
             self._items[(index.fqn, tuple(index.offset or ()))] = it
         if self.record is not None:
-            buf = io.BytesIO()
-            torch.save(self.record.to_dict(), buf)
-            self._record_bytes = buf
+            self._record_bytes = io.BytesIO(saved(self.record.to_dict()))
+            data = BytesIOWriteData(nbytes=len(self._record_bytes.getbuffer()))
             items.append(
-                WriteItem(
-                    index=MetadataIndex(replay_key(self.rank)),
-                    type=WriteItemType.BYTE_IO,
-                    bytes_io_data=BytesIOWriteData(nbytes=len(buf.getbuffer())),
-                )
+                WriteItem(index=MetadataIndex(replay_key(self.rank)), type=WriteItemType.BYTE_IO, bytes_io_data=data)
             )
         self.plan = SavePlan(items)
         return self.plan

@@ -22,13 +22,7 @@ from ..window import Window
 from . import usage
 from .checksums import SUM64, tensor_block_sums
 from .files import LocalFiles
-from .layout import (
-    partial_file,
-    replay_file,
-    slot_writer_dir,
-    slots_dir,
-    window_dirname,
-)
+from .layout import partial_file, replay_file, slot_writer_dir, slots_dir, window_dirname
 from .manifest import plan_digest, record_digest, slot_metadata_file, slot_record
 from .mapped_files import MappedFiles
 from .slot_files import SlotFiles, backing
