@@ -1,11 +1,10 @@
 """`dcp.save` / `dcp.load` through the storage tiers: the StorageWriter/StorageReader every tier adapter builds on.
 
-`RawWriter(path)` writes the tiers' slot format (storage/slot_format.py), each rank its own piece under
-`<path>/<writer>/`. Into a slot directory, `<run>/window-NNNNNN/slot-SS` (`SparseSchedule.slot_path`), with
-SparseSavePlanner, the save goes through the run directory's tier (HostTier for a path, ObjectTier for a URI): the
-checkpointer's files and, on the window's last slot, the writer's window manifest. Anywhere else: a plain
-checkpoint in the same format. DCP's `finish` runs on the coordinator only, so each writer commits its own piece
-and `RawReader(path)` merges the pieces it finds.
+`RawWriter(path)` writes the slot format, each rank its own piece under `<path>/<writer>/`. Into a slot directory
+(`SparseSchedule.slot_path`) with SparseSavePlanner, it saves through the run directory's tier (HostTier for a
+path, ObjectTier for a URI) and commits the writer's window manifest on the window's last slot; anywhere else, a
+plain checkpoint. Each writer commits its own piece (DCP's `finish` runs on the coordinator only), and
+`RawReader(path)` merges the pieces it finds.
 """
 
 from __future__ import annotations

@@ -136,10 +136,13 @@ class HostTier(WindowTier):
             )
         man = self.manifest(window_id)
         plan = WindowPlan.from_dict(man.plan)
-        slots = [self._read_slot(window_id, i, sp, ops, compute_dtype)[0] for i, sp in enumerate(plan.slots)]
-        for slot in slots:
-            slot.step = man.start_step + slot.index
+        slots = []
+        for i, sp in enumerate(plan.slots):
+            slot = build_slot(i, sp.active, sp.frozen, ops, compute_dtype)
+            self._read_slot(window_id, slot)  # every item checked
+            slot.step = man.start_step + i
             slot.done.set()
+            slots.append(slot)
         rel = self.window_dir(window_id) / replay_file(self.writer)
         records = torch.load(rel, weights_only=True, map_location="cpu")
         for d in records:
@@ -171,8 +174,9 @@ class HostTier(WindowTier):
         records = {d["step"]: d for d in got["records"]}
         slots = []
         for i, sp in enumerate(plan.slots[: got["slots"]]):
+            slot = build_slot(i, sp.active, sp.frozen, ops, compute_dtype)
             try:
-                slot, info = self._read_slot(window_id, i, sp, ops, compute_dtype)
+                info = self._read_slot(window_id, slot)
             except (OSError, CorruptCopyError, ValueError, KeyError):
                 break
             rec = slot_record(info)
@@ -190,10 +194,9 @@ class HostTier(WindowTier):
             return None
         return Window(window_id, start_step, plan, slots, _replay_log(got["records"]), captured=len(slots))
 
-    def _read_slot(self, window_id: int, i: int, sp, ops: dict, compute_dtype: torch.dtype) -> tuple[Slot, dict]:
-        """Slot i of a window into fresh buffers, every item checked; and its planner info."""
-        slot = build_slot(i, sp.active, sp.frozen, ops, compute_dtype)
-        return slot, read_slot(self.files, f"{window_dirname(window_id)}/{slot_writer_dir(i, self.writer)}", slot)
+    def _read_slot(self, window_id: int, slot: Slot) -> dict:
+        """This writer's piece of a slot of a window into `slot`'s buffers, every item checked; its planner info."""
+        return read_slot(self.files, f"{window_dirname(window_id)}/{slot_writer_dir(slot.index, self.writer)}", slot)
 
     def _check_record(self, window_id: int, man, record: dict) -> None:
         """A replay record must be the one its slot was written with (the digest in the slot's DCP metadata):

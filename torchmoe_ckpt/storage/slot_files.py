@@ -27,8 +27,7 @@ from .layout import slots_dir
 from .mapped_files import map_file
 
 log = logging.getLogger("torchmoe_ckpt.slot_files")
-MAX_SETS = 8  # sets kept (in use, linked or free) without a host-memory limit: current + committed + the
-# windows the host tier still links (retention floor, upload backlog) + one being collected
+MAX_SETS = 8  # sets kept without a host-memory limit: current, committed, still linked, one being collected
 
 
 @dataclass
