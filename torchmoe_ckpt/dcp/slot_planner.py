@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import logging.handlers
 import threading
 
 import torch
@@ -40,20 +41,11 @@ def partial_global_plan(
 _PLAN_CHECK = threading.Lock()
 
 
-class _Messages(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _plan_errors(global_plan: list[SavePlan], md: Metadata) -> list[str]:
     """DCP's global-plan check as a list of messages, kept off the log (torch 2.13 returns them; torch 2.11 returns
     a bool and logs them, so they are collected from its logger)."""
     quiet = logging.getLogger(_validate_global_plan.__module__)
-    collect = _Messages()
+    collect = logging.handlers.BufferingHandler(capacity=1 << 30)  # keeps every record (never flushed)
     with _PLAN_CHECK:  # tier threads plan concurrently: one logger setting (and one set of messages) at a time
         level, propagate = quiet.level, quiet.propagate
         quiet.setLevel(logging.WARNING)
@@ -66,7 +58,8 @@ def _plan_errors(global_plan: list[SavePlan], md: Metadata) -> list[str]:
             quiet.propagate = propagate
             quiet.setLevel(level)
     if isinstance(got, bool):
-        return [] if got else [" ".join(m.split()) for m in collect.messages] or ["DCP's global-plan check failed"]
+        messages = [" ".join(r.getMessage().split()) for r in collect.buffer]
+        return [] if got else messages or ["DCP's global-plan check failed"]
     return list(got)
 
 
