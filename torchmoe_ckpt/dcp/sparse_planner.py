@@ -138,19 +138,16 @@ def dcp_key(item: SlotItem, model_key: str = "model", optim_key: str = "optim") 
 
 def _source(sd: dict, item: SlotItem, model_key: str, optim_key: str) -> torch.Tensor:
     """The live tensor region of a standard state dict that `item` captures (a view, no copy)."""
-    fqn = _fqn(item)
+    fqn, model = _fqn(item), item.role in ("master", "buffer", "compute")
     try:
-        if item.role in ("master", "buffer", "compute"):
-            t = sd[model_key][fqn]
-        else:
-            t = sd[optim_key]["state"][fqn][item.role]
+        t = sd[model_key][fqn] if model else sd[optim_key]["state"][fqn][item.role]
     except KeyError:
         raise KeyError(
             f"state dict has no {dcp_key(item, model_key, optim_key)!r}: pass get_state_dict(model, "
             f"optimizer) as {{{model_key!r}: ..., {optim_key!r}: ...}}, after the first optimizer "
             "step"
         ) from None
-    if item.role not in ("master", "buffer", "compute") and (not torch.is_tensor(t) or t.dim() == 0):
+    if not model and (not torch.is_tensor(t) or t.dim() == 0):
         return t if torch.is_tensor(t) else torch.tensor(float(t))  # a 0-dim state (step), whole
     return local_tensor(t)[item.piece.local_slices]
 

@@ -138,10 +138,7 @@ class TieredReader(NoPlanning, StorageReader):
                 self.skipped.append(f"{r.path}: {type(exc).__name__}: {exc}")
         # Planned against the fullest view (a node may hold only its own writers' pieces, a peer or the store all
         # of them); a tier that lacks an item the plan reads falls through to the next in read_data.
-        best = None
-        for md in self._mds:
-            if md is not None and (best is None or len(md.storage_data) > len(best.storage_data)):
-                best = md
+        best = max((md for md in self._mds if md is not None), key=lambda md: len(md.storage_data), default=None)
         if best is None:
             raise FileNotFoundError(f"no tier holds a committed checkpoint: {self.skipped}")
         return best
