@@ -1,17 +1,11 @@
-"""Copies a host still holds under node directories none of its ranks write any more: after torchrun numbered
-the hosts anew (a host died, a new one joined, c10d sorted the survivors first), a surviving host's ranks
-write `<root>/node-M/<run>` while their copies of every window, and the peer copies they held for others, sit
-in `<root>/node-N/<run>` of the old numbering. They are found by who wrote them (the writer names of their
-files and manifests), not by today's rank or node number.
+"""Copies a host still holds under node directories none of its ranks write any more: after torchrun numbered the
+hosts anew, a surviving host's ranks write `<root>/node-M/<run>` while their copies (and peer copies held for
+others) sit in `<root>/node-N/<run>`. They are found by writer names, not by today's rank or node number.
 
-A node directory under this host's root is an *orphan* of this agent when no rank of this agent maps to it and
-its run lock is this job's own or stale (its holder is gone) -- a directory locked by another live agent on
-this host (two agents sharing one root) is never touched. The agent's local rank 0 reads the orphans; recovery
-(recover.py) counts their verified copies like peer copies: a rank takes its own part from them locally, and
-serves the others' parts over the peer tier. Once a recovery succeeded, the orphans are removed: their windows
-are either in the current tiers now or older than the window recovered from, and a newer leftover must never
-be mixed with the windows the new numbering writes under the same ids.
-"""
+A node directory is an orphan of this agent when no rank of the agent maps to it and its run lock is this job's
+own or stale (another live agent's is never touched). Its local rank 0 reads them; recovery (recover.py) counts
+their verified copies like peer copies. After a successful recovery they are removed: a newer leftover must never
+be mixed with the windows the new numbering writes under the same ids."""
 
 from __future__ import annotations
 
@@ -32,15 +26,14 @@ from .layout import (
     window_dirname,
     writer_rank,
 )
+from .peer_tier import REPLICA_VERIFIED  # the marker of a data-less replica copy (not usable alone)
 from .window_tier import WindowTier
 
 log = logging.getLogger("torchmoe_ckpt.tiers")
-REPLICA_VERIFIED = "REPLICA_VERIFIED"  # peer_tier's marker of a data-less replica copy (not usable alone)
 
 
 def agent_nodes(rank: int, ranks_per_node: int) -> set[int]:
-    """The node indices of every rank of this torchrun agent (its ranks are contiguous: LOCAL_RANK and
-    LOCAL_WORLD_SIZE say which)."""
+    """The node indices of every rank of this torchrun agent (contiguous: LOCAL_RANK, LOCAL_WORLD_SIZE)."""
     local, size = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     first = rank - local
     return {r // ranks_per_node for r in range(first, first + size)}

@@ -1,11 +1,6 @@
-"""Build the storage tiers of one rank from a `TierConfig` (recover.py finds + fetches the window to recover).
-
-    TierConfig(root="/dev/shm/torchmoe-ckpt", run_id="job", ranks_per_node=2, replicas=1)
-
-`ranks_per_node` sets the failure domains (default: LOCAL_WORLD_SIZE, i.e. one node per torchrun agent).
-Each node gets its own host directory `<root>/node-N/` -- on one machine this emulates separate nodes, so a
-"lost node" is a wiped directory. `replicas` is r, the number of peers that hold a copy of each window.
-"""
+"""Build the storage tiers of one rank from a `TierConfig` (recover.py finds and fetches the window to recover).
+Each node (`ranks_per_node`, default LOCAL_WORLD_SIZE) gets its own host directory `<root>/node-N/`: on one
+machine this emulates separate nodes. `replicas` is r, the number of peers that hold a copy of each window."""
 
 from __future__ import annotations
 
@@ -44,8 +39,7 @@ class Tiers(NamedTuple):
 
 
 def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: int = 1) -> Tiers:
-    """(HostTier, PeerTier or None, ObjectTier/TensorstoreTier or None). Collective when replicas > 0 (creates the
-    peer gloo group). A dict is read as `TierConfig.from_dict` (the job-spec form)."""
+    """Collective when replicas > 0 (creates the peer gloo group). A dict is read as `TierConfig.from_dict`."""
     if isinstance(cfg, dict):
         cfg = TierConfig.from_dict(cfg)
     rpn = int(cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", world))
