@@ -46,9 +46,8 @@ class OrphanCopies:
         self.run_dirs = run_dirs
         self._copies: list[WindowTier] = []  # one per (directory, writer): its windows of that writer
         for d in run_dirs:
-            writers = {
-                w for name in _listdir(d) if parse_window_dirname(name) is not None for w in _manifest_writers(d / name)
-            }
+            windows = [d / name for name in _listdir(d) if parse_window_dirname(name) is not None]
+            writers = {w for wd in windows for n in _listdir(wd) if (w := parse_manifest_name(n)) is not None}
             self._copies += [WindowTier(LocalFiles(d), writer_rank(w), 0) for w in sorted(writers)]
             for holder in _listdir(d / PEERS_DIR):
                 for name in _listdir(d / PEERS_DIR / holder):
@@ -60,15 +59,10 @@ class OrphanCopies:
         """This agent's orphans under `root` (only its local rank 0 reads them; None elsewhere or when none)."""
         if int(os.environ.get("LOCAL_RANK", "0")) != 0:
             return None
-        mine, me = agent_nodes(rank, ranks_per_node), run_lock.this_job(world)
-        dirs = []
-        for node_dir in sorted(Path(root).glob("node-*")):
-            run_dir = node_dir / run_id
-            if node_dir.name in {node_dirname(n) for n in mine} or not run_dir.is_dir():
-                continue
-            if run_lock.held_by_another_job(run_dir, me):  # a live agent's of this host: never touched
-                continue
-            dirs.append(run_dir)
+        mine, me = {node_dirname(n) for n in agent_nodes(rank, ranks_per_node)}, run_lock.this_job(world)
+        runs = [node_dir / run_id for node_dir in sorted(Path(root).glob("node-*")) if node_dir.name not in mine]
+        # one locked by a live agent of this host is never touched
+        dirs = [d for d in runs if d.is_dir() and not run_lock.held_by_another_job(d, me)]
         return OrphanCopies(dirs) if dirs else None
 
     def _usable(self, copy: WindowTier, wid: int) -> bool:
@@ -118,7 +112,3 @@ def _listdir(d: Path) -> list[str]:
         return sorted(os.listdir(d))
     except OSError:
         return []
-
-
-def _manifest_writers(window_dir: Path) -> set[str]:
-    return {w for name in _listdir(window_dir) if (w := parse_manifest_name(name)) is not None}

@@ -41,33 +41,6 @@ REPLICA_VERIFIED = "REPLICA_VERIFIED"  # in a replica's copy: its slot data is t
 CHUNK = 64 << 20  # bytes per gloo message: the two transfer buffers stay this small whatever the slot files' size
 
 
-def send_files(
-    files: list[tuple[str, Path]], dst: int, group, meta: dict | None = None, buf: Buffer | None = None
-) -> int:
-    """Send named files to `dst`: a JSON header (names, sizes, `meta`), then each non-empty file in messages of at
-    most CHUNK bytes read into `buf` (cheaper per byte than mapping the file). Returns the bytes sent."""
-    buf = buf or Buffer()
-    sizes = [os.stat(path).st_size for _, path in files]
-    header = json.dumps({"meta": meta or {}, "files": [[rel, n] for (rel, _), n in zip(files, sizes)]}).encode()
-    dist.send(torch.tensor([len(header)], dtype=torch.int64), dst, group=group)
-    dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group)
-    short = []
-    for (_rel, path), n in zip(files, sizes):
-        if not n:
-            continue
-        got = 0
-        with open(path, "rb", buffering=0) as f:
-            for off in range(0, n, CHUNK):
-                m = min(CHUNK, n - off)
-                got += f.readinto(buf.view(m)) or 0
-                dist.send(buf.t[:m], dst, group=group)
-        if got != n:  # shrank since the header: still send n bytes, the receiver (and the pair order) waits
-            short.append(f"{path}: {got} bytes read, {n} announced")
-    if short:  # not raised: the rest of the exchange must go on; the copy fails verification where it is used
-        log.warning("file(s) changed while being sent to rank %d, its copy is torn: %s", dst, short)
-    return 8 + len(header) + sum(sizes)
-
-
 class Buffer:
     """One uint8 tensor reused for every chunk sent or received, grown to the largest (at most CHUNK bytes)."""
 
@@ -79,12 +52,31 @@ class Buffer:
             self.t = torch.empty(n, dtype=torch.uint8)
         return memoryview(self.t.numpy())[:n]
 
-
-class Inbox(Buffer):
-    """The receiving side of `send_files`."""
+    def send(self, files: list[tuple[str, Path]], dst: int, group, meta: dict) -> int:
+        """Send named files to `dst`: a JSON header (names, sizes, `meta`), then each non-empty file in messages of
+        at most CHUNK bytes read into this buffer (cheaper per byte than mapping the file). Returns the bytes sent."""
+        sizes = [os.stat(path).st_size for _, path in files]
+        header = json.dumps({"meta": meta, "files": [[rel, n] for (rel, _), n in zip(files, sizes)]}).encode()
+        dist.send(torch.tensor([len(header)], dtype=torch.int64), dst, group=group)
+        dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group)
+        short = []
+        for (_rel, path), n in zip(files, sizes):
+            if not n:
+                continue
+            got = 0
+            with open(path, "rb", buffering=0) as f:
+                for off in range(0, n, CHUNK):
+                    m = min(CHUNK, n - off)
+                    got += f.readinto(self.view(m)) or 0
+                    dist.send(self.t[:m], dst, group=group)
+            if got != n:  # shrank since the header: still send n bytes, the receiver (and the pair order) waits
+                short.append(f"{path}: {got} bytes read, {n} announced")
+        if short:  # not raised: the rest of the exchange must go on; the copy fails verification where it is used
+            log.warning("file(s) changed while being sent to rank %d, its copy is torn: %s", dst, short)
+        return 8 + len(header) + sum(sizes)
 
     def recv(self, src: int, group, write) -> dict:
-        """Receive one `send_files` transfer; `write(rel, size, chunks)` stores each file from its (offset, view)
+        """Receive one `send` transfer; `write(rel, size, chunks)` stores each file from its (offset, view)
         chunks (a view is valid until the next one). Returns the sender's `meta`."""
         n = torch.zeros(1, dtype=torch.int64)
         dist.recv(n, src, group=group)
@@ -130,7 +122,7 @@ class PeerTier:
         self.data_bytes_sent = 0  # of which slot data (0 when every peer is an HSDP replica)
         self.own_data_bytes = 0  # slot data of the windows this rank pushed (sent r times without replicas)
         self.replica_verified = self.replica_mismatch = 0
-        self.inbox, self.outbox = Inbox(), Buffer()
+        self.inbox, self.outbox = Buffer(), Buffer()
         self._window_files: dict[int, int] = {}  # sender -> data files of its newest copy held here
 
     def held(self, src: int) -> WindowTier:
@@ -170,7 +162,7 @@ class PeerTier:
                 send = [(rel, wdir / rel) for rel in sorted(files) if not (replica and is_data_file(rel))]
                 meta = {"manifest": None if manifest is None else manifest.to_json()}
                 faults.point("replication")
-                self.bytes_sent += send_files(send, dst, self.group, meta, self.outbox)
+                self.bytes_sent += self.outbox.send(send, dst, self.group, meta)
                 self.data_bytes_sent += 0 if replica else data_bytes
             elif me == dst:
                 held = self.held(src)
@@ -277,8 +269,7 @@ class PeerTier:
         for holder, needer, src in sorted(transfers):
             if me == holder:
                 man, path = self._source(window_id, src)
-                send_files(
-                    [(rel, path(rel)) for rel in sorted(man.files)], needer, self.group, {"manifest": man.to_json()}
-                )
+                files = [(rel, path(rel)) for rel in sorted(man.files)]
+                Buffer().send(files, needer, self.group, {"manifest": man.to_json()})  # once, at a restart
             elif me == needer:
                 self._receive(holder, self.tier if src == me else self.held(src), window_id)

@@ -26,7 +26,6 @@ class PersistThread:
 
     def __init__(self, tier: HostTier, replicator=None, store=None):
         self.tier = tier
-        # A tier that cannot write is a visible state (tier_health.py); build_tiers sets the stall policy.
         stall_iterations, on_stall = getattr(tier, "stall_policy", None) or DEFAULT_STALL
         self.health = TierHealth("host", tier.rank, stall_iterations, on_stall)
         self._failed: set[int] = set()  # windows with a failed or skipped write: never committed here
@@ -34,9 +33,8 @@ class PersistThread:
         pl = None if replicator is None else replicator.placement
         self._peers_here = None if pl is None else len(pl.peers[tier.rank])  # k of the r requested (placement)
         peers = None if pl is None else getattr(pl, "r", self._peers_here)
-        self.status = RunStatus(
-            tier.rank, peers, None if store is None else str(getattr(store, "uri", None) or type(store).__name__)
-        )
+        where = None if store is None else str(getattr(store, "uri", None) or type(store).__name__)
+        self.status = RunStatus(tier.rank, peers, where)
         # First what a previous run committed but could not upload (an outage, an exit before the store caught up).
         self.uploader = Uploader(store, tier, status=self.status) if store is not None else None
         if self.uploader is not None:
@@ -77,9 +75,8 @@ class PersistThread:
         last = h["last_durable_window"]
         text = f"last durable window {last['window_id']} (step {last['last_step']})" if last else "no window persisted"
         bad = f"; {h['failed_writes']} failed write(s), now {h['state']}" if h["failed_writes"] else ""
-        return f"host tier {self.tier.dir} rank {self.tier.rank}: {text}{bad}" + (
-            f" ({h['reason']})" if h["state"] != "ok" else ""
-        )
+        why = f" ({h['reason']})" if h["state"] != "ok" else ""
+        return f"host tier {self.tier.dir} rank {self.tier.rank}: {text}{bad}{why}"
 
     def replication_stats(self) -> dict | None:
         rep = self.replicator
@@ -208,13 +205,8 @@ class PersistThread:
                         self.cpu_s["peers"] += c0 - c1
                         self.replicated.add(win.id)
                         self.replication_lag_seconds.append(time.perf_counter() - t0)
-                    self.status.window_committed(
-                        win.id,
-                        win.start_step,
-                        win.start_step + win.plan.window - 1,
-                        self._man.total_bytes,
-                        self._peers_here,
-                    )
+                    last = win.start_step + win.plan.window - 1
+                    self.status.window_committed(win.id, win.start_step, last, self._man.total_bytes, self._peers_here)
                     self.keep_floor = keep
                     if self.uploader is not None:
                         self.uploader.submit(win.id)

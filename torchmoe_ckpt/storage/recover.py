@@ -61,13 +61,12 @@ def recover_from_tiers(
                     held[src] = sorted(set(held.get(src, ())) | set(wids))
         everyone = all_gather_objects((local, held, report["unusable_copies"] if i == 0 else None))
         world = len(everyone)
-        if i == 0:
-            report["unusable_by_rank"] = {r: e[2] for r, e in enumerate(everyone) if e[2]}
         avail = [
             set(everyone[r][0]).union(*(everyone[h][1].get(r, ()) for h in range(world))) - excluded
             for r in range(world)
         ]
         if i == 0:
+            report["unusable_by_rank"] = {r: e[2] for r, e in enumerate(everyone) if e[2]}
             seen = [set(a) for a in avail]
         common = set.intersection(*avail)
         if not common:

@@ -75,13 +75,13 @@ class StoreLease:
                 time.sleep(SETTLE_S)
                 back = self.read()
                 if back is not None and back.get("nonce") == self.nonce:
-                    self._start_renewing()
+                    self._thread = threading.Thread(target=self._renew, name="tmoe-store-lease", daemon=True)
+                    self._thread.start()
                     return
                 first = back  # another job wrote at the same time: judge it
                 continue
-            if first is not None and cur.get("renewed") != first.get("renewed"):
-                raise self._refusal(cur)  # renewed while we watched: its job is alive
-            if time.monotonic() > deadline:
+            # renewed while we watched (its job is alive), or neither renewed nor expired in time
+            if (first is not None and cur.get("renewed") != first.get("renewed")) or time.monotonic() > deadline:
                 raise self._refusal(cur)
             time.sleep(min(1.0, self.lease_s / 10))
 
@@ -90,20 +90,15 @@ class StoreLease:
             f"object store prefix {self.where} is written by another job ({cur.get('job')}, pid {cur.get('pid')} "
             f"on host {cur.get('host')}, renewed {time.time() - float(cur.get('renewed', 0)):.1f} s ago): two jobs "
             "on one run would mix their windows; give this job another run_id (TierConfig.run_id, [sparse_checkpoint] "
-            "run_id), or stop that job (its lease expires "
-            f"{cur.get('lease_s')} s after its last renewal)"
+            f"run_id), or stop that job (its lease expires {cur.get('lease_s')} s after its last renewal)"
         )
 
-    def _start_renewing(self) -> None:
-        def loop() -> None:
-            while not self._stop.wait(self.lease_s / 3):
-                try:
-                    self._write()
-                except Exception as exc:  # a store outage: the uploads say so too; renewed when it is back
-                    log.debug("lease renewal of %s failed: %s", self.path, exc)
-
-        self._thread = threading.Thread(target=loop, name="tmoe-store-lease", daemon=True)
-        self._thread.start()
+    def _renew(self) -> None:  # rank 0's renewal thread
+        while not self._stop.wait(self.lease_s / 3):
+            try:
+                self._write()
+            except Exception as exc:  # a store outage: the uploads say so too; renewed when it is back
+                log.debug("lease renewal of %s failed: %s", self.path, exc)
 
     def release(self) -> None:
         """At a clean exit: stop renewing and remove the lease (a relaunch need not wait for it to expire)."""

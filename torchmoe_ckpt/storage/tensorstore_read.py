@@ -11,14 +11,10 @@ from .tensorstore_spec import context, kvstore_spec, region, sub_spec, ts_module
 from .tensorstore_tier import TensorstoreTier
 
 
-def rank_ids(uri: str, run_id: str, storage_options: dict | None = None) -> list[int]:
+def _iter_pieces(uri, run_id, window_id, wanted, slot, storage_options):
     spec = sub_spec(kvstore_spec(uri, storage_options), f"{run_id}/")
     keys = ts_module().KvStore.open(spec, context=context()).result().list().result()
-    return sorted({r for k in keys if (r := writer_rank(k.decode().split("/", 1)[0])) is not None})
-
-
-def _iter_pieces(uri, run_id, window_id, wanted, slot, storage_options):
-    for r in rank_ids(uri, run_id, storage_options):
+    for r in sorted({r for k in keys if (r := writer_rank(k.decode().split("/", 1)[0])) is not None}):
         t = TensorstoreTier(uri, run_id, r, storage_options, probe=False)
         meta = t._read_meta(window_id)
         if meta is None:

@@ -182,17 +182,14 @@ class TensorstoreTier(StoreTier):
             self._retry("delete", lambda: kv.delete_range(ts_module().KvStore.KeyRange()).result())  # noqa: B023
         return gone
 
-    def _open_arrays(self, window_id: int, paths: set[str]) -> dict:
-        ts = ts_module()
-        db = self._db(window_id)
-        futs = {
-            p: ts.open({"driver": "zarr3", "kvstore": sub_spec(db, p)}, open=True, context=context()) for p in paths
-        }
-        return {p: f.result() for p, f in futs.items()}
-
     def read_items(self, window_id: int, wanted) -> list[tuple[dict, torch.Tensor | None, str | None]]:
         """[(entry, tensor, problem)] for the metadata entries `wanted`: reads only their chunks, checks CRC32."""
-        arrays = self._open_arrays(window_id, {e["array"] for e in wanted if "array" in e})
+        ts, db = ts_module(), self._db(window_id)
+        paths = {e["array"] for e in wanted if "array" in e}
+        opening = {
+            p: ts.open({"driver": "zarr3", "kvstore": sub_spec(db, p)}, open=True, context=context()) for p in paths
+        }
+        arrays = {p: f.result() for p, f in opening.items()}
         futs = [
             (e, arrays[e["array"]][region(e["offset"], e["shape"])].read() if "array" in e else None) for e in wanted
         ]

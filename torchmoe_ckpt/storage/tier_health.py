@@ -84,15 +84,12 @@ class TierHealth:
             self._first_step = step
         if self.stall_iterations is None:
             return
-        since = self.last_durable[1] if self.last_durable and self.last_durable[1] is not None else self._first_step - 1
+        ld = self.last_durable
+        since = ld[1] if ld and ld[1] is not None else self._first_step - 1
         if step - since <= self.stall_iterations or self._stalled:
             return
         self._stalled = True  # once per stall; a durable commit re-arms it
-        last = (
-            f"last durable window {self.last_durable[0]} (step {self.last_durable[1]})"
-            if self.last_durable
-            else "no durable window yet"
-        )
+        last = f"last durable window {ld[0]} (step {ld[1]})" if ld else "no durable window yet"
         text = (
             f"checkpointing stalled on rank {self.rank}: no window committed durably on the {self.tier} tier "
             f"for {step - since} iterations ({last}; {self.reason or 'writes are slower than training'}); "

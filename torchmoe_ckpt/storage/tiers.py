@@ -43,8 +43,8 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
     if isinstance(cfg, dict):
         cfg = TierConfig.from_dict(cfg)
     rpn = int(cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", world))
-    run_id = cfg.resolved_run_id()
-    node_dir = Path(cfg.root) / node_dirname(node_of(rank, rpn))
+    run_id, node = cfg.resolved_run_id(), node_of(rank, rpn)
+    node_dir = Path(cfg.root) / node_dirname(node)
     try:
         tier = HostTier(node_dir, run_id, rank, world)
     except OSError as exc:  # the root is a file, under /proc, read-only or not ours: one line, before training
@@ -55,7 +55,6 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
         ) from None
     run_lock.acquire(tier.dir, leader=rank % rpn == 0, world=world)  # one job per run directory (run_lock.py)
     tier.orphans = OrphanCopies.find(Path(cfg.root), run_id, rank, rpn, world)  # an older numbering's copies
-    node = node_of(rank, rpn)
     tier.node_ranks = list(range(node * rpn, min(world, (node + 1) * rpn)))  # recorded: verify expects them all
     tier.stall_policy = (cfg.stall_iterations, cfg.on_stall)  # read by its PersistThread (tier_health.py)
     tier.upload_backlog, tier.spare_windows = cfg.upload_backlog, cfg.spare_windows  # host memory (host_memory.py)

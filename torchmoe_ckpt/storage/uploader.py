@@ -4,7 +4,6 @@ what a previous run left behind; every outcome goes to the `status.RunStatus` th
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 
@@ -20,7 +19,6 @@ class Uploader:
     def __init__(self, store: CopyTier, tier, max_pending: int = 2, status=None):
         """`tier`: the HostTier read from; `status`: a status.RunStatus (or None)."""
         self.store, self.tier, self.status = store, tier, status
-        self.q: queue.Queue = queue.Queue()
         self.max_pending = max_pending
         self.uploaded: list[int] = []
         self.dropped = 0
@@ -94,10 +92,9 @@ class Uploader:
     def oldest_needed(self) -> int | None:
         """The oldest window still to be uploaded (the host tier must not collect it yet), or None."""
         with self._lock:
-            ids = [w for w, _ in self._pending if w is not CATCH_UP] + (
-                [self._current] if self._busy and self._current is not None else []
-            )
-        return min(ids) if ids else None
+            ids = [w for w, _ in self._pending if w is not CATCH_UP]
+            current = [self._current] if self._busy and self._current is not None else []
+        return min(ids + current, default=None)
 
     def _run(self) -> None:
         while True:

@@ -12,10 +12,6 @@ from .layout import belongs_to, parse_window_dirname
 _MEMORY_FS = ("tmpfs", "ramfs", "hugetlbfs")
 
 
-def allocated(st: os.stat_result) -> int:
-    return st.st_blocks * 512
-
-
 def _count(path: str, seen: set, skip: set) -> int:
     """Allocated bytes of one file, unless its inode is in `seen` or `skip` (then 0); adds it to `seen`."""
     try:
@@ -26,7 +22,7 @@ def _count(path: str, seen: set, skip: set) -> int:
     if key in seen or key in skip:
         return 0
     seen.add(key)
-    return allocated(st)
+    return st.st_blocks * 512
 
 
 def tree_bytes(root: Path, seen: set, skip: set = frozenset(), writer: str | None = None) -> int:
