@@ -180,10 +180,9 @@ class PeerTier:
         mine = self.tier.manifest(window_id)
         ours = {r.replace(self.tier.writer, held.writer): f.crc32 for r, f in mine.files.items() if is_data_file(r)}
         same = all(ours.get(r) == f.crc32 for r, f in theirs.files.items() if is_data_file(r))
-        marker = f"{window_dirname(window_id)}/{REPLICA_VERIFIED}"
         if same:
             self.replica_verified += 1
-            held.files.write(marker, str(self.tier.rank).encode())
+            held.files.write(f"{window_dirname(window_id)}/{REPLICA_VERIFIED}", str(self.tier.rank).encode())
         else:  # not bit-identical after all: this copy cannot stand in for the sender's
             self.replica_mismatch += 1
             log.warning(

@@ -166,8 +166,7 @@ def _agree(wid: int, why: str | None, report: dict, phase: str) -> bool:
 
 
 def _reason(exc: BaseException) -> str:
-    # Never cut: the end of a reason is often its point (ReplayDivergence's likely causes). The lists of
-    # windows that carry reasons are bounded instead (recovery.py).
+    # Never cut: its end is often its point (ReplayDivergence's likely causes); recovery.py bounds the lists.
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text}"
 

@@ -52,8 +52,7 @@ def _alive(pid: int, start: str | None) -> bool:
 
 
 def this_job(world: int = 1) -> dict:
-    """Who this process writes for: torchrun's agent on this node (the workers' parent; also the launcher of
-    a multi-process job started otherwise, e.g. mp.spawn), else this process."""
+    """Who this process writes for: the workers' parent (torchrun's agent, or e.g. mp.spawn's), else itself."""
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     pid = os.getppid() if under_torchrun or world > 1 else os.getpid()
     run = os.environ.get("TORCHELASTIC_RUN_ID", "none")

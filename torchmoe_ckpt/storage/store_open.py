@@ -47,9 +47,8 @@ _SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)(.*)$")
 
 
 def check_uri(uri: str) -> None:
-    """A scheme without '//' ("s3:/bucket", "s3:bucket", "file:/tmp/x") is a typo that fsspec reads as a local
-    path (./s3:/bucket), so uploads would "succeed" into a directory of the working dir: refused, naming the
-    URI meant. (One letter before ':' is a Windows drive, not a scheme.)"""
+    """A scheme without '//' ("s3:/bucket") is a typo that fsspec reads as a local path (./s3:/bucket), so uploads
+    would "succeed" into the working dir: refused, naming the URI meant (one letter before ':' is a drive)."""
     m = _SCHEME_WITHOUT_SLASHES.match(uri) if isinstance(uri, str) else None
     if m is None:
         return
@@ -111,9 +110,8 @@ def _shorten_azure_retry(fs) -> None:
 
 
 def _short_s3_retry(options: dict | None) -> dict:
-    """botocore retries a refused connection 4 times with exponential backoff (up to ~15 s per call) and our
-    uploads retry every call again: a store that is down would be noticed only a minute later. One inner
-    retry and a 5 s connect timeout (the uploader retries whole windows anyway), unless the user set them."""
+    """botocore retries a refused connection 4 times (up to ~15 s per call) under our own retries: a store that
+    is down would be noticed a minute late. One inner try and a 5 s connect timeout, unless the user set them."""
     opts = dict(options or {})
     cfg = dict(opts.get("config_kwargs") or {})
     cfg.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
