@@ -1,17 +1,11 @@
-"""Copies a host still holds under node directories none of its ranks write any more: after torchrun numbered
-the hosts anew (a host died, a new one joined, c10d sorted the survivors first), a surviving host's ranks
-write `<root>/node-M/<run>` while their copies of every window, and the peer copies they held for others, sit
-in `<root>/node-N/<run>` of the old numbering. They are found by who wrote them (the writer names of their
-files and manifests), not by today's rank or node number.
+"""Copies a host still holds under node directories none of its ranks write any more: after torchrun numbered the
+hosts anew, a surviving host's ranks write `<root>/node-M/<run>` while their copies (and peer copies held for
+others) sit in `<root>/node-N/<run>`. They are found by writer names, not by today's rank or node number.
 
-A node directory under this host's root is an *orphan* of this agent when no rank of this agent maps to it and
-its run lock is this job's own or stale (its holder is gone) -- a directory locked by another live agent on
-this host (two agents sharing one root) is never touched. The agent's local rank 0 reads the orphans; recovery
-(recover.py) counts their verified copies like peer copies: a rank takes its own part from them locally, and
-serves the others' parts over the peer tier. Once a recovery succeeded, the orphans are removed: their windows
-are either in the current tiers now or older than the window recovered from, and a newer leftover must never
-be mixed with the windows the new numbering writes under the same ids.
-"""
+A node directory is an orphan of this agent when no rank of the agent maps to it and its run lock is this job's
+own or stale (another live agent's is never touched). Its local rank 0 reads them; recovery (recover.py) counts
+their verified copies like peer copies. After a successful recovery they are removed: a newer leftover must never
+be mixed with the windows the new numbering writes under the same ids."""
 
 from __future__ import annotations
 
@@ -32,15 +26,14 @@ from .layout import (
     window_dirname,
     writer_rank,
 )
+from .peer_tier import REPLICA_VERIFIED  # the marker of a data-less replica copy (not usable alone)
 from .window_tier import WindowTier
 
 log = logging.getLogger("torchmoe_ckpt.tiers")
-REPLICA_VERIFIED = "REPLICA_VERIFIED"  # peer_tier's marker of a data-less replica copy (not usable alone)
 
 
 def agent_nodes(rank: int, ranks_per_node: int) -> set[int]:
-    """The node indices of every rank of this torchrun agent (its ranks are contiguous: LOCAL_RANK and
-    LOCAL_WORLD_SIZE say which)."""
+    """The node indices of every rank of this torchrun agent (contiguous: LOCAL_RANK, LOCAL_WORLD_SIZE)."""
     local, size = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     first = rank - local
     return {r // ranks_per_node for r in range(first, first + size)}
@@ -53,9 +46,8 @@ class OrphanCopies:
         self.run_dirs = run_dirs
         self._copies: list[WindowTier] = []  # one per (directory, writer): its windows of that writer
         for d in run_dirs:
-            writers = {
-                w for name in _listdir(d) if parse_window_dirname(name) is not None for w in _manifest_writers(d / name)
-            }
+            windows = [d / name for name in _listdir(d) if parse_window_dirname(name) is not None]
+            writers = {w for wd in windows for n in _listdir(wd) if (w := parse_manifest_name(n)) is not None}
             self._copies += [WindowTier(LocalFiles(d), writer_rank(w), 0) for w in sorted(writers)]
             for holder in _listdir(d / PEERS_DIR):
                 for name in _listdir(d / PEERS_DIR / holder):
@@ -67,15 +59,10 @@ class OrphanCopies:
         """This agent's orphans under `root` (only its local rank 0 reads them; None elsewhere or when none)."""
         if int(os.environ.get("LOCAL_RANK", "0")) != 0:
             return None
-        mine, me = agent_nodes(rank, ranks_per_node), run_lock.this_job(world)
-        dirs = []
-        for node_dir in sorted(Path(root).glob("node-*")):
-            run_dir = node_dir / run_id
-            if node_dir.name in {node_dirname(n) for n in mine} or not run_dir.is_dir():
-                continue
-            if run_lock.held_by_another_job(run_dir, me):  # a live agent's of this host: never touched
-                continue
-            dirs.append(run_dir)
+        mine, me = {node_dirname(n) for n in agent_nodes(rank, ranks_per_node)}, run_lock.this_job(world)
+        runs = [node_dir / run_id for node_dir in sorted(Path(root).glob("node-*")) if node_dir.name not in mine]
+        # one locked by a live agent of this host is never touched
+        dirs = [d for d in runs if d.is_dir() and not run_lock.held_by_another_job(d, me)]
         return OrphanCopies(dirs) if dirs else None
 
     def _usable(self, copy: WindowTier, wid: int) -> bool:
@@ -125,7 +112,3 @@ def _listdir(d: Path) -> list[str]:
         return sorted(os.listdir(d))
     except OSError:
         return []
-
-
-def _manifest_writers(window_dir: Path) -> set[str]:
-    return {w for name in _listdir(window_dir) if (w := parse_manifest_name(name)) is not None}

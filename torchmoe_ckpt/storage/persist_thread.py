@@ -1,6 +1,5 @@
-"""The persist thread: a background thread that persists captured slots on the host tier, commits windows
-there in order, then hands each committed window to the peers and the object store (tier.py: the call order
-of a save). The training thread only enqueues."""
+"""The persist thread: persists captured slots on the host tier, commits windows there in order, then hands each
+committed window to the peers and the object store (tier.py: the call order of a save). Training only enqueues."""
 
 from __future__ import annotations
 
@@ -27,20 +26,16 @@ class PersistThread:
 
     def __init__(self, tier: HostTier, replicator=None, store=None):
         self.tier = tier
-        # A tier that cannot write is a visible state (tier_health.py); build_tiers sets the stall policy.
         stall_iterations, on_stall = getattr(tier, "stall_policy", None) or DEFAULT_STALL
         self.health = TierHealth("host", tier.rank, stall_iterations, on_stall)
         self._failed: set[int] = set()  # windows with a failed or skipped write: never committed here
         self._attempted: set[int] = set()  # windows whose writing started
-        # What the user reads: a line per committed window, store warnings, the exit summary (status.py).
         pl = None if replicator is None else replicator.placement
         self._peers_here = None if pl is None else len(pl.peers[tier.rank])  # k of the r requested (placement)
         peers = None if pl is None else getattr(pl, "r", self._peers_here)
-        self.status = RunStatus(
-            tier.rank, peers, None if store is None else str(getattr(store, "uri", None) or type(store).__name__)
-        )
-        # Uploads each committed window to the object store (object_tier / tensorstore_tier) in the background;
-        # first what a previous run committed but could not upload (an outage, an exit before the store caught up).
+        where = None if store is None else str(getattr(store, "uri", None) or type(store).__name__)
+        self.status = RunStatus(tier.rank, peers, where)
+        # First what a previous run committed but could not upload (an outage, an exit before the store caught up).
         self.uploader = Uploader(store, tier, status=self.status) if store is not None else None
         if self.uploader is not None:
             self.uploader.catch_up()
@@ -48,7 +43,7 @@ class PersistThread:
         self.jobs: queue.Queue = queue.Queue()
         # Jobs queued / processed: slot buffers released after `ticket()` are no longer read once `done(ticket)`.
         self._queued, self._processed = 0, 0
-        # Windows kept beyond the retention floor while the object store still needs them (build_tiers sets it).
+        # Windows kept beyond the retention floor while the object store still needs them.
         self.upload_backlog = getattr(tier, "upload_backlog", MAX_UPLOAD_BACKLOG)
         self.keep_floor: int | None = None  # the retention floor of the last collect (older kept windows: backlog)
         self.persisted: set[int] = set()  # window ids whose rank manifest is written
@@ -80,9 +75,8 @@ class PersistThread:
         last = h["last_durable_window"]
         text = f"last durable window {last['window_id']} (step {last['last_step']})" if last else "no window persisted"
         bad = f"; {h['failed_writes']} failed write(s), now {h['state']}" if h["failed_writes"] else ""
-        return f"host tier {self.tier.dir} rank {self.tier.rank}: {text}{bad}" + (
-            f" ({h['reason']})" if h["state"] != "ok" else ""
-        )
+        why = f" ({h['reason']})" if h["state"] != "ok" else ""
+        return f"host tier {self.tier.dir} rank {self.tier.rank}: {text}{bad}{why}"
 
     def replication_stats(self) -> dict | None:
         rep = self.replicator
@@ -102,9 +96,8 @@ class PersistThread:
         }
 
     def slot(self, window_id: int, slot: Slot, info: dict, partial: tuple | None = None) -> None:
-        """Persist a captured slot. `partial` (sliding plans): (start step, plan, replay records so far) of its
-        window, written after the slot (`WindowTier.write_partial`) so that a recovery can use it before the
-        window commits."""
+        """Persist a captured slot. `partial` (sliding plans): (start step, plan, replay records so far), written
+        after the slot (`WindowTier.write_partial`) so that a recovery can use it before the window commits."""
         if "start_step" in info and "slot" in info:  # the training thread: the stall policy may end the job here
             self.health.check_stall(info["start_step"] + info["slot"])
         self._put(("slot", window_id, slot, info, partial))
@@ -136,9 +129,8 @@ class PersistThread:
         return n + (self.replicator.trim_spares() if self.replicator is not None else 0)
 
     def host_bytes(self, aliased: set = frozenset()) -> dict[str, int]:
-        """The tiers' part of the host-memory account (host_memory.py), from their owners: the host tier's files
-        (`aliased`: the live slot sets' own files, counted by the allocator), what this rank holds for its peers,
-        a local object store's files on tmpfs."""
+        """The tiers' part of the host-memory account (host_memory.py): the host tier's files (`aliased`: the live
+        slot sets' own, counted by the allocator), what this rank holds for peers, a local store's on tmpfs."""
         out = dict(self.tier.host_bytes(aliased, self.keep_floor))
         if self.replicator is not None:
             out.update(self.replicator.host_bytes())
@@ -155,20 +147,15 @@ class PersistThread:
         if self.uploader is not None:
             self.uploader.flush(wait_s)
         summary = self.status.exit_summary(time.monotonic() - t0, wait_s, str(self.tier.dir))
-        # After the summary, whose wait is the uploads' alone: with the store down, releasing the lease may take
-        # its renewal thread's join (up to 2 s) and a failed read before the lease is left to expire.
-        self.release_lease()
-        return summary
-
-    def release_lease(self) -> None:
-        """A clean exit gives the object-store prefix up at once (store_lease.py), not after its lease expires."""
+        # A clean exit gives the store prefix up now (store_lease.py); after the summary, whose wait is the uploads'
+        # alone: with the store down, releasing may take the renewal thread's join (up to 2 s) and a failed read.
         lease = getattr(self.uploader.store, "lease", None) if self.uploader is not None else None
         if lease is not None:
             lease.release()
+        return summary
 
     def shutdown(self) -> None:
-        """Stop once the jobs queued so far are done (not waited for); the upload thread stops now (what it has
-        not taken stays on the host tier: the next run's catch_up uploads it)."""
+        """Stop once the jobs queued so far are done (not waited for); the upload thread stops now."""
         self.jobs.put(None)
         if self.uploader is not None:
             self.uploader.stop()
@@ -176,12 +163,9 @@ class PersistThread:
     def stop(self, timeout_s: float) -> None:
         """Finish the job in flight, then stop the thread (at interpreter exit: background.py). An abandoned
         writer (an emulated dead process) may be blocked on a peer that is gone: left as it is."""
-        if self._dead:
-            return
-        self.jobs.put(None)
-        if self.uploader is not None:
-            self.uploader.stop()
-        self._thread.join(timeout_s)
+        if not self._dead:
+            self.shutdown()
+            self._thread.join(timeout_s)
 
     def abandon(self, upload_wait_s: float = 0.0) -> None:
         """Emulate this process dying: drop the queued jobs (a job already running finishes) and stop; the store
@@ -221,13 +205,8 @@ class PersistThread:
                         self.cpu_s["peers"] += c0 - c1
                         self.replicated.add(win.id)
                         self.replication_lag_seconds.append(time.perf_counter() - t0)
-                    self.status.window_committed(
-                        win.id,
-                        win.start_step,
-                        win.start_step + win.plan.window - 1,
-                        self._man.total_bytes,
-                        self._peers_here,
-                    )
+                    last = win.start_step + win.plan.window - 1
+                    self.status.window_committed(win.id, win.start_step, last, self._man.total_bytes, self._peers_here)
                     self.keep_floor = keep
                     if self.uploader is not None:
                         self.uploader.submit(win.id)

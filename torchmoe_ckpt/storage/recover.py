@@ -4,6 +4,7 @@ any failure on any rank excludes that window everywhere and the next newest is t
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -27,15 +28,12 @@ def recover_from_tiers(
     identity: RunIdentity | None = None,
     use=None,
 ):
-    """Agree on the newest window every rank can get (its own checked copy, or a peer's), pull the missing
-    copies from peers, load this rank's and hand it to `use(window)` (the replay). Any failure on any rank
-    while fetching, checking, loading or using a window (every exception but a process exit) excludes that
-    window on every rank and the next newest is tried, host and peers first, then the object store, until
-    one works or none is left. `identity`: windows of another run are rejected. Returns (Window or None,
-    report); report["rejected"] says, per rank, which windows were rejected and why, and report["outcome"]
-    is "recovered", "no window" (none anywhere) or "no usable window" (some existed, all rejected; the same
-    on every rank). report["unusable_copies"] is this rank's damaged copies, report["unusable_by_rank"] every
-    rank's (gathered with the first agreement round). Collective."""
+    """Agree on the newest window every rank can get (its own checked copy, or a peer's), pull the missing copies,
+    load this rank's and hand it to `use(window)` (the replay). Any failure on any rank (every exception but a
+    process exit) excludes that window everywhere and the next newest is tried, host and peers first, then the
+    object store. `identity`: windows of another run are rejected. Returns (Window or None, report): "rejected"
+    (per window and rank, why), "outcome" ("recovered", "no window" or "no usable window": some existed, all
+    rejected), "unusable_copies" (this rank's damaged copies), "unusable_by_rank" (every rank's). Collective."""
     report: dict = {"unusable_copies": {}, "rejected": {}, "unusable_by_rank": {}}
     for w in tier.window_ids():
         if p := tier.check(w, identity):
@@ -63,13 +61,12 @@ def recover_from_tiers(
                     held[src] = sorted(set(held.get(src, ())) | set(wids))
         everyone = all_gather_objects((local, held, report["unusable_copies"] if i == 0 else None))
         world = len(everyone)
-        if i == 0:
-            report["unusable_by_rank"] = {r: e[2] for r, e in enumerate(everyone) if e[2]}
         avail = [
             set(everyone[r][0]).union(*(everyone[h][1].get(r, ()) for h in range(world))) - excluded
             for r in range(world)
         ]
         if i == 0:
+            report["unusable_by_rank"] = {r: e[2] for r, e in enumerate(everyone) if e[2]}
             seen = [set(a) for a in avail]
         common = set.intersection(*avail)
         if not common:
@@ -81,12 +78,8 @@ def recover_from_tiers(
             if wid not in everyone[r][0]
         }
         src = f"peer {needers[tier.rank]}" if tier.rank in needers else "host"
-        window = _attempt(
-            wid,
-            report,
-            lambda: _pull_and_load(tier, replicator, wid, needers, ops, compute_dtype, identity),  # noqa: B023
-            use,
-        )
+        fetch = functools.partial(_pull_and_load, tier, replicator, wid, needers, ops, compute_dtype, identity)
+        window = _attempt(wid, report, fetch, use)
         if window is not None:
             report.update(source=src, pulled_from_peers={str(k): v for k, v in needers.items()})
             _retire(orphans, report)
@@ -109,10 +102,9 @@ def _retire(orphans, report: dict) -> None:
 
 
 def _not_every_rank(report: dict, seen: list[set[int]], listed: list[set[int]] | None) -> None:
-    """Windows some rank can get but another cannot, from any tier: never "no window" (a new run would start
-    and overwrite the copies that are left). Each is rejected with the ranks that have no copy, so recovery
-    refuses (UnusableCheckpointError) unless the user opted into restarts. The same on every rank (`seen` and
-    the store listing are gathered)."""
+    """Windows some rank can get but another cannot, from any tier: never "no window" (a new run would overwrite
+    the copies left). Each is rejected with the ranks that have no copy (recovery refuses unless the user opted
+    into restarts); the same on every rank (`seen` and the store listing are gathered)."""
     listed = listed or [set() for _ in seen]
     have = [set(a) | set(b) for a, b in zip(seen, listed)] if seen else [set(b) for b in listed]
     for wid in sorted(set().union(*have) - set(report["rejected"]), reverse=True) if have else []:
@@ -136,25 +128,22 @@ def _pull_and_load(tier: HostTier, replicator, wid: int, needers: dict, ops, com
 def _attempt(wid: int, report: dict, fetch, use):
     """Fetch + load `wid` on this rank, agree, then `use` it, agree again: the window, or None when any rank
     failed (the reasons are in report["rejected"][wid], per rank)."""
-    window, why = None, None
+    window, why = _try(fetch)
+    if not _agree(wid, why, report, "load"):
+        return None
+    if use is not None and not _agree(wid, _try(use, window)[1], report, "replay"):
+        return None
+    return window
+
+
+def _try(fn, *args):
+    """(fn(*args), None), or (None, why it failed) for every exception but a process exit."""
     try:
-        window = fetch()
+        return fn(*args), None
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        why = _reason(exc)
-    if not _agree(wid, why, report, "load"):
-        return None
-    if use is not None:
-        try:
-            use(window)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:
-            why = _reason(exc)
-        if not _agree(wid, why, report, "replay"):
-            return None
-    return window
+        return None, _reason(exc)
 
 
 MAX_RANKS_LISTED = 4  # ranks whose reason a window_rejected line quotes (all are in the report)
@@ -177,8 +166,7 @@ def _agree(wid: int, why: str | None, report: dict, phase: str) -> bool:
 
 
 def _reason(exc: BaseException) -> str:
-    # Never cut: the end of a reason is often its point (ReplayDivergence's likely causes). The lists of
-    # windows that carry reasons are bounded instead (recovery.py).
+    # Never cut: its end is often its point (ReplayDivergence's likely causes); recovery.py bounds the lists.
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text}"
 
@@ -192,16 +180,7 @@ def _outcome(report: dict) -> dict:
     return report
 
 
-def _from_store(
-    tier: HostTier,
-    store,
-    ops: dict,
-    compute_dtype: torch.dtype,
-    report: dict,
-    identity: RunIdentity | None = None,
-    use=None,
-    excluded: set[int] = frozenset(),
-):
+def _from_store(tier: HostTier, store, ops: dict, compute_dtype: torch.dtype, report: dict, identity, use, excluded):
     """Last tier: the newest window every rank has in the object store, downloaded and checked."""
     if store is None:
         return None, _outcome(dict(report, source=None))

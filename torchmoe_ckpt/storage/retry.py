@@ -9,9 +9,8 @@ log = logging.getLogger("torchmoe_ckpt.storage")
 
 
 def retry(what: str, fn, *args, attempts: int = 2, backoff_s: float = 0.2):
-    """`fn(*args)`, tried up to `attempts` times, waiting `backoff_s` x 2^i between tries; the last error
-    is raised. Logged at DEBUG: whoever owns the tier (the uploader's TierHealth, RunStatus) warns once per
-    outage, not once per retry."""
+    """`fn(*args)`, tried up to `attempts` times, waiting `backoff_s` x 2^i between; the last error is raised.
+    Logged at DEBUG: the tier's owner (TierHealth, RunStatus) warns once per outage, not per retry."""
     for i in range(attempts):
         try:
             return fn(*args)

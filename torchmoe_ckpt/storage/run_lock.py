@@ -1,19 +1,11 @@
-"""One writer per run: a lock file in the run's host directory, so a second job on the same run id and
-directory fails at start with one line instead of mixing its windows with the first job's.
+"""One writer per run: `LOCK.json` in the run's host directory, so a second job on the same run id and directory
+fails at start with one line instead of mixing its windows with the first job's.
 
-    <root>/node-N/<run>/LOCK.json   {"job", "owner", "host", "pid", "pid_start", "worker_pid", "started", ...}
-
-The job is torchrun's agent on this node (`TORCHELASTIC_RUN_ID` plus the agent's pid, the workers' parent:
-the same across restarts of one launch, different for every launch, even when `--rdzv-id` is left at its
-default "none"); without torchrun it is this process. One lock per node directory: the node's local rank 0
-takes it, the other local ranks wait until it names their job. A lock is taken over, and the log says so,
-when it is stale (its job's process is gone from this host, or its pid was recycled) or when it is this
-job's own (a torchrun restart, an in-process restart). `build_tiers` calls `acquire`.
-
-Judging the holder and writing the new lock is one step under an exclusive `flock` of `.LOCK.mutex` (never
-replaced, released by the kernel when its holder dies): with a read-judge-replace that was not atomic, four
-processes taking over one stale lock at once ended with two to four winners in 72 of 100 trials.
-"""
+The job is torchrun's agent on this node (`TORCHELASTIC_RUN_ID` plus the agent's pid: the same across restarts of
+one launch, different for every launch), else this process. The node's local rank 0 takes the lock, the other
+local ranks wait until it names their job. A stale lock (its process gone or its pid recycled) or this job's own
+(a restart) is taken over, logged. Judging and writing is one step under an exclusive `flock` of `.LOCK.mutex`:
+a non-atomic read-judge-replace let several processes take over one stale lock at once."""
 
 from __future__ import annotations
 
@@ -60,8 +52,7 @@ def _alive(pid: int, start: str | None) -> bool:
 
 
 def this_job(world: int = 1) -> dict:
-    """Who this process writes for: torchrun's agent on this node (the workers' parent; also the launcher of
-    a multi-process job started otherwise, e.g. mp.spawn), else this process."""
+    """Who this process writes for: the workers' parent (torchrun's agent, or e.g. mp.spawn's), else itself."""
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     pid = os.getppid() if under_torchrun or world > 1 else os.getpid()
     run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
@@ -122,8 +113,7 @@ def _refuse(run_dir: Path, holder: dict) -> RunLockedError:
 
 
 def _write(run_dir: Path, me: dict, exclusive: bool) -> bool:
-    """Write the lock atomically: a fresh lock by link (fails if one appeared meanwhile), a takeover by the
-    commit-last write (commit.py)."""
+    """Write the lock atomically: a fresh lock by link (fails if one appeared meanwhile), a takeover commit-last."""
     if not exclusive:
         write_last(run_dir / LOCK_NAME, json.dumps(me, indent=1).encode())
         return True
@@ -157,16 +147,12 @@ def _mutex(run_dir: Path):
 
 def acquire(run_dir: str | Path, leader: bool, world: int = 1, wait_s: float = 60.0) -> dict:
     """Take (leader: this node's local rank 0) or join (the other local ranks) the run's lock. Returns the
-    lock's content; raises `RunLockedError` (one line: holder and fix) when another live job holds it.
-
-    A run directory that cannot be written (a full tmpfs, a read-only remount) is the host tier's unhealthy
-    state, not an error: the lock is left unwritten (a job that cannot write cannot mix its windows into the
-    run either), the warning says why, recovery reads what the directory holds and training goes on; the
-    tier's writes fail and are retried, and the stall policy (TierConfig.on_stall) applies."""
+    lock's content; raises `RunLockedError` (one line: holder and fix) when another live job holds it. A
+    directory that cannot be written is the host tier's unhealthy state, not an error: the lock is left
+    unwritten (such a job cannot mix windows into the run either), a warning says why and training goes on."""
     try:
         return _acquire(Path(run_dir), leader, world, wait_s)
     except OSError as exc:
-        me = this_job(world)
         log.warning(
             "event=tier_unhealthy tier=host rank=%s reason='run lock of %s: %s: %s': the host directory cannot be "
             "written; what it holds is still recovered, new windows are retried (TierConfig.on_stall applies)",
@@ -175,7 +161,7 @@ def acquire(run_dir: str | Path, leader: bool, world: int = 1, wait_s: float = 6
             type(exc).__name__,
             exc,
         )
-        return dict(me, unwritten=f"{type(exc).__name__}: {exc}")
+        return dict(this_job(world), unwritten=f"{type(exc).__name__}: {exc}")
 
 
 def _acquire(run_dir: Path, leader: bool, world: int, wait_s: float) -> dict:
@@ -208,10 +194,8 @@ def _take(run_dir: Path, me: dict) -> dict | None:
     """The leader's judge-and-write, under the mutex: the lock's content once it names this job, else None."""
     holder = read(run_dir)
     verdict = _verdict(holder, me)
-    if verdict == "held":
-        return None  # acquire's next round refuses it
-    if verdict == "free" and not _write(run_dir, me, exclusive=True):
-        return None  # a process outside the mutex created it between our read and link: judge that one
+    if verdict == "held" or (verdict == "free" and not _write(run_dir, me, exclusive=True)):
+        return None  # refused in acquire's next round; or created outside the mutex meanwhile: judge that one
     if verdict == "stale":
         log.warning(
             "event=run_lock_takeover run_dir=%s reason=stale: the holder (pid %s on host %s, run id %s, "

@@ -1,19 +1,9 @@
-"""One writing job per run prefix of an object store: a lease, `<uri>/<run>/LEASE.json`.
-
-The run lock (run_lock.py) keeps a second job out of a host directory, but two jobs with the same run id on
-different hosts (or host roots) met in the store: each uploaded its windows under the same prefix, and one
-later recovered the other's window. The job that writes a prefix holds its lease and renews it every
-`lease_s / 3` seconds (a daemon thread on rank 0); a lease not renewed for `lease_s` is gone (its job died),
-and a clean exit releases it. A job is torchrun's run id (every rank and every restart of one launch share
-it), else this process.
-
-At start, rank 0 takes the lease when it is free, this job's own or expired; every rank refuses, in one line,
-a lease of another job that is renewed while it watches (a live writer); a lease that is neither renewed nor
-expired is waited on until it expires (at most `lease_s`: the job that held it died moments ago). Stores have
-no compare-and-swap that every fsspec backend offers, so a take-over is written and then read back after a
-pause: of two jobs that wrote at once, the one that reads another's lease yields (and is refused while the
-other renews).
-"""
+"""One writing job per run prefix of an object store: a lease, `<uri>/<run>/LEASE.json` (the run lock, run_lock.py,
+cannot see a job with the same run id on another host). Rank 0 holds it and renews it every `lease_s / 3` s; a
+lease not renewed for `lease_s` is gone (its job died); a clean exit releases it. At start a lease of another job
+that is renewed while we watch is refused in one line; one neither renewed nor expired is waited on. Stores have
+no common compare-and-swap, so a take-over is written, then read back after SETTLE_S: of two jobs that wrote at
+once, the one that reads another's lease yields."""
 
 from __future__ import annotations
 
@@ -53,7 +43,6 @@ class StoreLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    # ---- the lease file -----------------------------------------------------------------------------------
     def read(self) -> dict | None:
         try:
             return json.loads(self.fs.cat_file(self.path))
@@ -72,7 +61,6 @@ class StoreLease:
     def _expired(lease: dict) -> bool:
         return time.time() - float(lease.get("renewed", 0.0)) > float(lease.get("lease_s", 0.0))
 
-    # ---- start ----------------------------------------------------------------------------------------------
     def acquire(self) -> None:
         """Rank 0 takes the lease (and renews it from now on); the other ranks only judge it. Raises
         StoreLeasedError (one line) when another live job holds it."""
@@ -87,13 +75,13 @@ class StoreLease:
                 time.sleep(SETTLE_S)
                 back = self.read()
                 if back is not None and back.get("nonce") == self.nonce:
-                    self._start_renewing()
+                    self._thread = threading.Thread(target=self._renew, name="tmoe-store-lease", daemon=True)
+                    self._thread.start()
                     return
                 first = back  # another job wrote at the same time: judge it
                 continue
-            if first is not None and cur.get("renewed") != first.get("renewed"):
-                raise self._refusal(cur)  # renewed while we watched: its job is alive
-            if time.monotonic() > deadline:
+            # renewed while we watched (its job is alive), or neither renewed nor expired in time
+            if (first is not None and cur.get("renewed") != first.get("renewed")) or time.monotonic() > deadline:
                 raise self._refusal(cur)
             time.sleep(min(1.0, self.lease_s / 10))
 
@@ -102,21 +90,15 @@ class StoreLease:
             f"object store prefix {self.where} is written by another job ({cur.get('job')}, pid {cur.get('pid')} "
             f"on host {cur.get('host')}, renewed {time.time() - float(cur.get('renewed', 0)):.1f} s ago): two jobs "
             "on one run would mix their windows; give this job another run_id (TierConfig.run_id, [sparse_checkpoint] "
-            "run_id), or stop that job (its lease expires "
-            f"{cur.get('lease_s')} s after its last renewal)"
+            f"run_id), or stop that job (its lease expires {cur.get('lease_s')} s after its last renewal)"
         )
 
-    # ---- renewal and release (rank 0) -----------------------------------------------------------------------
-    def _start_renewing(self) -> None:
-        def loop() -> None:
-            while not self._stop.wait(self.lease_s / 3):
-                try:
-                    self._write()
-                except Exception as exc:  # a store outage: the uploads say so too; renewed when it is back
-                    log.debug("lease renewal of %s failed: %s", self.path, exc)
-
-        self._thread = threading.Thread(target=loop, name="tmoe-store-lease", daemon=True)
-        self._thread.start()
+    def _renew(self) -> None:  # rank 0's renewal thread
+        while not self._stop.wait(self.lease_s / 3):
+            try:
+                self._write()
+            except Exception as exc:  # a store outage: the uploads say so too; renewed when it is back
+                log.debug("lease renewal of %s failed: %s", self.path, exc)
 
     def release(self) -> None:
         """At a clean exit: stop renewing and remove the lease (a relaunch need not wait for it to expire)."""

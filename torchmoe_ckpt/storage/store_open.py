@@ -16,15 +16,8 @@ class StoreConfigError(TorchmoeError, ValueError):
     """The object-store URI or its options cannot work; the message names the fix."""
 
 
-KNOWN = {
-    "file": None,
-    "memory": None,
-    "s3": "s3fs (pip install 'torchmoe-ckpt[s3]')",
-    "s3a": "s3fs (pip install 'torchmoe-ckpt[s3]')",
-    "az": "adlfs (pip install 'torchmoe-ckpt[azure]')",
-    "abfs": "adlfs (pip install 'torchmoe-ckpt[azure]')",
-    "abfss": "adlfs (pip install 'torchmoe-ckpt[azure]')",
-}
+_S3, _AZURE = "s3fs (pip install 'torchmoe-ckpt[s3]')", "adlfs (pip install 'torchmoe-ckpt[azure]')"
+KNOWN = {"file": None, "memory": None, "s3": _S3, "s3a": _S3, "az": _AZURE, "abfs": _AZURE, "abfss": _AZURE}
 # Store clients that log every HTTP request at INFO (azure-core: thousands of lines per run under a framework
 # that sets the root logger to INFO). Parents first: a child whose parent is set inherits it.
 QUIET_LOGGERS = (
@@ -44,9 +37,8 @@ def quiet_third_party_loggers() -> None:
     for name in QUIET_LOGGERS:
         lg: logging.Logger | None = logging.getLogger(name)
         configured = False
-        while lg is not None and lg is not root:
-            configured = configured or lg.level != logging.NOTSET
-            lg = lg.parent
+        while lg is not None and lg is not root and not configured:
+            configured, lg = lg.level != logging.NOTSET, lg.parent
         if not configured:
             logging.getLogger(name).setLevel(logging.WARNING)
 
@@ -55,9 +47,8 @@ _SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)(.*)$")
 
 
 def check_uri(uri: str) -> None:
-    """A scheme without '//' ("s3:/bucket", "s3:bucket", "file:/tmp/x") is a typo that fsspec reads as a local
-    path (./s3:/bucket), so uploads would "succeed" into a directory of the working dir: refused, naming the
-    URI meant. (One letter before ':' is a Windows drive, not a scheme.)"""
+    """A scheme without '//' ("s3:/bucket") is a typo that fsspec reads as a local path (./s3:/bucket), so uploads
+    would "succeed" into the working dir: refused, naming the URI meant (one letter before ':' is a drive)."""
     m = _SCHEME_WITHOUT_SLASHES.match(uri) if isinstance(uri, str) else None
     if m is None:
         return
@@ -119,9 +110,8 @@ def _shorten_azure_retry(fs) -> None:
 
 
 def _short_s3_retry(options: dict | None) -> dict:
-    """botocore retries a refused connection 4 times with exponential backoff (up to ~15 s per call) and our
-    uploads retry every call again: a store that is down would be noticed only a minute later. One inner
-    retry and a 5 s connect timeout (the uploader retries whole windows anyway), unless the user set them."""
+    """botocore retries a refused connection 4 times (up to ~15 s per call) under our own retries: a store that
+    is down would be noticed a minute late. One inner try and a 5 s connect timeout, unless the user set them."""
     opts = dict(options or {})
     cfg = dict(opts.get("config_kwargs") or {})
     cfg.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
@@ -134,34 +124,27 @@ def is_local(fs) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
+_UNREACHABLE = ("could not connect", "connection refused", "endpointconnectionerror", "name or service not known")
+_DENIED = ("credential", "authenticat", "signature", "accessdenied", "forbidden", "invalidaccesskeyid")
+_MISSING = ("nosuchbucket", "containernotfound", "does not exist", "not found")
+
+
 def explain(uri: str, exc: BaseException) -> str:
     """One message naming the likely fix for a store that cannot be written at start."""
     text = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
     low = text.lower()
-    if isinstance(exc, ConnectionError) or any(
-        w in low
-        for w in ("could not connect", "connection refused", "endpointconnectionerror", "name or service not known")
-    ):
+    if isinstance(exc, ConnectionError) or any(w in low for w in _UNREACHABLE):
         return (
             f"object store {uri!r}: the endpoint is not reachable ({text}); check endpoint_url / "
             f"connection_string in storage_options and that the service is running and reachable"
         )
     # "403" as an HTTP status, not inside a port number or an id
-    if (
-        isinstance(exc, PermissionError)
-        or re.search(r"(?<![:\d])403(?!\d)", low)
-        or any(
-            w in low
-            for w in ("credential", "authenticat", "signature", "accessdenied", "forbidden", "invalidaccesskeyid")
-        )
-    ):
+    if isinstance(exc, PermissionError) or re.search(r"(?<![:\d])403(?!\d)", low) or any(w in low for w in _DENIED):
         return (
             f"object store {uri!r}: authentication failed ({text}); check the credentials in storage_options "
             f"(s3: key/secret; az/abfs: connection_string or account_name + account_key/sas_token)"
         )
-    if isinstance(exc, FileNotFoundError) or any(
-        w in low for w in ("nosuchbucket", "containernotfound", "does not exist", "not found")
-    ):
+    if isinstance(exc, FileNotFoundError) or any(w in low for w in _MISSING):
         return (
             f"object store {uri!r}: the bucket/container does not exist ({text}); create it first, or "
             f"check the bucket/container exists under that name in the URI"

@@ -11,20 +11,10 @@ from .tensorstore_spec import context, kvstore_spec, region, sub_spec, ts_module
 from .tensorstore_tier import TensorstoreTier
 
 
-def rank_ids(uri: str, run_id: str, storage_options: dict | None = None) -> list[int]:
-    kv = (
-        ts_module().KvStore.open(sub_spec(kvstore_spec(uri, storage_options), f"{run_id}/"), context=context()).result()
-    )
-    out = set()
-    for k in kv.list().result():
-        head = k.decode().split("/", 1)[0]
-        if (r := writer_rank(head)) is not None:
-            out.add(r)
-    return sorted(out)
-
-
 def _iter_pieces(uri, run_id, window_id, wanted, slot, storage_options):
-    for r in rank_ids(uri, run_id, storage_options):
+    spec = sub_spec(kvstore_spec(uri, storage_options), f"{run_id}/")
+    keys = ts_module().KvStore.open(spec, context=context()).result().list().result()
+    for r in sorted({r for k in keys if (r := writer_rank(k.decode().split("/", 1)[0])) is not None}):
         t = TensorstoreTier(uri, run_id, r, storage_options, probe=False)
         meta = t._read_meta(window_id)
         if meta is None:
@@ -35,7 +25,7 @@ def _iter_pieces(uri, run_id, window_id, wanted, slot, storage_options):
             sel = [
                 e for e in s["items"] if wanted is None or any(_inside(e, o, sh) for o, sh in wanted.get(e["key"], ()))
             ]
-            for e, tensor, problem in t.read_items(window_id, meta, sel):
+            for e, tensor, problem in t.read_items(window_id, sel):
                 if problem:
                     raise RuntimeError(f"rank {r} window {window_id}: {problem}")
                 yield s["slot"], e, tensor

@@ -1,10 +1,10 @@
-"""The tensorstore format's building blocks: a kvstore spec for a store URI, dtypes between torch and numpy,
-chunk shapes (one expert per chunk), the process's tensorstore Context and its I/O counters, and a host-tier slot
-read into plain items (what a window copied between formats is made of). The tier is tensorstore_tier.py; readers
-at any world size are tensorstore_read.py; the layout is documented in docs/tensorstore-format.md."""
+"""The tensorstore format's building blocks: kvstore specs for a store URI, dtypes between torch and numpy, chunk
+shapes (one expert per chunk), the process's tensorstore Context and I/O counters, and a host-tier slot read into
+plain items. The tier is tensorstore_tier.py; the layout is in docs/tensorstore-format.md."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -22,16 +22,9 @@ TS_SCHEMES = ("file", "memory", "s3")
 META_KEY, REPLAY_KEY = "meta.json", "replay.pt"
 META_FORMAT = "torchmoe-ckpt/tensorstore-window/1"
 MAX_CHUNK_BYTES = 4 << 20
-DTYPES = {
-    torch.float32: "float32",
-    torch.bfloat16: "bfloat16",
-    torch.float16: "float16",
-    torch.float64: "float64",
-    torch.int64: "int64",
-    torch.int32: "int32",
-}
+_TORCH = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+DTYPES = {t: str(t).removeprefix("torch.") for t in _TORCH}
 TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
-_CTX = None  # one tensorstore Context per process: memory:// stores and OCDBT caches are shared through it
 
 
 class NoTensorstoreDriver(TorchmoeError, ValueError):
@@ -44,11 +37,10 @@ def ts_module():
     return ts
 
 
+@functools.cache
 def context():
-    global _CTX
-    if _CTX is None:
-        _CTX = ts_module().Context()
-    return _CTX
+    """One tensorstore Context per process: memory:// stores and OCDBT caches are shared through it."""
+    return ts_module().Context()
 
 
 def kvstore_spec(uri: str, storage_options: dict | None = None) -> dict:
@@ -59,20 +51,13 @@ def kvstore_spec(uri: str, storage_options: dict | None = None) -> dict:
     if scheme == "file":
         return {"driver": "file", "path": str(Path(rest).resolve()).rstrip("/") + "/"}
     if scheme == "memory":
-        return {"driver": "memory", "path": rest.strip("/") + "/" if rest.strip("/") else ""}
+        return {"driver": "memory", "path": (rest.strip("/") + "/").lstrip("/")}
     if scheme in ("s3", "s3a"):
         bucket, _, path = rest.partition("/")
         ck = opts.get("client_kwargs") or {}
-        spec = {
-            "driver": "s3",
-            "bucket": bucket,
-            "path": path.strip("/") + "/" if path.strip("/") else "",
-            "aws_region": ck.get("region_name")
-            or opts.get("region_name")
-            or os.environ.get("AWS_DEFAULT_REGION")
-            or "us-east-1",
-            "aws_credentials": {"type": "environment"},
-        }
+        region = ck.get("region_name") or opts.get("region_name") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        spec = {"driver": "s3", "bucket": bucket, "path": (path.strip("/") + "/").lstrip("/"), "aws_region": region}
+        spec["aws_credentials"] = {"type": "environment"}
         endpoint = ck.get("endpoint_url") or opts.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint:
             spec["endpoint"] = endpoint
@@ -111,8 +96,7 @@ def is_expert_key(key: str, global_shape) -> bool:
 
 
 def chunk_shape(key: str, global_shape, piece_shape, itemsize: int) -> list[int]:
-    """One expert per chunk for grouped expert tensors [E, ...]; else the piece's shape, split along dim 0
-    to at most MAX_CHUNK_BYTES."""
+    """One expert per chunk for grouped expert tensors [E, ...]; else the piece's shape, at most MAX_CHUNK_BYTES."""
     if is_expert_key(key, global_shape):
         return [1] + [max(1, int(s)) for s in global_shape[1:]]
     shape = [max(1, int(s)) for s in piece_shape]
@@ -147,8 +131,8 @@ def plain_item(key: str, global_shape, offset, shape, t: torch.Tensor) -> SlotIt
 
 
 def slot_from_dcp(index: int, path: Path) -> tuple[Slot, dict]:
-    """Read one host-tier slot piece (slot_format.py) into a Slot of plain items, every item checked against the
-    checksum recorded at save time; returns (slot, the DCP planner info without the checksums)."""
+    """One host-tier slot piece (slot_format.py) as a Slot of plain items, every item checked; returns (slot, the
+    DCP planner info without the checksums)."""
     files = LocalFiles(path)
     md = read_slot_metadata(files, "")
     items = []

@@ -1,29 +1,12 @@
-"""Tensorstore format for the object-store tier: one OCDBT database per (rank, window), zarr3 arrays
-chunked one expert per chunk, committed in a single atomic transaction.
-
-Selected per store with `{"uri": ..., "format": "tensorstore"}` (default "dcp", see `object_tier.make_store`).
-A copy tier (tier.py: upload / download / window_ids / verify / collect), like `ObjectTier`, so the Uploader and
-`recover_from_tiers` use it unchanged. Layout under the store URI:
-
-    <uri>/<run>/<writer>/window-NNNNNN/       an OCDBT database (manifest.ocdbt + d/<data files>)
-        meta.json                              window manifest, plan, per-piece shape/dtype/CRC32, DCP info
-        replay.pt                              this rank's replay records (the host tier's bytes, CRC32 in meta)
-        sSS/<key>/zarr.json, sSS/<key>/c/...   one zarr3 array per tensor key and slot, GLOBAL shape; grouped
-                                               expert tensors [E, ...] are chunked [1, ...]: one expert = one
-                                               chunk; other tensors in chunks of the rank's shard (<= 4 MiB)
-
-Everything of a window is written in ONE `ts.Transaction(atomic=True)`: nothing reaches the store before
-the commit, and the OCDBT manifest, written last by the commit, makes the window visible. A writer killed
-mid-commit leaves at most unreferenced data files: the window has no `meta.json` and is invisible; older
-windows are separate databases and never touched. Retention deletes whole window databases (keep latest k).
-Reads fetch only the chunks a reader asks for (`tensorstore_read.py`); every piece read is checked
-against its CRC32. tensorstore has no Azure driver: `az://`/`abfs://` stores keep the DCP format.
-"""
+"""Tensorstore format for the object-store tier: one OCDBT database per (writer, window), zarr3 arrays in global
+shape chunked one expert per chunk, a window's every write in ONE atomic transaction whose OCDBT manifest, written
+last, makes it visible (a writer killed mid-commit leaves an invisible database without `meta.json`). A copy tier
+(tier.py) like `ObjectTier`; selected by `{"format": "tensorstore"}` (`object_tier.make_store`); no Azure driver.
+Layout and reads: docs/tensorstore-format.md, tensorstore_read.py."""
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 
@@ -65,7 +48,7 @@ from .tensorstore_spec import (
 )
 from .tier import StoreTier
 
-log = logging.getLogger("torchmoe_ckpt.tensorstore_tier")
+NOT_COMMITTED = "window not committed in the store (no meta.json)"
 
 
 class TensorstoreTier(StoreTier):
@@ -98,7 +81,6 @@ class TensorstoreTier(StoreTier):
     def _db(self, window_id: int) -> dict:
         return db_spec(self.base, window_dirname(window_id) + "/")
 
-    # ---- write -------------------------------------------------------------------------------------------
     def upload(self, tier, window_id: int) -> int:
         """Upload this rank's copy of a committed host-tier window as one atomic OCDBT commit."""
         problems = tier.verify(window_id)
@@ -113,13 +95,8 @@ class TensorstoreTier(StoreTier):
         t0, c0 = time.perf_counter(), io_counters()
         nbytes = self._retry("upload", self._commit, window_id, man, slots, replay)
         c1 = io_counters()
-        self.last_upload = {
-            "window": window_id,
-            "seconds": time.perf_counter() - t0,
-            "payload_bytes": nbytes,
-            "bytes_written": c1["bytes_written"] - c0["bytes_written"],
-            "writes": c1["writes"] - c0["writes"],
-        }
+        self.last_upload = {"window": window_id, "seconds": time.perf_counter() - t0, "payload_bytes": nbytes}
+        self.last_upload.update((k, c1[k] - c0[k]) for k in ("bytes_written", "writes"))
         return nbytes
 
     def _commit(self, window_id: int, man: WindowManifest, slots: list, replay: bytes) -> int:
@@ -137,40 +114,19 @@ class TensorstoreTier(StoreTier):
             entries: list[dict] = []
             arrays: dict[str, object] = {}
             for it in slot.items:
-                e = {
-                    "key": it.key,
-                    "offset": list(it.piece.global_offset),
-                    "shape": list(it.piece.shape),
-                    "global_shape": list(it.piece.global_shape),
-                    "dtype": DTYPES[it.buffer.dtype],
-                    "crc32": crc32_tensor(it.buffer),
-                }
+                pc, buf = it.piece, it.buffer
+                e = {"key": it.key, "offset": list(pc.global_offset), "shape": list(pc.shape)}
+                e.update(global_shape=list(pc.global_shape), dtype=DTYPES[buf.dtype], crc32=crc32_tensor(buf))
                 if it.role == "step" or it.buffer.dim() == 0:
                     e["value"] = it.buffer.double().item().hex()  # scalars live in the metadata
                 elif it.buffer.numel() > 0:
                     e["array"] = f"s{slot.index:02d}/{it.key}/"
                     if it.key not in arrays:
-                        arrays[it.key] = ts.open(
-                            {
-                                "driver": "zarr3",
-                                "kvstore": sub_spec(db, e["array"]),
-                                "metadata": {
-                                    "shape": e["global_shape"],
-                                    "data_type": e["dtype"],
-                                    "chunk_grid": {
-                                        "name": "regular",
-                                        "configuration": {
-                                            "chunk_shape": chunk_shape(
-                                                it.key, it.piece.global_shape, it.piece.shape, it.buffer.element_size()
-                                            )
-                                        },
-                                    },
-                                },
-                            },
-                            create=True,
-                            context=context(),
-                            transaction=txn,
-                        ).result()
+                        chunks = chunk_shape(it.key, it.piece.global_shape, it.piece.shape, it.buffer.element_size())
+                        grid = {"name": "regular", "configuration": {"chunk_shape": chunks}}
+                        md = {"shape": e["global_shape"], "data_type": e["dtype"], "chunk_grid": grid}
+                        spec = {"driver": "zarr3", "kvstore": sub_spec(db, e["array"]), "metadata": md}
+                        arrays[it.key] = ts.open(spec, create=True, context=context(), transaction=txn).result()
                     writes.append(
                         arrays[it.key][region(it.piece.global_offset, it.piece.shape)].write(to_numpy(it.buffer))
                     )
@@ -189,11 +145,10 @@ class TensorstoreTier(StoreTier):
 
     def _clear_leftovers(self, window_id: int) -> None:
         """A database of this id without meta.json (a writer died mid-commit): delete its files first."""
-        base = self._kv(sub_spec(self.base, window_dirname(window_id) + "/"))
+        base = self._kv(self._db(window_id)["base"])
         if base.list().result() and self._read_meta(window_id) is None:
             base.delete_range(ts_module().KvStore.KeyRange()).result()
 
-    # ---- listing / retention -----------------------------------------------------------------------------
     def _listed(self) -> set[int]:
         try:
             keys = self._kv(self.base).list().result()
@@ -217,29 +172,24 @@ class TensorstoreTier(StoreTier):
         return sorted(w for w in self._listed() if self._read_meta(w) is not None)
 
     def collect(self) -> list[int]:
-        """Retention: the newest `keep_windows` windows stay; a database torn by a writer that died mid-commit
-        goes too."""
+        """Retention: the newest `keep_windows` windows stay; databases torn mid-commit go too."""
         ids = self.window_ids()
         gone = ids[: -self.keep] if self.keep > 0 else []
         torn = [w for w in self._listed() - set(ids) if ids and w < ids[-1]]  # died mid-commit: garbage
         for wid in gone + torn:
-            kv = self._kv(sub_spec(self.base, window_dirname(wid) + "/"))
+            kv = self._kv(self._db(wid)["base"])
             self._retry("delete", lambda: kv.write("manifest.ocdbt", None).result())  # invisible first  # noqa: B023
             self._retry("delete", lambda: kv.delete_range(ts_module().KvStore.KeyRange()).result())  # noqa: B023
         return gone
 
-    # ---- read --------------------------------------------------------------------------------------------
-    def _open_arrays(self, window_id: int, paths: set[str]) -> dict:
-        ts = ts_module()
-        db = self._db(window_id)
-        futs = {
+    def read_items(self, window_id: int, wanted) -> list[tuple[dict, torch.Tensor | None, str | None]]:
+        """[(entry, tensor, problem)] for the metadata entries `wanted`: reads only their chunks, checks CRC32."""
+        ts, db = ts_module(), self._db(window_id)
+        paths = {e["array"] for e in wanted if "array" in e}
+        opening = {
             p: ts.open({"driver": "zarr3", "kvstore": sub_spec(db, p)}, open=True, context=context()) for p in paths
         }
-        return {p: f.result() for p, f in futs.items()}
-
-    def read_items(self, window_id: int, meta: dict, wanted) -> list[tuple[dict, torch.Tensor | None, str | None]]:
-        """[(entry, tensor, problem)] for the metadata entries `wanted`: reads only their chunks, checks CRC32."""
-        arrays = self._open_arrays(window_id, {e["array"] for e in wanted if "array" in e})
+        arrays = {p: f.result() for p, f in opening.items()}
         futs = [
             (e, arrays[e["array"]][region(e["offset"], e["shape"])].read() if "array" in e else None) for e in wanted
         ]
@@ -252,15 +202,8 @@ class TensorstoreTier(StoreTier):
                 t = torch.empty(e["shape"], dtype=dtype)
             else:
                 t = to_torch(f.result(), dtype)
-            out.append(
-                (
-                    e,
-                    t,
-                    None
-                    if crc32_tensor(t) == e["crc32"]
-                    else f"{e['key']}@{e['offset']}: CRC32 does not match (corrupt)",
-                )
-            )
+            ok = crc32_tensor(t) == e["crc32"]
+            out.append((e, t, None if ok else f"{e['key']}@{e['offset']}: CRC32 does not match (corrupt)"))
         return out
 
     def download(self, window_id: int, tier) -> list[str]:
@@ -271,14 +214,14 @@ class TensorstoreTier(StoreTier):
         except Exception as exc:
             return [f"metadata unreadable: {exc}"]
         if meta is None:
-            return ["window not committed in the store (no meta.json)"]
+            return [NOT_COMMITTED]
         w = window_dirname(window_id)
         tier.files.remove([f"{w}/{manifest_name(tier.writer)}"])
         problems: list[str] = []
         files: dict = {}
         for s in meta["slots"]:
             try:
-                got = self._retry("download", self.read_items, window_id, meta, s["items"])
+                got = self._retry("download", self.read_items, window_id, s["items"])
             except Exception as exc:
                 problems.append(f"slot {s['slot']}: {exc}")
                 continue
@@ -326,10 +269,10 @@ class TensorstoreTier(StoreTier):
         """Read every piece and the replay records of this rank's window and check them (nothing written)."""
         meta = self._read_meta(window_id)
         if meta is None:
-            return ["window not committed in the store (no meta.json)"]
+            return [NOT_COMMITTED]
         problems = []
         for s in meta["slots"]:
-            problems += [p for _, _, p in self.read_items(window_id, meta, s["items"]) if p]
+            problems += [p for _, _, p in self.read_items(window_id, s["items"]) if p]
         return problems + [p for p in self._replay(window_id, meta)[1:] if p]
 
     def _replay(self, window_id: int, meta: dict) -> tuple[bytes, str | None]:

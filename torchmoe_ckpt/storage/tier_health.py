@@ -1,14 +1,8 @@
-"""Health of a tier that writes in the background (the host tier's writer, the object-store uploader): a
-tier that cannot write (ENOSPC, permissions, a store that is down) must never stop checkpointing silently.
-
-* State "ok" / "failing", with the reason; a warning on each change of state (not on every failed write).
-* Counters: failed writes, windows skipped while backing off.
-* Retry with capped exponential backoff: after a failure the next window is tried again; after n failures
-  in a row the next 2^(n-1)-1 windows (at most 8) are skipped, so a full disk is not hammered every
-  iteration. The uploader, which retries one window, waits 0.5 s x 2^(n-1) (at most 5 s) instead.
-* Stall policy (`TierConfig.stall_iterations` / `on_stall`): when no window has committed durably for that
-  many iterations, "warn" logs it once, "fail" raises `CheckpointStallError` in the training thread (the next
-  `after_step`), so the job ends instead of training on without a usable checkpoint.
+"""Health of a tier that writes in the background (the host tier's writer, the uploader): a tier that cannot write
+must never stop checkpointing silently. State "ok"/"failing" with its reason (a warning on each change), counters,
+capped exponential backoff (after n failures in a row the next 2^(n-1)-1 windows, at most 8, are skipped; the
+uploader, which retries one window, waits 0.5 s x 2^(n-1), at most 5 s), and the stall policy
+(`TierConfig.stall_iterations` / `on_stall`: "warn" once, or "fail": `CheckpointStallError` in the training thread).
 """
 
 from __future__ import annotations
@@ -26,21 +20,13 @@ class CheckpointStallError(TorchmoeError, RuntimeError):
 
 
 class TierHealth:
-    def __init__(
-        self,
-        tier: str,
-        rank: int,
-        stall_iterations: int | None = None,
-        on_stall: str = "warn",
-        backoff_s: float = 0.5,
-        backoff_cap_s: float = 5.0,
-        backoff_cap_windows: int = 8,
-    ):
+    backoff_s, backoff_cap_s, backoff_cap_windows = 0.5, 5.0, 8
+
+    def __init__(self, tier: str, rank: int, stall_iterations: int | None = None, on_stall: str = "warn"):
         if on_stall not in STALL_POLICIES:
             raise ValueError(f"on_stall {on_stall!r} is not one of {STALL_POLICIES}")
         self.tier, self.rank = tier, rank
         self.stall_iterations, self.on_stall = stall_iterations, on_stall
-        self.backoff_s, self.backoff_cap_s, self.backoff_cap_windows = backoff_s, backoff_cap_s, backoff_cap_windows
         self.state, self.reason = "ok", None
         self.failures = 0  # failed writes (every one, also while already failing)
         self.consecutive = 0  # failed attempts since the last success (sets the backoff)
@@ -52,7 +38,6 @@ class TierHealth:
         self._first_step: int | None = None
         self._stalled = False
 
-    # ---- writes (background thread) ------------------------------------------------------------------
     def try_window(self) -> bool:
         """At a window's first write: attempt it, or skip it (counted) while backing off."""
         if self._skip_left > 0:
@@ -93,22 +78,18 @@ class TierHealth:
                 self.reason,
             )
 
-    # ---- stall policy (training thread) --------------------------------------------------------------
     def check_stall(self, step: int) -> None:
         """Called with each iteration's step; warns once or raises per the policy when stalled."""
         if self._first_step is None:
             self._first_step = step
         if self.stall_iterations is None:
             return
-        since = self.last_durable[1] if self.last_durable and self.last_durable[1] is not None else self._first_step - 1
+        ld = self.last_durable
+        since = ld[1] if ld and ld[1] is not None else self._first_step - 1
         if step - since <= self.stall_iterations or self._stalled:
             return
         self._stalled = True  # once per stall; a durable commit re-arms it
-        last = (
-            f"last durable window {self.last_durable[0]} (step {self.last_durable[1]})"
-            if self.last_durable
-            else "no durable window yet"
-        )
+        last = f"last durable window {ld[0]} (step {ld[1]})" if ld else "no durable window yet"
         text = (
             f"checkpointing stalled on rank {self.rank}: no window committed durably on the {self.tier} tier "
             f"for {step - since} iterations ({last}; {self.reason or 'writes are slower than training'}); "

@@ -1,11 +1,6 @@
-"""Build the storage tiers of one rank from a `TierConfig` (recover.py finds + fetches the window to recover).
-
-    TierConfig(root="/dev/shm/torchmoe-ckpt", run_id="job", ranks_per_node=2, replicas=1)
-
-`ranks_per_node` sets the failure domains (default: LOCAL_WORLD_SIZE, i.e. one node per torchrun agent).
-Each node gets its own host directory `<root>/node-N/` -- on one machine this emulates separate nodes, so a
-"lost node" is a wiped directory. `replicas` is r, the number of peers that hold a copy of each window.
-"""
+"""Build the storage tiers of one rank from a `TierConfig` (recover.py finds and fetches the window to recover).
+Each node (`ranks_per_node`, default LOCAL_WORLD_SIZE) gets its own host directory `<root>/node-N/`: on one
+machine this emulates separate nodes. `replicas` is r, the number of peers that hold a copy of each window."""
 
 from __future__ import annotations
 
@@ -44,13 +39,12 @@ class Tiers(NamedTuple):
 
 
 def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: int = 1) -> Tiers:
-    """(HostTier, PeerTier or None, ObjectTier/TensorstoreTier or None). Collective when replicas > 0 (creates the
-    peer gloo group). A dict is read as `TierConfig.from_dict` (the job-spec form)."""
+    """Collective when replicas > 0 (creates the peer gloo group). A dict is read as `TierConfig.from_dict`."""
     if isinstance(cfg, dict):
         cfg = TierConfig.from_dict(cfg)
     rpn = int(cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", world))
-    run_id = cfg.resolved_run_id()
-    node_dir = Path(cfg.root) / node_dirname(node_of(rank, rpn))
+    run_id, node = cfg.resolved_run_id(), node_of(rank, rpn)
+    node_dir = Path(cfg.root) / node_dirname(node)
     try:
         tier = HostTier(node_dir, run_id, rank, world)
     except OSError as exc:  # the root is a file, under /proc, read-only or not ours: one line, before training
@@ -61,7 +55,6 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
         ) from None
     run_lock.acquire(tier.dir, leader=rank % rpn == 0, world=world)  # one job per run directory (run_lock.py)
     tier.orphans = OrphanCopies.find(Path(cfg.root), run_id, rank, rpn, world)  # an older numbering's copies
-    node = node_of(rank, rpn)
     tier.node_ranks = list(range(node * rpn, min(world, (node + 1) * rpn)))  # recorded: verify expects them all
     tier.stall_policy = (cfg.stall_iterations, cfg.on_stall)  # read by its PersistThread (tier_health.py)
     tier.upload_backlog, tier.spare_windows = cfg.upload_backlog, cfg.spare_windows  # host memory (host_memory.py)

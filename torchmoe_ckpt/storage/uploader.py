@@ -1,15 +1,9 @@
-"""Background uploads of committed host-tier windows to an object store, off the training path.
-
-The store is any copy tier (tier.py) -- `upload(tier, window_id) -> bytes`, `collect()`, `window_ids()`:
-`object_tier.ObjectTier` (DCP files) or `tensorstore_tier.TensorstoreTier`. The persist thread
-(`persist_thread.PersistThread`) owns one. A store that is down is retried with capped backoff, whole windows at a
-time (a window the store lost part of is uploaded again); `catch_up()` queues what a previous run left
-behind; every outcome goes to the `status.RunStatus` the user reads.
-"""
+"""Background uploads of committed host-tier windows to an object store (any copy tier, tier.py), off the
+training path: a store that is down is retried with capped backoff, whole windows at a time; `catch_up()` queues
+what a previous run left behind; every outcome goes to the `status.RunStatus` the user reads."""
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 
@@ -23,9 +17,8 @@ class Uploader:
     """Background uploads of committed windows; never blocks the caller."""
 
     def __init__(self, store: CopyTier, tier, max_pending: int = 2, status=None):
-        # tier: the host_tier.HostTier read from; status: a torchmoe_ckpt.status.RunStatus (what the user reads)
+        """`tier`: the HostTier read from; `status`: a status.RunStatus (or None)."""
         self.store, self.tier, self.status = store, tier, status
-        self.q: queue.Queue = queue.Queue()
         self.max_pending = max_pending
         self.uploaded: list[int] = []
         self.dropped = 0
@@ -62,8 +55,7 @@ class Uploader:
             self._lock.notify()
 
     def catch_up(self) -> None:
-        """Queue this rank's committed host windows that the store lacks (newest `max_pending`), e.g. those a
-        previous run could not upload before it exited; the listing runs on the upload thread."""
+        """Queue the committed host windows the store lacks (newest `max_pending`; listed on the upload thread)."""
         with self._lock:
             self._pending.insert(0, (CATCH_UP, time.perf_counter()))
             self._lock.notify()
@@ -86,8 +78,8 @@ class Uploader:
             return not self._pending and not self._busy
 
     def stop(self) -> None:
-        """Stop the upload thread: what is still pending stays on the host tier (the next run's `catch_up` uploads
-        it); an upload in flight ends first (or at its next retry)."""
+        """Stop the upload thread after the upload in flight (or its next retry); what is pending stays on the host
+        tier for the next run's `catch_up`."""
         with self._lock:
             self._stopped = True
             self._pending.clear()
@@ -100,10 +92,9 @@ class Uploader:
     def oldest_needed(self) -> int | None:
         """The oldest window still to be uploaded (the host tier must not collect it yet), or None."""
         with self._lock:
-            ids = [w for w, _ in self._pending if w is not CATCH_UP] + (
-                [self._current] if self._busy and self._current is not None else []
-            )
-        return min(ids) if ids else None
+            ids = [w for w, _ in self._pending if w is not CATCH_UP]
+            current = [self._current] if self._busy and self._current is not None else []
+        return min(ids + current, default=None)
 
     def _run(self) -> None:
         while True:

@@ -1,6 +1,5 @@
 """How much memory a tier's files hold, read from the file system (not estimated): the blocks each file has
-allocated (on tmpfs: its pages), every inode counted once, per part of the host-memory account
-(host_memory.py). A writer counts only its own files of a shared run directory.
+allocated (on tmpfs: its pages), every inode counted once, per part of the host-memory account (host_memory.py).
 """
 
 from __future__ import annotations
@@ -13,10 +12,6 @@ from .layout import belongs_to, parse_window_dirname
 _MEMORY_FS = ("tmpfs", "ramfs", "hugetlbfs")
 
 
-def allocated(st: os.stat_result) -> int:
-    return st.st_blocks * 512
-
-
 def _count(path: str, seen: set, skip: set) -> int:
     """Allocated bytes of one file, unless its inode is in `seen` or `skip` (then 0); adds it to `seen`."""
     try:
@@ -27,35 +22,24 @@ def _count(path: str, seen: set, skip: set) -> int:
     if key in seen or key in skip:
         return 0
     seen.add(key)
-    return allocated(st)
+    return st.st_blocks * 512
 
 
-def tree_bytes(root: Path, seen: set, skip: set = frozenset()) -> int:
-    """Allocated bytes of every file under `root` not in `seen` or `skip` ((dev, inode) sets); adds them to
-    `seen`."""
-    return sum(_count(os.path.join(d, n), seen, skip) for d, _dirs, names in os.walk(root) for n in names)
+def tree_bytes(root: Path, seen: set, skip: set = frozenset(), writer: str | None = None) -> int:
+    """Allocated bytes of every file under `root` (only `writer`'s, when given) not in `seen` or `skip` ((dev,
+    inode) sets); adds them to `seen`."""
+    paths = (os.path.join(d, n) for d, _dirs, names in os.walk(root) for n in names)
+    return sum(_count(p, seen, skip) for p in paths if writer is None or belongs_to(os.path.relpath(p, root), writer))
 
 
 def window_bytes(run_dir: Path, writer: str, seen: set, skip: set = frozenset()) -> dict[int, int]:
-    """Window id -> allocated bytes of `writer`'s files in that window directory (its slot pieces, replay
-    records, manifest)."""
-    out: dict[int, int] = {}
+    """Window id -> allocated bytes of `writer`'s files in that window directory."""
     try:
         names = os.listdir(run_dir)
     except OSError:
-        return out
-    for name in names:
-        wid = parse_window_dirname(name)
-        if wid is None:
-            continue
-        wdir = run_dir / name
-        out[wid] = sum(
-            _count(os.path.join(d, f), seen, skip)
-            for d, _dirs, files in os.walk(wdir)
-            for f in files
-            if belongs_to(os.path.relpath(os.path.join(d, f), wdir), writer)
-        )
-    return out
+        return {}
+    wids = {name: parse_window_dirname(name) for name in names}
+    return {wid: tree_bytes(run_dir / name, seen, skip, writer) for name, wid in wids.items() if wid is not None}
 
 
 def in_memory(path: str | Path) -> bool:
