@@ -1,12 +1,9 @@
 """Where the Mixture-of-Experts layers of a model are, found by structure (or by a user's `OperatorSpec`).
 
-Experts are recognised by shape, not by name: a module whose own parameters are grouped `[E, ...]` tensors
-(3-D weights, optionally 2-D `[E, out]` biases, several agreeing on E >= 2), sibling modules each holding one
-such grouped tensor, or an `nn.ModuleList`/`ModuleDict` of E identical expert modules. The MoE block is
-the nearest ancestor that also holds the router: a child (or own tensor) whose leading dim is E, or a child
-named/typed like a router (gate, router, gating). Shared experts (anything named `shared*`) stay dense.
-Modules that look like MoE (class name `...MoE`, `...Experts`, `...Router`, or an `experts` list) but that
-nothing matched are an error, so an unknown layout is never checkpointed with its experts merged.
+Experts are recognised by shape, not name: grouped `[E, ...]` tensors (one module's, or one per sibling module)
+or an `nn.ModuleList`/`ModuleDict` of E identical modules. The MoE block is the nearest ancestor that also holds
+the router (a child with leading dim E, or named/typed like a router). `shared*` experts stay dense. A module that
+looks like MoE but matched nothing is an error, so an unknown layout is never checkpointed with experts merged.
 """
 
 from __future__ import annotations
@@ -34,10 +31,9 @@ class OperatorDiscoveryError(ConfigError):
 
 @dataclass(frozen=True)
 class OperatorSpec:
-    """Say explicitly where experts and routers are: fnmatch patterns of module names (`model.named_modules()`),
-    e.g. `OperatorSpec(experts=("model.layers.*.mlp.experts",), routers=("model.layers.*.mlp.gate",))`.
-    An experts module is an `nn.ModuleList`/`ModuleDict` (one module per expert) or a module whose tensors
-    are grouped `[E, ...]`. Given patterns replace detection by structure for that role."""
+    """Where experts and routers are, as fnmatch patterns of module names, e.g.
+    `OperatorSpec(experts=("model.layers.*.mlp.experts",), routers=("model.layers.*.mlp.gate",))`. An experts
+    module is an expert list or holds grouped `[E, ...]` tensors. Given patterns replace detection for that role."""
 
     experts: tuple[str, ...] = ()
     routers: tuple[str, ...] = ()
@@ -78,8 +74,7 @@ def _shared(path: str) -> bool:
 
 
 def state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and persistent buffer, once (tied aliases dropped, as `named_parameters` does): what
-    the operators must cover."""
+    """Every parameter and persistent buffer, once (tied aliases dropped): what the operators must cover."""
     out = dict(model.named_parameters())
     modules = dict(model.named_modules())
     for fqn, b in model.named_buffers():

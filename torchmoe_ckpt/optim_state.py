@@ -1,22 +1,14 @@
 """Optimizer state, whatever the optimizer: what each parameter's state holds, how an operator's share of it is
 cut, and whether replay with frozen operators reproduces the update exactly.
 
-A slot copies every tensor of `optimizer.state[p]` (Adam's moments, `max_exp_avg_sq`, SGD's `momentum_buffer`,
-Adafactor's factored `row_var`/`col_var`, Muon's momentum, `step`), in the dtype it has (bf16 states stay bf16).
-`describe_optimizer_state` reads the live state once and gives each operator its `StatePiece`s: a state shaped
-like the parameter is cut like the parameter; a factored state keeps only some dims, so it is cut along the dims
-it keeps and refused where it would be shared by several operators; a 0-dim state (`step`) is one per tensor.
-Slot sizes and the window pricing come from these real bytes (`Operator.full_bytes`).
+A slot copies every tensor of `optimizer.state[p]` in its own dtype. `describe_optimizer_state` gives each
+operator its `StatePiece`s: a state shaped like the parameter is cut like it; a factored state is cut along the
+dims it keeps (refused where operators would share it); a 0-dim state (`step`) is one per tensor.
 
-Replay runs the update on whole tensors, frozen slices included, and the next slot overwrites those slices.
-That is exact only when an active slice's update ignores its frozen neighbours, so each supported optimizer has
-an `UpdateRule`: "element" (Adam, AdamW, SGD: each element on its own), "matrix" (Muon: each 2-D matrix
-orthogonalised as a whole; a tensor may be cut only along leading batch dims) or "tensor" (Adafactor: the step
-size depends on the RMS of the whole parameter and of the whole update; no cut at all). Anything else is refused
-in one line, as are optimizers whose state is not per parameter (LBFGS).
-
-Several optimizers at once (Muon on the matrices, AdamW on the rest; TorchTitan's OptimizersContainer) are one
-`Optimizers`: each parameter belongs to exactly one of them (checked).
+Replay updates whole tensors, frozen slices included, so it is exact only when an active slice's update ignores
+its neighbours: each optimizer has an `UpdateRule` coupling, "element" (Adam, AdamW, SGD), "matrix" (Muon: cut
+only along leading batch dims) or "tensor" (Adafactor: no cut). Anything else is refused in one line. Several
+optimizers at once are one `Optimizers`, each parameter in exactly one of them.
 """
 
 from __future__ import annotations
@@ -265,12 +257,10 @@ def _name(model: nn.Module, p: torch.Tensor) -> str:
 
 
 def init_optimizer_state(optimizer, state_dtype: torch.dtype | None = None) -> None:
-    """Create, for every trainable parameter without state, exactly the state its optimizer's lazy init would
-    create at its first step (zeros, step 0), so slots can be loaded into it in place, and so a parameter that got
-    no gradient yet (an expert no token reached) has state a slot can copy. FROZEN slices keep placeholder values
-    until their operator becomes ACTIVE. Non-scalar states follow, in this order: `state_dtype` (TorchTitan's
-    bf16 optimizer states), the dtype the optimizer's existing states of that key have where it is not their
-    parameter's (states created in bf16 before), the parameter's dtype (torch's lazy init)."""
+    """Create, for every trainable parameter without state, the state its optimizer's lazy init would (zeros, step
+    0), so slots load into it in place and a parameter without a gradient yet has state to copy. Non-scalar
+    states take `state_dtype`, else the dtype existing states of that key have (if not their parameter's), else
+    the parameter's."""
     for o in optimizer_list(optimizer):
         rule = rule_of(o)
         dtypes = _state_dtypes(o) if state_dtype is None else {}
@@ -378,8 +368,7 @@ def _state_piece(op: Operator, pc: Piece, key: str, v, seen: dict[int, str]) -> 
 
 
 def check_optimizer_state(model: nn.Module, optimizer, ops) -> None:
-    """After the first update: every parameter's state still has the keys, dtypes and shapes the slots were laid
-    out for (an optimizer subclass may add keys, a step pre-hook may change a dtype)."""
+    """After the first update: every parameter's state still has the keys, dtypes and shapes the slots hold."""
     params = dict(model.named_parameters())
     state = Optimizers(optimizer_list(optimizer)).state
     for op in ops.values() if isinstance(ops, dict) else ops:

@@ -1,23 +1,16 @@
 """Routed-token counts gathered by the library: forward hooks on each MoE layer's router.
 
-Popularity ordering needs, per MoE layer and expert, how many tokens were routed there (hard top-k) and
-the summed routing probability. `RouterCounter` reads both from what the router module returns:
-
-- the selected expert indices, when the router returns an integer tensor (Hugging Face 5.x TopK routers
-  return `(logits, weights, indices)`, TorchTitan and the harness `(scores, indices, scores)`);
-- otherwise top-k of the router's `[..., E]` output, with k given, or read from the router / MoE module
-  (`top_k`, `num_experts_per_tok`, ...) or the model config; k = 1 (with a warning) when none says it.
-
-Probabilities are the router's `[..., E]` output per token: normalised to sum 1 when it is non-negative
-(softmax or sigmoid scores), else its softmax (logits). Columns past E (zero/null experts some families add)
-are dropped. Counting skips eval-mode forwards and activation-checkpoint recomputation in backward. No
-collectives here: `take()` returns this rank's counts; the caller all-reduces.
+Counts come from the expert indices the router returns (an integer tensor), else from top-k of its `[..., E]`
+output (k given, read from the module or model config, else 1 with a warning). Probabilities: the output
+normalised when non-negative, else its softmax; columns past E are dropped. Eval-mode forwards and
+activation-checkpoint recomputation are skipped. `take()` returns this rank's counts; the caller all-reduces.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,20 +37,11 @@ TOP_K_KEYS = (
 )
 
 
-def _config_k(model: nn.Module) -> int | None:
-    cfg = getattr(model, "config", None)
-    for c in (cfg, getattr(cfg, "text_config", None), getattr(cfg, "ffn_config", None)):
-        for key in TOP_K_KEYS[:-2]:
+def _k_of(objs, keys=TOP_K_KEYS) -> int | None:
+    """The first positive int among `keys` of `objs` (modules, or a model's configs without "topk"/"k")."""
+    for c in objs:
+        for key in keys:
             v = getattr(c, key, None) if c is not None else None
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v
-    return None
-
-
-def _module_k(*modules: nn.Module) -> int | None:
-    for m in modules:
-        for key in TOP_K_KEYS:
-            v = getattr(m, key, None)
             if isinstance(v, int) and not isinstance(v, bool) and v > 0:
                 return v
     return None
@@ -79,10 +63,12 @@ def _in_backward() -> bool:
     return task is not None and task() != -1
 
 
+@dataclass
 class _Layer:
-    def __init__(self, row: int, experts: int, k: int | None):
-        self.row, self.experts, self.k = row, experts, k
-        self.warned = False
+    row: int
+    experts: int
+    k: int | None
+    warned: bool = False
 
 
 class RouterCounter:
@@ -101,14 +87,15 @@ class RouterCounter:
         given = [top_k] * len(order) if top_k is None or isinstance(top_k, int) else list(top_k)
         if len(given) != len(order):
             raise ValueError(f"top_k has {len(given)} entries for {len(order)} MoE layers")
-        cfg_k = _config_k(model)
+        cfg = getattr(model, "config", None)
+        cfg_k = _k_of((cfg, getattr(cfg, "text_config", None), getattr(cfg, "ffn_config", None)), TOP_K_KEYS[:-2])
         for row, moe in enumerate(order):
             router = routers.get(moe)
             if router is None or not router.modules:
                 self.unhooked.append(moe)  # a router with no module of its own: nothing to hook, counts stay 0
                 continue
             module = modules[router.modules[0]]
-            k = given[row] or _module_k(module, modules.get(moe, module)) or cfg_k
+            k = given[row] or _k_of((module, modules.get(moe, module))) or cfg_k
             layer = _Layer(row, experts[moe], k)
             self._hooks.append(module.register_forward_hook(self._hook(layer)))
         if self.unhooked:

@@ -1,13 +1,8 @@
-"""Window size and per-slot active/frozen sets (MoEvement Algorithm 1, priced with real sizes).
+"""Window size and per-slot active/frozen sets (MoEvement Algorithm 1, every slot priced with the real sizes).
 
-Operators arrive in checkpoint order. Slot i copies the full state of its active set and the compute
-weights of every operator after it; operators before it cost nothing. The paper prices only the first
-slot with uniform operator sizes; here every slot is priced with the real sizes and the worst one counts.
-
-A sliding plan (`sliding=True`) has every slot copy the compute weights of every operator not active in it,
-those before it included, so that any W consecutive slots -- across a window boundary too -- hold what a
-recovery needs (sparse_to_dense.replay_slots). A slot then costs full(active) + compute(all) -
-compute(active): the same greedy and forced splits, on full - compute with the constant compute(all) added.
+Slot i copies the full state of its active set and the compute weights of every operator after it. A sliding
+plan copies the compute weights of every operator not active in the slot, so that any W consecutive slots hold
+what a recovery needs: it is split like a standard one on full - compute, with compute(all) added per slot.
 """
 
 from __future__ import annotations
@@ -136,8 +131,7 @@ def _check_sizes(order: list[str], full: dict[str, int], comp: dict[str, int]) -
         f, c = full.get(o), comp.get(o)
         if not (isinstance(f, numbers.Integral) and isinstance(c, numbers.Integral)):
             raise ValueError(f"operator {o!r} needs integer full_bytes and compute_bytes, got {f!r} and {c!r}")
-        # A full copy includes the master weights, so it is never smaller than the compute weights; the
-        # greedy's minimality (and the forced split) rely on this monotonicity.
+        # The greedy's minimality and the forced split rely on full >= compute.
         if not 0 <= c <= f:
             raise ValueError(f"operator {o!r}: need 0 <= compute_bytes <= full_bytes, got {c} and {f}")
 
@@ -152,19 +146,11 @@ def plan_window(
     auto_window: int | None = None,
     sliding: bool = False,
 ) -> WindowPlan:
-    """Plan one window over `order` (already in checkpoint order).
-
-    Slot i costs the full bytes of its active set plus the compute bytes of every operator after it.
-    Auto mode (`forced_window=None`) is greedy, and its W is the smallest possible: a slot [s, e) costs
-    full[s:e] + compute[e:], which never decreases as e grows (full >= compute) and never increases as s
-    grows, so after k slots the greedy's end is at least any other split's k-th end ("greedy stays ahead")
-    and it finishes in no more slots. If a single operator does not fit, its slot still takes just that
-    operator, `fits` is False and one warning is logged. Forced mode gives exactly `forced_window` slots
-    with the smallest possible worst slot. `warn=False` lets a caller that re-plans every window report an
-    impossible budget only once. `auto_window`: auto mode whose W was already chosen (`choose_window`): split
-    like a forced window (the split depends only on W and the order, so slot buffers are reused while W
-    holds), reported as auto. `sliding`: a sliding plan (module docstring), split on its own costs.
-    """
+    """Plan one window over `order` (in checkpoint order). Auto mode is greedy, and its W the smallest possible
+    (a slot's cost is monotone in its ends: the greedy stays ahead); an operator that alone does not fit gets its
+    own slot, `fits` is False and one warning is logged (`warn`). Forced mode: exactly `forced_window` slots with
+    the smallest worst slot. `auto_window`: a W `choose_window` chose, split like a forced one (the split then
+    depends only on W and the order, so slot buffers are reused), reported as auto."""
     if not order:
         raise ValueError("cannot plan a window without operators")
     if not budget_bytes > 0:  # also rejects NaN
@@ -228,15 +214,9 @@ def _forced_ends(order: list[str], full: dict[str, int], comp: dict[str, int], w
 
 
 class CopyCost:
-    """What a slot copy costs while training runs, learned from the copies themselves (Algorithm 1's budget,
-    priced by observation instead of an idle memcpy figure).
-
-    `seconds_per_byte`: EWMA over finished slot copies of copy-thread wall seconds / bytes. Wall clock, not CPU:
-    on a CPU the copy shares cores (and memory bandwidth) with compute, so the time it occupies under training
-    includes that contention; on a GPU it is the side stream's time. `t_iter`: EWMA of the iteration time with
-    checkpointing on, so a step-time slowdown caused by copying shrinks nothing it should not. A copy the
-    training thread had to wait for is priced at least at its wait. Until the first copy is observed,
-    `prior_bytes_per_s` (e.g. `measure_copy_bandwidth()`) stands in."""
+    """What a slot copy costs while training runs, learned from the copies (Algorithm 1's budget): EWMAs of the
+    copy's wall seconds per byte (under training, contention included; at least the wait it caused) and of the
+    iteration time. `prior_bytes_per_s` stands in until the first copy is observed."""
 
     def __init__(self, prior_bytes_per_s: float, alpha: float = 0.3):
         if not prior_bytes_per_s > 0:
@@ -277,11 +257,9 @@ def choose_window(
     hysteresis: float = 0.15,
     sliding: bool = False,
 ) -> int:
-    """The smallest W whose greedy slots fit `budget_bytes` (Algorithm 1). Against `current` (the W in use), a
-    larger W is taken at once (the copies got dearer), a smaller one only if it fits with `hysteresis` to spare,
-    so measurement noise does not flip W (and the slot buffers with it) at every window. A budget no W can meet
-    (below the compute weights of every other operator, which slot 0 always copies) stops W where its worst
-    slot is within 25% of the least possible: a larger W would buy almost nothing and add replay."""
+    """The smallest W whose greedy slots fit `budget_bytes` (Algorithm 1). Against `current`, a larger W is taken at
+    once, a smaller one only with `hysteresis` to spare (noise must not flip W). A budget no W can meet stops W
+    where its worst slot is within 25% of the least possible (a larger W would only add replay)."""
     order = list(order)
     _check_sizes(order, full, comp)
     base = 0

@@ -1,10 +1,8 @@
 """WindowPlanner: what the next window holds, the same on every rank of the planning group.
 
-At each window start the checkpointer asks for a plan. The planner orders the operators (experts by popularity,
-re-sorted only when the reorder rule fires, then routers and dense blocks), prices a slot's copy budget from what
-copies cost under training (or a given bandwidth), picks W (Algorithm 1; forced when configured; the largest any
-rank proposes, agreed in the background during the window before) and returns the slot plan
-(schedule.plan_window). It also gives the largest W a host-memory limit allows (checked once, at construction).
+It orders the operators (experts by popularity, re-sorted when the reorder rule fires, then routers and dense),
+prices a slot's copy budget from what copies cost under training, picks W (Algorithm 1, or forced; agreed in the
+background during the window before) and returns the slot plan; and caps W by the host-memory limit.
 """
 
 from __future__ import annotations
@@ -26,10 +24,8 @@ _PROBED: dict[str, float] = {}  # the idle copy bandwidth, measured once per pro
 
 
 class WindowPlanner:
-    """Plans the windows of one rank. `agree(value, op)`: a collective over the ranks that agree on the copy
-    bandwidth (the checkpointer's agree group); `group`: the ranks that plan together (same operators);
-    `sum_counts`: the routed-token counts given to `add_counts` are this rank's own (summed over `group` here);
-    `cuda`: the model is on CUDA (the default copy budget, SparseConfig.overlap)."""
+    """Plans the windows of one rank. `agree(value, op)`: a collective over the checkpointer's agree group;
+    `group`: the ranks that plan together; `sum_counts`: counts are this rank's own; `cuda`: the default overlap."""
 
     def __init__(
         self,
@@ -53,17 +49,14 @@ class WindowPlanner:
         self.tracker = PopularityTracker(
             max(n_layers, 1), max(n_experts, 1), policy=cfg.popularity, decay=cfg.decay, capacity=cap
         )
-        # Routed-token counts per iteration, left on the device until the next window start needs the popularity.
         self.pending_counts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # The last window's counts on their way to the host (CUDA: a pinned copy and its event), applied at the
-        # next window start: the popularity lags one window, so reading it never waits for the device.
+        # The last window's counts on their way to the host, applied at the next window start (lagging one window).
         self._counts_in_flight: tuple[torch.Tensor, object] | None = None
         self.reorders = 0
         self._order: list[str] | None = None
         self._order_freq: torch.Tensor | None = None
         self._sizes: tuple[dict[str, int], dict[str, int]] | None = None
-        # The copy bandwidth: given, or probed when a window is first priced without it (once per process, agreed
-        # across ranks; never on a recovery's path). It is the prior until copies under training are observed.
+        # The copy bandwidth: given, or probed once per process when first needed; the prior until copies are seen.
         self.bandwidth: float | None = cfg.bandwidth_bytes_per_s
         self.cost = CopyCost(self.bandwidth or _PROBED.get("bytes_per_s") or 1e9)
         self._prior_known = self.bandwidth is not None or "bytes_per_s" in _PROBED
@@ -121,9 +114,8 @@ class WindowPlanner:
         return plan, budget
 
     def _same_split(self, order: list[str], w: int, budget: float) -> WindowPlan | None:
-        """The last plan again when neither the order (the same list: it is replaced at a reorder) nor W changed:
-        a forced or agreed W splits on W and the order alone (schedule.plan_window), only `fits` depends on the
-        budget. Saves the split's search at every window start (~1 ms; every iteration at W = 1)."""
+        """The last plan again when neither the order (the same list object) nor W changed: the split depends on
+        those alone, only `fits` on the budget (saves ~1 ms per window start)."""
         if self._last_split is None:
             return None
         last_order, last_w, last = self._last_split
@@ -133,9 +125,8 @@ class WindowPlanner:
         return WindowPlan(last.slots, float(budget), fits, last.order, last.sliding)
 
     def _agreed_w(self, proposal: int) -> int:
-        """Every rank plans the same window: W is the largest any rank proposed. Proposals are agreed in the
-        background during the window before (an async 8-byte all-reduce), so no rank waits here for a slower one;
-        only the first window agrees on the spot."""
+        """W is the largest any rank proposed, agreed by an async all-reduce during the window before (only the
+        first window agrees on the spot), so no rank waits here for a slower one."""
         if self._w_pending is None:
             auto_w = int(self._agree(float(proposal), dist.ReduceOp.MAX, self.group))
         else:
@@ -154,12 +145,8 @@ class WindowPlanner:
         return auto_w
 
     def _update_popularity(self) -> None:
-        """The routed-token counts of the iterations of the window before the last one, into the popularity
-        tracker. At each window start the last window's counts are stacked and queued for the host (CUDA: a
-        non-blocking copy into pinned memory: no host sync), and the ones queued at the window start before are
-        applied: long landed, so nothing waits. Applying means summing over the planning group's ranks with
-        `sum_counts` (one collective on the library's gloo group), then iteration by iteration, in order, exactly
-        as if each had been applied when it ran (counts are whole numbers). Every rank lags by the same window."""
+        """Queue the last window's counts for the host (no sync) and apply the ones queued a window ago (summed over
+        the group with `sum_counts`), iteration by iteration as if applied when each ran."""
         pending, self.pending_counts = self.pending_counts, []
         ready, self._counts_in_flight = self._counts_in_flight, None
         if pending:
@@ -197,7 +184,6 @@ class WindowPlanner:
         return self._order
 
     def op_sizes(self) -> tuple[dict[str, int], dict[str, int]]:
-        # Sizes never change during a run: agreed once (one collective), not at every window.
         if self._sizes is None:
             self._sizes = agreed_sizes(self.op_by_name, self.compute_dtype, self.group)
         return self._sizes
@@ -212,17 +198,14 @@ class WindowPlanner:
 
     # ---- the host-memory limit ---------------------------------------------------------------------------
     def cap_by_memory(self, memory, replicator) -> None:
-        """The limit against the worst case of the plan, before training (host_memory.py): sets `w_cap`, the
-        largest W auto mode may choose under it (agreed over the planning ranks); None when there is no limit or
-        W is forced. Raises HostMemoryLimitError with the figure when no window fits."""
+        """Check the host-memory limit against the plan's worst case before training: sets `w_cap` (None: no limit
+        or W forced); raises HostMemoryLimitError when no window fits."""
         if memory.limit is None:
             return
         saved = self._order, self._order_freq  # the first window plans as it would without a limit
         order, (full, comp) = self.operator_order(), self.op_sizes()
         self._order, self._order_freq = saved
-        # Reorders permute the experts (routers and dense blocks stay last). Plans use sizes agreed over the ranks,
-        # so the slot boundaries stay, but which experts this rank holds most of moves: the worst case puts those
-        # with the most local compute bytes last (frozen in the most slots).
+        # Reorders permute the experts: the worst case puts those with the most local compute bytes last.
         tail = {o.name for o in self.ops if o.kind in ("router", "dense")}
         itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
         local = {o.name: o.compute_bytes(itemsize) for o in self.ops}
