@@ -167,11 +167,8 @@ class HostMemory:
             raise HostMemoryLimitError(self._refusal(w, total, parts, worst))
         if forced is None and cap < max_w:
             log.warning(
-                "torchmoe: auto window capped at W=%d by host_memory_limit %s (W=%d would need %s per rank)",
-                cap,
-                human_bytes(self.limit),
-                cap + 1,
-                human_bytes(need(cap + 1)[0]),
+                f"torchmoe: auto window capped at W={cap} by host_memory_limit {human_bytes(self.limit)} "
+                f"(W={cap + 1} would need {human_bytes(need(cap + 1)[0])} per rank)"
             )
         return None if forced is not None else cap
 
@@ -224,10 +221,8 @@ class HostMemory:
         over = total > self.limit
         if over and not self._warned_over:
             log.warning(
-                "torchmoe: host memory %s is over host_memory_limit %s at window %d (no new slot set was needed): "
-                "see stats()['host_memory']['parts']",
-                human_bytes(total),
-                human_bytes(self.limit),
-                window_id,
+                f"torchmoe: host memory {human_bytes(total)} is over host_memory_limit "
+                f"{human_bytes(self.limit)} at window {window_id} (no new slot set was needed): "
+                "see stats()['host_memory']['parts']"
             )
         self._warned_over = over

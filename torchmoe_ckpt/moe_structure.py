@@ -110,11 +110,8 @@ class _Tree:
         # The family prefix of Hugging Face class names ("Qwen2Moe" in Qwen2MoeRMSNorm) is no evidence of MoE.
         self.family = re.split(r"For[A-Z]|Model$", root)[0] if re.search(r"For[A-Z]|Model$", root) else ""
         # Modules with a list or an MoE-looking module at or below them.
-        self.nested: set[str] = set()
-        for p in self.modules:
-            if p in self.containers or self.looks_moe(p):
-                self.nested.add(p)
-                self.nested.update(ancestors(p))
+        moe_like = [p for p in self.modules if p in self.containers or self.looks_moe(p)]
+        self.nested = {a for p in moe_like for a in (p, *ancestors(p))}
 
     def children(self, path: str) -> list[str]:
         if path not in self._children:
@@ -160,16 +157,11 @@ def _list_candidates(tree: _Tree) -> list[tuple[list[str], int]]:
     found = []
     for path in sorted(tree.containers):
         elems = tree.children(path)
-        if _shared(path) or len(elems) < 2:
+        if _shared(path) or len(elems) < 2 or any(el in tree.nested for el in elems):
             continue
-        sigs = set()
-        for el in elems:
-            if el in tree.nested:
-                break
-            sigs.add(tuple((f[len(el) :], tuple(tree.tensors[f].shape)) for f in tree.state_under(el)))
-        else:
-            if len(sigs) == 1 and next(iter(sigs)):
-                found.append((elems, len(elems)))
+        sigs = {tuple((f[len(el) :], tuple(tree.tensors[f].shape)) for f in tree.state_under(el)) for el in elems}
+        if len(sigs) == 1 and next(iter(sigs)):
+            found.append((elems, len(elems)))
     return found
 
 
@@ -178,6 +170,9 @@ def _router_at(tree: _Tree, level: str, e: int, expert_fqns: set[str], routers: 
 
     def holds_experts(p: str) -> bool:
         return any(f.startswith(p + ".") for f in expert_fqns)
+
+    def gate_like(m: str) -> bool:  # a projection to E: its output is what a router hook reads
+        return any(tree.tensors[f].dim() == 2 and tree.tensors[f].shape[0] == e for f in tree.state_under(m))
 
     tensors = [
         f
@@ -190,17 +185,12 @@ def _router_at(tree: _Tree, level: str, e: int, expert_fqns: set[str], routers: 
     for child in tree.children(level):
         if holds_experts(child) or _shared(child) or child in tree.containers:
             continue
-        state = tree.state_under(child)
-        by_shape = any(tree.tensors[f].dim() == 2 and tree.tensors[f].shape[0] == e for f in state)
         by_name = child.rsplit(".", 1)[-1].lower() in _ROUTER_NAMES or bool(
             _ROUTER_CLASS.search(type(tree.modules[child]).__name__)
         )
-        if state and (by_shape or by_name):
+        if tree.state_under(child) and (gate_like(child) or by_name):
             mods.append(child)
-    # The gate projection first: its output is what a router hook reads.
-    mods.sort(
-        key=lambda m: not any(tree.tensors[f].dim() == 2 and tree.tensors[f].shape[0] == e for f in tree.state_under(m))
-    )
+    mods.sort(key=lambda m: not gate_like(m))  # the gate projection first
     return mods, tensors
 
 
@@ -322,11 +312,10 @@ def _check_unmatched(tree: _Tree, moe_paths: list[str]) -> None:
             continue
         if any(_under(path, m) or _under(m, path) for m in moe_paths):
             continue
-        shown = path or "<root>"
         raise OperatorDiscoveryError(
-            f"module {shown!r} ({type(tree.modules[path]).__name__}) looks like a Mixture-of-Experts layer but no "
-            f"experts were found in it: name them with OperatorSpec(experts=('{_glob(path)}.<experts module>',), "
-            f"routers=('{_glob(path)}.<router module>',))"
+            f"module {path or '<root>'!r} ({type(tree.modules[path]).__name__}) looks like a Mixture-of-Experts layer "
+            f"but no experts were found in it: name them with OperatorSpec(experts=('{_glob(path)}.<experts module>',"
+            f"), routers=('{_glob(path)}.<router module>',))"
         )
 
 

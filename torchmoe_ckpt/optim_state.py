@@ -91,10 +91,6 @@ def _sgd_check(group: dict) -> str | None:
     return None
 
 
-def _muon_init(group: dict, p: torch.Tensor, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    return {"momentum_buffer": _zeros(p, dtype)}
-
-
 def _adafactor_init(group: dict, p: torch.Tensor, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     # torch.optim.Adafactor._init_group: factored second moment over the last two dims, a vector's in full.
     st = {"step": torch.tensor(0.0, dtype=_get_scalar_dtype())}
@@ -113,7 +109,11 @@ for _cls in (torch.optim.Adam, torch.optim.AdamW):
 register_update_rule(torch.optim.SGD, UpdateRule("element", _sgd_init, check=_sgd_check))
 register_update_rule(
     torch.optim.Muon,
-    UpdateRule("matrix", _muon_init, "orthogonalises each 2-D parameter as a whole (Newton-Schulz)"),
+    UpdateRule(
+        "matrix",
+        lambda g, p, dt: {"momentum_buffer": _zeros(p, dt)},
+        "orthogonalises each 2-D parameter as a whole (Newton-Schulz)",
+    ),
 )
 register_update_rule(
     torch.optim.Adafactor,
@@ -127,27 +127,21 @@ def _known() -> str:
 
 def rule_of(opt: torch.optim.Optimizer) -> UpdateRule:
     """The update rule of `opt`'s class (or of the stock class it derives from without replacing `step`)."""
-    name = type(opt).__name__
     if isinstance(opt, torch.optim.LBFGS):
         raise UncapturedStateError(
             "optimizer LBFGS keeps one state for all its parameters and steps through a closure that re-runs the "
             f"model, so neither per-operator slots nor replay can hold it: use one of {_known()}"
         )
-    for cls in type(opt).__mro__:
-        rule = _RULES.get(cls)
-        if rule is None:
-            continue
-        if inspect.unwrap(type(opt).step) is not inspect.unwrap(cls.step):
-            break  # a subclass with its own update rule
-        return rule
+    cls = next((c for c in type(opt).__mro__ if c in _RULES), None)
+    if cls is not None and inspect.unwrap(type(opt).step) is inspect.unwrap(cls.step):  # not a new update rule
+        return _RULES[cls]
     raise UncapturedStateError(
-        f"optimizer {name} has an update rule the checkpointer does not know, so it cannot tell whether replay "
-        f"with frozen operators is exact (an update that couples elements across operators, or state shared by "
-        f"parameters, would come back wrong): use one of {_known()}, or declare it with register_update_rule"
+        f"optimizer {type(opt).__name__} has an update rule the checkpointer does not know, so it cannot tell "
+        f"whether replay with frozen operators is exact (an update that couples elements across operators, or state "
+        f"shared by parameters, would come back wrong): use one of {_known()}, or declare it with register_update_rule"
     )
 
 
-# ---- several optimizers as one ------------------------------------------------------------------------
 def optimizer_list(optimizer) -> list[torch.optim.Optimizer]:
     """The torch optimizers behind `optimizer`: one, a list/tuple of them, or a container with `.optimizers`
     (ours, TorchTitan's OptimizersContainer)."""
@@ -225,7 +219,6 @@ def as_optimizers(optimizer):
     return optimizer
 
 
-# ---- checks ---------------------------------------------------------------------------------------------
 def check_optimizers(model: nn.Module, optimizer) -> None:
     """Every optimizer has a known update rule and settings replay reproduces; every trainable parameter of
     `model` belongs to exactly one optimizer. Refusals are one line each."""

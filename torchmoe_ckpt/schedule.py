@@ -159,16 +159,11 @@ def plan_window(
     _check_sizes(order, full_bytes, compute_bytes)
     n = len(order)
     f, c, base = (full_bytes, compute_bytes, 0) if not sliding else _sliding_sizes(order, full_bytes, compute_bytes)
-    if auto_window is not None:
-        if not isinstance(auto_window, numbers.Integral) or not 1 <= auto_window <= n:
-            raise ValueError(f"auto window {auto_window!r} is impossible with {n} operators: use 1..{n}")
-        ends = _forced_ends(order, f, c, int(auto_window))
-    elif forced_window is None:
-        ends = _greedy_ends(order, f, c, max(budget_bytes - base, 0))
-    else:
-        if not isinstance(forced_window, numbers.Integral) or not 1 <= forced_window <= n:
-            raise ValueError(f"window {forced_window!r} is impossible with {n} operators: use 1..{n} or auto (None)")
-        ends = _forced_ends(order, f, c, int(forced_window))
+    w = auto_window if auto_window is not None else forced_window
+    if w is not None and (not isinstance(w, numbers.Integral) or not 1 <= w <= n):
+        what, alt = ("auto window", "") if auto_window is not None else ("window", " or auto (None)")
+        raise ValueError(f"{what} {w!r} is impossible with {n} operators: use 1..{n}{alt}")
+    ends = _greedy_ends(order, f, c, max(budget_bytes - base, 0)) if w is None else _forced_ends(order, f, c, int(w))
     slots = _slots_from_ends(order, ends, full_bytes, compute_bytes, sliding)
     fits = all(s.bytes <= budget_bytes for s in slots)
     if not fits and warn:  # one message per call, naming the worst slot, however many slots are over
@@ -181,15 +176,10 @@ def plan_window(
         )
         # "do not fit the copy budget" is matched by tests/distributed/test_recovery.py: keep the phrase.
         log.warning(
-            "sparse checkpoint slots do not fit the copy budget: slot %d of W=%d (active: %s) copies %d "
-            "bytes, over the budget of %.0f bytes per iteration, so training will wait for the copy. Raise "
-            "the copy budget (overlap, bandwidth or iteration time) or %s.",
-            i,
-            len(slots),
-            names,
-            worst.bytes,
-            budget_bytes,
-            fix,
+            f"sparse checkpoint slots do not fit the copy budget: slot {i} of W={len(slots)} (active: "
+            f"{names}) copies {worst.bytes} bytes, over the budget of {budget_bytes:.0f} bytes per iteration, "
+            f"so training will wait for the copy. Raise the copy budget (overlap, bandwidth or iteration "
+            f"time) or {fix}."
         )
     return WindowPlan(tuple(slots), float(budget_bytes), fits, tuple(order), sliding)
 

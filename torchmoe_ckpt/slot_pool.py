@@ -19,7 +19,7 @@ import torch
 
 from .operators import Operator, Piece
 from .schedule import WindowPlan
-from .snapshot import Slot, SlotItem, full_specs
+from .snapshot import Slot, SlotItem, compute_specs, full_specs
 
 Group = tuple[list[SlotItem], int]  # (items, bytes)
 ALIGN = 64  # bytes: every item view starts at a multiple (any dtype may view it; vectorised copies stay aligned)
@@ -148,8 +148,8 @@ class ArenaSlotPool(SlotAllocator):
         self.ops, self.compute_dtype, self.pin_memory = ops, compute_dtype, pin_memory
         self.kind = "pinned-arena" if pin_memory else "plain-arena"
         self.sets: list[_Set] = []
-        self._specs: dict[tuple[str, str], list[tuple]] = {}  # (form, op) -> [(key, role, piece, shape, dtype)]
-        self._scalars: dict[str, list[tuple]] = {}  # op -> [(fqn, piece, [(state key, dtype)])]
+        # (form, op) -> full/compute: [(key, role, piece, shape, dtype)]; scalar: [(fqn, piece, [(key, dtype)])]
+        self._specs: dict[tuple[str, str], list[tuple]] = {}
         self._bytes: dict[tuple, int] = {}  # (form, name, alignment) -> group bytes
         self.new_memory_groups = 0  # groups carved in newly allocated arenas
         self._spare: threading.Thread | None = None  # allocating a set for the next window (prepare)
@@ -281,7 +281,7 @@ class ArenaSlotPool(SlotAllocator):
             fqns = set()
             for name in sp.active:
                 total += self._group_bytes("full", name, align)
-                fqns.update(fqn for fqn, _, _ in self._scalar_spec(name))
+                fqns.update(fqn for fqn, _, _ in self._spec("scalar", name))
             total += sum(self._group_bytes("scalar", f, align) for f in fqns)
             total += sum(self._group_bytes("compute", name, align) for name in sp.frozen)
         if sig is not None:
@@ -299,7 +299,7 @@ class ArenaSlotPool(SlotAllocator):
         """Items per slot of `plan` (what a slot's metadata lists)."""
         out = []
         for sp in plan.slots:
-            fqns = {fqn: len(sc) for name in sp.active for fqn, _, sc in self._scalar_spec(name)}
+            fqns = {fqn: len(sc) for name in sp.active for fqn, _, sc in self._spec("scalar", name)}
             n = sum(len(self._spec("full", a)) for a in sp.active) + sum(fqns.values())
             out.append(n + sum(len(self._spec("compute", f)) for f in sp.frozen))
         return out
@@ -330,7 +330,7 @@ class ArenaSlotPool(SlotAllocator):
             groups: list[Group] = []
             first: dict[str, tuple[Piece, str, list]] = {}  # 0-dim states: the tensor's first piece in slot order
             for name in sp.active:
-                for fqn, pc, sc in self._scalar_spec(name):
+                for fqn, pc, sc in self._spec("scalar", name):
                     first.setdefault(fqn, (pc, name, sc))
                 groups.append(self._take(s, avail, "full", name, fresh))
             for fqn, (pc, name, sc) in first.items():
@@ -374,33 +374,17 @@ class ArenaSlotPool(SlotAllocator):
         return g
 
     def _spec(self, form: str, name: str) -> list[tuple]:
-        got = self._specs.get((form, name))
-        if got is not None:
-            return got
-        if form == "full":
-            out = full_specs(self.ops[name])[0]
-        else:
-            out = [
-                (f"compute.{pc.fqn}", "compute", pc, pc.shape, self.compute_dtype)
-                if pc.is_param
-                else (f"model.{pc.fqn}", "buffer", pc, pc.shape, pc.dtype)
-                for pc in self.ops[name].pieces
-                if pc.numel > 0
-            ]
-        self._specs[(form, name)] = out
-        return out
-
-    def _scalar_spec(self, name: str) -> list[tuple]:
-        got = self._scalars.get(name)
-        if got is None:
-            got = self._scalars[name] = full_specs(self.ops[name])[1]
-        return got
+        if (form, name) not in self._specs:
+            op = self.ops[name]
+            got = compute_specs(op, self.compute_dtype) if form == "compute" else full_specs(op)[form == "scalar"]
+            self._specs[(form, name)] = got
+        return self._specs[(form, name)]
 
     def _group_bytes(self, form: str, name: str, align: int) -> int:
         got = self._bytes.get((form, name, align))
         if got is None:
             if form == "scalar":  # `name` is a tensor's fqn: its 0-dim states, from the operator that has it
-                sc = next(sc for o in self.ops for fqn, _, sc in self._scalar_spec(o) if fqn == name)
+                sc = next(sc for o in self.ops for fqn, _, sc in self._spec("scalar", o) if fqn == name)
                 shapes = [((), dt) for _, dt in sc]
             else:
                 shapes = [(sh, dt) for _, _, _, sh, dt in self._spec(form, name)]

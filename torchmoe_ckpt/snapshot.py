@@ -44,10 +44,9 @@ class SlotItem:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-        scalar = self.buffer.dim() == 0  # a 0-dim state (step) is one whole tensor, whatever piece carries it
-        offsets = torch.Size(() if scalar else self.piece.global_offset)
-        sizes = torch.Size(() if scalar else self.piece.shape)
-        glob = torch.Size(() if scalar else self.piece.global_shape)
+        pc = self.piece  # a 0-dim state (step) is one whole tensor, whatever piece carries it
+        scalar = self.buffer.dim() == 0
+        offsets, sizes, glob = (torch.Size(() if scalar else x) for x in (pc.global_offset, pc.shape, pc.global_shape))
         return WriteItem(
             index=MetadataIndex(self.key, offsets),
             type=WriteItemType.SHARD,
@@ -133,6 +132,17 @@ def full_specs(op: Operator) -> tuple[list[tuple], list[tuple]]:
     return items, scalars
 
 
+def compute_specs(op: Operator, compute_dtype: torch.dtype) -> list[tuple]:
+    """A FROZEN operator's copy: per non-empty piece (key, role, piece, shape, dtype), compute weights and buffers."""
+    return [
+        (f"compute.{pc.fqn}", "compute", pc, pc.shape, compute_dtype)
+        if pc.is_param
+        else (f"model.{pc.fqn}", "buffer", pc, pc.shape, pc.dtype)
+        for pc in op.pieces
+        if pc.numel > 0
+    ]
+
+
 def build_slot(
     index: int,
     active: tuple[str, ...],
@@ -145,11 +155,7 @@ def build_slot(
     """Allocate one slot's host buffers; `alloc(shape, dtype)` replaces the allocator (e.g. meta tensors)."""
     items: list[SlotItem] = []
     seen_scalars: set[str] = set()
-    if alloc is None:
-
-        def alloc(shape, dtype) -> torch.Tensor:
-            return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
-
+    alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin_memory))
     for name in active:
         full, scalars = full_specs(ops[name])
         items += [SlotItem(key, role, name, pc, alloc(shape, dt)) for key, role, pc, shape, dt in full]
@@ -158,15 +164,10 @@ def build_slot(
                 seen_scalars.add(fqn)
                 items += [SlotItem(f"optim.{fqn}.{k}", k, name, pc, alloc((), dt)) for k, dt in sc]
     for name in frozen:
-        for pc in ops[name].pieces:
-            if pc.numel == 0:
-                continue
-            role, dtype, key = (
-                ("compute", compute_dtype, f"compute.{pc.fqn}")
-                if pc.is_param
-                else ("buffer", pc.dtype, f"model.{pc.fqn}")
-            )
-            items.append(SlotItem(key, role, name, pc, alloc(pc.shape, dtype)))
+        items += [
+            SlotItem(k, role, name, pc, alloc(sh, dt))
+            for k, role, pc, sh, dt in compute_specs(ops[name], compute_dtype)
+        ]
     return Slot(index, tuple(active), tuple(frozen), items)
 
 
@@ -320,11 +321,9 @@ class SnapshotEngine:
         slot.copy_seconds = seconds if seconds is not None else time.perf_counter() - t0
         if slot.error is None:
             last = (sum(d.numel() * d.element_size() for d in dsts), slot.copy_seconds, time.thread_time() - c0)
-            tot = self.copy_totals
-            tot["copies"] += 1
-            tot["bytes"] += last[0]
-            tot["wall_s"] += last[1]
-            tot["cpu_s"] += last[2]
+            self.copy_totals["copies"] += 1
+            for k, v in zip(("bytes", "wall_s", "cpu_s"), last):
+                self.copy_totals[k] += v
             self.last_copy = last
         job.keep.clear()
         slot.done.set()
@@ -333,14 +332,10 @@ class SnapshotEngine:
     def wait(self) -> float:
         """Before the next update: block until the in-flight copy no longer needs its sources (CUDA: queued, the
         training stream then waits on the device). Returns the seconds waited; raises the copy's error."""
-        job = self.inflight
+        job, self.inflight = self.inflight, None
         if job is None:
             return 0.0
-        t0 = time.perf_counter()
-        job.released.wait()
-        waited = time.perf_counter() - t0
-        self.inflight = None
-        self.wait_seconds_total += waited
+        waited = self._timed(job.released)
         self.waits.append(waited)
         if job.slot.error is not None:
             raise job.slot.error
@@ -353,12 +348,16 @@ class SnapshotEngine:
         job = self._last
         if job is None:
             return 0.0
-        t0 = time.perf_counter()
-        job.slot.done.wait()
-        waited = time.perf_counter() - t0
-        self.wait_seconds_total += waited
+        waited = self._timed(job.slot.done)
         if job.slot.error is not None:
             raise job.slot.error
+        return waited
+
+    def _timed(self, event: threading.Event) -> float:
+        t0 = time.perf_counter()
+        event.wait()
+        waited = time.perf_counter() - t0
+        self.wait_seconds_total += waited
         return waited
 
 

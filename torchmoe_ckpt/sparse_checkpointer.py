@@ -113,22 +113,13 @@ class SparseCheckpointer:
         self._copies_seen = 0
         self._cur_slot_bytes: list[int] = []
         self._last_job: dict[int, int] = {}  # window id -> the persist thread's ticket after its commit job
-        self.counters = {
-            "slots": 0,
-            "windows_committed": 0,
-            "slot_bytes": [],
-            "copy_seconds": [],
-            "windows": [],
-            "plans": 0,
-            "plan_s_total": 0.0,
-            "plan_s_max": 0.0,
-            "recoveries": [],  # per in-memory recovery: its report with the phases (status.PHASES)
-        }
+        # "recoveries": per in-memory recovery, its report with the phases (status.PHASES)
+        self.counters = {"slots": 0, "windows_committed": 0, "plans": 0, "plan_s_total": 0.0, "plan_s_max": 0.0}
+        self.counters.update((k, []) for k in ("slot_bytes", "copy_seconds", "windows", "recoveries"))
         self._redo: dict | None = None  # after a recovery: the iteration to reach again and the clock (redo phase)
         self.dense_bytes = sum(o.full_bytes() for o in self.ops)  # what one dense snapshot of this rank copies
         self.planner.cap_by_memory(self.memory, None if self.tier_writer is None else self.tier_writer.replicator)
 
-    # ---- hooks the trainer calls ---------------------------------------------------------------------
     def attach(self, trainer) -> SparseCheckpointer:
         trainer.before_update.append(self.before_update)
         return self
@@ -179,14 +170,11 @@ class SparseCheckpointer:
         self.counters["slots"] += 1
         self.counters["slot_bytes"].append(self._cur_slot_bytes[t - cur.start_step])
 
-    # ---- lifecycle -----------------------------------------------------------------------------------
     def flush(self, commit: bool = True) -> None:
         """Finish the copy in flight, commit the window it completes (collective), then wait until the host tier has
         written what is queued (not the uploads). `commit=False` (a peer failed): no commit, no collective."""
         if commit:
-            self.engine.wait_done()
-            self._observe_copy()
-            self._maybe_commit()
+            self._settle()
         else:
             self.engine.wait()
         if self.tier_writer is not None:
@@ -228,10 +216,14 @@ class SparseCheckpointer:
     def abandon_window(self) -> None:
         """Finish the copy in flight, then drop an incomplete window being filled (for a loop that pauses
         checkpointing): the next `after_step` starts a new window."""
+        self._settle()
+        self._drop_current()
+
+    def _settle(self) -> None:
+        """Finish the copy in flight, price it and commit the window it completes."""
         self.engine.wait_done()
         self._observe_copy()
         self._maybe_commit()
-        self._drop_current()
 
     def _drop_current(self) -> None:
         cur, self.current = self.current, None
@@ -286,9 +278,8 @@ class SparseCheckpointer:
         if n != self._copies_seen and self.engine.last_copy is not None:
             self._copies_seen = n
             nbytes, wall, _cpu = self.engine.last_copy
-            self.planner.observe_copy(nbytes, wall, self.engine.waits[-1] if self.engine.waits else 0.0)
+            self.planner.cost.observe_copy(nbytes, wall, self.engine.waits[-1] if self.engine.waits else 0.0)
 
-    # ---- windows -------------------------------------------------------------------------------------
     def _maybe_commit(self) -> None:
         cur = self.current
         if cur is not None and cur.captured == cur.plan.window:
@@ -300,14 +291,11 @@ class SparseCheckpointer:
         self.counters["windows_committed"] += 1
         self.counters["copy_seconds"].extend(s.copy_seconds for s in cur.slots)
         if log.isEnabledFor(self._level):  # summing every item's bytes costs ~1 ms a window: only when logged
+            w = cur.plan.window
             log.log(
                 self._level,
-                "window committed id=%d steps=%d..%d W=%d bytes=%d",
-                cur.id,
-                cur.start_step,
-                cur.start_step + cur.plan.window - 1,
-                cur.plan.window,
-                cur.nbytes(),
+                f"window committed id={cur.id} steps={cur.start_step}..{cur.start_step + w - 1} "
+                f"W={w} bytes={cur.nbytes()}",
             )
         if self.tier_writer is not None:
             # Keep every window from the newest one *all* ranks persisted: the only one they can all recover from.
@@ -356,16 +344,12 @@ class SparseCheckpointer:
                 "mean_slot_bytes": sum(self._cur_slot_bytes) / plan.window,
             }
         )
-        log.log(
-            self._level,
-            "window start id=%d t0=%d W=%d fits=%s budget=%.3g worst_slot=%d",
-            win.id,
-            t,
-            plan.window,
-            plan.fits,
-            budget,
-            plan.worst_slot_bytes,
-        )
+        if log.isEnabledFor(self._level):
+            log.log(
+                self._level,
+                f"window start id={win.id} t0={t} W={plan.window} fits={plan.fits} "
+                f"budget={budget:.3g} worst_slot={plan.worst_slot_bytes}",
+            )
         return win
 
     def inherit_counters(self, old: SparseCheckpointer) -> SparseCheckpointer:
@@ -382,7 +366,6 @@ class SparseCheckpointer:
         self.planner.inherit(old.planner)
         return self
 
-    # ---- reporting -----------------------------------------------------------------------------------
     def stats(self) -> dict:
         waits, sb, cs = self.engine.waits, self.counters["slot_bytes"], self.counters["copy_seconds"]
         tw = self.tier_writer

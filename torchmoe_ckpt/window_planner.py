@@ -43,12 +43,9 @@ class WindowPlanner:
         self._agree, self.sum_counts, self._rank = agree, sum_counts, rank
         self.op_by_name = {o.name: o for o in ops}
         self.grid = expert_grid(ops)
-        n_layers = 1 + max((layer for layer, _ in self.grid), default=-1)
-        n_experts = 1 + max((e for _, e in self.grid), default=-1)
+        n_layers, n_experts = (max((le[i] + 1 for le in self.grid), default=1) for i in (0, 1))
         cap = None if cfg.expert_capacity is None else torch.tensor(cfg.expert_capacity, dtype=torch.float64)
-        self.tracker = PopularityTracker(
-            max(n_layers, 1), max(n_experts, 1), policy=cfg.popularity, decay=cfg.decay, capacity=cap
-        )
+        self.tracker = PopularityTracker(n_layers, n_experts, policy=cfg.popularity, decay=cfg.decay, capacity=cap)
         self.pending_counts: list[tuple[torch.Tensor, torch.Tensor]] = []
         # The last window's counts on their way to the host, applied at the next window start (lagging one window).
         self._counts_in_flight: tuple[torch.Tensor, object] | None = None
@@ -67,16 +64,11 @@ class WindowPlanner:
         self._warned_unfit = False  # an impossible copy budget is reported once, not every window
         self._last_split: tuple[list[str], int, WindowPlan] | None = None  # (order, W, plan): see _same_split
 
-    # ---- what training tells the planner -------------------------------------------------------------
     def observe_step(self, seconds: float, counts: torch.Tensor, probs: torch.Tensor) -> None:
         self.t_iter = seconds if self.t_iter is None else 0.7 * self.t_iter + 0.3 * seconds
         self.pending_counts.append((counts, probs))  # read at the next window start
         self.cost.observe_step(seconds)
 
-    def observe_copy(self, nbytes: int, wall_s: float, wait_s: float) -> None:
-        self.cost.observe_copy(nbytes, wall_s, wait_s)
-
-    # ---- the plan ----------------------------------------------------------------------------------------
     def plan(self) -> tuple[WindowPlan, float]:
         """The next window's plan and the copy budget per slot it was priced with (bytes; inf when W is forced)."""
         order = self.operator_order()
@@ -196,7 +188,6 @@ class WindowPlanner:
         self.cost.prior_s_per_byte = 1.0 / self.bandwidth
         self._prior_known = True
 
-    # ---- the host-memory limit ---------------------------------------------------------------------------
     def cap_by_memory(self, memory, replicator) -> None:
         """Check the host-memory limit against the plan's worst case before training: sets `w_cap` (None: no limit
         or W forced); raises HostMemoryLimitError when no window fits."""
