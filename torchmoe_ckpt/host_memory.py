@@ -52,10 +52,6 @@ def parse_bytes(value, field: str = "host_memory_limit") -> int | None:
     return int(value)
 
 
-def log_bytes(window) -> int:
-    return 0 if window is None else sum(r.nbytes() for r in window.log.records.values())
-
-
 class HostMemory:
     """The account and the limit of one SparseCheckpointer `ck`."""
 
@@ -72,7 +68,7 @@ class HostMemory:
         if ck.tier_writer is not None:
             parts.update(ck.tier_writer.host_bytes(ck.slots.files()))
         wins = {id(w): w for w in (ck.current, ck.committed, ck._inherited) if w is not None}
-        parts["replay_logs"] = sum(log_bytes(w) for w in wins.values())
+        parts["replay_logs"] = sum(r.nbytes() for w in wins.values() for r in w.log.records.values())
         inh = ck._inherited
         parts["inherited_window"] = 0 if inh is None else sum(s.nbytes for s in inh.slots)
         total = sum(parts.values())
@@ -188,8 +184,16 @@ class HostMemory:
         if self.limit is None:
             return
         ck, alloc = self.ck, self.ck.slots
-        if alloc.has_free(plan):
-            self._over_warning(window_id)
+        if alloc.has_free(plan):  # no new set: a total over the limit (peer copies, logs) is warned once
+            total = self.total()
+            over = total > self.limit
+            if over and not self._warned_over:
+                log.warning(
+                    f"torchmoe: host memory {human_bytes(total)} is over host_memory_limit "
+                    f"{human_bytes(self.limit)} at window {window_id} (no new slot set was needed): "
+                    "see stats()['host_memory']['parts']"
+                )
+            self._warned_over = over
             return
         add = alloc.set_bytes(plan)
         if self.total() + add <= self.limit:
@@ -215,14 +219,3 @@ class HostMemory:
     def room_for(self, nbytes: int) -> bool:
         """`nbytes` more stay within the limit (a slot set allocated ahead: slot_pool.prepare)."""
         return self.limit is None or self.total() + nbytes <= self.limit
-
-    def _over_warning(self, window_id: int) -> None:
-        total = self.total()
-        over = total > self.limit
-        if over and not self._warned_over:
-            log.warning(
-                f"torchmoe: host memory {human_bytes(total)} is over host_memory_limit "
-                f"{human_bytes(self.limit)} at window {window_id} (no new slot set was needed): "
-                "see stats()['host_memory']['parts']"
-            )
-        self._warned_over = over

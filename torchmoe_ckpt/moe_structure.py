@@ -57,10 +57,6 @@ class MoEBlock:
     router_modules: list[str] = field(default_factory=list)  # modules whose forward routes (hooks go there)
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def _parent(path: str) -> str:
     return path.rsplit(".", 1)[0] if "." in path else ""
 
@@ -115,7 +111,7 @@ class _Tree:
 
     def children(self, path: str) -> list[str]:
         if path not in self._children:
-            self._children[path] = [_join(path, n) for n, _ in self.modules[path].named_children()]
+            self._children[path] = [f"{path}.{n}" if path else n for n, _ in self.modules[path].named_children()]
         return self._children[path]
 
     def state_under(self, path: str) -> list[str]:

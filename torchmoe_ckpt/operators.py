@@ -8,6 +8,7 @@ in exactly one operator, as pieces of this rank's local shards with global offse
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -53,10 +54,7 @@ class Piece:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -197,14 +195,9 @@ def discover_operators(model: nn.Module, spec: OperatorSpec | None = None) -> li
             name, layer = _clean(name), None
         add(name, "dense", fqn, _whole_piece(fqn, t, fqn in params), layer=layer)
     kind_rank = {"expert": 0, "router": 1, "dense": 2}
+    top = 1 << 30  # top-level operators last
     return sorted(
-        ops.values(),
-        key=lambda o: (
-            o.layer if o.layer is not None else 1 << 30,
-            kind_rank[o.kind],
-            o.expert if o.expert is not None else 0,
-            o.name,
-        ),
+        ops.values(), key=lambda o: (top if o.layer is None else o.layer, kind_rank[o.kind], o.expert or 0, o.name)
     )
 
 

@@ -127,8 +127,11 @@ def place_replicas(topo: Topology, r: int = 2) -> Placement:
     for p in range(n):
         members.setdefault(group[p], []).append(p)
 
-    def cands(o: int):  # eligible sent-copy receivers of o: another node, not a replica (those are free)
-        return (p for p in range(n) if node[p] != node[o] and group[p] != group[o])
+    def ok(o: int, p: int) -> bool:  # p may receive a sent copy of o: another node, not a replica (those are free)
+        return node[p] != node[o] and group[p] != group[o]
+
+    def cands(o: int):
+        return (p for p in range(n) if ok(o, p))
 
     replicas: list[list[int]] = []  # Step 1: HSDP replicas on other nodes, spread over nodes
     for o in range(n):
@@ -150,12 +153,7 @@ def place_replicas(topo: Topology, r: int = 2) -> Placement:
             best = None
             for bucket in by_load:
                 for p in bucket:
-                    if (
-                        node[p] != node[o]
-                        and group[p] != group[o]
-                        and p not in sends[o]
-                        and (best is None or count[node[p]] < count[node[best]])
-                    ):
+                    if ok(o, p) and p not in sends[o] and (best is None or count[node[p]] < count[node[best]]):
                         best = p
                         if count[node[p]] == floor:
                             break
@@ -174,15 +172,8 @@ def place_replicas(topo: Topology, r: int = 2) -> Placement:
     _spread(n, node, group, n_other, cands, replicas, sends, load)
 
     peers = tuple(tuple(sorted(replicas[o] + sends[o])) for o in range(n))
-    return Placement(
-        peers=peers,
-        replica_peers=tuple(tuple(sorted(x)) for x in replicas),
-        send_peers=tuple(tuple(sorted(x)) for x in sends),
-        load=tuple(load),
-        shortfall=tuple(r - len(p) for p in peers),
-        r=r,
-        node_of=node,
-    )
+    replica_peers, send_peers = (tuple(tuple(sorted(x)) for x in xs) for xs in (replicas, sends))
+    return Placement(peers, replica_peers, send_peers, tuple(load), tuple(r - len(p) for p in peers), r, node)
 
 
 def _rebalance(n, cands, sends, load) -> None:

@@ -57,12 +57,6 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (activation checkpointing recomputes forwards there)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
-
-
 @dataclass
 class _Layer:
     row: int
@@ -107,7 +101,8 @@ class RouterCounter:
 
     def _hook(self, layer: _Layer):
         def hook(module: nn.Module, args, output) -> None:
-            if not module.training or _in_backward():
+            task = getattr(torch._C, "_current_graph_task_id", None)  # set while autograd runs a backward pass
+            if not module.training or (task is not None and task() != -1):
                 return  # evaluation, or activation checkpointing recomputing the forward in backward
             with torch.no_grad():
                 self._count(layer, [t.to_local() if isinstance(t, DTensor) else t for t in _tensors(output)])

@@ -11,6 +11,7 @@ thread, and a pinned set larger than a new plan needs is kept (freeing it would 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,10 +31,6 @@ HEADROOM = 1 / 8  # spare capacity of a plain arena, for the groups a reorder ad
 def signature(plan: WindowPlan) -> tuple:
     """What makes two plans' slots identical (the same operators in the same slots)."""
     return tuple((s.active, s.frozen) for s in plan.slots)
-
-
-def pow2ceil(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def pageup(n: int, page: int = PAGE) -> int:
@@ -109,7 +106,7 @@ class SlotAllocator:
 
 def arena_bytes(need: int, pin: bool) -> int:
     """An arena's capacity: pinned, the caching host allocator's power-of-two block (all of it is used)."""
-    return pow2ceil(need) if pin else int(need * (1 + HEADROOM)) + ALIGN
+    return 1 << max(0, int(need) - 1).bit_length() if pin else int(need * (1 + HEADROOM)) + ALIGN
 
 
 class Arena:
@@ -150,7 +147,7 @@ class ArenaSlotPool(SlotAllocator):
         self.sets: list[_Set] = []
         # (form, op) -> full/compute: [(key, role, piece, shape, dtype)]; scalar: [(fqn, piece, [(key, dtype)])]
         self._specs: dict[tuple[str, str], list[tuple]] = {}
-        self._bytes: dict[tuple, int] = {}  # (form, name, alignment) -> group bytes
+        self._bytes: dict[tuple, object] = {}  # (form, name, alignment) -> group bytes; ("shapes", form, name)
         self.new_memory_groups = 0  # groups carved in newly allocated arenas
         self._spare: threading.Thread | None = None  # allocating a set for the next window (prepare)
         self._spare_bytes = 0  # what it allocates: counted as held from the start
@@ -276,14 +273,7 @@ class ArenaSlotPool(SlotAllocator):
         sig = signature(plan) if align == ALIGN else None
         if sig is not None and self._need_memo[0] == sig:
             return self._need_memo[1]
-        total = 0
-        for sp in plan.slots:
-            fqns = set()
-            for name in sp.active:
-                total += self._group_bytes("full", name, align)
-                fqns.update(fqn for fqn, _, _ in self._spec("scalar", name))
-            total += sum(self._group_bytes("scalar", f, align) for f in fqns)
-            total += sum(self._group_bytes("compute", name, align) for name in sp.frozen)
+        total = sum(self._group_bytes(form, name, align) for sp in plan.slots for form, name in self._groups(sp))
         if sig is not None:
             self._need_memo = (sig, total)
         return total
@@ -297,12 +287,13 @@ class ArenaSlotPool(SlotAllocator):
 
     def item_counts(self, plan: WindowPlan) -> list[int]:
         """Items per slot of `plan` (what a slot's metadata lists)."""
-        out = []
-        for sp in plan.slots:
-            fqns = {fqn: len(sc) for name in sp.active for fqn, _, sc in self._spec("scalar", name)}
-            n = sum(len(self._spec("full", a)) for a in sp.active) + sum(fqns.values())
-            out.append(n + sum(len(self._spec("compute", f)) for f in sp.frozen))
-        return out
+        return [sum(len(self._shapes(form, name)) for form, name in self._groups(sp)) for sp in plan.slots]
+
+    def _groups(self, sp) -> list[tuple[str, str]]:
+        """(form, name) of a slot's groups: its active operators' full states, their tensors' 0-dim states (once, by
+        fqn) and its frozen operators' compute weights."""
+        fqns = dict.fromkeys(fqn for a in sp.active for fqn, _, _ in self._spec("scalar", a))
+        return [("full", a) for a in sp.active] + [("scalar", f) for f in fqns] + [("compute", f) for f in sp.frozen]
 
     def _alloc(self, need: int, thread: str = "training_thread") -> Arena:
         t0 = time.perf_counter()
@@ -380,17 +371,24 @@ class ArenaSlotPool(SlotAllocator):
             self._specs[(form, name)] = got
         return self._specs[(form, name)]
 
-    def _group_bytes(self, form: str, name: str, align: int) -> int:
-        got = self._bytes.get((form, name, align))
-        if got is None:
-            if form == "scalar":  # `name` is a tensor's fqn: its 0-dim states, from the operator that has it
+    def _shapes(self, form: str, name: str) -> list[tuple]:
+        """[(shape, dtype)] of a group's items; for "scalar" `name` is a tensor's fqn (from an operator that has it)."""
+        key = ("shapes", form, name)
+        if key not in self._bytes:
+            if form == "scalar":
                 sc = next(sc for o in self.ops for fqn, _, sc in self._spec("scalar", o) if fqn == name)
-                shapes = [((), dt) for _, dt in sc]
+                self._bytes[key] = [((), dt) for _, dt in sc]
             else:
-                shapes = [(sh, dt) for _, _, _, sh, dt in self._spec(form, name)]
-            got = sum((torch.Size(sh).numel() * dt.itemsize + align - 1) // align * align for sh, dt in shapes)
-            self._bytes[(form, name, align)] = got
-        return got
+                self._bytes[key] = [(sh, dt) for _, _, _, sh, dt in self._spec(form, name)]
+        return self._bytes[key]
+
+    def _group_bytes(self, form: str, name: str, align: int) -> int:
+        if (form, name, align) not in self._bytes:
+            shapes = self._shapes(form, name)
+            self._bytes[(form, name, align)] = sum(
+                (math.prod(sh) * dt.itemsize + align - 1) // align * align for sh, dt in shapes
+            )
+        return self._bytes[(form, name, align)]
 
 
 def _return_pinned(pinned: bool) -> None:

@@ -30,7 +30,7 @@ from .storage.host_tier import HostTier
 from .storage.manifest import plan_digest
 from .storage.persist_thread import PersistThread
 from .storage.tiers import Tiers
-from .window import SlidingSuffix, Window, sliding_suffix
+from .window import Window, sliding_suffix
 from .window_planner import WindowPlanner
 
 log = logging.getLogger("torchmoe_ckpt")
@@ -243,7 +243,14 @@ class SparseCheckpointer:
         except Exception:  # noqa: BLE001  (its error is the failure's, already being handled)
             pass
         self._maybe_commit()  # a window whose last copy had finished is the newest recovery point
-        suffix = self._sliding_suffix()
+        suffix = None  # sliding plans: the newest slots covering every operator, torn copies trimmed off
+        old, cur = self.committed, self.current
+        if old is not None and cur is not None:
+            k = 0
+            while k < cur.captured and cur.slots[k].complete:
+                k += 1
+            cur.captured = k
+            suffix = sliding_suffix(old, cur)
         if suffix is None:
             self._drop_current()
         if self.committed is None:
@@ -259,18 +266,6 @@ class SparseCheckpointer:
         if last is not None and last > rep.recovered_step:
             self._redo = {"until": last, "since": time.perf_counter(), "phases": rep.phases}
         return rep
-
-    def _sliding_suffix(self) -> SlidingSuffix | None:
-        """window.sliding_suffix of the committed and the current window, trimmed to its complete slots (a torn
-        copy is not a slot)."""
-        old, cur = self.committed, self.current
-        if old is None or cur is None:
-            return None
-        k = 0
-        while k < cur.captured and cur.slots[k].complete:
-            k += 1
-        cur.captured = k
-        return sliding_suffix(old, cur)
 
     def _observe_copy(self) -> None:
         """Feed the copy that just finished (bytes, copy-thread wall time, the wait it caused) to the pricing."""

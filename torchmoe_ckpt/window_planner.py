@@ -81,12 +81,8 @@ class WindowPlanner:
                 budget = self.cost.budget_bytes(self.overlap)
             else:
                 budget = copy_budget(self.t_iter, self.bandwidth, self.overlap)
-            auto_w = self._agreed_w(
-                min(
-                    choose_window(order, full, comp, budget, self.auto_w, sliding=self.cfg.sliding),
-                    self.w_cap or len(order),
-                )
-            )
+            proposal = choose_window(order, full, comp, budget, self.auto_w, sliding=self.cfg.sliding)
+            auto_w = self._agreed_w(min(proposal, self.w_cap or len(order)))
         w = self.cfg.window if auto_w is None else auto_w
         warn = not self._warned_unfit and self._rank == 0
         plan = self._same_split(order, w, budget)
@@ -198,22 +194,15 @@ class WindowPlanner:
         self._order, self._order_freq = saved
         # Reorders permute the experts: the worst case puts those with the most local compute bytes last.
         tail = {o.name for o in self.ops if o.kind in ("router", "dense")}
-        itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
-        local = {o.name: o.compute_bytes(itemsize) for o in self.ops}
+        local = {o.name: o.compute_bytes(self.compute_dtype.itemsize) for o in self.ops}
         worst = sorted((n for n in order if n not in tail), key=local.__getitem__) + [n for n in order if n in tail]
-
-        def plans(w: int) -> WindowPlan:
-            return plan_window(worst, full, comp, float("inf"), forced_window=w, warn=False)
-
         max_w = choose_window(order, full, comp, 0.0)  # the largest W Algorithm 1 can choose (its budget floor)
         if self.cfg.max_window is not None:
             max_w = min(max_w, self.cfg.max_window)
-        me = self._rank
-        senders = (
-            0 if replicator is None else sum(1 for _s, dst, replica in replicator.pairs if dst == me and not replica)
-        )
+        pairs = () if replicator is None else replicator.pairs
+        senders = sum(1 for _s, dst, replica in pairs if dst == self._rank and not replica)
         self.w_cap = memory.check(
-            plans,
+            lambda w: plan_window(worst, full, comp, float("inf"), forced_window=w, warn=False),
             self.cfg.window,
             max_w,
             lambda x, op: self._agree(float(x), dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, self.group),
