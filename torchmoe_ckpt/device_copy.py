@@ -41,7 +41,6 @@ class CopyStream:
         # CUDA only: created on the model's device, not on whichever device is current.
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
 
-    # -- training thread --
     def mark_ready(self):
         """Right after the optimizer step: a point the copy must come after (a CUDA event; None on CPU)."""
         if not self.cuda:
@@ -55,7 +54,6 @@ class CopyStream:
         if self.cuda and end is not None:
             torch.cuda.current_stream(self.device).wait_event(end)  # CUDA only
 
-    # -- copy thread --
     def bind_thread(self) -> None:
         """Call first in the copy thread: CUDA calls there use the model's device, not device 0."""
         if self.cuda:

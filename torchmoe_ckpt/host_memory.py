@@ -32,8 +32,7 @@ KNOBS = (
 
 
 class HostMemoryLimitError(ConfigError):
-    """The checkpointer would hold more host memory than `host_memory_limit`: the message gives the figure, its
-    parts and the settings that lower it."""
+    """The checkpointer would hold more host memory than `host_memory_limit` (the message gives the figure)."""
 
 
 def parse_bytes(value, field: str = "host_memory_limit") -> int | None:

@@ -59,8 +59,7 @@ class Piece:
 
 @dataclass(frozen=True)
 class StatePiece:
-    """One tensor of a parameter's optimizer state (`optimizer.state[p][key]`), as far as an operator owns it on
-    this rank. Set by `optim_state.describe_optimizer_state` from the live state, whatever its keys and shapes."""
+    """The part of one optimizer state tensor (`optimizer.state[p][key]`) an operator owns on this rank."""
 
     key: str  # exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer, row_var, col_var, step, ...
     piece: Piece | None  # its region (the parameter's own piece when shaped and sharded like it); None: scalar
@@ -94,8 +93,7 @@ class Operator:
         return sum(p.numel for p in self.pieces if p.is_param)
 
     def full_bytes(self, master_itemsize: int = 4, optim_states: int = 2) -> int:
-        """Master weights + optimizer state + buffers, as copied for an ACTIVE operator: the real bytes of the
-        described optimizer state (scalars such as `step` once per tensor), else the AdamW layout."""
+        """Master weights + optimizer state + buffers, as copied for an ACTIVE operator (else: AdamW's layout)."""
         if self.state is None:
             params = self.param_numel() * master_itemsize * (1 + optim_states)
             steps = 8 * len({p.fqn for p in self.pieces if p.is_param})
@@ -223,8 +221,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def agreed_sizes(
     ops: dict[str, Operator], compute_dtype: torch.dtype, group=None
 ) -> tuple[dict[str, int], dict[str, int]]:
-    """Full and compute bytes per operator, the max over `group`'s ranks (one collective on the library's gloo
-    group when a process group is up), so every rank plans the same window from the same sizes."""
+    """Full and compute bytes per operator, the max over `group`'s ranks: every rank plans from the same sizes."""
     names = list(ops)
     sizes = torch.tensor(
         [[ops[n].full_bytes(), ops[n].compute_bytes(compute_dtype.itemsize)] for n in names], dtype=torch.float64

@@ -143,8 +143,7 @@ def rule_of(opt: torch.optim.Optimizer) -> UpdateRule:
 
 
 def optimizer_list(optimizer) -> list[torch.optim.Optimizer]:
-    """The torch optimizers behind `optimizer`: one, a list/tuple of them, or a container with `.optimizers`
-    (ours, TorchTitan's OptimizersContainer)."""
+    """The torch optimizers behind `optimizer`: one, a list/tuple, or a container with `.optimizers`."""
     if isinstance(optimizer, (list, tuple)):
         return [o for x in optimizer for o in optimizer_list(x)]
     inner = getattr(optimizer, "optimizers", None)
@@ -227,8 +226,7 @@ def check_optimizers(model: nn.Module, optimizer) -> None:
     for o in opts:
         rule = rule_of(o)
         for g in o.param_groups:
-            why = rule.check(g) if rule.check is not None else None
-            if why:
+            if rule.check is not None and (why := rule.check(g)):
                 raise UncapturedStateError(why)
             for p in g["params"]:
                 if owner.get(id(p), o) is not o:
@@ -279,8 +277,7 @@ def _state_dtypes(o: torch.optim.Optimizer) -> dict[str, torch.dtype]:
 
 
 def describe_optimizer_state(model: nn.Module, ops, optimizer) -> None:
-    """Check `optimizer` against `model` and `ops`, create missing state (`init_optimizer_state`) and give every
-    operator the pieces of its parameters' optimizer state (`Operator.state`). Idempotent; collective-free."""
+    """Check `optimizer`, create missing state and give every operator its `Operator.state`. Idempotent."""
     ops = list(ops.values()) if isinstance(ops, dict) else list(ops)
     check_optimizers(model, optimizer)
     init_optimizer_state(optimizer)

@@ -54,8 +54,7 @@ class PopularityTracker:
         self.score = torch.zeros(self.shape, dtype=torch.float64)
 
     def update(self, counts: torch.Tensor, probs: torch.Tensor | None = None) -> None:
-        """One iteration's routed-token counts [L, E] (already summed over ranks), and summed gating
-        probabilities [L, E] for the soft policy (ignored by the others)."""
+        """One iteration's routed-token counts [L, E] (summed over ranks); `probs`: for the soft policy."""
         if tuple(counts.shape) != self.shape:
             raise ValueError(f"counts must have shape {self.shape}, got shape {tuple(counts.shape)}")
         counts = _host64(counts)

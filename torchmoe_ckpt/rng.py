@@ -36,8 +36,7 @@ def untrack(name: str) -> None:
 
 
 def device_generators() -> dict[str, torch.Generator]:
-    """The generators besides the CPU one: the current CUDA device's default once CUDA is initialised, and
-    `track`ed ones."""
+    """The generators besides the CPU one: the CUDA device's default (once initialised) and `track`ed ones."""
     out = dict(_tracked)
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # CUDA only
         out["cuda"] = torch.cuda.default_generators[torch.cuda.current_device()]

@@ -72,8 +72,7 @@ class RouterCounter:
         order = moe_order(ops)
         experts = {m: sum(1 for o in ops if o.kind == "expert" and o.moe == m) for m in order}
         routers = {o.moe: o for o in ops if o.kind == "router"}
-        width = max(experts.values(), default=0)
-        self.counts = torch.zeros(len(order), width, dtype=torch.float64)
+        self.counts = torch.zeros(len(order), max(experts.values(), default=0), dtype=torch.float64)
         self.probs = torch.zeros_like(self.counts)
         self.unhooked: list[str] = []
         self._hooks = []
@@ -90,13 +89,11 @@ class RouterCounter:
                 continue
             module = modules[router.modules[0]]
             k = given[row] or _k_of((module, modules.get(moe, module))) or cfg_k
-            layer = _Layer(row, experts[moe], k)
-            self._hooks.append(module.register_forward_hook(self._hook(layer)))
+            self._hooks.append(module.register_forward_hook(self._hook(_Layer(row, experts[moe], k))))
         if self.unhooked:
             log.warning(
-                "routed-token counts unavailable (no router module) for MoE layers %s: their experts "
-                "are ordered as equally popular",
-                self.unhooked,
+                f"routed-token counts unavailable (no router module) for MoE layers {self.unhooked}: their experts "
+                "are ordered as equally popular"
             )
 
     def _hook(self, layer: _Layer):
@@ -113,31 +110,23 @@ class RouterCounter:
         e = layer.experts
         scores = [t for t in outs if t.is_floating_point() and t.dim() >= 2 and t.shape[-1] >= e]
         scores.sort(key=lambda t: t.shape[-1] != e)  # exactly E columns first, then E + extra experts
-        # Selected experts come as [..., k] (a 1-D int output is a permutation or a count, not a choice).
         width = scores[0].shape[-1] if scores else e
-        ids = next(
-            (
-                t
-                for t in outs
-                if not t.is_floating_point() and t.dtype != torch.bool and t.dim() >= 2 and 1 <= t.shape[-1] <= width
-            ),
-            None,
-        )
+
+        def chosen(t: torch.Tensor) -> bool:  # selected experts, [..., k] (a 1-D int output is not a choice)
+            return not t.is_floating_point() and t.dtype != torch.bool and t.dim() >= 2 and 1 <= t.shape[-1] <= width
+
+        ids = next(filter(chosen, outs), None)
         score = scores[0].reshape(-1, scores[0].shape[-1]).float() if scores else None
         if ids is None:
             if score is None:
                 return
-            k = layer.k
-            if k is None:
-                k = 1
-                if not layer.warned:
-                    layer.warned = True
-                    log.warning(
-                        "router of MoE layer %d returns no expert indices and no top-k is known: "
-                        "counting its top-1 expert (pass RouterCounter(top_k=...))",
-                        layer.row,
-                    )
-            ids = score.topk(min(k, score.shape[-1]), dim=-1).indices
+            if layer.k is None and not layer.warned:
+                layer.warned = True
+                log.warning(
+                    f"router of MoE layer {layer.row} returns no expert indices and no top-k is known: "
+                    "counting its top-1 expert (pass RouterCounter(top_k=...))"
+                )
+            ids = score.topk(min(layer.k or 1, score.shape[-1]), dim=-1).indices
         # Ids outside [0, E) (dropped tokens, zero experts) go to a spare bin; scatter_add: no host sync.
         ids = ids.reshape(-1).long()
         ids = torch.where((ids >= 0) & (ids < e), ids, e)

@@ -12,6 +12,7 @@ import math
 import numbers
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -78,10 +79,8 @@ def copy_budget(t_iter_s: float, bandwidth_bytes_per_s: float, overlap: float = 
 
 
 def _suffix_compute(order: list[str], comp: dict[str, int]) -> list[int]:
-    suffix = [0] * (len(order) + 1)  # suffix[k] = compute bytes of order[k:], the frozen cost of a slot ending at k
-    for k in range(len(order) - 1, -1, -1):
-        suffix[k] = suffix[k + 1] + comp[order[k]]
-    return suffix
+    """[k] = compute bytes of order[k:], the frozen cost of a slot ending at k (len(order) + 1 entries)."""
+    return list(accumulate(reversed([comp[o] for o in order]), initial=0))[::-1]
 
 
 def _slots_from_ends(
@@ -107,8 +106,7 @@ def _sliding_sizes(order: list[str], full: dict[str, int], comp: dict[str, int])
 
 
 def _greedy_ends(order: list[str], full: dict[str, int], comp: dict[str, int], budget: float) -> list[int]:
-    """Each slot takes the longest prefix of the remaining operators whose cost fits; a lone operator that
-    does not fit still gets a slot of its own (the smallest slot there is)."""
+    """Each slot takes the longest prefix of the remaining operators that fits (at least one operator)."""
     n = len(order)
     suffix = _suffix_compute(order, comp)
     ends, start = [], 0

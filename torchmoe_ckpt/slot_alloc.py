@@ -28,8 +28,7 @@ def make_slot_allocator(
 
 
 def cuda_host_register(t: torch.Tensor):
-    """Page-lock `t` (a /dev/shm mapping) for asynchronous device copies; returns the undo. On OSError the allocator
-    keeps that plan's slots in a pinned arena instead."""
+    """Page-lock `t` (a /dev/shm mapping) for asynchronous device copies; returns the undo. CUDA only."""
     cudart = torch.cuda.cudart()  # CUDA only
     ptr, n = t.data_ptr(), t.numel()
     err = cudart.cudaHostRegister(ptr, n, 0)  # CUDA only: cudaHostRegisterDefault

@@ -38,8 +38,15 @@ def pageup(n: int, page: int = PAGE) -> int:
 
 
 class SlotAllocator:
-    """The contract of a slot-buffer allocator and the reuse bookkeeping all share (a released set is reusable
-    once the writer is past its ticket; a lock for readers on other threads)."""
+    """A slot-buffer allocator's defaults and the reuse bookkeeping all share (a released set is reusable once the
+    writer is past its ticket; a lock for readers on other threads). Every allocator also has (training thread):
+
+    * `slots_for(plan) -> list[Slot]`: the slots of a new window with this plan;
+    * `release(slots, ticket=None)`: their window was dropped; the writer reads them until past `ticket` (None:
+      every job queued so far);
+    * `set_bytes(plan) -> int`: host bytes one set for `plan` holds; `has_free(plan) -> bool`: a window start
+      would reuse a set; `trim() -> int`: drop every free set (memory pressure), the bytes given back;
+    * `host_bytes() -> {part: bytes}`: what it holds, for host_memory.py."""
 
     kind = "?"  # "pinned-arena" | "plain-arena" | "shm-files": what the sets are
 
@@ -51,30 +58,9 @@ class SlotAllocator:
         self.prepared = 0  # sets allocated ahead by `prepare`, off the training thread
         self.alloc_seconds = {"training_thread": 0.0, "helper": 0.0}  # time spent allocating, by thread
 
-    def slots_for(self, plan: WindowPlan) -> list[Slot]:
-        """The slots of a new window with this plan."""
-        raise NotImplementedError
-
-    def release(self, slots: list[Slot], ticket: int | None = None) -> None:
-        """The checkpointer dropped these slots' window; the writer reads them until past `ticket` (None: every job
-        queued so far)."""
-        raise NotImplementedError
-
     def slot_bytes(self, slots: list[Slot]) -> list[int]:
         """This rank's bytes per slot (what each copy moves)."""
         return [sl.nbytes for sl in slots]
-
-    def set_bytes(self, plan: WindowPlan) -> int:
-        """Host bytes one set for `plan` holds (what a window start that cannot reuse a set adds)."""
-        raise NotImplementedError
-
-    def has_free(self, plan: WindowPlan) -> bool:
-        """A window start for `plan` would reuse a set (no new memory)."""
-        raise NotImplementedError
-
-    def trim(self) -> int:
-        """Drop every free set (under memory pressure); returns the bytes given back."""
-        raise NotImplementedError
 
     def prepare(self, plan: WindowPlan, room=None) -> bool:
         """Allocate the next window's set off the training thread if `room(nbytes)` allows; returns whether an
@@ -88,10 +74,6 @@ class SlotAllocator:
 
     def close(self) -> None:
         """The checkpointer is done: join the helper thread, if any, and let the sets go."""
-
-    def host_bytes(self) -> dict[str, int]:
-        """{part: bytes} this allocator holds (host_memory.py sums it with the tiers' parts)."""
-        raise NotImplementedError
 
     def files(self) -> set[tuple[int, int]]:
         """(device, inode) of the files the sets are (shm-files), so that they are not counted twice."""
@@ -268,8 +250,7 @@ class ArenaSlotPool(SlotAllocator):
             return {"slot_sets": sum(s.arena.capacity for s in self.sets) + self._spare_bytes}
 
     def set_need(self, plan: WindowPlan, align: int = ALIGN) -> int:
-        """Bytes the groups of `plan` take with every item at a multiple of `align` (the last plan's figure is kept:
-        a window start asks up to three times)."""
+        """Bytes `plan`'s groups take, items at multiples of `align` (the last plan's figure is kept)."""
         sig = signature(plan) if align == ALIGN else None
         if sig is not None and self._need_memo[0] == sig:
             return self._need_memo[1]
@@ -290,8 +271,7 @@ class ArenaSlotPool(SlotAllocator):
         return [sum(len(self._shapes(form, name)) for form, name in self._groups(sp)) for sp in plan.slots]
 
     def _groups(self, sp) -> list[tuple[str, str]]:
-        """(form, name) of a slot's groups: its active operators' full states, their tensors' 0-dim states (once, by
-        fqn) and its frozen operators' compute weights."""
+        """(form, name) of a slot's groups: full states, 0-dim states (once per tensor), compute weights."""
         fqns = dict.fromkeys(fqn for a in sp.active for fqn, _, _ in self._spec("scalar", a))
         return [("full", a) for a in sp.active] + [("scalar", f) for f in fqns] + [("compute", f) for f in sp.frozen]
 

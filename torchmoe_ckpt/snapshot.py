@@ -243,8 +243,7 @@ class SnapshotEngine:
         self._jobs.put(job)
 
     def _resolve(self, slot: Slot) -> tuple[list, list, list]:
-        """(sources, host buffers, buffer items) of a slot, resolved once (milliseconds for hundreds of items) and
-        reused while the model's and optimizer's tensors keep their storage."""
+        """(sources, host buffers, buffer items) of a slot, cached while the live tensors keep their storage."""
         acc = self.access
         key = tuple(local_tensor(t).data_ptr() for t in acc.params.values()) + tuple(
             local_tensor(v).data_ptr() for st in acc.optimizer.state.values() for v in st.values() if torch.is_tensor(v)

@@ -5,6 +5,7 @@ window_planner.py. Here: the lifecycle, window bookkeeping and the handing of sl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
@@ -75,14 +76,9 @@ class SparseCheckpointer:
         self.op_by_name = {o.name: o for o in self.ops}
         self.access = StateAccess(model, optimizer)
         if identity is None:
-            identity = build_identity(
-                model,
-                optimizer,
-                compute_dtype,
-                self.ops,
-                host_tier.dir.name if isinstance(host_tier, HostTier) else None,
-                dist.get_world_size() if dist.is_initialized() else 1,
-            )
+            run_id = host_tier.dir.name if isinstance(host_tier, HostTier) else None
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            identity = build_identity(model, optimizer, compute_dtype, self.ops, run_id, world)
         self.identity = identity
         self._identity_dict = identity.to_dict()
         self.engine = SnapshotEngine(self.access)  # on the model's device: a side stream on CUDA
@@ -132,9 +128,7 @@ class SparseCheckpointer:
     def after_step(self, res) -> None:
         """Call right after the optimizer step of iteration `res.step` (a harness StepResult or alike)."""
         self.planner.observe_step(res.seconds, res.expert_counts, res.expert_probs)
-        self.engine.wait()
-        self._observe_copy()
-        self._maybe_commit()
+        self._settle(done=False)
         t = res.step
         if self._redo is not None and t >= self._redo["until"]:  # back where the failure found training
             self._redo["phases"]["redo"] = time.perf_counter() - self._redo["since"]
@@ -181,9 +175,8 @@ class SparseCheckpointer:
             self.tier_writer.flush()
 
     def close(self, upload_timeout_s: float = 30.0) -> dict | None:
-        """The end of training: `flush()`, up to `upload_timeout_s` for pending uploads (the rest stays on the host
-        tier for the next run), the exit summary (returned; None without tiers), every thread stopped. Idempotent.
-        When the flush raises, only the copy thread stops: then `stop()` or `abandon()` ends the others."""
+        """`flush()`, up to `upload_timeout_s` for pending uploads, every thread stopped; returns the exit summary
+        (None without tiers). Idempotent. When the flush raises only the copy thread stops (then `stop()`)."""
         if self._closed:
             return None
         try:
@@ -196,8 +189,7 @@ class SparseCheckpointer:
         return summary
 
     def stop(self) -> None:
-        """Stop the threads without waiting (after an error: no flush, no collective): the persist thread still
-        writes what it has queued, the upload thread stops now. Idempotent."""
+        """Stop the threads without waiting (after an error: no flush, no collective). Idempotent."""
         if not self._closed:
             self._end(lambda tw: tw.shutdown())
 
@@ -214,14 +206,16 @@ class SparseCheckpointer:
             end_writer(self.tier_writer)
 
     def abandon_window(self) -> None:
-        """Finish the copy in flight, then drop an incomplete window being filled (for a loop that pauses
-        checkpointing): the next `after_step` starts a new window."""
+        """Finish the copy in flight, then drop an incomplete window (a loop that pauses checkpointing)."""
         self._settle()
         self._drop_current()
 
-    def _settle(self) -> None:
-        """Finish the copy in flight, price it and commit the window it completes."""
-        self.engine.wait_done()
+    def _settle(self, done: bool = True) -> None:
+        """Wait for the copy in flight (`done`: until it is on the host), price it, commit the window it completes."""
+        if done:
+            self.engine.wait_done()
+        else:
+            self.engine.wait()
         self._observe_copy()
         self._maybe_commit()
 
@@ -238,18 +232,13 @@ class SparseCheckpointer:
         redo is added once training is back at the last iteration captured), or None when nothing is committed."""
         t0 = time.perf_counter()
         last = self.current.start_step + self.current.captured - 1 if self.current is not None else None
-        try:
+        with contextlib.suppress(Exception):  # its error is the failure's, already being handled
             self.engine.wait_done()  # a copy in flight when the state was lost is torn: its slot is not used below
-        except Exception:  # noqa: BLE001  (its error is the failure's, already being handled)
-            pass
         self._maybe_commit()  # a window whose last copy had finished is the newest recovery point
         suffix = None  # sliding plans: the newest slots covering every operator, torn copies trimmed off
         old, cur = self.committed, self.current
         if old is not None and cur is not None:
-            k = 0
-            while k < cur.captured and cur.slots[k].complete:
-                k += 1
-            cur.captured = k
+            cur.captured = next((k for k in range(cur.captured) if not cur.slots[k].complete), cur.captured)
             suffix = sliding_suffix(old, cur)
         if suffix is None:
             self._drop_current()

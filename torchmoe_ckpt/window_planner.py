@@ -113,8 +113,7 @@ class WindowPlanner:
         return WindowPlan(last.slots, float(budget), fits, last.order, last.sliding)
 
     def _agreed_w(self, proposal: int) -> int:
-        """W is the largest any rank proposed, agreed by an async all-reduce during the window before (only the
-        first window agrees on the spot), so no rank waits here for a slower one."""
+        """The largest W any rank proposed, agreed asynchronously during the window before (no rank waits here)."""
         if self._w_pending is None:
             auto_w = int(self._agree(float(proposal), dist.ReduceOp.MAX, self.group))
         else:
@@ -185,8 +184,7 @@ class WindowPlanner:
         self._prior_known = True
 
     def cap_by_memory(self, memory, replicator) -> None:
-        """Check the host-memory limit against the plan's worst case before training: sets `w_cap` (None: no limit
-        or W forced); raises HostMemoryLimitError when no window fits."""
+        """The host-memory limit against the plan's worst case, before training: sets `w_cap` (or raises)."""
         if memory.limit is None:
             return
         saved = self._order, self._order_freq  # the first window plans as it would without a limit
