@@ -1,11 +1,7 @@
 """Every host byte the checkpointer holds, counted from its owners (never estimated), and the limit on them.
 
-`account()["parts"]`: `slot_sets` (the slot allocator), `window_files`/`upload_backlog`/`spares`/
-`unlinked_mappings` (host tier), `peer_copies`/`peer_spares`/`peer_buffers` (peer tier), `store_files`/
-`store_buffers` (object store), `replay_logs`, `inherited_window` (the window recovered after a restart).
-
-The limit is checked at construction against the plan's worst case (auto W is capped to the largest W that fits,
-agreed over the ranks; else refused with the figure and the knobs), and at every window start that needs a new
+The limit is checked at construction against the plan's worst case (auto W capped to the largest W that fits,
+agreed over the ranks, else refused with the figure and the knobs), and at every window start that needs a new
 slot set (free sets and spares given back, the persist thread drained first; still over: HostMemoryLimitError).
 """
 
@@ -145,14 +141,11 @@ class HostMemory:
             parts = self.plan_need(plans(w), senders)
             return sum(parts.values()), parts
 
-        if forced is not None:
-            cap = forced if need(forced)[0] <= self.limit else 0
-        else:
-            cap = 0
-            for w in range(1, max_w + 1):  # the need grows with W (more compute copies per window)
-                if need(w)[0] > self.limit:
-                    break
-                cap = w
+        cap = 0
+        for w in [forced] if forced is not None else range(1, max_w + 1):  # the need grows with W
+            if need(w)[0] > self.limit:
+                break
+            cap = w
         cap = int(agree(cap, "min"))
         w = forced or max(cap, 1)
         total, parts = need(w)

@@ -1,14 +1,8 @@
-"""Optimizer state, whatever the optimizer: what each parameter's state holds, how an operator's share of it is
-cut, and whether replay with frozen operators reproduces the update exactly.
-
-A slot copies every tensor of `optimizer.state[p]` in its own dtype. `describe_optimizer_state` gives each
-operator its `StatePiece`s: a state shaped like the parameter is cut like it; a factored state is cut along the
-dims it keeps (refused where operators would share it); a 0-dim state (`step`) is one per tensor.
-
-Replay updates whole tensors, frozen slices included, so it is exact only when an active slice's update ignores
-its neighbours: each optimizer has an `UpdateRule` coupling, "element" (Adam, AdamW, SGD), "matrix" (Muon: cut
-only along leading batch dims) or "tensor" (Adafactor: no cut). Anything else is refused in one line. Several
-optimizers at once are one `Optimizers`, each parameter in exactly one of them.
+"""Optimizer state, whatever the optimizer: what each parameter's state holds, how an operator's share is cut
+(like the parameter, along the dims a factored state keeps, or once per tensor for 0-dim `step`), and whether
+replay with frozen operators is exact: each optimizer's `UpdateRule` says how its update couples elements,
+"element" (Adam, AdamW, SGD), "matrix" (Muon: cut only along batch dims) or "tensor" (Adafactor: no cut); anything
+else is refused. Several optimizers at once are one `Optimizers`, each parameter in exactly one.
 """
 
 from __future__ import annotations
@@ -295,12 +289,11 @@ def describe_optimizer_state(model: nn.Module, ops, optimizer) -> None:
             _check_coupling(fqn, p, sorted(dims), *rules[id(p)], sum(fqn in op.cuts for op in ops))
     seen: dict[int, str] = {}
     for op in ops:
-        desc: dict[str, tuple[StatePiece, ...]] = {}
-        for pc in op.pieces:
-            if pc.is_param and pc.fqn in params:
-                st = state.get(params[pc.fqn], {})
-                desc[pc.fqn] = tuple(_state_piece(op, pc, k, v, seen) for k, v in st.items())
-        op.state = desc
+        op.state = {
+            pc.fqn: tuple(_state_piece(op, pc, k, v, seen) for k, v in state.get(params[pc.fqn], {}).items())
+            for pc in op.pieces
+            if pc.is_param and pc.fqn in params
+        }
 
 
 def _check_coupling(fqn: str, p: torch.Tensor, dims: list[int], opt, rule: UpdateRule, n_ops: int) -> None:

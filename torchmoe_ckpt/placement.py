@@ -1,12 +1,9 @@
 """Where each rank's peer copies go: r copies on ranks of *other* nodes, HSDP replicas first, balanced load.
 
-MoEtion's Algorithm 2 with its group defined as the ranks holding the same shard (equal `shard_group_of`), every
-choice respecting the receive load, and no copy on the owner's node (the failure domain). Deterministic, in four
-steps: 1. replica peers on other nodes (they hold a bit-identical shard: no bytes sent); 2. greedy fill up to r
-(least load, then fewest of this rank's copies on the node, then lowest rank); 3. rebalance along alternating
-paths from a max-loaded receiver to one at <= max-2 (the max load is then optimal among replica-first placements:
-every placement puts >= |R|(M-1)+1 copies on the receivers R reachable from the max-loaded ones); 4. spread a
-rank's copies over more nodes without raising the max.
+MoEtion's Algorithm 2, its group being the ranks holding the same shard, never the owner's node (the failure
+domain). Deterministic: 1. replica peers (no bytes sent); 2. greedy fill up to r by load; 3. rebalance along
+alternating paths to receivers at <= max-2 (the max load is then optimal among replica-first placements); 4. spread
+copies over nodes without raising the max.
 """
 
 from __future__ import annotations

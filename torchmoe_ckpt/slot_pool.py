@@ -1,11 +1,8 @@
 """Slot buffers: the allocator contract (`slot_alloc.make_slot_allocator` picks one) and the arena allocator.
 
-A *set* is one window's W slots, here ONE allocation (an arena; pinned on CUDA, so a window start makes no
-`cudaHostAlloc` per item) carved into *groups*: an operator's items for one slot (full state or compute weights),
-or one tensor's 0-dim states. A reorder or a new W moves operators between slots but changes no operator's
-items, so a free set is re-assembled from its own groups (compute groups of the same layout relabelled); only
-missing groups are carved from spare capacity. A released set is reused once the persist thread is past the
-window's last job. Pinning is slow (~3 s for 8 GiB), so `prepare` allocates the next window's set on a helper
+A *set* (one window's W slots) is ONE allocation (an arena, pinned on CUDA) carved into *groups*: an operator's
+items for one slot, or one tensor's 0-dim states. A new plan re-assembles a free set from its own groups, carving
+only missing ones. Pinning is slow (~3 s for 8 GiB), so `prepare` allocates the next window's set on a helper
 thread, and a pinned set larger than a new plan needs is kept (freeing it would synchronise the device).
 """
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .config import CUDA_OVERLAP, SparseConfig
+from .device_copy import host_copy
 from .distributed import library_group
 from .operators import Operator, agreed_sizes, expert_grid
 from .popularity import PopularityTracker, order_experts, reorder_needed
@@ -138,14 +139,10 @@ class WindowPlanner:
         ready, self._counts_in_flight = self._counts_in_flight, None
         if pending:
             stats = torch.stack([torch.stack([c.double(), p.double()]) for c, p in pending])  # [n, 2, L, E]
-            if stats.is_cuda:
-                host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
-                host.copy_(stats, non_blocking=True)
-                landed = torch.cuda.Event()
+            landed = torch.cuda.Event() if stats.is_cuda else None
+            self._counts_in_flight = (host_copy(stats), landed)  # CUDA: queued into pinned memory, no host sync
+            if landed is not None:
                 landed.record()
-                self._counts_in_flight = (host, landed)
-            else:
-                self._counts_in_flight = (stats.cpu(), None)
         if ready is None:
             return
         stats, landed = ready
