@@ -88,14 +88,13 @@ def _slots_from_ends(
 ):
     """Slots for active sets order[ends[i-1]:ends[i]]."""
     suffix = _suffix_compute(order, comp)
-    slots, start = [], 0
-    for end in ends:
+    slots = []
+    for start, end in zip([0] + ends[:-1], ends):
         act = order[start:end]
         frozen, cost = order[end:], suffix[end]
         if sliding:  # the operators before the active set too
             frozen, cost = order[:start] + order[end:], suffix[0] - sum(comp[o] for o in act)
         slots.append(SlotPlan(tuple(act), tuple(frozen), sum(full[o] for o in act) + cost))
-        start = end
     return slots
 
 
