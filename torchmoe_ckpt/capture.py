@@ -81,9 +81,7 @@ class SchedulerPosition:
                     "(ReduceLROnPlateau follows a metric): use a step-based scheduler such as "
                     "LambdaLR, or none"
                 )
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.schedulers = scheds
+        self.optimizer, self.scheduler, self.schedulers = optimizer, scheduler, scheds
         # Per scheduler: its state and its optimizer's LRs at construction (what a replay from the start needs).
         self._initial = [(copy.deepcopy(s.state_dict()), [g["lr"] for g in s.optimizer.param_groups]) for s in scheds]
 

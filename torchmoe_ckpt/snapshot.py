@@ -229,8 +229,7 @@ class SnapshotEngine:
         keep: list[torch.Tensor] = []
         with torch.no_grad():
             for it in buffer_items:
-                # Buffers may change in the next forward, before the update the copy is ordered against: copied
-                # now on CPU; on CUDA staged on the device now and copied to the host with the rest.
+                # Buffers may change in the next forward, before the update: copied (CPU) or staged (CUDA) now.
                 src = self.access.source(it)
                 if self.use_cuda:
                     keep.append(src.clone())

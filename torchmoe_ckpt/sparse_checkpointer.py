@@ -365,7 +365,6 @@ class SparseCheckpointer:
             "copy_seconds_mean": sum(cs) / len(cs) if cs else 0.0,
             "t_iter": self.planner.t_iter,
             "bandwidth_bytes_per_s": self.planner.bandwidth,
-            # what the copies cost under training (copy thread), what auto W priced them at, planning time
             "copy": dict(self.engine.copy_totals),
             "priced_bytes_per_s": self.planner.cost.bytes_per_s,
             "priced_t_iter": self.planner.cost.t_iter,
@@ -375,7 +374,6 @@ class SparseCheckpointer:
                 median_recent=statistics.median(self.counters.get("plan_s_recent") or [0.0]),
             ),
             "windows": self.counters["windows"][-5:],
-            # in-memory recoveries (recover_in_memory): where each one's time went, seconds per phase
             "recoveries": [
                 dict(r.phases, recovered_step=r.recovered_step, replayed=r.replayed_iterations, bytes=r.bytes_loaded)
                 for r in self.counters["recoveries"][-8:]
