@@ -1,10 +1,5 @@
 """What the slot format can hold, checked up front: anything else is refused at construction, naming the
-tensor or object, so that nothing is ever restored at a wrong value.
-
-A slot holds, per operator, the parameters (master weights), every tensor of their optimizer state (which
-optimizers are supported, and why, is `optim_state`'s business) and every persistent buffer. The LR schedulers
-are positioned by step count (see `SchedulerPosition`), the batch, RNG state, gradient norm and every param
-group's scheduled hyper-parameters of each iteration are logged for replay.
+tensor or object, so that nothing is ever restored at a wrong value (optimizers: `optim_state`).
 """
 
 from __future__ import annotations
@@ -30,10 +25,7 @@ __all__ = [
 ]
 
 
-def check_optimizer(model: nn.Module, optimizer) -> None:
-    """Optimizers with a known update rule (one, a list, or a container), holding every trainable parameter of
-    the model exactly once (optim_state.check_optimizers)."""
-    check_optimizers(model, optimizer)
+check_optimizer = check_optimizers  # the name checkpointer.py uses
 
 
 def check_coverage(model: nn.Module, ops: list[Operator]) -> None:
@@ -43,10 +35,8 @@ def check_coverage(model: nn.Module, ops: list[Operator]) -> None:
     tensors.update(model.named_buffers())
     for key in model.state_dict(keep_vars=True):
         t = tensors.get(key)
-        if t is None or key in claimed:
+        if t is None or key in claimed or local_tensor(t).numel() == 0:  # 0: uneven sharding left this rank none
             continue
-        if local_tensor(t).numel() == 0:
-            continue  # uneven sharding left this rank without a piece of it
         raise UncapturedStateError(
             f"{key} {tuple(t.shape)} belongs to no operator, so slots would not capture it: "
             "name its module in OperatorSpec, or make the buffer non-persistent if it is "
@@ -77,13 +67,10 @@ def position_lambda_lr(sched: LambdaLR, step: int) -> None:
 
 
 class SchedulerPosition:
-    """Put LR schedulers (and their optimizers' LRs) where `step` completed iterations leave them.
-
-    `scheduler`: one, a list of them (one per optimizer, as with Muon + AdamW), or None. LambdaLR (TorchTitan's
-    warmup/decay and most hand-written schedules) is positioned in O(1) from its lambdas, so a run resumed with a
-    *changed* schedule continues on the new one. Every other step-count scheduler is replayed from the state it
-    had at construction, `step` times: the same float operations as the original run, hence the same LRs bit for
-    bit. ReduceLROnPlateau depends on metrics the library does not see and is refused."""
+    """Put LR schedulers (one, a list, or None) and their optimizers' LRs where `step` iterations leave them.
+    LambdaLR is positioned in O(1) from its lambdas (a changed schedule takes effect); any other step-count
+    scheduler is replayed `step` times from its initial state (the same LRs bit for bit). ReduceLROnPlateau
+    follows a metric and is refused."""
 
     def __init__(self, optimizer, scheduler: LRScheduler | list | None):
         scheds = list(scheduler) if isinstance(scheduler, (list, tuple)) else [] if scheduler is None else [scheduler]
@@ -94,9 +81,7 @@ class SchedulerPosition:
                     "(ReduceLROnPlateau follows a metric): use a step-based scheduler such as "
                     "LambdaLR, or none"
                 )
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.schedulers = scheds
+        self.optimizer, self.scheduler, self.schedulers = optimizer, scheduler, scheds
         # Per scheduler: its state and its optimizer's LRs at construction (what a replay from the start needs).
         self._initial = [(copy.deepcopy(s.state_dict()), [g["lr"] for g in s.optimizer.param_groups]) for s in scheds]
 

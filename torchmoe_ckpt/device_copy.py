@@ -1,16 +1,9 @@
 """Device-to-host copies that never make the training thread wait for the device, in one place.
 
-On a GPU the training thread only *queues* work; every `.cpu()`, `.item()` or blocking copy would stall it until
-the GPU caught up. So:
-
-- `host_copy(tree)` queues each CUDA tensor's copy into pinned host memory on the current stream and returns the
-  host tensors at once (the replay log's batch, loss and gradient norm). They hold their values once the device
-  has passed that point of the stream: the slot copy of the same iteration runs after it on the side stream, and a
-  window is committed (and persisted) only once its slot copies are done, so a record is read only after that.
-- `CopyStream` is where slot copies run: a CUDA side stream ordered after the optimizer step by an event, timed
-  with CUDA events (the copy alone, not the wait for the update), which the next update waits for on the device.
-  On CPU the same calls run the copy on the copy thread itself and time it with `perf_counter`, so the copy
-  engine has one code path and CPU tests run it. The CUDA-only lines are marked.
+`host_copy` queues each CUDA tensor's copy into pinned memory and returns at once (replay records: read only
+after the window's slot copies, which run after it, are done). `CopyStream` orders and times the slot copies: a
+CUDA side stream after the optimizer step's event, which the next update waits for on the device; on CPU the
+same calls copy on the copy thread, so the engine has one code path. CUDA-only lines are marked.
 """
 
 from __future__ import annotations
@@ -48,10 +41,8 @@ class CopyStream:
         # CUDA only: created on the model's device, not on whichever device is current.
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
 
-    # -- training thread --
     def mark_ready(self):
-        """Right after the optimizer step: a point the copy must come after (CUDA event; None on CPU, where the
-        copy thread runs only once capture() hands it the job)."""
+        """Right after the optimizer step: a point the copy must come after (a CUDA event; None on CPU)."""
         if not self.cuda:
             return None
         ev = torch.cuda.Event()  # CUDA only
@@ -59,12 +50,10 @@ class CopyStream:
         return ev
 
     def order_after(self, end) -> None:
-        """The next update must not overwrite what a copy still reads: on CUDA the training stream waits for the
-        copy's end event on the device (the host goes on); on CPU the copy is already finished here."""
+        """The training stream waits on the device for the copy's end (on CPU it is already finished)."""
         if self.cuda and end is not None:
             torch.cuda.current_stream(self.device).wait_event(end)  # CUDA only
 
-    # -- copy thread --
     def bind_thread(self) -> None:
         """Call first in the copy thread: CUDA calls there use the model's device, not device 0."""
         if self.cuda:
@@ -75,12 +64,9 @@ class CopyStream:
 
     def begin(self, ready):
         """Start of one copy: on CUDA the side stream waits for `ready`, then a timing event; on CPU a clock."""
-        if not self.cuda:
-            return time.perf_counter()
-        self.stream.wait_event(ready)  # CUDA only
-        ev = torch.cuda.Event(enable_timing=True)  # CUDA only
-        ev.record(self.stream)  # CUDA only
-        return ev
+        if self.cuda:
+            self.stream.wait_event(ready)  # CUDA only
+        return self.end()
 
     def end(self):
         if not self.cuda:

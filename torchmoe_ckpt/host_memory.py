@@ -1,33 +1,8 @@
-"""Every host byte the checkpointer holds, counted from its owners, and the limit on them (per rank).
+"""Every host byte the checkpointer holds, counted from its owners (never estimated), and the limit on them.
 
-    acct = ck.memory.account()    # {"total": bytes, "limit": ..., "peak": ..., "parts": {part: bytes}, ...}
-
-The parts, each read from the object that holds it (never estimated):
-
-* `slot_sets` (the slot allocator: slot_pool.py, storage/slot_files.py): pinned or plain arenas, or the
-  /dev/shm slot files;
-* `window_files` (host tier, from the file system): this writer's files of the windows retention keeps that
-  are not the live slot sets' own files; `upload_backlog`: older windows kept for the object store;
-  `spares`: data files of collected windows kept to be written over; `unlinked_mappings`: mappings of
-  deleted files (their pages live while mapped);
-* `peer_copies`, `peer_spares`, `peer_buffers` (peer tier): copies held for other ranks, their spares, the
-  two transfer buffers;
-* `store_files`, `store_buffers` (object store): a local store on tmpfs, this writer's files; the upload
-  chunk buffer;
-* `replay_logs` (the windows held): logged batches, losses, RNG states;
-* `inherited_window` (the checkpointer): the window recovered after a restart, in plain memory until the next
-  window commits.
-
-The limit (`SparseConfig.host_memory_limit`, `CheckpointConfig.host_memory_limit`, TorchTitan
-`[sparse_checkpoint] host_memory_limit`) is checked twice:
-
-* at construction, against the worst case of the plan (`need`): refused with one line giving the figure and the
-  knobs that lower it. With auto W the largest W Algorithm 1 can choose (its budget floor, `choose_window`, and
-  `SparseConfig.max_window`) is lowered to the largest W whose worst case fits, agreed (MIN) over the ranks;
-* at every window start that needs a new slot set: free sets and spare files are given back and the persist
-  thread drained first (a short wait, counted); a window start that would still go over raises
-  `HostMemoryLimitError` with the parts. A total over the limit without a new set (peer copies, logs) is
-  warned once.
+The limit is checked at construction against the plan's worst case (auto W capped to the largest W that fits,
+agreed over the ranks, else refused with the figure and the knobs), and at every window start that needs a new
+slot set (free sets and spares given back, the persist thread drained first; still over: HostMemoryLimitError).
 """
 
 from __future__ import annotations
@@ -53,8 +28,7 @@ KNOBS = (
 
 
 class HostMemoryLimitError(ConfigError):
-    """The checkpointer would hold more host memory than `host_memory_limit`: the message gives the figure, its
-    parts and the settings that lower it."""
+    """The checkpointer would hold more host memory than `host_memory_limit` (the message gives the figure)."""
 
 
 def parse_bytes(value, field: str = "host_memory_limit") -> int | None:
@@ -73,13 +47,8 @@ def parse_bytes(value, field: str = "host_memory_limit") -> int | None:
     return int(value)
 
 
-def log_bytes(window) -> int:
-    return 0 if window is None else sum(r.nbytes() for r in window.log.records.values())
-
-
 class HostMemory:
-    """The account and the limit of one SparseCheckpointer (`ck`: its slot allocator `slots`, persist thread
-    `tier_writer`, windows `current`/`committed`/`_inherited`)."""
+    """The account and the limit of one SparseCheckpointer `ck`."""
 
     def __init__(self, ck, limit: int | None):
         self.ck, self.limit = ck, limit
@@ -88,14 +57,13 @@ class HostMemory:
         self.drain_waits, self.drain_wait_s = 0, 0.0
         self._warned_over = False
 
-    # ---- the account -----------------------------------------------------------------------------------------
     def account(self) -> dict:
         ck = self.ck
         parts = dict(ck.slots.host_bytes())
         if ck.tier_writer is not None:
             parts.update(ck.tier_writer.host_bytes(ck.slots.files()))
         wins = {id(w): w for w in (ck.current, ck.committed, ck._inherited) if w is not None}
-        parts["replay_logs"] = sum(log_bytes(w) for w in wins.values())
+        parts["replay_logs"] = sum(r.nbytes() for w in wins.values() for r in w.log.records.values())
         inh = ck._inherited
         parts["inherited_window"] = 0 if inh is None else sum(s.nbytes for s in inh.slots)
         total = sum(parts.values())
@@ -124,15 +92,19 @@ class HostMemory:
             f" of {human_bytes(self.limit)}" if self.limit is not None else ""
         )
 
-    # ---- the worst case of a plan (construction) -----------------------------------------------------------
     def plan_need(self, plan, senders: int = 0) -> dict:
-        """Worst-case host bytes with windows of `plan` (this rank's sizes), as {part: bytes}: the counts are in
-        docs/storage-tiers.md. Copies held for `senders` peers are priced at this rank's window (ranks hold
-        near-equal shards); the logged batches are not known before training (counted at run time)."""
+        """Worst-case host bytes with windows of `plan`, as {part: bytes} (docs/storage-tiers.md). Copies held for
+        `senders` peers are priced at this rank's window; logged batches are counted at run time only."""
+        from .storage.checksums import BLOCK
+
         ck, alloc = self.ck, self.ck.slots
+        pool = getattr(alloc, "fallback", alloc)  # the arena pool knows the items' sizes
         B = alloc.set_bytes(plan)
-        F = _file_bytes(alloc, plan)  # one window's data files in the host tier
-        small = _small_files(alloc, plan)  # its metadata, manifest and replay records
+        F = pool.file_bytes(plan, BLOCK)  # one window's data files in the host tier
+        # Its small files in whole pages: each slot's `.metadata`, the manifest, the replay records.
+        small = sum(pageup(META_PER_ITEM * n + 2048) for n in pool.item_counts(plan))
+        small += pageup(len(json.dumps(plan.to_dict())) + 256 * (2 * plan.window + 1) + 4096)
+        small += pageup(plan.window * REPLAY_RECORD)
         tw = ck.tier_writer
         backlog = 0 if tw is None or tw.uploader is None else tw.upload_backlog
         spare_w = 0 if tw is None else getattr(tw.tier, "spare_windows", 1)
@@ -155,14 +127,13 @@ class HostMemory:
         if store is not None and getattr(store, "in_memory", lambda: False)():  # a local store on tmpfs
             out["store_files"] = (store.keep + 1 + spare_w) * (F + small)  # kept, being uploaded, spares
         out["replay_logs"] = 2 * plan.window * REPLAY_RECORD  # RNG states and scalars of two windows
-        out["inherited_window"] = _plain_bytes(alloc, plan)  # after a restart, until the next window commits
+        out["inherited_window"] = pool.set_need(plan, 1)  # after a restart, until the next window commits
         return out
 
     def check(self, plans, forced: int | None, max_w: int, agree, senders: int = 0):
-        """The construction check. `plans(W)`: this rank's plan for W; `forced`: the forced W or None (auto, up to
-        `max_w`); `agree(x, "min" | "max")`: over the planning ranks. Returns the largest W auto mode may use
-        (None: forced or no limit); raises HostMemoryLimitError when even the smallest possible window does not
-        fit on some rank."""
+        """The construction check. `plans(W)`: this rank's plan; `forced`: the forced W or None (auto, up to `max_w`);
+        `agree(x, "min" | "max")`: over the planning ranks. Returns the largest W auto mode may use (None: forced or
+        no limit); raises HostMemoryLimitError when no window fits on some rank."""
         if self.limit is None:
             return None
 
@@ -170,14 +141,11 @@ class HostMemory:
             parts = self.plan_need(plans(w), senders)
             return sum(parts.values()), parts
 
-        if forced is not None:
-            cap = forced if need(forced)[0] <= self.limit else 0
-        else:
-            cap = 0
-            for w in range(1, max_w + 1):  # the need grows with W (more compute copies per window)
-                if need(w)[0] > self.limit:
-                    break
-                cap = w
+        cap = 0
+        for w in [forced] if forced is not None else range(1, max_w + 1):  # the need grows with W
+            if need(w)[0] > self.limit:
+                break
+            cap = w
         cap = int(agree(cap, "min"))
         w = forced or max(cap, 1)
         total, parts = need(w)
@@ -187,11 +155,8 @@ class HostMemory:
             raise HostMemoryLimitError(self._refusal(w, total, parts, worst))
         if forced is None and cap < max_w:
             log.warning(
-                "torchmoe: auto window capped at W=%d by host_memory_limit %s (W=%d would need %s per rank)",
-                cap,
-                human_bytes(self.limit),
-                cap + 1,
-                human_bytes(need(cap + 1)[0]),
+                f"torchmoe: auto window capped at W={cap} by host_memory_limit {human_bytes(self.limit)} "
+                f"(W={cap + 1} would need {human_bytes(need(cap + 1)[0])} per rank)"
             )
         return None if forced is not None else cap
 
@@ -206,14 +171,21 @@ class HostMemory:
             f"({worst} bytes)"
         )
 
-    # ---- at a window start (training thread) ---------------------------------------------------------------
     def before_window(self, plan, window_id: int) -> None:
-        """Keep the window start within the limit: see the module docstring."""
+        """Keep the window start within the limit (module docstring)."""
         if self.limit is None:
             return
         ck, alloc = self.ck, self.ck.slots
-        if alloc.has_free(plan):
-            self._over_warning(window_id)
+        if alloc.has_free(plan):  # no new set: a total over the limit (peer copies, logs) is warned once
+            total = self.total()
+            over = total > self.limit
+            if over and not self._warned_over:
+                log.warning(
+                    f"torchmoe: host memory {human_bytes(total)} is over host_memory_limit "
+                    f"{human_bytes(self.limit)} at window {window_id} (no new slot set was needed): "
+                    "see stats()['host_memory']['parts']"
+                )
+            self._warned_over = over
             return
         add = alloc.set_bytes(plan)
         if self.total() + add <= self.limit:
@@ -239,36 +211,3 @@ class HostMemory:
     def room_for(self, nbytes: int) -> bool:
         """`nbytes` more stay within the limit (a slot set allocated ahead: slot_pool.prepare)."""
         return self.limit is None or self.total() + nbytes <= self.limit
-
-    def _over_warning(self, window_id: int) -> None:
-        total = self.total()
-        over = total > self.limit
-        if over and not self._warned_over:
-            log.warning(
-                "torchmoe: host memory %s is over host_memory_limit %s at window %d (no new slot set was needed): "
-                "see stats()['host_memory']['parts']",
-                human_bytes(total),
-                human_bytes(self.limit),
-                window_id,
-            )
-        self._warned_over = over
-
-
-def _file_bytes(alloc, plan) -> int:
-    """One window of `plan` as the host tier's data files (BLOCK-aligned items)."""
-    from .storage.checksums import BLOCK
-
-    return getattr(alloc, "fallback", alloc).file_bytes(plan, BLOCK)  # the arena pool knows the items' sizes
-
-
-def _small_files(alloc, plan) -> int:
-    """A window's small files in whole pages: each slot's `.metadata` (measured 210-240 bytes per item), the
-    manifest (the plan, an entry per file) and the replay records (RNG states, scalars; the batches come on top)."""
-    pool = getattr(alloc, "fallback", alloc)
-    meta = sum(pageup(META_PER_ITEM * n + 2048) for n in pool.item_counts(plan))
-    manifest = pageup(len(json.dumps(plan.to_dict())) + 256 * (2 * plan.window + 1) + 4096)
-    return meta + manifest + pageup(plan.window * REPLAY_RECORD)
-
-
-def _plain_bytes(alloc, plan) -> int:
-    return getattr(alloc, "fallback", alloc).set_need(plan, 1)

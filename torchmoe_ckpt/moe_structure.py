@@ -1,12 +1,9 @@
 """Where the Mixture-of-Experts layers of a model are, found by structure (or by a user's `OperatorSpec`).
 
-Experts are recognised by shape, not by name: a module whose own parameters are grouped `[E, ...]` tensors
-(3-D weights, optionally 2-D `[E, out]` biases, several agreeing on E >= 2), sibling modules each holding one
-such grouped tensor, or an `nn.ModuleList`/`ModuleDict` of E identical expert modules. The MoE block is
-the nearest ancestor that also holds the router: a child (or own tensor) whose leading dim is E, or a child
-named/typed like a router (gate, router, gating). Shared experts (anything named `shared*`) stay dense.
-Modules that look like MoE (class name `...MoE`, `...Experts`, `...Router`, or an `experts` list) but that
-nothing matched are an error, so an unknown layout is never checkpointed with its experts merged.
+Experts are recognised by shape, not name: grouped `[E, ...]` tensors (one module's, or one per sibling module)
+or an `nn.ModuleList`/`ModuleDict` of E identical modules. The MoE block is the nearest ancestor that also holds
+the router (a child with leading dim E, or named/typed like a router). `shared*` experts stay dense. A module that
+looks like MoE but matched nothing is an error, so an unknown layout is never checkpointed with experts merged.
 """
 
 from __future__ import annotations
@@ -34,10 +31,9 @@ class OperatorDiscoveryError(ConfigError):
 
 @dataclass(frozen=True)
 class OperatorSpec:
-    """Say explicitly where experts and routers are: fnmatch patterns of module names (`model.named_modules()`),
-    e.g. `OperatorSpec(experts=("model.layers.*.mlp.experts",), routers=("model.layers.*.mlp.gate",))`.
-    An experts module is an `nn.ModuleList`/`ModuleDict` (one module per expert) or a module whose tensors
-    are grouped `[E, ...]`. Given patterns replace detection by structure for that role."""
+    """Where experts and routers are, as fnmatch patterns of module names, e.g.
+    `OperatorSpec(experts=("model.layers.*.mlp.experts",), routers=("model.layers.*.mlp.gate",))`. An experts
+    module is an expert list or holds grouped `[E, ...]` tensors. Given patterns replace detection for that role."""
 
     experts: tuple[str, ...] = ()
     routers: tuple[str, ...] = ()
@@ -61,10 +57,6 @@ class MoEBlock:
     router_modules: list[str] = field(default_factory=list)  # modules whose forward routes (hooks go there)
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def _parent(path: str) -> str:
     return path.rsplit(".", 1)[0] if "." in path else ""
 
@@ -78,8 +70,7 @@ def _shared(path: str) -> bool:
 
 
 def state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and persistent buffer, once (tied aliases dropped, as `named_parameters` does): what
-    the operators must cover."""
+    """Every parameter and persistent buffer, once (tied aliases dropped): what the operators must cover."""
     out = dict(model.named_parameters())
     modules = dict(model.named_modules())
     for fqn, b in model.named_buffers():
@@ -115,15 +106,12 @@ class _Tree:
         # The family prefix of Hugging Face class names ("Qwen2Moe" in Qwen2MoeRMSNorm) is no evidence of MoE.
         self.family = re.split(r"For[A-Z]|Model$", root)[0] if re.search(r"For[A-Z]|Model$", root) else ""
         # Modules with a list or an MoE-looking module at or below them.
-        self.nested: set[str] = set()
-        for p in self.modules:
-            if p in self.containers or self.looks_moe(p):
-                self.nested.add(p)
-                self.nested.update(ancestors(p))
+        moe_like = [p for p in self.modules if p in self.containers or self.looks_moe(p)]
+        self.nested = {a for p in moe_like for a in (p, *ancestors(p))}
 
     def children(self, path: str) -> list[str]:
         if path not in self._children:
-            self._children[path] = [_join(path, n) for n, _ in self.modules[path].named_children()]
+            self._children[path] = [f"{path}.{n}" if path else n for n, _ in self.modules[path].named_children()]
         return self._children[path]
 
     def state_under(self, path: str) -> list[str]:
@@ -165,16 +153,11 @@ def _list_candidates(tree: _Tree) -> list[tuple[list[str], int]]:
     found = []
     for path in sorted(tree.containers):
         elems = tree.children(path)
-        if _shared(path) or len(elems) < 2:
+        if _shared(path) or len(elems) < 2 or any(el in tree.nested for el in elems):
             continue
-        sigs = set()
-        for el in elems:
-            if el in tree.nested:
-                break
-            sigs.add(tuple((f[len(el) :], tuple(tree.tensors[f].shape)) for f in tree.state_under(el)))
-        else:
-            if len(sigs) == 1 and next(iter(sigs)):
-                found.append((elems, len(elems)))
+        sigs = {tuple((f[len(el) :], tuple(tree.tensors[f].shape)) for f in tree.state_under(el)) for el in elems}
+        if len(sigs) == 1 and next(iter(sigs)):
+            found.append((elems, len(elems)))
     return found
 
 
@@ -183,6 +166,9 @@ def _router_at(tree: _Tree, level: str, e: int, expert_fqns: set[str], routers: 
 
     def holds_experts(p: str) -> bool:
         return any(f.startswith(p + ".") for f in expert_fqns)
+
+    def gate_like(m: str) -> bool:  # a projection to E: its output is what a router hook reads
+        return any(tree.tensors[f].dim() == 2 and tree.tensors[f].shape[0] == e for f in tree.state_under(m))
 
     tensors = [
         f
@@ -195,17 +181,12 @@ def _router_at(tree: _Tree, level: str, e: int, expert_fqns: set[str], routers: 
     for child in tree.children(level):
         if holds_experts(child) or _shared(child) or child in tree.containers:
             continue
-        state = tree.state_under(child)
-        by_shape = any(tree.tensors[f].dim() == 2 and tree.tensors[f].shape[0] == e for f in state)
         by_name = child.rsplit(".", 1)[-1].lower() in _ROUTER_NAMES or bool(
             _ROUTER_CLASS.search(type(tree.modules[child]).__name__)
         )
-        if state and (by_shape or by_name):
+        if tree.state_under(child) and (gate_like(child) or by_name):
             mods.append(child)
-    # The gate projection first: its output is what a router hook reads.
-    mods.sort(
-        key=lambda m: not any(tree.tensors[f].dim() == 2 and tree.tensors[f].shape[0] == e for f in tree.state_under(m))
-    )
+    mods.sort(key=lambda m: not gate_like(m))  # the gate projection first
     return mods, tensors
 
 
@@ -327,11 +308,10 @@ def _check_unmatched(tree: _Tree, moe_paths: list[str]) -> None:
             continue
         if any(_under(path, m) or _under(m, path) for m in moe_paths):
             continue
-        shown = path or "<root>"
         raise OperatorDiscoveryError(
-            f"module {shown!r} ({type(tree.modules[path]).__name__}) looks like a Mixture-of-Experts layer but no "
-            f"experts were found in it: name them with OperatorSpec(experts=('{_glob(path)}.<experts module>',), "
-            f"routers=('{_glob(path)}.<router module>',))"
+            f"module {path or '<root>'!r} ({type(tree.modules[path]).__name__}) looks like a Mixture-of-Experts layer "
+            f"but no experts were found in it: name them with OperatorSpec(experts=('{_glob(path)}.<experts module>',"
+            f"), routers=('{_glob(path)}.<router module>',))"
         )
 
 

@@ -1,19 +1,14 @@
-"""Operators: the units that sparse checkpointing schedules.
+"""Operators: the units sparse checkpointing schedules, named by module path.
 
-An operator is one expert of one MoE layer (a slice of the grouped `[E, ...]` tensors along the expert
-dimension, or one module of an `nn.ModuleList` of experts), one router (gate weight, its bias and buffers,
-and the MoE's own `[E]` tensors such as an expert bias), the non-expert state of one repeated block, or a
-top-level module (embeddings, final norm, output head). Where the MoE layers are is found by structure
-(`moe_structure.py`) or given by an `OperatorSpec`. Every parameter and persistent buffer lands in exactly
-one operator. Each operator is mapped to the pieces of *this rank's* local shards that it owns, with global
-offsets taken from the DTensor placement, so FSDP2 `Shard(0)`, `Shard(1)` (more shard ranks than experts)
-and HSDP replicas all work.
-
-Names are module paths: `<moe>.experts.<e>`, `<moe>.router`, `<block>.dense`, `<top-level module>`.
+An operator is one expert of one MoE layer (`<moe>.experts.<e>`: a dim-0 slice of grouped `[E, ...]` tensors,
+or one module of an expert list), one router (`<moe>.router`, with the MoE's own `[E]` tensors), the non-expert
+state of one repeated block (`<block>.dense`) or a top-level module. Every parameter and persistent buffer lands
+in exactly one operator, as pieces of this rank's local shards with global offsets from the DTensor placement.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -59,16 +54,12 @@ class Piece:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
 class StatePiece:
-    """One tensor of a parameter's optimizer state (`optimizer.state[p][key]`), as far as an operator owns it on
-    this rank. Set by `optim_state.describe_optimizer_state` from the live state, whatever its keys and shapes."""
+    """The part of one optimizer state tensor (`optimizer.state[p][key]`) an operator owns on this rank."""
 
     key: str  # exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer, row_var, col_var, step, ...
     piece: Piece | None  # its region (the parameter's own piece when shaped and sharded like it); None: scalar
@@ -93,20 +84,16 @@ class Operator:
     pieces: list[Piece] = field(default_factory=list)
     moe: str | None = None  # module path of its MoE block (expert and router operators)
     modules: tuple[str, ...] = ()  # router operators: the modules whose forward routes (for hooks)
-    # Tensors this operator owns only a slice of, and the dims it is cut along (grouped experts: dim 0). The same
-    # on every rank (a rank may hold no piece of it), so an update rule that couples a whole tensor is checked
-    # against it identically everywhere.
+    # Tensors this operator owns only a slice of, and the dims it is cut along; the same on every rank.
     cuts: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    # Optimizer state per parameter fqn (optim_state.describe_optimizer_state). None: not described, slots hold
-    # the AdamW layout (fp32 master, exp_avg, exp_avg_sq, step), as planners without an optimizer assume.
+    # Optimizer state per parameter fqn (optim_state.describe_optimizer_state); None: the AdamW layout.
     state: dict[str, tuple[StatePiece, ...]] | None = None
 
     def param_numel(self) -> int:
         return sum(p.numel for p in self.pieces if p.is_param)
 
     def full_bytes(self, master_itemsize: int = 4, optim_states: int = 2) -> int:
-        """Master weights + optimizer state + buffers, as copied for an ACTIVE operator: the real bytes of the
-        described optimizer state (scalars such as `step` once per tensor), else the AdamW layout."""
+        """Master weights + optimizer state + buffers, as copied for an ACTIVE operator (else: AdamW's layout)."""
         if self.state is None:
             params = self.param_numel() * master_itemsize * (1 + optim_states)
             steps = 8 * len({p.fqn for p in self.pieces if p.is_param})
@@ -123,10 +110,6 @@ class Operator:
 
     def buffer_bytes(self) -> int:
         return sum(p.numel * p.dtype.itemsize for p in self.pieces if not p.is_param)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def local_offset(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -160,13 +143,10 @@ def _clean(path: str) -> str:
 
 
 def discover_operators(model: nn.Module, spec: OperatorSpec | None = None) -> list[Operator]:
-    """All operators of `model`, in a canonical order (by layer, then experts, router, dense), each with the
-    pieces this rank holds. Every rank returns the same names in the same order (pieces may differ).
-    Raises `OperatorDiscoveryError` (one line: the module and the fix) when MoE-looking modules match no
-    experts, or a spec pattern matches nothing."""
+    """All operators of `model` in a canonical order (by layer, then experts, router, dense), the same names on
+    every rank. Raises `OperatorDiscoveryError` when MoE-looking modules match no experts, or a pattern nothing."""
     moes, blocks, tensors = find_moe_blocks(model, spec)
-    # A parameter that never trains (requires_grad=False, e.g. a load-balancing bias kept as a Parameter) has
-    # no optimizer state: it is held like a buffer, by value.
+    # A parameter that never trains has no optimizer state: it is held like a buffer, by value.
     params = {n for n, p in model.named_parameters() if p.requires_grad}
     # Layer index: position of the repeated block (or of an MoE outside any block) in module order.
     inside = set(blocks)
@@ -213,20 +193,14 @@ def discover_operators(model: nn.Module, spec: OperatorSpec | None = None) -> li
             name, layer = _clean(name), None
         add(name, "dense", fqn, _whole_piece(fqn, t, fqn in params), layer=layer)
     kind_rank = {"expert": 0, "router": 1, "dense": 2}
+    top = 1 << 30  # top-level operators last
     return sorted(
-        ops.values(),
-        key=lambda o: (
-            o.layer if o.layer is not None else 1 << 30,
-            kind_rank[o.kind],
-            o.expert if o.expert is not None else 0,
-            o.name,
-        ),
+        ops.values(), key=lambda o: (top if o.layer is None else o.layer, kind_rank[o.kind], o.expert or 0, o.name)
     )
 
 
 def moe_order(ops: list[Operator]) -> list[str]:
-    """The MoE blocks' module paths in MoE-layer order (the row order of `expert_grid` and of routed-token
-    counts)."""
+    """The MoE blocks' module paths in MoE-layer order (the rows of `expert_grid` and of routed-token counts)."""
     seen: dict[str, int] = {}
     for o in ops:
         if o.kind == "expert" and o.moe not in seen:
@@ -241,18 +215,17 @@ def expert_grid(ops: list[Operator]) -> dict[tuple[int, int], str]:
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    return _local(t)
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def agreed_sizes(
     ops: dict[str, Operator], compute_dtype: torch.dtype, group=None
 ) -> tuple[dict[str, int], dict[str, int]]:
-    """Full and compute bytes per operator, the max over `group`'s ranks (one collective on the library's gloo
-    group when a process group is up), so every rank plans the same window from the same sizes."""
+    """Full and compute bytes per operator, the max over `group`'s ranks: every rank plans from the same sizes."""
     names = list(ops)
     sizes = torch.tensor(
         [[ops[n].full_bytes(), ops[n].compute_bytes(compute_dtype.itemsize)] for n in names], dtype=torch.float64
     )
     if dist.is_initialized():
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=library_group(group))
-    return ({n: int(sizes[i, 0]) for i, n in enumerate(names)}, {n: int(sizes[i, 1]) for i, n in enumerate(names)})
+    return tuple({n: int(sizes[i, k]) for i, n in enumerate(names)} for k in (0, 1))

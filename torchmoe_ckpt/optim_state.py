@@ -1,22 +1,8 @@
-"""Optimizer state, whatever the optimizer: what each parameter's state holds, how an operator's share of it is
-cut, and whether replay with frozen operators reproduces the update exactly.
-
-A slot copies every tensor of `optimizer.state[p]` (Adam's moments, `max_exp_avg_sq`, SGD's `momentum_buffer`,
-Adafactor's factored `row_var`/`col_var`, Muon's momentum, `step`), in the dtype it has (bf16 states stay bf16).
-`describe_optimizer_state` reads the live state once and gives each operator its `StatePiece`s: a state shaped
-like the parameter is cut like the parameter; a factored state keeps only some dims, so it is cut along the dims
-it keeps and refused where it would be shared by several operators; a 0-dim state (`step`) is one per tensor.
-Slot sizes and the window pricing come from these real bytes (`Operator.full_bytes`).
-
-Replay runs the update on whole tensors, frozen slices included, and the next slot overwrites those slices.
-That is exact only when an active slice's update ignores its frozen neighbours, so each supported optimizer has
-an `UpdateRule`: "element" (Adam, AdamW, SGD: each element on its own), "matrix" (Muon: each 2-D matrix
-orthogonalised as a whole; a tensor may be cut only along leading batch dims) or "tensor" (Adafactor: the step
-size depends on the RMS of the whole parameter and of the whole update; no cut at all). Anything else is refused
-in one line, as are optimizers whose state is not per parameter (LBFGS).
-
-Several optimizers at once (Muon on the matrices, AdamW on the rest; TorchTitan's OptimizersContainer) are one
-`Optimizers`: each parameter belongs to exactly one of them (checked).
+"""Optimizer state, whatever the optimizer: what each parameter's state holds, how an operator's share is cut
+(like the parameter, along the dims a factored state keeps, or once per tensor for 0-dim `step`), and whether
+replay with frozen operators is exact: each optimizer's `UpdateRule` says how its update couples elements,
+"element" (Adam, AdamW, SGD), "matrix" (Muon: cut only along batch dims) or "tensor" (Adafactor: no cut); anything
+else is refused. Several optimizers at once are one `Optimizers`, each parameter in exactly one.
 """
 
 from __future__ import annotations
@@ -99,10 +85,6 @@ def _sgd_check(group: dict) -> str | None:
     return None
 
 
-def _muon_init(group: dict, p: torch.Tensor, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    return {"momentum_buffer": _zeros(p, dtype)}
-
-
 def _adafactor_init(group: dict, p: torch.Tensor, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     # torch.optim.Adafactor._init_group: factored second moment over the last two dims, a vector's in full.
     st = {"step": torch.tensor(0.0, dtype=_get_scalar_dtype())}
@@ -121,7 +103,11 @@ for _cls in (torch.optim.Adam, torch.optim.AdamW):
 register_update_rule(torch.optim.SGD, UpdateRule("element", _sgd_init, check=_sgd_check))
 register_update_rule(
     torch.optim.Muon,
-    UpdateRule("matrix", _muon_init, "orthogonalises each 2-D parameter as a whole (Newton-Schulz)"),
+    UpdateRule(
+        "matrix",
+        lambda g, p, dt: {"momentum_buffer": _zeros(p, dt)},
+        "orthogonalises each 2-D parameter as a whole (Newton-Schulz)",
+    ),
 )
 register_update_rule(
     torch.optim.Adafactor,
@@ -135,30 +121,23 @@ def _known() -> str:
 
 def rule_of(opt: torch.optim.Optimizer) -> UpdateRule:
     """The update rule of `opt`'s class (or of the stock class it derives from without replacing `step`)."""
-    name = type(opt).__name__
     if isinstance(opt, torch.optim.LBFGS):
         raise UncapturedStateError(
             "optimizer LBFGS keeps one state for all its parameters and steps through a closure that re-runs the "
             f"model, so neither per-operator slots nor replay can hold it: use one of {_known()}"
         )
-    for cls in type(opt).__mro__:
-        rule = _RULES.get(cls)
-        if rule is None:
-            continue
-        if inspect.unwrap(type(opt).step) is not inspect.unwrap(cls.step):
-            break  # a subclass with its own update rule
-        return rule
+    cls = next((c for c in type(opt).__mro__ if c in _RULES), None)
+    if cls is not None and inspect.unwrap(type(opt).step) is inspect.unwrap(cls.step):  # not a new update rule
+        return _RULES[cls]
     raise UncapturedStateError(
-        f"optimizer {name} has an update rule the checkpointer does not know, so it cannot tell whether replay "
-        f"with frozen operators is exact (an update that couples elements across operators, or state shared by "
-        f"parameters, would come back wrong): use one of {_known()}, or declare it with register_update_rule"
+        f"optimizer {type(opt).__name__} has an update rule the checkpointer does not know, so it cannot tell "
+        f"whether replay with frozen operators is exact (an update that couples elements across operators, or state "
+        f"shared by parameters, would come back wrong): use one of {_known()}, or declare it with register_update_rule"
     )
 
 
-# ---- several optimizers as one ------------------------------------------------------------------------
 def optimizer_list(optimizer) -> list[torch.optim.Optimizer]:
-    """The torch optimizers behind `optimizer`: one, a list/tuple of them, or a container with `.optimizers`
-    (ours, TorchTitan's OptimizersContainer)."""
+    """The torch optimizers behind `optimizer`: one, a list/tuple, or a container with `.optimizers`."""
     if isinstance(optimizer, (list, tuple)):
         return [o for x in optimizer for o in optimizer_list(x)]
     inner = getattr(optimizer, "optimizers", None)
@@ -233,7 +212,6 @@ def as_optimizers(optimizer):
     return optimizer
 
 
-# ---- checks ---------------------------------------------------------------------------------------------
 def check_optimizers(model: nn.Module, optimizer) -> None:
     """Every optimizer has a known update rule and settings replay reproduces; every trainable parameter of
     `model` belongs to exactly one optimizer. Refusals are one line each."""
@@ -242,8 +220,7 @@ def check_optimizers(model: nn.Module, optimizer) -> None:
     for o in opts:
         rule = rule_of(o)
         for g in o.param_groups:
-            why = rule.check(g) if rule.check is not None else None
-            if why:
+            if rule.check is not None and (why := rule.check(g)):
                 raise UncapturedStateError(why)
             for p in g["params"]:
                 if owner.get(id(p), o) is not o:
@@ -265,12 +242,10 @@ def _name(model: nn.Module, p: torch.Tensor) -> str:
 
 
 def init_optimizer_state(optimizer, state_dtype: torch.dtype | None = None) -> None:
-    """Create, for every trainable parameter without state, exactly the state its optimizer's lazy init would
-    create at its first step (zeros, step 0), so slots can be loaded into it in place, and so a parameter that got
-    no gradient yet (an expert no token reached) has state a slot can copy. FROZEN slices keep placeholder values
-    until their operator becomes ACTIVE. Non-scalar states follow, in this order: `state_dtype` (TorchTitan's
-    bf16 optimizer states), the dtype the optimizer's existing states of that key have where it is not their
-    parameter's (states created in bf16 before), the parameter's dtype (torch's lazy init)."""
+    """Create, for every trainable parameter without state, the state its optimizer's lazy init would (zeros, step
+    0), so slots load into it in place and a parameter without a gradient yet has state to copy. Non-scalar
+    states take `state_dtype`, else the dtype existing states of that key have (if not their parameter's), else
+    the parameter's."""
     for o in optimizer_list(optimizer):
         rule = rule_of(o)
         dtypes = _state_dtypes(o) if state_dtype is None else {}
@@ -296,8 +271,7 @@ def _state_dtypes(o: torch.optim.Optimizer) -> dict[str, torch.dtype]:
 
 
 def describe_optimizer_state(model: nn.Module, ops, optimizer) -> None:
-    """Check `optimizer` against `model` and `ops`, create missing state (`init_optimizer_state`) and give every
-    operator the pieces of its parameters' optimizer state (`Operator.state`). Idempotent; collective-free."""
+    """Check `optimizer`, create missing state and give every operator its `Operator.state`. Idempotent."""
     ops = list(ops.values()) if isinstance(ops, dict) else list(ops)
     check_optimizers(model, optimizer)
     init_optimizer_state(optimizer)
@@ -315,12 +289,11 @@ def describe_optimizer_state(model: nn.Module, ops, optimizer) -> None:
             _check_coupling(fqn, p, sorted(dims), *rules[id(p)], sum(fqn in op.cuts for op in ops))
     seen: dict[int, str] = {}
     for op in ops:
-        desc: dict[str, tuple[StatePiece, ...]] = {}
-        for pc in op.pieces:
-            if pc.is_param and pc.fqn in params:
-                st = state.get(params[pc.fqn], {})
-                desc[pc.fqn] = tuple(_state_piece(op, pc, k, v, seen) for k, v in st.items())
-        op.state = desc
+        op.state = {
+            pc.fqn: tuple(_state_piece(op, pc, k, v, seen) for k, v in state.get(params[pc.fqn], {}).items())
+            for pc in op.pieces
+            if pc.is_param and pc.fqn in params
+        }
 
 
 def _check_coupling(fqn: str, p: torch.Tensor, dims: list[int], opt, rule: UpdateRule, n_ops: int) -> None:
@@ -378,8 +351,7 @@ def _state_piece(op: Operator, pc: Piece, key: str, v, seen: dict[int, str]) -> 
 
 
 def check_optimizer_state(model: nn.Module, optimizer, ops) -> None:
-    """After the first update: every parameter's state still has the keys, dtypes and shapes the slots were laid
-    out for (an optimizer subclass may add keys, a step pre-hook may change a dtype)."""
+    """After the first update: every parameter's state still has the keys, dtypes and shapes the slots hold."""
     params = dict(model.named_parameters())
     state = Optimizers(optimizer_list(optimizer)).state
     for op in ops.values() if isinstance(ops, dict) else ops:

@@ -1,24 +1,9 @@
 """Where each rank's peer copies go: r copies on ranks of *other* nodes, HSDP replicas first, balanced load.
 
-MoEtion's Algorithm 2 (reference §1.12) with its two printed inconsistencies fixed: a rank's "group" is the
-ranks holding the *same shard* in other data-parallel replicas (equal `shard_group_of`), not the layout-
-dependent pipeline column the printed formula gives; and every choice respects the receive load. Added: a
-copy never goes to the owner's node (failure domain) -- losing that node would lose original and copy.
-
-Pure and deterministic (every rank computes the same answer from the same Topology), in four steps:
-1. replica peers (same shard group, other node) first: they already hold a bit-identical shard, so they
-   cost no bytes (the peer tier checks this by checksum); spread over nodes, then lowest rank;
-2. greedy fill up to r with other ranks on other nodes: least receive load, then the node holding fewer of
-   this rank's copies, then the lowest rank;
-3. rebalance: while an alternating path of moves "owner x moves its copy from a to b" leads from a
-   max-loaded receiver to one with load <= max-2, apply it (sum of squared loads falls: it terminates);
-4. spread: a rank whose copies share a node while another node holds none moves one there, keeping the max.
-
-Bound: after step 3 the max receive load M is optimal (among placements that use replicas first). Let R be
-the receivers reachable from the max-loaded ones; all have load >= M-1 (else a path exists). An owner with a
-copy in R has every eligible receiver it does not use in R, so its copies outside R fill all its eligible
-receivers outside R: it puts the fewest copies into R any placement can. So every placement puts at least
-sum(load over R) >= |R|(M-1)+1 copies on |R| receivers: its max is >= M. Step 4 never raises the max.
+MoEtion's Algorithm 2, its group being the ranks holding the same shard, never the owner's node (the failure
+domain). Deterministic: 1. replica peers (no bytes sent); 2. greedy fill up to r by load; 3. rebalance along
+alternating paths to receivers at <= max-2 (the max load is then optimal among replica-first placements); 4. spread
+copies over nodes without raising the max.
 """
 
 from __future__ import annotations
@@ -40,7 +25,6 @@ class Topology:
     shard_group_of: tuple[int, ...]  # equal value = bit-identical shard (HSDP replicas); all distinct in FSDP
 
     def __post_init__(self):
-        # normalise lists to tuples so equal topologies compare (and hash) equal on every rank
         object.__setattr__(self, "node_of", tuple(self.node_of))
         object.__setattr__(self, "shard_group_of", tuple(self.shard_group_of))
         _require(
@@ -73,7 +57,6 @@ class Topology:
 
     @staticmethod
     def from_failure_domains(domains: list, replicate: int) -> Topology:
-        # ids in order of first appearance: the same list gives the same ids on every rank
         ids = {d: i for i, d in enumerate(dict.fromkeys(domains))}
         groups = Topology._mesh_groups(len(domains), replicate)
         return Topology(len(domains), tuple(ids[d] for d in domains), groups)
@@ -141,8 +124,11 @@ def place_replicas(topo: Topology, r: int = 2) -> Placement:
     for p in range(n):
         members.setdefault(group[p], []).append(p)
 
-    def cands(o: int):  # eligible sent-copy receivers of o: another node, not a replica (those are free)
-        return (p for p in range(n) if node[p] != node[o] and group[p] != group[o])
+    def ok(o: int, p: int) -> bool:  # p may receive a sent copy of o: another node, not a replica (those are free)
+        return node[p] != node[o] and group[p] != group[o]
+
+    def cands(o: int):
+        return (p for p in range(n) if ok(o, p))
 
     replicas: list[list[int]] = []  # Step 1: HSDP replicas on other nodes, spread over nodes
     for o in range(n):
@@ -164,12 +150,7 @@ def place_replicas(topo: Topology, r: int = 2) -> Placement:
             best = None
             for bucket in by_load:
                 for p in bucket:
-                    if (
-                        node[p] != node[o]
-                        and group[p] != group[o]
-                        and p not in sends[o]
-                        and (best is None or count[node[p]] < count[node[best]])
-                    ):
+                    if ok(o, p) and p not in sends[o] and (best is None or count[node[p]] < count[node[best]]):
                         best = p
                         if count[node[p]] == floor:
                             break
@@ -188,15 +169,8 @@ def place_replicas(topo: Topology, r: int = 2) -> Placement:
     _spread(n, node, group, n_other, cands, replicas, sends, load)
 
     peers = tuple(tuple(sorted(replicas[o] + sends[o])) for o in range(n))
-    return Placement(
-        peers=peers,
-        replica_peers=tuple(tuple(sorted(x)) for x in replicas),
-        send_peers=tuple(tuple(sorted(x)) for x in sends),
-        load=tuple(load),
-        shortfall=tuple(r - len(p) for p in peers),
-        r=r,
-        node_of=node,
-    )
+    replica_peers, send_peers = (tuple(tuple(sorted(x)) for x in xs) for xs in (replicas, sends))
+    return Placement(peers, replica_peers, send_peers, tuple(load), tuple(r - len(p) for p in peers), r, node)
 
 
 def _rebalance(n, cands, sends, load) -> None:

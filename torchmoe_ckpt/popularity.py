@@ -1,12 +1,8 @@
 """Expert popularity from routed-token counts, and the rule that decides when to re-sort the operators.
 
-MoEvement checkpoints rarely used experts first (ascending popularity): popular experts then stay FROZEN
-longer during recovery, where they cost only forward and input-gradient work. Policies (paper App. B):
-  hard      cumulative routed-token counts
-  soft      cumulative gating probabilities
-  decayed   EMA of per-iteration counts: A(t) = decay * A(t-1) + (1 - decay) * counts
-  capacity  cumulative counts / expert capacity (heterogeneous experts)
-Scores live on the CPU in float64 so every rank sorts identical numbers, whatever device the counts came from.
+Rarely used experts are checkpointed first, so popular ones stay frozen longer in recovery. Policies (paper App.
+B): hard (cumulative counts), soft (cumulative gating probabilities), decayed (EMA of counts), capacity (counts /
+expert capacity). Scores are float64 on the CPU so every rank sorts identical numbers.
 """
 
 from __future__ import annotations
@@ -17,8 +13,7 @@ import torch
 
 POLICIES = ("hard", "soft", "decayed", "capacity")
 
-# Relative slack when comparing against a threshold: 0.275 vs 0.25 is a change of 10.000000000000009% in
-# float64, which is "exactly 10%" and must not count as "over 10%"; 10.01% is far outside this slack.
+# Relative slack against a threshold: a float64 "10.000000000000009%" change is exactly 10%, not over it.
 _EPS = 1e-9
 
 
@@ -59,8 +54,7 @@ class PopularityTracker:
         self.score = torch.zeros(self.shape, dtype=torch.float64)
 
     def update(self, counts: torch.Tensor, probs: torch.Tensor | None = None) -> None:
-        """One iteration's routed-token counts [L, E] (already summed over ranks), and summed gating
-        probabilities [L, E] for the soft policy (ignored by the others)."""
+        """One iteration's routed-token counts [L, E] (summed over ranks); `probs`: for the soft policy."""
         if tuple(counts.shape) != self.shape:
             raise ValueError(f"counts must have shape {self.shape}, got shape {tuple(counts.shape)}")
         counts = _host64(counts)

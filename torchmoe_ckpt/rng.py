@@ -1,12 +1,7 @@
 """The random state an iteration starts from, logged so that its replay draws the same numbers.
 
-Logged per iteration: torch's CPU generator, always; with CUDA, the default generator of the current device
-(dropout, router jitter, any CUDA random op without a generator of its own; DTensor's random ops too in torch
->= 2.9, whose tracker keeps only offsets on top of that generator); the per-name states of DTensor's RNG
-tracker in torch versions that keep their own (`rng_states`); and generators the model draws from itself, once
-`track`ed.
-Reading or setting a generator's state touches only its seed and offset on the host: no device synchronisation.
-A CPU run that tracks nothing logs the CPU state alone, exactly as before (`device_states` is None).
+Logged: torch's CPU generator; with CUDA, the current device's default generator; DTensor's tracker states where
+this torch keeps its own; generators the model `track`s. Reading or setting them does not synchronise the device.
 """
 
 from __future__ import annotations
@@ -28,10 +23,8 @@ class RngMismatch(TorchmoeError, RuntimeError):
 
 
 def track(name: str, generator: torch.Generator) -> None:
-    """Log and restore `generator` with every iteration, like torch's own generators: for a model that draws from a
-    generator of its own (`torch.rand(..., generator=g)`, on any device), whose numbers a replay must draw again.
-    Call before training, in every process, with the same names (a window that logged a name this process does
-    not track is refused)."""
+    """Log and restore a generator the model draws from with every iteration. Call before training, in every
+    process, with the same names."""
     if name == "cuda" or name.startswith(DTENSOR_PREFIX) or not isinstance(generator, torch.Generator):
         raise ValueError("track(name, generator) takes a torch.Generator and a name other than 'cuda'/'dtensor.*'")
     _tracked[name] = generator
@@ -43,9 +36,7 @@ def untrack(name: str) -> None:
 
 
 def device_generators() -> dict[str, torch.Generator]:
-    """The generators besides torch's CPU one that this process draws from: the current CUDA device's default
-    generator once CUDA is in use (a process that never initialised CUDA draws nothing on a GPU), and `track`ed
-    ones."""
+    """The generators besides the CPU one: the CUDA device's default (once initialised) and `track`ed ones."""
     out = dict(_tracked)
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # CUDA only
         out["cuda"] = torch.cuda.default_generators[torch.cuda.current_device()]
@@ -61,8 +52,7 @@ def _dtensor_tracker_states() -> dict:
 
 
 def capture(generators: dict[str, torch.Generator] | None = None) -> tuple[torch.Tensor, dict | None]:
-    """(CPU state, {name: state} of the device generators and DTensor's tracker, or None when there are none).
-    `generators` replaces `device_generators()` (tests, or a model that draws from generators of its own)."""
+    """(CPU state, {name: state} of the other generators or None); `generators` replaces `device_generators()`."""
     gens = device_generators() if generators is None else generators
     states = {name: g.get_state() for name, g in gens.items()}
     states.update({DTENSOR_PREFIX + k: v.clone() for k, v in _dtensor_tracker_states().items()})
@@ -72,8 +62,7 @@ def capture(generators: dict[str, torch.Generator] | None = None) -> tuple[torch
 def restore(
     cpu_state: torch.Tensor, device_states: dict | None, generators: dict[str, torch.Generator] | None = None
 ) -> None:
-    """Set every generator `capture` read back to the logged state. A logged generator this process lacks is
-    refused: the replay would draw other numbers."""
+    """Set every generator `capture` read back; a logged generator this process lacks is refused."""
     torch.set_rng_state(cpu_state)
     if not device_states:
         return

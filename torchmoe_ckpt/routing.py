@@ -1,23 +1,16 @@
 """Routed-token counts gathered by the library: forward hooks on each MoE layer's router.
 
-Popularity ordering needs, per MoE layer and expert, how many tokens were routed there (hard top-k) and
-the summed routing probability. `RouterCounter` reads both from what the router module returns:
-
-- the selected expert indices, when the router returns an integer tensor (Hugging Face 5.x TopK routers
-  return `(logits, weights, indices)`, TorchTitan and the harness `(scores, indices, scores)`);
-- otherwise top-k of the router's `[..., E]` output, with k given, or read from the router / MoE module
-  (`top_k`, `num_experts_per_tok`, ...) or the model config; k = 1 (with a warning) when none says it.
-
-Probabilities are the router's `[..., E]` output per token: normalised to sum 1 when it is non-negative
-(softmax or sigmoid scores), else its softmax (logits). Columns past E (zero/null experts some families add)
-are dropped. Counting skips eval-mode forwards and activation-checkpoint recomputation in backward. No
-collectives here: `take()` returns this rank's counts; the caller all-reduces.
+Counts come from the expert indices the router returns (an integer tensor), else from top-k of its `[..., E]`
+output (k given, read from the module or model config, else 1 with a warning). Probabilities: the output
+normalised when non-negative, else its softmax; columns past E are dropped. Eval-mode forwards and
+activation-checkpoint recomputation are skipped. `take()` returns this rank's counts; the caller all-reduces.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,20 +37,11 @@ TOP_K_KEYS = (
 )
 
 
-def _config_k(model: nn.Module) -> int | None:
-    cfg = getattr(model, "config", None)
-    for c in (cfg, getattr(cfg, "text_config", None), getattr(cfg, "ffn_config", None)):
-        for key in TOP_K_KEYS[:-2]:
+def _k_of(objs, keys=TOP_K_KEYS) -> int | None:
+    """The first positive int among `keys` of `objs` (modules, or a model's configs without "topk"/"k")."""
+    for c in objs:
+        for key in keys:
             v = getattr(c, key, None) if c is not None else None
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v
-    return None
-
-
-def _module_k(*modules: nn.Module) -> int | None:
-    for m in modules:
-        for key in TOP_K_KEYS:
-            v = getattr(m, key, None)
             if isinstance(v, int) and not isinstance(v, bool) and v > 0:
                 return v
     return None
@@ -73,16 +57,12 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (activation checkpointing recomputes forwards there)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
-
-
+@dataclass
 class _Layer:
-    def __init__(self, row: int, experts: int, k: int | None):
-        self.row, self.experts, self.k = row, experts, k
-        self.warned = False
+    row: int
+    experts: int
+    k: int | None
+    warned: bool = False
 
 
 class RouterCounter:
@@ -92,8 +72,7 @@ class RouterCounter:
         order = moe_order(ops)
         experts = {m: sum(1 for o in ops if o.kind == "expert" and o.moe == m) for m in order}
         routers = {o.moe: o for o in ops if o.kind == "router"}
-        width = max(experts.values(), default=0)
-        self.counts = torch.zeros(len(order), width, dtype=torch.float64)
+        self.counts = torch.zeros(len(order), max(experts.values(), default=0), dtype=torch.float64)
         self.probs = torch.zeros_like(self.counts)
         self.unhooked: list[str] = []
         self._hooks = []
@@ -101,26 +80,26 @@ class RouterCounter:
         given = [top_k] * len(order) if top_k is None or isinstance(top_k, int) else list(top_k)
         if len(given) != len(order):
             raise ValueError(f"top_k has {len(given)} entries for {len(order)} MoE layers")
-        cfg_k = _config_k(model)
+        cfg = getattr(model, "config", None)
+        cfg_k = _k_of((cfg, getattr(cfg, "text_config", None), getattr(cfg, "ffn_config", None)), TOP_K_KEYS[:-2])
         for row, moe in enumerate(order):
             router = routers.get(moe)
             if router is None or not router.modules:
                 self.unhooked.append(moe)  # a router with no module of its own: nothing to hook, counts stay 0
                 continue
             module = modules[router.modules[0]]
-            k = given[row] or _module_k(module, modules.get(moe, module)) or cfg_k
-            layer = _Layer(row, experts[moe], k)
-            self._hooks.append(module.register_forward_hook(self._hook(layer)))
+            k = given[row] or _k_of((module, modules.get(moe, module))) or cfg_k
+            self._hooks.append(module.register_forward_hook(self._hook(_Layer(row, experts[moe], k))))
         if self.unhooked:
             log.warning(
-                "routed-token counts unavailable (no router module) for MoE layers %s: their experts "
-                "are ordered as equally popular",
-                self.unhooked,
+                f"routed-token counts unavailable (no router module) for MoE layers {self.unhooked}: their experts "
+                "are ordered as equally popular"
             )
 
     def _hook(self, layer: _Layer):
         def hook(module: nn.Module, args, output) -> None:
-            if not module.training or _in_backward():
+            task = getattr(torch._C, "_current_graph_task_id", None)  # set while autograd runs a backward pass
+            if not module.training or (task is not None and task() != -1):
                 return  # evaluation, or activation checkpointing recomputing the forward in backward
             with torch.no_grad():
                 self._count(layer, [t.to_local() if isinstance(t, DTensor) else t for t in _tensors(output)])
@@ -131,31 +110,23 @@ class RouterCounter:
         e = layer.experts
         scores = [t for t in outs if t.is_floating_point() and t.dim() >= 2 and t.shape[-1] >= e]
         scores.sort(key=lambda t: t.shape[-1] != e)  # exactly E columns first, then E + extra experts
-        # Selected experts come as [..., k] (a 1-D int output is a permutation or a count, not a choice).
         width = scores[0].shape[-1] if scores else e
-        ids = next(
-            (
-                t
-                for t in outs
-                if not t.is_floating_point() and t.dtype != torch.bool and t.dim() >= 2 and 1 <= t.shape[-1] <= width
-            ),
-            None,
-        )
+
+        def chosen(t: torch.Tensor) -> bool:  # selected experts, [..., k] (a 1-D int output is not a choice)
+            return not t.is_floating_point() and t.dtype != torch.bool and t.dim() >= 2 and 1 <= t.shape[-1] <= width
+
+        ids = next(filter(chosen, outs), None)
         score = scores[0].reshape(-1, scores[0].shape[-1]).float() if scores else None
         if ids is None:
             if score is None:
                 return
-            k = layer.k
-            if k is None:
-                k = 1
-                if not layer.warned:
-                    layer.warned = True
-                    log.warning(
-                        "router of MoE layer %d returns no expert indices and no top-k is known: "
-                        "counting its top-1 expert (pass RouterCounter(top_k=...))",
-                        layer.row,
-                    )
-            ids = score.topk(min(k, score.shape[-1]), dim=-1).indices
+            if layer.k is None and not layer.warned:
+                layer.warned = True
+                log.warning(
+                    f"router of MoE layer {layer.row} returns no expert indices and no top-k is known: "
+                    "counting its top-1 expert (pass RouterCounter(top_k=...))"
+                )
+            ids = score.topk(min(layer.k or 1, score.shape[-1]), dim=-1).indices
         # Ids outside [0, E) (dropped tokens, zero experts) go to a spare bin; scatter_add: no host sync.
         ids = ids.reshape(-1).long()
         ids = torch.where((ids >= 0) & (ids < e), ids, e)

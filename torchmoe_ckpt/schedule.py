@@ -1,13 +1,8 @@
-"""Window size and per-slot active/frozen sets (MoEvement Algorithm 1, priced with real sizes).
+"""Window size and per-slot active/frozen sets (MoEvement Algorithm 1, every slot priced with the real sizes).
 
-Operators arrive in checkpoint order. Slot i copies the full state of its active set and the compute
-weights of every operator after it; operators before it cost nothing. The paper prices only the first
-slot with uniform operator sizes; here every slot is priced with the real sizes and the worst one counts.
-
-A sliding plan (`sliding=True`) has every slot copy the compute weights of every operator not active in it,
-those before it included, so that any W consecutive slots -- across a window boundary too -- hold what a
-recovery needs (sparse_to_dense.replay_slots). A slot then costs full(active) + compute(all) -
-compute(active): the same greedy and forced splits, on full - compute with the constant compute(all) added.
+Slot i copies the full state of its active set and the compute weights of every operator after it. A sliding
+plan copies the compute weights of every operator not active in the slot, so that any W consecutive slots hold
+what a recovery needs: it is split like a standard one on full - compute, with compute(all) added per slot.
 """
 
 from __future__ import annotations
@@ -17,6 +12,7 @@ import math
 import numbers
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -83,10 +79,8 @@ def copy_budget(t_iter_s: float, bandwidth_bytes_per_s: float, overlap: float = 
 
 
 def _suffix_compute(order: list[str], comp: dict[str, int]) -> list[int]:
-    suffix = [0] * (len(order) + 1)  # suffix[k] = compute bytes of order[k:], the frozen cost of a slot ending at k
-    for k in range(len(order) - 1, -1, -1):
-        suffix[k] = suffix[k + 1] + comp[order[k]]
-    return suffix
+    """[k] = compute bytes of order[k:], the frozen cost of a slot ending at k (len(order) + 1 entries)."""
+    return list(accumulate(reversed([comp[o] for o in order]), initial=0))[::-1]
 
 
 def _slots_from_ends(
@@ -94,14 +88,13 @@ def _slots_from_ends(
 ):
     """Slots for active sets order[ends[i-1]:ends[i]]."""
     suffix = _suffix_compute(order, comp)
-    slots, start = [], 0
-    for end in ends:
+    slots = []
+    for start, end in zip([0] + ends[:-1], ends):
         act = order[start:end]
         frozen, cost = order[end:], suffix[end]
         if sliding:  # the operators before the active set too
             frozen, cost = order[:start] + order[end:], suffix[0] - sum(comp[o] for o in act)
         slots.append(SlotPlan(tuple(act), tuple(frozen), sum(full[o] for o in act) + cost))
-        start = end
     return slots
 
 
@@ -112,8 +105,7 @@ def _sliding_sizes(order: list[str], full: dict[str, int], comp: dict[str, int])
 
 
 def _greedy_ends(order: list[str], full: dict[str, int], comp: dict[str, int], budget: float) -> list[int]:
-    """Each slot takes the longest prefix of the remaining operators whose cost fits; a lone operator that
-    does not fit still gets a slot of its own (the smallest slot there is)."""
+    """Each slot takes the longest prefix of the remaining operators that fits (at least one operator)."""
     n = len(order)
     suffix = _suffix_compute(order, comp)
     ends, start = [], 0
@@ -136,8 +128,7 @@ def _check_sizes(order: list[str], full: dict[str, int], comp: dict[str, int]) -
         f, c = full.get(o), comp.get(o)
         if not (isinstance(f, numbers.Integral) and isinstance(c, numbers.Integral)):
             raise ValueError(f"operator {o!r} needs integer full_bytes and compute_bytes, got {f!r} and {c!r}")
-        # A full copy includes the master weights, so it is never smaller than the compute weights; the
-        # greedy's minimality (and the forced split) rely on this monotonicity.
+        # The greedy's minimality and the forced split rely on full >= compute.
         if not 0 <= c <= f:
             raise ValueError(f"operator {o!r}: need 0 <= compute_bytes <= full_bytes, got {c} and {f}")
 
@@ -152,19 +143,11 @@ def plan_window(
     auto_window: int | None = None,
     sliding: bool = False,
 ) -> WindowPlan:
-    """Plan one window over `order` (already in checkpoint order).
-
-    Slot i costs the full bytes of its active set plus the compute bytes of every operator after it.
-    Auto mode (`forced_window=None`) is greedy, and its W is the smallest possible: a slot [s, e) costs
-    full[s:e] + compute[e:], which never decreases as e grows (full >= compute) and never increases as s
-    grows, so after k slots the greedy's end is at least any other split's k-th end ("greedy stays ahead")
-    and it finishes in no more slots. If a single operator does not fit, its slot still takes just that
-    operator, `fits` is False and one warning is logged. Forced mode gives exactly `forced_window` slots
-    with the smallest possible worst slot. `warn=False` lets a caller that re-plans every window report an
-    impossible budget only once. `auto_window`: auto mode whose W was already chosen (`choose_window`): split
-    like a forced window (the split depends only on W and the order, so slot buffers are reused while W
-    holds), reported as auto. `sliding`: a sliding plan (module docstring), split on its own costs.
-    """
+    """Plan one window over `order` (in checkpoint order). Auto mode is greedy, and its W the smallest possible
+    (a slot's cost is monotone in its ends: the greedy stays ahead); an operator that alone does not fit gets its
+    own slot, `fits` is False and one warning is logged (`warn`). Forced mode: exactly `forced_window` slots with
+    the smallest worst slot. `auto_window`: a W `choose_window` chose, split like a forced one (the split then
+    depends only on W and the order, so slot buffers are reused), reported as auto."""
     if not order:
         raise ValueError("cannot plan a window without operators")
     if not budget_bytes > 0:  # also rejects NaN
@@ -173,16 +156,11 @@ def plan_window(
     _check_sizes(order, full_bytes, compute_bytes)
     n = len(order)
     f, c, base = (full_bytes, compute_bytes, 0) if not sliding else _sliding_sizes(order, full_bytes, compute_bytes)
-    if auto_window is not None:
-        if not isinstance(auto_window, numbers.Integral) or not 1 <= auto_window <= n:
-            raise ValueError(f"auto window {auto_window!r} is impossible with {n} operators: use 1..{n}")
-        ends = _forced_ends(order, f, c, int(auto_window))
-    elif forced_window is None:
-        ends = _greedy_ends(order, f, c, max(budget_bytes - base, 0))
-    else:
-        if not isinstance(forced_window, numbers.Integral) or not 1 <= forced_window <= n:
-            raise ValueError(f"window {forced_window!r} is impossible with {n} operators: use 1..{n} or auto (None)")
-        ends = _forced_ends(order, f, c, int(forced_window))
+    w = auto_window if auto_window is not None else forced_window
+    if w is not None and (not isinstance(w, numbers.Integral) or not 1 <= w <= n):
+        what, alt = ("auto window", "") if auto_window is not None else ("window", " or auto (None)")
+        raise ValueError(f"{what} {w!r} is impossible with {n} operators: use 1..{n}{alt}")
+    ends = _greedy_ends(order, f, c, max(budget_bytes - base, 0)) if w is None else _forced_ends(order, f, c, int(w))
     slots = _slots_from_ends(order, ends, full_bytes, compute_bytes, sliding)
     fits = all(s.bytes <= budget_bytes for s in slots)
     if not fits and warn:  # one message per call, naming the worst slot, however many slots are over
@@ -195,15 +173,10 @@ def plan_window(
         )
         # "do not fit the copy budget" is matched by tests/distributed/test_recovery.py: keep the phrase.
         log.warning(
-            "sparse checkpoint slots do not fit the copy budget: slot %d of W=%d (active: %s) copies %d "
-            "bytes, over the budget of %.0f bytes per iteration, so training will wait for the copy. Raise "
-            "the copy budget (overlap, bandwidth or iteration time) or %s.",
-            i,
-            len(slots),
-            names,
-            worst.bytes,
-            budget_bytes,
-            fix,
+            f"sparse checkpoint slots do not fit the copy budget: slot {i} of W={len(slots)} (active: "
+            f"{names}) copies {worst.bytes} bytes, over the budget of {budget_bytes:.0f} bytes per iteration, "
+            f"so training will wait for the copy. Raise the copy budget (overlap, bandwidth or iteration "
+            f"time) or {fix}."
         )
     return WindowPlan(tuple(slots), float(budget_bytes), fits, tuple(order), sliding)
 
@@ -228,15 +201,9 @@ def _forced_ends(order: list[str], full: dict[str, int], comp: dict[str, int], w
 
 
 class CopyCost:
-    """What a slot copy costs while training runs, learned from the copies themselves (Algorithm 1's budget,
-    priced by observation instead of an idle memcpy figure).
-
-    `seconds_per_byte`: EWMA over finished slot copies of copy-thread wall seconds / bytes. Wall clock, not CPU:
-    on a CPU the copy shares cores (and memory bandwidth) with compute, so the time it occupies under training
-    includes that contention; on a GPU it is the side stream's time. `t_iter`: EWMA of the iteration time with
-    checkpointing on, so a step-time slowdown caused by copying shrinks nothing it should not. A copy the
-    training thread had to wait for is priced at least at its wait. Until the first copy is observed,
-    `prior_bytes_per_s` (e.g. `measure_copy_bandwidth()`) stands in."""
+    """What a slot copy costs while training runs, learned from the copies (Algorithm 1's budget): EWMAs of the
+    copy's wall seconds per byte (under training, contention included; at least the wait it caused) and of the
+    iteration time. `prior_bytes_per_s` stands in until the first copy is observed."""
 
     def __init__(self, prior_bytes_per_s: float, alpha: float = 0.3):
         if not prior_bytes_per_s > 0:
@@ -277,11 +244,9 @@ def choose_window(
     hysteresis: float = 0.15,
     sliding: bool = False,
 ) -> int:
-    """The smallest W whose greedy slots fit `budget_bytes` (Algorithm 1). Against `current` (the W in use), a
-    larger W is taken at once (the copies got dearer), a smaller one only if it fits with `hysteresis` to spare,
-    so measurement noise does not flip W (and the slot buffers with it) at every window. A budget no W can meet
-    (below the compute weights of every other operator, which slot 0 always copies) stops W where its worst
-    slot is within 25% of the least possible: a larger W would buy almost nothing and add replay."""
+    """The smallest W whose greedy slots fit `budget_bytes` (Algorithm 1). Against `current`, a larger W is taken at
+    once, a smaller one only with `hysteresis` to spare (noise must not flip W). A budget no W can meet stops W
+    where its worst slot is within 25% of the least possible (a larger W would only add replay)."""
     order = list(order)
     _check_sizes(order, full, comp)
     base = 0

@@ -1,13 +1,6 @@
-"""Which slot-buffer allocator a checkpointer uses: chosen here, once, at construction (slot_pool.py has the
-contract every allocator keeps).
-
-* CPU with a host tier: `storage.slot_files.FileSlotPool`, a set is W shared-memory files (the snapshot copy
-  is the persist);
-* CUDA with a host tier, `host_buffers="auto"` (or `"arena"`, on CPU too): `slot_pool.ArenaSlotPool`, a set is
-  one arena (pinned on CUDA), which the host tier copies into its files;
-* CUDA with a host tier, `host_buffers="shm-registered"` (opt-in, unmeasured): `FileSlotPool` whose files are
-  page-locked with `cudaHostRegister`, so the device-to-host copy lands in the persisted file;
-* no host tier: `ArenaSlotPool`, one pinned (CUDA) or plain (CPU) arena per set.
+"""Which slot-buffer allocator a checkpointer uses, chosen once: `FileSlotPool` (W /dev/shm files per set, the
+snapshot copy is the persist) on CPU with a host tier, or with `host_buffers="shm-registered"` (files page-locked
+with `cudaHostRegister`); else `ArenaSlotPool` (one arena per set, pinned on CUDA).
 """
 
 from __future__ import annotations
@@ -23,8 +16,7 @@ from .storage.slot_files import FileSlotPool
 def make_slot_allocator(
     ops: dict, compute_dtype: torch.dtype, cuda: bool, host_tier=None, writer=None, host_buffers: str = "auto"
 ) -> SlotAllocator:
-    """The allocator for a checkpointer (see the table above). `host_tier`: a storage.host_tier.HostTier or None;
-    `writer`: its persist thread (sets are reused once it is past them)."""
+    """`host_tier`: a HostTier or None; `writer`: its persist thread (sets are reused once it is past them)."""
     if host_buffers not in HOST_BUFFERS:
         raise ConfigError(f"host_buffers {host_buffers!r} is not one of {HOST_BUFFERS}")
     if host_tier is not None and ((not cuda and host_buffers == "auto") or host_buffers == "shm-registered"):
@@ -36,8 +28,7 @@ def make_slot_allocator(
 
 
 def cuda_host_register(t: torch.Tensor):
-    """Page-lock the memory of `t` (a shared mapping of a /dev/shm file) for asynchronous device copies; returns
-    the undo. CUDA only. An OSError makes the allocator keep that plan's slots in a pinned arena instead."""
+    """Page-lock `t` (a /dev/shm mapping) for asynchronous device copies; returns the undo. CUDA only."""
     cudart = torch.cuda.cudart()  # CUDA only
     ptr, n = t.data_ptr(), t.numel()
     err = cudart.cudaHostRegister(ptr, n, 0)  # CUDA only: cudaHostRegisterDefault

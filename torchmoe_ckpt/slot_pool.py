@@ -1,37 +1,14 @@
-"""Slot buffers: one allocator contract, and the arena allocator (pinned host memory on CUDA, plain memory else).
+"""Slot buffers: the allocator contract (`slot_alloc.make_slot_allocator` picks one) and the arena allocator.
 
-The checkpointer asks for a window's slot buffers at each window start and gives them back when it no longer
-holds the window; which allocator does that is chosen once (`slot_alloc.make_slot_allocator`):
-
-    slots = alloc.slots_for(plan)     # at a window start: no allocation while a free set of buffers fits
-    alloc.release(window.slots)       # the checkpointer dropped the window: reusable once nobody reads it
-    alloc.host_bytes()                # what the allocator holds, for the host-memory account (host_memory.py)
-
-A *set* is one window's W slots. Here every set is ONE allocation (an arena: on CUDA one pinned
-`torch.empty(n, dtype=uint8, pin_memory=True)`, so a window start makes no `cudaHostAlloc` per item) and every
-slot item is a view into it. An arena is carved into *groups*: an operator's items for one slot -- its full state
-(master weights, optimizer state, buffers) or its compute weights -- and the 0-dim optimizer states (step
-counters) of one tensor. A popularity reorder or a new W moves operators between slots but changes no operator's
-items, so a free set is re-assembled for the new plan from its own groups (compute groups of operators with the
-same layout, e.g. every expert of a layer, are relabelled to the operator that takes them); only groups it lacks
-are carved from the arena's spare capacity. A set whose arena is too small or more than twice too large for
-the plan gets a new arena and the old one is returned (`_host_emptyCache` on CUDA: the caching host allocator
-would keep it otherwise).
-
-Reuse rule: a released set is reused once the persist thread has processed the window's last job (its commit;
-`writer.done(ticket)`): its slots were copied to the host tier, or dropped. On CUDA the caching host allocator
-rounds every block to a power of two, so an arena's capacity is that block: counted as held, used as headroom.
-
-Off the training thread: pinning host memory is slow (an 8 GiB arena took ~3 s on an H200 host: the GPU check's
-phase 3 blocked one step for 3.3 s on it), so a window start that leaves no second set for the next window asks
-`prepare(plan)`, which allocates that set on a helper thread while the window fills; the next window start finds
-it free. A pinned set larger than a new plan needs is kept and reused (a smaller W after auto W has learned the
-copy cost): giving it back would pin a new one on the training thread and free the old one with `cudaFreeHost`,
-which synchronises the device. Memory pressure still drops free sets (`trim`).
+A *set* (one window's W slots) is ONE allocation (an arena, pinned on CUDA) carved into *groups*: an operator's
+items for one slot, or one tensor's 0-dim states. A new plan re-assembles a free set from its own groups, carving
+only missing ones. Pinning is slow (~3 s for 8 GiB), so `prepare` allocates the next window's set on a helper
+thread, and a pinned set larger than a new plan needs is kept (freeing it would synchronise the device).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,7 +17,7 @@ import torch
 
 from .operators import Operator, Piece
 from .schedule import WindowPlan
-from .snapshot import Slot, SlotItem, full_specs
+from .snapshot import Slot, SlotItem, compute_specs, full_specs
 
 Group = tuple[list[SlotItem], int]  # (items, bytes)
 ALIGN = 64  # bytes: every item view starts at a multiple (any dtype may view it; vectorised copies stay aligned)
@@ -53,18 +30,20 @@ def signature(plan: WindowPlan) -> tuple:
     return tuple((s.active, s.frozen) for s in plan.slots)
 
 
-def pow2ceil(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def pageup(n: int, page: int = PAGE) -> int:
     return (int(n) + page - 1) // page * page
 
 
 class SlotAllocator:
-    """The contract of a slot-buffer allocator, and the reuse bookkeeping every allocator shares: sets in use by
-    a window, sets released (reusable once the writer is past the release's ticket), a lock for readers on
-    other threads (the persist thread prints the memory account)."""
+    """A slot-buffer allocator's defaults and the reuse bookkeeping all share (a released set is reusable once the
+    writer is past its ticket; a lock for readers on other threads). Every allocator also has (training thread):
+
+    * `slots_for(plan) -> list[Slot]`: the slots of a new window with this plan;
+    * `release(slots, ticket=None)`: their window was dropped; the writer reads them until past `ticket` (None:
+      every job queued so far);
+    * `set_bytes(plan) -> int`: host bytes one set for `plan` holds; `has_free(plan) -> bool`: a window start
+      would reuse a set; `trim() -> int`: drop every free set (memory pressure), the bytes given back;
+    * `host_bytes() -> {part: bytes}`: what it holds, for host_memory.py."""
 
     kind = "?"  # "pinned-arena" | "plain-arena" | "shm-files": what the sets are
 
@@ -76,36 +55,13 @@ class SlotAllocator:
         self.prepared = 0  # sets allocated ahead by `prepare`, off the training thread
         self.alloc_seconds = {"training_thread": 0.0, "helper": 0.0}  # time spent allocating, by thread
 
-    # ---- the contract (training thread) --------------------------------------------------------------------
-    def slots_for(self, plan: WindowPlan) -> list[Slot]:
-        """The slots of a new window with this plan."""
-        raise NotImplementedError
-
-    def release(self, slots: list[Slot], ticket: int | None = None) -> None:
-        """The checkpointer no longer holds the window these slots belong to; the persist thread reads them until
-        it is past `ticket` (its ticket after the window's last job; None: every job queued so far)."""
-        raise NotImplementedError
-
     def slot_bytes(self, slots: list[Slot]) -> list[int]:
         """This rank's bytes per slot (what each copy moves)."""
         return [sl.nbytes for sl in slots]
 
-    def set_bytes(self, plan: WindowPlan) -> int:
-        """Host bytes one set for `plan` holds (what a window start that cannot reuse a set adds)."""
-        raise NotImplementedError
-
-    def has_free(self, plan: WindowPlan) -> bool:
-        """A window start for `plan` would reuse a set (no new memory)."""
-        raise NotImplementedError
-
-    def trim(self) -> int:
-        """Drop every free set (under memory pressure); returns the bytes given back."""
-        raise NotImplementedError
-
     def prepare(self, plan: WindowPlan, room=None) -> bool:
-        """Allocate the set the next window start will need off the training thread, where allocating is slow
-        (pinned arenas); `room(nbytes)` says whether the memory limit allows that many more bytes. Returns
-        whether an allocation started. Allocators that allocate quickly do nothing."""
+        """Allocate the next window's set off the training thread if `room(nbytes)` allows; returns whether an
+        allocation started (allocators that allocate quickly do nothing)."""
         return False
 
     @property
@@ -114,19 +70,12 @@ class SlotAllocator:
         return False
 
     def close(self) -> None:
-        """The checkpointer is done (close, stop, abandon): wait for the allocator's helper thread, if any, and let
-        the sets go (their memory is freed once no window or writer holds their buffers)."""
-
-    def host_bytes(self) -> dict[str, int]:
-        """{part: bytes} this allocator holds (host_memory.py sums it with the tiers' parts)."""
-        raise NotImplementedError
+        """The checkpointer is done: join the helper thread, if any, and let the sets go."""
 
     def files(self) -> set[tuple[int, int]]:
-        """(device, inode) of the files the sets are (shm-files): window files that are these are not counted
-        twice."""
+        """(device, inode) of the files the sets are (shm-files), so that they are not counted twice."""
         return set()
 
-    # ---- shared bookkeeping --------------------------------------------------------------------------------
     def _ticket(self, ticket: int | None = None) -> int:
         return ticket if ticket is not None else self.writer.ticket() if self.writer is not None else 0
 
@@ -134,14 +83,17 @@ class SlotAllocator:
         return ticket is not None and (self.writer is None or self.writer.done(ticket))
 
 
+def arena_bytes(need: int, pin: bool) -> int:
+    """An arena's capacity: pinned, the caching host allocator's power-of-two block (all of it is used)."""
+    return 1 << max(0, int(need) - 1).bit_length() if pin else int(need * (1 + HEADROOM)) + ALIGN
+
+
 class Arena:
     """One allocation a slot set's buffers are views of, carved front to back."""
 
     def __init__(self, need: int, pin: bool):
-        # Pinned: the caching host allocator hands out a power-of-two block whatever is asked; take all of it.
-        cap = pow2ceil(need) if pin else int(need * (1 + HEADROOM)) + ALIGN
-        self.t = torch.empty(max(cap, ALIGN), dtype=torch.uint8, pin_memory=pin)
-        self.capacity, self.used, self.pinned = self.t.numel(), 0, pin
+        self.t = torch.empty(max(arena_bytes(need, pin), ALIGN), dtype=torch.uint8, pin_memory=pin)
+        self.capacity, self.used = self.t.numel(), 0
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
         n = torch.Size(shape).numel() * dtype.itemsize
@@ -172,17 +124,15 @@ class ArenaSlotPool(SlotAllocator):
         self.ops, self.compute_dtype, self.pin_memory = ops, compute_dtype, pin_memory
         self.kind = "pinned-arena" if pin_memory else "plain-arena"
         self.sets: list[_Set] = []
-        self._specs: dict[tuple[str, str], list[tuple]] = {}  # (form, op) -> [(key, role, piece, shape, dtype)]
-        self._scalars: dict[str, list[tuple]] = {}  # op -> [(fqn, piece, [(state key, dtype)])]
-        self._bytes: dict[tuple, int] = {}  # (form, name, alignment) -> group bytes
-        self.carved_groups = 0  # groups carved anew (the rest were re-assembled from a set's own)
-        self.new_memory_groups = 0  # of which in newly allocated arenas
+        # (form, op) -> full/compute: [(key, role, piece, shape, dtype)]; scalar: [(fqn, piece, [(key, dtype)])]
+        self._specs: dict[tuple[str, str], list[tuple]] = {}
+        self._bytes: dict[tuple, object] = {}  # (form, name, alignment) -> group bytes; ("shapes", form, name)
+        self.new_memory_groups = 0  # groups carved in newly allocated arenas
         self._spare: threading.Thread | None = None  # allocating a set for the next window (prepare)
         self._spare_bytes = 0  # what it allocates: counted as held from the start
         self._taken: _Set | None = None  # the set the last window start handed out
         self._need_memo: tuple[tuple | None, int] = (None, 0)  # (signature, set_need) of the last plan priced
 
-    # ---- contract ------------------------------------------------------------------------------------------
     def slots_for(self, plan: WindowPlan) -> list[Slot]:
         sig = signature(plan)
         self._join_spare()
@@ -212,9 +162,7 @@ class ArenaSlotPool(SlotAllocator):
             return s.slots
 
     def prepare(self, plan: WindowPlan, room=None) -> bool:
-        """Allocate, on a helper thread, the set the next window start will need when no set but the one just
-        handed out would fit `plan` (after the first window start, or a larger W's) and `room(bytes)` allows it
-        (the bytes count as held from now). Returns whether an allocation started."""
+        """Only when no set but the one just handed out would serve `plan`; the bytes count as held from now."""
         need = self.set_need(plan)
         with self.lock:
             if self._spare is not None or any(  # another set (the last window's, soon released) will do
@@ -261,25 +209,24 @@ class ArenaSlotPool(SlotAllocator):
             _return_pinned(self.pin_memory)
 
     def _serves(self, capacity: int, need: int) -> bool:
-        """A free set of `capacity` bytes serves a plan that needs `need`: one large enough, a plain one when at
-        most twice too large (else it is replaced, cheaply), a pinned one whatever its size (module docstring)."""
+        """Large enough, and a plain one at most twice too large (a pinned one is kept whatever its size)."""
         return need <= capacity and (self.pin_memory or capacity <= 2 * max(need, 1) + ALIGN)
+
+    def _holding(self, slots: list[Slot]) -> list[_Set]:
+        return [s for s in self.sets if s.slots and slots and s.slots[0] is slots[0]]
 
     def release(self, slots: list[Slot], ticket: int | None = None) -> None:
         with self.lock:
-            for s in self.sets:
-                if s.slots and slots and s.slots[0] is slots[0] and s.ticket is None:
+            for s in self._holding(slots):
+                if s.ticket is None:
                     s.ticket = self._ticket(ticket)
 
     def slot_bytes(self, slots: list[Slot]) -> list[int]:
-        for s in self.sets:
-            if s.slots and slots and s.slots[0] is slots[0]:
-                return list(s.nbytes)
-        return super().slot_bytes(slots)
+        held = self._holding(slots)
+        return list(held[0].nbytes) if held else super().slot_bytes(slots)
 
     def set_bytes(self, plan: WindowPlan) -> int:
-        need = self.set_need(plan)
-        return pow2ceil(need) if self.pin_memory else int(need * (1 + HEADROOM)) + ALIGN
+        return arena_bytes(self.set_need(plan), self.pin_memory)
 
     def has_free(self, plan: WindowPlan) -> bool:
         need = self.set_need(plan)
@@ -300,26 +247,17 @@ class ArenaSlotPool(SlotAllocator):
             return {"slot_sets": sum(s.arena.capacity for s in self.sets) + self._spare_bytes}
 
     def set_need(self, plan: WindowPlan, align: int = ALIGN) -> int:
-        """Bytes the groups of `plan` take laid out with every item at a multiple of `align`. The last plan's
-        figure is kept: a window start asks it up to three times (slots_for, prepare, the memory limit's check)."""
+        """Bytes `plan`'s groups take, items at multiples of `align` (the last plan's figure is kept)."""
         sig = signature(plan) if align == ALIGN else None
         if sig is not None and self._need_memo[0] == sig:
             return self._need_memo[1]
-        total = 0
-        for sp in plan.slots:
-            fqns = set()
-            for name in sp.active:
-                total += self._group_bytes("full", name, align)
-                fqns.update(fqn for fqn, _, _ in self._scalar_spec(name))
-            total += sum(self._group_bytes("scalar", f, align) for f in fqns)
-            total += sum(self._group_bytes("compute", name, align) for name in sp.frozen)
+        total = sum(self._group_bytes(form, name, align) for sp in plan.slots for form, name in self._groups(sp))
         if sig is not None:
             self._need_memo = (sig, total)
         return total
 
     def file_bytes(self, plan: WindowPlan, block: int) -> int:
-        """`plan`'s slots as data files: every item at a multiple of `block`, each file at least one block, in
-        whole pages (what tmpfs allocates)."""
+        """`plan`'s slots as data files: items at multiples of `block`, each file at least one block, whole pages."""
         return sum(
             pageup(max(self.set_need(WindowPlan((sp,), plan.budget_bytes, plan.fits, plan.order), block), block))
             for sp in plan.slots
@@ -327,14 +265,13 @@ class ArenaSlotPool(SlotAllocator):
 
     def item_counts(self, plan: WindowPlan) -> list[int]:
         """Items per slot of `plan` (what a slot's metadata lists)."""
-        out = []
-        for sp in plan.slots:
-            fqns = {fqn: len(sc) for name in sp.active for fqn, _, sc in self._scalar_spec(name)}
-            n = sum(len(self._spec("full", a)) for a in sp.active) + sum(fqns.values())
-            out.append(n + sum(len(self._spec("compute", f)) for f in sp.frozen))
-        return out
+        return [sum(len(self._shapes(form, name)) for form, name in self._groups(sp)) for sp in plan.slots]
 
-    # ---- arenas --------------------------------------------------------------------------------------------
+    def _groups(self, sp) -> list[tuple[str, str]]:
+        """(form, name) of a slot's groups: full states, 0-dim states (once per tensor), compute weights."""
+        fqns = dict.fromkeys(fqn for a in sp.active for fqn, _, _ in self._spec("scalar", a))
+        return [("full", a) for a in sp.active] + [("scalar", f) for f in fqns] + [("compute", f) for f in sp.frozen]
+
     def _alloc(self, need: int, thread: str = "training_thread") -> Arena:
         t0 = time.perf_counter()
         a = Arena(need, self.pin_memory)
@@ -353,16 +290,15 @@ class ArenaSlotPool(SlotAllocator):
         s.slots, s.groups = [], {}
         _return_pinned(self.pin_memory)
 
-    # ---- assembling a set for a plan -----------------------------------------------------------------------
     def _assemble(self, s: _Set, plan: WindowPlan) -> None:
         fresh = s.arena.used == 0
-        avail = {k: list(v) for k, v in s.groups.items()}  # this set's groups, all free: the set is
+        avail = {k: list(v) for k, v in s.groups.items()}  # this set's groups, all free
         slots, sizes = [], []
         for i, sp in enumerate(plan.slots):
             groups: list[Group] = []
             first: dict[str, tuple[Piece, str, list]] = {}  # 0-dim states: the tensor's first piece in slot order
             for name in sp.active:
-                for fqn, pc, sc in self._scalar_spec(name):
+                for fqn, pc, sc in self._spec("scalar", name):
                     first.setdefault(fqn, (pc, name, sc))
                 groups.append(self._take(s, avail, "full", name, fresh))
             for fqn, (pc, name, sc) in first.items():
@@ -402,50 +338,38 @@ class ArenaSlotPool(SlotAllocator):
             items.append(SlotItem(k, role, op, pc, buf))
         g = (items, sum(it.nbytes for it in items))
         s.groups.setdefault(key, []).append(g)
-        self.carved_groups += 1
         self.new_memory_groups += fresh
         return g
 
     def _spec(self, form: str, name: str) -> list[tuple]:
-        got = self._specs.get((form, name))
-        if got is not None:
-            return got
-        if form == "full":
-            out = full_specs(self.ops[name])[0]
-        else:
-            out = [
-                (f"compute.{pc.fqn}", "compute", pc, pc.shape, self.compute_dtype)
-                if pc.is_param
-                else (f"model.{pc.fqn}", "buffer", pc, pc.shape, pc.dtype)
-                for pc in self.ops[name].pieces
-                if pc.numel > 0
-            ]
-        self._specs[(form, name)] = out
-        return out
+        if (form, name) not in self._specs:
+            op = self.ops[name]
+            got = compute_specs(op, self.compute_dtype) if form == "compute" else full_specs(op)[form == "scalar"]
+            self._specs[(form, name)] = got
+        return self._specs[(form, name)]
 
-    def _scalar_spec(self, name: str) -> list[tuple]:
-        got = self._scalars.get(name)
-        if got is None:
-            got = self._scalars[name] = full_specs(self.ops[name])[1]
-        return got
+    def _shapes(self, form: str, name: str) -> list[tuple]:
+        """[(shape, dtype)] of a group's items; for "scalar" `name` is a tensor's fqn (from an operator that has it)."""
+        key = ("shapes", form, name)
+        if key not in self._bytes:
+            if form == "scalar":
+                sc = next(sc for o in self.ops for fqn, _, sc in self._spec("scalar", o) if fqn == name)
+                self._bytes[key] = [((), dt) for _, dt in sc]
+            else:
+                self._bytes[key] = [(sh, dt) for _, _, _, sh, dt in self._spec(form, name)]
+        return self._bytes[key]
 
     def _group_bytes(self, form: str, name: str, align: int) -> int:
-        got = self._bytes.get((form, name, align))
-        if got is None:
-            if form == "scalar":  # `name` is a tensor's fqn: its 0-dim states, from the operator that has it
-                sc = next(sc for o in self.ops for fqn, _, sc in self._scalar_spec(o) if fqn == name)
-                shapes = [((), dt) for _, dt in sc]
-            else:
-                shapes = [(sh, dt) for _, _, _, sh, dt in self._spec(form, name)]
-            got = sum((torch.Size(sh).numel() * dt.itemsize + align - 1) // align * align for sh, dt in shapes)
-            self._bytes[(form, name, align)] = got
-        return got
+        if (form, name, align) not in self._bytes:
+            shapes = self._shapes(form, name)
+            self._bytes[(form, name, align)] = sum(
+                (math.prod(sh) * dt.itemsize + align - 1) // align * align for sh, dt in shapes
+            )
+        return self._bytes[(form, name, align)]
 
 
 def _return_pinned(pinned: bool) -> None:
-    """A pinned arena just dropped goes back to the caching host allocator, which keeps it: hand the free blocks
-    back to the system (CUDA only; the other users' free cached blocks go too, and are allocated again when
-    needed)."""
+    """Hand the caching host allocator's free blocks back to the system after a pinned arena was dropped."""
     if pinned:
         empty = getattr(torch._C, "_host_emptyCache", None)  # CUDA only
         if empty is not None:

@@ -1,14 +1,9 @@
 """Per-iteration capture of one slot into host buffers that are allocated once and reused.
 
-A slot holds, for its ACTIVE operators, the full state (master weights, every tensor of their parameters'
-optimizer state -- AdamW's exp_avg/exp_avg_sq/step, SGD's momentum_buffer, ... as `optim_state` describes it --
-and buffers) and, for the operators whose full copy comes later in the window, only the compute weights
-(bf16/fp16 cast, or fp32 in pure fp32 training). Each captured tensor is a `SlotItem` that already knows
-its DCP identity (key, global offsets, global size), so storage tiers write it without reshaping.
-
-The copy runs off the training thread: on CPU a worker thread, on CUDA pinned buffers and a side stream
-(device_copy.py). The training thread waits only when the next update would overwrite a source still being
-copied, and on CUDA that wait is on the device.
+A slot holds the full state (master weights, every optimizer state tensor, buffers) of its ACTIVE operators and
+the compute weights of the others it carries. Each `SlotItem` knows its DCP identity, so tiers write it as is.
+The copy runs off the training thread (device_copy.py); training waits only before the next update would
+overwrite a source still being copied, and on CUDA that wait is on the device.
 """
 
 from __future__ import annotations
@@ -49,10 +44,9 @@ class SlotItem:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-        scalar = self.buffer.dim() == 0  # a 0-dim state (step) is one whole tensor, whatever piece carries it
-        offsets = torch.Size(() if scalar else self.piece.global_offset)
-        sizes = torch.Size(() if scalar else self.piece.shape)
-        glob = torch.Size(() if scalar else self.piece.global_shape)
+        pc = self.piece  # a 0-dim state (step) is one whole tensor, whatever piece carries it
+        scalar = self.buffer.dim() == 0
+        offsets, sizes, glob = (torch.Size(() if scalar else x) for x in (pc.global_offset, pc.shape, pc.global_shape))
         return WriteItem(
             index=MetadataIndex(self.key, offsets),
             type=WriteItemType.SHARD,
@@ -113,10 +107,8 @@ _ADAMW_LAYOUT = (("exp_avg", False), ("exp_avg_sq", False), ("step", True))
 
 
 def full_specs(op: Operator) -> tuple[list[tuple], list[tuple]]:
-    """What an ACTIVE operator's full copy holds: per tensor piece (key, role, piece, shape, dtype) -- master
-    weights, the optimizer state that is not 0-dim, buffers -- and per parameter its 0-dim states
-    (fqn, piece, [(key, dtype)]), which a slot holds once per tensor (shared by the experts cut from it). From the
-    operator's described optimizer state (`Operator.state`), else the AdamW layout with fp32 masters."""
+    """An ACTIVE operator's full copy: per tensor piece (key, role, piece, shape, dtype), and per parameter its
+    0-dim states (fqn, piece, [(key, dtype)]), held once per tensor. From `Operator.state`, else AdamW's layout."""
     items: list[tuple] = []
     scalars: list[tuple] = []
     for pc in op.pieces:
@@ -140,6 +132,17 @@ def full_specs(op: Operator) -> tuple[list[tuple], list[tuple]]:
     return items, scalars
 
 
+def compute_specs(op: Operator, compute_dtype: torch.dtype) -> list[tuple]:
+    """A FROZEN operator's copy: per non-empty piece (key, role, piece, shape, dtype), compute weights and buffers."""
+    return [
+        (f"compute.{pc.fqn}", "compute", pc, pc.shape, compute_dtype)
+        if pc.is_param
+        else (f"model.{pc.fqn}", "buffer", pc, pc.shape, pc.dtype)
+        for pc in op.pieces
+        if pc.numel > 0
+    ]
+
+
 def build_slot(
     index: int,
     active: tuple[str, ...],
@@ -149,15 +152,10 @@ def build_slot(
     pin_memory: bool = False,
     alloc: Callable[[tuple, torch.dtype], torch.Tensor] | None = None,
 ) -> Slot:
-    """Allocate the host buffers of one slot (done once per window plan, then reused). `alloc(shape, dtype)`
-    replaces the allocator (meta tensors: the slot's layout without memory, as DCP planners use it)."""
+    """Allocate one slot's host buffers; `alloc(shape, dtype)` replaces the allocator (e.g. meta tensors)."""
     items: list[SlotItem] = []
     seen_scalars: set[str] = set()
-    if alloc is None:
-
-        def alloc(shape, dtype) -> torch.Tensor:
-            return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
-
+    alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin_memory))
     for name in active:
         full, scalars = full_specs(ops[name])
         items += [SlotItem(key, role, name, pc, alloc(shape, dt)) for key, role, pc, shape, dt in full]
@@ -166,15 +164,10 @@ def build_slot(
                 seen_scalars.add(fqn)
                 items += [SlotItem(f"optim.{fqn}.{k}", k, name, pc, alloc((), dt)) for k, dt in sc]
     for name in frozen:
-        for pc in ops[name].pieces:
-            if pc.numel == 0:
-                continue
-            role, dtype, key = (
-                ("compute", compute_dtype, f"compute.{pc.fqn}")
-                if pc.is_param
-                else ("buffer", pc.dtype, f"model.{pc.fqn}")
-            )
-            items.append(SlotItem(key, role, name, pc, alloc(pc.shape, dtype)))
+        items += [
+            SlotItem(k, role, name, pc, alloc(sh, dt))
+            for k, role, pc, sh, dt in compute_specs(ops[name], compute_dtype)
+        ]
     return Slot(index, tuple(active), tuple(frozen), items)
 
 
@@ -198,13 +191,9 @@ class _Job:
 
 
 class SnapshotEngine:
-    """Copies slots off the training thread and measures how long the training thread waits for it.
-
-    One code path for CPU and CUDA (device_copy.CopyStream): the copy thread copies a slot's items with two
-    batched `_foreach_copy_` calls (casts to the compute dtype on the source device), with the fault point between
-    them. On CUDA they are queued on a side stream after the optimizer step's event and the next update waits for
-    them on the device (`wait`), not on the host; the host waits for a copy to be *done* only at a window commit
-    (`wait_done`). On CPU the copy thread does the copy and `wait` returns once it is done."""
+    """Copies slots off the training thread (one code path for CPU and CUDA: device_copy.CopyStream) and measures
+    how long training waits. On CUDA the next update waits on the device (`wait`); the host waits for a copy to be
+    done only at a window commit (`wait_done`)."""
 
     def __init__(self, access: StateAccess, device: torch.device | str | None = None):
         self.access = access
@@ -216,8 +205,7 @@ class SnapshotEngine:
         self._last: _Job | None = None  # the newest job, maybe not done
         self.wait_seconds_total = 0.0
         self.waits: list[float] = []
-        # What copies cost under training (for pricing the window): the last one as (bytes, copy s, copy-thread
-        # CPU s), and totals over every finished copy. On CUDA the seconds are the copy alone (CUDA events).
+        # What copies cost under training: the last one (bytes, copy s, copy-thread CPU s) and totals.
         self.last_copy: tuple[int, float, float] | None = None
         self.copy_totals = {"copies": 0, "bytes": 0, "wall_s": 0.0, "cpu_s": 0.0}
         self._sources: dict[int, tuple] = {}  # id(slot) -> (slot ref, state key, sources, buffers, buffer items)
@@ -225,8 +213,7 @@ class SnapshotEngine:
         self._views: dict[tuple, tuple] = {}  # (id(piece), role) -> (piece, live view)
         # One-shot hook called with (slot, items_copied); may raise SimulatedCopyFault to tear the copy.
         self.fault_hook: Callable[[Slot, int], None] | None = None
-        # A slower host link, emulated (benchmarks: the regime sweep of bench_ettr): a copy of n bytes takes at
-        # least n / throttle_bytes_per_s seconds; the copy thread sleeps the rest (no CPU, like a DMA transfer).
+        # An emulated slower host link (benchmarks): a copy of n bytes lasts at least n / throttle seconds.
         self.throttle_bytes_per_s: float | None = None
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="tmoe-snapshot", daemon=True)
@@ -242,9 +229,7 @@ class SnapshotEngine:
         keep: list[torch.Tensor] = []
         with torch.no_grad():
             for it in buffer_items:
-                # Buffers may change in the next forward (counters, running stats), before the next update that
-                # the copy is ordered against: on CPU copied now (they are small); on CUDA staged on the device
-                # now (queued, no wait) and copied to the host with the rest.
+                # Buffers may change in the next forward, before the update: copied (CPU) or staged (CUDA) now.
                 src = self.access.source(it)
                 if self.use_cuda:
                     keep.append(src.clone())
@@ -257,18 +242,14 @@ class SnapshotEngine:
         self._jobs.put(job)
 
     def _resolve(self, slot: Slot) -> tuple[list, list, list]:
-        """(sources, host buffers, buffer items) of a slot. Resolving each item to its live tensor (lookups and a
-        slice, ~4 us) costs milliseconds per capture for hundreds of items on the training thread: a slot is
-        resolved once and reused while the model's and optimizer's tensors are the same storage (a new optimizer
-        state or a reload changes the key)."""
+        """(sources, host buffers, buffer items) of a slot, cached while the live tensors keep their storage."""
         acc = self.access
         key = tuple(local_tensor(t).data_ptr() for t in acc.params.values()) + tuple(
             local_tensor(v).data_ptr() for st in acc.optimizer.state.values() for v in st.values() if torch.is_tensor(v)
         )
         hit = self._sources.get(id(slot))
         if hit is None or hit[0]() is not slot or hit[1] != key:
-            # A new plan (another W, a popularity reorder) brings new slots made of the same pieces: their views
-            # are cached per (piece, role) while the storage key holds, so a window start resolves nothing anew.
+            # A new plan's slots are made of the same pieces: views are cached per (piece, role) too.
             if self._views_key != key:
                 self._views_key, self._views = key, {}
             views = self._views
@@ -314,8 +295,7 @@ class SnapshotEngine:
         try:
             with torch.no_grad(), self.copier.context():
                 start = self.copier.begin(job.ready)
-                # Two batched calls instead of one Python call per item: each call drops the GIL once for the
-                # whole batch (per-item calls contend for it with the training thread).
+                # Two batched calls: each drops the GIL once for the batch (per-item calls contend for it).
                 half = len(srcs) // 2
                 if half:
                     torch._foreach_copy_(dsts[:half], srcs[:half], non_blocking=self.use_cuda)
@@ -339,28 +319,21 @@ class SnapshotEngine:
         slot.copy_seconds = seconds if seconds is not None else time.perf_counter() - t0
         if slot.error is None:
             last = (sum(d.numel() * d.element_size() for d in dsts), slot.copy_seconds, time.thread_time() - c0)
-            tot = self.copy_totals
-            tot["copies"] += 1
-            tot["bytes"] += last[0]
-            tot["wall_s"] += last[1]
-            tot["cpu_s"] += last[2]
+            self.copy_totals["copies"] += 1
+            for k, v in zip(("bytes", "wall_s", "cpu_s"), last):
+                self.copy_totals[k] += v
             self.last_copy = last
         job.keep.clear()
         slot.done.set()
         job.released.set()
 
     def wait(self) -> float:
-        """Before the next update: block until the in-flight copy no longer needs its sources (CPU: it is done;
-        CUDA: it is queued, and the training stream now waits for it on the device). Returns (and accumulates)
-        the seconds waited; raises the copy's error."""
-        job = self.inflight
+        """Before the next update: block until the in-flight copy no longer needs its sources (CUDA: queued, the
+        training stream then waits on the device). Returns the seconds waited; raises the copy's error."""
+        job, self.inflight = self.inflight, None
         if job is None:
             return 0.0
-        t0 = time.perf_counter()
-        job.released.wait()
-        waited = time.perf_counter() - t0
-        self.inflight = None
-        self.wait_seconds_total += waited
+        waited = self._timed(job.released)
         self.waits.append(waited)
         if job.slot.error is not None:
             raise job.slot.error
@@ -368,18 +341,21 @@ class SnapshotEngine:
         return waited
 
     def wait_done(self) -> float:
-        """Block until the newest copy is on the host (a window commit reads it; on CPU it already is). Counted in
-        `wait_seconds_total`; raises the copy's error."""
+        """Block until the newest copy is on the host (a window commit reads it); raises the copy's error."""
         self.wait()
         job = self._last
         if job is None:
             return 0.0
-        t0 = time.perf_counter()
-        job.slot.done.wait()
-        waited = time.perf_counter() - t0
-        self.wait_seconds_total += waited
+        waited = self._timed(job.slot.done)
         if job.slot.error is not None:
             raise job.slot.error
+        return waited
+
+    def _timed(self, event: threading.Event) -> float:
+        t0 = time.perf_counter()
+        event.wait()
+        waited = time.perf_counter() - t0
+        self.wait_seconds_total += waited
         return waited
 
 
@@ -396,8 +372,7 @@ def _forget_slot(sources: dict, key: int):
 
 @torch.no_grad()
 def restore_slot(slot: Slot, access: StateAccess, roles: tuple[str, ...] | None = None) -> int:
-    """Copy a slot back into live tensors (all items, or only those with the given roles). Returns bytes.
-    The optimizer state must exist (`optim_state.init_optimizer_state`): it is loaded in place."""
+    """Copy a slot back into live tensors (all items, or those with `roles`) in place; returns bytes."""
     n = 0
     for it in slot.items:
         if roles is not None and it.role not in roles:

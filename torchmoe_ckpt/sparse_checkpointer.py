@@ -1,14 +1,11 @@
 """SparseCheckpointer: checkpoint every iteration by spreading the dense state over a window of slots.
 
-Per iteration (after the optimizer step) it captures one slot of the current window off the training
-thread, and logs what exact replay needs. At a window boundary it asks the WindowPlanner (window_planner.py)
-for the next plan, identical on every rank. A window is committed when all its slots are copied; the newest
-committed window and the one in flight are kept, older buffers are reused. Here: the lifecycle (after_step,
-flush/close/stop/abandon, in-memory recovery), window bookkeeping and the handing of slots to the tiers.
-"""
+Per iteration it captures one slot off the training thread and logs what exact replay needs; plans come from
+window_planner.py. Here: the lifecycle, window bookkeeping and the handing of slots to the tiers."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
@@ -34,7 +31,7 @@ from .storage.host_tier import HostTier
 from .storage.manifest import plan_digest
 from .storage.persist_thread import PersistThread
 from .storage.tiers import Tiers
-from .window import SlidingSuffix, Window, sliding_suffix
+from .window import Window, sliding_suffix
 from .window_planner import WindowPlanner
 
 log = logging.getLogger("torchmoe_ckpt")
@@ -44,9 +41,8 @@ SAME_GROUP = object()  # agree_group not given: the planning group
 
 
 class SparseCheckpointer:
-    """Per-iteration sparse checkpointing of one rank: `after_step` after every optimizer step; `close()` at the
-    end (or `abandon()` for an emulated death). Owns its threads: the copy thread (snapshot.py) and, with tiers,
-    the persist and upload threads (storage/persist_thread.py); `close`/`abandon` stop all of them."""
+    """Per-iteration sparse checkpointing of one rank: `after_step` after every optimizer step, `close()` at the
+    end. Owns the copy thread and, with tiers, the persist and upload threads."""
 
     def __init__(
         self,
@@ -63,17 +59,12 @@ class SparseCheckpointer:
         agree_group: dist.ProcessGroup | None | object = SAME_GROUP,
         sum_counts: bool = False,
     ):
-        """`tiers` (storage.tiers.build_tiers): where slots and windows are persisted (None: in this process only).
-        `resumed` (recovery.recover, or a start-up hook): the window recovered, kept as the recovery fallback until
-        the next one commits, and where new window ids start (`next_window_id`; default: after that window, else
-        0). `identity`: the run identity written into every manifest and slot (default: built from the model,
-        optimizer, compute dtype and world size, with the host tier's run id); recovery refuses windows of another
-        identity. `ops`: the model's operators when the caller discovered them already (e.g. with an
-        `OperatorSpec`). `group`: the ranks that plan windows together (same operators). `agree_group` (default:
-        `group`; None = all ranks): the ranks that agree on the retention floor and copy bandwidth, wider under
-        pipeline parallelism (every stage keeps the windows any stage may need). `sum_counts`: the routed-token
-        counts in `after_step`'s results are this rank's own; they are summed over `group`'s ranks here, once per
-        window (default: they are summed over the ranks already)."""
+        """`tiers`: where slots and windows are persisted (None: in this process only). `resumed`: the recovered
+        window (the recovery fallback until the next commits) and where window ids start. `identity`: written into
+        every manifest and slot (default: built from model, optimizer, dtype, world size, host run id). `ops`:
+        operators already discovered. `group`: the ranks that plan together; `agree_group` (default `group`; None =
+        all ranks): those agreeing on the retention floor and bandwidth (wider under pipeline parallelism).
+        `sum_counts`: routed-token counts are this rank's own, summed over `group` here once per window."""
         host_tier = tiers.host if tiers is not None else None
         committed = resumed.window if resumed is not None else None
         self.cfg = cfg or SparseConfig()
@@ -85,14 +76,9 @@ class SparseCheckpointer:
         self.op_by_name = {o.name: o for o in self.ops}
         self.access = StateAccess(model, optimizer)
         if identity is None:
-            identity = build_identity(
-                model,
-                optimizer,
-                compute_dtype,
-                self.ops,
-                host_tier.dir.name if isinstance(host_tier, HostTier) else None,
-                dist.get_world_size() if dist.is_initialized() else 1,
-            )
+            run_id = host_tier.dir.name if isinstance(host_tier, HostTier) else None
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            identity = build_identity(model, optimizer, compute_dtype, self.ops, run_id, world)
         self.identity = identity
         self._identity_dict = identity.to_dict()
         self.engine = SnapshotEngine(self.access)  # on the model's device: a side stream on CUDA
@@ -100,21 +86,15 @@ class SparseCheckpointer:
         self.current: Window | None = None
         self.committed: Window | None = committed
         self._inherited = committed  # a window handed over after a restart (still the recovery fallback)
-        # Optional host-memory tier (storage.host_tier.HostTier): slots persisted off the training thread.
-        self.tier_writer = None
         if host_tier is not None and not isinstance(host_tier, HostTier):
             raise ConfigError(
                 f"tiers.host must be a HostTier, got {type(host_tier).__name__}: build the tiers with "
                 "build_tiers(TierConfig(...)), or use torchmoe_ckpt.Checkpointer, which owns them"
             )
-        if host_tier is not None:
-            self.tier_writer = PersistThread(host_tier, tiers.replicator, tiers.store)
-        # Slot buffers: one allocator, chosen once (slot_alloc.py): shared-memory slot files on CPU with the host
-        # tier (the snapshot copy is the persist), one pinned arena per slot set on CUDA, a plain one otherwise.
+        self.tier_writer = None if host_tier is None else PersistThread(host_tier, tiers.replicator, tiers.store)
         self.slots = make_slot_allocator(
             self.op_by_name, compute_dtype, use_cuda, host_tier, self.tier_writer, self.cfg.host_buffers
         )
-        # Every host byte held, counted from its owners, and the limit on it (host_memory.py).
         self.memory = HostMemory(self, self.cfg.host_memory_limit)
         if self.tier_writer is not None:
             self.tier_writer.status.memory = self.memory.line
@@ -123,30 +103,19 @@ class SparseCheckpointer:
         self._closed = False
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._level = logging.INFO if self._rank == 0 else logging.DEBUG  # one line per window, not one per rank
-        # Order, W and slot plan of every window (window_planner.py), the same on every rank of `group`.
         self.planner = WindowPlanner(
             self.cfg, self.ops, compute_dtype, group, self._agree, sum_counts, self._rank, cuda=use_cuda
         )
         self._copies_seen = 0
         self._cur_slot_bytes: list[int] = []
         self._last_job: dict[int, int] = {}  # window id -> the persist thread's ticket after its commit job
-        self.counters = {
-            "slots": 0,
-            "windows_committed": 0,
-            "slot_bytes": [],
-            "copy_seconds": [],
-            "windows": [],
-            "plans": 0,
-            "plan_s_total": 0.0,
-            "plan_s_max": 0.0,
-            "recoveries": [],  # per in-memory recovery: its report with the phases (status.PHASES)
-        }
+        # "recoveries": per in-memory recovery, its report with the phases (status.PHASES)
+        self.counters = {"slots": 0, "windows_committed": 0, "plans": 0, "plan_s_total": 0.0, "plan_s_max": 0.0}
+        self.counters.update((k, []) for k in ("slot_bytes", "copy_seconds", "windows", "recoveries"))
         self._redo: dict | None = None  # after a recovery: the iteration to reach again and the clock (redo phase)
-        full = [o.full_bytes() for o in self.ops]
-        self.dense_bytes = sum(full)  # what one dense snapshot of this rank copies
+        self.dense_bytes = sum(o.full_bytes() for o in self.ops)  # what one dense snapshot of this rank copies
         self.planner.cap_by_memory(self.memory, None if self.tier_writer is None else self.tier_writer.replicator)
 
-    # ---- hooks the trainer calls ---------------------------------------------------------------------
     def attach(self, trainer) -> SparseCheckpointer:
         trainer.before_update.append(self.before_update)
         return self
@@ -159,43 +128,19 @@ class SparseCheckpointer:
     def after_step(self, res) -> None:
         """Call right after the optimizer step of iteration `res.step` (a harness StepResult or alike)."""
         self.planner.observe_step(res.seconds, res.expert_counts, res.expert_probs)
-        self.engine.wait()
-        self._observe_copy()
-        self._maybe_commit()
+        self._settle(done=False)
         t = res.step
         if self._redo is not None and t >= self._redo["until"]:  # back where the failure found training
             self._redo["phases"]["redo"] = time.perf_counter() - self._redo["since"]
             self._redo = None
-        cur = self.current
-        record = None
-
-        def make_record() -> IterationRecord:
-            # Host copies queued, not awaited (device_copy.host_copy): they land before this iteration's slot copy.
-            return IterationRecord(
-                t,
-                host_copy(res.tokens),
-                host_copy(res.grad_norm),
-                res.lr,
-                host_copy(res.loss),
-                res.rng_state,
-                lrs=getattr(res, "lrs", None),
-                device_rng=getattr(res, "device_rng", None),
-                hyper=host_copy(getattr(res, "hyper", None) or None),
-            )
-
+        cur, record = self.current, None
         if cur is not None and cur.start_step < t < cur.start_step + cur.plan.window:
-            record = make_record()
+            record = _record(res)
             cur.log.add(record)
         if cur is None or cur.captured >= cur.plan.window:
-            t0 = time.perf_counter()
             cur = self._start_window(t)
-            dt = time.perf_counter() - t0
-            self.counters["plans"] += 1
-            self.counters["plan_s_total"] += dt
-            self.counters["plan_s_max"] = max(self.counters["plan_s_max"], dt)
-            self.counters["plan_s_recent"] = (self.counters.get("plan_s_recent", []) + [dt])[-64:]
             if cur.plan.sliding:  # a sliding recovery may start in the window before and replay this one's first
-                record = make_record()
+                record = _record(res)
                 cur.log.add(record)
         slot = cur.slots[t - cur.start_step]
         self.engine.capture(slot, t)
@@ -219,26 +164,19 @@ class SparseCheckpointer:
         self.counters["slots"] += 1
         self.counters["slot_bytes"].append(self._cur_slot_bytes[t - cur.start_step])
 
-    # ---- lifecycle -----------------------------------------------------------------------------------
     def flush(self, commit: bool = True) -> None:
-        """Finish the copy in flight and commit the window it completes (collective, like `after_step`), then wait
-        until the host tier has written every slot and commit queued (not the uploads). Training may go on.
-        `commit=False` (a peer failed: no collective): the copy in flight and what is queued only."""
+        """Finish the copy in flight, commit the window it completes (collective), then wait until the host tier has
+        written what is queued (not the uploads). `commit=False` (a peer failed): no commit, no collective."""
         if commit:
-            self.engine.wait_done()
-            self._observe_copy()
-            self._maybe_commit()
+            self._settle()
         else:
             self.engine.wait()
         if self.tier_writer is not None:
             self.tier_writer.flush()
 
     def close(self, upload_timeout_s: float = 30.0) -> dict | None:
-        """The end of training: `flush()`, then give the object store up to `upload_timeout_s` seconds to take the
-        pending uploads (what it has not taken stays on the host tier; the next run with this run id uploads it),
-        give its writer lease up, log the exit summary (status.py) and stop the copy, persist and upload threads.
-        Returns the exit summary (None without tiers). Idempotent. When the flush raises (a copy that failed),
-        only the copy thread is stopped: then `stop()` (or `abandon()`, an emulated death) ends the others."""
+        """`flush()`, up to `upload_timeout_s` for pending uploads, every thread stopped; returns the exit summary
+        (None without tiers). Idempotent. When the flush raises only the copy thread stops (then `stop()`)."""
         if self._closed:
             return None
         try:
@@ -251,60 +189,57 @@ class SparseCheckpointer:
         return summary
 
     def stop(self) -> None:
-        """Stop the threads without waiting for anything (after an error: no flush, no collective): the persist
-        thread still writes what it has queued, then ends (at interpreter exit it gets up to background.JOIN_S
-        for that); the upload thread stops now. Idempotent; `close` ends with it."""
-        if self._closed:
-            return
-        self._closed = True
-        self.engine.shutdown()
-        self.slots.close()
-        if self.tier_writer is not None:
-            self.tier_writer.shutdown()
+        """Stop the threads without waiting (after an error: no flush, no collective). Idempotent."""
+        if not self._closed:
+            self._end(lambda tw: tw.shutdown())
 
     def abandon(self, upload_wait_s: float = 0.0) -> None:
-        """Emulate this process dying (the harness's in-process crash, tests): the copy thread stops, the persist
-        thread drops what it has queued (a job already running finishes) and stops, nothing more is committed. The
-        object store gets up to `upload_wait_s` seconds for the windows already handed to it (a test that wants
-        them there), then the upload thread stops. This object cannot be used afterwards (build another)."""
+        """Emulate this process dying: the persist thread drops its queue, nothing more is committed; the object
+        store gets up to `upload_wait_s` for windows already handed to it. Unusable afterwards."""
+        self._end(lambda tw: tw.abandon(upload_wait_s))
+
+    def _end(self, end_writer) -> None:
         self._closed = True
         self.engine.shutdown()
         self.slots.close()
         if self.tier_writer is not None:
-            self.tier_writer.abandon(upload_wait_s)
+            end_writer(self.tier_writer)
 
     def abandon_window(self) -> None:
-        """Finish the copy in flight, then drop the window being filled if it is not complete (its buffers go
-        back to the pool): the next `after_step` starts a new window. For a loop that pauses checkpointing."""
-        self.engine.wait_done()
-        self._observe_copy()
-        self._maybe_commit()
+        """Finish the copy in flight, then drop an incomplete window (a loop that pauses checkpointing)."""
+        self._settle()
         self._drop_current()
 
+    def _settle(self, done: bool = True) -> None:
+        """Wait for the copy in flight (`done`: until it is on the host), price it, commit the window it completes."""
+        if done:
+            self.engine.wait_done()
+        else:
+            self.engine.wait()
+        self._observe_copy()
+        self._maybe_commit()
+
     def _drop_current(self) -> None:
-        """The window being filled is given up: its buffers back to the pool (kept from the pool for good when
-        they may still be written to the host tier: never handed out again)."""
         cur, self.current = self.current, None
         if cur is not None:
             self.slots.release(cur.slots)  # reused once the host tier is done with them
 
     def recover_in_memory(self, trainer) -> RecoveryReport | None:
-        """In-process recovery after a failure that lost the training state but not this process: converts to the
-        dense state in `trainer` (a `Replayable` over the model and optimizer this checkpointer was built on,
-        whatever values they hold now) and carries on with the same buffers and copy thread. With sliding plans
-        (SparseConfig.sliding) from the newest W consecutive slots, the window being filled included: back to
-        the last iteration captured, that window kept and continued; otherwise (or when those slots do not
-        cover every operator, e.g. across a reorder) from the newest committed window, the one being filled
-        dropped. Returns the report (phases: find, rebuild, load, replay; redo is added once training is back
-        at the last iteration captured), or None when no window is committed yet (the caller starts over)."""
+        """In-process recovery after a failure that lost the training state but not this process: the dense state
+        into `trainer` (a `Replayable` over this checkpointer's model and optimizer), same buffers and threads. With
+        sliding plans from the newest W consecutive slots (back to the last iteration captured, that window kept);
+        otherwise from the newest committed window, the one being filled dropped. Returns the report (phases;
+        redo is added once training is back at the last iteration captured), or None when nothing is committed."""
         t0 = time.perf_counter()
         last = self.current.start_step + self.current.captured - 1 if self.current is not None else None
-        try:
+        with contextlib.suppress(Exception):  # its error is the failure's, already being handled
             self.engine.wait_done()  # a copy in flight when the state was lost is torn: its slot is not used below
-        except Exception:  # noqa: BLE001  (its error is the failure's, already being handled)
-            pass
         self._maybe_commit()  # a window whose last copy had finished is the newest recovery point
-        suffix = self._sliding_suffix()
+        suffix = None  # sliding plans: the newest slots covering every operator, torn copies trimmed off
+        old, cur = self.committed, self.current
+        if old is not None and cur is not None:
+            cur.captured = next((k for k in range(cur.captured) if not cur.slots[k].complete), cur.captured)
+            suffix = sliding_suffix(old, cur)
         if suffix is None:
             self._drop_current()
         if self.committed is None:
@@ -321,33 +256,18 @@ class SparseCheckpointer:
             self._redo = {"until": last, "since": time.perf_counter(), "phases": rep.phases}
         return rep
 
-    def _sliding_suffix(self) -> SlidingSuffix | None:
-        """The newest slots of the committed window and the one being filled that cover every operator (sliding
-        plans; window.sliding_suffix), the window being filled trimmed to its complete slots (a torn copy is not a
-        slot); None when there is none."""
-        old, cur = self.committed, self.current
-        if old is None or cur is None:
-            return None
-        k = 0
-        while k < cur.captured and cur.slots[k].complete:
-            k += 1
-        cur.captured = k
-        return sliding_suffix(old, cur)
-
     def _observe_copy(self) -> None:
         """Feed the copy that just finished (bytes, copy-thread wall time, the wait it caused) to the pricing."""
         n = self.engine.copy_totals["copies"]
         if n != self._copies_seen and self.engine.last_copy is not None:
             self._copies_seen = n
             nbytes, wall, _cpu = self.engine.last_copy
-            self.planner.observe_copy(nbytes, wall, self.engine.waits[-1] if self.engine.waits else 0.0)
+            self.planner.cost.observe_copy(nbytes, wall, self.engine.waits[-1] if self.engine.waits else 0.0)
 
-    # ---- windows -------------------------------------------------------------------------------------
     def _maybe_commit(self) -> None:
         cur = self.current
         if cur is not None and cur.captured == cur.plan.window:
-            # Committed at the same iteration on every rank (the floor agreement below is a collective): a CUDA
-            # copy may still be running, so wait for the last one here, once per window.
+            # The floor agreement below is a collective: wait for a CUDA copy still running, once per window.
             self.engine.wait_done()
         if cur is None or not cur.committed:
             return
@@ -355,26 +275,21 @@ class SparseCheckpointer:
         self.counters["windows_committed"] += 1
         self.counters["copy_seconds"].extend(s.copy_seconds for s in cur.slots)
         if log.isEnabledFor(self._level):  # summing every item's bytes costs ~1 ms a window: only when logged
+            w = cur.plan.window
             log.log(
                 self._level,
-                "window committed id=%d steps=%d..%d W=%d bytes=%d",
-                cur.id,
-                cur.start_step,
-                cur.start_step + cur.plan.window - 1,
-                cur.plan.window,
-                cur.nbytes(),
+                f"window committed id={cur.id} steps={cur.start_step}..{cur.start_step + w - 1} "
+                f"W={w} bytes={cur.nbytes()}",
             )
         if self.tier_writer is not None:
-            # Keep every window from the newest one that *all* ranks have persisted: a rank ahead of the
-            # others must not delete the only window they can all recover from.
+            # Keep every window from the newest one *all* ranks persisted: the only one they can all recover from.
             mine = max(self.tier_writer.persisted, default=-1)
             floor = int(self._agree(float(mine), dist.ReduceOp.MIN))
             self.tier_writer.commit(
                 cur, {"dtype": str(self.compute_dtype), "identity": self._identity_dict}, keep_from=floor
             )
             self._last_job[cur.id] = self.tier_writer.ticket()  # its buffers are read until this job is done
-        # The old window's buffers go back to the allocator (reused once the host tier is done with them); an
-        # inherited window (recovered after a restart) is not the allocator's: let go, its memory with it.
+        # An inherited window (recovered after a restart) is not the allocator's: let go, its memory with it.
         if old is not None and old is self._inherited:
             self._inherited = None
         elif old is not None:
@@ -388,6 +303,7 @@ class SparseCheckpointer:
         return float(t.item())
 
     def _start_window(self, t: int) -> Window:
+        t0 = time.perf_counter()
         plan, budget = self.planner.plan()
         self.memory.before_window(plan, self._next_id)  # within host_memory_limit, or refused
         slots = self.slots.slots_for(plan)
@@ -396,7 +312,13 @@ class SparseCheckpointer:
         self._cur_slot_bytes = self.slots.slot_bytes(slots)
         self._next_id += 1
         self.current = win
-        self.counters["windows"].append(
+        c = self.counters
+        dt = time.perf_counter() - t0
+        c["plans"] += 1
+        c["plan_s_total"] += dt
+        c["plan_s_max"] = max(c["plan_s_max"], dt)
+        c["plan_s_recent"] = (c.get("plan_s_recent", []) + [dt])[-64:]
+        c["windows"].append(
             {
                 "id": win.id,
                 "start": t,
@@ -406,39 +328,31 @@ class SparseCheckpointer:
                 "mean_slot_bytes": sum(self._cur_slot_bytes) / plan.window,
             }
         )
-        log.log(
-            self._level,
-            "window start id=%d t0=%d W=%d fits=%s budget=%.3g worst_slot=%d",
-            win.id,
-            t,
-            plan.window,
-            plan.fits,
-            budget,
-            plan.worst_slot_bytes,
-        )
+        if log.isEnabledFor(self._level):
+            log.log(
+                self._level,
+                f"window start id={win.id} t0={t} W={plan.window} fits={plan.fits} "
+                f"budget={budget:.3g} worst_slot={plan.worst_slot_bytes}",
+            )
         return win
 
     def inherit_counters(self, old: SparseCheckpointer) -> SparseCheckpointer:
         """Continue the counters of the checkpointer that ran before a restart (for whole-run figures)."""
-        for k in ("slots", "windows_committed"):
+        for k in ("slots", "windows_committed", "plans", "plan_s_total"):
             self.counters[k] += old.counters[k]
-        for k in ("slot_bytes", "copy_seconds", "windows"):
+        for k in ("slot_bytes", "copy_seconds", "windows", "recoveries"):
             self.counters[k] = old.counters[k] + self.counters[k]
         self.engine.waits = old.engine.waits + self.engine.waits
         self.engine.wait_seconds_total += old.engine.wait_seconds_total
         for k, v in old.engine.copy_totals.items():
             self.engine.copy_totals[k] += v
-        for k in ("plans", "plan_s_total"):
-            self.counters[k] += old.counters[k]
         self.counters["plan_s_max"] = max(self.counters["plan_s_max"], old.counters["plan_s_max"])
         self.planner.inherit(old.planner)
-        self.counters["recoveries"] = old.counters["recoveries"] + self.counters["recoveries"]
         return self
 
-    # ---- reporting -----------------------------------------------------------------------------------
     def stats(self) -> dict:
-        waits = self.engine.waits
-        sb = self.counters["slot_bytes"]
+        waits, sb, cs = self.engine.waits, self.counters["slot_bytes"], self.counters["copy_seconds"]
+        tw = self.tier_writer
         return {
             "slots_captured": self.counters["slots"],
             "windows_committed": self.counters["windows_committed"],
@@ -448,14 +362,9 @@ class SparseCheckpointer:
             "max_slot_bytes": max(sb) if sb else 0,
             "wait_seconds_total": self.engine.wait_seconds_total,
             "wait_seconds_max": max(waits) if waits else 0.0,
-            "copy_seconds_mean": (
-                sum(self.counters["copy_seconds"]) / len(self.counters["copy_seconds"])
-                if self.counters["copy_seconds"]
-                else 0.0
-            ),
+            "copy_seconds_mean": sum(cs) / len(cs) if cs else 0.0,
             "t_iter": self.planner.t_iter,
             "bandwidth_bytes_per_s": self.planner.bandwidth,
-            # what the copies cost under training (copy thread), what auto W priced them at, planning time
             "copy": dict(self.engine.copy_totals),
             "priced_bytes_per_s": self.planner.cost.bytes_per_s,
             "priced_t_iter": self.planner.cost.t_iter,
@@ -465,15 +374,27 @@ class SparseCheckpointer:
                 median_recent=statistics.median(self.counters.get("plan_s_recent") or [0.0]),
             ),
             "windows": self.counters["windows"][-5:],
-            # in-memory recoveries (recover_in_memory): where each one's time went, seconds per phase
             "recoveries": [
                 dict(r.phases, recovered_step=r.recovered_step, replayed=r.replayed_iterations, bytes=r.bytes_loaded)
                 for r in self.counters["recoveries"][-8:]
             ],
             "host_memory": self.memory.account(),  # every host byte held, by part, and the limit
-            "host_tier": None if self.tier_writer is None else self.tier_writer.stats(),
-            "peers": None if self.tier_writer is None else self.tier_writer.replication_stats(),
-            "object_store": None
-            if self.tier_writer is None or self.tier_writer.uploader is None
-            else self.tier_writer.uploader.stats(),
+            "host_tier": None if tw is None else tw.stats(),
+            "peers": None if tw is None else tw.replication_stats(),
+            "object_store": None if tw is None or tw.uploader is None else tw.uploader.stats(),
         }
+
+
+def _record(res) -> IterationRecord:
+    """Iteration `res.step`'s replay record; host copies queued, not awaited (they land before its slot copy)."""
+    return IterationRecord(
+        res.step,
+        host_copy(res.tokens),
+        host_copy(res.grad_norm),
+        res.lr,
+        host_copy(res.loss),
+        res.rng_state,
+        lrs=getattr(res, "lrs", None),
+        device_rng=getattr(res, "device_rng", None),
+        hyper=host_copy(getattr(res, "hyper", None) or None),
+    )

@@ -1,6 +1,5 @@
-"""A window: W consecutive slots that together hold every operator's full state once, plus the replay
-records of the iterations between them. Shared by the checkpointer (which fills windows) and the storage
-tiers (which persist and load them), so it sits below both."""
+"""A window: W consecutive slots holding every operator's full state once, and the replay records between them
+(below both the checkpointer, which fills windows, and the tiers, which persist and load them)."""
 
 from __future__ import annotations
 
@@ -35,9 +34,8 @@ class Window:
 
 @dataclass
 class SlidingSuffix:
-    """The newest consecutive slots of a committed window and the next one that activate every operator once
-    (sliding plans, SparseConfig.sliding): what `sparse_to_dense.replay_slots` converts to the dense state at the
-    last slot's iteration."""
+    """The newest consecutive slots of a committed window and the next that activate every operator (sliding
+    plans): what `sparse_to_dense.replay_slots` converts to the dense state."""
 
     seq: list  # [(Slot, SlotPlan)], oldest first
     start_step: int  # the first slot holds the state after this iteration
@@ -52,9 +50,8 @@ class SlidingSuffix:
 
 
 def sliding_suffix(old: Window, new: Window) -> SlidingSuffix | None:
-    """The newest covering suffix of `old` (committed) followed by `new`'s first `new.captured` slots, or None:
-    not both sliding, `new` not starting right after `old`, nothing captured in `new`, or no suffix covers every
-    operator (e.g. across a reorder into operators the slots do not reach)."""
+    """The newest covering suffix of `old` (committed) then `new`'s first `new.captured` slots; None when not both
+    sliding, not consecutive, nothing captured, or no suffix covers every operator."""
     k = new.captured
     if not (old.plan.sliding and new.plan.sliding) or k == 0 or new.start_step != old.start_step + old.plan.window:
         return None

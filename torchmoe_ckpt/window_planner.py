@@ -1,10 +1,8 @@
 """WindowPlanner: what the next window holds, the same on every rank of the planning group.
 
-At each window start the checkpointer asks for a plan. The planner orders the operators (experts by popularity,
-re-sorted only when the reorder rule fires, then routers and dense blocks), prices a slot's copy budget from what
-copies cost under training (or a given bandwidth), picks W (Algorithm 1; forced when configured; the largest any
-rank proposes, agreed in the background during the window before) and returns the slot plan
-(schedule.plan_window). It also gives the largest W a host-memory limit allows (checked once, at construction).
+It orders the operators (experts by popularity, re-sorted when the reorder rule fires, then routers and dense),
+prices a slot's copy budget from what copies cost under training, picks W (Algorithm 1, or forced; agreed in the
+background during the window before) and returns the slot plan; and caps W by the host-memory limit.
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .config import CUDA_OVERLAP, SparseConfig
+from .device_copy import host_copy
 from .distributed import library_group
 from .operators import Operator, agreed_sizes, expert_grid
 from .popularity import PopularityTracker, order_experts, reorder_needed
@@ -26,10 +25,8 @@ _PROBED: dict[str, float] = {}  # the idle copy bandwidth, measured once per pro
 
 
 class WindowPlanner:
-    """Plans the windows of one rank. `agree(value, op)`: a collective over the ranks that agree on the copy
-    bandwidth (the checkpointer's agree group); `group`: the ranks that plan together (same operators);
-    `sum_counts`: the routed-token counts given to `add_counts` are this rank's own (summed over `group` here);
-    `cuda`: the model is on CUDA (the default copy budget, SparseConfig.overlap)."""
+    """Plans the windows of one rank. `agree(value, op)`: a collective over the checkpointer's agree group;
+    `group`: the ranks that plan together; `sum_counts`: counts are this rank's own; `cuda`: the default overlap."""
 
     def __init__(
         self,
@@ -47,23 +44,17 @@ class WindowPlanner:
         self._agree, self.sum_counts, self._rank = agree, sum_counts, rank
         self.op_by_name = {o.name: o for o in ops}
         self.grid = expert_grid(ops)
-        n_layers = 1 + max((layer for layer, _ in self.grid), default=-1)
-        n_experts = 1 + max((e for _, e in self.grid), default=-1)
+        n_layers, n_experts = (max((le[i] + 1 for le in self.grid), default=1) for i in (0, 1))
         cap = None if cfg.expert_capacity is None else torch.tensor(cfg.expert_capacity, dtype=torch.float64)
-        self.tracker = PopularityTracker(
-            max(n_layers, 1), max(n_experts, 1), policy=cfg.popularity, decay=cfg.decay, capacity=cap
-        )
-        # Routed-token counts per iteration, left on the device until the next window start needs the popularity.
+        self.tracker = PopularityTracker(n_layers, n_experts, policy=cfg.popularity, decay=cfg.decay, capacity=cap)
         self.pending_counts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # The last window's counts on their way to the host (CUDA: a pinned copy and its event), applied at the
-        # next window start: the popularity lags one window, so reading it never waits for the device.
+        # The last window's counts on their way to the host, applied at the next window start (lagging one window).
         self._counts_in_flight: tuple[torch.Tensor, object] | None = None
         self.reorders = 0
         self._order: list[str] | None = None
         self._order_freq: torch.Tensor | None = None
         self._sizes: tuple[dict[str, int], dict[str, int]] | None = None
-        # The copy bandwidth: given, or probed when a window is first priced without it (once per process, agreed
-        # across ranks; never on a recovery's path). It is the prior until copies under training are observed.
+        # The copy bandwidth: given, or probed once per process when first needed; the prior until copies are seen.
         self.bandwidth: float | None = cfg.bandwidth_bytes_per_s
         self.cost = CopyCost(self.bandwidth or _PROBED.get("bytes_per_s") or 1e9)
         self._prior_known = self.bandwidth is not None or "bytes_per_s" in _PROBED
@@ -74,16 +65,11 @@ class WindowPlanner:
         self._warned_unfit = False  # an impossible copy budget is reported once, not every window
         self._last_split: tuple[list[str], int, WindowPlan] | None = None  # (order, W, plan): see _same_split
 
-    # ---- what training tells the planner -------------------------------------------------------------
     def observe_step(self, seconds: float, counts: torch.Tensor, probs: torch.Tensor) -> None:
         self.t_iter = seconds if self.t_iter is None else 0.7 * self.t_iter + 0.3 * seconds
         self.pending_counts.append((counts, probs))  # read at the next window start
         self.cost.observe_step(seconds)
 
-    def observe_copy(self, nbytes: int, wall_s: float, wait_s: float) -> None:
-        self.cost.observe_copy(nbytes, wall_s, wait_s)
-
-    # ---- the plan ----------------------------------------------------------------------------------------
     def plan(self) -> tuple[WindowPlan, float]:
         """The next window's plan and the copy budget per slot it was priced with (bytes; inf when W is forced)."""
         order = self.operator_order()
@@ -96,12 +82,8 @@ class WindowPlanner:
                 budget = self.cost.budget_bytes(self.overlap)
             else:
                 budget = copy_budget(self.t_iter, self.bandwidth, self.overlap)
-            auto_w = self._agreed_w(
-                min(
-                    choose_window(order, full, comp, budget, self.auto_w, sliding=self.cfg.sliding),
-                    self.w_cap or len(order),
-                )
-            )
+            proposal = choose_window(order, full, comp, budget, self.auto_w, sliding=self.cfg.sliding)
+            auto_w = self._agreed_w(min(proposal, self.w_cap or len(order)))
         w = self.cfg.window if auto_w is None else auto_w
         warn = not self._warned_unfit and self._rank == 0
         plan = self._same_split(order, w, budget)
@@ -121,9 +103,8 @@ class WindowPlanner:
         return plan, budget
 
     def _same_split(self, order: list[str], w: int, budget: float) -> WindowPlan | None:
-        """The last plan again when neither the order (the same list: it is replaced at a reorder) nor W changed:
-        a forced or agreed W splits on W and the order alone (schedule.plan_window), only `fits` depends on the
-        budget. Saves the split's search at every window start (~1 ms; every iteration at W = 1)."""
+        """The last plan again when neither the order (the same list object) nor W changed: the split depends on
+        those alone, only `fits` on the budget (saves ~1 ms per window start)."""
         if self._last_split is None:
             return None
         last_order, last_w, last = self._last_split
@@ -133,9 +114,7 @@ class WindowPlanner:
         return WindowPlan(last.slots, float(budget), fits, last.order, last.sliding)
 
     def _agreed_w(self, proposal: int) -> int:
-        """Every rank plans the same window: W is the largest any rank proposed. Proposals are agreed in the
-        background during the window before (an async 8-byte all-reduce), so no rank waits here for a slower one;
-        only the first window agrees on the spot."""
+        """The largest W any rank proposed, agreed asynchronously during the window before (no rank waits here)."""
         if self._w_pending is None:
             auto_w = int(self._agree(float(proposal), dist.ReduceOp.MAX, self.group))
         else:
@@ -154,24 +133,16 @@ class WindowPlanner:
         return auto_w
 
     def _update_popularity(self) -> None:
-        """The routed-token counts of the iterations of the window before the last one, into the popularity
-        tracker. At each window start the last window's counts are stacked and queued for the host (CUDA: a
-        non-blocking copy into pinned memory: no host sync), and the ones queued at the window start before are
-        applied: long landed, so nothing waits. Applying means summing over the planning group's ranks with
-        `sum_counts` (one collective on the library's gloo group), then iteration by iteration, in order, exactly
-        as if each had been applied when it ran (counts are whole numbers). Every rank lags by the same window."""
+        """Queue the last window's counts for the host (no sync) and apply the ones queued a window ago (summed over
+        the group with `sum_counts`), iteration by iteration as if applied when each ran."""
         pending, self.pending_counts = self.pending_counts, []
         ready, self._counts_in_flight = self._counts_in_flight, None
         if pending:
             stats = torch.stack([torch.stack([c.double(), p.double()]) for c, p in pending])  # [n, 2, L, E]
-            if stats.is_cuda:
-                host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
-                host.copy_(stats, non_blocking=True)
-                landed = torch.cuda.Event()
+            landed = torch.cuda.Event() if stats.is_cuda else None
+            self._counts_in_flight = (host_copy(stats), landed)  # CUDA: queued into pinned memory, no host sync
+            if landed is not None:
                 landed.record()
-                self._counts_in_flight = (host, landed)
-            else:
-                self._counts_in_flight = (stats.cpu(), None)
         if ready is None:
             return
         stats, landed = ready
@@ -197,7 +168,6 @@ class WindowPlanner:
         return self._order
 
     def op_sizes(self) -> tuple[dict[str, int], dict[str, int]]:
-        # Sizes never change during a run: agreed once (one collective), not at every window.
         if self._sizes is None:
             self._sizes = agreed_sizes(self.op_by_name, self.compute_dtype, self.group)
         return self._sizes
@@ -210,36 +180,24 @@ class WindowPlanner:
         self.cost.prior_s_per_byte = 1.0 / self.bandwidth
         self._prior_known = True
 
-    # ---- the host-memory limit ---------------------------------------------------------------------------
     def cap_by_memory(self, memory, replicator) -> None:
-        """The limit against the worst case of the plan, before training (host_memory.py): sets `w_cap`, the
-        largest W auto mode may choose under it (agreed over the planning ranks); None when there is no limit or
-        W is forced. Raises HostMemoryLimitError with the figure when no window fits."""
+        """The host-memory limit against the plan's worst case, before training: sets `w_cap` (or raises)."""
         if memory.limit is None:
             return
         saved = self._order, self._order_freq  # the first window plans as it would without a limit
         order, (full, comp) = self.operator_order(), self.op_sizes()
         self._order, self._order_freq = saved
-        # Reorders permute the experts (routers and dense blocks stay last). Plans use sizes agreed over the ranks,
-        # so the slot boundaries stay, but which experts this rank holds most of moves: the worst case puts those
-        # with the most local compute bytes last (frozen in the most slots).
+        # Reorders permute the experts: the worst case puts those with the most local compute bytes last.
         tail = {o.name for o in self.ops if o.kind in ("router", "dense")}
-        itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
-        local = {o.name: o.compute_bytes(itemsize) for o in self.ops}
+        local = {o.name: o.compute_bytes(self.compute_dtype.itemsize) for o in self.ops}
         worst = sorted((n for n in order if n not in tail), key=local.__getitem__) + [n for n in order if n in tail]
-
-        def plans(w: int) -> WindowPlan:
-            return plan_window(worst, full, comp, float("inf"), forced_window=w, warn=False)
-
         max_w = choose_window(order, full, comp, 0.0)  # the largest W Algorithm 1 can choose (its budget floor)
         if self.cfg.max_window is not None:
             max_w = min(max_w, self.cfg.max_window)
-        me = self._rank
-        senders = (
-            0 if replicator is None else sum(1 for _s, dst, replica in replicator.pairs if dst == me and not replica)
-        )
+        pairs = () if replicator is None else replicator.pairs
+        senders = sum(1 for _s, dst, replica in pairs if dst == self._rank and not replica)
         self.w_cap = memory.check(
-            plans,
+            lambda w: plan_window(worst, full, comp, float("inf"), forced_window=w, warn=False),
             self.cfg.window,
             max_w,
             lambda x, op: self._agree(float(x), dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, self.group),
