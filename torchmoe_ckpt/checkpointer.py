@@ -6,15 +6,9 @@
         loss = ckpt.step(batch_for(step))  # forward_backward(batch), clip, optimizer + scheduler step, slot
     ckpt.close()
 
-The library owns what exact replay needs, so the step function only computes the loss and calls backward:
-the RNG state and the batch are logged, the global gradient norm is computed (and logged) for clipping, the
-optimizer and scheduler are stepped here with the logged LRs on replay, and the step counter lives here.
-
-On a GPU an iteration adds no host synchronisation (docs/gpu.md): the batch, loss and gradient norm are copied
-to pinned host memory asynchronously, routed-token counts stay on the device until the next window start, and
-the next update waits for the slot copy on the device.
-
-`optimizer` may be several (Muon on the matrices and AdamW on the rest: a list, with a list of schedulers).
+The library owns what replay needs (RNG state, batch, gradient norm and clipping, the optimizer and scheduler
+steps, the step counter); the step function only computes the loss and calls backward. On a GPU an iteration
+adds no host synchronisation (docs/gpu.md). `optimizer` may be a list (with a list of schedulers).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""The `torchmoe-ckpt` command: `inspect` and `verify` here; further subcommands (the harness's `selftest`,
-`bench`, `simulate`) come from installed packages through the entry-point group `torchmoe_ckpt.commands`
-(as fsspec finds its filesystems): each entry point names a `register(subparsers)` function that adds one
-subparser and sets `fn(args) -> exit code`. So the library never imports what sits on top of it."""
+"""The `torchmoe-ckpt` command: `inspect` and `verify`; further subcommands come from installed packages through
+the entry-point group `torchmoe_ckpt.commands` (each names a `register(subparsers)` that adds one subparser with
+`fn(args) -> exit code`), so the library never imports what sits on top of it."""
 
 from __future__ import annotations
 

@@ -1,32 +1,13 @@
 """Process groups that come back after a torchrun restart, and after a host is replaced.
 
-Root cause of "Gloo connectFullMesh failed ... Connection refused" (or a hang) in a restarted job: with its
-default c10d rendezvous, torchrun's agent hosts ONE TCPStore for the whole job and every rendezvous round's
-workers use it (`TORCHELASTIC_USE_AGENT_STORE=True`); torch >= 2.5 no longer prefixes the workers' keys by
-round (`torch.distributed.rendezvous._create_c10d_store`: "we create a new TCPStore for every retry", which the
-shared agent store does not do; pytorch/pytorch#135712). So a new round finds the previous round's keys: gloo
-reads a dead peer's address before the live peer has overwritten it (refused, or a hang until the init
-timeout), and NCCL can read the previous unique id. Every sub-group (`new_group`, DeviceMesh) keeps its keys
-under the default group's store, with names from a counter that restarts at 0: the same stale keys again.
-
-A prefix from TORCHELASTIC_RESTART_COUNT is not the fix: each agent counts its own restarts, so after a host
-is replaced the new agent's workers say 0 and the survivor's say 1, 2, ... and never meet. What every worker
-of one round does share is the round's rank-0 worker. `key_rendezvous_by_attempt()` therefore gives each
-process group rendezvous (env:// or tcp://, TorchTitan's own init_distributed included, and so every
-sub-group) a store of its own round, as torch's opt-out does: rank 0 starts a fresh TCPStore on a free port
-and advertises "port nonce" under a key of the agent's store; the other ranks read the advertisement,
-connect, and accept the store only if it holds that nonce. An advertisement left by an earlier round points
-at a server that died with that round's rank 0 (refused) or at a port reused since (another nonce): they read
-again until this round's is there. Everything in the fresh store is this round's by construction.
-
-`key_groups_by_attempt()` is the late fallback for a default group created before that (TorchTitan's stock
-entry point): the ranks agree on a fresh prefix over the default group, and every later group is keyed by it.
-
-Launching torchrun with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (torch's own opt-out) gives the same fresh store
-per round, and is still needed for one case no worker code can reach (torch 2.13): when the rank-0 host
-survives and a new host joins at another rank, the surviving agent does not republish the store address for
-the new round, and the new agent waits for it inside torchrun until its rendezvous read timeout (60 s) and
-exits. `init_process_group` says so once on multi-host jobs that run without the opt-out.
+torchrun's agent hosts one TCPStore for the whole job (`TORCHELASTIC_USE_AGENT_STORE=True`) and torch >= 2.5 no
+longer prefixes the workers' keys by round (pytorch/pytorch#135712), so a restarted round reads the previous
+round's keys (gloo "connectFullMesh failed ... Connection refused", or a hang). TORCHELASTIC_RESTART_COUNT is no
+fix (each agent counts its own restarts). `key_rendezvous_by_attempt()` gives each rendezvous a store of its own
+round: rank 0 starts a fresh TCPStore and advertises "port nonce" in the agent's store; the others connect and
+accept it only if it holds that nonce. `key_groups_by_attempt()` is the late fallback for a default group created
+before that. `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` is still needed when the rank-0 host survives and a new host
+joins (torch 2.13): `init_process_group` says so once on multi-host jobs.
 """
 
 from __future__ import annotations

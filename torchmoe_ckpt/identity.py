@@ -1,17 +1,9 @@
 """Run identity: what makes a checkpointed state belong to one training run.
 
-A window is loaded only into the run that wrote it. The identity is the explicit run id plus a fingerprint
-(SHA-256 of a canonical JSON) of its parts: operator names, every model tensor's name, global shape and
-dtype, the expert count of every MoE block, the optimizer kind and the hyper-parameters that shape its state
-(betas, eps, weight_decay, amsgrad, ...; not the LR, which a schedule changes anyway), the compute dtype,
-the world size and mesh layout (HSDP replicate degree), the seed the process gave torch (`process_seed`: a
-relaunch with another seed is another run, whether or not the caller names its data), and a data identity
-when the caller gives one (the dataset and order; TorchTitan and the harness always do).
-The parts are kept next to the fingerprint in every manifest, so a mismatch is *named*
-("expert count 4 != 8 in layers.0.moe", "world size 2 != 4") instead of surfacing later as a bad load.
-
-What may legitimately change between attempts is not in the fingerprint: more steps, another LR or LR
-schedule (`free` parts: recorded and reported in the log when they changed, never refused).
+The run id plus a fingerprint (SHA-256 of canonical JSON) of its parts: operators, every tensor's name, shape and
+dtype, expert counts, the optimizer kind and state-shaping hyper-parameters (not the LR), compute dtype, world
+size and HSDP degree, the process seed and the caller's data identity. The parts are kept in every manifest so
+a mismatch is *named* ("world size 2 != 4"). `free` parts (steps, LRs) may change and are only reported.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """`torchmoe-ckpt inspect` and `verify`: what a checkpoint location holds, and whether every byte verifies.
 
-A location is a run directory in the layout every tier writes (storage/layout.py: `window-N/` with one
-`MANIFEST.<writer>.json` per writer) -- a host tier's `<root>/node-N/<run>`, an object store's `<uri>/<run>`, a
-DCP user's base path -- or a directory above several of them; or an object store in the tensorstore format
-(`<run>/<writer>/window-N/` OCDBT databases). It is read through fsspec (and tensorstore) with the storage
-options given; each writer's copy is checked by the tiers' own code (storage/window_tier.py: every file against
-its manifest, where every slot file sits). Dense exports (`step-N` directories with DCP's `.metadata`) found
-under the location are listed too."""
+A location is a run directory in the tiers' layout (storage/layout.py), a directory above several runs, or an
+object store in the tensorstore format, read through fsspec; each writer's copy is checked by the tiers' own
+code (storage/window_tier.py). Dense exports (`step-N` directories with DCP's `.metadata`) are listed too."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
-"""Pipeline-parallel stage I/O with boundary logging: where a stage's boundary tensors come from and go to,
-the explicit GPipe/1F1B action order, and what localized recovery needs from a stage trainer.
+"""Pipeline-parallel stage I/O with boundary logging: where a stage's boundary tensors come from and go to, the
+explicit GPipe/1F1B action order, and what localized recovery needs from a stage trainer (`StageReplayable`).
 
-Why an explicit schedule rather than `torch.distributed.pipelining`'s ScheduleGPipe/Schedule1F1B (for
-those, see `pipeline_stock.py`): a localized replay runs *one* stage (or a contiguous run of stages) with
-its inputs taken from the neighbours' logs instead of live sends, and must do bit-for-bit the arithmetic of
-the original iteration. A stage trainer written on these pieces runs an explicit action list over gloo
-isend/recv, with one I/O object per direction that is either a live neighbour (`Peer`), a neighbour's log
-(`Logged`), or nothing. Both schedules run micro-batch forwards in order 0..M-1 and backwards in order
-0..M-1, so gradients accumulate in the same order: GPipe and 1F1B give identical results, and a replay may
-use either. `pipeline_recovery` drives any trainer that satisfies `StageReplayable` (the harness's
-`torchmoe_harness.pipeline_trainer.StageTrainer` is one).
+An explicit schedule (stock schedules: `pipeline_stock.py`) lets a replay run one stage, or a run of stages, with
+inputs from the neighbours' logs (`Logged`) instead of live sends (`Peer`), doing bit-for-bit the original
+arithmetic. Both schedules run forwards and backwards in micro-batch order, so they give identical results.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Stage-boundary log (upstream logging): what a pipeline stage sends, kept on the sender in host memory.
 
-Every activation a stage sends forward and every gradient it sends backward is logged, tagged
-(iteration, micro-batch, direction), plus one small per-iteration record (the global gradient norm and
-the loss), so that a failed neighbour can replay its window alone. The copy runs off the training thread:
-`record()` only accounts the bytes and queues the tensor (a sent tensor is never modified afterwards);
-a writer thread copies it into a file under `dir`, which should be host memory that outlives the worker
-process (a /dev/shm directory survives a torchrun restart; a lost node takes it with it). Each file is
-written to a temporary name and renamed, so a reader never sees a torn entry.
-
-Collection: `collect(upto)` deletes every entry of iterations <= upto. The caller calls it when a newer
-window commits, with the start of the oldest window any stage may still recover from.
-
-Bound: `max_bytes` caps the logged bytes held (written or queued). When an iteration's entry would pass
-it, logging stops for the rest of that window (`event=pp_log_overflow`); the iterations from then on are
-recorded as a gap, training is never blocked or slowed, and a failure whose replay needs an iteration in
-the gap falls back to global recovery from the window (`event=pp_recovery mode=global reason=...`).
-Logging resumes once a collection brings the held bytes back under the bound.
+Every activation sent forward and gradient sent backward is logged, tagged (iteration, micro-batch, direction),
+plus a per-iteration record (global gradient norm, loss), so a failed neighbour can replay alone. `record()` only
+queues; a writer thread writes each entry to a temporary name under `dir` (host memory that outlives the worker,
+e.g. /dev/shm) and renames it. `collect(upto)` deletes iterations <= upto. When an entry would pass `max_bytes`,
+logging stops until the next collection (`event=pp_log_overflow`): training is never slowed, and a failure that
+needs an iteration in the gap recovers globally.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
-"""Localized recovery for pipeline stages (MoEvement §3.4 and Appendix A).
+"""Localized recovery for pipeline stages (MoEvement section 3.4 and Appendix A).
 
-Planning is a pure function of what every stage reports after a failure: healthy (its live state at
-iteration T is intact) or failed, the committed windows it can load, and what its boundary log holds.
-
-* Failed stages form maximal contiguous segments. Each segment recovers on its own, in parallel with the
-  others: its stages load the newest window common to them (start t0), replay t0+1..t0+W-1 with
-  sparse-to-dense conversion and then t0+W..T as plain replay, taking the activations entering the
-  segment from the upstream border stage's log and the gradients entering it from the downstream border
-  stage's log (and the global grad norm and loss from a border's per-iteration record). Inside a segment
-  the stages exchange tensors live, as in training. Healthy stages wait, state untouched: zero
-  recomputation.
-* A failure while a recovery runs (a segment stage, or a healthy stage next to one) ends that attempt; the
-  next attempt plans again from the reported state, so the segment grows to include it and its recovery
-  restarts from the window common to the larger segment. A recovering stage never reports itself healthy
-  before its recovery completed everywhere.
-* Global recovery (every stage rolls back to the newest window common to all and replays it jointly) when
-  no stage is healthy (no live neighbour), when healthy stages stopped at different iterations, when a
-  segment has no common window, or when a border log misses an iteration the replay needs (log bound hit
-  or log lost). The reason is logged (`event=pp_recovery mode=global reason=...`).
+A pure plan from what every stage reports after a failure (healthy or not, its committed windows, its boundary
+log). Failed stages form contiguous segments; each loads the newest window common to its stages and replays to
+the healthy stages' iteration, its border inputs taken from the neighbours' logs, while healthy stages wait.
+Global recovery (every stage rolls back to a common window) when no stage is healthy, healthy stages stopped at
+different iterations, a segment has no common window, or a border log misses an iteration
+(`event=pp_recovery mode=global reason=...`).
 """
 
 from __future__ import annotations

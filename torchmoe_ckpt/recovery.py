@@ -1,7 +1,5 @@
-"""The recovery sequence, written once: find the newest window every rank can get from the tiers (host
-memory, then peers, then the object store), verify it, and convert it to the dense state by replay.
-
-The harness, TorchTitan's trainer and the own-loop `Checkpointer` all call `recover`.
+"""The recovery sequence, written once (harness, TorchTitan and `Checkpointer` call `recover`): find the newest
+window every rank can get from the tiers, verify it, and convert it to the dense state by replay.
 """
 
 from __future__ import annotations

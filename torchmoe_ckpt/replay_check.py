@@ -1,15 +1,9 @@
 """How a replayed iteration is checked against the original run: the policy, its bound, and the up-front check.
 
-"exact" (the default): every replayed loss -- and gradient norm, where the trainer recomputes it -- equals the
-logged one bit for bit. On CPU that holds by construction. On CUDA it needs deterministic kernels (atomics in
-`index_add_`/`scatter_add_`, attention backward and cuBLAS workspaces otherwise change the summation order from
-run to run), so building a checkpointer for a CUDA model with "exact" refuses, in one line, unless
-`torch.use_deterministic_algorithms(True)` is on and `CUBLAS_WORKSPACE_CONFIG` is set.
-
-"tolerant" (MoEvement's stance): a replay is accepted when every loss and gradient norm stays within
-`tolerance` (relative) of the logged value; the recovery is then reported as approximate, with the largest
-deviation seen. The bound must stay far below what a wrong batch does to the loss: a window replayed with another
-run's or another data order's batches is refused in both modes. The default and how it was chosen: docs/gpu.md.
+"exact" (default): every replayed loss (and gradient norm, where recomputed) equals the logged one bit for bit;
+on CUDA that needs deterministic kernels, so "exact" on a CUDA model is refused unless they are on.
+"tolerant": accepted within a relative `tolerance`, reported as approximate with the largest deviation; the
+bound stays far below what a wrong batch does (docs/gpu.md).
 """
 
 from __future__ import annotations

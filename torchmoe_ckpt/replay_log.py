@@ -1,15 +1,8 @@
-"""Per-iteration record of what exact replay needs.
-
-Frozen operators compute no trustworthy weight gradients during replay, so the global gradient norm used
-for clipping cannot be recomputed: it is logged. The batch, RNG state (CPU and device generators: rng.py) and
-LR are logged too, and the loss is kept so that every replayed iteration is checked against the original
-(bit for bit, or within a stated bound: replay_check.py). Every tensor of a record is a host tensor; on a GPU
-it is filled by an asynchronous copy that has landed once the slot copy of its iteration is done.
-
-Replay applies the *logged* learning rates and other hyper-parameters (every param group of every optimizer:
-momentum and betas that a OneCycleLR cycles, a weight decay changed by hand), not the schedule's: a run extended
-with more steps or a changed schedule has another schedule now, but the iterations being replayed used the old
-one."""
+"""Per-iteration record of what exact replay needs: the global gradient norm (frozen operators cannot recompute
+it), the batch, RNG states (rng.py), every param group's LR and hyper-parameters, and the loss to check the
+replay against. Replay applies the *logged* hyper-parameters, not the schedule's (a changed schedule applies only
+to new iterations). On a GPU the host tensors are filled by asynchronous copies.
+"""
 
 from __future__ import annotations
 

@@ -1,32 +1,11 @@
 """Sparse-to-dense conversion: rebuild the exact dense training state from one committed window.
 
-Load slot 0: its active operators get their full state (they are ACTIVE from now on), the others get slot
-0's compute weights (FROZEN). Replay iteration t0+1 with the logged batch, RNG state and gradient norm;
-ACTIVE operators take their optimizer step exactly as in the original run. Load slot 1: more operators
-become ACTIVE, the still-FROZEN ones get slot 1's compute weights. ... After slot W-1 is loaded every
-operator holds its exact state at iteration t0+W-1: W-1 replayed iterations in all.
-
-Why it is bit-exact: during replay every forward uses, for every operator, exactly the weights of the
-original iteration (replayed or loaded), so activations, losses and all gradients are identical. Weight
-gradients are still computed for FROZEN operators and reduced in the unchanged FSDP layout (changing the
-reduce-scatter layout changes the summation order with >= 3 ranks). Their optimizer update is computed on
-the whole grouped tensor too, but it lands only on FROZEN slices, which the next slot overwrites ("masked"):
-that is exact for updates that do not couple elements across operators, which `optim_state` checks per
-optimizer up front (Adam/AdamW/SGD are elementwise; Muon couples whole matrices, Adafactor whole tensors, so
-tensors cut into several operators are refused for them).
-
-Each replayed iteration also tells the trainer which operators are FROZEN in it (`Replay.frozen`): a trainer may
-skip their weight gradients (MoEvement's frozen execution: forward and input gradients only), since whatever
-their slices receive is overwritten by a later slot. The harness does for expert slices (model.expert_mlp);
-a trainer that ignores the set replays exactly as before.
-
-`replay_slots` runs the conversion over any consecutive slots that activate every operator once: a committed
-window, or with sliding plans (SparseConfig.sliding) the newest W slots across a window boundary.
-
-The report splits the recovery's time into phases (`RecoveryReport.phases`, the status line and the
-checkpointer's stats): rebuild (optimizer state allocated for in-place loads), load (slot bytes copied into the
-live tensors) and replay; `recover` adds find (the window located, checked, fetched from a tier) and the
-checkpointer redo (iterations after the recovered step trained again).
+Load slot 0 (its active operators get their full state, the others its compute weights: FROZEN), replay the
+next iteration with the logged batch, RNG state and gradient norm, load slot 1, ... until every operator is
+active at iteration t0+W-1. Bit-exact because every forward uses exactly the original iteration's weights;
+FROZEN operators' updates land only on slices the next slot overwrites, which is exact for elementwise
+optimizers (`optim_state` refuses the others for split tensors). `Replay.frozen` lets a trainer skip their
+weight gradients. The report splits the time into phases (rebuild, load, replay; `recover` adds more).
 """
 
 from __future__ import annotations

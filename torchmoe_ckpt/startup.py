@@ -1,14 +1,8 @@
-"""The start-up sequence, written once: who this run is, its storage tiers, the recovery, the checkpointer.
-
-    own loop    checkpointer.Checkpointer.resume            ┐
-    TorchTitan  titan_integration.sparse_trainer.train      ├─> start():  identity -> tiers -> recovery -> log
-    harness     torchmoe_harness.scenario                   ┘              -> SparseCheckpointer (windows from here on)
-
-Every entry point calls `start` and passes what genuinely differs as parameters: what the run identity also
-names (`data`, `seed`, `steps`), how a recovery is checked, and three hooks -- `on_tiers` (the harness damages
-copies once the tiers are open), `recover_with` (a recovery of another kind: TorchTitan's pipeline stages, a JIT
-copy, the in-memory window of an emulated crash without tiers) and `cold_start` (the trainer to start over with
-when nothing was recovered, when recovery was tried on one with other initial weights). Collective.
+"""The start-up sequence, written once for every entry point (own loop, TorchTitan, harness): who this run is,
+its storage tiers, the recovery, the checkpointer. What differs is passed as parameters: identity parts (`data`,
+`seed`, `steps`), the recovery check, and three hooks: `on_tiers` (the harness damages copies), `recover_with`
+(a recovery of another kind: pipeline stages, a JIT copy, an in-memory window) and `cold_start` (the trainer to
+start over with when nothing was recovered). Collective.
 """
 
 from __future__ import annotations

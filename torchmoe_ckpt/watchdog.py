@@ -1,29 +1,12 @@
 """Hung-collective watchdog: turn a collective that never completes into a prompt, logged process exit.
 
-A frozen or dead peer leaves every other rank blocked inside a collective. gloo gives up only after the
-process group's timeout (30 min by default; NCCL's own watchdog 10 min), and until then the job hangs:
-torchrun's agent only restarts on a *failed* worker. The training loop marks regions that issue
-collectives:
-
-    wd = CollectiveWatchdog(timeout_s=30)
-    with wd.watch("train_step 12"):
-        trainer.train_step()
-
-A daemon thread sleeps until the oldest open region's deadline. When a region outlives `timeout_s` it
-writes one line to stderr, `event=hang rank=R op="train_step 12" waited_s=30.002 timeout_s=30 ...`, dumps
-every thread's Python stack, tries to abort the process groups (bounded: gloo's abort is best effort),
-and `os._exit(EXIT_HANG)`. torchrun sees a failed worker, stops the others and, with --max-restarts,
-restarts every worker, which then resume from the checkpoint tiers. A frozen (SIGSTOPped) peer does not act
-on torchrun's SIGTERM; the stop guard below SIGKILLs it so the restart need not wait torchrun's 30 s grace.
-
-An exception raised inside a watched region by torch.distributed (a gloo timeout, a peer that reset the
-connection) also ends the process, with `event=collective_error` and EXIT_COLLECTIVE_ERROR: unwinding
-normally could block at interpreter exit on a background thread that waits on the same dead peer.
-Other exceptions (the scenario's simulated crashes) propagate unchanged.
-
-timeout_s=None switches the watchdog off: watch() then costs one attribute check. A region may have a longer
-bound of its own (`watch(op, timeout_s=...)`): the recovery and the first step after a start, an exit that
-waits for uploads.
+A frozen or dead peer leaves every other rank blocked in a collective until the process group's timeout, and
+torchrun only restarts a *failed* worker. Regions that issue collectives run under `wd.watch(op)`; a daemon
+thread sleeps until the oldest open region's deadline and, past it, writes one `event=hang` line to stderr,
+dumps every thread's stack, tries to abort the process groups (bounded) and exits with EXIT_HANG, so torchrun
+restarts the job. torch.distributed errors raised inside a region (a gloo timeout, a reset connection) also end
+the process (`event=collective_error`): unwinding could block at exit on a thread waiting on the dead peer.
+timeout_s=None switches it off; a region may have its own, longer bound (`watch(op, timeout_s=...)`).
 """
 
 from __future__ import annotations
@@ -45,12 +28,9 @@ EXIT_HANG = 124  # like coreutils' timeout(1): "the command timed out"
 EXIT_COLLECTIVE_ERROR = 125  # torch.distributed raised inside a watched region
 ABORT_WAIT_S = 2.0  # how long the process-group abort may take before we exit regardless
 
-# The stop guard: torchrun stops workers by killpg(SIGTERM), waits, then SIGKILLs -- and on a *restart*
-# torch 2.13 waits a fixed 30 s (LocalElasticAgent._stop_workers calls _shutdown() with its default;
-# --shutdown-timeout / TORCH_ELASTIC_SHUTDOWN_TIMEOUT only apply to the final shutdown). A SIGSTOPped worker
-# never acts on SIGTERM (a stopped process only reacts to SIGKILL and SIGCONT), so a frozen peer would cost
-# every restart 30 s. This tiny process sits in the worker's process group, gets the same SIGTERM, and
-# SIGKILLs the worker at once if it is stopped, else after `grace` seconds if it has not exited by itself.
+# The stop guard: on a restart torchrun (2.13) sends killpg(SIGTERM) and waits a fixed 30 s before SIGKILL, and a
+# SIGSTOPped worker never acts on SIGTERM. This tiny process in the worker's process group gets the same SIGTERM
+# and SIGKILLs the worker at once if it is stopped, else after `grace` seconds if it has not exited by itself.
 _GUARD = r"""
 import os, signal, sys, time
 pid, grace = int(sys.argv[1]), float(sys.argv[2])
@@ -125,11 +105,8 @@ def _is_dist_error(exc: BaseException) -> bool:
 
 
 def abort_process_groups() -> str:
-    """Abort every process group if this torch can; returns what happened (for the log line).
-
-    torch 2.13 has `distributed_c10d._abort_process_group()` (documented as NCCL-only, experimental) and
-    `ProcessGroup.abort()`; for gloo neither is guaranteed to unblock a pending collective, so the caller
-    runs this in a helper thread and exits after ABORT_WAIT_S whatever it does."""
+    """Abort every process group if this torch can; returns what happened (for the log line). For gloo nothing
+    is guaranteed to unblock a pending collective: the caller runs this in a thread, bounded by ABORT_WAIT_S."""
     try:
         dist = _dist()
         if dist is None or not (dist.is_available() and dist.is_initialized()):
@@ -172,13 +149,11 @@ class CollectiveWatchdog:
         self.exit_on_dist_error = exit_on_dist_error
         self.stop_guard_s = stop_guard_s  # None: no stop guard
         self.guard: subprocess.Popen | None = None
-        # Called with the event record (event, rank, op, ...) before the abort and exit, on the thread that
-        # detected the failure: the watchdog thread for a hang, the watched thread for a collective error.
-        # A hook must not issue collectives (the peers are gone); jit.py saves the rank's state here.
+        # Called with the event record before the abort and exit, on the thread that detected the failure; a
+        # hook must not issue collectives (the peers are gone). jit.py saves the rank's state here.
         self.on_failure: list[Callable[[dict], None]] = []
         self._cv = threading.Condition()
-        self._open: dict[int, tuple[str, float, float]] = {}  # token -> (op, start, timeout); threads may watch
-        # concurrently
+        self._open: dict[int, tuple[str, float, float]] = {}  # token -> (op, start, timeout), from any thread
         self._next = 0
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -194,8 +169,7 @@ class CollectiveWatchdog:
 
     @contextmanager
     def watch(self, op: str, timeout_s: float | None = None) -> Iterator[None]:
-        """Watch the region `op`; `timeout_s`: its own bound (default: the watchdog's). A no-op when the
-        watchdog is off."""
+        """Watch the region `op`; `timeout_s`: its own bound (default: the watchdog's). A no-op when off."""
         if self.timeout_s is None:
             yield
             return
@@ -241,7 +215,6 @@ class CollectiveWatchdog:
         if self._thread is not None:
             self._thread.join(timeout=1.0)
 
-    # ---- the watchdog thread -------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
         if self._thread is None:
             if self.stop_guard_s is not None:
@@ -263,8 +236,7 @@ class CollectiveWatchdog:
                 break
             else:
                 return
-        # Outside the lock: a region finishing right now cannot save the process any more, and _fail must
-        # not hold a lock the main thread might need to unwind.
+        # Outside the lock: _fail must not hold a lock the main thread might need to unwind.
         self._fail("hang", op, time.monotonic() - start, self.exit_code, limit=limit)
 
     def _fail(
@@ -286,13 +258,10 @@ class CollectiveWatchdog:
         if error:
             rec["error"] = error
         # os.write on fd 2, not logging/print: another thread may hold the stream's lock while stuck
-        _write(
-            2,
-            " ".join(
-                f"{k}={json.dumps(v) if isinstance(v, str) and (' ' in v or not v) else v}" for k, v in rec.items()
-            )
-            + "\n",
+        line = " ".join(
+            f"{k}={json.dumps(v) if isinstance(v, str) and (' ' in v or not v) else v}" for k, v in rec.items()
         )
+        _write(2, line + "\n")
         if self.events_path:
             try:
                 fd = os.open(self.events_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -342,6 +311,6 @@ def read_events(path: str | os.PathLike | None) -> list[dict]:
     for line in open(path):
         try:
             out.append(json.loads(line))
-        except ValueError:
-            continue  # a line torn by the exit itself
+        except ValueError:  # a line torn by the exit itself
+            pass
     return out
