@@ -46,8 +46,8 @@ _rendezvous_count = itertools.count()  # process groups rendezvoused by this pro
 
 
 def restart_attempt() -> int:
-    """How often this host's torchrun agent restarted its workers (0 = the first launch, or not under
-    torchrun). Per agent: a host that joined later counts from 0, so it names no round the job shares."""
+    """How often this host's torchrun agent restarted its workers (0: the first launch, or not under torchrun).
+    Per agent: a host that joined later counts from 0."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
@@ -58,10 +58,8 @@ def _shared_agent_store() -> bool:
 def round_store(
     agent_store: dist.Store, host: str, rank: int, world_size: int, timeout: timedelta, seq: int = 0
 ) -> dist.Store:
-    """A store that holds only this rendezvous round's keys, found through `agent_store` (see the module doc).
-    Collective in effect: every rank of the round calls it for the same process group. `seq`: which process
-    group rendezvous of this process it is (0, 1, ...; the same on every rank), so a second one in the same
-    round never takes the first one's store."""
+    """A store that holds only this rendezvous round's keys, found through `agent_store` (module doc). Collective
+    in effect. `seq`: which rendezvous of this process it is (the same on every rank), so each gets its own."""
     key = f"{ROUND_STORE_KEY}/{seq}"
     if rank == 0:
         store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
@@ -97,10 +95,8 @@ def _connect_if_fresh(host: str, port: int, world_size: int, nonce: str) -> dist
 
 
 def key_rendezvous_by_attempt() -> None:
-    """From now on, every process group created through env:// or tcp:// rendezvous in this process gets a
-    store of its own rendezvous round (no effect without torchrun's shared agent store, where torch already
-    makes a fresh store per round). Idempotent; every rank must do the same, which it does when every rank
-    runs the same code."""
+    """From now on, every process group created through env:// or tcp:// rendezvous gets a store of its own round
+    (only with torchrun's shared agent store). Idempotent; every rank must do the same."""
     create = rdzv._create_c10d_store
     if getattr(create, "torchmoe_keyed", False):
         return
@@ -121,27 +117,23 @@ _late_keyed: list = []  # the default group keyed by key_groups_by_attempt (pybi
 
 
 def default_group_keyed() -> bool:
-    """Whether the default group's keys are this round's own: its rendezvous went through a round store, it
-    was keyed late, or there is no shared agent store (then each round has a fresh store). True before any
-    group exists."""
+    """Whether the default group's keys are this round's own (round store, keyed late, or no shared agent store).
+    True before any group exists."""
     if not dist.is_initialized() or not _shared_agent_store():
         return True
     return bool(getattr(rdzv._create_c10d_store, "used", False)) or c10d._get_default_group() in _late_keyed
 
 
 def key_groups_by_attempt() -> bool:
-    """For a default group that was created before `key_rendezvous_by_attempt` (TorchTitan's stock entry point
-    sets it up before any override module is imported): key every sub-group created from now on by a prefix
-    the ranks of this round agree on (rank 0's nonce, broadcast over the default group). Returns True when it
-    had to (the default group itself was not keyed: its own rendezvous could have read an earlier round's
-    keys). Every rank must call it at the same point, as every rank does."""
+    """For a default group created before `key_rendezvous_by_attempt` (TorchTitan's stock entry point): key every
+    later sub-group by a prefix the round's ranks agree on (rank 0's nonce, broadcast). Returns True when it had
+    to. Every rank must call it at the same point."""
     key_rendezvous_by_attempt()
     if default_group_keyed():
         return False
     pg = c10d._get_default_group()
     nonce = [uuid.uuid4().hex]
-    # Once, at start, on the default group (NCCL on a GPU job: TorchTitan set the device): its store may hold an
-    # earlier round's keys, so a new group could not be trusted to carry the nonce; the group itself works.
+    # On the default group itself: its store may hold an earlier round's keys, so a new group could not be trusted.
     dist.broadcast_object_list(nonce, src=0)
     backend, store = c10d._world.pg_map[pg]
     c10d._world.pg_map[pg] = (backend, dist.PrefixStore(f"/torchmoe/round-{nonce[0]}", store))
@@ -150,8 +142,7 @@ def key_groups_by_attempt() -> bool:
 
 
 def default_backend() -> str:
-    """gloo on CPU. With CUDA: NCCL for CUDA tensors and gloo for CPU tensors in one default group, so the user's
-    own CPU collectives (all_gather_object of a small dict, a barrier on CPU) keep working next to NCCL."""
+    """gloo on CPU; with CUDA, NCCL for CUDA tensors and gloo for CPU tensors (the user's CPU collectives work)."""
     return "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
 
 
@@ -167,9 +158,7 @@ def _warn_shared_store_multi_host() -> None:
 
 def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> tuple[int, int]:
     """Initialise the default process group from torchrun's environment, safely across restarts, and return
-    (rank, world size). Without torchrun's variables it makes a one-process group, so the same script runs
-    as `python script.py`. `backend`: `default_backend()` (gloo on CPU, "cuda:nccl,cpu:gloo" with CUDA, this
-    process's GPU set to LOCAL_RANK first, as NCCL needs). Idempotent."""
+    (rank, world size); without torchrun, a one-process group. `backend`: `default_backend()`. Idempotent."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     backend = backend or default_backend()
@@ -186,22 +175,14 @@ def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> 
     return dist.get_rank(), dist.get_world_size()
 
 
-# ---- the library's own gloo groups ---------------------------------------------------------------------------
-# Every collective the library issues itself (window agreements, operator sizes, routed-token sums, recovery's
-# gathers) carries a few CPU numbers. On a GPU job the default group -- and any group the user passes -- is
-# NCCL, which refuses CPU tensors (and would queue them behind the training's GPU collectives), so the library
-# runs them on gloo groups of its own: one over every rank, and one per distinct rank set the caller plans
-# over. Created on first use through `new_group`, i.e. keyed under the default group's store exactly like every
-# other sub-group (a store of its rendezvous round across torchrun restarts, see above), and again after a new
-# default group.
+# The library's own collectives carry a few CPU numbers; on a GPU job the default group is NCCL, which refuses
+# CPU tensors, so they run on gloo groups of the library's own (one per rank set), made again after a new default.
 _owned: dict = {"default": None, "groups": {}}
 
 
 def library_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
-    """The gloo group over the ranks of `group` (None or the default group: every rank) that the library's own
-    collectives run on; never `group` itself. None without a process group. The first call for a rank set is
-    collective over its ranks (every library collective is such a point: each member gets there in the same
-    order); later calls return the same group until the default group is replaced."""
+    """The gloo group over the ranks of `group` (None: every rank) for the library's own collectives; None without
+    a process group. The first call for a rank set is collective over its ranks."""
     if not dist.is_initialized():
         return None
     default = c10d._get_default_group()
@@ -212,8 +193,7 @@ def library_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup |
         ranks = None
     groups = _owned["groups"]
     if ranks not in groups:
-        # A sub-group mirror synchronises only its members (other ranks never come here); its name is hashed from
-        # the ranks and the number of groups this process made, the same on members that run the same program.
+        # A sub-group mirror synchronises only its members (other ranks never come here).
         groups[ranks] = (
             dist.new_group(backend="gloo")
             if ranks is None

@@ -57,7 +57,6 @@ class BoundaryLog:
         self._thread = threading.Thread(target=self._run, name="tmoe-pp-log", daemon=True)
         self._thread.start()
 
-    # ---- training thread -----------------------------------------------------------------------------
     def record(self, it: int, mb: int, direction: str, tensor: torch.Tensor) -> None:
         """Log what this stage sends for (iteration, micro-batch, direction)."""
         if direction not in DIRECTIONS:
@@ -65,9 +64,8 @@ class BoundaryLog:
         self._put(it, entry_name(it, mb, direction), tensor.detach())
 
     def record_meta(self, it: int, grad_norm: torch.Tensor, loss: torch.Tensor) -> None:
-        """The scalars a replaying neighbour cannot recompute alone: the global gradient norm (clipping) and
-        the loss (to verify a replayed last stage). Written after the iteration's entries: it marks the
-        iteration complete on this stage."""
+        """The global gradient norm and loss, which a replaying neighbour cannot recompute alone; written after
+        the iteration's entries, it marks the iteration complete on this stage."""
         self._put(it, meta_name(it), {"grad_norm": grad_norm.detach().clone(), "loss": loss.detach().clone()})
 
     def _put(self, it: int, name: str, obj) -> None:
@@ -78,13 +76,9 @@ class BoundaryLog:
             self.gap_from = it
             self.overflows += 1
             log.warning(
-                "event=pp_log_overflow dir=%s iteration=%d held_bytes=%d max_bytes=%d: logging stops "
-                "until the next window commits; a failure needing iteration >= %d recovers globally",
-                self.dir,
-                it,
-                self.held_bytes,
-                self.max_bytes,
-                it,
+                f"event=pp_log_overflow dir={self.dir} iteration={it} held_bytes={self.held_bytes} max_bytes="
+                f"{self.max_bytes}: logging stops until the next window commits; a failure needing iteration >= {it} "
+                "recovers globally"
             )
             return
         old = self._sizes.get(name, 0)  # a re-logged entry (replay) replaces the old one
@@ -94,16 +88,24 @@ class BoundaryLog:
         self.entries += 1
         self._jobs.put((name, obj, n))
 
-    def collect(self, upto: int) -> int:
-        """Delete entries of iterations <= upto (their window is superseded). Returns bytes freed."""
+    def _delete(self, drop) -> int:
+        """Delete the entries of the iterations `drop(it)` names; returns the bytes freed."""
         self.flush()
         freed = 0
         for p in list(self.dir.iterdir()):
             it = _iteration_of(p.name)
-            if it is not None and it <= upto:
-                freed += self._sizes.pop(p.name, 0)
+            if it is not None and drop(it):
+                n = self._sizes.pop(p.name, 0)
+                freed += n
+                if it in self.bytes_by_iteration:
+                    self.bytes_by_iteration[it] -= n
                 p.unlink(missing_ok=True)
         self.held_bytes = max(0, self.held_bytes - freed)
+        return freed
+
+    def collect(self, upto: int) -> int:
+        """Delete entries of iterations <= upto (their window is superseded). Returns bytes freed."""
+        freed = self._delete(lambda i: i <= upto)
         for it in [i for i in self.bytes_by_iteration if i <= upto]:
             del self.bytes_by_iteration[it]
         if self.gap_from is not None and (self.max_bytes is None or self.held_bytes < self.max_bytes):
@@ -113,15 +115,7 @@ class BoundaryLog:
 
     def drop_from(self, it: int) -> None:
         """Forget entries of iterations >= it (a recovered stage re-logs them while it replays)."""
-        self.flush()
-        for p in list(self.dir.iterdir()):
-            i = _iteration_of(p.name)
-            if i is not None and i >= it:
-                n = self._sizes.pop(p.name, 0)
-                self.held_bytes = max(0, self.held_bytes - n)
-                if i in self.bytes_by_iteration:
-                    self.bytes_by_iteration[i] -= n
-                p.unlink(missing_ok=True)
+        self._delete(lambda i: i >= it)
 
     def clear(self) -> None:
         self.drop_from(0)
@@ -145,7 +139,6 @@ class BoundaryLog:
             "errors": self.errors[-3:],
         }
 
-    # ---- writer thread -------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             job = self._jobs.get()

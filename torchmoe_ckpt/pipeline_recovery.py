@@ -109,14 +109,12 @@ def plan_recovery(statuses: list[StageStatus], log_dirs: list, microbatches: int
         up = a - 1 if a > 0 else None
         down = b + 1 if b < n - 1 else None
         its = range(t0 + 1, target + 1)
-        if up is not None and not LogReader(log_dirs[up]).has(its, microbatches, "fwd"):
-            return global_plan(
-                f"stage {up}'s forward log misses an iteration of {t0 + 1}..{target} (log bound hit or log lost)"
-            )
-        if down is not None and not LogReader(log_dirs[down]).has(its, microbatches, "bwd"):
-            return global_plan(
-                f"stage {down}'s backward log misses an iteration of {t0 + 1}..{target} (log bound hit or log lost)"
-            )
+        for border, direction, word in ((up, "fwd", "forward"), (down, "bwd", "backward")):
+            if border is not None and not LogReader(log_dirs[border]).has(its, microbatches, direction):
+                why = (
+                    f"stage {border}'s {word} log misses an iteration of {t0 + 1}..{target} (log bound hit or log lost)"
+                )
+                return global_plan(why)
         segments.append(Segment(a, b, wid, t0, up, down))
     return RecoveryPlan(
         "local",
@@ -167,15 +165,8 @@ def recover_in_segment(trainer: StageReplayable, window, seg: Segment, target: i
         seconds=time.perf_counter() - t_start,
     )
     log.info(
-        "event=pp_stage_recovered stage=%d segment=%d..%d window=%d t0=%d target=%d replayed=%d seconds=%.3f",
-        trainer.stage,
-        seg.first,
-        seg.last,
-        window.id,
-        window.start_step,
-        target,
-        trainer.replayed_iterations,
-        rep["seconds"],
+        f"event=pp_stage_recovered stage={trainer.stage} segment={seg.first}..{seg.last} window={window.id} "
+        f"t0={window.start_step} target={target} replayed={trainer.replayed_iterations} seconds={rep['seconds']:.3f}"
     )
     return rep
 

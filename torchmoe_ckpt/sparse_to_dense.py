@@ -33,7 +33,6 @@ __all__ = [
     "Replayable",
     "ReplayedStep",
     "init_optimizer_state",
-    "load_window_slot",
     "replay_slots",
     "sparse_to_dense",
 ]
@@ -45,13 +44,9 @@ class ReplayedStep(Protocol):
 
 
 class Replayable(Protocol):
-    """What recovery needs from a trainer. The own-loop `Checkpointer` implements it for any model; the
-    harness Trainer and TorchTitan's `SparseTrainer` (through `TitanReplayable`) implement it for theirs.
-
-    `set_step(n)`: put the iteration counter and the LR schedule where n completed iterations leave them.
-    `train_step(replay)`: run one iteration exactly as training does, except that it takes the batch, the RNG
-    state, the global gradient norm (for clipping) and every param group's LR from `replay` instead of
-    computing them, and it captures no checkpoint. It returns an object with this rank's `loss`."""
+    """What recovery needs from a trainer. `set_step(n)`: the iteration counter and LR schedule where n completed
+    iterations leave them. `train_step(replay)`: one iteration exactly as training runs it, but with the batch,
+    RNG state, gradient norm and every group's LR from `replay`, capturing nothing; returns this rank's `loss`."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -85,11 +80,6 @@ class RecoveryReport:
         return asdict(self)
 
 
-def load_window_slot(slot, access: StateAccess) -> int:
-    """ACTIVE-on-this-slot operators get their full state; later operators get compute weights."""
-    return restore_slot(slot, access)
-
-
 def sparse_to_dense(trainer: Replayable, window, replay_check: ReplayPolicy | None = None) -> RecoveryReport:
     """Run the conversion for `window` (a committed `Window`) on a freshly built trainer; every replayed iteration
     is checked per `replay_check` (default: exact)."""
@@ -108,12 +98,9 @@ def replay_slots(
     label: str,
     replay_check: ReplayPolicy | None = None,
 ) -> RecoveryReport:
-    """The conversion over consecutive slots (slot j holds the state after iteration t0 + j, with its plan's
-    active and frozen sets): a committed window's W slots, or a sliding suffix across two windows. Load slot
-    0; for each next slot replay its iteration with the operators not yet active FROZEN, then load it: full
-    state for the operators it activates, compute weights for those still frozen, nothing for those already
-    active (what it holds of them equals what the replay produced). `record(step)`: the replay record of an
-    iteration. Ends with every operator active at iteration t0 + len(seq) - 1."""
+    """The conversion over consecutive slots (slot j: the state after iteration t0 + j), a committed window's or a
+    sliding suffix across two windows: load slot 0, then per slot replay its iteration with the operators not yet
+    active FROZEN and load it (nothing of operators already active). `record(step)`: an iteration's record."""
     t_start = time.perf_counter()
     access = StateAccess(trainer.model, trainer.optimizer)
     init_optimizer_state(trainer.optimizer)
@@ -134,7 +121,7 @@ def replay_slots(
         l0 = time.perf_counter()
         if active:  # a sliding slot also holds operators active already: leave them as the replay made them
             slot = Slot(slot.index, slot.active, slot.frozen, [it for it in slot.items if it.op not in active])
-        nbytes += load_window_slot(slot, access)
+        nbytes += restore_slot(slot, access)  # full state of the slot's active operators, weights of the others
         load_s += time.perf_counter() - l0
         active |= set(plan.active)
         if i:
@@ -142,19 +129,9 @@ def replay_slots(
     if active != everyone:
         raise ValueError(f"{label}: its slots activate {len(active)} of {len(everyone)} operators; not a window")
     trainer.set_step(t0 + n - 1)
-    rep = RecoveryReport(
-        window_id,
-        n,
-        t0,
-        t0 + n - 1,
-        n - 1,
-        nbytes,
-        time.perf_counter() - t_start,
-        replay_s,
-        **check.report(),
-        load_seconds=load_s,
-        rebuild_seconds=rebuild_s,
-        phases={"rebuild": rebuild_s, "load": load_s, "replay": replay_s},
-    )
+    phases = {"rebuild": rebuild_s, "load": load_s, "replay": replay_s}
+    seconds = time.perf_counter() - t_start
+    rep = RecoveryReport(window_id, n, t0, t0 + n - 1, n - 1, nbytes, seconds, replay_s, **check.report())
+    rep.load_seconds, rep.rebuild_seconds, rep.phases = load_s, rebuild_s, phases
     log.debug("recovered %s", rep.to_dict())
     return rep
