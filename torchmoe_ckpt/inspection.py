@@ -10,13 +10,7 @@ import json
 import re
 
 from .storage.files import StoreFiles
-from .storage.layout import (
-    METADATA,
-    is_internal,
-    parse_manifest_name,
-    parse_window_dirname,
-    writer_rank,
-)
+from .storage.layout import METADATA, is_internal, parse_manifest_name, parse_window_dirname, writer_rank
 from .storage.manifest import WindowManifest, check_window, slot_metadata_file
 from .storage.store_open import explain, open_store
 from .storage.window_tier import WindowTier

@@ -30,6 +30,7 @@ from typing import TypeVar
 import torch
 
 from .config import TierConfig
+from .operators import local_tensor as _local
 from .sparse_to_dense import init_optimizer_state
 from .storage.checksums import crc32_bytes
 from .storage.commit import write_last
@@ -45,10 +46,6 @@ STATE = "state.pt"
 # Accumulated during the forward, consumed and zeroed by the update: zero at the start of any iteration.
 TRANSIENT_BUFFERS = ("tokens_per_expert_E", "router_prob_E")
 LOCK_WAIT_S = 10.0  # an update section is milliseconds of local compute; longer means something is wrong
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def shard_layout(mesh) -> tuple[str, int]:

@@ -27,12 +27,8 @@ __all__ = [
 ]
 
 REPLAY_CHECKS = ("exact", "tolerant")
-# Relative bound of the tolerant check (docs/gpu.md, "Choosing the bound"). Measured: on an H200 (bf16, atomics in
-# the MoE combine, 2 replayed iterations) replayed gradient norms moved by up to 8.3e-4 (and one run of seven past
-# 1e-3, the bound before), losses by up to 1.7e-4; on CPU another reduction order moved losses by 6.5e-8. Another
-# data order's batches moved losses by 0.11 to 0.30 and gradient norms by 0.27 to 0.97 (0.041 on a loss that is
-# 80% data-independent penalty). 1e-2 -- between one and three bf16 roundings -- stays 12x above the GPU figures
-# and 4x to 27x below the wrong-batch ones.
+# Relative bound of the tolerant check: 12x above what non-deterministic GPU kernels moved replays by, 4x to 27x
+# below what another data order's batches did (docs/gpu.md, "Choosing the bound").
 DEFAULT_TOLERANCE = 1e-2
 CUBLAS_CONFIGS = (":4096:8", ":16:8")  # the two workspace settings cuBLAS documents as deterministic
 

@@ -6,7 +6,7 @@ to new iterations). On a GPU the host tensors are filled by asynchronous copies.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -60,18 +60,12 @@ class IterationRecord:
         )
 
     def to_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "tokens": self.tokens,
-            "grad_norm": self.grad_norm,
-            "lr": self.lr,
-            "loss": self.loss,
-            "rng_state": self.rng_state,
-            "loss_scale": self.loss_scale,
-            "lrs": None if self.lrs is None else list(self.lrs),
-            **({"device_rng": self.device_rng} if self.device_rng else {}),  # CPU records stay as they were
-            "hyper": None if self.hyper is None else list(self.hyper),
-        }
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["lrs"] = None if self.lrs is None else list(self.lrs)
+        d["hyper"] = None if self.hyper is None else list(self.hyper)
+        if not self.device_rng:
+            del d["device_rng"]  # CPU records stay as they were
+        return d
 
     @staticmethod
     def from_dict(d: dict) -> IterationRecord:

@@ -192,17 +192,14 @@ class RunStatus:
                 self.say(text + ", none pending" + (f" (waited {waited_s:.1f} s)" if waited_s >= 0.05 else "") + mem)
                 return summ
             label = "windows" if len(self.pending) > 1 else "window"
+            old = self.superseded_count
             self.say(
                 f"{text}, {len(self.pending)} pending ({label} {_ids(self.pending)}) after waiting "
                 f"{waited_s:.1f} s of exit_wait_s = {wait_limit_s:g}; they are in host memory and a "
                 f"run with the same run_id uploads them"
-                + (
-                    f"; {self.superseded_count} older window(s) were superseded by newer ones"
-                    if self.superseded_count
-                    else ""
-                )
+                + (f"; {old} older window(s) were superseded by newer ones" if old else "")
                 + mem,
-                logging.WARNING if self.rank == 0 else logging.DEBUG,
+                self.warn_level,
             )
             return summ
 

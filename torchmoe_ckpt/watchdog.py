@@ -132,20 +132,14 @@ class CollectiveWatchdog:
         timeout_s: float | None,
         *,
         rank: int | None = None,
-        exit_code: int = EXIT_HANG,
         events_path: str | os.PathLike | None = None,
-        dump_stacks: bool = True,
-        abort: bool = True,
         exit_on_dist_error: bool = True,
         stop_guard_s: float | None = 5.0,
     ):
         check_timeout("watchdog timeout_s", timeout_s)
         self.timeout_s = timeout_s
         self.rank = rank
-        self.exit_code = exit_code
         self.events_path = os.fspath(events_path) if events_path else None
-        self.dump_stacks = dump_stacks
-        self.abort = abort
         self.exit_on_dist_error = exit_on_dist_error
         self.stop_guard_s = stop_guard_s  # None: no stop guard
         self.guard: subprocess.Popen | None = None
@@ -157,7 +151,7 @@ class CollectiveWatchdog:
         self._next = 0
         self._closed = False
         self._thread: threading.Thread | None = None
-        # counters (this process; hangs end it, so earlier attempts' hangs are in events_path)
+        # counters of this process (earlier attempts' hangs are in events_path)
         self.regions = 0
         self.max_region_s = 0.0
         self.hangs_detected = 0
@@ -179,19 +173,14 @@ class CollectiveWatchdog:
             token = self._next
             self._next += 1
             self._open[token] = (op, start, self.timeout_s if timeout_s is None else timeout_s)
-            self._cv.notify()  # the thread may be sleeping until a later deadline, or idle
+            self._cv.notify()  # the thread may be sleeping until a later deadline
         try:
             yield
         except BaseException as exc:
             if self.exit_on_dist_error and _is_dist_error(exc):
                 _write(2, "".join(traceback.format_exception(exc)))  # os._exit below skips Python's report
-                self._fail(
-                    "collective_error",
-                    op,
-                    time.monotonic() - start,
-                    EXIT_COLLECTIVE_ERROR,
-                    error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
-                )
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                self._fail("collective_error", op, time.monotonic() - start, error=error)
             raise
         finally:
             with self._cv:
@@ -237,11 +226,10 @@ class CollectiveWatchdog:
             else:
                 return
         # Outside the lock: _fail must not hold a lock the main thread might need to unwind.
-        self._fail("hang", op, time.monotonic() - start, self.exit_code, limit=limit)
+        self._fail("hang", op, time.monotonic() - start, limit=limit)
 
-    def _fail(
-        self, event: str, op: str, waited: float, code: int, error: str | None = None, limit: float | None = None
-    ) -> None:
+    def _fail(self, event: str, op: str, waited: float, error: str | None = None, limit: float | None = None) -> None:
+        code = EXIT_HANG if event == "hang" else EXIT_COLLECTIVE_ERROR
         self.hangs_detected += event == "hang"
         self.last_detect_s = round(waited, 4)
         rank = self.rank if self.rank is not None else _rank()
@@ -275,17 +263,16 @@ class CollectiveWatchdog:
                 hook(dict(rec))
             except BaseException as exc:  # a failing hook must not keep the process from exiting
                 _write(2, f"event=failure_hook_error rank={rank} error={type(exc).__name__}: {exc}\n")
-        if self.dump_stacks and event == "hang":
+        if event == "hang":
             try:
                 faulthandler.dump_traceback(file=2, all_threads=True)
             except Exception:
                 pass
-        if self.abort:
-            result: list[str] = []
-            t = threading.Thread(target=lambda: result.append(abort_process_groups()), daemon=True)
-            t.start()
-            t.join(ABORT_WAIT_S)
-            _write(2, f"event=exit rank={rank} abort={result[0] if result else 'timed_out'} exit_code={code}\n")
+        result: list[str] = []
+        t = threading.Thread(target=lambda: result.append(abort_process_groups()), daemon=True)
+        t.start()
+        t.join(ABORT_WAIT_S)
+        _write(2, f"event=exit rank={rank} abort={result[0] if result else 'timed_out'} exit_code={code}\n")
         os._exit(code)
 
 
