@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import weakref
+from contextlib import suppress
 
 JOIN_S = 10.0
 _OWNERS: weakref.WeakSet = weakref.WeakSet()
@@ -20,7 +21,5 @@ def stop_at_exit(owner) -> None:
 @atexit.register
 def _stop_all() -> None:
     for owner in list(_OWNERS):
-        try:
+        with suppress(Exception):  # exiting anyway: one owner's failure must not keep the others running
             owner.stop(JOIN_S)
-        except Exception:  # exiting anyway: one owner's failure must not keep the others running
-            pass

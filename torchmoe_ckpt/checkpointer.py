@@ -128,28 +128,25 @@ class Checkpointer:
         if self.sparse is not None:
             raise RuntimeError("resume() was already called: call it once, before the first step()")
         with self.watchdog.watch("resume", self._start_timeout_s):  # a peer frozen in recovery ends it too
-            return self._resume()
-
-    def _resume(self) -> int:
-        cfg = self.config
-        started = start(
-            _Replay(self),
-            self.compute_dtype,
-            cfg.window,
-            cfg.tiers,
-            ops=self.ops,
-            data=self.data_identity,
-            seed=self.seed,
-            on_unusable=cfg.on_unusable_checkpoint,
-            replay_check=cfg.replay_policy(),
-            group=self.group,
-            sum_counts=True,  # the routed-token counts of _iteration are this rank's
-        )
-        self.identity, self.tiers, self.resumed = started.identity, started.tiers, started.resumed
-        self.sparse = started.checkpointer
-        if self.resumed is not None:  # handed over: the SparseCheckpointer lets it go at its next commit
-            self.resumed.window = None  # (the report stays; a whole window held all run is host memory)
-        return self.step_count
+            cfg = self.config
+            started = start(
+                _Replay(self),
+                self.compute_dtype,
+                cfg.window,
+                cfg.tiers,
+                ops=self.ops,
+                data=self.data_identity,
+                seed=self.seed,
+                on_unusable=cfg.on_unusable_checkpoint,
+                replay_check=cfg.replay_policy(),
+                group=self.group,
+                sum_counts=True,  # the routed-token counts of _iteration are this rank's
+            )
+            self.identity, self.tiers, self.resumed = started.identity, started.tiers, started.resumed
+            self.sparse = started.checkpointer
+            if self.resumed is not None:  # handed over: the SparseCheckpointer lets it go at its next commit
+                self.resumed.window = None  # (the report stays; a whole window held all run is host memory)
+            return self.step_count
 
     def step(self, batch: Any) -> torch.Tensor:
         """One training iteration on `batch`, checkpointed. Returns this rank's loss (detached)."""

@@ -19,6 +19,7 @@ import os
 import socket
 import time
 import uuid
+from contextlib import suppress
 from datetime import timedelta
 
 import torch
@@ -84,13 +85,11 @@ def round_store(
 
 
 def _connect_if_fresh(host: str, port: int, world_size: int, nonce: str) -> dist.Store | None:
-    try:
+    with suppress(OSError, RuntimeError):  # DistStoreError / DistNetworkError are RuntimeErrors
         socket.create_connection((host, port), timeout=2.0).close()  # refused at once when the server is gone
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=5))
         if store.check([_NONCE_KEY]) and store.get(_NONCE_KEY).decode() == nonce:
             return store
-    except (OSError, RuntimeError):  # DistStoreError / DistNetworkError are RuntimeErrors
-        pass
     return None
 
 

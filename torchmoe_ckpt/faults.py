@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 
 log = logging.getLogger("torchmoe_ckpt.faults")
@@ -98,7 +99,9 @@ def point(name: str) -> None:
             file=sys.stderr,
             flush=True,
         )
-        _write_kill_time(now)
+        if path := _kill_time_file():
+            with suppress(OSError), open(path, "w") as fh:  # only a measurement is lost
+                fh.write(f"{now:.6f}")
         os.kill(os.getpid(), ACTIONS[f.action])
 
 
@@ -109,16 +112,6 @@ def _kill_time_file() -> str | None:
     if not os.path.basename(attempt_dir).startswith("attempt_"):
         return None  # not torchrun's layout: leave nothing anywhere
     return os.path.join(os.path.dirname(attempt_dir), "torchmoe-last-kill.time")
-
-
-def _write_kill_time(now: float) -> None:
-    path = _kill_time_file()
-    if path:
-        try:
-            with open(path, "w") as fh:
-                fh.write(f"{now:.6f}")
-        except OSError:
-            pass  # only a measurement is lost
 
 
 def last_kill_time(consume: bool = False) -> float | None:

@@ -61,61 +61,61 @@ def recover(
     belong to another run raise `IdentityMismatch`; windows all rejected raise `UnusableCheckpointError` with
     `on_unusable="fail"`, or start over with "restart". `watchdog` watches the whole recovery."""
     with watchdog.watch("recovery") if watchdog is not None else nullcontext():
-        return _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity, on_unusable, replay_check)
+        t0 = time.perf_counter()
+        describe_optimizer_state(trainer.model, ops, trainer.optimizer)  # the slots' layout of the optimizer state
+        if identity is None:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            identity = build_identity(trainer.model, trainer.optimizer, compute_dtype, ops, tiers.host.dir.name, world)
+        done: dict = {}
 
+        def replay(window: Window) -> None:
+            done["find"] = time.perf_counter() - t0  # listed, checked, agreed and read from the tier
+            # When every window fails, the caller gets its trainer back as it was, not half-replayed: one host
+            # copy per recovery (a failed window's state is overwritten by the next one's load): "safety_copy".
+            if "saved" not in done:
+                s0 = time.perf_counter()
+                done["saved"] = _snapshot(trainer)
+                done["safety_copy"] = time.perf_counter() - s0
+            if before_replay is not None:
+                before_replay(window)
+            rep = None
+            suffix = _agreed_tail(tiers.host, window, ops, compute_dtype, identity)
+            if suffix is not None:  # sliding plans: on to the last slot every rank wrote of the window after it
+                rep = _replay_suffix(trainer, window, suffix, replay_check)
+            done["report"] = rep if rep is not None else sparse_to_dense(trainer, window, replay_check)
 
-def _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity, on_unusable, replay_check):
-    t0 = time.perf_counter()
-    describe_optimizer_state(trainer.model, ops, trainer.optimizer)  # the slots' layout of the optimizer state
-    if identity is None:
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        identity = build_identity(trainer.model, trainer.optimizer, compute_dtype, ops, tiers.host.dir.name, world)
-    done: dict = {}
-
-    def replay(window: Window) -> None:
-        done["find"] = time.perf_counter() - t0  # listed, checked, agreed and read from the tier
-        # When every window fails, the caller gets its trainer back as it was, not half-replayed: one host copy
-        # per recovery (a failed window's state is overwritten by the next one's load), phase "safety_copy".
-        if "saved" not in done:
-            s0 = time.perf_counter()
-            done["saved"] = _snapshot(trainer)
-            done["safety_copy"] = time.perf_counter() - s0
-        if before_replay is not None:
-            before_replay(window)
-        rep = None
-        suffix = _agreed_tail(tiers.host, window, ops, compute_dtype, identity)
-        if suffix is not None:  # sliding plans: on to the last slot every rank wrote of the window after it
-            rep = _replay_suffix(trainer, window, suffix, replay_check)
-        done["report"] = rep if rep is not None else sparse_to_dense(trainer, window, replay_check)
-
-    window, found = recover_from_tiers(
-        tiers.host, tiers.replicator, ops, compute_dtype, store=tiers.store, identity=identity, use=replay
-    )
-    fetch_s = time.perf_counter() - t0
-    if window is None:
-        if "saved" in done:  # every window tried failed its replay: give the caller its trainer back as it was
-            _restore(trainer, done["saved"])
-        _no_window(found, tiers, identity, rank, on_unusable)
-        return ResumeResult(None, None, dict(found, fetch_seconds=fetch_s))
-    rep = done["report"]
-    rep.phases = {"find": done["find"], "safety_copy": done["safety_copy"], **rep.phases}
-    rep.phases["rebuild"] += max(0.0, fetch_s - done["find"] - done["safety_copy"] - rep.seconds)
-    report = dict(rep.to_dict(), **found, fetch_seconds=fetch_s, total_seconds=time.perf_counter() - t0)
-    if rank == 0:
-        rejected = sorted(w for w in _rejected_windows(found) if w != window.id)  # by any rank (gathered)
-        changed = allowed_changes(_identity_of(tiers, window.id), identity)
-        if changed:
-            report["allowed_changes"] = changed
-            log.info(
-                f"event=allowed_change run={identity.run_id} window={window.id}: {'; '.join(changed)} "
-                "(not part of the run identity: accepted)"
-            )
-        log.info(
-            f"event=recovered run={identity.run_id} window={window.id} source={found.get('source')} steps="
-            f"{rep.start_step}..{rep.recovered_step} replayed={rep.replayed_iterations} bytes={rep.bytes_loaded} "
-            f"seconds={report['total_seconds']:.3f} rejected={rejected or 'none'}: {replay_verdict(report)}"
+        window, found = recover_from_tiers(
+            tiers.host, tiers.replicator, ops, compute_dtype, store=tiers.store, identity=identity, use=replay
         )
-    return ResumeResult(window, rep.recovered_step, report)
+        fetch_s = time.perf_counter() - t0
+        if window is None:
+            if "saved" in done:  # every window tried failed its replay: the caller's trainer back as it was
+                _restore(trainer, done["saved"])
+            _no_window(found, tiers, identity, rank, on_unusable)
+            return ResumeResult(None, None, dict(found, fetch_seconds=fetch_s))
+        rep = done["report"]
+        rep.phases = {"find": done["find"], "safety_copy": done["safety_copy"], **rep.phases}
+        rep.phases["rebuild"] += max(0.0, fetch_s - done["find"] - done["safety_copy"] - rep.seconds)
+        report = dict(rep.to_dict(), **found, fetch_seconds=fetch_s, total_seconds=time.perf_counter() - t0)
+        if rank == 0:
+            rejected = sorted(w for w in _rejected_windows(found) if w != window.id)  # by any rank (gathered)
+            try:
+                written_by = tiers.host.manifest(window.id).identity
+            except (OSError, ValueError):
+                written_by = None
+            changed = allowed_changes(written_by, identity)
+            if changed:
+                report["allowed_changes"] = changed
+                log.info(
+                    f"event=allowed_change run={identity.run_id} window={window.id}: {'; '.join(changed)} "
+                    "(not part of the run identity: accepted)"
+                )
+            log.info(
+                f"event=recovered run={identity.run_id} window={window.id} source={found.get('source')} steps="
+                f"{rep.start_step}..{rep.recovered_step} replayed={rep.replayed_iterations} bytes={rep.bytes_loaded} "
+                f"seconds={report['total_seconds']:.3f} rejected={rejected or 'none'}: {replay_verdict(report)}"
+            )
+        return ResumeResult(window, rep.recovered_step, report)
 
 
 def _agreed_tail(host, window: Window, ops, compute_dtype, identity) -> SlidingSuffix | None:
@@ -153,13 +153,6 @@ def _replay_suffix(trainer, window: Window, suffix: SlidingSuffix, replay_check)
         )
         return None
     return rep
-
-
-def _identity_of(tiers: Tiers, window_id: int) -> dict | None:
-    try:
-        return tiers.host.manifest(window_id).identity
-    except (OSError, ValueError):
-        return None
 
 
 def _no_window(found: dict, tiers: Tiers, identity: RunIdentity, rank: int, on_unusable: str) -> None:

@@ -22,7 +22,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 EXIT_HANG = 124  # like coreutils' timeout(1): "the command timed out"
 EXIT_COLLECTIVE_ERROR = 125  # torch.distributed raised inside a watched region
@@ -83,12 +83,10 @@ def _dist():
 
 
 def _rank() -> int | str:
-    try:
+    with suppress(Exception):  # never let diagnostics stop the exit
         dist = _dist()
         if dist is not None and dist.is_available() and dist.is_initialized():
             return dist.get_rank()
-    except Exception:  # never let diagnostics stop the exit
-        pass
     return os.environ.get("RANK", "?")
 
 
@@ -167,7 +165,11 @@ class CollectiveWatchdog:
         if self.timeout_s is None:
             yield
             return
-        self._ensure_thread()
+        if self._thread is None:
+            if self.stop_guard_s is not None:
+                self.guard = start_stop_guard(self.stop_guard_s)
+            self._thread = threading.Thread(target=self._loop, name="collective-watchdog", daemon=True)
+            self._thread.start()
         start = time.monotonic()
         with self._cv:
             token = self._next
@@ -203,13 +205,6 @@ class CollectiveWatchdog:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
-
-    def _ensure_thread(self) -> None:
-        if self._thread is None:
-            if self.stop_guard_s is not None:
-                self.guard = start_stop_guard(self.stop_guard_s)
-            self._thread = threading.Thread(target=self._loop, name="collective-watchdog", daemon=True)
-            self._thread.start()
 
     def _loop(self) -> None:
         with self._cv:
@@ -251,23 +246,19 @@ class CollectiveWatchdog:
         )
         _write(2, line + "\n")
         if self.events_path:
-            try:
+            with suppress(OSError):
                 fd = os.open(self.events_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                 _write(fd, json.dumps(rec) + "\n")
                 os.fsync(fd)
                 os.close(fd)
-            except OSError:
-                pass
         for hook in list(self.on_failure):
             try:
                 hook(dict(rec))
             except BaseException as exc:  # a failing hook must not keep the process from exiting
                 _write(2, f"event=failure_hook_error rank={rank} error={type(exc).__name__}: {exc}\n")
         if event == "hang":
-            try:
+            with suppress(Exception):
                 faulthandler.dump_traceback(file=2, all_threads=True)
-            except Exception:
-                pass
         result: list[str] = []
         t = threading.Thread(target=lambda: result.append(abort_process_groups()), daemon=True)
         t.start()
@@ -296,8 +287,6 @@ def read_events(path: str | os.PathLike | None) -> list[dict]:
         return []
     out = []
     for line in open(path):
-        try:
+        with suppress(ValueError):  # a line torn by the exit itself
             out.append(json.loads(line))
-        except ValueError:  # a line torn by the exit itself
-            pass
     return out
