@@ -71,6 +71,12 @@ def contiguous_runs(stages: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def _common_windows(members: list[StageStatus]) -> list[int]:
+    """The windows every member holds, with the same start step on each."""
+    held = set.intersection(*(set(s.windows) for s in members))
+    return [w for w in held if len({s.windows[w] for s in members}) == 1]
+
+
 def plan_recovery(statuses: list[StageStatus], log_dirs: list, microbatches: int) -> RecoveryPlan:
     """Decide who replays what. `log_dirs[s]` is stage s's boundary-log directory (readable here)."""
     n = len(statuses)
@@ -80,11 +86,7 @@ def plan_recovery(statuses: list[StageStatus], log_dirs: list, microbatches: int
     healthy_steps = {s.step for s in statuses if s.healthy}
 
     def global_plan(reason: str) -> RecoveryPlan:
-        common = [
-            w
-            for w in set.intersection(*(set(s.windows) for s in statuses))
-            if len({s.windows[w] for s in statuses}) == 1
-        ]
+        common = _common_windows(statuses)
         if not common:
             return RecoveryPlan("cold", reason=f"{reason}; and no window common to all stages: start over")
         return RecoveryPlan("global", window_id=max(common), reason=reason)
@@ -97,14 +99,10 @@ def plan_recovery(statuses: list[StageStatus], log_dirs: list, microbatches: int
     segments = []
     for a, b in contiguous_runs(failed):
         members = statuses[a : b + 1]
-        common = set.intersection(*(set(s.windows) for s in members))
-        usable = sorted(
-            (w for w in common if len({s.windows[w] for s in members}) == 1 and members[0].windows[w] < target),
-            reverse=True,
-        )
+        usable = [w for w in _common_windows(members) if members[0].windows[w] < target]
         if not usable:
             return global_plan(f"stages {a}..{b} have no committed window in common before iteration {target}")
-        wid = usable[0]
+        wid = max(usable)
         t0 = members[0].windows[wid]
         up = a - 1 if a > 0 else None
         down = b + 1 if b < n - 1 else None
