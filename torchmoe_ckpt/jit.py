@@ -367,14 +367,8 @@ def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tu
             used = c
             break
         except Exception as exc:  # torn, corrupt or foreign: try the next replica's copy
-            log.warning(
-                "event=jit_copy_rejected rank=%d copy=%s:%s error=%s: %s",
-                fresh.rank,
-                c["where"],
-                c["path"],
-                type(exc).__name__,
-                exc,
-            )
+            where = f"{c['where']}:{c['path']}"
+            log.warning(f"event=jit_copy_rejected rank={fresh.rank} copy={where} error={type(exc).__name__}: {exc}")
     if not all(all_gather_objects(used is not None)):  # some shard not loaded: the window path, from a fresh init
         return rebuild(False), None
     begun = max(c["begun"] for cs in shards.values() for c in cs)
@@ -392,12 +386,7 @@ def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tu
         "restart_seconds": time.perf_counter() - t0,
     }
     log.warning(
-        "event=jit_resumed rank=%d step=%d from_rank=%d where=%s replayed_iterations=%d window_step=%d",
-        fresh.rank,
-        step,
-        used["rank"],
-        used["where"],
-        begun - step,
-        bound,
+        f"event=jit_resumed rank={fresh.rank} step={step} from_rank={used['rank']} where={used['where']} "
+        f"replayed_iterations={begun - step} window_step={bound}"
     )
     return fresh, rep

@@ -26,20 +26,14 @@ def actions(schedule: str, stage: int, stages: int, mbs: int) -> list[tuple[str,
         return [("F", m) for m in range(mbs)] + [("B", m) for m in range(mbs)]
     warm = min(stages - stage - 1, mbs)
     out = [("F", m) for m in range(warm)]
-    f, b = warm, 0
-    while f < mbs:
-        out += [("F", f), ("B", b)]
-        f += 1
-        b += 1
-    out += [("B", m) for m in range(b, mbs)]
-    return out
+    for i in range(mbs - warm):  # steady state: one forward, one backward
+        out += [("F", warm + i), ("B", i)]
+    return out + [("B", m) for m in range(mbs - warm, mbs)]
 
 
-# ---- where a stage's boundary tensors come from and go to ---------------------------------------------
 class Peer:
-    """A live neighbour rank: gloo point-to-point. Sends are asynchronous (waited at the end of the
-    iteration), receives block: with every action list ordered by its data dependencies this cannot
-    deadlock."""
+    """A live neighbour rank: gloo point-to-point. Sends are asynchronous (waited at the end of the iteration),
+    receives block: with action lists ordered by their data dependencies this cannot deadlock."""
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -60,8 +54,7 @@ class Peer:
 
 
 class Logged:
-    """A neighbour that is not running (it waits, healthy, or it is past a border): its log stands in
-    for its sends, and what we would send it is only logged."""
+    """A neighbour that is not running: its log stands in for its sends; what we would send it is only logged."""
 
     def __init__(self, reader: LogReader, direction: str):
         self.reader, self.direction = reader, direction
@@ -86,8 +79,7 @@ class StageIO:
 
 
 class StageReplayable(Replayable, Protocol):
-    """What localized pipeline recovery needs from one stage's trainer, on top of `Replayable`: its place in
-    the pipeline, its boundary log, its live and replay I/O, and the batch of any iteration."""
+    """What localized pipeline recovery needs from one stage's trainer, on top of `Replayable`."""
 
     stage: int  # this stage's index, 0..n_stages-1
     n_stages: int

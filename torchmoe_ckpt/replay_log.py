@@ -21,8 +21,7 @@ _NOT_HYPER = frozenset(
 
 
 def group_hyper(param_groups: list[dict]) -> tuple[dict, ...]:
-    """Every group's numeric hyper-parameters other than the LR (momentum, betas, weight decay, eps, ...), in
-    group order: what an update read besides the LR (numbers as they are, tensor-valued ones as copies)."""
+    """Every group's numeric hyper-parameters other than the LR (momentum, betas, eps, ...), in group order."""
     out = []
     for g in param_groups:
         h = {}
@@ -101,9 +100,8 @@ class Replay:
         rng.restore(self.rng_state, self.device_rng)
 
     def apply_lrs(self, optimizer) -> None:
-        """Set every param group's LR and logged hyper-parameters (all optimizers' groups, in order: a list, a
-        container or one optimizer) to the logged ones. Call right before the optimizer step. No LRs given: the
-        groups keep what the schedule set."""
+        """Set every param group's LR and hyper-parameters (all optimizers' groups, in order) to the logged ones,
+        right before the optimizer step. No LRs logged: the groups keep what the schedule set."""
         groups = [g for o in optimizer_list(optimizer) for g in o.param_groups]
         if not self.lrs:  # none logged (re-executing iterations the schedule still gives): the schedule's LRs
             return
