@@ -97,11 +97,8 @@ class ReplayComparison:
         loss = res.loss.detach().to("cpu")
         norm = getattr(res, "replayed_grad_norm", None)
         norm = None if norm is None else norm.detach().to("cpu")
-        loss_equal = torch.equal(loss, rec.loss)
-        norm_equal = norm is None or torch.equal(norm, rec.grad_norm.to(norm.dtype))
-        if norm is not None:
-            self.grad_norms_compared += 1
-        if loss_equal and norm_equal:
+        self.grad_norms_compared += norm is not None
+        if torch.equal(loss, rec.loss) and (norm is None or torch.equal(norm, rec.grad_norm.to(norm.dtype))):
             return
         self.exact = False
         dl = relative_deviation(loss, rec.loss)

@@ -70,7 +70,8 @@ class RunStatus:
                 self._held.add(wid)  # said when it is uploaded
             else:
                 self._release_held()  # an older window still waiting for its upload is said first
-                self.say(self._window_line(wid, self._pending_text()))
+                lag = time.monotonic() - min(self.pending.values())
+                self.say(self._window_line(wid, f"pending ({len(self.pending)} behind, lag {lag:.1f} s)"))
 
     def _window_line(self, wid: int, store: str | None) -> str:
         first, last, nbytes = self.committed[wid]
@@ -80,10 +81,6 @@ class RunStatus:
             text += f" peers {ok}/{self.peers}"
         text += f" store {store}" if store is not None else ""
         return text + (f"; {self.memory()}" if self.memory is not None else "")
-
-    def _pending_text(self) -> str:
-        oldest = min(self.pending.values(), default=time.monotonic())
-        return f"pending ({len(self.pending)} behind, lag {time.monotonic() - oldest:.1f} s)"
 
     def uploaded_window(self, wid: int, lag_s: float) -> None:
         with self._lock:
