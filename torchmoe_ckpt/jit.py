@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import TypeVar
 
@@ -34,10 +35,11 @@ from .operators import local_tensor as _local
 from .sparse_to_dense import init_optimizer_state
 from .storage.checksums import crc32_bytes
 from .storage.commit import write_last
+from .storage.files import StoreFiles
 from .storage.layout import jit_step_dirname as step_dirname
 from .storage.layout import writer_name as rank_dirname
 from .storage.recover import all_gather_objects
-from .storage.store_open import is_local, open_store
+from .storage.store_open import open_store
 from .watchdog import _write  # os.write on fd 2: this may run while another thread holds a stream lock
 
 log = logging.getLogger("torchmoe_ckpt.jit")
@@ -58,30 +60,15 @@ def shard_layout(mesh) -> tuple[str, int]:
     return key, rep
 
 
-class JitStore:
-    """The object-store side: same layout as the host side, under `<uri>/<run>/jit/`."""
+def jit_store(cfg: dict, run_id: str) -> StoreFiles:
+    """The object-store side: the host side's layout, under `<uri>/<run>/jit/`."""
+    fs, root = open_store(cfg["uri"], cfg.get("storage_options"), probe=False)
+    return StoreFiles(fs, f"{root.rstrip('/')}/{run_id}/jit", cfg["uri"])
 
-    def __init__(self, cfg: dict, run_id: str):
-        self.fs, root = open_store(cfg["uri"], cfg.get("storage_options"), probe=False)
-        self.local = is_local(self.fs)
-        self.base = f"{root.rstrip('/')}/{run_id}/jit"
 
-    def put(self, rel: str, data: bytes) -> None:
-        path = f"{self.base}/{rel}"
-        if self.local:
-            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        self.fs.pipe_file(path, data)
-
-    def get(self, rel: str) -> bytes:
-        return self.fs.cat_file(f"{self.base}/{rel}")
-
-    def markers(self) -> list[str]:
-        if hasattr(self.fs, "invalidate_cache"):
-            self.fs.invalidate_cache()
-        try:
-            return [p[len(self.base) + 1 :] for p in self.fs.glob(f"{self.base}/step-*/rank-*/{MARKER}")]
-        except FileNotFoundError:
-            return []
+def _store_markers(store: StoreFiles) -> list[str]:
+    store.invalidate()
+    return [r for r in store.find() if r.count("/") == 2 and fnmatch(r, f"step-*/rank-*/{MARKER}")]
 
 
 class JitCheckpointer:
@@ -95,7 +82,7 @@ class JitCheckpointer:
         self.enabled = self.replicas > 1
         # opened now, not on the failure path (fsspec imports and connects)
         self.store = (
-            JitStore(host_cfg["object_store"], self.run_id) if self.enabled and host_cfg.get("object_store") else None
+            jit_store(host_cfg["object_store"], self.run_id) if self.enabled and host_cfg.get("object_store") else None
         )
         self.begun = trainer.step  # the newest iteration this rank started (see begin())
         self._once = threading.Lock()
@@ -195,8 +182,8 @@ class JitCheckpointer:
                 stored = None
                 if self.store is not None:
                     try:
-                        self.store.put(f"{rel}/{STATE}", data)
-                        self.store.put(f"{rel}/{MARKER}", marker_bytes)
+                        self.store.write(f"{rel}/{STATE}", data)
+                        self.store.write(f"{rel}/{MARKER}", marker_bytes)
                         stored = True
                     except Exception as exc:  # the host copy already counts; the store is for lost nodes
                         stored = f"failed: {type(exc).__name__}: {exc}"
@@ -230,7 +217,7 @@ def incomplete_copies(jit_dir: Path) -> list[str]:
     return [str(d) for d in sorted(Path(jit_dir).glob("step-*/rank-*")) if str(d) not in complete]
 
 
-def list_copies(jit_dir: Path, store: JitStore | None) -> list[dict]:
+def list_copies(jit_dir: Path, store: StoreFiles | None) -> list[dict]:
     """Complete copies this rank can see: a marker that parses and a state file of its size (CRC: at load)."""
     out = []
     for m in sorted(Path(jit_dir).glob(f"step-*/rank-*/{MARKER}")):
@@ -241,18 +228,18 @@ def list_copies(jit_dir: Path, store: JitStore | None) -> list[dict]:
         except (OSError, ValueError, KeyError):
             continue  # torn marker or missing state file: not a copy
     if store is not None:
-        for rel in store.markers():
+        for rel in _store_markers(store):
             try:
-                meta = json.loads(store.get(rel))
+                meta = json.loads(store.read(rel))
                 out.append(dict(meta, where="store", path=rel.rsplit("/", 1)[0]))
             except Exception:
                 continue
     return out
 
 
-def _read(copy: dict, store: JitStore | None) -> dict:
+def _read(copy: dict, store: StoreFiles | None) -> dict:
     data = (
-        (Path(copy["path"]) / STATE).read_bytes() if copy["where"] == "host" else store.get(f"{copy['path']}/{STATE}")
+        (Path(copy["path"]) / STATE).read_bytes() if copy["where"] == "host" else store.read(f"{copy['path']}/{STATE}")
     )
     if len(data) != copy["bytes"] or crc32_bytes(data) != copy["crc32"]:
         raise ValueError(
@@ -338,7 +325,7 @@ def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tu
     jit_dir = Path(tier.dir) / "jit"
     store = None
     if host_cfg.get("object_store"):
-        store = JitStore(host_cfg["object_store"], TierConfig.from_dict(host_cfg).resolved_run_id())
+        store = jit_store(host_cfg["object_store"], TierConfig.from_dict(host_cfg).resolved_run_id())
     everyone = all_gather_objects((key, list_copies(jit_dir, store)))
     step, shards = choose(everyone)
     bound = window_step_bound(tier)
