@@ -13,8 +13,7 @@ Own training loop (FSDP2, HSDP or a single process):
 Frameworks (TorchTitan) implement `Replayable` and drive `SparseCheckpointer` and `recover` themselves.
 
 Every public name is imported on first use (PEP 562 module ``__getattr__``): ``import torchmoe_ckpt`` imports
-nothing else, and a process that needs one piece (a TorchTitan launcher checking its job file, a restarted
-worker) does not import all the others (DCP planners, tiers, pipeline code) before its first step.
+nothing else, so a process that needs one piece does not import all the others.
 """
 
 from __future__ import annotations
@@ -24,72 +23,47 @@ import sys
 import types
 from typing import TYPE_CHECKING
 
-_EXPORTS = {  # public name -> the module that defines it, imported on first use
-    "SchedulerPosition": "capture",
-    "Checkpointer": "checkpointer",
-    "StepResult": "checkpointer",
-    "CheckpointConfig": "config",
-    "ObjectStoreConfig": "config",
-    "SparseConfig": "config",
-    "TierConfig": "config",
-    "init_process_group": "distributed",
-    "restart_attempt": "distributed",
-    "ConfigError": "errors",
-    "UncapturedStateError": "errors",
-    "UnusableCheckpointError": "errors",
-    "HostMemoryLimitError": "host_memory",
-    "IdentityMismatch": "identity",
-    "RunIdentity": "identity",
-    "Operator": "operators",
-    "OperatorDiscoveryError": "operators",
-    "OperatorSpec": "operators",
-    "discover_operators": "operators",
-    "Optimizers": "optim_state",
-    "UpdateRule": "optim_state",
-    "optimizer_list": "optim_state",
-    "register_update_rule": "optim_state",
-    "Placement": "placement",
-    "Topology": "placement",
-    "place_replicas": "placement",
-    "ResumeResult": "recovery",
-    "recover": "recovery",
-    "ReplayPolicy": "replay_check",
-    "IterationRecord": "replay_log",
-    "Replay": "replay_log",
-    "RouterCounter": "routing",
-    "SparseCheckpointer": "sparse_checkpointer",
-    "RecoveryReport": "sparse_to_dense",
-    "Replayable": "sparse_to_dense",
-    "ReplayDivergence": "sparse_to_dense",
-    "sparse_to_dense": "sparse_to_dense",
-    "RunLockedError": "storage.run_lock",
-    "CheckpointStallError": "storage.tier_health",
-    "Tiers": "storage.tiers",
-    "build_tiers": "storage.tiers",
-    "Window": "window",
-}
+
+def _by_module(table: dict[str, str]) -> dict[str, str]:
+    return {name: module for module, names in table.items() for name in names.split()}
+
+
+# public name -> the module that defines it, imported on first use
+_EXPORTS = _by_module(
+    {
+        "capture": "SchedulerPosition",
+        "checkpointer": "Checkpointer StepResult",
+        "config": "CheckpointConfig ObjectStoreConfig SparseConfig TierConfig",
+        "distributed": "init_process_group restart_attempt",
+        "errors": "ConfigError UncapturedStateError UnusableCheckpointError",
+        "host_memory": "HostMemoryLimitError",
+        "identity": "IdentityMismatch RunIdentity",
+        "operators": "Operator OperatorDiscoveryError OperatorSpec discover_operators",
+        "optim_state": "Optimizers UpdateRule optimizer_list register_update_rule",
+        "placement": "Placement Topology place_replicas",
+        "recovery": "ResumeResult recover",
+        "replay_check": "ReplayPolicy",
+        "replay_log": "IterationRecord Replay",
+        "routing": "RouterCounter",
+        "sparse_checkpointer": "SparseCheckpointer",
+        "sparse_to_dense": "RecoveryReport Replayable ReplayDivergence sparse_to_dense",
+        "storage.run_lock": "RunLockedError",
+        "storage.tier_health": "CheckpointStallError",
+        "storage.tiers": "Tiers build_tiers",
+        "window": "Window",
+    }
+)
 # The DCP users' names: dcp.__all__ (tests/unit/test_layering.py keeps them equal), imported on first use too
-_DCP_EXPORTS = {
-    "SparseSchedule": "dcp.sparse_planner",
-    "SparseSavePlanner": "dcp.sparse_planner",
-    "SparseLoadPlanner": "dcp.sparse_planner",
-    "load_sparse_window": "dcp.sparse_planner",
-    "HostWriter": "dcp.tier_storage",
-    "HostReader": "dcp.tier_storage",
-    "StoreWriter": "dcp.tier_storage",
-    "StoreReader": "dcp.tier_storage",
-    "TieredWriter": "dcp.tier_storage",
-    "TieredReader": "dcp.tier_storage",
-    "PeerWriter": "dcp.peer_storage",
-    "PeerReader": "dcp.peer_storage",
-    "held_copies": "dcp.peer_storage",
-    "RawWriter": "dcp.raw_storage",
-    "RawReader": "dcp.raw_storage",
-    "has_checkpoint": "dcp.raw_storage",
-    "committed_windows": "dcp.raw_storage",
-    "CorruptCopyError": "storage.slot_format",
-    "CorruptItemError": "dcp",
-}
+_DCP_EXPORTS = _by_module(
+    {
+        "dcp.sparse_planner": "SparseSchedule SparseSavePlanner SparseLoadPlanner load_sparse_window",
+        "dcp.tier_storage": "HostWriter HostReader StoreWriter StoreReader TieredWriter TieredReader",
+        "dcp.peer_storage": "PeerWriter PeerReader held_copies",
+        "dcp.raw_storage": "RawWriter RawReader has_checkpoint committed_windows",
+        "storage.slot_format": "CorruptCopyError",
+        "dcp": "CorruptItemError",
+    }
+)
 
 if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they come from __getattr__
     from .capture import SchedulerPosition
@@ -130,10 +104,8 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """`sparse_to_dense` is a submodule and the function it exports. Imported eagerly, the package attribute was the
-    function; imported lazily, the import system would set it to the submodule once anything imports that (and
-    `__getattr__` is then never asked). A property on the package's class keeps it the function; the submodule
-    stays in sys.modules, where `from torchmoe_ckpt.sparse_to_dense import ...` finds it."""
+    """`sparse_to_dense` is a submodule and the function it exports: importing the submodule would set the package
+    attribute to it (and `__getattr__` is then never asked); a property on the package's class keeps the function."""
 
     @property
     def sparse_to_dense(self):

@@ -6,15 +6,9 @@
         loss = ckpt.step(batch_for(step))  # forward_backward(batch), clip, optimizer + scheduler step, slot
     ckpt.close()
 
-The library owns what exact replay needs, so the step function only computes the loss and calls backward:
-the RNG state and the batch are logged, the global gradient norm is computed (and logged) for clipping, the
-optimizer and scheduler are stepped here with the logged LRs on replay, and the step counter lives here.
-
-On a GPU an iteration adds no host synchronisation (docs/gpu.md): the batch, loss and gradient norm are copied
-to pinned host memory asynchronously, routed-token counts stay on the device until the next window start, and
-the next update waits for the slot copy on the device.
-
-`optimizer` may be several (Muon on the matrices and AdamW on the rest: a list, with a list of schedulers).
+The library owns what replay needs (RNG state, batch, gradient norm and clipping, the optimizer and scheduler
+steps, the step counter); the step function only computes the loss and calls backward. On a GPU an iteration
+adds no host synchronisation (docs/gpu.md). `optimizer` may be a list (with a list of schedulers).
 """
 
 from __future__ import annotations
@@ -88,14 +82,10 @@ class Checkpointer:
         data_identity: str | None = None,
         seed: int | None | str = "auto",
     ):
-        """`forward_backward(batch)` runs forward and `loss.backward()` and returns the loss; it must not
-        step the optimizer or scheduler, clip, zero gradients or change state outside forward/backward.
-        `data_identity`: a string naming the data order (dataset, sampler seed, shard); part of the run
-        identity, so windows of a run on other data are never loaded. `seed`: also part of it; "auto" (the
-        default) is the seed this process gave `torch.manual_seed` (none if it never seeded torch: a random
-        seed differs every restart), an int names it, None leaves it out. `optimizer`: one, or a list whose
-        optimizers hold every trainable parameter exactly once (each with a known update rule: optim_state);
-        `scheduler`: one, a list, or None."""
+        """`forward_backward(batch)` runs forward and `loss.backward()` and returns the loss; nothing else (no
+        optimizer or scheduler step, clipping or zeroing). `data_identity` (the data order) and `seed` ("auto": the
+        seed this process gave `torch.manual_seed`; an int; None: left out) are part of the run identity.
+        `optimizer`: one, or a list holding every trainable parameter once; `scheduler`: one, a list, or None."""
         self.config = config or CheckpointConfig()
         if not callable(forward_backward):
             raise ConfigError("forward_backward must be a function batch -> loss that also calls loss.backward()")
@@ -114,7 +104,7 @@ class Checkpointer:
         self.op_by_name = {o.name: o for o in self.ops}
         check_coverage(model, self.ops)
         describe_optimizer_state(model, self.ops, optimizer)  # what slots hold of each operator's optimizer state
-        self.params = [p for p in model.parameters()]
+        self.params = list(model.parameters())
         self.device = local_tensor(self.params[0]).device if self.params else torch.device("cpu")
         check_replay_check(self.config.replay_check, self.device)  # "exact" on CUDA needs deterministic kernels
         self.routers = RouterCounter(model, self.ops, top_k=self.config.router_top_k)
@@ -132,39 +122,31 @@ class Checkpointer:
         self.watchdog = CollectiveWatchdog(self.config.hang_timeout_s if on else None, rank=self.rank)
         self._start_timeout_s = self.config.hang_start_timeout_s or self.config.hang_timeout_s
 
-    # ---- public --------------------------------------------------------------------------------------
     def resume(self) -> int:
-        """Collective; call once before the first `step`. Recovers the newest window any tier holds (exact
-        state, replayed) and returns the number of completed iterations to continue after (0: a new run)."""
+        """Collective; call once before the first `step`. Recovers the newest window any tier holds and returns the
+        number of completed iterations to continue after (0: a new run)."""
         if self.sparse is not None:
             raise RuntimeError("resume() was already called: call it once, before the first step()")
         with self.watchdog.watch("resume", self._start_timeout_s):  # a peer frozen in recovery ends it too
-            return self._resume()
-
-    def _resume(self) -> int:
-        cfg = self.config
-        started = start(
-            _Replay(self),
-            self.compute_dtype,
-            cfg.window,
-            cfg.tiers,
-            ops=self.ops,
-            data=self.data_identity,
-            seed=self.seed,
-            on_unusable=cfg.on_unusable_checkpoint,
-            replay_check=cfg.replay_policy(),
-            group=self.group,
-            sum_counts=True,  # the routed-token counts of _iteration are this rank's
-        )
-        self.identity, self.tiers, self.resumed, self.sparse = (
-            started.identity,
-            started.tiers,
-            started.resumed,
-            started.checkpointer,
-        )
-        if self.resumed is not None:  # handed over: the SparseCheckpointer lets it go at its next commit
-            self.resumed.window = None  # (the report stays; a whole window held all run is host memory)
-        return self.step_count
+            cfg = self.config
+            started = start(
+                _Replay(self),
+                self.compute_dtype,
+                cfg.window,
+                cfg.tiers,
+                ops=self.ops,
+                data=self.data_identity,
+                seed=self.seed,
+                on_unusable=cfg.on_unusable_checkpoint,
+                replay_check=cfg.replay_policy(),
+                group=self.group,
+                sum_counts=True,  # the routed-token counts of _iteration are this rank's
+            )
+            self.identity, self.tiers, self.resumed = started.identity, started.tiers, started.resumed
+            self.sparse = started.checkpointer
+            if self.resumed is not None:  # handed over: the SparseCheckpointer lets it go at its next commit
+                self.resumed.window = None  # (the report stays; a whole window held all run is host memory)
+            return self.step_count
 
     def step(self, batch: Any) -> torch.Tensor:
         """One training iteration on `batch`, checkpointed. Returns this rank's loss (detached)."""
@@ -190,9 +172,8 @@ class Checkpointer:
         return out
 
     def close(self, upload_timeout_s: float | None = None) -> None:
-        """Finish the in-flight copy, write what is committed to the host tier, give the object store up to
-        `upload_timeout_s` (default: `ObjectStoreConfig.exit_wait_s`) to catch up, log the exit summary
-        (status.py) and stop the threads. Idempotent."""
+        """Flush to the host tier, give the object store up to `upload_timeout_s` (default: its `exit_wait_s`), log
+        the exit summary and stop the threads. Idempotent."""
         sp = self.sparse
         if sp is None or self._closed:
             self.routers.close()
@@ -216,7 +197,6 @@ class Checkpointer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- one iteration, for training and for replay ----------------------------------------------------
     def _iteration(self, batch: Any, replay: Replay | None) -> StepResult:
         t_start = time.perf_counter()
         step = self.step_count + 1
@@ -276,8 +256,7 @@ class Checkpointer:
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def _routed_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's counts, where the routers ran: no copy, no collective per iteration (the sparse checkpointer
-        sums them over the ranks at the next window start)."""
+        """This rank's counts, where the routers ran (summed over ranks at the next window start)."""
         counts, probs = self.routers.take()
         if counts.numel() == 0:
             return torch.zeros(1, 1, dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64)

@@ -1,7 +1,6 @@
-"""The `torchmoe-ckpt` command: `inspect` and `verify` here; further subcommands (the harness's `selftest`,
-`bench`, `simulate`) come from installed packages through the entry-point group `torchmoe_ckpt.commands`
-(as fsspec finds its filesystems): each entry point names a `register(subparsers)` function that adds one
-subparser and sets `fn(args) -> exit code`. So the library never imports what sits on top of it."""
+"""The `torchmoe-ckpt` command: `inspect` and `verify`; further subcommands come from installed packages through
+the entry-point group `torchmoe_ckpt.commands` (each names a `register(subparsers)` that adds one subparser with
+`fn(args) -> exit code`), so the library never imports what sits on top of it."""
 
 from __future__ import annotations
 
@@ -15,32 +14,26 @@ COMMANDS_GROUP = "torchmoe_ckpt.commands"
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (`torchmoe-ckpt verify: error: ...`) and exit 2, like every
-    other error of the command; `--help` still shows the usage. Subparsers inherit the class."""
+    """argparse, but a usage error is one line (`torchmoe-ckpt verify: error: ...`) and exit 2, like every other
+    error of the command. Subparsers inherit the class."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
 def bounded(kind, low=None, high=None, low_open: bool = False):
-    """An argparse `type=` that converts with `kind` and checks low <= value <= high (low < value when
-    `low_open`): a count of 0 or a negative duration fails at parse time with the range it needs."""
+    """An argparse `type=` that converts with `kind` and checks low <= value <= high (low < value: `low_open`)."""
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
-        if (
-            value != value
-            or (low is not None and (value <= low if low_open else value < low))
-            or (high is not None and value > high)
-        ):
-            want = (
-                (f"> {low}" if low_open else f">= {low}")
-                if high is None
-                else f"in {'(' if low_open else '['}{low}, {high}]"
-            )
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if value != value or too_low or (high is not None and value > high):
+            want = f"> {low}" if low_open else f">= {low}"
+            if high is not None:
+                want = f"in {'(' if low_open else '['}{low}, {high}]"
             raise argparse.ArgumentTypeError(f"{text} is out of range: must be {want}")
         return value
 
@@ -73,18 +66,16 @@ def _verify(a) -> int:
     print(main_json(info) if a.json else format_inspect(info))
     for problem in info["problems"]:
         print(f"verify: problem: {problem}", file=sys.stderr)
-    print(
-        "verify: OK, every committed window is complete and every file matches its manifest"
-        if ok
-        else f"verify: FAILED ({len(info['problems'])} problem(s) listed above)",
-        file=sys.stderr,
-    )
+    verdict = f"FAILED ({len(info['problems'])} problem(s) listed above)"
+    if ok:
+        verdict = "OK, every committed window is complete and every file matches its manifest"
+    print(f"verify: {verdict}", file=sys.stderr)
     return 0 if ok else 1
 
 
 def register_plugins(sub: argparse._SubParsersAction) -> list[str]:
     """Add the subcommands of every installed `torchmoe_ckpt.commands` entry point (sorted by name); one that
-    fails to load is reported on stderr and left out, so `inspect`/`verify` always work. Returns the names."""
+    fails to load is reported on stderr and left out. Returns the names."""
     added = []
     for ep in sorted({ep.name: ep for ep in entry_points(group=COMMANDS_GROUP)}.values(), key=lambda e: e.name):
         if ep.name in sub.choices:

@@ -1,8 +1,5 @@
-"""Typed configuration of the checkpointer and its storage tiers, validated at construction.
-
-Every mistake that can be seen without touching storage (a negative count, an unknown format, an empty run
-id) raises `ConfigError` with one line that names the field and the fix. Reachability of a store and
-writability of a directory are checked when the tiers are built (`Checkpointer.resume`).
+"""Typed configuration of the checkpointer and its storage tiers, validated at construction: a mistake that can
+be seen without touching storage raises `ConfigError` with one line naming the field and the fix.
 """
 
 from __future__ import annotations
@@ -33,30 +30,24 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 @dataclass
 class SparseConfig:
     window: int | None = None  # force W; None = Algorithm 1 priced with the observed copy cost
-    # Share of one iteration a slot copy may take. None: 1.0 on a CPU, CUDA_OVERLAP on CUDA, where copies longer
-    # than about half a step slowed it (docs/gpu.md, "GPU figures")
+    # Share of one iteration a slot copy may take. None: 1.0 on a CPU, CUDA_OVERLAP on CUDA (docs/gpu.md)
     overlap: float | None = None
-    # None: price slots by what copies cost under training (copy-thread time per byte, iteration time with
-    # checkpointing; an idle memcpy figure only until the first copy); a number: that fixed bandwidth
+    # None: price slots by what copies cost under training; a number: that fixed bandwidth
     bandwidth_bytes_per_s: float | None = None
     popularity: str = "hard"  # hard | soft | decayed | capacity
     decay: float = 0.9
     reorder_change: float = 0.10
     reorder_fraction: float = 0.25
     expert_capacity: list[list[float]] | None = None  # [moe layers][experts], for popularity "capacity"
-    # Every slot also copies the compute weights of the operators already captured in its window, so that any W
-    # consecutive slots recover (a failure loses only its own iteration, not the window being filled); costs
-    # more bytes per slot (fp32 W = 4: 0.50 of a dense snapshot instead of 0.42; docs/benchmarks.md)
+    # Every slot also copies the compute weights of operators already captured in its window, so any W consecutive
+    # slots recover (a failure loses only its own iteration); more bytes per slot (docs/benchmarks.md)
     sliding: bool = False
-    # Host memory (host_memory.py). Bytes per rank the checkpointer may hold (slot buffers, its /dev/shm files,
-    # copies held for peers, logs), or a string like "64 GiB"; checked against the plan's worst case at
-    # construction and at every window start. None: no limit (still counted: stats()["host_memory"]).
+    # Bytes of host memory per rank the checkpointer may hold (host_memory.py), or e.g. "64 GiB"; checked against
+    # the plan's worst case at construction and every window start. None: no limit (still counted)
     host_memory_limit: int | str | None = None
     max_window: int | None = None  # auto W never above this (a smaller W holds fewer bytes per window)
-    # Slot buffers (slot_alloc.py): "auto" (shared-memory slot files on CPU with a host tier, one pinned arena per
-    # slot set on CUDA) | "arena" (one arena per slot set, pinned on CUDA, the host tier copies it into its files:
-    # CUDA's default, also on CPU) | "shm-registered" (CUDA: the slot files, page-locked with cudaHostRegister;
-    # opt-in, unmeasured: docs/gpu.md)
+    # Slot buffers (slot_alloc.py): "auto" (slot files on CPU with a host tier, else "arena") | "arena" (one arena
+    # per slot set, pinned on CUDA) | "shm-registered" (CUDA: slot files page-locked; opt-in, unmeasured)
     host_buffers: str = "auto"
 
     def __post_init__(self):
@@ -65,9 +56,7 @@ class SparseConfig:
         optional = ("window", "overlap", "bandwidth_bytes_per_s")
         for name in ("window", "overlap", "bandwidth_bytes_per_s", "decay", "reorder_change", "reorder_fraction"):
             v, kinds = getattr(self, name), (int,) if name == "window" else (int, float)
-            if (v is not None or name not in optional) and (
-                isinstance(v, bool) or not isinstance(v, kinds)
-            ):  # "3" from a job file: one clear line
+            if (v is not None or name not in optional) and not _is(v, kinds):  # "3" from a job file: one clear line
                 raise ConfigError(
                     f"SparseConfig.{name} must be {'an integer' if name == 'window' else 'a number'}"
                     f"{' or None' if name in optional else ''}, got {v!r}"
@@ -85,9 +74,7 @@ class SparseConfig:
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(f"SparseConfig.{name} must be in [0, 1], got {getattr(self, name)}")
         self.host_memory_limit = parse_bytes(self.host_memory_limit, "host_memory_limit")
-        if self.max_window is not None and (
-            isinstance(self.max_window, bool) or not isinstance(self.max_window, int) or self.max_window < 1
-        ):
+        if self.max_window is not None and (not _is(self.max_window, int) or self.max_window < 1):
             raise ConfigError(f"max_window must be an integer >= 1 or None, got {self.max_window!r}")
         if self.host_buffers not in HOST_BUFFERS:
             raise ConfigError(f"host_buffers {self.host_buffers!r} is not one of {', '.join(HOST_BUFFERS)}")
@@ -103,10 +90,8 @@ class ObjectStoreConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec (credentials, endpoint)
     keep: int = 2  # windows kept in the store; older ones are deleted
     format: str = "dcp"  # "dcp" (standard DCP files) | "tensorstore" (zarr3 + OCDBT, one expert per chunk)
-    exit_wait_s: float = 30.0  # at the end of a run, wait at most this long for pending uploads (then exit;
-    # what is left stays in host memory and the next run with this run_id uploads it)
-    lease_s: float = 30.0  # the writing job's lease on <uri>/<run_id> (storage/store_lease.py): renewed every
-    # lease_s/3; another job with the same run id is refused while it is renewed; a crashed job's expires
+    exit_wait_s: float = 30.0  # at exit, the longest wait for pending uploads (the rest: the next run uploads it)
+    lease_s: float = 30.0  # the writing job's lease on <uri>/<run_id> (storage/store_lease.py), renewed every lease_s/3
 
     def __post_init__(self):
         if not isinstance(self.uri, str) or not self.uri:
@@ -120,11 +105,7 @@ class ObjectStoreConfig:
             raise ConfigError(f"object_store.keep must be >= 1 (windows kept in the store), got {self.keep}")
         if self.format not in STORE_FORMATS:
             raise ConfigError(f"object_store.format {self.format!r} is not one of {STORE_FORMATS}")
-        if (
-            isinstance(self.exit_wait_s, bool)
-            or not isinstance(self.exit_wait_s, (int, float))
-            or not 0 <= self.exit_wait_s < math.inf
-        ):
+        if not _is(self.exit_wait_s, (int, float)) or not 0 <= self.exit_wait_s < math.inf:
             raise ConfigError(
                 f"object_store.exit_wait_s must be a number of seconds >= 0 (finite: the bounded wait for "
                 f"pending uploads at exit), got {self.exit_wait_s!r}"
@@ -144,18 +125,14 @@ class TierConfig:
     """Host memory of this node, r peers, and optionally an object store."""
 
     root: str = DEFAULT_HOST_ROOT  # node-local directory; shared memory survives a worker restart
-    run_id: str | None = None  # windows of one run live under <root>/node-N/<run_id>; None: torchrun's
-    # run id (same in every restart of one launch, new for a new launch)
+    run_id: str | None = None  # windows live under <root>/node-N/<run_id>; None: torchrun's run id
     ranks_per_node: int | None = None  # failure domains; default LOCAL_WORLD_SIZE (one node per torchrun agent)
     replicas: int = 0  # r: peers that hold a copy of each window (HSDP replicas first)
     object_store: ObjectStoreConfig | None = None
-    stall_iterations: int | None = 50  # no window committed durably for this many iterations = stalled (a tier
-    # that cannot write); keep it above 2 x the window size. None: no check
+    stall_iterations: int | None = 50  # iterations without a durable window = stalled; above 2 x W. None: no check
     on_stall: str = "warn"  # "warn" (log once per stall) | "fail" (raise in the training thread)
-    # Host memory the tiers hold (host_memory.py: every byte is counted, SparseConfig.host_memory_limit caps it):
     upload_backlog: int = 4  # windows kept in host memory beyond retention while the object store lags or is down
-    spare_windows: int = 1  # collected windows whose data files are kept to be written over (their pages are
-    # reused, not allocated and zeroed again); 0: deleted at once
+    spare_windows: int = 1  # collected windows whose data files are kept to be written over; 0: deleted at once
 
     def __post_init__(self):
         if isinstance(self.object_store, dict):
@@ -177,11 +154,7 @@ class TierConfig:
             raise ConfigError(f"replicas must be >= 0 (peers holding a copy of each window), got {self.replicas}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ConfigError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
-        if self.stall_iterations is not None and (
-            isinstance(self.stall_iterations, bool)
-            or not isinstance(self.stall_iterations, int)
-            or self.stall_iterations < 1
-        ):
+        if self.stall_iterations is not None and (not _is(self.stall_iterations, int) or self.stall_iterations < 1):
             raise ConfigError(
                 f"stall_iterations must be an integer >= 1 (iterations without a durable window "
                 f"before on_stall applies) or None (no check), got {self.stall_iterations!r}"
@@ -213,37 +186,29 @@ def default_run_id() -> str | None:
 
 @dataclass
 class CheckpointConfig:
-    """Everything `Checkpointer` needs besides the model, optimizer and step function.
-
-    `tiers=None` keeps windows in this process only (recovery after an in-process failure; nothing survives
-    a restart). `max_grad_norm` turns on clipping by the global gradient norm; the library clips, because
-    replay must reuse the logged norm. `compute_dtype` is the dtype forward runs in (default: FSDP2's
-    mixed-precision param dtype if set, else the parameters' dtype)."""
+    """Everything `Checkpointer` needs besides the model, optimizer and step function. `tiers=None` keeps windows
+    in this process only; `max_grad_norm` turns on clipping (the library clips: replay reuses the logged norm)."""
 
     tiers: TierConfig | None = None
     window: SparseConfig = field(default_factory=SparseConfig)
     max_grad_norm: float | None = None
     operators: OperatorSpec | None = None
-    router_top_k: int | None = None  # experts per token, for popularity counts when the router returns only
-    # logits and the model config does not say it
-    compute_dtype: Any = None  # torch.dtype (floating point) or a name ("bf16", "float32"); None: from the model
-    on_unusable_checkpoint: str = "fail"  # windows exist but every one is rejected (corrupt, torn, replay
-    # diverged): "fail" raises UnusableCheckpointError on every rank, nothing
-    # touched; "restart" starts from step 0 and overwrites them
-    # The hang watchdog (watchdog.py), on whenever there is more than one rank: a step (`Checkpointer.step`: the
-    # step function, clipping, the checkpoint's collectives) that blocks longer than this ends the process with
-    # exit 124 and one `event=hang` line, so torchrun restarts the job instead of waiting out the process
-    # group's timeout for a frozen peer. None: off. Keep it below that timeout and above the slowest step.
+    router_top_k: int | None = None  # experts per token, when neither the router output nor the model says it
+    # the dtype forward runs in: a floating torch.dtype or a name ("bf16"); None: FSDP2's param dtype, else the model's
+    compute_dtype: Any = None
+    # every window rejected (corrupt, torn, replay diverged): "fail" raises UnusableCheckpointError on every rank,
+    # nothing touched; "restart" starts from step 0 and overwrites them
+    on_unusable_checkpoint: str = "fail"
+    # With more than one rank, a step that blocks longer than this ends the process (exit 124, `event=hang`) so
+    # torchrun restarts the job (watchdog.py). None: off. Below the process group's timeout, above the slowest step
     hang_timeout_s: float | None = 100.0
-    # The bound for resume() (tiers, agreement, fetch, replay) and the first step after it (compilation,
-    # warm-up), which may take longer; and, plus the upload wait, for close(). None: hang_timeout_s.
+    # The bound for resume() and the first step after it, and (plus the upload wait) close(). None: hang_timeout_s
     hang_start_timeout_s: float | None = 300.0
-    replay_check: str = "exact"  # "exact": every replayed loss equals the original bit for bit (a CUDA model needs
-    # deterministic kernels, checked at construction); "tolerant": within replay_tolerance, reported approximate
-    replay_tolerance: float = DEFAULT_TOLERANCE  # tolerant: largest relative deviation of a replayed loss or
-    # gradient norm accepted (docs/gpu.md: how the default was chosen)
-    host_memory_limit: int | str | None = None  # bytes of host memory per rank the checkpointer may hold, or e.g.
-    # "64 GiB" (host_memory.py); the same as window.host_memory_limit, which it sets
+    # "exact": every replayed loss equals the original bit for bit (CUDA: deterministic kernels); "tolerant": within
+    # replay_tolerance, reported approximate
+    replay_check: str = "exact"
+    replay_tolerance: float = DEFAULT_TOLERANCE  # tolerant: largest relative deviation accepted (docs/gpu.md)
+    host_memory_limit: int | str | None = None  # the same as window.host_memory_limit, which it sets
 
     def __post_init__(self):
         if self.on_unusable_checkpoint not in UNUSABLE_POLICIES:
@@ -270,9 +235,7 @@ class CheckpointConfig:
         if self.tiers is not None and not isinstance(self.tiers, TierConfig):
             raise ConfigError(f"tiers must be a TierConfig, a dict or None, got {type(self.tiers).__name__}")
         _whole("router_top_k", self.router_top_k, none_ok=True)
-        if self.max_grad_norm is not None and (
-            isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float))
-        ):
+        if self.max_grad_norm is not None and not _is(self.max_grad_norm, (int, float)):
             raise ConfigError(f"max_grad_norm must be a number > 0 or None (no clipping), got {self.max_grad_norm!r}")
         if self.router_top_k is not None and self.router_top_k < 1:
             raise ConfigError(f"router_top_k must be >= 1 or None, got {self.router_top_k}")
@@ -290,24 +253,13 @@ class CheckpointConfig:
         return ReplayPolicy(self.replay_check, self.replay_tolerance)
 
 
-# What compute_dtype may be given as besides a torch.dtype: the names job files and command lines use.
-DTYPE_NAMES = {
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "fp16": "float16",
-    "float16": "float16",
-    "half": "float16",
-    "fp32": "float32",
-    "float32": "float32",
-    "float": "float32",
-    "fp64": "float64",
-    "float64": "float64",
-}
+# What compute_dtype may be given as besides a torch.dtype: name -> torch attribute.
+_ALIASES = {"bfloat16": "bf16", "float16": "fp16 half", "float32": "fp32 float", "float64": "fp64"}
+DTYPE_NAMES = {n: dtype for dtype, names in _ALIASES.items() for n in [dtype, *names.split()]}
 
 
 def compute_dtype_of(value):
-    """CheckpointConfig.compute_dtype as a torch dtype: a floating-point torch.dtype, one of DTYPE_NAMES ("bf16",
-    "torch.bfloat16" too), or None (inferred from the model)."""
+    """CheckpointConfig.compute_dtype as a torch dtype (or None: inferred from the model)."""
     import torch
 
     if value is None:
@@ -327,10 +279,14 @@ def compute_dtype_of(value):
     return value
 
 
+def _is(value, kinds) -> bool:
+    """isinstance, with bool (an int subclass) refused as a number."""
+    return isinstance(value, kinds) and not isinstance(value, bool)
+
+
 def _whole(name: str, value, none_ok: bool = False) -> None:
-    """An integer field given as "2" or 2.0 (a job file, the command line) fails here with its name, not as a
-    TypeError in a comparison."""
-    if (value is None and none_ok) or (isinstance(value, int) and not isinstance(value, bool)):
+    """An integer field given as "2" or 2.0 fails here with its name, not as a TypeError in a comparison."""
+    if (value is None and none_ok) or _is(value, int):
         return
     raise ConfigError(
         f"{name} must be an integer{' or None' if none_ok else ''}, got {value!r} ({type(value).__name__})"

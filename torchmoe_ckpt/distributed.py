@@ -1,32 +1,13 @@
 """Process groups that come back after a torchrun restart, and after a host is replaced.
 
-Root cause of "Gloo connectFullMesh failed ... Connection refused" (or a hang) in a restarted job: with its
-default c10d rendezvous, torchrun's agent hosts ONE TCPStore for the whole job and every rendezvous round's
-workers use it (`TORCHELASTIC_USE_AGENT_STORE=True`); torch >= 2.5 no longer prefixes the workers' keys by
-round (`torch.distributed.rendezvous._create_c10d_store`: "we create a new TCPStore for every retry", which the
-shared agent store does not do; pytorch/pytorch#135712). So a new round finds the previous round's keys: gloo
-reads a dead peer's address before the live peer has overwritten it (refused, or a hang until the init
-timeout), and NCCL can read the previous unique id. Every sub-group (`new_group`, DeviceMesh) keeps its keys
-under the default group's store, with names from a counter that restarts at 0: the same stale keys again.
-
-A prefix from TORCHELASTIC_RESTART_COUNT is not the fix: each agent counts its own restarts, so after a host
-is replaced the new agent's workers say 0 and the survivor's say 1, 2, ... and never meet. What every worker
-of one round does share is the round's rank-0 worker. `key_rendezvous_by_attempt()` therefore gives each
-process group rendezvous (env:// or tcp://, TorchTitan's own init_distributed included, and so every
-sub-group) a store of its own round, as torch's opt-out does: rank 0 starts a fresh TCPStore on a free port
-and advertises "port nonce" under a key of the agent's store; the other ranks read the advertisement,
-connect, and accept the store only if it holds that nonce. An advertisement left by an earlier round points
-at a server that died with that round's rank 0 (refused) or at a port reused since (another nonce): they read
-again until this round's is there. Everything in the fresh store is this round's by construction.
-
-`key_groups_by_attempt()` is the late fallback for a default group created before that (TorchTitan's stock
-entry point): the ranks agree on a fresh prefix over the default group, and every later group is keyed by it.
-
-Launching torchrun with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (torch's own opt-out) gives the same fresh store
-per round, and is still needed for one case no worker code can reach (torch 2.13): when the rank-0 host
-survives and a new host joins at another rank, the surviving agent does not republish the store address for
-the new round, and the new agent waits for it inside torchrun until its rendezvous read timeout (60 s) and
-exits. `init_process_group` says so once on multi-host jobs that run without the opt-out.
+torchrun's agent hosts one TCPStore for the whole job (`TORCHELASTIC_USE_AGENT_STORE=True`) and torch >= 2.5 no
+longer prefixes the workers' keys by round (pytorch/pytorch#135712), so a restarted round reads the previous
+round's keys (gloo "connectFullMesh failed ... Connection refused", or a hang). TORCHELASTIC_RESTART_COUNT is no
+fix (each agent counts its own restarts). `key_rendezvous_by_attempt()` gives each rendezvous a store of its own
+round: rank 0 starts a fresh TCPStore and advertises "port nonce" in the agent's store; the others connect and
+accept it only if it holds that nonce. `key_groups_by_attempt()` is the late fallback for a default group created
+before that. `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` is still needed when the rank-0 host survives and a new host
+joins (torch 2.13): `init_process_group` says so once on multi-host jobs.
 """
 
 from __future__ import annotations
@@ -38,6 +19,7 @@ import os
 import socket
 import time
 import uuid
+from contextlib import suppress
 from datetime import timedelta
 
 import torch
@@ -65,8 +47,8 @@ _rendezvous_count = itertools.count()  # process groups rendezvoused by this pro
 
 
 def restart_attempt() -> int:
-    """How often this host's torchrun agent restarted its workers (0 = the first launch, or not under
-    torchrun). Per agent: a host that joined later counts from 0, so it names no round the job shares."""
+    """How often this host's torchrun agent restarted its workers (0: the first launch, or not under torchrun).
+    Per agent: a host that joined later counts from 0."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
@@ -77,10 +59,8 @@ def _shared_agent_store() -> bool:
 def round_store(
     agent_store: dist.Store, host: str, rank: int, world_size: int, timeout: timedelta, seq: int = 0
 ) -> dist.Store:
-    """A store that holds only this rendezvous round's keys, found through `agent_store` (see the module doc).
-    Collective in effect: every rank of the round calls it for the same process group. `seq`: which process
-    group rendezvous of this process it is (0, 1, ...; the same on every rank), so a second one in the same
-    round never takes the first one's store."""
+    """A store that holds only this rendezvous round's keys, found through `agent_store` (module doc). Collective
+    in effect. `seq`: which rendezvous of this process it is (the same on every rank), so each gets its own."""
     key = f"{ROUND_STORE_KEY}/{seq}"
     if rank == 0:
         store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
@@ -105,21 +85,17 @@ def round_store(
 
 
 def _connect_if_fresh(host: str, port: int, world_size: int, nonce: str) -> dist.Store | None:
-    try:
+    with suppress(OSError, RuntimeError):  # DistStoreError / DistNetworkError are RuntimeErrors
         socket.create_connection((host, port), timeout=2.0).close()  # refused at once when the server is gone
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=5))
         if store.check([_NONCE_KEY]) and store.get(_NONCE_KEY).decode() == nonce:
             return store
-    except (OSError, RuntimeError):  # DistStoreError / DistNetworkError are RuntimeErrors
-        pass
     return None
 
 
 def key_rendezvous_by_attempt() -> None:
-    """From now on, every process group created through env:// or tcp:// rendezvous in this process gets a
-    store of its own rendezvous round (no effect without torchrun's shared agent store, where torch already
-    makes a fresh store per round). Idempotent; every rank must do the same, which it does when every rank
-    runs the same code."""
+    """From now on, every process group created through env:// or tcp:// rendezvous gets a store of its own round
+    (only with torchrun's shared agent store). Idempotent; every rank must do the same."""
     create = rdzv._create_c10d_store
     if getattr(create, "torchmoe_keyed", False):
         return
@@ -140,27 +116,23 @@ _late_keyed: list = []  # the default group keyed by key_groups_by_attempt (pybi
 
 
 def default_group_keyed() -> bool:
-    """Whether the default group's keys are this round's own: its rendezvous went through a round store, it
-    was keyed late, or there is no shared agent store (then each round has a fresh store). True before any
-    group exists."""
+    """Whether the default group's keys are this round's own (round store, keyed late, or no shared agent store).
+    True before any group exists."""
     if not dist.is_initialized() or not _shared_agent_store():
         return True
     return bool(getattr(rdzv._create_c10d_store, "used", False)) or c10d._get_default_group() in _late_keyed
 
 
 def key_groups_by_attempt() -> bool:
-    """For a default group that was created before `key_rendezvous_by_attempt` (TorchTitan's stock entry point
-    sets it up before any override module is imported): key every sub-group created from now on by a prefix
-    the ranks of this round agree on (rank 0's nonce, broadcast over the default group). Returns True when it
-    had to (the default group itself was not keyed: its own rendezvous could have read an earlier round's
-    keys). Every rank must call it at the same point, as every rank does."""
+    """For a default group created before `key_rendezvous_by_attempt` (TorchTitan's stock entry point): key every
+    later sub-group by a prefix the round's ranks agree on (rank 0's nonce, broadcast). Returns True when it had
+    to. Every rank must call it at the same point."""
     key_rendezvous_by_attempt()
     if default_group_keyed():
         return False
     pg = c10d._get_default_group()
     nonce = [uuid.uuid4().hex]
-    # Once, at start, on the default group (NCCL on a GPU job: TorchTitan set the device): its store may hold an
-    # earlier round's keys, so a new group could not be trusted to carry the nonce; the group itself works.
+    # On the default group itself: its store may hold an earlier round's keys, so a new group could not be trusted.
     dist.broadcast_object_list(nonce, src=0)
     backend, store = c10d._world.pg_map[pg]
     c10d._world.pg_map[pg] = (backend, dist.PrefixStore(f"/torchmoe/round-{nonce[0]}", store))
@@ -169,8 +141,7 @@ def key_groups_by_attempt() -> bool:
 
 
 def default_backend() -> str:
-    """gloo on CPU. With CUDA: NCCL for CUDA tensors and gloo for CPU tensors in one default group, so the user's
-    own CPU collectives (all_gather_object of a small dict, a barrier on CPU) keep working next to NCCL."""
+    """gloo on CPU; with CUDA, NCCL for CUDA tensors and gloo for CPU tensors (the user's CPU collectives work)."""
     return "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
 
 
@@ -186,9 +157,7 @@ def _warn_shared_store_multi_host() -> None:
 
 def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> tuple[int, int]:
     """Initialise the default process group from torchrun's environment, safely across restarts, and return
-    (rank, world size). Without torchrun's variables it makes a one-process group, so the same script runs
-    as `python script.py`. `backend`: `default_backend()` (gloo on CPU, "cuda:nccl,cpu:gloo" with CUDA, this
-    process's GPU set to LOCAL_RANK first, as NCCL needs). Idempotent."""
+    (rank, world size); without torchrun, a one-process group. `backend`: `default_backend()`. Idempotent."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     backend = backend or default_backend()
@@ -205,22 +174,14 @@ def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> 
     return dist.get_rank(), dist.get_world_size()
 
 
-# ---- the library's own gloo groups ---------------------------------------------------------------------------
-# Every collective the library issues itself (window agreements, operator sizes, routed-token sums, recovery's
-# gathers) carries a few CPU numbers. On a GPU job the default group -- and any group the user passes -- is
-# NCCL, which refuses CPU tensors (and would queue them behind the training's GPU collectives), so the library
-# runs them on gloo groups of its own: one over every rank, and one per distinct rank set the caller plans
-# over. Created on first use through `new_group`, i.e. keyed under the default group's store exactly like every
-# other sub-group (a store of its rendezvous round across torchrun restarts, see above), and again after a new
-# default group.
+# The library's own collectives carry a few CPU numbers; on a GPU job the default group is NCCL, which refuses
+# CPU tensors, so they run on gloo groups of the library's own (one per rank set), made again after a new default.
 _owned: dict = {"default": None, "groups": {}}
 
 
 def library_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
-    """The gloo group over the ranks of `group` (None or the default group: every rank) that the library's own
-    collectives run on; never `group` itself. None without a process group. The first call for a rank set is
-    collective over its ranks (every library collective is such a point: each member gets there in the same
-    order); later calls return the same group until the default group is replaced."""
+    """The gloo group over the ranks of `group` (None: every rank) for the library's own collectives; None without
+    a process group. The first call for a rank set is collective over its ranks."""
     if not dist.is_initialized():
         return None
     default = c10d._get_default_group()
@@ -231,8 +192,7 @@ def library_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup |
         ranks = None
     groups = _owned["groups"]
     if ranks not in groups:
-        # A sub-group mirror synchronises only its members (other ranks never come here); its name is hashed from
-        # the ranks and the number of groups this process made, the same on members that run the same program.
+        # A sub-group mirror synchronises only its members (other ranks never come here).
         groups[ranks] = (
             dist.new_group(backend="gloo")
             if ranks is None

@@ -14,12 +14,9 @@ class ConfigError(TorchmoeError, ValueError):
 
 
 class UncapturedStateError(TorchmoeError, ValueError):
-    """Training state the slot format cannot hold (an optimizer kind, a scheduler, a parameter without
-    optimizer state): refused up front, so nothing is ever restored at a wrong value."""
+    """Training state the slot format cannot hold: refused up front, so nothing is restored at a wrong value."""
 
 
 class UnusableCheckpointError(TorchmoeError, RuntimeError):
-    """Windows exist for this run but every one was rejected (corrupt, torn, or its replay diverged): resuming
-    is refused on every rank rather than silently starting over from step 0 and overwriting them. The message
-    lists each window and why, and the fixes; `CheckpointConfig(on_unusable_checkpoint="restart")` (TorchTitan:
-    `[sparse_checkpoint] on_unusable_checkpoint = "restart"`) or a new run id starts over deliberately."""
+    """Windows exist for this run but every one was rejected (corrupt, torn, or its replay diverged): resuming is
+    refused on every rank rather than starting over and overwriting them; the message lists each and the fixes."""

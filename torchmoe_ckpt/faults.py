@@ -1,26 +1,11 @@
 """Fault injection at named points of training and checkpointing, off unless configured.
 
-Configure with the environment (inherited by every torchrun worker) or `arm()`:
+    TORCHMOE_FAULT="kill:point=upload:rank=1:step=7;kill:point=forward:rank=0:step=7"   (or `arm(...)`)
 
-    TORCHMOE_FAULT="kill:point=upload:rank=1:step=7;kill:point=forward:rank=0:step=7"
-
-Each fault is `<action>:key=value:...`; faults are separated by `;`.
-  action  kill (SIGKILL: a crash) | freeze (SIGSTOP: a hang)
-  point   forward | backward | optimizer (inside optimizer.step, after the update) | snapshot_copy (the copy
-          thread, half-way through a slot) | persist (host-tier write of a slot) | manifest (host-tier commit,
-          after the data, before the manifest) | replication (peer push, between files) | upload (object
-          store, after the data, before the manifest) | recovery (half-way through sparse-to-dense replay)
-  rank    the rank that fails (default 0)
-  step    the first training iteration at which it fires (default 1)
-  attempt the torchrun attempt (TORCHELASTIC_RESTART_COUNT) it fires in (default 0: the first run only)
-
-A fault fires once, at the first matching point reached in or after iteration `step`. With
-TORCHMOE_FAULT_STATE=<dir> "once" means once per job, in whichever attempt reaches it first (a marker file
-per fault), and `attempt` is ignored: restarts that fail for other reasons do not shift the plan. Library code calls
-`point(name)`; with no fault armed that is one attribute check.
-
-The event line carries the kill's wall-clock time (`time=`), and under torchrun the time is also left in torchrun's
-log folder of this job (`last_kill_time()`), from which the next attempt measures its restart.
+`<action>:key=value:...`, `;`-separated. action: kill (SIGKILL) | freeze (SIGSTOP); point: one of POINTS;
+rank (default 0); step: first iteration it fires at (default 1); attempt: the torchrun attempt it fires in
+(default 0). A fault fires once; with TORCHMOE_FAULT_STATE=<dir> once per job (a marker file per fault, `attempt`
+ignored). The kill's time is also left in torchrun's log folder (`last_kill_time()`) to measure the restart.
 """
 
 from __future__ import annotations
@@ -30,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 
 log = logging.getLogger("torchmoe_ckpt.faults")
@@ -113,7 +99,9 @@ def point(name: str) -> None:
             file=sys.stderr,
             flush=True,
         )
-        _write_kill_time(now)
+        if path := _kill_time_file():
+            with suppress(OSError), open(path, "w") as fh:  # only a measurement is lost
+                fh.write(f"{now:.6f}")
         os.kill(os.getpid(), ACTIONS[f.action])
 
 
@@ -124,16 +112,6 @@ def _kill_time_file() -> str | None:
     if not os.path.basename(attempt_dir).startswith("attempt_"):
         return None  # not torchrun's layout: leave nothing anywhere
     return os.path.join(os.path.dirname(attempt_dir), "torchmoe-last-kill.time")
-
-
-def _write_kill_time(now: float) -> None:
-    path = _kill_time_file()
-    if path:
-        try:
-            with open(path, "w") as fh:
-                fh.write(f"{now:.6f}")
-        except OSError:
-            pass  # only a measurement is lost
 
 
 def last_kill_time(consume: bool = False) -> float | None:

@@ -1,17 +1,9 @@
 """Run identity: what makes a checkpointed state belong to one training run.
 
-A window is loaded only into the run that wrote it. The identity is the explicit run id plus a fingerprint
-(SHA-256 of a canonical JSON) of its parts: operator names, every model tensor's name, global shape and
-dtype, the expert count of every MoE block, the optimizer kind and the hyper-parameters that shape its state
-(betas, eps, weight_decay, amsgrad, ...; not the LR, which a schedule changes anyway), the compute dtype,
-the world size and mesh layout (HSDP replicate degree), the seed the process gave torch (`process_seed`: a
-relaunch with another seed is another run, whether or not the caller names its data), and a data identity
-when the caller gives one (the dataset and order; TorchTitan and the harness always do).
-The parts are kept next to the fingerprint in every manifest, so a mismatch is *named*
-("expert count 4 != 8 in layers.0.moe", "world size 2 != 4") instead of surfacing later as a bad load.
-
-What may legitimately change between attempts is not in the fingerprint: more steps, another LR or LR
-schedule (`free` parts: recorded and reported in the log when they changed, never refused).
+The run id plus a fingerprint (SHA-256 of canonical JSON) of its parts: operators, every tensor's name, shape and
+dtype, expert counts, the optimizer kind and state-shaping hyper-parameters (not the LR), compute dtype, world
+size and HSDP degree, the process seed and the caller's data identity. The parts are kept in every manifest so
+a mismatch is *named* ("world size 2 != 4"). `free` parts (steps, LRs) may change and are only reported.
 """
 
 from __future__ import annotations
@@ -41,15 +33,13 @@ __all__ = [
 _NOT_STATE = frozenset({"params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable", "name"})
 
 
-# torch seeds its default generator at random when it starts; a process that calls torch.manual_seed(n) after
-# importing the library has initial_seed() == n. The value at import tells the two apart.
+# torch seeds its generator at random at start; the value at import tells a later torch.manual_seed(n) apart.
 _STARTUP_SEED = torch.initial_seed()
 
 
 def process_seed() -> int | None:
-    """The seed this process gave torch (`torch.manual_seed`), None when it never seeded it (then it is random
-    per process, so not an identity: every restart would differ) or seeded it before importing the library.
-    Call it before anything restores an RNG state (`torch.set_rng_state` changes `initial_seed`)."""
+    """The seed this process gave torch (`torch.manual_seed`) after importing the library, else None (random per
+    process: not an identity). Call it before anything restores an RNG state (that changes `initial_seed`)."""
     seed = torch.initial_seed()
     return None if seed == _STARTUP_SEED else int(seed)
 
@@ -75,9 +65,6 @@ class RunIdentity:
     @staticmethod
     def from_dict(d: dict) -> RunIdentity:
         return RunIdentity(d.get("run_id"), json.loads(_canonical(d.get("parts") or {})), dict(d.get("free") or {}))
-
-    def with_run_id(self, run_id: str | None) -> RunIdentity:
-        return RunIdentity(run_id, self.parts, self.free)
 
 
 def _canonical(obj) -> str:
@@ -122,10 +109,8 @@ def build_identity(
     steps: int | None = None,
     seed: int | None = None,
 ) -> RunIdentity:
-    """The identity of a run from what it trains. `ops`: the model's operators (list or name -> Operator);
-    `data`: an identity of the data order / seed when the caller has one (part of the fingerprint);
-    `seed`: the run's torch seed (`process_seed()`; part of the fingerprint when not None);
-    `steps`: the planned number of iterations (free: may grow between attempts)."""
+    """The identity of a run from what it trains. `ops`: list or name -> Operator; `data` (the data order) and
+    `seed` (`process_seed()`) are fingerprinted when given; `steps` (planned iterations) is free."""
     op_list = list(ops.values()) if isinstance(ops, dict) else list(ops)
     experts: dict[str, int] = {}
     for o in op_list:
@@ -206,8 +191,8 @@ def _diff(found: dict, want: dict) -> str | None:
 
 
 def identity_mismatch(found: dict | None, expected: RunIdentity) -> str | None:
-    """Why a window written with identity `found` (a manifest's dict) is not `expected`'s; None = same run.
-    The words read "window value != this run's value"."""
+    """Why a window written with identity `found` (a manifest's dict) is not `expected`'s ("window value != this
+    run's value"); None = same run."""
     if not found:
         return "the window records no run identity (written by another version or tool)"
     if found.get("run_id") != expected.run_id:
@@ -222,16 +207,12 @@ def identity_mismatch(found: dict | None, expected: RunIdentity) -> str | None:
 
 def allowed_changes(found: dict | None, expected: RunIdentity) -> list[str]:
     """What changed between the window's run and this attempt that is allowed (said in the log)."""
-    was = (found or {}).get("free") or {}
+    was, now = (found or {}).get("free") or {}, expected.free
     out = []
-    if was.get("lrs") is not None and expected.free.get("lrs") is not None and was["lrs"] != expected.free["lrs"]:
-        out.append(f"learning rate {_short(was['lrs'])} -> {_short(expected.free['lrs'])}")
-    if (
-        was.get("steps") is not None
-        and expected.free.get("steps") is not None
-        and was["steps"] != expected.free["steps"]
-    ):
-        out.append(f"steps {was['steps']} -> {expected.free['steps']}")
+    if was.get("lrs") is not None and now.get("lrs") is not None and was["lrs"] != now["lrs"]:
+        out.append(f"learning rate {_short(was['lrs'])} -> {_short(now['lrs'])}")
+    if was.get("steps") is not None and now.get("steps") is not None and was["steps"] != now["steps"]:
+        out.append(f"steps {was['steps']} -> {now['steps']}")
     return out
 
 

@@ -1,12 +1,8 @@
 """`torchmoe-ckpt inspect` and `verify`: what a checkpoint location holds, and whether every byte verifies.
 
-A location is a run directory in the layout every tier writes (storage/layout.py: `window-N/` with one
-`MANIFEST.<writer>.json` per writer) -- a host tier's `<root>/node-N/<run>`, an object store's `<uri>/<run>`, a
-DCP user's base path -- or a directory above several of them; or an object store in the tensorstore format
-(`<run>/<writer>/window-N/` OCDBT databases). It is read through fsspec (and tensorstore) with the storage
-options given; each writer's copy is checked by the tiers' own code (storage/window_tier.py: every file against
-its manifest, where every slot file sits). Dense exports (`step-N` directories with DCP's `.metadata`) found
-under the location are listed too."""
+A location is a run directory in the tiers' layout (storage/layout.py), a directory above several runs, or an
+object store in the tensorstore format, read through fsspec; each writer's copy is checked by the tiers' own
+code (storage/window_tier.py). Dense exports (`step-N` directories with DCP's `.metadata`) are listed too."""
 
 from __future__ import annotations
 
@@ -14,13 +10,7 @@ import json
 import re
 
 from .storage.files import StoreFiles
-from .storage.layout import (
-    METADATA,
-    is_internal,
-    parse_manifest_name,
-    parse_window_dirname,
-    writer_rank,
-)
+from .storage.layout import METADATA, is_internal, parse_manifest_name, parse_window_dirname, writer_rank
 from .storage.manifest import WindowManifest, check_window, slot_metadata_file
 from .storage.store_open import explain, open_store
 from .storage.window_tier import WindowTier
@@ -73,10 +63,6 @@ def _runs(files: list[str], root: str) -> set[str]:
     return runs
 
 
-def _sub_location(location: str, run: str) -> str:
-    return f"{location.rstrip('/')}/{run}"
-
-
 def _writer_of(name: str) -> int | None:
     """The writer (rank) a window file's path part names: its slot directory, replay file or manifest."""
     writer = parse_manifest_name(name) or (name[:-3] if name.endswith(".pt") else name)
@@ -98,8 +84,7 @@ def _slots(man: WindowManifest, infos: list[dict]) -> list[dict]:
 
 
 def _dcp_copy(tier: WindowTier, window_id: int):
-    """(manifest, problems, per slot planner info, bytes) of one writer's copy in the DCP layout: every file
-    against the manifest, then where each file sits (window/slot/step/run)."""
+    """(manifest, problems, per slot planner info, bytes) of one writer's copy in the DCP layout."""
     man = tier.manifest(window_id)
     problems = tier.verify_files(window_id, man) or check_window(
         man, window_id, tier.rank, None, lambda rel: tier.slot_info(window_id, rel)
@@ -109,8 +94,7 @@ def _dcp_copy(tier: WindowTier, window_id: int):
 
 
 def inspect_location(location: str, storage_options: dict | None = None) -> dict:
-    """What one run holds; a location that holds several runs (a host root, an object-store prefix) gives
-    `{"location", "runs": [one entry per run, with "run"]}`: windows of different runs are never merged."""
+    """What one run holds; a location with several runs gives `{"location", "runs": [one entry per run]}`."""
     fs, root = _open(location, storage_options)
     try:
         files = [f.rstrip("/") for f in fs.find(root)]
@@ -125,7 +109,9 @@ def inspect_location(location: str, storage_options: dict | None = None) -> dict
     if len(runs) > 1:
         return {
             "location": location,
-            "runs": [dict(inspect_location(_sub_location(location, r), storage_options), run=r) for r in sorted(runs)],
+            "runs": [
+                dict(inspect_location(f"{location.rstrip('/')}/{r}", storage_options), run=r) for r in sorted(runs)
+            ],
         }
     return _inspect_run(location, storage_options, fs, root, files)
 
@@ -139,18 +125,10 @@ def _inspect_run(location: str, storage_options: dict | None, fs, root: str, fil
         if j is None:
             continue
         wid = parse_window_dirname(parts[j])
-        entry = windows.setdefault(
-            wid,
-            {
-                "window_id": wid,
-                "paths": set(),
-                "committed_ranks": [],
-                "problems": {},
-                "slots": [],
-                "bytes": 0,
-                "ranks_with_files": set(),
-            },
+        new = dict(
+            window_id=wid, paths=set(), committed_ranks=[], problems={}, slots=[], bytes=0, ranks_with_files=set()
         )
+        entry = windows.setdefault(wid, new)
         entry["paths"].add("/".join([root, *parts[: j + 1]]))
         entry["ranks_with_files"].update(r for q in parts[max(j - 1, 0) :] if (r := _writer_of(q)) is not None)
         if len(parts) == j + 2 and (writer := parse_manifest_name(parts[-1])) is not None:  # the DCP layout
@@ -190,13 +168,9 @@ def _inspect_run(location: str, storage_options: dict | None, fs, root: str, fil
     for entry in windows.values():
         entry["paths"] = sorted(entry["paths"])
         entry["ranks_with_files"] = sorted(entry["ranks_with_files"])
-        entry["status"] = (
-            "uncommitted (no manifest: never used)"
-            if not entry["committed_ranks"]
-            else "corrupt"
-            if entry["problems"]
-            else "verified"
-        )
+        entry["status"] = "corrupt" if entry["problems"] else "verified"
+        if not entry["committed_ranks"]:
+            entry["status"] = "uncommitted (no manifest: never used)"
     exports = sorted(
         {
             (int(m.group(1)), f.rsplit("/", 1)[0])
@@ -243,8 +217,8 @@ def format_inspect(info: dict) -> str:
 
 
 def verify_location(location: str, storage_options: dict | None = None) -> tuple[bool, dict]:
-    """OK only if there is at least one committed window, every committed copy verifies and every committed
-    window was committed by every rank of the run. Every problem found is listed in `info["problems"]`."""
+    """OK only if there is a committed window, every committed copy verifies and every committed window was
+    committed by every rank of the run. Every problem found is listed in `info["problems"]`."""
     info = inspect_location(location, storage_options)
     runs = info["runs"] if "runs" in info else [info]
     problems = []
@@ -267,10 +241,8 @@ def verify_location(location: str, storage_options: dict | None = None) -> tuple
 
 
 def _foreign_windows(windows: list[dict], run_name: str | None = None) -> list[str]:
-    """Windows of one run directory written by different runs (a copied-in window, a reused run id with another
-    model or seed): recovery refuses all but the job's own (IdentityMismatch), so verify names them. Which
-    identity is the run's: the one whose run id names the directory (`run_name`), else the one most windows
-    carry; with no such answer (one window each) every group is named and none is blamed."""
+    """Windows of one run directory written by different runs (recovery refuses all but the job's own). The run's
+    identity: the one whose run id names the directory, else the one most windows carry, else none is blamed."""
     groups: dict[tuple, list[int]] = {}
     for w in windows:
         if w.get("fingerprint"):
@@ -299,10 +271,8 @@ def _foreign_windows(windows: list[dict], run_name: str | None = None) -> list[s
 
 
 def _missing_ranks(window: dict, windows: list[dict]) -> dict[str, list[str]]:
-    """A window is usable only when every rank committed it. The ranks expected: every rank of the world
-    size the manifests record when they are all in this location, else every rank seen committing here
-    (a host directory of one node holds that node's ranks only), and every rank the host tier's manifests
-    say writes into this node directory (`node_ranks`): a rank whose files were all wiped is missed."""
+    """A window is usable only when every rank committed it. Expected: every rank of the world size when all are
+    in this location, else every rank seen here (one node's directory), plus the manifests' `node_ranks`."""
     seen = {r for w in windows for r in w["committed_ranks"]} | set(window["ranks_with_files"])
     seen |= {r for w in windows for r in w.get("node_ranks") or []}
     world = window.get("world_size") or 0

@@ -1,28 +1,16 @@
-"""Just-in-time (JIT) checkpoint: when a peer fails, every healthy rank saves its own consistent state without
-any collective, and the restarted job resumes from it, losing at most one iteration instead of ~1.5 windows.
+"""Just-in-time (JIT) checkpoint: when a peer fails, every healthy rank saves its own state without any
+collective, and the restarted job resumes from it, losing at most one iteration instead of ~1.5 windows.
 
-Why the live state is consistent when a failure is detected (JIT paper, EuroSys'24, section 3.3): every
-change to parameters, optimizer state, expert bias, LR and step happens after the iteration's last
-collective, in one local section that the trainer runs under `trainer.update_lock`. A healthy rank notices a
-failed or hung peer while it waits in a collective, so it holds either the state at the start of the failed
-iteration i (peer lost before the reductions finished: no rank can have updated) or the start of i+1 (peer
-lost after them: this rank finished i's update first). Saving under the same lock makes a save that races
-with a slow-but-alive update wait for it; the per-iteration accumulators (routed-token counters) are stored
-as zeros, their value at the start of every iteration.
+The live state is consistent at failure detection (JIT paper, EuroSys'24, section 3.3): every state change
+happens after the iteration's last collective, in one local section under `trainer.update_lock`, so a rank
+blocked in a collective holds the state at the start of iteration i or i+1; saving under the same lock waits
+for a slow update. Per-iteration accumulators (routed-token counters) are stored as zeros.
 
-Where: `<host dir>/jit/step-<S>/rank-<R>/state.pt` and, when configured, the same path under the object
-store's run prefix; `COMPLETE.json` (size + CRC32 of state.pt, step, shard) is written last, by an atomic
-rename on the host. A copy without it, or whose file does not match it, is never used.
-
-When: the watchdog's on_failure hook (hang, or a collective that raised), or torchrun's SIGTERM (a peer
-died elsewhere and the agent is stopping this worker): the signal wakes a helper thread through the
-wakeup fd, so the save runs even while the main thread is blocked inside gloo. The process then exits.
-
-Restart (collective, once): every rank lists the complete copies it can see; the newest step S for which
-every shard (the ranks with the same non-replicate mesh coordinates hold the same shard) has a copy from at
-least one replica wins if S is newer than the last committed window; each rank loads its shard from its
-own copy, else a replica's, else the object store. Otherwise the window path runs as before.
-Pure FSDP has no replicas: JIT is off and says so once.
+Where: `<host dir>/jit/step-<S>/rank-<R>/state.pt` (and under the object store's run prefix); `COMPLETE.json`
+(size + CRC32, step, shard), written last, is the commit. When: the watchdog's on_failure hook, or torchrun's
+SIGTERM (read by a helper thread through the wakeup fd, so it runs while the main thread is stuck in gloo).
+Restart (collective): the newest step at which every shard has a complete copy wins if it is newer than the
+last committed window. Pure FSDP has no replicas: JIT is off.
 """
 
 from __future__ import annotations
@@ -36,19 +24,23 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 
 from .config import TierConfig
+from .operators import local_tensor as _local
 from .sparse_to_dense import init_optimizer_state
 from .storage.checksums import crc32_bytes
 from .storage.commit import write_last
+from .storage.files import StoreFiles
 from .storage.layout import jit_step_dirname as step_dirname
 from .storage.layout import writer_name as rank_dirname
 from .storage.recover import all_gather_objects
-from .storage.store_open import is_local, open_store
+from .storage.store_open import open_store
+from .watchdog import _write  # os.write on fd 2: this may run while another thread holds a stream lock
 
 log = logging.getLogger("torchmoe_ckpt.jit")
 MARKER = "COMPLETE.json"
@@ -56,15 +48,6 @@ STATE = "state.pt"
 # Accumulated during the forward, consumed and zeroed by the update: zero at the start of any iteration.
 TRANSIENT_BUFFERS = ("tokens_per_expert_E", "router_prob_E")
 LOCK_WAIT_S = 10.0  # an update section is milliseconds of local compute; longer means something is wrong
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
-def sharded_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """(name, sharded parameter) pairs; call while the model is resharded (between iterations)."""
-    return list(model.named_parameters())
 
 
 def shard_layout(mesh) -> tuple[str, int]:
@@ -77,30 +60,15 @@ def shard_layout(mesh) -> tuple[str, int]:
     return key, rep
 
 
-class JitStore:
-    """The object-store side: same layout as the host side, under `<uri>/<run>/jit/`."""
+def jit_store(cfg: dict, run_id: str) -> StoreFiles:
+    """The object-store side: the host side's layout, under `<uri>/<run>/jit/`."""
+    fs, root = open_store(cfg["uri"], cfg.get("storage_options"), probe=False)
+    return StoreFiles(fs, f"{root.rstrip('/')}/{run_id}/jit", cfg["uri"])
 
-    def __init__(self, cfg: dict, run_id: str):
-        self.fs, root = open_store(cfg["uri"], cfg.get("storage_options"), probe=False)
-        self.local = is_local(self.fs)
-        self.base = f"{root.rstrip('/')}/{run_id}/jit"
 
-    def put(self, rel: str, data: bytes) -> None:
-        path = f"{self.base}/{rel}"
-        if self.local:
-            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        self.fs.pipe_file(path, data)
-
-    def get(self, rel: str) -> bytes:
-        return self.fs.cat_file(f"{self.base}/{rel}")
-
-    def markers(self) -> list[str]:
-        if hasattr(self.fs, "invalidate_cache"):
-            self.fs.invalidate_cache()
-        try:
-            return [p[len(self.base) + 1 :] for p in self.fs.glob(f"{self.base}/step-*/rank-*/{MARKER}")]
-        except FileNotFoundError:
-            return []
+def _store_markers(store: StoreFiles) -> list[str]:
+    store.invalidate()
+    return [r for r in store.find() if r.count("/") == 2 and fnmatch(r, f"step-*/rank-*/{MARKER}")]
 
 
 class JitCheckpointer:
@@ -114,7 +82,7 @@ class JitCheckpointer:
         self.enabled = self.replicas > 1
         # opened now, not on the failure path (fsspec imports and connects)
         self.store = (
-            JitStore(host_cfg["object_store"], self.run_id) if self.enabled and host_cfg.get("object_store") else None
+            jit_store(host_cfg["object_store"], self.run_id) if self.enabled and host_cfg.get("object_store") else None
         )
         self.begun = trainer.step  # the newest iteration this rank started (see begin())
         self._once = threading.Lock()
@@ -122,12 +90,10 @@ class JitCheckpointer:
         self._armed = False
 
     def set_trainer(self, trainer) -> None:
-        """Call between iterations: inside one, FSDP2 registers the *unsharded* parameters on the modules, so
-        the sharded ones (what the optimizer updates and what a copy must hold) are looked up here."""
+        """Call between iterations: inside one, FSDP2 registers the *unsharded* parameters on the modules."""
         self.trainer = trainer
-        self.params = sharded_parameters(trainer.model)
+        self.params = list(trainer.model.named_parameters())
 
-    # ---- steady state: nothing but one integer per iteration ------------------------------------------
     def begin(self, iteration: int) -> None:
         self.begun = iteration
 
@@ -138,8 +104,7 @@ class JitCheckpointer:
         watchdog.on_failure.append(lambda rec: self.save(rec["event"], rec.get("op")))
         r, w = os.pipe()
         os.set_blocking(w, False)
-        # A Python-level handler makes the C handler write the signal number to the wakeup fd instead of
-        # terminating; the helper thread below reads it even while the main thread is stuck inside gloo.
+        # A Python-level handler makes the C handler write the signal number to the wakeup fd, not terminate.
         signal.signal(signal.SIGTERM, lambda signum, frame: None)
         signal.set_wakeup_fd(w, warn_on_full_buffer=False)
         threading.Thread(target=self._signals, args=(r,), name="tmoe-jit-sigterm", daemon=True).start()
@@ -156,7 +121,6 @@ class JitCheckpointer:
                     self.save("sigterm", None)
                 os._exit(128 + signal.SIGTERM)
 
-    # ---- the save --------------------------------------------------------------------------------------
     def capture(self) -> tuple[int, dict[str, torch.Tensor], float]:
         """(completed step, tensors, lr) of this rank, between two updates (under the trainer's lock)."""
         t = self.trainer
@@ -188,7 +152,7 @@ class JitCheckpointer:
                 step, tensors, lr = self.capture()
                 if step == 0:  # no update yet: the deterministic initialisation is the state; cold start
                     self.saved = {"step": 0, "skipped": "no update yet"}
-                    _line(f"event=jit_skipped rank={rank} reason={reason}: no update yet, a restart cold-starts")
+                    _write(2, f"event=jit_skipped rank={rank} reason={reason}: no update yet, a restart cold-starts\n")
                     return self.saved
                 buf = io.BytesIO()
                 torch.save({"step": step, "lr": lr, "shard": self.shard, "tensors": tensors}, buf)
@@ -212,14 +176,14 @@ class JitCheckpointer:
                 d.mkdir(parents=True, exist_ok=True)
                 (d / MARKER).unlink(missing_ok=True)  # a copy left by an earlier attempt is replaced whole
                 (d / STATE).write_bytes(data)
-                write_last(d / MARKER, json.dumps(marker).encode())  # the marker, written last, is the commit
+                marker_bytes = json.dumps(marker).encode()
+                write_last(d / MARKER, marker_bytes)  # the marker, written last, is the commit
                 host_s = time.perf_counter() - t0
                 stored = None
                 if self.store is not None:
                     try:
-                        store = self.store
-                        store.put(f"{rel}/{STATE}", data)
-                        store.put(f"{rel}/{MARKER}", json.dumps(marker).encode())
+                        self.store.write(f"{rel}/{STATE}", data)
+                        self.store.write(f"{rel}/{MARKER}", marker_bytes)
                         stored = True
                     except Exception as exc:  # the host copy already counts; the store is for lost nodes
                         stored = f"failed: {type(exc).__name__}: {exc}"
@@ -227,13 +191,14 @@ class JitCheckpointer:
                 self.saved = dict(
                     marker, host_seconds=round(host_s, 4), seconds=round(time.perf_counter() - t0, 4), store=stored
                 )
-                _line(
+                _write(
+                    2,
                     f"event=jit_saved rank={rank} step={step} begun={marker['begun']} reason={reason} "
-                    f"bytes={len(data)} seconds={self.saved['seconds']} store={stored} dir={d}"
+                    f"bytes={len(data)} seconds={self.saved['seconds']} store={stored} dir={d}\n",
                 )
             except Exception as exc:
                 self.saved = {"error": f"{type(exc).__name__}: {exc}"}
-                _line(f"event=jit_save_failed rank={rank} reason={reason} error={type(exc).__name__}: {exc}")
+                _write(2, f"event=jit_save_failed rank={rank} reason={reason} error={type(exc).__name__}: {exc}\n")
             return self.saved
 
     def _collect_older(self, step: int) -> None:
@@ -245,26 +210,15 @@ class JitCheckpointer:
                 shutil.rmtree(mine, ignore_errors=True)
 
 
-def _line(text: str) -> None:
-    """One structured line on stderr, with os.write: this may run while another thread holds a stream lock."""
-    data = (text + "\n").encode()
-    while data:
-        data = data[os.write(2, data) :]
-
-
 # ---- restart ---------------------------------------------------------------------------------------------
 def incomplete_copies(jit_dir: Path) -> list[str]:
     """Host copies without a valid marker (a save cut short, or damaged): never used, only reported."""
-    return [
-        str(d)
-        for d in sorted(Path(jit_dir).glob("step-*/rank-*"))
-        if not any(c["path"] == str(d) for c in list_copies(jit_dir, None))
-    ]
+    complete = {c["path"] for c in list_copies(jit_dir, None)}
+    return [str(d) for d in sorted(Path(jit_dir).glob("step-*/rank-*")) if str(d) not in complete]
 
 
-def list_copies(jit_dir: Path, store: JitStore | None) -> list[dict]:
-    """Complete copies this rank can see: a marker that parses and a state file of the marker's size (the
-    CRC is checked when a copy is loaded)."""
+def list_copies(jit_dir: Path, store: StoreFiles | None) -> list[dict]:
+    """Complete copies this rank can see: a marker that parses and a state file of its size (CRC: at load)."""
     out = []
     for m in sorted(Path(jit_dir).glob(f"step-*/rank-*/{MARKER}")):
         try:
@@ -274,20 +228,19 @@ def list_copies(jit_dir: Path, store: JitStore | None) -> list[dict]:
         except (OSError, ValueError, KeyError):
             continue  # torn marker or missing state file: not a copy
     if store is not None:
-        for rel in store.markers():
+        for rel in _store_markers(store):
             try:
-                meta = json.loads(store.get(rel))
+                meta = json.loads(store.read(rel))
                 out.append(dict(meta, where="store", path=rel.rsplit("/", 1)[0]))
             except Exception:
                 continue
     return out
 
 
-def _read(copy: dict, store: JitStore | None) -> dict:
-    if copy["where"] == "host":
-        data = (Path(copy["path"]) / STATE).read_bytes()
-    else:
-        data = store.get(f"{copy['path']}/{STATE}")
+def _read(copy: dict, store: StoreFiles | None) -> dict:
+    data = (
+        (Path(copy["path"]) / STATE).read_bytes() if copy["where"] == "host" else store.read(f"{copy['path']}/{STATE}")
+    )
     if len(data) != copy["bytes"] or crc32_bytes(data) != copy["crc32"]:
         raise ValueError(
             f"JIT copy {copy['where']}:{copy['path']} does not match its marker "
@@ -335,7 +288,7 @@ def apply_state(trainer, blob: dict) -> None:
     init_optimizer_state(trainer.optimizer)
     want = set()
     with torch.no_grad():
-        for name, p in sharded_parameters(trainer.model):
+        for name, p in trainer.model.named_parameters():
             want.add(f"param/{name}")
             _local(p).copy_(tensors[f"param/{name}"])
             for key, val in trainer.optimizer.state[p].items():
@@ -364,19 +317,15 @@ T = TypeVar("T")
 
 
 def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tuple[T, dict | None]:
-    """At process start: load the newest all-shard JIT copy if it beats the last committed window.
-    Returns (trainer, report) -- report None means "use the window path". Collective; every rank takes the
-    same branch. `rebuild(for_copy)` builds a fresh trainer of the same run: for_copy=True, the one the copy
-    is loaded into (its initial values must not matter: everything comes from the copy); for_copy=False,
-    the normal initial state, used when some shard's copy cannot be loaded (the window path follows)."""
+    """Collective: load the newest all-shard JIT copy if it beats the last committed window. Returns (trainer,
+    report); report None means "use the window path". `rebuild(for_copy)` builds a fresh trainer of the run:
+    True, the one the copy is loaded into; False, the normal initial state (some shard's copy cannot be loaded)."""
     t0 = time.perf_counter()
     key, _ = shard_layout(trainer.mesh)
     jit_dir = Path(tier.dir) / "jit"
-    store = (
-        JitStore(host_cfg["object_store"], TierConfig.from_dict(host_cfg).resolved_run_id())
-        if host_cfg.get("object_store")
-        else None
-    )
+    store = None
+    if host_cfg.get("object_store"):
+        store = jit_store(host_cfg["object_store"], TierConfig.from_dict(host_cfg).resolved_run_id())
     everyone = all_gather_objects((key, list_copies(jit_dir, store)))
     step, shards = choose(everyone)
     bound = window_step_bound(tier)
@@ -405,17 +354,9 @@ def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tu
             used = c
             break
         except Exception as exc:  # torn, corrupt or foreign: try the next replica's copy
-            log.warning(
-                "event=jit_copy_rejected rank=%d copy=%s:%s error=%s: %s",
-                fresh.rank,
-                c["where"],
-                c["path"],
-                type(exc).__name__,
-                exc,
-            )
-    if not all(all_gather_objects(used is not None)):
-        # Some shard could not be loaded: the window path, from the deterministic init again (this trainer
-        # is half-loaded; with no window either, that is the cold start).
+            where = f"{c['where']}:{c['path']}"
+            log.warning(f"event=jit_copy_rejected rank={fresh.rank} copy={where} error={type(exc).__name__}: {exc}")
+    if not all(all_gather_objects(used is not None)):  # some shard not loaded: the window path, from a fresh init
         return rebuild(False), None
     begun = max(c["begun"] for cs in shards.values() for c in cs)
     rep = {
@@ -432,12 +373,7 @@ def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tu
         "restart_seconds": time.perf_counter() - t0,
     }
     log.warning(
-        "event=jit_resumed rank=%d step=%d from_rank=%d where=%s replayed_iterations=%d window_step=%d",
-        fresh.rank,
-        step,
-        used["rank"],
-        used["where"],
-        begun - step,
-        bound,
+        f"event=jit_resumed rank={fresh.rank} step={step} from_rank={used['rank']} where={used['where']} "
+        f"replayed_iterations={begun - step} window_step={bound}"
     )
     return fresh, rep

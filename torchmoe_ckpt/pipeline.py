@@ -1,15 +1,9 @@
-"""Pipeline-parallel stage I/O with boundary logging: where a stage's boundary tensors come from and go to,
-the explicit GPipe/1F1B action order, and what localized recovery needs from a stage trainer.
+"""Pipeline-parallel stage I/O with boundary logging: where a stage's boundary tensors come from and go to, the
+explicit GPipe/1F1B action order, and what localized recovery needs from a stage trainer (`StageReplayable`).
 
-Why an explicit schedule rather than `torch.distributed.pipelining`'s ScheduleGPipe/Schedule1F1B (for
-those, see `pipeline_stock.py`): a localized replay runs *one* stage (or a contiguous run of stages) with
-its inputs taken from the neighbours' logs instead of live sends, and must do bit-for-bit the arithmetic of
-the original iteration. A stage trainer written on these pieces runs an explicit action list over gloo
-isend/recv, with one I/O object per direction that is either a live neighbour (`Peer`), a neighbour's log
-(`Logged`), or nothing. Both schedules run micro-batch forwards in order 0..M-1 and backwards in order
-0..M-1, so gradients accumulate in the same order: GPipe and 1F1B give identical results, and a replay may
-use either. `pipeline_recovery` drives any trainer that satisfies `StageReplayable` (the harness's
-`torchmoe_harness.pipeline_trainer.StageTrainer` is one).
+An explicit schedule (stock schedules: `pipeline_stock.py`) lets a replay run one stage, or a run of stages, with
+inputs from the neighbours' logs (`Logged`) instead of live sends (`Peer`), doing bit-for-bit the original
+arithmetic. Both schedules run forwards and backwards in micro-batch order, so they give identical results.
 """
 
 from __future__ import annotations
@@ -32,20 +26,14 @@ def actions(schedule: str, stage: int, stages: int, mbs: int) -> list[tuple[str,
         return [("F", m) for m in range(mbs)] + [("B", m) for m in range(mbs)]
     warm = min(stages - stage - 1, mbs)
     out = [("F", m) for m in range(warm)]
-    f, b = warm, 0
-    while f < mbs:
-        out += [("F", f), ("B", b)]
-        f += 1
-        b += 1
-    out += [("B", m) for m in range(b, mbs)]
-    return out
+    for i in range(mbs - warm):  # steady state: one forward, one backward
+        out += [("F", warm + i), ("B", i)]
+    return out + [("B", m) for m in range(mbs - warm, mbs)]
 
 
-# ---- where a stage's boundary tensors come from and go to ---------------------------------------------
 class Peer:
-    """A live neighbour rank: gloo point-to-point. Sends are asynchronous (waited at the end of the
-    iteration), receives block: with every action list ordered by its data dependencies this cannot
-    deadlock."""
+    """A live neighbour rank: gloo point-to-point. Sends are asynchronous (waited at the end of the iteration),
+    receives block: with action lists ordered by their data dependencies this cannot deadlock."""
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -66,8 +54,7 @@ class Peer:
 
 
 class Logged:
-    """A neighbour that is not running (it waits, healthy, or it is past a border): its log stands in
-    for its sends, and what we would send it is only logged."""
+    """A neighbour that is not running: its log stands in for its sends; what we would send it is only logged."""
 
     def __init__(self, reader: LogReader, direction: str):
         self.reader, self.direction = reader, direction
@@ -92,8 +79,7 @@ class StageIO:
 
 
 class StageReplayable(Replayable, Protocol):
-    """What localized pipeline recovery needs from one stage's trainer, on top of `Replayable`: its place in
-    the pipeline, its boundary log, its live and replay I/O, and the batch of any iteration."""
+    """What localized pipeline recovery needs from one stage's trainer, on top of `Replayable`."""
 
     stage: int  # this stage's index, 0..n_stages-1
     n_stages: int

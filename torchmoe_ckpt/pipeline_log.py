@@ -1,21 +1,11 @@
 """Stage-boundary log (upstream logging): what a pipeline stage sends, kept on the sender in host memory.
 
-Every activation a stage sends forward and every gradient it sends backward is logged, tagged
-(iteration, micro-batch, direction), plus one small per-iteration record (the global gradient norm and
-the loss), so that a failed neighbour can replay its window alone. The copy runs off the training thread:
-`record()` only accounts the bytes and queues the tensor (a sent tensor is never modified afterwards);
-a writer thread copies it into a file under `dir`, which should be host memory that outlives the worker
-process (a /dev/shm directory survives a torchrun restart; a lost node takes it with it). Each file is
-written to a temporary name and renamed, so a reader never sees a torn entry.
-
-Collection: `collect(upto)` deletes every entry of iterations <= upto. The caller calls it when a newer
-window commits, with the start of the oldest window any stage may still recover from.
-
-Bound: `max_bytes` caps the logged bytes held (written or queued). When an iteration's entry would pass
-it, logging stops for the rest of that window (`event=pp_log_overflow`); the iterations from then on are
-recorded as a gap, training is never blocked or slowed, and a failure whose replay needs an iteration in
-the gap falls back to global recovery from the window (`event=pp_recovery mode=global reason=...`).
-Logging resumes once a collection brings the held bytes back under the bound.
+Every activation sent forward and gradient sent backward is logged, tagged (iteration, micro-batch, direction),
+plus a per-iteration record (global gradient norm, loss), so a failed neighbour can replay alone. `record()` only
+queues; a writer thread writes each entry to a temporary name under `dir` (host memory that outlives the worker,
+e.g. /dev/shm) and renames it. `collect(upto)` deletes iterations <= upto. When an entry would pass `max_bytes`,
+logging stops until the next collection (`event=pp_log_overflow`): training is never slowed, and a failure that
+needs an iteration in the gap recovers globally.
 """
 
 from __future__ import annotations
@@ -67,7 +57,6 @@ class BoundaryLog:
         self._thread = threading.Thread(target=self._run, name="tmoe-pp-log", daemon=True)
         self._thread.start()
 
-    # ---- training thread -----------------------------------------------------------------------------
     def record(self, it: int, mb: int, direction: str, tensor: torch.Tensor) -> None:
         """Log what this stage sends for (iteration, micro-batch, direction)."""
         if direction not in DIRECTIONS:
@@ -75,9 +64,8 @@ class BoundaryLog:
         self._put(it, entry_name(it, mb, direction), tensor.detach())
 
     def record_meta(self, it: int, grad_norm: torch.Tensor, loss: torch.Tensor) -> None:
-        """The scalars a replaying neighbour cannot recompute alone: the global gradient norm (clipping) and
-        the loss (to verify a replayed last stage). Written after the iteration's entries: it marks the
-        iteration complete on this stage."""
+        """The global gradient norm and loss, which a replaying neighbour cannot recompute alone; written after
+        the iteration's entries, it marks the iteration complete on this stage."""
         self._put(it, meta_name(it), {"grad_norm": grad_norm.detach().clone(), "loss": loss.detach().clone()})
 
     def _put(self, it: int, name: str, obj) -> None:
@@ -88,13 +76,9 @@ class BoundaryLog:
             self.gap_from = it
             self.overflows += 1
             log.warning(
-                "event=pp_log_overflow dir=%s iteration=%d held_bytes=%d max_bytes=%d: logging stops "
-                "until the next window commits; a failure needing iteration >= %d recovers globally",
-                self.dir,
-                it,
-                self.held_bytes,
-                self.max_bytes,
-                it,
+                f"event=pp_log_overflow dir={self.dir} iteration={it} held_bytes={self.held_bytes} max_bytes="
+                f"{self.max_bytes}: logging stops until the next window commits; a failure needing iteration >= {it} "
+                "recovers globally"
             )
             return
         old = self._sizes.get(name, 0)  # a re-logged entry (replay) replaces the old one
@@ -104,16 +88,24 @@ class BoundaryLog:
         self.entries += 1
         self._jobs.put((name, obj, n))
 
-    def collect(self, upto: int) -> int:
-        """Delete entries of iterations <= upto (their window is superseded). Returns bytes freed."""
+    def _delete(self, drop) -> int:
+        """Delete the entries of the iterations `drop(it)` names; returns the bytes freed."""
         self.flush()
         freed = 0
         for p in list(self.dir.iterdir()):
             it = _iteration_of(p.name)
-            if it is not None and it <= upto:
-                freed += self._sizes.pop(p.name, 0)
+            if it is not None and drop(it):
+                n = self._sizes.pop(p.name, 0)
+                freed += n
+                if it in self.bytes_by_iteration:
+                    self.bytes_by_iteration[it] -= n
                 p.unlink(missing_ok=True)
         self.held_bytes = max(0, self.held_bytes - freed)
+        return freed
+
+    def collect(self, upto: int) -> int:
+        """Delete entries of iterations <= upto (their window is superseded). Returns bytes freed."""
+        freed = self._delete(lambda i: i <= upto)
         for it in [i for i in self.bytes_by_iteration if i <= upto]:
             del self.bytes_by_iteration[it]
         if self.gap_from is not None and (self.max_bytes is None or self.held_bytes < self.max_bytes):
@@ -123,15 +115,7 @@ class BoundaryLog:
 
     def drop_from(self, it: int) -> None:
         """Forget entries of iterations >= it (a recovered stage re-logs them while it replays)."""
-        self.flush()
-        for p in list(self.dir.iterdir()):
-            i = _iteration_of(p.name)
-            if i is not None and i >= it:
-                n = self._sizes.pop(p.name, 0)
-                self.held_bytes = max(0, self.held_bytes - n)
-                if i in self.bytes_by_iteration:
-                    self.bytes_by_iteration[i] -= n
-                p.unlink(missing_ok=True)
+        self._delete(lambda i: i >= it)
 
     def clear(self) -> None:
         self.drop_from(0)
@@ -155,7 +139,6 @@ class BoundaryLog:
             "errors": self.errors[-3:],
         }
 
-    # ---- writer thread -------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             job = self._jobs.get()

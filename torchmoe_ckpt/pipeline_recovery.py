@@ -1,23 +1,11 @@
-"""Localized recovery for pipeline stages (MoEvement §3.4 and Appendix A).
+"""Localized recovery for pipeline stages (MoEvement section 3.4 and Appendix A).
 
-Planning is a pure function of what every stage reports after a failure: healthy (its live state at
-iteration T is intact) or failed, the committed windows it can load, and what its boundary log holds.
-
-* Failed stages form maximal contiguous segments. Each segment recovers on its own, in parallel with the
-  others: its stages load the newest window common to them (start t0), replay t0+1..t0+W-1 with
-  sparse-to-dense conversion and then t0+W..T as plain replay, taking the activations entering the
-  segment from the upstream border stage's log and the gradients entering it from the downstream border
-  stage's log (and the global grad norm and loss from a border's per-iteration record). Inside a segment
-  the stages exchange tensors live, as in training. Healthy stages wait, state untouched: zero
-  recomputation.
-* A failure while a recovery runs (a segment stage, or a healthy stage next to one) ends that attempt; the
-  next attempt plans again from the reported state, so the segment grows to include it and its recovery
-  restarts from the window common to the larger segment. A recovering stage never reports itself healthy
-  before its recovery completed everywhere.
-* Global recovery (every stage rolls back to the newest window common to all and replays it jointly) when
-  no stage is healthy (no live neighbour), when healthy stages stopped at different iterations, when a
-  segment has no common window, or when a border log misses an iteration the replay needs (log bound hit
-  or log lost). The reason is logged (`event=pp_recovery mode=global reason=...`).
+A pure plan from what every stage reports after a failure (healthy or not, its committed windows, its boundary
+log). Failed stages form contiguous segments; each loads the newest window common to its stages and replays to
+the healthy stages' iteration, its border inputs taken from the neighbours' logs, while healthy stages wait.
+Global recovery (every stage rolls back to a common window) when no stage is healthy, healthy stages stopped at
+different iterations, a segment has no common window, or a border log misses an iteration
+(`event=pp_recovery mode=global reason=...`).
 """
 
 from __future__ import annotations
@@ -83,6 +71,12 @@ def contiguous_runs(stages: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def _common_windows(members: list[StageStatus]) -> list[int]:
+    """The windows every member holds, with the same start step on each."""
+    held = set.intersection(*(set(s.windows) for s in members))
+    return [w for w in held if len({s.windows[w] for s in members}) == 1]
+
+
 def plan_recovery(statuses: list[StageStatus], log_dirs: list, microbatches: int) -> RecoveryPlan:
     """Decide who replays what. `log_dirs[s]` is stage s's boundary-log directory (readable here)."""
     n = len(statuses)
@@ -92,11 +86,7 @@ def plan_recovery(statuses: list[StageStatus], log_dirs: list, microbatches: int
     healthy_steps = {s.step for s in statuses if s.healthy}
 
     def global_plan(reason: str) -> RecoveryPlan:
-        common = [
-            w
-            for w in set.intersection(*(set(s.windows) for s in statuses))
-            if len({s.windows[w] for s in statuses}) == 1
-        ]
+        common = _common_windows(statuses)
         if not common:
             return RecoveryPlan("cold", reason=f"{reason}; and no window common to all stages: start over")
         return RecoveryPlan("global", window_id=max(common), reason=reason)
@@ -109,26 +99,20 @@ def plan_recovery(statuses: list[StageStatus], log_dirs: list, microbatches: int
     segments = []
     for a, b in contiguous_runs(failed):
         members = statuses[a : b + 1]
-        common = set.intersection(*(set(s.windows) for s in members))
-        usable = sorted(
-            (w for w in common if len({s.windows[w] for s in members}) == 1 and members[0].windows[w] < target),
-            reverse=True,
-        )
+        usable = [w for w in _common_windows(members) if members[0].windows[w] < target]
         if not usable:
             return global_plan(f"stages {a}..{b} have no committed window in common before iteration {target}")
-        wid = usable[0]
+        wid = max(usable)
         t0 = members[0].windows[wid]
         up = a - 1 if a > 0 else None
         down = b + 1 if b < n - 1 else None
         its = range(t0 + 1, target + 1)
-        if up is not None and not LogReader(log_dirs[up]).has(its, microbatches, "fwd"):
-            return global_plan(
-                f"stage {up}'s forward log misses an iteration of {t0 + 1}..{target} (log bound hit or log lost)"
-            )
-        if down is not None and not LogReader(log_dirs[down]).has(its, microbatches, "bwd"):
-            return global_plan(
-                f"stage {down}'s backward log misses an iteration of {t0 + 1}..{target} (log bound hit or log lost)"
-            )
+        for border, direction, word in ((up, "fwd", "forward"), (down, "bwd", "backward")):
+            if border is not None and not LogReader(log_dirs[border]).has(its, microbatches, direction):
+                why = (
+                    f"stage {border}'s {word} log misses an iteration of {t0 + 1}..{target} (log bound hit or log lost)"
+                )
+                return global_plan(why)
         segments.append(Segment(a, b, wid, t0, up, down))
     return RecoveryPlan(
         "local",
@@ -179,15 +163,8 @@ def recover_in_segment(trainer: StageReplayable, window, seg: Segment, target: i
         seconds=time.perf_counter() - t_start,
     )
     log.info(
-        "event=pp_stage_recovered stage=%d segment=%d..%d window=%d t0=%d target=%d replayed=%d seconds=%.3f",
-        trainer.stage,
-        seg.first,
-        seg.last,
-        window.id,
-        window.start_step,
-        target,
-        trainer.replayed_iterations,
-        rep["seconds"],
+        f"event=pp_stage_recovered stage={trainer.stage} segment={seg.first}..{seg.last} window={window.id} "
+        f"t0={window.start_step} target={target} replayed={trainer.replayed_iterations} seconds={rep['seconds']:.3f}"
     )
     return rep
 

@@ -1,24 +1,10 @@
 """Boundary logging and localized replay on `torch.distributed.pipelining`'s stock schedules.
 
-Every stock schedule gets its sends from `stage.get_fwd_send_ops(mb)` / `stage.get_bwd_send_ops(mb)` and
-its receives from `stage.get_fwd_recv_ops(mb)` / `stage.get_bwd_recv_ops(mb)`, and runs the stage's
-arithmetic itself (`forward_one_chunk`, the loss, `backward_one_chunk`, gradient scaling).
-`LoggingPipelineStage` hooks those four methods:
-
-* **Logging** (always): each tensor of a send op is logged on the sender, tagged (iteration, micro-batch,
-  direction), into a `BoundaryLog` (host memory, off the training thread, bounded). With interleaving each
-  virtual stage has its own log. The caller sets `stage.iteration` before each `schedule.step()`.
-* **Replay** (`stage.replay_io` set): a stage whose neighbour is not running takes what it would have
-  received from that neighbour's log instead: the logged activation (or gradient) becomes the receive
-  buffer and no receive op is issued; the send towards that neighbour is logged but not issued. Sends and
-  receives to a neighbour that replays too (inside a jointly recovering segment) stay live. So a replayed
-  stage runs the *same schedule code* on bit-identical inputs as in training: same micro-batch order, same
-  loss call, same gradient accumulation. Replay is exact for a stage trained by that schedule.
-
-Replay needs static shapes (`_user_meta`, e.g. `titan_integration.pipeline_compat.set_static_shapes`):
-with `local_vote` the warm-up vote of the stock schedule is decided locally (every stage is STATIC), so a
-stage that replays alone never waits for a peer's vote. Only one tensor per boundary is supported (what
-TorchTitan's stages send).
+`LoggingPipelineStage` hooks the stage's four send/recv-op getters: every sent tensor is logged into a
+`BoundaryLog` (the caller sets `stage.iteration` before each `schedule.step()`); with `replay_io` set, input
+from a neighbour that is not running comes from its log and sends to it are not issued, so a replayed stage runs
+the same schedule code on bit-identical inputs. Needs static shapes (`_user_meta`): with `local_vote` the
+warm-up vote is decided locally. One tensor per boundary (what TorchTitan's stages send).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The recovery sequence, written once: find the newest window every rank can get from the tiers (host
-memory, then peers, then the object store), verify it, and convert it to the dense state by replay.
-
-The harness, TorchTitan's trainer and the own-loop `Checkpointer` all call `recover`.
+"""The recovery sequence, written once (harness, TorchTitan and `Checkpointer` call `recover`): find the newest
+window every rank can get from the tiers, verify it, and convert it to the dense state by replay.
 """
 
 from __future__ import annotations
@@ -35,8 +33,8 @@ class ResumeResult:
     window: Window | None  # the window recovered from (the checkpointer's fallback until the next commits)
     recovered_step: int | None  # iterations completed after recovery; None = no window anywhere
     report: dict = field(default_factory=dict)
-    # Where new window ids start (None: after `window`, else 0); set by a recovery that leaves windows on the tiers
-    # without handing one over (pipeline stages, a JIT copy), so that new windows sort after them.
+    # Where new window ids start (None: after `window`, else 0); set by a recovery that hands no window over
+    # (pipeline stages, a JIT copy), so that new windows sort after those on the tiers.
     next_window_id: int | None = None
 
     @property
@@ -56,99 +54,73 @@ def recover(
     on_unusable: str = "fail",
     replay_check: ReplayPolicy | None = None,
 ) -> ResumeResult:
-    """Collective. Loads the newest usable window into `trainer` (freshly built) and replays it; with no
-    window on any tier returns `recovered_step=None` and leaves the trainer untouched. `before_replay` is
-    called with the fetched window before anything is loaded into the trainer.
-
-    `identity` (default: built from the trainer's model and optimizer, `compute_dtype`, the world size and the
-    host tier's run id) is what a window must have been written by. A window that fails any check, load or
-    its replay is rejected on every rank and the next newest is tried (a failed replay leaves nothing behind:
-    the next window's load overwrites every operator's state). When windows exist but all belong to another
-    run, `IdentityMismatch` is raised with one line naming the difference and the fix. When windows exist but
-    every one is rejected (corrupt, torn, replay diverged), `on_unusable="fail"` raises `UnusableCheckpointError`
-    on every rank (each window and why, and the fixes; nothing is deleted), "restart" starts over (step 0).
-    `replay_check` (default exact): how each replayed iteration is checked against the log (replay_check.py)."""
-    # `watchdog` (a CollectiveWatchdog) watches the whole recovery: a rank frozen during fetch, agreement or
-    # replay ends the others within its timeout instead of the process-group timeout.
+    """Collective. Loads the newest usable window into `trainer` (freshly built) and replays it; with no window
+    on any tier returns `recovered_step=None`, trainer untouched. `before_replay(window)` runs before the load.
+    `identity` (default: built from the trainer) is what a window must have been written by. A window that fails
+    a check, its load or its replay is rejected on every rank and the next newest is tried. Windows that all
+    belong to another run raise `IdentityMismatch`; windows all rejected raise `UnusableCheckpointError` with
+    `on_unusable="fail"`, or start over with "restart". `watchdog` watches the whole recovery."""
     with watchdog.watch("recovery") if watchdog is not None else nullcontext():
-        return _recover(trainer, tiers, ops, compute_dtype, rank, before_replay, identity, on_unusable, replay_check)
+        t0 = time.perf_counter()
+        describe_optimizer_state(trainer.model, ops, trainer.optimizer)  # the slots' layout of the optimizer state
+        if identity is None:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            identity = build_identity(trainer.model, trainer.optimizer, compute_dtype, ops, tiers.host.dir.name, world)
+        done: dict = {}
 
+        def replay(window: Window) -> None:
+            done["find"] = time.perf_counter() - t0  # listed, checked, agreed and read from the tier
+            # When every window fails, the caller gets its trainer back as it was, not half-replayed: one host
+            # copy per recovery (a failed window's state is overwritten by the next one's load): "safety_copy".
+            if "saved" not in done:
+                s0 = time.perf_counter()
+                done["saved"] = _snapshot(trainer)
+                done["safety_copy"] = time.perf_counter() - s0
+            if before_replay is not None:
+                before_replay(window)
+            rep = None
+            suffix = _agreed_tail(tiers.host, window, ops, compute_dtype, identity)
+            if suffix is not None:  # sliding plans: on to the last slot every rank wrote of the window after it
+                rep = _replay_suffix(trainer, window, suffix, replay_check)
+            done["report"] = rep if rep is not None else sparse_to_dense(trainer, window, replay_check)
 
-def _recover(
-    trainer, tiers, ops, compute_dtype, rank, before_replay, identity, on_unusable, replay_check
-) -> ResumeResult:
-    t0 = time.perf_counter()
-    describe_optimizer_state(trainer.model, ops, trainer.optimizer)  # the slots' layout of the optimizer state
-    if identity is None:
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        identity = build_identity(trainer.model, trainer.optimizer, compute_dtype, ops, tiers.host.dir.name, world)
-    done: dict = {}
-
-    def replay(window: Window) -> None:
-        done["find"] = time.perf_counter() - t0  # listed, checked, agreed and read from the tier
-        # When every window fails, the caller must get its trainer back as it was, not half-replayed: a run that
-        # restarts from step 0, and a caller that catches UnusableCheckpointError, would otherwise train on a
-        # mixture of windows. One host copy of the state per recovery (a failed window is followed by the next
-        # one's load, which overwrites every operator); timed as its own phase, "safety_copy".
-        if "saved" not in done:
-            s0 = time.perf_counter()
-            done["saved"] = _snapshot(trainer)
-            done["safety_copy"] = time.perf_counter() - s0
-        if before_replay is not None:
-            before_replay(window)
-        rep = None
-        suffix = _agreed_tail(tiers.host, window, ops, compute_dtype, identity)
-        if suffix is not None:  # sliding plans: on to the last slot every rank wrote of the window after it
-            rep = _replay_suffix(trainer, window, suffix, replay_check)
-        done["report"] = rep if rep is not None else sparse_to_dense(trainer, window, replay_check)
-
-    window, found = recover_from_tiers(
-        tiers.host, tiers.replicator, ops, compute_dtype, store=tiers.store, identity=identity, use=replay
-    )
-    fetch_s = time.perf_counter() - t0
-    if window is None:
-        if "saved" in done:  # every window tried failed its replay: give the caller its trainer back as it was
-            _restore(trainer, done["saved"])
-        _no_window(found, tiers, identity, rank, on_unusable)
-        return ResumeResult(None, None, dict(found, fetch_seconds=fetch_s))
-    rep = done["report"]
-    # find: up to the replay of the window recovered from (windows rejected before it included); the safety
-    # copy of the trainer taken before the first replay is a phase of its own
-    rep.phases = {"find": done["find"], "safety_copy": done["safety_copy"], **rep.phases}
-    rep.phases["rebuild"] += max(0.0, fetch_s - done["find"] - done["safety_copy"] - rep.seconds)
-    report = dict(rep.to_dict(), **found, fetch_seconds=fetch_s, total_seconds=time.perf_counter() - t0)
-    if rank == 0:
-        rejected = sorted(w for w in _rejected_windows(found) if w != window.id)  # by any rank (gathered)
-        changed = allowed_changes(_identity_of(tiers, window.id), identity)
-        if changed:
-            report["allowed_changes"] = changed
-            log.info(
-                "event=allowed_change run=%s window=%d: %s (not part of the run identity: accepted)",
-                identity.run_id,
-                window.id,
-                "; ".join(changed),
-            )
-        log.info(
-            "event=recovered run=%s window=%d source=%s steps=%d..%d replayed=%d bytes=%d seconds=%.3f rejected=%s: %s",
-            identity.run_id,
-            window.id,
-            found.get("source"),
-            rep.start_step,
-            rep.recovered_step,
-            rep.replayed_iterations,
-            rep.bytes_loaded,
-            report["total_seconds"],
-            rejected or "none",
-            replay_verdict(report),
+        window, found = recover_from_tiers(
+            tiers.host, tiers.replicator, ops, compute_dtype, store=tiers.store, identity=identity, use=replay
         )
-    return ResumeResult(window, rep.recovered_step, report)
+        fetch_s = time.perf_counter() - t0
+        if window is None:
+            if "saved" in done:  # every window tried failed its replay: the caller's trainer back as it was
+                _restore(trainer, done["saved"])
+            _no_window(found, tiers, identity, rank, on_unusable)
+            return ResumeResult(None, None, dict(found, fetch_seconds=fetch_s))
+        rep = done["report"]
+        rep.phases = {"find": done["find"], "safety_copy": done["safety_copy"], **rep.phases}
+        rep.phases["rebuild"] += max(0.0, fetch_s - done["find"] - done["safety_copy"] - rep.seconds)
+        report = dict(rep.to_dict(), **found, fetch_seconds=fetch_s, total_seconds=time.perf_counter() - t0)
+        if rank == 0:
+            rejected = sorted(w for w in _rejected_windows(found) if w != window.id)  # by any rank (gathered)
+            try:
+                written_by = tiers.host.manifest(window.id).identity
+            except (OSError, ValueError):
+                written_by = None
+            changed = allowed_changes(written_by, identity)
+            if changed:
+                report["allowed_changes"] = changed
+                log.info(
+                    f"event=allowed_change run={identity.run_id} window={window.id}: {'; '.join(changed)} "
+                    "(not part of the run identity: accepted)"
+                )
+            log.info(
+                f"event=recovered run={identity.run_id} window={window.id} source={found.get('source')} steps="
+                f"{rep.start_step}..{rep.recovered_step} replayed={rep.replayed_iterations} bytes={rep.bytes_loaded} "
+                f"seconds={report['total_seconds']:.3f} rejected={rejected or 'none'}: {replay_verdict(report)}"
+            )
+        return ResumeResult(window, rep.recovered_step, report)
 
 
 def _agreed_tail(host, window: Window, ops, compute_dtype, identity) -> SlidingSuffix | None:
-    """Collective. With sliding plans, the slots of the window after `window` that were written before the failure
-    (not committed: `HostTier.load_partial`), as many as every rank has (all ranks replay the same iterations),
-    and the newest suffix of both windows that covers every operator; None when there is none on some rank (a
-    rank whose window came from a peer or the store has no partial copy: its node's host memory is gone)."""
+    """Collective. With sliding plans, the newest suffix of `window` and the uncommitted slots after it that every
+    rank has (`HostTier.load_partial`) that covers every operator; None when some rank has none."""
     if not window.plan.sliding:
         return None
     nxt = None
@@ -166,8 +138,7 @@ def _agreed_tail(host, window: Window, ops, compute_dtype, identity) -> SlidingS
 
 
 def _replay_suffix(trainer, window: Window, suffix: SlidingSuffix, replay_check) -> RecoveryReport | None:
-    """Collective. The sliding replay; when it fails on any rank, None on every rank (the caller replays the
-    committed window alone: its first slot's load overwrites whatever the failed replay left)."""
+    """Collective. The sliding replay; None on every rank when it fails on any (the committed window is next)."""
     rep, why = None, None
     try:
         rep = replay_slots(
@@ -184,17 +155,10 @@ def _replay_suffix(trainer, window: Window, suffix: SlidingSuffix, replay_check)
     return rep
 
 
-def _identity_of(tiers: Tiers, window_id: int) -> dict | None:
-    try:
-        return tiers.host.manifest(window_id).identity
-    except (OSError, ValueError):
-        return None
-
-
 def _no_window(found: dict, tiers: Tiers, identity: RunIdentity, rank: int, on_unusable: str) -> None:
-    """Say why nothing was recovered; refuse (one line) when every window there belongs to another run, and
-    (by default) when windows exist but every one was rejected: restarting from step 0 would overwrite them."""
-    rejected = {w: why for w, why in found.get("unusable_copies", {}).items()}
+    """Say why nothing was recovered; refuse when every window there belongs to another run, and (by default)
+    when windows exist but every one was rejected: restarting from step 0 would overwrite them."""
+    rejected = dict(found.get("unusable_copies", {}))
     for w, per_rank in found.get("rejected", {}).items():
         rejected.setdefault(w, next(iter(per_rank.values())))
     foreign = [why.split("identity: ", 1)[1] for why in rejected.values() if "identity: " in why]
@@ -209,15 +173,13 @@ def _no_window(found: dict, tiers: Tiers, identity: RunIdentity, rank: int, on_u
             raise UnusableCheckpointError(unusable_message(identity.run_id, tiers.host.dir, windows))
         if rank == 0:
             log.warning(
-                "event=no_usable_window run=%s run_dir=%s: windows exist but every one was rejected (%s); "
-                "on_unusable_checkpoint='restart': a new run starts from step 0 and overwrites them",
-                identity.run_id,
-                tiers.host.dir,
-                _listing(windows, "; "),
+                f"event=no_usable_window run={identity.run_id} run_dir={tiers.host.dir}: windows exist but every one "
+                f"was rejected ({_listing(windows, '; ')}); on_unusable_checkpoint='restart': a new run starts from "
+                "step 0 and overwrites them"
             )
     elif rank == 0:
         log.info(
-            "event=no_window run=%s run_dir=%s: nothing to recover, a new run starts", identity.run_id, tiers.host.dir
+            f"event=no_window run={identity.run_id} run_dir={tiers.host.dir}: nothing to recover, a new run starts"
         )
 
 
@@ -225,12 +187,10 @@ def _rejected_windows(found: dict) -> dict[int, dict[str, list]]:
     """window -> {reason: [ranks]}: every rank's damaged copies and every window rejected by agreement."""
     out: dict[int, dict[str, list]] = {}
     by_rank = found.get("unusable_by_rank") or {"this rank": found.get("unusable_copies", {})}
-    for r, copies in by_rank.items():
-        for w, why in copies.items():
-            out.setdefault(w, {}).setdefault(why, []).append(r)
-    for w, per_rank in found.get("rejected", {}).items():
-        for r, why in per_rank.items():
-            out.setdefault(w, {}).setdefault(why, []).append(r)
+    damaged = [(w, r, why) for r, copies in by_rank.items() for w, why in copies.items()]
+    agreed = [(w, r, why) for w, per_rank in found.get("rejected", {}).items() for r, why in per_rank.items()]
+    for w, r, why in damaged + agreed:
+        out.setdefault(w, {}).setdefault(why, []).append(r)
     return out
 
 
@@ -298,8 +258,7 @@ def _params(trainer) -> list:
 
 
 def _snapshot(trainer) -> tuple[list, dict]:
-    """A host-memory copy of what a replay changes: parameters, buffers, optimizer state (taken once per
-    recovery, in host memory so that a GPU run does not need twice its state on the device)."""
+    """A host-memory copy of what a replay changes: parameters, buffers, optimizer state."""
     m, o = trainer.model, trainer.optimizer
     tensors = [_host(t) for t in [*m.parameters(), *m.buffers()]]
     state = {

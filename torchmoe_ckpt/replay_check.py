@@ -1,15 +1,9 @@
 """How a replayed iteration is checked against the original run: the policy, its bound, and the up-front check.
 
-"exact" (the default): every replayed loss -- and gradient norm, where the trainer recomputes it -- equals the
-logged one bit for bit. On CPU that holds by construction. On CUDA it needs deterministic kernels (atomics in
-`index_add_`/`scatter_add_`, attention backward and cuBLAS workspaces otherwise change the summation order from
-run to run), so building a checkpointer for a CUDA model with "exact" refuses, in one line, unless
-`torch.use_deterministic_algorithms(True)` is on and `CUBLAS_WORKSPACE_CONFIG` is set.
-
-"tolerant" (MoEvement's stance): a replay is accepted when every loss and gradient norm stays within
-`tolerance` (relative) of the logged value; the recovery is then reported as approximate, with the largest
-deviation seen. The bound must stay far below what a wrong batch does to the loss: a window replayed with another
-run's or another data order's batches is refused in both modes. The default and how it was chosen: docs/gpu.md.
+"exact" (default): every replayed loss (and gradient norm, where recomputed) equals the logged one bit for bit;
+on CUDA that needs deterministic kernels, so "exact" on a CUDA model is refused unless they are on.
+"tolerant": accepted within a relative `tolerance`, reported as approximate with the largest deviation; the
+bound stays far below what a wrong batch does (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -33,12 +27,8 @@ __all__ = [
 ]
 
 REPLAY_CHECKS = ("exact", "tolerant")
-# Relative bound of the tolerant check (docs/gpu.md, "Choosing the bound"). Measured: on an H200 (bf16, atomics in
-# the MoE combine, 2 replayed iterations) replayed gradient norms moved by up to 8.3e-4 (and one run of seven past
-# 1e-3, the bound before), losses by up to 1.7e-4; on CPU another reduction order moved losses by 6.5e-8. Another
-# data order's batches moved losses by 0.11 to 0.30 and gradient norms by 0.27 to 0.97 (0.041 on a loss that is
-# 80% data-independent penalty). 1e-2 -- between one and three bf16 roundings -- stays 12x above the GPU figures
-# and 4x to 27x below the wrong-batch ones.
+# Relative bound of the tolerant check: 12x above what non-deterministic GPU kernels moved replays by, 4x to 27x
+# below what another data order's batches did (docs/gpu.md, "Choosing the bound").
 DEFAULT_TOLERANCE = 1e-2
 CUBLAS_CONFIGS = (":4096:8", ":16:8")  # the two workspace settings cuBLAS documents as deterministic
 
@@ -107,11 +97,8 @@ class ReplayComparison:
         loss = res.loss.detach().to("cpu")
         norm = getattr(res, "replayed_grad_norm", None)
         norm = None if norm is None else norm.detach().to("cpu")
-        loss_equal = torch.equal(loss, rec.loss)
-        norm_equal = norm is None or torch.equal(norm, rec.grad_norm.to(norm.dtype))
-        if norm is not None:
-            self.grad_norms_compared += 1
-        if loss_equal and norm_equal:
+        self.grad_norms_compared += norm is not None
+        if torch.equal(loss, rec.loss) and (norm is None or torch.equal(norm, rec.grad_norm.to(norm.dtype))):
             return
         self.exact = False
         dl = relative_deviation(loss, rec.loss)

@@ -1,19 +1,12 @@
-"""Per-iteration record of what exact replay needs.
-
-Frozen operators compute no trustworthy weight gradients during replay, so the global gradient norm used
-for clipping cannot be recomputed: it is logged. The batch, RNG state (CPU and device generators: rng.py) and
-LR are logged too, and the loss is kept so that every replayed iteration is checked against the original
-(bit for bit, or within a stated bound: replay_check.py). Every tensor of a record is a host tensor; on a GPU
-it is filled by an asynchronous copy that has landed once the slot copy of its iteration is done.
-
-Replay applies the *logged* learning rates and other hyper-parameters (every param group of every optimizer:
-momentum and betas that a OneCycleLR cycles, a weight decay changed by hand), not the schedule's: a run extended
-with more steps or a changed schedule has another schedule now, but the iterations being replayed used the old
-one."""
+"""Per-iteration record of what exact replay needs: the global gradient norm (frozen operators cannot recompute
+it), the batch, RNG states (rng.py), every param group's LR and hyper-parameters, and the loss to check the
+replay against. Replay applies the *logged* hyper-parameters, not the schedule's (a changed schedule applies only
+to new iterations). On a GPU the host tensors are filled by asynchronous copies.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -28,8 +21,7 @@ _NOT_HYPER = frozenset(
 
 
 def group_hyper(param_groups: list[dict]) -> tuple[dict, ...]:
-    """Every group's numeric hyper-parameters other than the LR (momentum, betas, weight decay, eps, ...), in
-    group order: what an update read besides the LR (numbers as they are, tensor-valued ones as copies)."""
+    """Every group's numeric hyper-parameters other than the LR (momentum, betas, eps, ...), in group order."""
     out = []
     for g in param_groups:
         h = {}
@@ -67,18 +59,12 @@ class IterationRecord:
         )
 
     def to_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "tokens": self.tokens,
-            "grad_norm": self.grad_norm,
-            "lr": self.lr,
-            "loss": self.loss,
-            "rng_state": self.rng_state,
-            "loss_scale": self.loss_scale,
-            "lrs": None if self.lrs is None else list(self.lrs),
-            **({"device_rng": self.device_rng} if self.device_rng else {}),  # CPU records stay as they were
-            "hyper": None if self.hyper is None else list(self.hyper),
-        }
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["lrs"] = None if self.lrs is None else list(self.lrs)
+        d["hyper"] = None if self.hyper is None else list(self.hyper)
+        if not self.device_rng:
+            del d["device_rng"]  # CPU records stay as they were
+        return d
 
     @staticmethod
     def from_dict(d: dict) -> IterationRecord:
@@ -114,9 +100,8 @@ class Replay:
         rng.restore(self.rng_state, self.device_rng)
 
     def apply_lrs(self, optimizer) -> None:
-        """Set every param group's LR and logged hyper-parameters (all optimizers' groups, in order: a list, a
-        container or one optimizer) to the logged ones. Call right before the optimizer step. No LRs given: the
-        groups keep what the schedule set."""
+        """Set every param group's LR and hyper-parameters (all optimizers' groups, in order) to the logged ones,
+        right before the optimizer step. No LRs logged: the groups keep what the schedule set."""
         groups = [g for o in optimizer_list(optimizer) for g in o.param_groups]
         if not self.lrs:  # none logged (re-executing iterations the schedule still gives): the schedule's LRs
             return

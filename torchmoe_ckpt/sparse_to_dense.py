@@ -1,32 +1,11 @@
 """Sparse-to-dense conversion: rebuild the exact dense training state from one committed window.
 
-Load slot 0: its active operators get their full state (they are ACTIVE from now on), the others get slot
-0's compute weights (FROZEN). Replay iteration t0+1 with the logged batch, RNG state and gradient norm;
-ACTIVE operators take their optimizer step exactly as in the original run. Load slot 1: more operators
-become ACTIVE, the still-FROZEN ones get slot 1's compute weights. ... After slot W-1 is loaded every
-operator holds its exact state at iteration t0+W-1: W-1 replayed iterations in all.
-
-Why it is bit-exact: during replay every forward uses, for every operator, exactly the weights of the
-original iteration (replayed or loaded), so activations, losses and all gradients are identical. Weight
-gradients are still computed for FROZEN operators and reduced in the unchanged FSDP layout (changing the
-reduce-scatter layout changes the summation order with >= 3 ranks). Their optimizer update is computed on
-the whole grouped tensor too, but it lands only on FROZEN slices, which the next slot overwrites ("masked"):
-that is exact for updates that do not couple elements across operators, which `optim_state` checks per
-optimizer up front (Adam/AdamW/SGD are elementwise; Muon couples whole matrices, Adafactor whole tensors, so
-tensors cut into several operators are refused for them).
-
-Each replayed iteration also tells the trainer which operators are FROZEN in it (`Replay.frozen`): a trainer may
-skip their weight gradients (MoEvement's frozen execution: forward and input gradients only), since whatever
-their slices receive is overwritten by a later slot. The harness does for expert slices (model.expert_mlp);
-a trainer that ignores the set replays exactly as before.
-
-`replay_slots` runs the conversion over any consecutive slots that activate every operator once: a committed
-window, or with sliding plans (SparseConfig.sliding) the newest W slots across a window boundary.
-
-The report splits the recovery's time into phases (`RecoveryReport.phases`, the status line and the
-checkpointer's stats): rebuild (optimizer state allocated for in-place loads), load (slot bytes copied into the
-live tensors) and replay; `recover` adds find (the window located, checked, fetched from a tier) and the
-checkpointer redo (iterations after the recovered step trained again).
+Load slot 0 (its active operators get their full state, the others its compute weights: FROZEN), replay the
+next iteration with the logged batch, RNG state and gradient norm, load slot 1, ... until every operator is
+active at iteration t0+W-1. Bit-exact because every forward uses exactly the original iteration's weights;
+FROZEN operators' updates land only on slices the next slot overwrites, which is exact for elementwise
+optimizers (`optim_state` refuses the others for split tensors). `Replay.frozen` lets a trainer skip their
+weight gradients. The report splits the time into phases (rebuild, load, replay; `recover` adds more).
 """
 
 from __future__ import annotations
@@ -54,7 +33,6 @@ __all__ = [
     "Replayable",
     "ReplayedStep",
     "init_optimizer_state",
-    "load_window_slot",
     "replay_slots",
     "sparse_to_dense",
 ]
@@ -66,13 +44,9 @@ class ReplayedStep(Protocol):
 
 
 class Replayable(Protocol):
-    """What recovery needs from a trainer. The own-loop `Checkpointer` implements it for any model; the
-    harness Trainer and TorchTitan's `SparseTrainer` (through `TitanReplayable`) implement it for theirs.
-
-    `set_step(n)`: put the iteration counter and the LR schedule where n completed iterations leave them.
-    `train_step(replay)`: run one iteration exactly as training does, except that it takes the batch, the RNG
-    state, the global gradient norm (for clipping) and every param group's LR from `replay` instead of
-    computing them, and it captures no checkpoint. It returns an object with this rank's `loss`."""
+    """What recovery needs from a trainer. `set_step(n)`: the iteration counter and LR schedule where n completed
+    iterations leave them. `train_step(replay)`: one iteration exactly as training runs it, but with the batch,
+    RNG state, gradient norm and every group's LR from `replay`, capturing nothing; returns this rank's `loss`."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -106,11 +80,6 @@ class RecoveryReport:
         return asdict(self)
 
 
-def load_window_slot(slot, access: StateAccess) -> int:
-    """ACTIVE-on-this-slot operators get their full state; later operators get compute weights."""
-    return restore_slot(slot, access)
-
-
 def sparse_to_dense(trainer: Replayable, window, replay_check: ReplayPolicy | None = None) -> RecoveryReport:
     """Run the conversion for `window` (a committed `Window`) on a freshly built trainer; every replayed iteration
     is checked per `replay_check` (default: exact)."""
@@ -129,12 +98,9 @@ def replay_slots(
     label: str,
     replay_check: ReplayPolicy | None = None,
 ) -> RecoveryReport:
-    """The conversion over consecutive slots (slot j holds the state after iteration t0 + j, with its plan's
-    active and frozen sets): a committed window's W slots, or a sliding suffix across two windows. Load slot
-    0; for each next slot replay its iteration with the operators not yet active FROZEN, then load it: full
-    state for the operators it activates, compute weights for those still frozen, nothing for those already
-    active (what it holds of them equals what the replay produced). `record(step)`: the replay record of an
-    iteration. Ends with every operator active at iteration t0 + len(seq) - 1."""
+    """The conversion over consecutive slots (slot j: the state after iteration t0 + j), a committed window's or a
+    sliding suffix across two windows: load slot 0, then per slot replay its iteration with the operators not yet
+    active FROZEN and load it (nothing of operators already active). `record(step)`: an iteration's record."""
     t_start = time.perf_counter()
     access = StateAccess(trainer.model, trainer.optimizer)
     init_optimizer_state(trainer.optimizer)
@@ -155,7 +121,7 @@ def replay_slots(
         l0 = time.perf_counter()
         if active:  # a sliding slot also holds operators active already: leave them as the replay made them
             slot = Slot(slot.index, slot.active, slot.frozen, [it for it in slot.items if it.op not in active])
-        nbytes += load_window_slot(slot, access)
+        nbytes += restore_slot(slot, access)  # full state of the slot's active operators, weights of the others
         load_s += time.perf_counter() - l0
         active |= set(plan.active)
         if i:
@@ -163,19 +129,9 @@ def replay_slots(
     if active != everyone:
         raise ValueError(f"{label}: its slots activate {len(active)} of {len(everyone)} operators; not a window")
     trainer.set_step(t0 + n - 1)
-    rep = RecoveryReport(
-        window_id,
-        n,
-        t0,
-        t0 + n - 1,
-        n - 1,
-        nbytes,
-        time.perf_counter() - t_start,
-        replay_s,
-        **check.report(),
-        load_seconds=load_s,
-        rebuild_seconds=rebuild_s,
-        phases={"rebuild": rebuild_s, "load": load_s, "replay": replay_s},
-    )
+    phases = {"rebuild": rebuild_s, "load": load_s, "replay": replay_s}
+    seconds = time.perf_counter() - t_start
+    rep = RecoveryReport(window_id, n, t0, t0 + n - 1, n - 1, nbytes, seconds, replay_s, **check.report())
+    rep.load_seconds, rep.rebuild_seconds, rep.phases = load_s, rebuild_s, phases
     log.debug("recovered %s", rep.to_dict())
     return rep

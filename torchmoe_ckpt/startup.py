@@ -1,14 +1,8 @@
-"""The start-up sequence, written once: who this run is, its storage tiers, the recovery, the checkpointer.
-
-    own loop    checkpointer.Checkpointer.resume            ┐
-    TorchTitan  titan_integration.sparse_trainer.train      ├─> start():  identity -> tiers -> recovery -> log
-    harness     torchmoe_harness.scenario                   ┘              -> SparseCheckpointer (windows from here on)
-
-Every entry point calls `start` and passes what genuinely differs as parameters: what the run identity also
-names (`data`, `seed`, `steps`), how a recovery is checked, and three hooks -- `on_tiers` (the harness damages
-copies once the tiers are open), `recover_with` (a recovery of another kind: TorchTitan's pipeline stages, a JIT
-copy, the in-memory window of an emulated crash without tiers) and `cold_start` (the trainer to start over with
-when nothing was recovered, when recovery was tried on one with other initial weights). Collective.
+"""The start-up sequence, written once for every entry point (own loop, TorchTitan, harness): who this run is,
+its storage tiers, the recovery, the checkpointer. What differs is passed as parameters: identity parts (`data`,
+`seed`, `steps`), the recovery check, and three hooks: `on_tiers` (the harness damages copies), `recover_with`
+(a recovery of another kind: pipeline stages, a JIT copy, an in-memory window) and `cold_start` (the trainer to
+start over with when nothing was recovered). Collective.
 """
 
 from __future__ import annotations
@@ -78,16 +72,10 @@ def start(
     agree_group: dist.ProcessGroup | None | object = SAME_GROUP,
     sum_counts: bool = False,
 ) -> Started:
-    """Collective, every rank. `trainer` (a `Replayable`: `.model`, `.optimizer`, and the replay a recovery drives)
-    is what is recovered into and checkpointed; `config` the window settings, `tiers` where windows are kept
-    (`TierConfig`, its dict form, or None: in this process only).
-
-    Identity (identity.py): the model, optimizer, `compute_dtype`, `ops` (default: discovered once here), the run
-    id, the world size and `hsdp_replicate` (default: from the model's mesh), plus `data`, `seed` and `steps`.
-    Recovery (recovery.recover; with tiers and `resume`): `on_unusable`, `replay_check`, `before_replay` and
-    `watchdog` are its own; the recovered window is logged (status.log_recovery). `group`, `agree_group` and
-    `sum_counts` go to the SparseCheckpointer. Hooks: see the module docstring; `recover_with` returning None
-    leaves the recovery to the tiers."""
+    """Collective, every rank. `trainer` is what is recovered into and checkpointed; `tiers`: a `TierConfig`, its
+    dict form, or None (in this process only). `on_unusable`, `replay_check`, `before_replay` and `watchdog` go to
+    `recovery.recover` (with tiers and `resume`); `group`, `agree_group` and `sum_counts` to the SparseCheckpointer.
+    `recover_with` returning None leaves the recovery to the tiers."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     model, optimizer = trainer.model, trainer.optimizer
@@ -95,17 +83,9 @@ def start(
     hsdp = hsdp_replicate if hsdp_replicate is not None else mesh_replicate(model)
     cfg = TierConfig.from_dict(tiers) if isinstance(tiers, dict) else tiers
     # Who this run is: written into every window, and what a window must match to be loaded.
+    run_id = cfg.resolved_run_id() if cfg is not None else None
     identity = build_identity(
-        model,
-        optimizer,
-        compute_dtype,
-        ops,
-        cfg.resolved_run_id() if cfg is not None else None,
-        world,
-        hsdp,
-        data=data,
-        steps=steps,
-        seed=seed,
+        model, optimizer, compute_dtype, ops, run_id, world, hsdp, data=data, steps=steps, seed=seed
     )
     opened = build_tiers(cfg, rank, world, hsdp) if cfg is not None else None
     if opened is not None and on_tiers is not None:

@@ -1,20 +1,8 @@
-"""What a user reads while a job runs: one status line per committed window, a warning when the object store
-fails or falls behind (once per change of state, and a line when it recovers), a summary at exit, and a line
-after a recovery. TorchTitan style: rank 0 speaks, other ranks log the same lines at DEBUG (a rank's own
-failure is logged by `tier_health.TierHealth` on that rank): a window line is rank 0's commit, not every rank's.
-A window line ends with the host memory the rank's checkpointer holds (host_memory.py: "; host memory X of LIMIT")
-when the checkpointer gives one (`RunStatus.memory`).
-Logger "torchmoe_ckpt", lines start "torchmoe:".
-
-    torchmoe: window 3 steps 7..8 bytes 2.3 MiB host ok peers 1/1 store uploaded (lag 0.08 s); host memory 9.4 MiB
-    torchmoe: window 4 steps 9..10 bytes 2.3 MiB host ok peers 1/1 store pending (2 behind, lag 6.1 s)
-    torchmoe: object store failing: upload of window 4: EndpointConnectionError: ...; training goes on ...
-    torchmoe: object store back: window 5 uploaded after 7 failed attempt(s) in 12.3 s; catching up
-    torchmoe: exit: 6 window(s) committed (newest 5, steps 11..12) on the host tier ...; object store s3://b/x:
-              1 uploaded, 2 pending (windows 4, 5) after waiting 4.0 s of exit_wait_s = 4; ...
-
-A window's line waits for its upload while the store keeps up (so it can say "uploaded"); while the store is
-failing or behind it is printed at once with "pending". Thread-safe: the host-tier writer and the uploader call it.
+"""What a user reads while a job runs: one line per committed window, a warning when the object store fails or
+falls behind (once per change of state, and a line when it recovers), a summary at exit, and a line after a
+recovery. Rank 0 speaks at INFO, other ranks log the same lines at DEBUG. Logger "torchmoe_ckpt", lines start
+"torchmoe:". A window's line waits for its upload while the store keeps up (so it can say "uploaded"); while the
+store is failing or behind it is said at once with "pending". Thread-safe: the persist thread and the uploader call it.
 """
 
 from __future__ import annotations
@@ -34,7 +22,6 @@ def human_bytes(n: float) -> str:
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _ids(ids) -> str:
@@ -68,7 +55,6 @@ class RunStatus:
         self.lines.append(text)
         log.log(self.level if level is None else level, "torchmoe: %s", text)
 
-    # ---- host tier writer ---------------------------------------------------------------------------------
     def window_committed(self, wid: int, first: int, last: int, nbytes: int, peers_ok: int | None = None) -> None:
         """Window `wid` is on the host tier (and on its peers); with a store, its upload was just queued."""
         with self._lock:
@@ -84,7 +70,8 @@ class RunStatus:
                 self._held.add(wid)  # said when it is uploaded
             else:
                 self._release_held()  # an older window still waiting for its upload is said first
-                self.say(self._window_line(wid, self._pending_text()))
+                lag = time.monotonic() - min(self.pending.values())
+                self.say(self._window_line(wid, f"pending ({len(self.pending)} behind, lag {lag:.1f} s)"))
 
     def _window_line(self, wid: int, store: str | None) -> str:
         first, last, nbytes = self.committed[wid]
@@ -95,11 +82,6 @@ class RunStatus:
         text += f" store {store}" if store is not None else ""
         return text + (f"; {self.memory()}" if self.memory is not None else "")
 
-    def _pending_text(self) -> str:
-        oldest = min(self.pending.values(), default=time.monotonic())
-        return f"pending ({len(self.pending)} behind, lag {time.monotonic() - oldest:.1f} s)"
-
-    # ---- uploader -----------------------------------------------------------------------------------------
     def uploaded_window(self, wid: int, lag_s: float) -> None:
         with self._lock:
             self.pending.pop(wid, None)
@@ -159,7 +141,6 @@ class RunStatus:
             self.say(self._window_line(w, "pending"))
         self._held.clear()
 
-    # ---- exit / recovery ----------------------------------------------------------------------------------
     def exit_summary(self, waited_s: float, wait_limit_s: float, host_dir: str | None = None) -> dict:
         """Log the exit summary; returns it as a dict."""
         with self._lock:
@@ -208,17 +189,14 @@ class RunStatus:
                 self.say(text + ", none pending" + (f" (waited {waited_s:.1f} s)" if waited_s >= 0.05 else "") + mem)
                 return summ
             label = "windows" if len(self.pending) > 1 else "window"
+            old = self.superseded_count
             self.say(
                 f"{text}, {len(self.pending)} pending ({label} {_ids(self.pending)}) after waiting "
                 f"{waited_s:.1f} s of exit_wait_s = {wait_limit_s:g}; they are in host memory and a "
                 f"run with the same run_id uploads them"
-                + (
-                    f"; {self.superseded_count} older window(s) were superseded by newer ones"
-                    if self.superseded_count
-                    else ""
-                )
+                + (f"; {old} older window(s) were superseded by newer ones" if old else "")
                 + mem,
-                logging.WARNING if self.rank == 0 else logging.DEBUG,
+                self.warn_level,
             )
             return summ
 
@@ -259,18 +237,12 @@ def _committed_on_host(host_dir: str | None, rank: int) -> list[int]:
 
 
 def recovery_line(report: dict) -> str:
-    """The line a user reads after a recovery: which window, where the copy came from, and the exactness proof
-    (recovery compares every replayed loss with the one the original run logged: bit for bit, or within the
-    tolerant bound, then said to be approximate with the deviation: replay_check.replay_verdict), then where the
-    time went when the report has its phases."""
+    """The line a user reads after a recovery: which window, where the copy came from, how the replay compared
+    with the original run (replay_check.replay_verdict) and where the time went."""
     src = str(report.get("source") or "?")  # "host", "peer N" or "object store" (storage/recover.py)
-    where = (
-        "this node's host memory"
-        if src == "host"
-        else f"the host memory of rank {src.split()[1]}"
-        if src.startswith("peer ")
-        else src
-    )
+    where = "this node's host memory" if src == "host" else src
+    if src.startswith("peer "):
+        where = f"the host memory of rank {src.split()[1]}"
     n = report.get("replayed_iterations", 0)
     phases = phases_text(report.get("phases") or {})
     return (

@@ -1,29 +1,12 @@
 """Hung-collective watchdog: turn a collective that never completes into a prompt, logged process exit.
 
-A frozen or dead peer leaves every other rank blocked inside a collective. gloo gives up only after the
-process group's timeout (30 min by default; NCCL's own watchdog 10 min), and until then the job hangs:
-torchrun's agent only restarts on a *failed* worker. The training loop marks regions that issue
-collectives:
-
-    wd = CollectiveWatchdog(timeout_s=30)
-    with wd.watch("train_step 12"):
-        trainer.train_step()
-
-A daemon thread sleeps until the oldest open region's deadline. When a region outlives `timeout_s` it
-writes one line to stderr, `event=hang rank=R op="train_step 12" waited_s=30.002 timeout_s=30 ...`, dumps
-every thread's Python stack, tries to abort the process groups (bounded: gloo's abort is best effort),
-and `os._exit(EXIT_HANG)`. torchrun sees a failed worker, stops the others and, with --max-restarts,
-restarts every worker, which then resume from the checkpoint tiers. A frozen (SIGSTOPped) peer does not act
-on torchrun's SIGTERM; the stop guard below SIGKILLs it so the restart need not wait torchrun's 30 s grace.
-
-An exception raised inside a watched region by torch.distributed (a gloo timeout, a peer that reset the
-connection) also ends the process, with `event=collective_error` and EXIT_COLLECTIVE_ERROR: unwinding
-normally could block at interpreter exit on a background thread that waits on the same dead peer.
-Other exceptions (the scenario's simulated crashes) propagate unchanged.
-
-timeout_s=None switches the watchdog off: watch() then costs one attribute check. A region may have a longer
-bound of its own (`watch(op, timeout_s=...)`): the recovery and the first step after a start, an exit that
-waits for uploads.
+A frozen or dead peer leaves every other rank blocked in a collective until the process group's timeout, and
+torchrun only restarts a *failed* worker. Regions that issue collectives run under `wd.watch(op)`; a daemon
+thread sleeps until the oldest open region's deadline and, past it, writes one `event=hang` line to stderr,
+dumps every thread's stack, tries to abort the process groups (bounded) and exits with EXIT_HANG, so torchrun
+restarts the job. torch.distributed errors raised inside a region (a gloo timeout, a reset connection) also end
+the process (`event=collective_error`): unwinding could block at exit on a thread waiting on the dead peer.
+timeout_s=None switches it off; a region may have its own, longer bound (`watch(op, timeout_s=...)`).
 """
 
 from __future__ import annotations
@@ -39,18 +22,15 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 EXIT_HANG = 124  # like coreutils' timeout(1): "the command timed out"
 EXIT_COLLECTIVE_ERROR = 125  # torch.distributed raised inside a watched region
 ABORT_WAIT_S = 2.0  # how long the process-group abort may take before we exit regardless
 
-# The stop guard: torchrun stops workers by killpg(SIGTERM), waits, then SIGKILLs -- and on a *restart*
-# torch 2.13 waits a fixed 30 s (LocalElasticAgent._stop_workers calls _shutdown() with its default;
-# --shutdown-timeout / TORCH_ELASTIC_SHUTDOWN_TIMEOUT only apply to the final shutdown). A SIGSTOPped worker
-# never acts on SIGTERM (a stopped process only reacts to SIGKILL and SIGCONT), so a frozen peer would cost
-# every restart 30 s. This tiny process sits in the worker's process group, gets the same SIGTERM, and
-# SIGKILLs the worker at once if it is stopped, else after `grace` seconds if it has not exited by itself.
+# The stop guard: on a restart torchrun (2.13) sends killpg(SIGTERM) and waits a fixed 30 s before SIGKILL, and a
+# SIGSTOPped worker never acts on SIGTERM. This tiny process in the worker's process group gets the same SIGTERM
+# and SIGKILLs the worker at once if it is stopped, else after `grace` seconds if it has not exited by itself.
 _GUARD = r"""
 import os, signal, sys, time
 pid, grace = int(sys.argv[1]), float(sys.argv[2])
@@ -103,12 +83,10 @@ def _dist():
 
 
 def _rank() -> int | str:
-    try:
+    with suppress(Exception):  # never let diagnostics stop the exit
         dist = _dist()
         if dist is not None and dist.is_available() and dist.is_initialized():
             return dist.get_rank()
-    except Exception:  # never let diagnostics stop the exit
-        pass
     return os.environ.get("RANK", "?")
 
 
@@ -125,11 +103,8 @@ def _is_dist_error(exc: BaseException) -> bool:
 
 
 def abort_process_groups() -> str:
-    """Abort every process group if this torch can; returns what happened (for the log line).
-
-    torch 2.13 has `distributed_c10d._abort_process_group()` (documented as NCCL-only, experimental) and
-    `ProcessGroup.abort()`; for gloo neither is guaranteed to unblock a pending collective, so the caller
-    runs this in a helper thread and exits after ABORT_WAIT_S whatever it does."""
+    """Abort every process group if this torch can; returns what happened (for the log line). For gloo nothing
+    is guaranteed to unblock a pending collective: the caller runs this in a thread, bounded by ABORT_WAIT_S."""
     try:
         dist = _dist()
         if dist is None or not (dist.is_available() and dist.is_initialized()):
@@ -155,34 +130,26 @@ class CollectiveWatchdog:
         timeout_s: float | None,
         *,
         rank: int | None = None,
-        exit_code: int = EXIT_HANG,
         events_path: str | os.PathLike | None = None,
-        dump_stacks: bool = True,
-        abort: bool = True,
         exit_on_dist_error: bool = True,
         stop_guard_s: float | None = 5.0,
     ):
         check_timeout("watchdog timeout_s", timeout_s)
         self.timeout_s = timeout_s
         self.rank = rank
-        self.exit_code = exit_code
         self.events_path = os.fspath(events_path) if events_path else None
-        self.dump_stacks = dump_stacks
-        self.abort = abort
         self.exit_on_dist_error = exit_on_dist_error
         self.stop_guard_s = stop_guard_s  # None: no stop guard
         self.guard: subprocess.Popen | None = None
-        # Called with the event record (event, rank, op, ...) before the abort and exit, on the thread that
-        # detected the failure: the watchdog thread for a hang, the watched thread for a collective error.
-        # A hook must not issue collectives (the peers are gone); jit.py saves the rank's state here.
+        # Called with the event record before the abort and exit, on the thread that detected the failure; a
+        # hook must not issue collectives (the peers are gone). jit.py saves the rank's state here.
         self.on_failure: list[Callable[[dict], None]] = []
         self._cv = threading.Condition()
-        self._open: dict[int, tuple[str, float, float]] = {}  # token -> (op, start, timeout); threads may watch
-        # concurrently
+        self._open: dict[int, tuple[str, float, float]] = {}  # token -> (op, start, timeout), from any thread
         self._next = 0
         self._closed = False
         self._thread: threading.Thread | None = None
-        # counters (this process; hangs end it, so earlier attempts' hangs are in events_path)
+        # counters of this process (earlier attempts' hangs are in events_path)
         self.regions = 0
         self.max_region_s = 0.0
         self.hangs_detected = 0
@@ -194,30 +161,28 @@ class CollectiveWatchdog:
 
     @contextmanager
     def watch(self, op: str, timeout_s: float | None = None) -> Iterator[None]:
-        """Watch the region `op`; `timeout_s`: its own bound (default: the watchdog's). A no-op when the
-        watchdog is off."""
+        """Watch the region `op`; `timeout_s`: its own bound (default: the watchdog's). A no-op when off."""
         if self.timeout_s is None:
             yield
             return
-        self._ensure_thread()
+        if self._thread is None:
+            if self.stop_guard_s is not None:
+                self.guard = start_stop_guard(self.stop_guard_s)
+            self._thread = threading.Thread(target=self._loop, name="collective-watchdog", daemon=True)
+            self._thread.start()
         start = time.monotonic()
         with self._cv:
             token = self._next
             self._next += 1
             self._open[token] = (op, start, self.timeout_s if timeout_s is None else timeout_s)
-            self._cv.notify()  # the thread may be sleeping until a later deadline, or idle
+            self._cv.notify()  # the thread may be sleeping until a later deadline
         try:
             yield
         except BaseException as exc:
             if self.exit_on_dist_error and _is_dist_error(exc):
                 _write(2, "".join(traceback.format_exception(exc)))  # os._exit below skips Python's report
-                self._fail(
-                    "collective_error",
-                    op,
-                    time.monotonic() - start,
-                    EXIT_COLLECTIVE_ERROR,
-                    error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
-                )
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                self._fail("collective_error", op, time.monotonic() - start, error=error)
             raise
         finally:
             with self._cv:
@@ -241,14 +206,6 @@ class CollectiveWatchdog:
         if self._thread is not None:
             self._thread.join(timeout=1.0)
 
-    # ---- the watchdog thread -------------------------------------------------------------------------
-    def _ensure_thread(self) -> None:
-        if self._thread is None:
-            if self.stop_guard_s is not None:
-                self.guard = start_stop_guard(self.stop_guard_s)
-            self._thread = threading.Thread(target=self._loop, name="collective-watchdog", daemon=True)
-            self._thread.start()
-
     def _loop(self) -> None:
         with self._cv:
             while not self._closed:
@@ -263,13 +220,11 @@ class CollectiveWatchdog:
                 break
             else:
                 return
-        # Outside the lock: a region finishing right now cannot save the process any more, and _fail must
-        # not hold a lock the main thread might need to unwind.
-        self._fail("hang", op, time.monotonic() - start, self.exit_code, limit=limit)
+        # Outside the lock: _fail must not hold a lock the main thread might need to unwind.
+        self._fail("hang", op, time.monotonic() - start, limit=limit)
 
-    def _fail(
-        self, event: str, op: str, waited: float, code: int, error: str | None = None, limit: float | None = None
-    ) -> None:
+    def _fail(self, event: str, op: str, waited: float, error: str | None = None, limit: float | None = None) -> None:
+        code = EXIT_HANG if event == "hang" else EXIT_COLLECTIVE_ERROR
         self.hangs_detected += event == "hang"
         self.last_detect_s = round(waited, 4)
         rank = self.rank if self.rank is not None else _rank()
@@ -286,37 +241,29 @@ class CollectiveWatchdog:
         if error:
             rec["error"] = error
         # os.write on fd 2, not logging/print: another thread may hold the stream's lock while stuck
-        _write(
-            2,
-            " ".join(
-                f"{k}={json.dumps(v) if isinstance(v, str) and (' ' in v or not v) else v}" for k, v in rec.items()
-            )
-            + "\n",
+        line = " ".join(
+            f"{k}={json.dumps(v) if isinstance(v, str) and (' ' in v or not v) else v}" for k, v in rec.items()
         )
+        _write(2, line + "\n")
         if self.events_path:
-            try:
+            with suppress(OSError):
                 fd = os.open(self.events_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                 _write(fd, json.dumps(rec) + "\n")
                 os.fsync(fd)
                 os.close(fd)
-            except OSError:
-                pass
         for hook in list(self.on_failure):
             try:
                 hook(dict(rec))
             except BaseException as exc:  # a failing hook must not keep the process from exiting
                 _write(2, f"event=failure_hook_error rank={rank} error={type(exc).__name__}: {exc}\n")
-        if self.dump_stacks and event == "hang":
-            try:
+        if event == "hang":
+            with suppress(Exception):
                 faulthandler.dump_traceback(file=2, all_threads=True)
-            except Exception:
-                pass
-        if self.abort:
-            result: list[str] = []
-            t = threading.Thread(target=lambda: result.append(abort_process_groups()), daemon=True)
-            t.start()
-            t.join(ABORT_WAIT_S)
-            _write(2, f"event=exit rank={rank} abort={result[0] if result else 'timed_out'} exit_code={code}\n")
+        result: list[str] = []
+        t = threading.Thread(target=lambda: result.append(abort_process_groups()), daemon=True)
+        t.start()
+        t.join(ABORT_WAIT_S)
+        _write(2, f"event=exit rank={rank} abort={result[0] if result else 'timed_out'} exit_code={code}\n")
         os._exit(code)
 
 
@@ -340,8 +287,6 @@ def read_events(path: str | os.PathLike | None) -> list[dict]:
         return []
     out = []
     for line in open(path):
-        try:
+        with suppress(ValueError):  # a line torn by the exit itself
             out.append(json.loads(line))
-        except ValueError:
-            continue  # a line torn by the exit itself
     return out
