@@ -13,19 +13,13 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
 from .errors import UncapturedStateError
 from .operators import Operator, local_tensor
-from .optim_state import check_optimizer_state, check_optimizers
 
 __all__ = [
-    "check_optimizer",
-    "check_optimizer_state",
     "check_coverage",
     "infer_compute_dtype",
     "SchedulerPosition",
     "position_lambda_lr",
 ]
-
-
-check_optimizer = check_optimizers  # the name checkpointer.py uses
 
 
 def check_coverage(model: nn.Module, ops: list[Operator]) -> None:

@@ -26,13 +26,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from . import faults, rng
-from .capture import SchedulerPosition, check_coverage, check_optimizer, check_optimizer_state, infer_compute_dtype
+from .capture import SchedulerPosition, check_coverage, infer_compute_dtype
 from .config import CheckpointConfig
 from .device_copy import host_copy
 from .errors import ConfigError
 from .identity import RunIdentity, process_seed
 from .operators import discover_operators, local_tensor
-from .optim_state import as_optimizers, describe_optimizer_state
+from .optim_state import as_optimizers, check_optimizer_state, check_optimizers, describe_optimizer_state
 from .recovery import ResumeResult
 from .replay_check import check_replay_check
 from .replay_log import Replay, group_hyper
@@ -90,7 +90,7 @@ class Checkpointer:
         if not callable(forward_backward):
             raise ConfigError("forward_backward must be a function batch -> loss that also calls loss.backward()")
         optimizer = as_optimizers(optimizer)  # several optimizers are stepped, captured and replayed as one
-        check_optimizer(model, optimizer)
+        check_optimizers(model, optimizer)
         init_optimizer_state(optimizer)  # every parameter has state from the start, even before its first gradient
         self.schedule = SchedulerPosition(optimizer, scheduler)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
