@@ -20,14 +20,14 @@ from ..schedule import WindowPlan
 from ..snapshot import Slot, build_slot
 from ..window import Window
 from . import usage
-from .checksums import SUM64, tensor_block_sums
+from .checksums import tensor_block_sums
 from .files import LocalFiles
 from .layout import partial_file, replay_file, slot_writer_dir, slots_dir, window_dirname
 from .manifest import plan_digest, record_digest, slot_metadata_file, slot_record
 from .mapped_files import MappedFiles
 from .slot_files import SlotFiles, backing
 from .slot_format import CorruptCopyError, SlotLayout, read_slot, slot_items
-from .window_tier import WindowTier, encoded, mapped, mapped_items
+from .window_tier import WindowTier, mapped, mapped_items
 
 # Each writer deliberately saves its own pieces without collectives (no_dist=True); DCP warns about that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -85,11 +85,6 @@ class HostTier(WindowTier):
             lay = self.layout(items, offsets, None if back is None else back.t.numel())
             got = slot._raw_layout = (len(slot.items), lay, mapped_items(lay, [it.buffer for it in slot.items]))
         return got[1], got[2]
-
-    def _data_writer(self, lay: SlotLayout, sources: list, algo: str):
-        if algo != SUM64:
-            return encoded(self.files, lay, sources, algo)
-        return mapped(self._maps, self.files, lay, mapped_items(lay, sources), self.take_spare)
 
     def _discard_slot(self, rel: str) -> None:
         for f in (self.dir / rel).glob("*.distcp"):

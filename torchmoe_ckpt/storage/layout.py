@@ -1,13 +1,6 @@
-"""Names and paths of everything the storage tiers write, in one place. Under a run directory (`<root>/node-N/<run>`,
-`<uri>/<run>`, or a DCP user's base path):
-
-    window-000042/slot-00/rank-00003/{__0_0.distcp,.metadata}   a writer's piece of slot 0 (slot_format.py)
-    window-000042/replay/rank-00003.pt (.partial.pt)            its replay records (sliding plans' progress)
-    window-000042/MANIFEST.rank-00003.json                      written last: its commit (manifest.py)
-    .slots/ .spare/ .peers/<writer>/from-<writer>/  LOCK.json    slot files, spares, held peer copies, run lock
-
-Files are named by *writer* (`writer_name`) and listings return writer names: a stable writer identity would
-change `writer_name` only.
+"""Names and paths of everything the storage tiers write, in one place (the tree: docs/architecture.md). Files are
+named by *writer* (`writer_name`) and listings return writer names: a stable writer identity would change
+`writer_name` only.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""Slot buffers that are views of mapped data files in node-local shared memory: the snapshot copy IS the persist.
-
-Each slot's buffers are views of one file under `<run>/.slots/<writer>/` laid out as its raw DCP data file, so
-persisting it is a hard link into the window, one summing pass and a small `.metadata`. A set is reused only when
-none of its files has another link (`free`): no window that is committed, written, uploaded or pushed is
-overwritten. `FileSlotPool` is the slot allocator over these files (CPU with the host tier; on CUDA the opt-in
-`host_buffers="shm-registered"`, page-locked with `cudaHostRegister`, unmeasured: docs/gpu.md).
+"""Slot buffers that are views of mapped data files in node-local shared memory (`<run>/.slots/<writer>/`, each laid
+out as its raw DCP data file): the snapshot copy IS the persist, a hard link into the window plus one summing pass.
+A set is reused only when none of its files has another link, so no window still committed, written, uploaded or
+pushed is overwritten. `FileSlotPool` is the slot allocator over these files (CPU with the host tier; opt-in on CUDA,
+`host_buffers="shm-registered"`: docs/gpu.md).
 """
 
 from __future__ import annotations
