@@ -99,8 +99,7 @@ class SparseSchedule:
 
     def slot_name(self, step: int) -> str:
         """Where step's slot goes under a tier's root: `window-NNNNNN/slot-SS`."""
-        wid, slot, _ = self.locate(step)
-        return slot_name(wid, slot)
+        return slot_name(*self.locate(step)[:2])
 
     def slot_path(self, root: str | Path, step: int) -> str:
         return f"{str(root).rstrip('/')}/{self.slot_name(step)}"

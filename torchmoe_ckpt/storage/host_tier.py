@@ -59,19 +59,16 @@ class HostTier(WindowTier):
         lay, items = self._slot_layout(slot)
         back = backing(slot)
 
-        def write(data_rel: str):
-            data = self.dir / data_rel
-            if back is not None:
-                # The snapshot copy already wrote the bytes into this file (slot_files.py): link it into the window
-                # (it is not reused until collect unlinks it) and sum it once for the checksums.
-                os.link(back.path, data)
-                return tensor_block_sums(back.t).numpy()
-            return mapped(self._maps, self.files, lay, items, self.take_spare)(data_rel)
+        def link(data_rel: str):
+            # The snapshot copy already wrote the bytes into this file (slot_files.py): link it into the window
+            # (it is not reused until collect unlinks it) and sum it once for the checksums.
+            os.link(back.path, self.dir / data_rel)
+            return tensor_block_sums(back.t).numpy()
 
+        write = link if back is not None else mapped(self._maps, self.files, lay, items, self.take_spare)
         self._store_slot(window_id, slot.index, lay, info, write)
-        if partial is not None:
-            start, plan, records = partial
-            self.write_partial(window_id, start, plan, records, slot.index + 1)
+        if partial is not None:  # (start step, plan, records)
+            self.write_partial(window_id, *partial, slot.index + 1)
         faults.point("persist")
         return lay.nbytes
 

@@ -56,10 +56,8 @@ def slot_name(window_id: int, slot: int) -> str:
 def parse_slot_path(path: str) -> tuple[str, int, int] | None:
     """(run directory, window id, slot) of a path ending in `window-NNNNNN/slot-SS`; None otherwise."""
     p = PurePosixPath(str(path).rstrip("/"))
-    if len(p.parts) < 2 or (slot := _SLOT.match(p.name)) is None:
-        return None
-    wid = parse_window_dirname(p.parent.name)
-    if wid is None:
+    slot, wid = _SLOT.match(p.name), parse_window_dirname(p.parent.name)
+    if len(p.parts) < 2 or slot is None or wid is None:
         return None
     run = str(path).rstrip("/")[: -len(f"{p.parent.name}/{p.name}")].rstrip("/")
     return run, wid, int(slot.group(1))

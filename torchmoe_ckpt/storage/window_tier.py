@@ -212,11 +212,10 @@ class WindowTier:
         w, problems = window_dirname(window_id), []
         for rel, want in man.files.items():
             try:
-                got = self.files.entry(f"{w}/{rel}", want.algo)
+                why = want.problem(rel, self.files.entry(f"{w}/{rel}", want.algo))
             except FileNotFoundError:
-                problems.append(f"{rel}: missing")
-                continue
-            if (why := want.problem(rel, got)) is not None:
+                why = f"{rel}: missing"
+            if why is not None:
                 problems.append(why)
         return problems
 
