@@ -113,8 +113,7 @@ class DenseExporter:
         self.fs, self.root = open_store(uri, self.opts, probe=True)
         self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.async_stager = async_stager
-        self._future = None
-        self._pending_step: int | None = None
+        self._future, self._pending_step = None, None
         self.exported: list[int] = []
         self.stage_seconds: list[float] = []  # what the training thread waits (staging copy)
         self.export_seconds: list[float] = []  # start to complete, off the training thread

@@ -169,9 +169,8 @@ class SparseSavePlanner(DefaultSavePlanner):
         if self.record is not None:
             self._record_bytes = io.BytesIO(saved(self.record.to_dict()))
             data = BytesIOWriteData(nbytes=len(self._record_bytes.getbuffer()))
-            items.append(
-                WriteItem(index=MetadataIndex(replay_key(self.rank)), type=WriteItemType.BYTE_IO, bytes_io_data=data)
-            )
+            index = MetadataIndex(replay_key(self.rank))
+            items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO, bytes_io_data=data))
         self.plan = SavePlan(items)
         return self.plan
 

@@ -172,9 +172,8 @@ class HostTier(WindowTier):
             except (OSError, CorruptCopyError, ValueError, KeyError):
                 break
             rec = slot_record(info)
-            if (rec["window"], rec["slot"], rec["step"], rec["plan"]) != (window_id, i, start_step + i, digest) or (
-                run is not None and rec["run"] not in (None, run)
-            ):
+            where = (rec["window"], rec["slot"], rec["step"], rec["plan"])
+            if where != (window_id, i, start_step + i, digest) or (run is not None and rec["run"] not in (None, run)):
                 break
             want = info.get("record")  # the slot's replay record, bound by its digest (as a committed window's)
             if want is not None and (start_step + i not in records or record_digest(records[start_step + i]) != want):
