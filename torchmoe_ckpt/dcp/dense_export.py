@@ -13,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -29,21 +30,17 @@ TRAIN_STATE = "torchmoe_train_state"  # not TorchTitan's "train_state", which ha
 _OPTIONS = StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True)
 
 
-def _state(model: torch.nn.Module, optimizer) -> dict:
+def _state(model: torch.nn.Module, optimizer, step: int = 0, lr: float = 0.0) -> dict:
     # Several optimizers (Muon + AdamW) flatten into one FQN-keyed dict, as TorchTitan's container does.
     msd, osd = get_state_dict(model, optimizer_list(optimizer), options=_OPTIONS)
-    return {**msd, "optimizer": osd}
-
-
-def _train_state(step: int, lr: float) -> dict:
-    return {"step": torch.tensor(step), "lr": torch.tensor(lr, dtype=torch.float64)}
+    train = {"step": torch.tensor(step), "lr": torch.tensor(lr, dtype=torch.float64)}
+    return {**msd, "optimizer": osd, TRAIN_STATE: train}
 
 
 def _export_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, extra=None) -> dict:
     """`extra`: more top-level entries (a dict, or a function returning one at export time), e.g. a framework's
     data-loader position, so that its own full resume finds every key."""
-    state = _state(model, optimizer)
-    state[TRAIN_STATE] = _train_state(step, float(optimizer_list(optimizer)[0].param_groups[0]["lr"]))
+    state = _state(model, optimizer, step, float(optimizer_list(optimizer)[0].param_groups[0]["lr"]))
     more = extra() if callable(extra) else (extra or {})
     clash = sorted(set(more) & set(state))
     if clash:
@@ -61,8 +58,6 @@ def export_dense(
     extra=None,
 ) -> float:
     """Collective and synchronous (e.g. right after recovery): every rank calls it. Returns seconds."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
     t0 = time.perf_counter()
     dcp.save(_export_state(model, optimizer, step, extra), storage_writer=FsspecWriter(uri, **(storage_options or {})))
     seconds = time.perf_counter() - t0
@@ -74,8 +69,6 @@ def load_dense(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, uri: str, storage_options: dict | None = None
 ) -> int:
     """Collective: load an export into a (freshly built) model and optimizer; returns the step it holds."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
     fs, root = open_store(uri, storage_options, probe=False)
     if not fs.exists(f"{root.rstrip('/')}/{METADATA}"):
         raise FileNotFoundError(
@@ -86,7 +79,6 @@ def load_dense(
 
     init_optimizer_state(optimizer)  # DCP loads in place: the optimizer state tensors must exist
     state = _state(model, optimizer)
-    state[TRAIN_STATE] = _train_state(0, 0.0)
     try:
         dcp.load(state, storage_reader=FsspecReader(uri, **(storage_options or {})))
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
@@ -111,12 +103,7 @@ class DenseExporter:
     interleave with training's); an export without `.metadata` (written last) is incomplete. Keeps the newest `keep`."""
 
     def __init__(
-        self,
-        uri: str,
-        storage_options: dict | None = None,
-        every: int | None = None,
-        keep: int = 2,
-        async_stager=None,
+        self, uri: str, storage_options: dict | None = None, every: int | None = None, keep: int = 2, async_stager=None
     ):
         """`async_stager`: DCP's `AsyncStager` for `dcp.async_save` (e.g. TorchTitan's `async_with_pinned_mem`; the
         caller closes it); None: DCP's default."""
@@ -126,8 +113,7 @@ class DenseExporter:
         self.fs, self.root = open_store(uri, self.opts, probe=True)
         self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.async_stager = async_stager
-        self._future = None
-        self._pending_step: int | None = None
+        self._future, self._pending_step = None, None
         self.exported: list[int] = []
         self.stage_seconds: list[float] = []  # what the training thread waits (staging copy)
         self.export_seconds: list[float] = []  # start to complete, off the training thread
@@ -140,14 +126,11 @@ class DenseExporter:
             self.export(model, optimizer, step, extra)
 
     def export(self, model, optimizer, step: int, extra=None) -> None:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
         self.wait()  # one export at a time
         t0 = time.perf_counter()
-        writer = FsspecWriter(self.path(step), **self.opts)
         self._future = dcp.async_save(
             _export_state(model, optimizer, step, extra),
-            storage_writer=writer,
+            storage_writer=FsspecWriter(self.path(step), **self.opts),
             process_group=self.pg,
             async_stager=self.async_stager,
         )

@@ -1,10 +1,7 @@
-"""The peer tier as a DCP StorageWriter/StorageReader over storage.peer_tier.PeerTier.
-
-PeerWriter writes this rank's host copy and, on a window's last slot, pushes the committed window to the peers
-`placement` picked (PeerTier.push). PeerReader merges the pieces every node holds, and a rank whose node lacks a
-piece it reads first pulls that writer's window from a holder (PeerTier.pull). DCP's `finish` runs on the
-coordinator only, so the transfers run in `write_data` / `prepare_local_plan` on every rank. Under HSDP, DCP
-writes a replicated item once, so every placed peer gets the data (`replicas_hold_data=False`). Use a gloo group.
+"""The peer tier as a DCP StorageWriter/StorageReader over storage.peer_tier.PeerTier: PeerWriter pushes a committed
+window to the placed peers, PeerReader first pulls what its node lost from a holder. DCP's `finish` runs on the
+coordinator only, so the transfers run in `write_data` / `prepare_local_plan` on every rank (use a gloo group).
+Under HSDP DCP writes a replicated item once, so every placed peer gets the data (`replicas_hold_data=False`).
 """
 
 from __future__ import annotations

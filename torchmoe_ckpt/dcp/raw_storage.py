@@ -1,10 +1,7 @@
-"""`dcp.save` / `dcp.load` through the storage tiers: the StorageWriter/StorageReader every tier adapter builds on.
-
-`RawWriter(path)` writes the slot format, each rank its own piece under `<path>/<writer>/`. Into a slot directory
-(`SparseSchedule.slot_path`) with SparseSavePlanner, it saves through the run directory's tier (HostTier for a
-path, ObjectTier for a URI) and commits the writer's window manifest on the window's last slot; anywhere else, a
-plain checkpoint. Each writer commits its own piece (DCP's `finish` runs on the coordinator only), and
-`RawReader(path)` merges the pieces it finds.
+"""`dcp.save` / `dcp.load` through the storage tiers: `RawWriter` writes the slot format, each rank its own piece
+under `<path>/<writer>/` (into a `SparseSchedule.slot_path` through the run directory's tier, committing the
+writer's window manifest on the window's last slot, since DCP's `finish` runs on the coordinator only); `RawReader`
+merges the pieces it finds.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from ..storage.host_tier import HostTier
 from ..storage.layout import DATA_FILE, METADATA, parse_slot_path, writer_name
 from ..storage.object_tier import ObjectTier
 from ..storage.slot_format import SlotLayout, chunk_sizes, load_item, nbytes_of, read_slot_metadata
-from ..storage.window_tier import UncommittableWindow, WindowTier, encoded, mapped, mapped_items, write_slot_dir
+from ..storage.window_tier import UncommittableWindow, WindowTier, data_writer, write_slot_dir
 
 log = logging.getLogger("torchmoe_ckpt.dcp")
 MAX_TIERS = 8  # tier objects kept for the run directories DCP users save into (each keeps its planned layouts)
@@ -77,11 +74,7 @@ class RawWriter(NoPlanning, StorageWriter):
     _store: bool | None = None  # the tier kind of a window save: None = by the path (URI: store)
 
     def __init__(
-        self,
-        path: str | os.PathLike = "",
-        storage_options: dict | None = None,
-        checksum_algo: str = SUM64,
-        mapped=None,
+        self, path: str | os.PathLike = "", storage_options: dict | None = None, checksum_algo: str = SUM64, mapped=None
     ):
         """`checksum_algo`: "sum64b512" (default) or "crc32". `mapped` (a MappedFiles): a plain local directory's data
         file is written through a kept shared mapping (a window save uses its tier's)."""
@@ -128,16 +121,17 @@ class RawWriter(NoPlanning, StorageWriter):
             results = self.tier.write_items(self.window, self.slot, items, info, self.algo)
             entries = self.slot_files = self.tier.written(self.window, self.slot)
             self.closes_window = self.slot == wplan.window - 1
-            if self.closes_window:
-                self._commit(info, wplan)
+            if self.closes_window:  # this writer's window manifest, if every slot of it was written here
+                extra = {"identity": {"fingerprint": info["run"]} if info.get("run") else {}}
+                try:
+                    self.committed = self.tier.write_commit(self.window, info["start_step"], wplan, None, extra)
+                except UncommittableWindow as exc:  # e.g. saving began mid-window: the window is never visible
+                    log.info("%s", exc)
         else:
             files = open_files(self.path, self.storage_options)
             lay = SlotLayout([(wi, nbytes_of(wi, d)) for wi, d in items])
             sources = [d for _, d in items]
-            if self.mapped is not None and files.local and self.algo == SUM64:
-                write = mapped(self.mapped, files, lay, mapped_items(lay, sources))
-            else:
-                write = encoded(files, lay, sources, self.algo)
+            write = data_writer(files, lay, sources, self.algo, self.mapped)
             got, digests = write_slot_dir(files, writer_name(self.rank), lay, info, write, self.algo)
             entries = {f"{writer_name(self.rank)}/{k}": e for k, e in got.items()}
             results = lay.results(f"{writer_name(self.rank)}/{DATA_FILE}", digests)
@@ -147,16 +141,6 @@ class RawWriter(NoPlanning, StorageWriter):
                 self.written[name] = e.bytes
                 self.file_checksum[name] = (e.algo, e.crc32)
         return done(results)
-
-    def _commit(self, info: dict, wplan) -> None:
-        """The window's last slot: this writer's window manifest, if every slot of it was written here."""
-        run = info.get("run")
-        try:
-            self.committed = self.tier.write_commit(
-                self.window, info["start_step"], wplan, None, {"identity": {"fingerprint": run} if run else {}}
-            )
-        except UncommittableWindow as exc:  # e.g. saving began mid-window: the window is never visible
-            log.info("%s", exc)
 
     def write_from(self, first: RawWriter) -> int:
         """As a later tier of a TieredWriter: the files `first` just wrote, copied here, each commit file last (a
@@ -170,10 +154,8 @@ class RawWriter(NoPlanning, StorageWriter):
         where = parse_slot_path(self.path)
         if where is None or where[1:] != (first.window, first.slot):
             raise ValueError(f"{self.path}: a later tier must save the same slot as the first ({first.path})")
-        self.tier, self.window, self.slot = (
-            run_tier(where[0], self.rank, self.world, self.storage_options, True),
-            *where[1:],
-        )
+        run, self.window, self.slot = where
+        self.tier = run_tier(run, self.rank, self.world, self.storage_options, True)
         nbytes = self.tier.upload(first.tier, first.window, first.slot_files, commit=False)
         if first.committed is not None:
             self.tier.upload(first.tier, first.window, {}, commit=True)  # the manifest, once every file is here

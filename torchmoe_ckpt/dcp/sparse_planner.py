@@ -1,15 +1,7 @@
-"""Sparse DCP planners on a *standard* state dict, for a DCP user who checkpoints every iteration sparsely:
-
-    sd = {"model": model_sd, "optim": optim_sd}          # get_state_dict(model, optimizer): DTensors under FSDP2/HSDP
-    schedule = SparseSchedule(model, window=3, compute_dtype=torch.bfloat16)   # once (collective: agrees sizes)
-    dcp.save(sd, planner=SparseSavePlanner(schedule, step, record),
-             storage_writer=HostWriter(schedule.slot_path(root, step)))
-
-Iteration `step` writes its slot of the window plan: the full state of the slot's ACTIVE operators under the keys
-a dense save uses (`model.<fqn>`, `optim.state.<fqn>.<key>`; the optimizer's layout when `SparseSchedule` is given
-it, else AdamW's), and the compute weights of the later operators under `compute.<fqn>`, one chunk per expert;
-`record` (this rank's replay record) as one bytes item. `SparseLoadPlanner` reads a slot back into a state dict
-or a `Slot`; `load_sparse_window` reads a window for `torchmoe_ckpt.sparse_to_dense` to replay.
+"""Sparse DCP planners on a *standard* state dict, for a DCP user who checkpoints every iteration sparsely
+(docs/dcp-user.md): iteration `step` writes its slot of the window plan under the keys a dense save uses
+(`model.<fqn>`, `optim.state.<fqn>.<key>`), later operators' compute weights under `compute.<fqn>`, and its replay
+record as one bytes item; `load_sparse_window` reads a window back for `torchmoe_ckpt.sparse_to_dense`.
 """
 
 from __future__ import annotations
@@ -42,7 +34,7 @@ from ..schedule import plan_window
 from ..snapshot import Slot, SlotItem, build_slot
 from ..storage.layout import slot_name
 from ..storage.manifest import plan_digest
-from ..storage.slot_format import PLANNER_KEY
+from ..storage.slot_format import INFO_KEYS, PLANNER_KEY, planner_info
 from ..storage.window_tier import saved
 from ..window import Window
 from .slot_planner import partial_global_plan
@@ -107,23 +99,15 @@ class SparseSchedule:
 
     def slot_name(self, step: int) -> str:
         """Where step's slot goes under a tier's root: `window-NNNNNN/slot-SS`."""
-        wid, slot, _ = self.locate(step)
-        return slot_name(wid, slot)
+        return slot_name(*self.locate(step)[:2])
 
     def slot_path(self, root: str | Path, step: int) -> str:
         return f"{str(root).rstrip('/')}/{self.slot_name(step)}"
 
     def info(self, step: int, run: str = "") -> dict:
         wid, slot, start = self.locate(step)
-        return {
-            "window": wid,
-            "slot": slot,
-            "step": step,
-            "start_step": start,
-            "window_size": self.window,
-            "plan": self.digest,
-            "run": run or None,
-        }
+        info = dict(window=wid, slot=slot, step=step, start_step=start, window_size=self.window, plan=self.digest)
+        return dict(info, run=run or None)
 
 
 def dcp_key(item: SlotItem, model_key: str = "model", optim_key: str = "optim") -> str:
@@ -185,9 +169,8 @@ class SparseSavePlanner(DefaultSavePlanner):
         if self.record is not None:
             self._record_bytes = io.BytesIO(saved(self.record.to_dict()))
             data = BytesIOWriteData(nbytes=len(self._record_bytes.getbuffer()))
-            items.append(
-                WriteItem(index=MetadataIndex(replay_key(self.rank)), type=WriteItemType.BYTE_IO, bytes_io_data=data)
-            )
+            index = MetadataIndex(replay_key(self.rank))
+            items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO, bytes_io_data=data))
         self.plan = SavePlan(items)
         return self.plan
 
@@ -230,9 +213,8 @@ class SparseLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        info = ((metadata.planner_data or {}).get(PLANNER_KEY) or {}) if metadata is not None else {}
-        want = self.schedule.info(self.step)
-        bad = [k for k in ("window", "slot", "step", "plan") if info.get(k) != want[k]]
+        info, want = planner_info(metadata), self.schedule.info(self.step)
+        bad = [k for k in INFO_KEYS if info.get(k) != want[k]]
         if bad:
             raise ValueError(
                 f"checkpoint holds {', '.join(f'{k} {info.get(k)!r}' for k in bad)}, expected "
@@ -256,16 +238,9 @@ class SparseLoadPlanner(DefaultLoadPlanner):
             self._dest[(key, tuple(chunk.offsets))] = it
         rk = replay_key(self.rank)
         if rk in md:
-            reads.append(
-                ReadItem(
-                    type=LoadItemType.BYTE_IO,
-                    dest_index=MetadataIndex(rk),
-                    dest_offsets=torch.Size(()),
-                    storage_index=MetadataIndex(rk),
-                    storage_offsets=torch.Size(()),
-                    lengths=torch.Size(()),
-                )
-            )
+            at, e = MetadataIndex(rk), torch.Size(())
+            item = dict(dest_index=at, dest_offsets=e, storage_index=at, storage_offsets=e, lengths=e)
+            reads.append(ReadItem(type=LoadItemType.BYTE_IO, **item))
         self.plan = LoadPlan(reads)
         return self.plan
 

@@ -1,12 +1,6 @@
-"""One StorageWriter/StorageReader per tier for DCP users, each a thin adapter over the checkpointer's tier objects:
-
-    HostWriter / HostReader      node-local shared memory (a /dev/shm path): HostTier
-    StoreWriter / StoreReader    any fsspec URI, with storage options: ObjectTier
-    PeerWriter / PeerReader      r copies in peers' host memory: PeerTier (peer_storage.py)
-    TieredWriter / TieredReader  write through several tiers; read from the fastest holding a verified copy
-
-The tiered writer writes the first tier from the state dict, then hands the files it wrote to the others (each
-slot's files, the window manifest last): a tier that failed half-way has no manifest, invisible to readers.
+"""One StorageWriter/StorageReader per tier for DCP users, thin adapters over the checkpointer's tier objects
+(Host*: HostTier, Store*: ObjectTier, Peer*: peer_storage.py); the tiered writer writes the first tier from the
+state dict, then hands its files to the others, each window manifest last (a tier that failed half-way is invisible).
 """
 
 from __future__ import annotations
@@ -23,11 +17,6 @@ from ..storage.slot_format import CorruptCopyError
 from .raw_storage import NoPlanning, RawReader, RawWriter, done
 
 log = logging.getLogger("torchmoe_ckpt.tier_storage")
-
-
-def _under(base: str, checkpoint_id) -> str | None:
-    """A tier's own path for `checkpoint_id` (joined under the tier's base path), None to keep it."""
-    return f"{base.rstrip('/')}/{str(checkpoint_id).lstrip('/')}" if checkpoint_id else None
 
 
 def _local_path(path: str) -> str:
@@ -69,21 +58,31 @@ class StoreReader(RawReader):
         super().__init__(uri, storage_options, verify)
 
 
-class TieredWriter(NoPlanning, StorageWriter):
-    """Write through `writers` (the first one, usually a HostWriter, from the state dict; the others from its
-    files). `checkpoint_id` given to `dcp.save` is joined under every tier's own path."""
+class _Tiers(NoPlanning):
+    """Several tiers as one: a `checkpoint_id` given to DCP is joined under every tier's own path."""
 
-    def __init__(self, writers: list[RawWriter]):
+    def __init__(self, tiers: list):
         super().__init__()
-        if not writers:
-            raise ValueError("TieredWriter needs at least one tier")
-        self.writers = writers
-        self.bases = [w.path for w in writers]
-        self.bytes_per_tier = [0] * len(writers)
+        self.tiers, self.bases = tiers, [t.path for t in tiers]
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        for w, base in zip(self.writers, self.bases):
-            w.reset(_under(base, checkpoint_id))
+        for t, base in zip(self.tiers, self.bases):
+            t.reset(f"{base.rstrip('/')}/{str(checkpoint_id).lstrip('/')}" if checkpoint_id else None)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+
+class TieredWriter(_Tiers, StorageWriter):
+    """Write through `writers` (the first one, usually a HostWriter, from the state dict; the others from its
+    files)."""
+
+    def __init__(self, writers: list[RawWriter]):
+        super().__init__(writers)
+        if not writers:
+            raise ValueError("TieredWriter needs at least one tier")
+        self.writers, self.bytes_per_tier = writers, [0] * len(writers)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
         for w in self.writers:
@@ -108,25 +107,16 @@ class TieredWriter(NoPlanning, StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         pass  # every tier committed in write_data
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return True
 
-
-class TieredReader(NoPlanning, StorageReader):
+class TieredReader(_Tiers, StorageReader):
     """Read from the first of `readers` (fastest first) whose metadata reads and whose items verify; a
     missing, torn or corrupt copy falls through to the next tier."""
 
     def __init__(self, readers: list[RawReader]):
-        super().__init__()
+        super().__init__(readers)
         self.readers = readers
-        self.bases = [r.path for r in readers]
         self.source: int | None = None  # index of the tier the last read came from
         self.skipped: list[str] = []
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        for r, base in zip(self.readers, self.bases):
-            r.reset(_under(base, checkpoint_id))
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         self._mds: list = []
@@ -167,7 +157,3 @@ class TieredReader(NoPlanning, StorageReader):
                 self.skipped.append(f"{r.path}: {exc}")
                 log.warning("tier %s unusable (%s): reading the next tier", r.path, exc)
         raise CorruptCopyError(f"no tier holds a verified copy: {self.skipped}")
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return True

@@ -108,12 +108,10 @@ class StoreFiles:
             return []
 
     def find(self, rel: str = "") -> list[str]:
-        base = self.path(rel)
         try:
-            found = self.fs.find(base)
+            return list(self.sizes(rel))
         except FileNotFoundError:
             return []
-        return [p[len(base) + 1 :] for p in found if p.startswith(base + "/")]
 
     def sizes(self, rel: str) -> dict[str, int]:
         """Every file below `rel` with its size (one listing)."""

@@ -20,14 +20,14 @@ from ..schedule import WindowPlan
 from ..snapshot import Slot, build_slot
 from ..window import Window
 from . import usage
-from .checksums import SUM64, tensor_block_sums
+from .checksums import tensor_block_sums
 from .files import LocalFiles
 from .layout import partial_file, replay_file, slot_writer_dir, slots_dir, window_dirname
 from .manifest import plan_digest, record_digest, slot_metadata_file, slot_record
 from .mapped_files import MappedFiles
 from .slot_files import SlotFiles, backing
 from .slot_format import CorruptCopyError, SlotLayout, read_slot, slot_items
-from .window_tier import WindowTier, encoded, mapped, mapped_items
+from .window_tier import WindowTier, mapped, mapped_items
 
 # Each writer deliberately saves its own pieces without collectives (no_dist=True); DCP warns about that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -59,19 +59,16 @@ class HostTier(WindowTier):
         lay, items = self._slot_layout(slot)
         back = backing(slot)
 
-        def write(data_rel: str):
-            data = self.dir / data_rel
-            if back is not None:
-                # The snapshot copy already wrote the bytes into this file (slot_files.py): link it into the window
-                # (it is not reused until collect unlinks it) and sum it once for the checksums.
-                os.link(back.path, data)
-                return tensor_block_sums(back.t).numpy()
-            return mapped(self._maps, self.files, lay, items, self.take_spare)(data_rel)
+        def link(data_rel: str):
+            # The snapshot copy already wrote the bytes into this file (slot_files.py): link it into the window
+            # (it is not reused until collect unlinks it) and sum it once for the checksums.
+            os.link(back.path, self.dir / data_rel)
+            return tensor_block_sums(back.t).numpy()
 
+        write = link if back is not None else mapped(self._maps, self.files, lay, items, self.take_spare)
         self._store_slot(window_id, slot.index, lay, info, write)
-        if partial is not None:
-            start, plan, records = partial
-            self.write_partial(window_id, start, plan, records, slot.index + 1)
+        if partial is not None:  # (start step, plan, records)
+            self.write_partial(window_id, *partial, slot.index + 1)
         faults.point("persist")
         return lay.nbytes
 
@@ -85,11 +82,6 @@ class HostTier(WindowTier):
             lay = self.layout(items, offsets, None if back is None else back.t.numel())
             got = slot._raw_layout = (len(slot.items), lay, mapped_items(lay, [it.buffer for it in slot.items]))
         return got[1], got[2]
-
-    def _data_writer(self, lay: SlotLayout, sources: list, algo: str):
-        if algo != SUM64:
-            return encoded(self.files, lay, sources, algo)
-        return mapped(self._maps, self.files, lay, mapped_items(lay, sources), self.take_spare)
 
     def _discard_slot(self, rel: str) -> None:
         for f in (self.dir / rel).glob("*.distcp"):
@@ -180,9 +172,8 @@ class HostTier(WindowTier):
             except (OSError, CorruptCopyError, ValueError, KeyError):
                 break
             rec = slot_record(info)
-            if (rec["window"], rec["slot"], rec["step"], rec["plan"]) != (window_id, i, start_step + i, digest) or (
-                run is not None and rec["run"] not in (None, run)
-            ):
+            where = (rec["window"], rec["slot"], rec["step"], rec["plan"])
+            if where != (window_id, i, start_step + i, digest) or (run is not None and rec["run"] not in (None, run)):
                 break
             want = info.get("record")  # the slot's replay record, bound by its digest (as a committed window's)
             if want is not None and (start_step + i not in records or record_digest(records[start_step + i]) != want):

@@ -1,13 +1,6 @@
-"""Names and paths of everything the storage tiers write, in one place. Under a run directory (`<root>/node-N/<run>`,
-`<uri>/<run>`, or a DCP user's base path):
-
-    window-000042/slot-00/rank-00003/{__0_0.distcp,.metadata}   a writer's piece of slot 0 (slot_format.py)
-    window-000042/replay/rank-00003.pt (.partial.pt)            its replay records (sliding plans' progress)
-    window-000042/MANIFEST.rank-00003.json                      written last: its commit (manifest.py)
-    .slots/ .spare/ .peers/<writer>/from-<writer>/  LOCK.json    slot files, spares, held peer copies, run lock
-
-Files are named by *writer* (`writer_name`) and listings return writer names: a stable writer identity would
-change `writer_name` only.
+"""Names and paths of everything the storage tiers write, in one place (the tree: docs/architecture.md). Files are
+named by *writer* (`writer_name`) and listings return writer names: a stable writer identity would change
+`writer_name` only.
 """
 
 from __future__ import annotations
@@ -63,10 +56,8 @@ def slot_name(window_id: int, slot: int) -> str:
 def parse_slot_path(path: str) -> tuple[str, int, int] | None:
     """(run directory, window id, slot) of a path ending in `window-NNNNNN/slot-SS`; None otherwise."""
     p = PurePosixPath(str(path).rstrip("/"))
-    if len(p.parts) < 2 or (slot := _SLOT.match(p.name)) is None:
-        return None
-    wid = parse_window_dirname(p.parent.name)
-    if wid is None:
+    slot, wid = _SLOT.match(p.name), parse_window_dirname(p.parent.name)
+    if len(p.parts) < 2 or slot is None or wid is None:
         return None
     run = str(path).rstrip("/")[: -len(f"{p.parent.name}/{p.name}")].rstrip("/")
     return run, wid, int(slot.group(1))

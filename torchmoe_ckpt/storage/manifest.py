@@ -68,18 +68,9 @@ class WindowManifest:
             files = {
                 k: FileEntry(int(v["bytes"]), int(v["crc32"]), str(v.get("algo", CRC32))) for k, v in d["files"].items()
             }
-            return WindowManifest(
-                int(d["window_id"]),
-                int(d["start_step"]),
-                int(d["window"]),
-                int(d["world_size"]),
-                d["plan"],
-                files,
-                d.get("extra", {}),
-                d["format"],
-                d.get("identity") or {},
-                list(d.get("slots") or []),
-            )
+            sizes = [int(d[k]) for k in ("window_id", "start_step", "window", "world_size")]
+            extra, identity, slots = d.get("extra", {}), d.get("identity") or {}, list(d.get("slots") or [])
+            return WindowManifest(*sizes, d["plan"], files, extra, d["format"], identity, slots)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ManifestError(f"manifest is missing or has a bad field ({type(exc).__name__}: {exc})") from None
 
@@ -148,14 +139,8 @@ def check_window(
     run = (man.identity or {}).get("fingerprint") or None  # a DCP user's window names no run
     for i, rec in enumerate(man.slots):
         # A writer that gave no plan digest (a tool, not the checkpointer) records None for it.
-        want = {
-            "window": man.window_id,
-            "slot": i,
-            "step": man.start_step + i,
-            "start_step": man.start_step,
-            "run": run,
-            "plan": digest if rec.get("plan") is not None else None,
-        }
+        want = dict(window=man.window_id, slot=i, step=man.start_step + i, start_step=man.start_step, run=run)
+        want["plan"] = digest if rec.get("plan") is not None else None
         bad = _differs(rec, want)
         if bad:
             out.append(

@@ -83,24 +83,21 @@ class MappedFiles:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
             return np.zeros(0, dtype="<i8")
         m = self._map(path, size)
-        sig = (
-            m.sig
-            if key is not None and m.key is key
-            else tuple(
+        if key is None or m.key is not key:  # else the layout `key` stands for is the one mapped (no re-hash)
+            m.key = key
+            sig = tuple(
                 (off, n, src.dtype, tuple(src.shape)) if isinstance(src, torch.Tensor) else (off, n)
                 for off, n, src in items
             )
-        )
-        m.key = key
-        if m.sig != sig:  # a new layout (or a reused file of another one): padding must read as zeros
-            m.t.zero_()
-            m.views = [
-                m.t[off : off + n].view(src.dtype).view(src.shape)
-                if isinstance(src, torch.Tensor) and n
-                else m.t[off : off + n]
-                for off, n, src in items
-            ]
-            m.sig = sig
+            if m.sig != sig:  # a new layout (or a reused file of another one): padding must read as zeros
+                m.t.zero_()
+                m.views = [
+                    m.t[off : off + n].view(src.dtype).view(src.shape)
+                    if isinstance(src, torch.Tensor) and n
+                    else m.t[off : off + n]
+                    for off, n, src in items
+                ]
+                m.sig = sig
         dst, src = [], []
         for v, (_off, n, s) in zip(m.views, items):
             if not n:

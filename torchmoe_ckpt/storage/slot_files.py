@@ -1,10 +1,8 @@
-"""Slot buffers that are views of mapped data files in node-local shared memory: the snapshot copy IS the persist.
-
-Each slot's buffers are views of one file under `<run>/.slots/<writer>/` laid out as its raw DCP data file, so
-persisting it is a hard link into the window, one summing pass and a small `.metadata`. A set is reused only when
-none of its files has another link (`free`): no window that is committed, written, uploaded or pushed is
-overwritten. `FileSlotPool` is the slot allocator over these files (CPU with the host tier; on CUDA the opt-in
-`host_buffers="shm-registered"`, page-locked with `cudaHostRegister`, unmeasured: docs/gpu.md).
+"""Slot buffers that are views of mapped data files in node-local shared memory (`<run>/.slots/<writer>/`, each laid
+out as its raw DCP data file): the snapshot copy IS the persist, a hard link into the window plus one summing pass.
+A set is reused only when none of its files has another link, so no window still committed, written, uploaded or
+pushed is overwritten. `FileSlotPool` is the slot allocator over these files (CPU with the host tier; opt-in on CUDA,
+`host_buffers="shm-registered"`: docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -109,15 +107,6 @@ class SlotFiles:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             self.created += 1
             self.created_bytes += size
-        try:  # a reused file shrinks to this layout (its tail pages are freed); a new one is allocated whole
-            _, base = map_file(fd, size, allocate=reuse is None)
-        except BaseException:
-            _release(path, fd)
-            raise
-        if reuse is not None:  # the padding between items must read as zeros (the checksums cover it)
-            ends = [off + n for off, n, _, _ in offsets]
-            for a, b in zip(ends, [off for off, _, _, _ in offsets[1:]] + [size]):
-                base[a:b].zero_()
         it = iter(offsets)
 
         def alloc(shape, dtype) -> torch.Tensor:
@@ -125,10 +114,17 @@ class SlotFiles:
             assert shp == tuple(shape) and dt == dtype
             return base[off : off + n].view(dtype).view(shape)
 
-        slot = build_slot(index, active, frozen, ops, compute_dtype, alloc=alloc)
-        try:
+        try:  # a reused file shrinks to this layout (its tail pages are freed); a new one is allocated whole
+            _, base = map_file(fd, size, allocate=reuse is None)
+            if reuse is not None:  # the padding between items must read as zeros (the checksums cover it)
+                ends = [off + n for off, n, _, _ in offsets]
+                for a, b in zip(ends, [off for off, _, _, _ in offsets[1:]] + [size]):
+                    base[a:b].zero_()
+            slot = build_slot(index, active, frozen, ops, compute_dtype, alloc=alloc)
             unreg = self.register(base) if self.register is not None else None
-        except BaseException:  # not page-locked: the file goes, the allocator takes an arena for this plan
+        except (
+            BaseException
+        ):  # not mapped or not page-locked: the file goes, the allocator takes an arena for this plan
             _release(path, fd)
             raise
         slot.backing = Backing(path, fd, base, weakref.finalize(slot, _release, path, fd, unreg), unreg)

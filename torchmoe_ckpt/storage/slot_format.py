@@ -1,11 +1,7 @@
-"""The on-disk slot format: one writer's piece of a slot as a self-contained raw-bytes DCP checkpoint, read by
-every tier, the DCP adapters and `inspect`/`verify`:
-
-    slot-SS/<writer>/__0_0.distcp   the items' bytes, each at a 512-byte-aligned offset, zero padding between
-    slot-SS/<writer>/.metadata      the pickled DCP `Metadata` (chunks, `RawItem`s, planner info), written last
-
-Everything DCP derives from a set of slot buffers is computed once per layout (`SlotLayout`); a save adds only
-its ids and one digest per item. A slot directory read as a whole merges its writers' pieces into one checkpoint.
+"""The on-disk slot format: one writer's piece of a slot as a self-contained raw-bytes DCP checkpoint
+(`slot-SS/<writer>/__0_0.distcp`, items at 512-byte-aligned offsets with zero padding; `.metadata` written last),
+read by every tier, the DCP adapters and `inspect`/`verify`. What DCP derives from a set of slot buffers is computed
+once per layout (`SlotLayout`); a save adds only its ids and one digest per item.
 """
 
 from __future__ import annotations
@@ -113,8 +109,7 @@ class SlotLayout:
     views of one mapped file keeps their offsets, `size` is that file's); None: back to back, 512-aligned."""
 
     def __init__(self, items: list[tuple[WriteItem, int]], offsets: list[int] | None = None, size: int | None = None):
-        sd: dict = {}
-        storage, pos, self.offsets = {}, 0, []
+        sd, storage, pos, self.offsets = {}, {}, 0, []
         for k, (wi, n) in enumerate(items):
             off = offsets[k] if offsets is not None else pos
             pos = max(pos, _round_up(off + n))
@@ -208,11 +203,6 @@ def planner_info(md) -> dict:
     return (getattr(md, "planner_data", None) or {}).get(PLANNER_KEY) or {}
 
 
-def slot_info(metadata_bytes: bytes) -> dict:
-    """The planner info of a slot's pickled DCP `.metadata`."""
-    return planner_info(pickle.loads(metadata_bytes))
-
-
 def load_metadata(raw: bytes, where: str) -> Metadata:
     try:
         md = pickle.loads(raw)
@@ -227,14 +217,12 @@ def merge_metadata(pieces: dict[str, Metadata], where: str) -> Metadata:
     """One checkpoint's metadata from its writers' (`{writer: Metadata}`): chunks and storage entries united,
     each writer's files under its own directory. Writers of different saves (another window, slot or plan)
     are refused."""
-    sd: dict = {}
-    storage: dict = {}
+    sd, storage, sums = {}, {}, {}
     infos = {w: planner_info(md) for w, md in pieces.items()}
     first = next(iter(infos.values()))
     for w, info in infos.items():
         if any(info.get(k) != first.get(k) for k in INFO_KEYS):
             raise CorruptCopyError(f"{where}: writer {w}'s piece was written for {info}, another's for {first}")
-    sums: dict = {}
     for w, md in pieces.items():
         for fqn, tm in md.state_dict_metadata.items():
             if isinstance(tm, TensorStorageMetadata):

@@ -1,16 +1,10 @@
 """The storage tier contract, written down once: what the tiers implement, the order of a save's and a recovery's
-steps, and who calls each.
-
-    tier                  class                               where                               kind
-    host memory           host_tier.HostTier                  node-local directory (/dev/shm)     WindowTier
-    object store (DCP)    object_tier.ObjectTier              any fsspec URI, the same layout      WindowTier, CopyTier
-    object store (zarr3)  tensorstore_tier.TensorstoreTier    one OCDBT database per window        CopyTier
-    peers                 peer_tier.PeerTier                  other nodes' host memory, over gloo  collective copies
+steps, and who calls each (the tiers and where each keeps its copies: docs/architecture.md).
 
 A *window* is W consecutive slots. A *writer* (today a rank, `layout.writer_name`) writes its own piece of every
 slot and commits its own copy of the window, visible only through its manifest, written after every file it lists.
 
-WindowTier: a tier slots are written into (host memory; a DCP user's object store)
+WindowTier: a tier slots are written into (HostTier; ObjectTier, a DCP user's object store)
 
     write_slot(window, slot, info[, partial])  the checkpointer's slot: data file, then `.metadata`; then, for
                                           sliding plans, the window's progress (write_partial)
@@ -24,7 +18,7 @@ WindowTier: a tier slots are written into (host memory; a DCP user's object stor
     load_partial(window, start, ops, dtype, run)  (host) the slots written of a window not committed (sliding)
     collect(keep_from)                    older windows deleted, each manifest first
 
-CopyTier: a tier that holds copies of committed host windows (object stores)
+CopyTier: a tier that holds copies of committed host windows (ObjectTier, TensorstoreTier)
 
     upload(host, window)                  a committed host window, every file checked, the manifest put last
     window_ids() / verify(window)         committed copies / every file of one read and checked
@@ -43,8 +37,7 @@ A save (T: training thread, P: persist thread, U: upload thread)
     P  Uploader.submit(w)  ->  U: ObjectTier.upload(host, w), ObjectTier.collect()
     P  HostTier.collect(keep_from)        keeping what the store still has to take (a bounded backlog)
 
-A DCP user's `dcp.save` runs the same steps in the dcp/ adapters' write_data: write_items into the first tier,
-write_commit on a window's last slot, then each later tier takes the files.
+A DCP user's `dcp.save` runs the same steps in the dcp/ adapters' write_data (write_items, write_commit).
 
 A recovery (recover.recover_from_tiers, collective)
 

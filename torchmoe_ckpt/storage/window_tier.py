@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import uuid
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from .layout import (
     writer_name,
 )
 from .manifest import WindowManifest, check_window, plan_digest, slot_record
-from .slot_format import SlotLayout, as_source, nbytes_of, pack, slot_info
+from .slot_format import SlotLayout, as_source, nbytes_of, pack, planner_info
 from .spare_files import keep_spares, spares
 
 MAX_LAYOUTS = 64  # slot layouts kept per tier (a plan change brings new ones; old plans' are dropped)
@@ -61,8 +62,11 @@ def write_slot_dir(files, rel: str, lay: SlotLayout, info: dict, write_data, alg
     return {DATA_FILE: FileEntry(lay.size, digest, algo), METADATA: FileEntry(len(meta), crc32_bytes(meta))}, items
 
 
-def encoded(files, lay: SlotLayout, sources: list, algo: str = SUM64):
-    """`write_data` for a data file assembled in memory and written whole (a store, a plain directory)."""
+def data_writer(files, lay: SlotLayout, sources: list, algo: str = SUM64, maps=None, take_spare=None):
+    """`write_data` of one save: through a kept mapping of `maps` (local files, sum64b512; see `mapped`), else the
+    data file assembled in memory and written whole (a store, a plain directory)."""
+    if maps is not None and files.local and algo == SUM64:
+        return mapped(maps, files, lay, mapped_items(lay, sources), take_spare)
 
     def write(data_rel: str):
         data = pack(lay, sources)
@@ -114,11 +118,8 @@ class WindowTier:
         """Write one slot from [(WriteItem, tensor or bytes)] (the DCP adapters'); returns DCP's WriteResults."""
         lay = self.layout([(wi, nbytes_of(wi, d)) for wi, d in items])
         sources = [d for _, d in items]
-        digests = self._store_slot(window_id, slot, lay, info, self._data_writer(lay, sources, algo), algo)
-        return lay.results(f"{self.writer}/{DATA_FILE}", digests)
-
-    def _data_writer(self, lay: SlotLayout, sources: list, algo: str):
-        return encoded(self.files, lay, sources, algo)
+        write = data_writer(self.files, lay, sources, algo, self._maps, self.take_spare)
+        return lay.results(f"{self.writer}/{DATA_FILE}", self._store_slot(window_id, slot, lay, info, write, algo))
 
     def _store_slot(self, window_id: int, slot: int, lay: SlotLayout, info: dict, write_data, algo=SUM64) -> list:
         self._written.pop((window_id, slot), None)  # a failed write below leaves no record: no commit
@@ -151,15 +152,12 @@ class WindowTier:
                 f"window {window_id} is not committed: the write of slot(s) {missing} failed or never happened"
             )
         digest = plan_digest(plan.to_dict())
-        files: dict[str, FileEntry] = {}
-        records = []
+        files, records = {}, []
         for i in range(plan.window):
             got, info = self._written[(window_id, i)]
             rec = slot_record(info)
-            if (rec["window"], rec["slot"], rec["step"]) != (window_id, i, start_step + i) or rec["plan"] not in (
-                None,
-                digest,
-            ):
+            where = (rec["window"], rec["slot"], rec["step"], rec["plan"] in (None, digest))
+            if where != (window_id, i, start_step + i, True):
                 raise UncommittableWindow(f"window {window_id} slot {i} was written as {rec}: not committed")
             files.update(got)
             records.append(rec)
@@ -188,12 +186,10 @@ class WindowTier:
     def window_ids(self, require_manifest: bool = True, rank: int | None = None) -> list[int]:
         """Windows this writer committed (`require_manifest=False`: every window directory)."""
         man = manifest_name(self.writer_of(rank))
-        ids = []
-        for name in self.files.listdir(""):
-            wid = parse_window_dirname(name)
-            if wid is not None and (not require_manifest or self.files.exists(f"{name}/{man}")):
-                ids.append(wid)
-        return sorted(ids)
+        named = [(parse_window_dirname(n), n) for n in self.files.listdir("")]
+        return sorted(
+            w for w, n in named if w is not None and (not require_manifest or self.files.exists(f"{n}/{man}"))
+        )
 
     def manifest(self, window_id: int, rank: int | None = None) -> WindowManifest:
         rel = f"{window_dirname(window_id)}/{manifest_name(self.writer_of(rank))}"
@@ -216,11 +212,10 @@ class WindowTier:
         w, problems = window_dirname(window_id), []
         for rel, want in man.files.items():
             try:
-                got = self.files.entry(f"{w}/{rel}", want.algo)
+                why = want.problem(rel, self.files.entry(f"{w}/{rel}", want.algo))
             except FileNotFoundError:
-                problems.append(f"{rel}: missing")
-                continue
-            if (why := want.problem(rel, got)) is not None:
+                why = f"{rel}: missing"
+            if why is not None:
                 problems.append(why)
         return problems
 
@@ -238,7 +233,7 @@ class WindowTier:
 
     def slot_info(self, window_id: int, rel: str) -> dict:
         """The planner info (window, slot, step, run, plan, checksums) of a slot's `.metadata` in a window."""
-        return slot_info(bytes(self.files.read(f"{window_dirname(window_id)}/{rel}")))
+        return planner_info(pickle.loads(bytes(self.files.read(f"{window_dirname(window_id)}/{rel}"))))
 
     def remove_window(self, window_id: int) -> None:
         """Remove this writer's files of a window, its manifest first; the directory too once it is empty."""
@@ -248,6 +243,7 @@ class WindowTier:
         if not self.files.find(w):
             self.files.remove_tree(w)
 
+    _maps = None  # MappedFiles: data files written through kept mappings (the host tier's)
     max_spares = 0  # data files of collected windows kept (local backends) for the next ones to be written over
     node_ranks: list[int] | None = None  # every rank writing into this directory (a host tier's node: build_tiers)
     window_data_files = 0  # data files of the newest window this writer committed (spare limits derive from it)
