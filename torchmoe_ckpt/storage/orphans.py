@@ -49,10 +49,9 @@ class OrphanCopies:
             windows = [d / name for name in _listdir(d) if parse_window_dirname(name) is not None]
             writers = {w for wd in windows for n in _listdir(wd) if (w := parse_manifest_name(n)) is not None}
             self._copies += [WindowTier(LocalFiles(d), writer_rank(w), 0) for w in sorted(writers)]
-            for holder in _listdir(d / PEERS_DIR):
-                for name in _listdir(d / PEERS_DIR / holder):
-                    if (src := parse_peer_copy_name(name)) is not None:
-                        self._copies.append(WindowTier(LocalFiles(d / PEERS_DIR / holder / name), writer_rank(src), 0))
+            for p in sorted(d.glob(f"{PEERS_DIR}/*/*")):  # <holder>/from-<src>
+                if (src := parse_peer_copy_name(p.name)) is not None:
+                    self._copies.append(WindowTier(LocalFiles(p), writer_rank(src), 0))
 
     @staticmethod
     def find(root: Path, run_id: str, rank: int, ranks_per_node: int, world: int) -> OrphanCopies | None:

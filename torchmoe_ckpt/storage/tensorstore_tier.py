@@ -63,10 +63,8 @@ class TensorstoreTier(StoreTier):
         self.writer = writer_name(self.rank)
         self.base = sub_spec(self.root, store_writer_prefix(self.run_id, self.writer))
         self.last_upload: dict = {}
-        if self.probe:
-            self._probe()
-
-    def _probe(self) -> None:
+        if not self.probe:
+            return
         try:
             kv = self._kv(self.root)
             key = f".probe-{os.getpid()}-{time.monotonic_ns()}"
@@ -117,19 +115,17 @@ class TensorstoreTier(StoreTier):
                 pc, buf = it.piece, it.buffer
                 e = {"key": it.key, "offset": list(pc.global_offset), "shape": list(pc.shape)}
                 e.update(global_shape=list(pc.global_shape), dtype=DTYPES[buf.dtype], crc32=crc32_tensor(buf))
-                if it.role == "step" or it.buffer.dim() == 0:
-                    e["value"] = it.buffer.double().item().hex()  # scalars live in the metadata
-                elif it.buffer.numel() > 0:
+                if it.role == "step" or buf.dim() == 0:
+                    e["value"] = buf.double().item().hex()  # scalars live in the metadata
+                elif buf.numel() > 0:
                     e["array"] = f"s{slot.index:02d}/{it.key}/"
                     if it.key not in arrays:
-                        chunks = chunk_shape(it.key, it.piece.global_shape, it.piece.shape, it.buffer.element_size())
+                        chunks = chunk_shape(it.key, pc.global_shape, pc.shape, buf.element_size())
                         grid = {"name": "regular", "configuration": {"chunk_shape": chunks}}
                         md = {"shape": e["global_shape"], "data_type": e["dtype"], "chunk_grid": grid}
                         spec = {"driver": "zarr3", "kvstore": sub_spec(db, e["array"]), "metadata": md}
                         arrays[it.key] = ts.open(spec, create=True, context=context(), transaction=txn).result()
-                    writes.append(
-                        arrays[it.key][region(it.piece.global_offset, it.piece.shape)].write(to_numpy(it.buffer))
-                    )
+                    writes.append(arrays[it.key][region(pc.global_offset, pc.shape)].write(to_numpy(buf)))
                     nbytes += it.nbytes
                 entries.append(e)
             meta["slots"].append({"slot": slot.index, "info": info, "items": entries})
