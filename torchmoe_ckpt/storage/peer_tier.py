@@ -153,8 +153,7 @@ class PeerTier:
                 self.data_bytes_sent += 0 if replica else data_bytes
             elif me == dst:
                 held = self.held(src)
-                theirs = self._receive(src, held, window_id)
-                if theirs is not None:
+                if (theirs := self._receive(src, held, window_id)) is not None:
                     self._window_files[src] = sum(map(is_data_file, theirs.files))
                     held.max_spares = self._spare_limit(src)
                     if replica:
@@ -197,8 +196,7 @@ class PeerTier:
             finally:
                 os.close(fd)
 
-        text = self.inbox.recv(holder, self.group, write)["manifest"]
-        if text is None:
+        if (text := self.inbox.recv(holder, self.group, write)["manifest"]) is None:
             return None
         man = WindowManifest.from_json(text)
         if dest is self.tier and self.tier.node_ranks:  # now this node's own window: the ranks that write here

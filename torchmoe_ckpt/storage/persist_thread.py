@@ -178,8 +178,7 @@ class PersistThread:
 
     def _run(self) -> None:
         while True:
-            job = self.jobs.get()
-            if job is None:
+            if (job := self.jobs.get()) is None:
                 return
             if self._dead:
                 self._processed += 1

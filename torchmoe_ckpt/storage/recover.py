@@ -77,8 +77,7 @@ def recover_from_tiers(
         }
         src = f"peer {needers[tier.rank]}" if tier.rank in needers else "host"
         fetch = functools.partial(_pull_and_load, tier, replicator, wid, needers, ops, compute_dtype, identity)
-        window = _attempt(wid, report, fetch, use)
-        if window is not None:
+        if (window := _attempt(wid, report, fetch, use)) is not None:
             report.update(source=src, pulled_from_peers={str(k): v for k, v in needers.items()})
             _retire(orphans, report)
             return window, _outcome(report)
@@ -190,13 +189,11 @@ def _from_store(tier: HostTier, store, ops: dict, compute_dtype: torch.dtype, re
     for wid in candidates:
 
         def fetch(wid=wid):
-            problems = store.download(wid, tier)
-            if problems:
+            if problems := store.download(wid, tier):
                 raise CorruptCopyError(f"object store copy of window {wid}: {problems[0]}")
             return tier.load_window(wid, ops, compute_dtype, identity)
 
-        window = _attempt(wid, report, fetch, use)
-        if window is not None:
+        if (window := _attempt(wid, report, fetch, use)) is not None:
             return window, _outcome(dict(report, source="object store"))
         report.setdefault("failed_downloads", {})[wid] = next(iter(report["rejected"].get(wid, {}).values()), None)
     return None, _outcome(dict(report, source=None))

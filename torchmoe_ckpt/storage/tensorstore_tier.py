@@ -81,8 +81,7 @@ class TensorstoreTier(StoreTier):
 
     def upload(self, tier, window_id: int) -> int:
         """Upload this rank's copy of a committed host-tier window as one atomic OCDBT commit."""
-        problems = tier.verify(window_id)
-        if problems:
+        if problems := tier.verify(window_id):
             if "no manifest" in problems[0]:
                 raise FileNotFoundError(f"window {window_id} is not on the host tier: {problems[0]}")
             raise RuntimeError(f"local copy of window {window_id} does not verify: {problems[0]}")
@@ -246,8 +245,7 @@ class TensorstoreTier(StoreTier):
     def inspect(self, window_id: int) -> tuple[WindowManifest, list[str], list[dict], int] | None:
         """What `inspect` lists of this writer's window: (its manifest, the problems `verify` finds, per slot the
         planner info with its items as "checksums", payload bytes); None while it is not committed."""
-        meta = self._read_meta(window_id)
-        if meta is None:
+        if (meta := self._read_meta(window_id)) is None:
             return None
         try:
             problems = self.verify(window_id)
@@ -263,8 +261,7 @@ class TensorstoreTier(StoreTier):
 
     def verify(self, window_id: int) -> list[str]:
         """Read every piece and the replay records of this rank's window and check them (nothing written)."""
-        meta = self._read_meta(window_id)
-        if meta is None:
+        if (meta := self._read_meta(window_id)) is None:
             return [NOT_COMMITTED]
         problems = []
         for s in meta["slots"]:
