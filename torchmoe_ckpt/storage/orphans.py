@@ -49,10 +49,9 @@ class OrphanCopies:
             windows = [d / name for name in _listdir(d) if parse_window_dirname(name) is not None]
             writers = {w for wd in windows for n in _listdir(wd) if (w := parse_manifest_name(n)) is not None}
             self._copies += [WindowTier(LocalFiles(d), writer_rank(w), 0) for w in sorted(writers)]
-            for holder in _listdir(d / PEERS_DIR):
-                for name in _listdir(d / PEERS_DIR / holder):
-                    if (src := parse_peer_copy_name(name)) is not None:
-                        self._copies.append(WindowTier(LocalFiles(d / PEERS_DIR / holder / name), writer_rank(src), 0))
+            for p in sorted(d.glob(f"{PEERS_DIR}/*/*")):  # <holder>/from-<src>
+                if (src := parse_peer_copy_name(p.name)) is not None:
+                    self._copies.append(WindowTier(LocalFiles(p), writer_rank(src), 0))
 
     @staticmethod
     def find(root: Path, run_id: str, rank: int, ranks_per_node: int, world: int) -> OrphanCopies | None:
@@ -82,8 +81,7 @@ class OrphanCopies:
 
     def source(self, wid: int, src: int):
         """(manifest, rel -> path) of writer `src`'s copy of window `wid` (what the peer tier sends), or None."""
-        c = self.copy_of(wid, src)
-        if c is None:
+        if (c := self.copy_of(wid, src)) is None:
             return None
         wdir = Path(c.files.path(window_dirname(wid)))
         return c.manifest(wid), lambda rel: wdir / rel

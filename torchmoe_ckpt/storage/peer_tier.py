@@ -95,19 +95,6 @@ class Buffer:
             yield off, view
 
 
-def write_file(path: Path, size: int, chunks, spare: Path | None = None) -> None:
-    """Write a file of `size` bytes from `chunks` [(offset, view)] to `path`, over `spare` (a collected copy's file:
-    its pages are reused) when given. A file already at `path` (maybe a link to live slot buffers) is replaced."""
-    place_new_file(path, spare)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        for off, view in chunks:
-            pwrite_all(fd, view, off)
-        os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
-
-
 class PeerTier:
     def __init__(self, tier, placement=None, group=None, replicas_hold_data: bool = True):
         """`tier`: this writer's HostTier (what it pushes; where held copies live). `placement`: where pushes go
@@ -166,8 +153,7 @@ class PeerTier:
                 self.data_bytes_sent += 0 if replica else data_bytes
             elif me == dst:
                 held = self.held(src)
-                theirs = self._receive(src, held, window_id)
-                if theirs is not None:
+                if (theirs := self._receive(src, held, window_id)) is not None:
                     self._window_files[src] = sum(map(is_data_file, theirs.files))
                     held.max_spares = self._spare_limit(src)
                     if replica:
@@ -198,12 +184,19 @@ class PeerTier:
         w = window_dirname(window_id)
         dest.files.remove([f"{w}/{manifest_name(dest.writer)}"])  # incomplete until the manifest is back
 
-        def write(rel: str, size: int, chunks) -> None:
-            spare = dest.take_spare(size) if is_data_file(rel) and dest is not self.tier else None
-            write_file(dest.files.path(f"{w}/{rel}"), size, chunks, spare)
+        def write(rel: str, size: int, chunks) -> None:  # over a collected copy's file: its pages are reused
+            path = dest.files.path(f"{w}/{rel}")
+            # a file already at `path` (maybe a link to live slot buffers) is replaced
+            place_new_file(path, dest.take_spare(size) if is_data_file(rel) and dest is not self.tier else None)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                for off, view in chunks:
+                    pwrite_all(fd, view, off)
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
 
-        text = self.inbox.recv(holder, self.group, write)["manifest"]
-        if text is None:
+        if (text := self.inbox.recv(holder, self.group, write)["manifest"]) is None:
             return None
         man = WindowManifest.from_json(text)
         if dest is self.tier and self.tier.node_ranks:  # now this node's own window: the ranks that write here
@@ -228,12 +221,9 @@ class PeerTier:
 
     def holdings(self) -> dict[int, list[int]]:
         """src rank -> windows this writer can provide for it (a full copy, or a verified replica copy)."""
-        out: dict[int, list[int]] = {}
-        for src in self.sources():
-            held = self.held(src)
-            if ok := [w for w in held.window_ids() if self._usable(held, w)]:
-                out[src] = ok
-        return out
+        held = {src: self.held(src) for src in self.sources()}
+        ok = {src: [w for w in h.window_ids() if self._usable(h, w)] for src, h in held.items()}
+        return {src: wids for src, wids in ok.items() if wids}
 
     def _usable(self, held: WindowTier, wid: int) -> bool:
         if held.files.exists(f"{window_dirname(wid)}/{REPLICA_VERIFIED}"):  # its data files are this writer's own
@@ -250,8 +240,7 @@ class PeerTier:
         held = self.held(src)
         orphans = getattr(self.tier, "orphans", None)  # copies of an older node numbering (orphans.py)
         if orphans is not None and not held.files.exists(f"{w}/{manifest_name(held.writer)}"):
-            got = orphans.source(window_id, src)
-            if got is not None:
+            if (got := orphans.source(window_id, src)) is not None:
                 return got
         wdir, own = held.files.path(w), self.tier.window_dir(window_id)
         replica = (wdir / REPLICA_VERIFIED).exists()

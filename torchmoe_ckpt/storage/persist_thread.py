@@ -134,9 +134,8 @@ class PersistThread:
         out = dict(self.tier.host_bytes(aliased, self.keep_floor))
         if self.replicator is not None:
             out.update(self.replicator.host_bytes())
-        store = None if self.uploader is None else self.uploader.store
-        if store is not None and hasattr(store, "host_bytes"):
-            out.update(store.host_bytes())
+        if self.uploader is not None and hasattr(self.uploader.store, "host_bytes"):
+            out.update(self.uploader.store.host_bytes())
         return out
 
     def finish(self, wait_s: float) -> dict:
@@ -171,19 +170,15 @@ class PersistThread:
         """Emulate this process dying: drop the queued jobs (a job already running finishes) and stop; the store
         gets up to `upload_wait_s` for the windows already handed to it, then the upload thread stops too."""
         self._dead = True
-        self.jobs.put(None)  # not joined: a job blocked on a peer that "died" must not block the restart
-        if self.uploader is not None:
-            if upload_wait_s > 0:
-                self.uploader.flush(upload_wait_s)
-            self.uploader.stop()
+        if self.uploader is not None and upload_wait_s > 0:
+            self.uploader.flush(upload_wait_s)
+        self.shutdown()  # not joined: a job blocked on a peer that "died" must not block the restart
 
     _dead = False
-    _man = None  # the manifest of the window just committed (handed to the peers)
 
     def _run(self) -> None:
         while True:
-            job = self.jobs.get()
-            if job is None:
+            if (job := self.jobs.get()) is None:
                 return
             if self._dead:
                 self._processed += 1
@@ -194,24 +189,24 @@ class PersistThread:
                     self._write_slot(*job[1:])
                 elif job[0] == "commit":
                     _, win, extra, keep, t0 = job
-                    if not self._write_commit(win, extra):
+                    if (man := self._write_commit(win, extra)) is None:
                         continue
                     self.lag_seconds.append(time.perf_counter() - t0)
                     if self.replicator is not None:
                         c1 = time.thread_time()
                         self.cpu_s["host"] += c1 - c0
-                        self.replicator.push(win.id, self._man)
+                        self.replicator.push(win.id, man)
                         c0 = time.thread_time()
                         self.cpu_s["peers"] += c0 - c1
                         self.replicated.add(win.id)
                         self.replication_lag_seconds.append(time.perf_counter() - t0)
                     last = win.start_step + win.plan.window - 1
-                    self.status.window_committed(win.id, win.start_step, last, self._man.total_bytes, self._peers_here)
+                    self.status.window_committed(win.id, win.start_step, last, man.total_bytes, self._peers_here)
                     self.keep_floor = keep
                     if self.uploader is not None:
                         self.uploader.submit(win.id)
-                        needed = self.uploader.oldest_needed()
-                        if needed is not None:  # keep what still has to reach the store (a bounded backlog)
+                        # keep what still has to reach the store (a bounded backlog)
+                        if (needed := self.uploader.oldest_needed()) is not None:
                             keep = max(min(keep, needed), keep - self.upload_backlog)
                     self.tier.collect(keep)
                 else:
@@ -241,21 +236,21 @@ class PersistThread:
         except BaseException as exc:  # ENOSPC, EACCES, DCP's CheckpointException (a BaseException)
             self._give_up(wid, f"window {wid} slot {slot.index}", exc)
 
-    def _write_commit(self, win, extra: dict) -> bool:
-        """Commit a window whose every slot was written; False when it cannot be (then nothing of it is left)."""
+    def _write_commit(self, win, extra: dict):
+        """Commit a window whose every slot was written: its manifest; None when it cannot be (nothing of it left)."""
         self._attempted.discard(win.id)
         if win.id in self._failed:
             self._failed.discard(win.id)
-            return False
+            return None
         try:
-            self._man = self.tier.write_commit(win.id, win.start_step, win.plan, win.log, extra)
+            man = self.tier.write_commit(win.id, win.start_step, win.plan, win.log, extra)
         except BaseException as exc:
             self._give_up(win.id, f"window {win.id} commit", exc)
             self._failed.discard(win.id)
-            return False
+            return None
         self.persisted.add(win.id)
         self.health.succeeded(win.id, win.start_step + win.plan.window - 1)
-        return True
+        return man
 
     def _give_up(self, wid: int, what: str, exc: BaseException) -> None:
         self._failed.add(wid)

@@ -5,6 +5,7 @@ any failure on any rank excludes that window everywhere and the next newest is t
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 
 import torch
@@ -23,7 +24,6 @@ def recover_from_tiers(
     replicator,
     ops: dict,
     compute_dtype: torch.dtype,
-    rounds: int | None = None,
     store=None,
     identity: RunIdentity | None = None,
     use=None,
@@ -51,14 +51,12 @@ def recover_from_tiers(
     seen: list[set[int]] = []  # per rank: every window it could get in the first round (host, peers)
     orphans = tier.orphans  # copies under an older node numbering (orphans.py): this rank's own part, others'
     adopted = orphans.holdings() if orphans is not None else {}
-    for i in range(rounds or 1 << 30):
+    for i in itertools.count():
         own = set(tier.window_ids()) | set(adopted.get(tier.rank, ()))
         local = [w for w in sorted(own) if w not in excluded and w not in report["unusable_copies"]]
         held = replicator.holdings() if replicator is not None else {}
         if replicator is not None:  # others' parts can be sent from the orphans over the peer tier
-            for src, wids in adopted.items():
-                if src != tier.rank:
-                    held[src] = sorted(set(held.get(src, ())) | set(wids))
+            held.update({s: sorted({*held.get(s, ()), *ws}) for s, ws in adopted.items() if s != tier.rank})
         everyone = all_gather_objects((local, held, report["unusable_copies"] if i == 0 else None))
         world = len(everyone)
         avail = [
@@ -79,8 +77,7 @@ def recover_from_tiers(
         }
         src = f"peer {needers[tier.rank]}" if tier.rank in needers else "host"
         fetch = functools.partial(_pull_and_load, tier, replicator, wid, needers, ops, compute_dtype, identity)
-        window = _attempt(wid, report, fetch, use)
-        if window is not None:
+        if (window := _attempt(wid, report, fetch, use)) is not None:
             report.update(source=src, pulled_from_peers={str(k): v for k, v in needers.items()})
             _retire(orphans, report)
             return window, _outcome(report)
@@ -105,9 +102,8 @@ def _not_every_rank(report: dict, seen: list[set[int]], listed: list[set[int]] |
     """Windows some rank can get but another cannot, from any tier: never "no window" (a new run would overwrite
     the copies left). Each is rejected with the ranks that have no copy (recovery refuses unless the user opted
     into restarts); the same on every rank (`seen` and the store listing are gathered)."""
-    listed = listed or [set() for _ in seen]
-    have = [set(a) | set(b) for a, b in zip(seen, listed)] if seen else [set(b) for b in listed]
-    for wid in sorted(set().union(*have) - set(report["rejected"]), reverse=True) if have else []:
+    have = [a | b for a, b in zip(seen, listed or [set()] * len(seen))]  # seen: every rank's, from the first round
+    for wid in sorted(set().union(*have) - set(report["rejected"]), reverse=True):
         missing = [r for r, h in enumerate(have) if wid not in h]
         report["rejected"][wid] = {
             str(r): f"no copy: rank {r}'s part of window {wid} is on no tier (its host copy is gone and no peer "
@@ -172,11 +168,8 @@ def _reason(exc: BaseException) -> str:
 
 
 def _outcome(report: dict) -> dict:
-    if report.get("source"):
-        report["outcome"] = "recovered"
-    else:
-        damaged = report["rejected"] or report.get("unusable_by_rank") or report["unusable_copies"]
-        report["outcome"] = "no usable window" if damaged else "no window"
+    damaged = report["rejected"] or report.get("unusable_by_rank") or report["unusable_copies"]
+    report["outcome"] = "recovered" if report.get("source") else "no usable window" if damaged else "no window"
     return report
 
 
@@ -196,13 +189,11 @@ def _from_store(tier: HostTier, store, ops: dict, compute_dtype: torch.dtype, re
     for wid in candidates:
 
         def fetch(wid=wid):
-            problems = store.download(wid, tier)
-            if problems:
+            if problems := store.download(wid, tier):
                 raise CorruptCopyError(f"object store copy of window {wid}: {problems[0]}")
             return tier.load_window(wid, ops, compute_dtype, identity)
 
-        window = _attempt(wid, report, fetch, use)
-        if window is not None:
+        if (window := _attempt(wid, report, fetch, use)) is not None:
             return window, _outcome(dict(report, source="object store"))
         report.setdefault("failed_downloads", {})[wid] = next(iter(report["rejected"].get(wid, {}).values()), None)
     return None, _outcome(dict(report, source=None))

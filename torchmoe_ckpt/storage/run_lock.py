@@ -16,7 +16,6 @@ import logging
 import os
 import socket
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -91,11 +90,8 @@ def _verdict(holder: dict | None, me: dict) -> str:
         return "free"
     if holder.get("job") == me["job"]:
         return "mine"
-    if holder.get("job") == "unreadable":
-        return "stale"
-    if holder.get("host") == me["host"] and not _alive(int(holder.get("pid", -1)), holder.get("pid_start")):
-        return "stale"
-    return "held"
+    gone = holder.get("host") == me["host"] and not _alive(int(holder.get("pid", -1)), holder.get("pid_start"))
+    return "stale" if gone or holder.get("job") == "unreadable" else "held"
 
 
 def held_by_another_job(run_dir: str | Path, me: dict) -> bool:
@@ -103,20 +99,8 @@ def held_by_another_job(run_dir: str | Path, me: dict) -> bool:
     return _verdict(read(run_dir), me) == "held"
 
 
-def _refuse(run_dir: Path, holder: dict) -> RunLockedError:
-    return RunLockedError(
-        f"run directory {run_dir} is in use by another job (torchrun run id {holder.get('torchrun_run_id')}, "
-        f"pid {holder.get('pid')} on host {holder.get('host')}, owner {holder.get('owner')}, started "
-        f"{holder.get('started')}): two jobs on one run would mix their windows; give this job another run_id "
-        f"(TierConfig.run_id) or root, or stop that job (if it is gone, delete {run_dir / LOCK_NAME})"
-    )
-
-
-def _write(run_dir: Path, me: dict, exclusive: bool) -> bool:
-    """Write the lock atomically: a fresh lock by link (fails if one appeared meanwhile), a takeover commit-last."""
-    if not exclusive:
-        write_last(run_dir / LOCK_NAME, json.dumps(me, indent=1).encode())
-        return True
+def _create(run_dir: Path, me: dict) -> bool:
+    """Write a fresh lock atomically, by link: fails if one appeared meanwhile (a takeover is a commit-last write)."""
     tmp = run_dir / f".{LOCK_NAME}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(me, indent=1))
     try:
@@ -126,23 +110,6 @@ def _write(run_dir: Path, me: dict, exclusive: bool) -> bool:
         return False
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def _probe_writable(run_dir: Path) -> None:
-    probe = run_dir / f".lock-probe-{os.getpid()}"
-    probe.write_bytes(bytes(4096))  # a page: on a full tmpfs an empty file would still fit
-    probe.unlink()
-
-
-@contextmanager
-def _mutex(run_dir: Path):
-    """Exclusive between the processes of this host that judge and write this run's lock."""
-    fd = os.open(run_dir / MUTEX_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the flock
 
 
 def acquire(run_dir: str | Path, leader: bool, world: int = 1, wait_s: float = 60.0) -> dict:
@@ -171,11 +138,18 @@ def _acquire(run_dir: Path, leader: bool, world: int, wait_s: float) -> dict:
         holder = read(run_dir)
         verdict = _verdict(holder, me)
         if verdict == "held":
-            raise _refuse(run_dir, holder)
+            raise RunLockedError(
+                f"run directory {run_dir} is in use by another job (torchrun run id {holder.get('torchrun_run_id')}, "
+                f"pid {holder.get('pid')} on host {holder.get('host')}, owner {holder.get('owner')}, started "
+                f"{holder.get('started')}): two jobs on one run would mix their windows; give this job another "
+                f"run_id (TierConfig.run_id) or root, or stop that job (if it is gone, delete {run_dir / LOCK_NAME})"
+            )
         if not leader:  # wait for this node's local rank 0 to take it for this job
             if verdict == "mine":
                 return holder
-            _probe_writable(run_dir)  # OSError: the leader cannot write it either (acquire says so)
+            probe = run_dir / f".lock-probe-{os.getpid()}"  # OSError: the leader cannot write it either
+            probe.write_bytes(bytes(4096))  # a page: on a full tmpfs an empty file would still fit
+            probe.unlink()
             if time.monotonic() > deadline:
                 raise RunLockedError(
                     f"run directory {run_dir}: this node's local rank 0 did not take the run lock "
@@ -183,8 +157,13 @@ def _acquire(run_dir: Path, leader: bool, world: int, wait_s: float) -> dict:
                 )
             time.sleep(0.05)
             continue
-        with _mutex(run_dir):
+        # exclusive between the processes of this host that judge and write this run's lock
+        fd = os.open(run_dir / MUTEX_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
             got = _take(run_dir, me)
+        finally:
+            os.close(fd)  # releases the flock
         if got is not None:
             return got
         # a concurrent job took it first: loop and judge that one (refused while it lives)
@@ -194,7 +173,7 @@ def _take(run_dir: Path, me: dict) -> dict | None:
     """The leader's judge-and-write, under the mutex: the lock's content once it names this job, else None."""
     holder = read(run_dir)
     verdict = _verdict(holder, me)
-    if verdict == "held" or (verdict == "free" and not _write(run_dir, me, exclusive=True)):
+    if verdict == "held" or (verdict == "free" and not _create(run_dir, me)):
         return None  # refused in acquire's next round; or created outside the mutex meanwhile: judge that one
     if verdict == "stale":
         log.warning(
@@ -214,6 +193,6 @@ def _take(run_dir: Path, me: dict) -> dict | None:
             me["attempt"],
         )
     if verdict in ("stale", "mine"):
-        _write(run_dir, me, exclusive=False)
+        write_last(run_dir / LOCK_NAME, json.dumps(me, indent=1).encode())
     got = read(run_dir)
     return got if got is not None and got.get("job") == me["job"] else None

@@ -27,18 +27,15 @@ class StoreLeasedError(ConfigError):
     """Another live job writes this run's prefix of the object store; the message names it and the fix."""
 
 
-def this_job() -> str:
-    run = os.environ.get("TORCHELASTIC_RUN_ID")
-    return f"torchrun:{run}" if run and run != "none" else f"process:{socket.gethostname()}:{os.getpid()}"
-
-
 class StoreLease:
     def __init__(self, uri: str, run_id: str, storage_options: dict | None, lease_s: float, rank: int):
         self.fs, root = open_store(uri, storage_options, probe=False)
         run = run_id.strip("/")
         self.path = f"{root.rstrip('/')}/{run}/{LEASE_NAME}" if run else f"{root.rstrip('/')}/{LEASE_NAME}"
         self.where = f"{uri.rstrip('/')}/{run}" if run else uri
-        self.lease_s, self.rank, self.job = float(lease_s), rank, this_job()
+        self.lease_s, self.rank = float(lease_s), rank
+        job = os.environ.get("TORCHELASTIC_RUN_ID")
+        self.job = f"torchrun:{job}" if job and job != "none" else f"process:{socket.gethostname()}:{os.getpid()}"
         self.nonce = uuid.uuid4().hex
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -57,10 +54,6 @@ class StoreLease:
         self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)  # a local store's run directory may not exist
         self.fs.pipe_file(self.path, json.dumps(body).encode())
 
-    @staticmethod
-    def _expired(lease: dict) -> bool:
-        return time.time() - float(lease.get("renewed", 0.0)) > float(lease.get("lease_s", 0.0))
-
     def acquire(self) -> None:
         """Rank 0 takes the lease (and renews it from now on); the other ranks only judge it. Raises
         StoreLeasedError (one line) when another live job holds it."""
@@ -68,7 +61,8 @@ class StoreLease:
         deadline = time.monotonic() + self.lease_s * 1.5 + 1.0
         while True:
             cur = self.read()
-            if cur is None or cur.get("job") == self.job or self._expired(cur):
+            age = None if cur is None else time.time() - float(cur.get("renewed", 0.0))
+            if cur is None or cur.get("job") == self.job or age > float(cur.get("lease_s", 0.0)):
                 if self.rank != 0:
                     return  # rank 0 takes it (or has taken it) for this job
                 self._write()
@@ -82,16 +76,13 @@ class StoreLease:
                 continue
             # renewed while we watched (its job is alive), or neither renewed nor expired in time
             if (first is not None and cur.get("renewed") != first.get("renewed")) or time.monotonic() > deadline:
-                raise self._refusal(cur)
+                raise StoreLeasedError(
+                    f"object store prefix {self.where} is written by another job ({cur.get('job')}, pid "
+                    f"{cur.get('pid')} on host {cur.get('host')}, renewed {age:.1f} s ago): two jobs on one run would "
+                    "mix their windows; give this job another run_id (TierConfig.run_id, [sparse_checkpoint] run_id), "
+                    f"or stop that job (its lease expires {cur.get('lease_s')} s after its last renewal)"
+                )
             time.sleep(min(1.0, self.lease_s / 10))
-
-    def _refusal(self, cur: dict) -> StoreLeasedError:
-        return StoreLeasedError(
-            f"object store prefix {self.where} is written by another job ({cur.get('job')}, pid {cur.get('pid')} "
-            f"on host {cur.get('host')}, renewed {time.time() - float(cur.get('renewed', 0)):.1f} s ago): two jobs "
-            "on one run would mix their windows; give this job another run_id (TierConfig.run_id, [sparse_checkpoint] "
-            f"run_id), or stop that job (its lease expires {cur.get('lease_s')} s after its last renewal)"
-        )
 
     def _renew(self) -> None:  # rank 0's renewal thread
         while not self._stop.wait(self.lease_s / 3):

@@ -58,8 +58,7 @@ def kvstore_spec(uri: str, storage_options: dict | None = None) -> dict:
         region = ck.get("region_name") or opts.get("region_name") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         spec = {"driver": "s3", "bucket": bucket, "path": (path.strip("/") + "/").lstrip("/"), "aws_region": region}
         spec["aws_credentials"] = {"type": "environment"}
-        endpoint = ck.get("endpoint_url") or opts.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
-        if endpoint:
+        if endpoint := ck.get("endpoint_url") or opts.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL"):
             spec["endpoint"] = endpoint
         if opts.get("key") and opts.get("secret"):  # the s3 driver takes credentials from the environment only
             os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = opts["key"], opts["secret"]

@@ -63,10 +63,8 @@ class TensorstoreTier(StoreTier):
         self.writer = writer_name(self.rank)
         self.base = sub_spec(self.root, store_writer_prefix(self.run_id, self.writer))
         self.last_upload: dict = {}
-        if self.probe:
-            self._probe()
-
-    def _probe(self) -> None:
+        if not self.probe:
+            return
         try:
             kv = self._kv(self.root)
             key = f".probe-{os.getpid()}-{time.monotonic_ns()}"
@@ -83,8 +81,7 @@ class TensorstoreTier(StoreTier):
 
     def upload(self, tier, window_id: int) -> int:
         """Upload this rank's copy of a committed host-tier window as one atomic OCDBT commit."""
-        problems = tier.verify(window_id)
-        if problems:
+        if problems := tier.verify(window_id):
             if "no manifest" in problems[0]:
                 raise FileNotFoundError(f"window {window_id} is not on the host tier: {problems[0]}")
             raise RuntimeError(f"local copy of window {window_id} does not verify: {problems[0]}")
@@ -117,19 +114,17 @@ class TensorstoreTier(StoreTier):
                 pc, buf = it.piece, it.buffer
                 e = {"key": it.key, "offset": list(pc.global_offset), "shape": list(pc.shape)}
                 e.update(global_shape=list(pc.global_shape), dtype=DTYPES[buf.dtype], crc32=crc32_tensor(buf))
-                if it.role == "step" or it.buffer.dim() == 0:
-                    e["value"] = it.buffer.double().item().hex()  # scalars live in the metadata
-                elif it.buffer.numel() > 0:
+                if it.role == "step" or buf.dim() == 0:
+                    e["value"] = buf.double().item().hex()  # scalars live in the metadata
+                elif buf.numel() > 0:
                     e["array"] = f"s{slot.index:02d}/{it.key}/"
                     if it.key not in arrays:
-                        chunks = chunk_shape(it.key, it.piece.global_shape, it.piece.shape, it.buffer.element_size())
+                        chunks = chunk_shape(it.key, pc.global_shape, pc.shape, buf.element_size())
                         grid = {"name": "regular", "configuration": {"chunk_shape": chunks}}
                         md = {"shape": e["global_shape"], "data_type": e["dtype"], "chunk_grid": grid}
                         spec = {"driver": "zarr3", "kvstore": sub_spec(db, e["array"]), "metadata": md}
                         arrays[it.key] = ts.open(spec, create=True, context=context(), transaction=txn).result()
-                    writes.append(
-                        arrays[it.key][region(it.piece.global_offset, it.piece.shape)].write(to_numpy(it.buffer))
-                    )
+                    writes.append(arrays[it.key][region(pc.global_offset, pc.shape)].write(to_numpy(buf)))
                     nbytes += it.nbytes
                 entries.append(e)
             meta["slots"].append({"slot": slot.index, "info": info, "items": entries})
@@ -250,8 +245,7 @@ class TensorstoreTier(StoreTier):
     def inspect(self, window_id: int) -> tuple[WindowManifest, list[str], list[dict], int] | None:
         """What `inspect` lists of this writer's window: (its manifest, the problems `verify` finds, per slot the
         planner info with its items as "checksums", payload bytes); None while it is not committed."""
-        meta = self._read_meta(window_id)
-        if meta is None:
+        if (meta := self._read_meta(window_id)) is None:
             return None
         try:
             problems = self.verify(window_id)
@@ -267,8 +261,7 @@ class TensorstoreTier(StoreTier):
 
     def verify(self, window_id: int) -> list[str]:
         """Read every piece and the replay records of this rank's window and check them (nothing written)."""
-        meta = self._read_meta(window_id)
-        if meta is None:
+        if (meta := self._read_meta(window_id)) is None:
             return [NOT_COMMITTED]
         problems = []
         for s in meta["slots"]:

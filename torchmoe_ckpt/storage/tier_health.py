@@ -106,9 +106,7 @@ class TierHealth:
             "failed_writes": self.failures,
             "windows_skipped": self.skipped,
             "state_changes": self.state_changes,
-            "last_durable_window": None
-            if self.last_durable is None
-            else {"window_id": self.last_durable[0], "last_step": self.last_durable[1]},
+            "last_durable_window": self.last_durable and dict(zip(("window_id", "last_step"), self.last_durable)),
         }
 
 

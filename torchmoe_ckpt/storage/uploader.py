@@ -28,6 +28,8 @@ class Uploader:
         self.errors: list[str] = []
         self.health = TierHealth("object store", getattr(tier, "rank", 0))  # a store that is down is visible
         self._pending: list = []
+        self._current = None  # the entry the upload thread works on (a window id or CATCH_UP), None while idle
+        self._stopped = False
         self._lock = threading.Condition()
         threading.Thread(target=self._run, name="tmoe-upload", daemon=True).start()
 
@@ -62,20 +64,20 @@ class Uploader:
 
     def _catch_up(self) -> None:
         try:
-            have = set(self.store.window_ids())
+            newest = max(self.store.window_ids(), default=-1)
         except Exception as exc:  # the store is down: the next committed window will find out, with a warning
             self.errors.append(f"catch-up listing: {exc}"[:200])
             return
-        missing = [w for w in self.tier.window_ids() if w not in have and w > max(have, default=-1)]
+        missing = [w for w in self.tier.window_ids() if w > newest]
         for wid in missing[-self.max_pending :]:
             self.submit(wid)
 
     def flush(self, timeout: float = 60.0) -> bool:
         end = time.monotonic() + timeout
         with self._lock:
-            while (self._pending or self._busy) and time.monotonic() < end:
+            while (self._pending or self._current is not None) and time.monotonic() < end:
                 self._lock.wait(0.05)
-            return not self._pending and not self._busy
+            return not self._pending and self._current is None
 
     def stop(self) -> None:
         """Stop the upload thread after the upload in flight (or its next retry); what is pending stays on the host
@@ -85,16 +87,11 @@ class Uploader:
             self._pending.clear()
             self._lock.notify_all()
 
-    _busy = False
-    _stopped = False
-    _current: int | None = None
-
     def oldest_needed(self) -> int | None:
         """The oldest window still to be uploaded (the host tier must not collect it yet), or None."""
         with self._lock:
-            ids = [w for w, _ in self._pending if w is not CATCH_UP]
-            current = [self._current] if self._busy and self._current is not None else []
-        return min(ids + current, default=None)
+            ids = [w for w, _ in self._pending] + [self._current]
+        return min((w for w in ids if w is not None and w is not CATCH_UP), default=None)
 
     def _run(self) -> None:
         while True:
@@ -104,7 +101,7 @@ class Uploader:
                 if self._stopped:
                     return
                 wid, t0 = self._pending.pop(0)
-                self._busy, self._current = True, (None if wid is CATCH_UP else wid)
+                self._current = wid
             c0 = time.thread_time()
             if wid is CATCH_UP:
                 self._catch_up()
@@ -139,5 +136,5 @@ class Uploader:
                             break
             self.cpu_s += time.thread_time() - c0
             with self._lock:
-                self._busy = False
+                self._current = None
                 self._lock.notify_all()

@@ -38,21 +38,16 @@ def window_bytes(run_dir: Path, writer: str, seen: set, skip: set = frozenset())
         names = os.listdir(run_dir)
     except OSError:
         return {}
-    wids = {name: parse_window_dirname(name) for name in names}
-    return {wid: tree_bytes(run_dir / name, seen, skip, writer) for name, wid in wids.items() if wid is not None}
+    return {w: tree_bytes(run_dir / n, seen, skip, writer) for n in names if (w := parse_window_dirname(n)) is not None}
 
 
 def in_memory(path: str | Path) -> bool:
     """Whether `path` lies on a memory file system (tmpfs, ramfs): its files are host memory, not disk."""
     try:
         p = os.path.realpath(path)
-        best, kind = "", ""
         with open("/proc/self/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3 and (p == parts[1] or p.startswith(parts[1].rstrip("/") + "/")):
-                    if len(parts[1]) > len(best):
-                        best, kind = parts[1], parts[2]
-        return kind in _MEMORY_FS
+            mounts = [m for line in f if len(m := line.split()) >= 3]
+        under = [m for m in mounts if p == m[1] or p.startswith(m[1].rstrip("/") + "/")]
+        return max(under, key=lambda m: len(m[1]), default=("", "", ""))[2] in _MEMORY_FS  # the innermost mount
     except OSError:
         return False
