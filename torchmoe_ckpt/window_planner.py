@@ -78,8 +78,12 @@ class WindowPlanner:
         budget, auto_w = float("inf"), None
         if self.cfg.window is None:
             if self.cfg.bandwidth_bytes_per_s is None:  # priced by what copies cost under training
-                if not self._prior_known:
-                    self._probe_prior()
+                if not self._prior_known:  # the idle copy bandwidth, once per process (slowest rank's)
+                    if "bytes_per_s" not in _PROBED:
+                        _PROBED["bytes_per_s"] = self._agree(measure_copy_bandwidth(), dist.ReduceOp.MIN)
+                    self.bandwidth = _PROBED["bytes_per_s"]
+                    self.cost.prior_s_per_byte = 1.0 / self.bandwidth
+                    self._prior_known = True
                 budget = self.cost.budget_bytes(self.overlap)
             else:
                 budget = copy_budget(self.t_iter, self.bandwidth, self.overlap)
@@ -165,14 +169,6 @@ class WindowPlanner:
         if self._sizes is None:
             self._sizes = agreed_sizes(self.op_by_name, self.compute_dtype, self.group)
         return self._sizes
-
-    def _probe_prior(self) -> None:
-        """Measure the idle copy bandwidth once per process (slowest rank's), the price until copies are seen."""
-        if "bytes_per_s" not in _PROBED:
-            _PROBED["bytes_per_s"] = self._agree(measure_copy_bandwidth(), dist.ReduceOp.MIN)
-        self.bandwidth = _PROBED["bytes_per_s"]
-        self.cost.prior_s_per_byte = 1.0 / self.bandwidth
-        self._prior_known = True
 
     def cap_by_memory(self, memory, replicator) -> None:
         """The host-memory limit against the plan's worst case, before training: sets `w_cap` (or raises)."""
