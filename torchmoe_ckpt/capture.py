@@ -14,12 +14,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 from .errors import UncapturedStateError
 from .operators import Operator, local_tensor
 
-__all__ = [
-    "check_coverage",
-    "infer_compute_dtype",
-    "SchedulerPosition",
-    "position_lambda_lr",
-]
+__all__ = ["check_coverage", "infer_compute_dtype", "SchedulerPosition", "position_lambda_lr"]
 
 
 def check_coverage(model: nn.Module, ops: list[Operator]) -> None:

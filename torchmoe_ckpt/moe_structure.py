@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -93,14 +94,14 @@ class _Tree:
     def __init__(self, model: nn.Module):
         self.model = model
         self.modules = dict(model.named_modules())
-        self._children: dict[str, list[str]] = {}
+        self.children = {p: [f"{p}.{n}" if p else n for n, _ in m.named_children()] for p, m in self.modules.items()}
         self.tensors = state_tensors(model)
         self.direct: dict[str, list[str]] = {}
-        self.under: dict[str, list[str]] = {}
+        self.under: dict[str, list[str]] = defaultdict(list)  # the state at or below each module
         for fqn in self.tensors:
             self.direct.setdefault(_parent(fqn), []).append(fqn)
             for a in ancestors(fqn):
-                self.under.setdefault(a, []).append(fqn)
+                self.under[a].append(fqn)
         self.containers = {p for p, m in self.modules.items() if isinstance(m, (nn.ModuleList, nn.ModuleDict))}
         root = _WRAPPERS.sub("", type(model).__name__)
         # The family prefix of Hugging Face class names ("Qwen2Moe" in Qwen2MoeRMSNorm) is no evidence of MoE.
@@ -108,14 +109,6 @@ class _Tree:
         # Modules with a list or an MoE-looking module at or below them.
         moe_like = [p for p in self.modules if p in self.containers or self.looks_moe(p)]
         self.nested = {a for p in moe_like for a in (p, *ancestors(p))}
-
-    def children(self, path: str) -> list[str]:
-        if path not in self._children:
-            self._children[path] = [f"{path}.{n}" if path else n for n, _ in self.modules[path].named_children()]
-        return self._children[path]
-
-    def state_under(self, path: str) -> list[str]:
-        return self.under.get(path, [])
 
     def looks_moe(self, path: str) -> bool:
         name = _WRAPPERS.sub("", type(self.modules[path]).__name__)
@@ -152,10 +145,10 @@ def _list_candidates(tree: _Tree) -> list[tuple[list[str], int]]:
     hold no lists and nothing MoE-like of their own (a list of transformer blocks is not a list of experts)."""
     found = []
     for path in sorted(tree.containers):
-        elems = tree.children(path)
+        elems = tree.children[path]
         if _shared(path) or len(elems) < 2 or any(el in tree.nested for el in elems):
             continue
-        sigs = {tuple((f[len(el) :], tuple(tree.tensors[f].shape)) for f in tree.state_under(el)) for el in elems}
+        sigs = {tuple((f[len(el) :], tuple(tree.tensors[f].shape)) for f in tree.under[el]) for el in elems}
         if len(sigs) == 1 and next(iter(sigs)):
             found.append((elems, len(elems)))
     return found
@@ -168,7 +161,7 @@ def _router_at(tree: _Tree, level: str, e: int, expert_fqns: set[str], routers: 
         return any(f.startswith(p + ".") for f in expert_fqns)
 
     def gate_like(m: str) -> bool:  # a projection to E: its output is what a router hook reads
-        return any(tree.tensors[f].dim() == 2 and tree.tensors[f].shape[0] == e for f in tree.state_under(m))
+        return any(tree.tensors[f].dim() == 2 and tree.tensors[f].shape[0] == e for f in tree.under[m])
 
     tensors = [
         f
@@ -178,13 +171,13 @@ def _router_at(tree: _Tree, level: str, e: int, expert_fqns: set[str], routers: 
     if routers is not None:
         return [r for r in routers if _under(r, level) and r != level and not holds_experts(r)], tensors
     mods = []
-    for child in tree.children(level):
+    for child in tree.children[level]:
         if holds_experts(child) or _shared(child) or child in tree.containers:
             continue
         by_name = child.rsplit(".", 1)[-1].lower() in _ROUTER_NAMES or bool(
             _ROUTER_CLASS.search(type(tree.modules[child]).__name__)
         )
-        if tree.state_under(child) and (gate_like(child) or by_name):
+        if tree.under[child] and (gate_like(child) or by_name):
             mods.append(child)
     mods.sort(key=lambda m: not gate_like(m))  # the gate projection first
     return mods, tensors
@@ -198,7 +191,7 @@ def _place(tree: _Tree, start: str, e: int, expert_fqns: set[str], blocks: set[s
         mods, tensors = _router_at(tree, level, e, expert_fqns, routers)
         if mods or tensors:
             return level, mods, tensors
-        if level in blocks or level == "" or any(f not in expert_fqns for f in tree.state_under(level)):
+        if level in blocks or level == "" or any(f not in expert_fqns for f in tree.under[level]):
             return level, [], []
         level = _parent(level)
 
@@ -224,7 +217,7 @@ def _spec_experts(tree: _Tree, paths: list[str]) -> list[tuple[list[str], int]]:
     for path in paths:
         if path in tree.containers or _parent(path) in tree.containers:  # the list, or its elements
             listed = path if path in tree.containers else _parent(path)
-            groups[(listed, -1)] = tree.children(listed)
+            groups[(listed, -1)] = tree.children[listed]
             continue
         lead = [_lead(tree.tensors[f]) for f in tree.direct.get(path, []) if tree.tensors[f].dim() >= 1]
         if not lead:
@@ -244,8 +237,8 @@ def block_paths(tree: _Tree, skip: set[str]) -> set[str]:
         c
         for p in tree.containers
         if p not in skip
-        for c in tree.children(p)
-        if len(tree.children(p)) >= 2 or c not in holds_list
+        for c in tree.children[p]
+        if len(tree.children[p]) >= 2 or c not in holds_list
     }
     return {b for b in elems if not any(a in elems for a in ancestors(b))}
 
@@ -264,9 +257,9 @@ def find_moe_blocks(
     walls = block_paths(tree, set())
     moes: dict[str, MoEBlock] = {}
     for experts, e in cands:
-        listed = _parent(experts[0]) in tree.containers and experts == tree.children(_parent(experts[0]))
+        listed = _parent(experts[0]) in tree.containers and experts == tree.children[_parent(experts[0])]
         if listed:
-            per_expert = [tree.state_under(x) for x in experts]
+            per_expert = [tree.under[x] for x in experts]
             fqns = {f for group in per_expert for f in group}
             start = _parent(_parent(experts[0]))
         else:
@@ -286,7 +279,7 @@ def find_moe_blocks(
             moe.per_expert = per_expert
         else:
             moe.grouped = [f for f in tree.tensors if f in fqns]
-        moe.router = [f for m in mods for f in tree.state_under(m)] + tensors
+        moe.router = [f for m in mods for f in tree.under[m]] + tensors
     if routers is not None:
         used = {m for moe in moes.values() for m in moe.router_modules}
         for r in routers:
@@ -304,15 +297,12 @@ def find_moe_blocks(
 
 def _check_unmatched(tree: _Tree, moe_paths: list[str]) -> None:
     for path in tree.modules:
-        if not tree.looks_moe(path) or not tree.state_under(path):
-            continue
-        if any(_under(path, m) or _under(m, path) for m in moe_paths):
-            continue
-        raise OperatorDiscoveryError(
-            f"module {path or '<root>'!r} ({type(tree.modules[path]).__name__}) looks like a Mixture-of-Experts layer "
-            f"but no experts were found in it: name them with OperatorSpec(experts=('{_glob(path)}.<experts module>',"
-            f"), routers=('{_glob(path)}.<router module>',))"
-        )
+        if tree.looks_moe(path) and tree.under[path] and not any(_under(path, m) or _under(m, path) for m in moe_paths):
+            raise OperatorDiscoveryError(
+                f"module {path or '<root>'!r} ({type(tree.modules[path]).__name__}) looks like a Mixture-of-Experts "
+                f"layer but no experts were found in it: name them with OperatorSpec(experts=('{_glob(path)}."
+                f"<experts module>',), routers=('{_glob(path)}.<router module>',))"
+            )
 
 
 def _glob(path: str) -> str:

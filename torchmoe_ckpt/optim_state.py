@@ -89,10 +89,8 @@ def _adafactor_init(group: dict, p: torch.Tensor, dtype: torch.dtype | None) -> 
     # torch.optim.Adafactor._init_group: factored second moment over the last two dims, a vector's in full.
     st = {"step": torch.tensor(0.0, dtype=_get_scalar_dtype())}
     if p.dim() > 1:
-        row, col = list(p.shape), list(p.shape)
-        row[-1], col[-2] = 1, 1
-        st["row_var"] = p.new_zeros(row, dtype=dtype or p.dtype)
-        st["col_var"] = p.new_zeros(col, dtype=dtype or p.dtype)
+        st["row_var"] = p.new_zeros((*p.shape[:-1], 1), dtype=dtype or p.dtype)
+        st["col_var"] = p.new_zeros((*p.shape[:-2], 1, p.shape[-1]), dtype=dtype or p.dtype)
     else:
         st["variance"] = _zeros(p, dtype)
     return st

@@ -185,17 +185,14 @@ def _rebalance(n, cands, sends, load) -> None:
         queue, target = deque(prev), None
         while queue and target is None:  # BFS over receivers: deterministic order, shortest paths
             v = queue.popleft()
-            for o in holders[v]:
-                for u in cands(o):
-                    if u in prev or u in sends[o]:
-                        continue
-                    prev[u] = (v, o)
-                    if load[u] <= top - 2:
-                        target = u
-                        break
-                    queue.append(u)
-                if target is not None:
+            for o, u in ((x, u) for x in holders[v] for u in cands(x)):
+                if u in prev or u in sends[o]:
+                    continue
+                prev[u] = (v, o)
+                if load[u] <= top - 2:
+                    target = u
                     break
+                queue.append(u)
         if target is None:
             return  # no improving path: max load is optimal
         u = target
@@ -218,6 +215,12 @@ def _spread(n, node, group, n_other, cands, replicas, sends, load) -> None:
             holders[p].add(o)
     spread = [Counter(node[q] for q in replicas[o] + sends[o]) for o in range(n)]  # nodes holding o's copies
 
+    def steps(o: int, a: int, live: dict):  # (owner x, node, receiver b): x's copy at `a` may move to b
+        for x in sorted(holders[a] - {o}):
+            c = spread[x]
+            for nd in [nd for nd in live if nd != node[x] and (nd == node[a] or c[node[a]] > 1 or c[nd] == 0)]:
+                yield from ((x, nd, b) for b in [b for b in live[nd] if b not in sends[x] and group[b] != group[x]])
+
     def improve(o: int) -> bool:
         count = spread[o]
         for v in [v for v in sends[o] if count[node[v]] >= 2] if len(count) < n_other else ():
@@ -229,20 +232,13 @@ def _spread(n, node, group, n_other, cands, replicas, sends, load) -> None:
                     live.setdefault(node[b], {})[b] = None
             while queue and end is None:  # BFS over receivers holding one copy too many
                 a = queue.popleft()
-                for x in sorted(holders[a] - {o}):
-                    c = spread[x]
-                    for nd in [nd for nd in live if nd != node[x] and (nd == node[a] or c[node[a]] > 1 or c[nd] == 0)]:
-                        for b in [b for b in live[nd] if b not in sends[x] and group[b] != group[x]]:
-                            del live[nd][b]
-                            prev[b] = (a, x)
-                            if load[b] < top or b == v:
-                                end = b
-                                break
-                            queue.append(b)
-                        if end is not None:
-                            break
-                    if end is not None:
+                for x, nd, b in steps(o, a, live):
+                    del live[nd][b]
+                    prev[b] = (a, x)
+                    if load[b] < top or b == v:
+                        end = b
                         break
+                    queue.append(b)
             if end is None:
                 continue
             moves, b = [], end

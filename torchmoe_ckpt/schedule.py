@@ -59,10 +59,9 @@ class WindowPlan:
 
     @staticmethod
     def from_dict(d: dict) -> WindowPlan:
-        budget = float("inf") if d["budget_bytes"] is None else float(d["budget_bytes"])
         return WindowPlan(
             tuple(SlotPlan(tuple(s["active"]), tuple(s["frozen"]), int(s["bytes"])) for s in d["slots"]),
-            budget,
+            float("inf") if d["budget_bytes"] is None else float(d["budget_bytes"]),
             bool(d["fits"]),
             tuple(d["order"]),
             bool(d.get("sliding", False)),
@@ -155,7 +154,7 @@ def plan_window(
     order = list(order)
     _check_sizes(order, full_bytes, compute_bytes)
     n = len(order)
-    f, c, base = (full_bytes, compute_bytes, 0) if not sliding else _sliding_sizes(order, full_bytes, compute_bytes)
+    f, c, base = _sliding_sizes(order, full_bytes, compute_bytes) if sliding else (full_bytes, compute_bytes, 0)
     w = auto_window if auto_window is not None else forced_window
     if w is not None and (not isinstance(w, numbers.Integral) or not 1 <= w <= n):
         what, alt = ("auto window", "") if auto_window is not None else ("window", " or auto (None)")
@@ -166,11 +165,8 @@ def plan_window(
     if not fits and warn:  # one message per call, naming the worst slot, however many slots are over
         i, worst = max(enumerate(slots), key=lambda x: x[1].bytes)
         names = ", ".join(worst.active[:3]) + (", ..." if len(worst.active) > 3 else "")
-        fix = (
-            "a larger forced window or auto (None)"
-            if forced_window is not None and auto_window is None
-            else ("set a forced window to accept the wait")
-        )
+        forced = forced_window is not None and auto_window is None
+        fix = "a larger forced window or auto (None)" if forced else "set a forced window to accept the wait"
         # "do not fit the copy budget" is matched by tests/distributed/test_recovery.py: keep the phrase.
         log.warning(
             f"sparse checkpoint slots do not fit the copy budget: slot {i} of W={len(slots)} (active: "
@@ -249,10 +245,9 @@ def choose_window(
     where its worst slot is within 25% of the least possible (a larger W would only add replay)."""
     order = list(order)
     _check_sizes(order, full, comp)
-    base = 0
-    if sliding:  # priced as the sliding plan will be split (see plan_window)
-        full, comp, base = _sliding_sizes(order, full, comp)
-        budget_bytes -= base
+    # Sliding plans are priced as they will be split (see plan_window).
+    full, comp, base = _sliding_sizes(order, full, comp) if sliding else (full, comp, 0)
+    budget_bytes -= base
     suffix = _suffix_compute(order, comp)
     floor = max(full[o] + suffix[k + 1] for k, o in enumerate(order))  # worst slot with one operator per slot
     budget_bytes = max(budget_bytes, 1.25 * (floor + base) - base)

@@ -227,14 +227,12 @@ class SnapshotEngine:
         slot.error, slot.step = None, None
         srcs, dsts, buffer_items = self._resolve(slot)
         keep: list[torch.Tensor] = []
-        with torch.no_grad():
+        with torch.no_grad():  # buffers may change in the next forward, before the update: copied or staged now
             for it in buffer_items:
-                # Buffers may change in the next forward, before the update: copied (CPU) or staged (CUDA) now.
-                src = self.access.source(it)
                 if self.use_cuda:
-                    keep.append(src.clone())
+                    keep.append(self.access.source(it).clone())
                 else:
-                    it.buffer.copy_(src)
+                    it.buffer.copy_(self.access.source(it))
         if keep:
             srcs, dsts = srcs + keep, dsts + [it.buffer for it in buffer_items]
         job = _Job(slot, step, srcs, dsts, self.copier.mark_ready(), keep)

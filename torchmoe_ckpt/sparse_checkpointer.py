@@ -212,10 +212,7 @@ class SparseCheckpointer:
 
     def _settle(self, done: bool = True) -> None:
         """Wait for the copy in flight (`done`: until it is on the host), price it, commit the window it completes."""
-        if done:
-            self.engine.wait_done()
-        else:
-            self.engine.wait()
+        (self.engine.wait_done if done else self.engine.wait)()
         self._observe_copy()
         self._maybe_commit()
 

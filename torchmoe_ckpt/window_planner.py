@@ -8,6 +8,7 @@ background during the window before) and returns the slot plan; and caps W by th
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,7 @@ class WindowPlanner:
         self._w_pending: tuple | None = None  # (async all-reduce, tensor): the next window's agreed W
         self.w_cap: int | None = None  # the largest W under the host-memory limit (None: no limit, or W forced)
         self._warned_unfit = False  # an impossible copy budget is reported once, not every window
-        self._last_split: tuple[list[str], int, WindowPlan] | None = None  # (order, W, plan): see _same_split
+        self._last_split: tuple[list[str], int, WindowPlan] | None = None  # (order, W, plan) of the last split
 
     def observe_step(self, seconds: float, counts: torch.Tensor, probs: torch.Tensor) -> None:
         self.t_iter = seconds if self.t_iter is None else 0.7 * self.t_iter + 0.3 * seconds
@@ -77,8 +78,12 @@ class WindowPlanner:
         budget, auto_w = float("inf"), None
         if self.cfg.window is None:
             if self.cfg.bandwidth_bytes_per_s is None:  # priced by what copies cost under training
-                if not self._prior_known:
-                    self._probe_prior()
+                if not self._prior_known:  # the idle copy bandwidth, once per process (slowest rank's)
+                    if "bytes_per_s" not in _PROBED:
+                        _PROBED["bytes_per_s"] = self._agree(measure_copy_bandwidth(), dist.ReduceOp.MIN)
+                    self.bandwidth = _PROBED["bytes_per_s"]
+                    self.cost.prior_s_per_byte = 1.0 / self.bandwidth
+                    self._prior_known = True
                 budget = self.cost.budget_bytes(self.overlap)
             else:
                 budget = copy_budget(self.t_iter, self.bandwidth, self.overlap)
@@ -86,7 +91,11 @@ class WindowPlanner:
             auto_w = self._agreed_w(min(proposal, self.w_cap or len(order)))
         w = self.cfg.window if auto_w is None else auto_w
         warn = not self._warned_unfit and self._rank == 0
-        plan = self._same_split(order, w, budget)
+        # The split depends on the order (the same list object) and W alone, only `fits` on the budget: the last
+        # plan again saves ~1 ms per window start.
+        plan, last = None, self._last_split
+        if last is not None and last[0] is order and last[1] == w:
+            plan = replace(last[2], budget_bytes=float(budget), fits=all(s.bytes <= budget for s in last[2].slots))
         if plan is None or (warn and not plan.fits):  # a new order or W (or a warning to give): split anew
             plan = plan_window(
                 order,
@@ -101,17 +110,6 @@ class WindowPlanner:
             self._last_split = (order, w, plan)
         self._warned_unfit = self._warned_unfit or not plan.fits
         return plan, budget
-
-    def _same_split(self, order: list[str], w: int, budget: float) -> WindowPlan | None:
-        """The last plan again when neither the order (the same list object) nor W changed: the split depends on
-        those alone, only `fits` on the budget (saves ~1 ms per window start)."""
-        if self._last_split is None:
-            return None
-        last_order, last_w, last = self._last_split
-        if last_order is not order or last_w != w:
-            return None
-        fits = all(s.bytes <= budget for s in last.slots)
-        return WindowPlan(last.slots, float(budget), fits, last.order, last.sliding)
 
     def _agreed_w(self, proposal: int) -> int:
         """The largest W any rank proposed, agreed asynchronously during the window before (no rank waits here)."""
@@ -171,14 +169,6 @@ class WindowPlanner:
         if self._sizes is None:
             self._sizes = agreed_sizes(self.op_by_name, self.compute_dtype, self.group)
         return self._sizes
-
-    def _probe_prior(self) -> None:
-        """Measure the idle copy bandwidth once per process (slowest rank's), the price until copies are seen."""
-        if "bytes_per_s" not in _PROBED:
-            _PROBED["bytes_per_s"] = self._agree(measure_copy_bandwidth(), dist.ReduceOp.MIN)
-        self.bandwidth = _PROBED["bytes_per_s"]
-        self.cost.prior_s_per_byte = 1.0 / self.bandwidth
-        self._prior_known = True
 
     def cap_by_memory(self, memory, replicator) -> None:
         """The host-memory limit against the plan's worst case, before training: sets `w_cap` (or raises)."""
