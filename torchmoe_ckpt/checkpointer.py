@@ -1,10 +1,5 @@
-"""`Checkpointer`: per-iteration sparse checkpointing and exact recovery for your own training loop.
-
-    ckpt = Checkpointer(model, optimizer, forward_backward, scheduler, CheckpointConfig(tiers=TierConfig(...)))
-    start = ckpt.resume()                 # collective: recovers the newest window, returns the completed step
-    for step in range(start + 1, steps + 1):
-        loss = ckpt.step(batch_for(step))  # forward_backward(batch), clip, optimizer + scheduler step, slot
-    ckpt.close()
+"""`Checkpointer`: per-iteration sparse checkpointing and exact recovery for your own training loop (the
+package docstring shows the loop).
 
 The library owns what replay needs (RNG state, batch, gradient norm and clipping, the optimizer and scheduler
 steps, the step counter); the step function only computes the loss and calls backward. On a GPU an iteration
@@ -230,20 +225,9 @@ class Checkpointer:
             sched.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count = step
+        loss, norm, seconds = loss.detach().clone(), norm.detach().clone(), time.perf_counter() - t_start
         return StepResult(
-            step,
-            loss.detach().clone(),
-            norm.detach().clone(),
-            lrs[0],
-            lrs,
-            logged,
-            rng_state,
-            counts,
-            probs,
-            time.perf_counter() - t_start,
-            device_rng,
-            replayed_norm,
-            hyper,
+            step, loss, norm, lrs[0], lrs, logged, rng_state, counts, probs, seconds, device_rng, replayed_norm, hyper
         )
 
     def _grad_norm(self, replay: Replay | None) -> torch.Tensor:

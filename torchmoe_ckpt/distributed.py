@@ -71,10 +71,12 @@ def round_store(
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         port, nonce = agent_store.get(key).decode().split()
-        store = _connect_if_fresh(host, int(port), world_size, nonce)
-        if store is not None:
-            store.set_timeout(timeout)
-            return store
+        with suppress(OSError, RuntimeError):  # DistStoreError / DistNetworkError are RuntimeErrors
+            socket.create_connection((host, int(port)), timeout=2.0).close()  # refused at once when the server is gone
+            store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timedelta(seconds=5))
+            if store.check([_NONCE_KEY]) and store.get(_NONCE_KEY).decode() == nonce:
+                store.set_timeout(timeout)
+                return store
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"rank {rank}: no store of this rendezvous round was advertised under {key!r} within "
@@ -82,15 +84,6 @@ def round_store(
                 f"reached at {host})"
             )
         time.sleep(0.1)
-
-
-def _connect_if_fresh(host: str, port: int, world_size: int, nonce: str) -> dist.Store | None:
-    with suppress(OSError, RuntimeError):  # DistStoreError / DistNetworkError are RuntimeErrors
-        socket.create_connection((host, port), timeout=2.0).close()  # refused at once when the server is gone
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=5))
-        if store.check([_NONCE_KEY]) and store.get(_NONCE_KEY).decode() == nonce:
-            return store
-    return None
 
 
 def key_rendezvous_by_attempt() -> None:

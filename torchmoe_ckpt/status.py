@@ -219,21 +219,13 @@ def phases_text(phases: dict) -> str:
 
 def _committed_on_host(host_dir: str | None, rank: int) -> list[int]:
     """Windows this rank has committed in `host_dir` (its manifest is there), whichever attempt wrote them."""
-    if not host_dir:
-        return []
-    from pathlib import Path
-
-    from .storage.layout import manifest_name, parse_window_dirname, writer_name
+    from .storage.files import LocalFiles
+    from .storage.window_tier import WindowTier
 
     try:
-        found = [
-            wid
-            for d in Path(host_dir).iterdir()
-            if (wid := parse_window_dirname(d.name)) is not None and (d / manifest_name(writer_name(rank))).exists()
-        ]
+        return WindowTier(LocalFiles(host_dir), rank, 0).window_ids() if host_dir else []
     except OSError:
         return []
-    return sorted(found)
 
 
 def recovery_line(report: dict) -> str:
