@@ -214,7 +214,9 @@ class Checkpointer:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_grad_norm, norm)
         if self.sparse is not None:
             self.sparse.before_update()  # the next update overwrites what the in-flight copy reads
-        counts, probs = self._routed_tokens()
+        counts, probs = self.routers.take()  # this rank's, where the routers ran (summed at the next window start)
+        if counts.numel() == 0:
+            counts, probs = torch.zeros(1, 1, dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64)
         if replay is not None:
             replay.apply_lrs(self.optimizer)
         lrs = tuple(float(g["lr"]) for g in self.optimizer.param_groups)
@@ -238,13 +240,6 @@ class Checkpointer:
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-    def _routed_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's counts, where the routers ran (summed over ranks at the next window start)."""
-        counts, probs = self.routers.take()
-        if counts.numel() == 0:
-            return torch.zeros(1, 1, dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64)
-        return counts, probs
 
 
 class _Replay:

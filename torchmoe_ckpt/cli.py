@@ -53,11 +53,11 @@ def _json_arg(text: str) -> dict:
 
 def _inspect(a) -> int:
     """`inspect`, and `verify` (the same listing, then every problem and the verdict on stderr)."""
-    from .inspection import format_inspect, inspect_location, main_json, verify_location
+    from .inspection import format_inspect, inspect_location, verify_location
 
     where = (a.location, a.storage_options)
     ok, info = verify_location(*where) if a.cmd == "verify" else (True, inspect_location(*where))
-    print(main_json(info) if a.json else format_inspect(info))
+    print(json.dumps(info, indent=1, default=str) if a.json else format_inspect(info))
     if a.cmd != "verify":
         return 0
     for problem in info["problems"]:
