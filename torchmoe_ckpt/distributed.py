@@ -158,8 +158,7 @@ def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(seconds=timeout_s)
     if "RANK" not in os.environ:
-        store = dist.HashStore()
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return 0, 1
     key_rendezvous_by_attempt()
     dist.init_process_group(backend, timeout=timeout)

@@ -182,7 +182,10 @@ class JitCheckpointer:
                         stored = True
                     except Exception as exc:  # the host copy already counts; the store is for lost nodes
                         stored = f"failed: {type(exc).__name__}: {exc}"
-                self._collect_older(step)
+                for sd in self.dir.glob("step-*"):  # this rank's older copies are superseded (marker first)
+                    if sd.name < step_dirname(step):
+                        (sd / rank_dirname(rank) / MARKER).unlink(missing_ok=True)
+                        shutil.rmtree(sd / rank_dirname(rank), ignore_errors=True)
                 self.saved = dict(
                     marker, host_seconds=round(host_s, 4), seconds=round(time.perf_counter() - t0, 4), store=stored
                 )
@@ -195,14 +198,6 @@ class JitCheckpointer:
                 self.saved = {"error": f"{type(exc).__name__}: {exc}"}
                 _write(2, f"event=jit_save_failed rank={rank} reason={reason} error={type(exc).__name__}: {exc}\n")
             return self.saved
-
-    def _collect_older(self, step: int) -> None:
-        """This rank's older JIT copies are superseded by the one just completed (marker first)."""
-        for sd in self.dir.glob("step-*"):
-            if sd.name < step_dirname(step):
-                mine = sd / rank_dirname(self.trainer.rank)
-                (mine / MARKER).unlink(missing_ok=True)
-                shutil.rmtree(mine, ignore_errors=True)
 
 
 # ---- restart ---------------------------------------------------------------------------------------------
