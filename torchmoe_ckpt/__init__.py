@@ -65,6 +65,7 @@ _DCP_EXPORTS = _by_module(
     }
 )
 
+# ruff: noqa: F401 (the imports below are for type checkers; __all__ is built from the tables above)
 if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they come from __getattr__
     from .capture import SchedulerPosition
     from .checkpointer import Checkpointer, StepResult
@@ -119,51 +120,4 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
-__all__ = [
-    # own training loop
-    "Checkpointer",
-    "CheckpointConfig",
-    "TierConfig",
-    "ObjectStoreConfig",
-    "SparseConfig",
-    "OperatorSpec",
-    "StepResult",
-    "Optimizers",
-    "optimizer_list",
-    "UpdateRule",
-    "register_update_rule",
-    "init_process_group",
-    "restart_attempt",
-    # frameworks
-    "SparseCheckpointer",
-    "Replayable",
-    "Replay",
-    "recover",
-    "ResumeResult",
-    "sparse_to_dense",
-    "RecoveryReport",
-    "Tiers",
-    "build_tiers",
-    "Window",
-    "SchedulerPosition",
-    "RouterCounter",
-    "discover_operators",
-    "Operator",
-    # DCP users: sparse planners on a standard state dict, one StorageWriter/Reader per tier (+ dcp.__all__)
-    "Topology",
-    "place_replicas",
-    "Placement",
-    "IterationRecord",
-    # errors
-    "ConfigError",
-    "UncapturedStateError",
-    "OperatorDiscoveryError",
-    "ReplayDivergence",
-    "ReplayPolicy",
-    "RunLockedError",
-    "CheckpointStallError",
-    "IdentityMismatch",
-    "RunIdentity",
-    "UnusableCheckpointError",
-    "HostMemoryLimitError",
-] + list(_DCP_EXPORTS)  # the DCP users' names (dcp.__all__)
+__all__ = [*_EXPORTS, *_DCP_EXPORTS]  # every public name (dcp.__all__ included)

@@ -1,10 +1,5 @@
-"""`Checkpointer`: per-iteration sparse checkpointing and exact recovery for your own training loop.
-
-    ckpt = Checkpointer(model, optimizer, forward_backward, scheduler, CheckpointConfig(tiers=TierConfig(...)))
-    start = ckpt.resume()                 # collective: recovers the newest window, returns the completed step
-    for step in range(start + 1, steps + 1):
-        loss = ckpt.step(batch_for(step))  # forward_backward(batch), clip, optimizer + scheduler step, slot
-    ckpt.close()
+"""`Checkpointer`: per-iteration sparse checkpointing and exact recovery for your own training loop (the
+package docstring shows the loop).
 
 The library owns what replay needs (RNG state, batch, gradient norm and clipping, the optimizer and scheduler
 steps, the step counter); the step function only computes the loss and calls backward. On a GPU an iteration
@@ -219,7 +214,9 @@ class Checkpointer:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.config.max_grad_norm, norm)
         if self.sparse is not None:
             self.sparse.before_update()  # the next update overwrites what the in-flight copy reads
-        counts, probs = self._routed_tokens()
+        counts, probs = self.routers.take()  # this rank's, where the routers ran (summed at the next window start)
+        if counts.numel() == 0:
+            counts, probs = torch.zeros(1, 1, dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64)
         if replay is not None:
             replay.apply_lrs(self.optimizer)
         lrs = tuple(float(g["lr"]) for g in self.optimizer.param_groups)
@@ -230,20 +227,9 @@ class Checkpointer:
             sched.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count = step
+        loss, norm, seconds = loss.detach().clone(), norm.detach().clone(), time.perf_counter() - t_start
         return StepResult(
-            step,
-            loss.detach().clone(),
-            norm.detach().clone(),
-            lrs[0],
-            lrs,
-            logged,
-            rng_state,
-            counts,
-            probs,
-            time.perf_counter() - t_start,
-            device_rng,
-            replayed_norm,
-            hyper,
+            step, loss, norm, lrs[0], lrs, logged, rng_state, counts, probs, seconds, device_rng, replayed_norm, hyper
         )
 
     def _grad_norm(self, replay: Replay | None) -> torch.Tensor:
@@ -254,13 +240,6 @@ class Checkpointer:
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-    def _routed_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's counts, where the routers ran (summed over ranks at the next window start)."""
-        counts, probs = self.routers.take()
-        if counts.numel() == 0:
-            return torch.zeros(1, 1, dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64)
-        return counts, probs
 
 
 class _Replay:

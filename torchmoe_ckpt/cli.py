@@ -52,18 +52,14 @@ def _json_arg(text: str) -> dict:
 
 
 def _inspect(a) -> int:
-    from .inspection import format_inspect, inspect_location, main_json
+    """`inspect`, and `verify` (the same listing, then every problem and the verdict on stderr)."""
+    from .inspection import format_inspect, inspect_location, verify_location
 
-    info = inspect_location(a.location, a.storage_options)
-    print(main_json(info) if a.json else format_inspect(info))
-    return 0
-
-
-def _verify(a) -> int:
-    from .inspection import format_inspect, main_json, verify_location
-
-    ok, info = verify_location(a.location, a.storage_options)
-    print(main_json(info) if a.json else format_inspect(info))
+    where = (a.location, a.storage_options)
+    ok, info = verify_location(*where) if a.cmd == "verify" else (True, inspect_location(*where))
+    print(json.dumps(info, indent=1, default=str) if a.json else format_inspect(info))
+    if a.cmd != "verify":
+        return 0
     for problem in info["problems"]:
         print(f"verify: problem: {problem}", file=sys.stderr)
     verdict = f"FAILED ({len(info['problems'])} problem(s) listed above)"
@@ -97,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, fn, text in (
         ("inspect", _inspect, "windows, slots, operators, sizes and checksum status"),
-        ("verify", _verify, "exit 0 only if every file of every committed window verifies"),
+        ("verify", _inspect, "exit 0 only if every file of every committed window verifies"),
     ):
         c = sub.add_parser(name, help=text)
         c.add_argument(

@@ -71,10 +71,12 @@ def round_store(
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         port, nonce = agent_store.get(key).decode().split()
-        store = _connect_if_fresh(host, int(port), world_size, nonce)
-        if store is not None:
-            store.set_timeout(timeout)
-            return store
+        with suppress(OSError, RuntimeError):  # DistStoreError / DistNetworkError are RuntimeErrors
+            socket.create_connection((host, int(port)), timeout=2.0).close()  # refused at once when the server is gone
+            store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timedelta(seconds=5))
+            if store.check([_NONCE_KEY]) and store.get(_NONCE_KEY).decode() == nonce:
+                store.set_timeout(timeout)
+                return store
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"rank {rank}: no store of this rendezvous round was advertised under {key!r} within "
@@ -82,15 +84,6 @@ def round_store(
                 f"reached at {host})"
             )
         time.sleep(0.1)
-
-
-def _connect_if_fresh(host: str, port: int, world_size: int, nonce: str) -> dist.Store | None:
-    with suppress(OSError, RuntimeError):  # DistStoreError / DistNetworkError are RuntimeErrors
-        socket.create_connection((host, port), timeout=2.0).close()  # refused at once when the server is gone
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=5))
-        if store.check([_NONCE_KEY]) and store.get(_NONCE_KEY).decode() == nonce:
-            return store
-    return None
 
 
 def key_rendezvous_by_attempt() -> None:
@@ -165,8 +158,7 @@ def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(seconds=timeout_s)
     if "RANK" not in os.environ:
-        store = dist.HashStore()
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return 0, 1
     key_rendezvous_by_attempt()
     dist.init_process_group(backend, timeout=timeout)

@@ -19,17 +19,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 log = logging.getLogger("torchmoe_ckpt.faults")
-POINTS = (
-    "forward",
-    "backward",
-    "optimizer",
-    "snapshot_copy",
-    "persist",
-    "manifest",
-    "replication",
-    "upload",
-    "recovery",
-)
+POINTS = tuple("forward backward optimizer snapshot_copy persist manifest replication upload recovery".split())
 ACTIONS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP}
 
 

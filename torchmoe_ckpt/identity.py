@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -112,10 +113,7 @@ def build_identity(
     """The identity of a run from what it trains. `ops`: list or name -> Operator; `data` (the data order) and
     `seed` (`process_seed()`) are fingerprinted when given; `steps` (planned iterations) is free."""
     op_list = list(ops.values()) if isinstance(ops, dict) else list(ops)
-    experts: dict[str, int] = {}
-    for o in op_list:
-        if o.kind == "expert":
-            experts[o.moe or ""] = experts.get(o.moe or "", 0) + 1
+    experts = dict(Counter(o.moe or "" for o in op_list if o.kind == "expert"))
     tensors = {n: [list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in model.named_parameters()}
     opts = optimizer_list(optimizer)
     init_optimizer_state(opts)  # the state its first step would create, so its layout is part of the identity
@@ -197,12 +195,10 @@ def identity_mismatch(found: dict | None, expected: RunIdentity) -> str | None:
         return "the window records no run identity (written by another version or tool)"
     if found.get("run_id") != expected.run_id:
         return f"run id {found.get('run_id')!r} != {expected.run_id!r}"
-    parts = found.get("parts") or {}
-    if found.get("fingerprint") == expected.fingerprint and RunIdentity.from_dict(found).fingerprint == found.get(
-        "fingerprint"
-    ):
+    fp = found.get("fingerprint")
+    if fp == expected.fingerprint and RunIdentity.from_dict(found).fingerprint == fp:
         return None
-    return _diff(parts, expected.parts) or "run fingerprint differs"
+    return _diff(found.get("parts") or {}, expected.parts) or "run fingerprint differs"
 
 
 def allowed_changes(found: dict | None, expected: RunIdentity) -> list[str]:

@@ -6,7 +6,6 @@ code (storage/window_tier.py). Dense exports (`step-N` directories with DCP's `.
 
 from __future__ import annotations
 
-import json
 import re
 
 from .storage.files import StoreFiles
@@ -52,6 +51,17 @@ def _window_part(parts: list[str]) -> int | None:
         if parse_window_dirname(p) is not None:
             return j
     return None
+
+
+def _exports(files: list[str]) -> list[tuple[int, str]]:
+    """(step, directory) of every dense export: a `step-N` directory with DCP's `.metadata`."""
+    return sorted(
+        {
+            (int(m.group(1)), f.rsplit("/", 1)[0])
+            for f in files
+            if f.endswith(f"/{METADATA}") and (m := _STEP_DIR.match(f.rsplit("/", 2)[-2]))
+        }
+    )
 
 
 def _runs(files: list[str], root: str) -> set[str]:
@@ -101,8 +111,7 @@ def inspect_location(location: str, storage_options: dict | None = None) -> dict
     except Exception as exc:
         raise ValueError(explain(location, exc)) from None
     runs = _runs(files, root)
-    exports_here = any(f.endswith(f"/{METADATA}") and _STEP_DIR.match(f.rsplit("/", 2)[-2]) for f in files)
-    if not runs and not exports_here:
+    if not runs and not _exports(files):
         raise ValueError(
             f"{location}: not a checkpoint run (no window-N directories and no dense exports below it); {GIVE}"
         )
@@ -171,17 +180,10 @@ def _inspect_run(location: str, storage_options: dict | None, fs, root: str, fil
         entry["status"] = "corrupt" if entry["problems"] else "verified"
         if not entry["committed_ranks"]:
             entry["status"] = "uncommitted (no manifest: never used)"
-    exports = sorted(
-        {
-            (int(m.group(1)), f.rsplit("/", 1)[0])
-            for f in files
-            if f.endswith(f"/{METADATA}") and (m := _STEP_DIR.match(f.rsplit("/", 2)[-2]))
-        }
-    )
     return {
         "location": location,
         "windows": [windows[k] for k in sorted(windows)],
-        "dense_exports": [{"step": s, "path": p} for s, p in exports],
+        "dense_exports": [{"step": s, "path": p} for s, p in _exports(files)],
     }
 
 
@@ -286,7 +288,3 @@ def _missing_ranks(window: dict, windows: list[dict]) -> dict[str, list[str]]:
             f"{world}): unusable, recovery skips it"
         ]
     }
-
-
-def main_json(info: dict) -> str:
-    return json.dumps(info, indent=1, default=str)

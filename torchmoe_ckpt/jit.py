@@ -66,11 +66,6 @@ def jit_store(cfg: dict, run_id: str) -> StoreFiles:
     return StoreFiles(fs, f"{root.rstrip('/')}/{run_id}/jit", cfg["uri"])
 
 
-def _store_markers(store: StoreFiles) -> list[str]:
-    store.invalidate()
-    return [r for r in store.find() if r.count("/") == 2 and fnmatch(r, f"step-*/rank-*/{MARKER}")]
-
-
 class JitCheckpointer:
     """Save this rank's state once, on failure detection; see the module docstring."""
 
@@ -187,7 +182,10 @@ class JitCheckpointer:
                         stored = True
                     except Exception as exc:  # the host copy already counts; the store is for lost nodes
                         stored = f"failed: {type(exc).__name__}: {exc}"
-                self._collect_older(step)
+                for sd in self.dir.glob("step-*"):  # this rank's older copies are superseded (marker first)
+                    if sd.name < step_dirname(step):
+                        (sd / rank_dirname(rank) / MARKER).unlink(missing_ok=True)
+                        shutil.rmtree(sd / rank_dirname(rank), ignore_errors=True)
                 self.saved = dict(
                     marker, host_seconds=round(host_s, 4), seconds=round(time.perf_counter() - t0, 4), store=stored
                 )
@@ -201,22 +199,8 @@ class JitCheckpointer:
                 _write(2, f"event=jit_save_failed rank={rank} reason={reason} error={type(exc).__name__}: {exc}\n")
             return self.saved
 
-    def _collect_older(self, step: int) -> None:
-        """This rank's older JIT copies are superseded by the one just completed (marker first)."""
-        for sd in self.dir.glob("step-*"):
-            if sd.name < step_dirname(step):
-                mine = sd / rank_dirname(self.trainer.rank)
-                (mine / MARKER).unlink(missing_ok=True)
-                shutil.rmtree(mine, ignore_errors=True)
-
 
 # ---- restart ---------------------------------------------------------------------------------------------
-def incomplete_copies(jit_dir: Path) -> list[str]:
-    """Host copies without a valid marker (a save cut short, or damaged): never used, only reported."""
-    complete = {c["path"] for c in list_copies(jit_dir, None)}
-    return [str(d) for d in sorted(Path(jit_dir).glob("step-*/rank-*")) if str(d) not in complete]
-
-
 def list_copies(jit_dir: Path, store: StoreFiles | None) -> list[dict]:
     """Complete copies this rank can see: a marker that parses and a state file of its size (CRC: at load)."""
     out = []
@@ -228,7 +212,8 @@ def list_copies(jit_dir: Path, store: StoreFiles | None) -> list[dict]:
         except (OSError, ValueError, KeyError):
             continue  # torn marker or missing state file: not a copy
     if store is not None:
-        for rel in _store_markers(store):
+        store.invalidate()
+        for rel in [r for r in store.find() if r.count("/") == 2 and fnmatch(r, f"step-*/rank-*/{MARKER}")]:
             try:
                 meta = json.loads(store.read(rel))
                 out.append(dict(meta, where="store", path=rel.rsplit("/", 1)[0]))
@@ -323,9 +308,8 @@ def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tu
     t0 = time.perf_counter()
     key, _ = shard_layout(trainer.mesh)
     jit_dir = Path(tier.dir) / "jit"
-    store = None
-    if host_cfg.get("object_store"):
-        store = jit_store(host_cfg["object_store"], TierConfig.from_dict(host_cfg).resolved_run_id())
+    cfg = host_cfg.get("object_store")
+    store = jit_store(cfg, TierConfig.from_dict(host_cfg).resolved_run_id()) if cfg else None
     everyone = all_gather_objects((key, list_copies(jit_dir, store)))
     step, shards = choose(everyone)
     bound = window_step_bound(tier)
@@ -336,7 +320,9 @@ def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tu
             if step is None
             else f"JIT step {step} is not newer than the committed window's step {bound}"
         )
-        incomplete = incomplete_copies(jit_dir)
+        # host copies without a valid marker (a save cut short, or damaged): never used, only reported
+        complete = {c["path"] for c in list_copies(jit_dir, None)}
+        incomplete = [d for d in sorted(jit_dir.glob("step-*/rank-*")) if str(d) not in complete]
         if trainer.rank == 0 and (incomplete or any(c for _, c in everyone)):
             log.warning(
                 "event=jit_not_used reason=%r window_step=%d incomplete_copies_ignored=%d", why, bound, len(incomplete)

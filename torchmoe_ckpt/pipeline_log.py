@@ -58,7 +58,6 @@ class BoundaryLog:
         self._thread.start()
 
     def record(self, it: int, mb: int, direction: str, tensor: torch.Tensor) -> None:
-        """Log what this stage sends for (iteration, micro-batch, direction)."""
         if direction not in DIRECTIONS:
             raise ValueError(f"direction {direction!r} is not one of {DIRECTIONS}")
         self._put(it, entry_name(it, mb, direction), tensor.detach())
@@ -89,7 +88,6 @@ class BoundaryLog:
         self._jobs.put((name, obj, n))
 
     def _delete(self, drop) -> int:
-        """Delete the entries of the iterations `drop(it)` names; returns the bytes freed."""
         self.flush()
         freed = 0
         for p in list(self.dir.iterdir()):
@@ -127,14 +125,13 @@ class BoundaryLog:
         done.wait()
 
     def stats(self) -> dict:
-        per_it = list(self.bytes_by_iteration.values())
         return {
             "held_bytes": self.held_bytes,
             "max_bytes": self.max_bytes,
             "entries": self.entries,
             "overflows": self.overflows,
             "gap_from": self.gap_from,
-            "bytes_per_iteration": max(per_it) if per_it else 0,
+            "bytes_per_iteration": max(self.bytes_by_iteration.values(), default=0),
             "write_seconds": round(self.write_seconds, 4),
             "errors": self.errors[-3:],
         }

@@ -72,7 +72,6 @@ def contiguous_runs(stages: list[int]) -> list[tuple[int, int]]:
 
 
 def _common_windows(members: list[StageStatus]) -> list[int]:
-    """The windows every member holds, with the same start step on each."""
     held = set.intersection(*(set(s.windows) for s in members))
     return [w for w in held if len({s.windows[w] for s in members}) == 1]
 
@@ -125,18 +124,14 @@ def plan_recovery(statuses: list[StageStatus], log_dirs: list, microbatches: int
 def segment_io(trainer: StageReplayable, seg: Segment, log_dirs: list) -> StageIO:
     """Inside the segment: live neighbours; at its borders: the border stages' logs."""
     s = trainer.stage
-    if s == 0:
-        up = None
-    elif s - 1 >= seg.first:
-        up = Peer(trainer.ranks[s - 1])
-    else:
-        up = Logged(LogReader(log_dirs[seg.up]), "fwd")
-    if s == trainer.n_stages - 1:
-        down = None
-    elif s + 1 <= seg.last:
-        down = Peer(trainer.ranks[s + 1])
-    else:
-        down = Logged(LogReader(log_dirs[seg.down]), "bwd")
+
+    def side(n: int, inside: bool, border: int | None, direction: str) -> Peer | Logged | None:
+        if not 0 <= n < trainer.n_stages:
+            return None
+        return Peer(trainer.ranks[n]) if inside else Logged(LogReader(log_dirs[border]), direction)
+
+    up = side(s - 1, s - 1 >= seg.first, seg.up, "fwd")
+    down = side(s + 1, s + 1 <= seg.last, seg.down, "bwd")
     border = seg.up if seg.up is not None else seg.down
     return StageIO(up, down, meta=LogReader(log_dirs[border]))
 

@@ -21,7 +21,7 @@ from .replay_check import ReplayPolicy, replay_verdict
 from .sparse_to_dense import RecoveryReport, Replayable, replay_slots, sparse_to_dense
 from .storage.recover import all_gather_objects, recover_from_tiers
 from .storage.tiers import Tiers
-from .window import SlidingSuffix, Window, sliding_suffix
+from .window import Window, sliding_suffix
 
 log = logging.getLogger("torchmoe_ckpt.recovery")
 
@@ -78,10 +78,7 @@ def recover(
                 done["safety_copy"] = time.perf_counter() - s0
             if before_replay is not None:
                 before_replay(window)
-            rep = None
-            suffix = _agreed_tail(tiers.host, window, ops, compute_dtype, identity)
-            if suffix is not None:  # sliding plans: on to the last slot every rank wrote of the window after it
-                rep = _replay_suffix(trainer, window, suffix, replay_check)
+            rep = _replay_tail(trainer, tiers.host, window, ops, compute_dtype, identity, replay_check)
             done["report"] = rep if rep is not None else sparse_to_dense(trainer, window, replay_check)
 
         window, found = recover_from_tiers(
@@ -118,9 +115,10 @@ def recover(
         return ResumeResult(window, rep.recovered_step, report)
 
 
-def _agreed_tail(host, window: Window, ops, compute_dtype, identity) -> SlidingSuffix | None:
-    """Collective. With sliding plans, the newest suffix of `window` and the uncommitted slots after it that every
-    rank has (`HostTier.load_partial`) that covers every operator; None when some rank has none."""
+def _replay_tail(trainer, host, window: Window, ops, compute_dtype, identity, replay_check) -> RecoveryReport | None:
+    """Collective. With sliding plans, the replay of `window` on to the newest uncommitted slot after it that every
+    rank has (`HostTier.load_partial`) and that covers every operator; None on every rank when some rank has none
+    or the replay fails on any (the committed window alone is next)."""
     if not window.plan.sliding:
         return None
     nxt = None
@@ -134,11 +132,7 @@ def _agreed_tail(host, window: Window, ops, compute_dtype, identity) -> SlidingS
     if k == 0:
         return None
     nxt.captured = k
-    return sliding_suffix(window, nxt)
-
-
-def _replay_suffix(trainer, window: Window, suffix: SlidingSuffix, replay_check) -> RecoveryReport | None:
-    """Collective. The sliding replay; None on every rank when it fails on any (the committed window is next)."""
+    suffix = sliding_suffix(window, nxt)
     rep, why = None, None
     try:
         rep = replay_slots(

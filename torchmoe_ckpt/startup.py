@@ -36,8 +36,6 @@ RecoverHook = Callable[[Tiers | None, RunIdentity], "tuple[ResumeResult, Replaya
 
 @dataclass
 class Started:
-    """What `start` gives the entry point."""
-
     checkpointer: SparseCheckpointer  # built on `trainer`'s model and optimizer; threads running
     trainer: Replayable  # the trainer passed in, or the one a hook gave (`recover_with`, `cold_start`)
     identity: RunIdentity

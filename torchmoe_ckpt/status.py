@@ -142,7 +142,6 @@ class RunStatus:
         self._held.clear()
 
     def exit_summary(self, waited_s: float, wait_limit_s: float, host_dir: str | None = None) -> dict:
-        """Log the exit summary; returns it as a dict."""
         with self._lock:
             self._release_held()
             newest = max(self.committed, default=None)
@@ -161,43 +160,40 @@ class RunStatus:
                 text += f" (newest {newest}, steps {first}..{last})"
             text += " on the host tier" + (f" {host_dir}" if host_dir else "")
             mem = f" ({self.memory()} at exit)" if self.memory is not None else ""  # what stays in /dev/shm
+            level = self.warn_level
             if not self.committed_count:
-                durable = _committed_on_host(host_dir, self.rank)  # an earlier attempt's, the one resumed from
-                summ["durable_on_host"] = durable
+                durable = summ["durable_on_host"] = _committed_on_host(host_dir, self.rank)  # an earlier attempt's
                 if durable:  # this attempt added nothing, but a restart still has a window to resume from
-                    self.say(
+                    line = (
                         f"exit: no window committed by this attempt; window {durable[-1]} (committed earlier) is "
                         f"the newest on the host tier {host_dir}: a restart resumes from it. This attempt's "
                         "windows did not commit (every host-tier write failed, see the warnings above, or it "
-                        f"ran fewer iterations than one window){mem}",
-                        self.warn_level,
+                        f"ran fewer iterations than one window){mem}"
                     )
-                    return summ
-                self.say(  # nothing to resume from: a restart of this run would start over
-                    text + ": nothing a restart could resume from. A window commits once all W iterations "
-                    "of it are copied and written, so the run was shorter than one window (fewer iterations "
-                    "than W, or it stopped before the copies finished) or every host-tier write failed (see "
-                    "the warnings above)",
-                    self.warn_level,
+                else:  # nothing to resume from: a restart of this run would start over
+                    line = (
+                        text + ": nothing a restart could resume from. A window commits once all W iterations "
+                        "of it are copied and written, so the run was shorter than one window (fewer iterations "
+                        "than W, or it stopped before the copies finished) or every host-tier write failed (see "
+                        "the warnings above)"
+                    )
+            elif self.store is None:
+                line, level = text + mem, self.level
+            elif not self.pending:
+                waited = f" (waited {waited_s:.1f} s)" if waited_s >= 0.05 else ""
+                line = f"{text}; object store {self.store}: {self.uploaded_count} uploaded, none pending{waited}{mem}"
+                level = self.level
+            else:
+                label = "windows" if len(self.pending) > 1 else "window"
+                old = self.superseded_count
+                line = (
+                    f"{text}; object store {self.store}: {self.uploaded_count} uploaded, {len(self.pending)} pending "
+                    f"({label} {_ids(self.pending)}) after waiting {waited_s:.1f} s of exit_wait_s = "
+                    f"{wait_limit_s:g}; they are in host memory and a run with the same run_id uploads them"
+                    + (f"; {old} older window(s) were superseded by newer ones" if old else "")
+                    + mem
                 )
-                return summ
-            if self.store is None:
-                self.say(text + mem)
-                return summ
-            text += f"; object store {self.store}: {self.uploaded_count} uploaded"
-            if not self.pending:
-                self.say(text + ", none pending" + (f" (waited {waited_s:.1f} s)" if waited_s >= 0.05 else "") + mem)
-                return summ
-            label = "windows" if len(self.pending) > 1 else "window"
-            old = self.superseded_count
-            self.say(
-                f"{text}, {len(self.pending)} pending ({label} {_ids(self.pending)}) after waiting "
-                f"{waited_s:.1f} s of exit_wait_s = {wait_limit_s:g}; they are in host memory and a "
-                f"run with the same run_id uploads them"
-                + (f"; {old} older window(s) were superseded by newer ones" if old else "")
-                + mem,
-                self.warn_level,
-            )
+            self.say(line, level)
             return summ
 
 
@@ -219,21 +215,13 @@ def phases_text(phases: dict) -> str:
 
 def _committed_on_host(host_dir: str | None, rank: int) -> list[int]:
     """Windows this rank has committed in `host_dir` (its manifest is there), whichever attempt wrote them."""
-    if not host_dir:
-        return []
-    from pathlib import Path
-
-    from .storage.layout import manifest_name, parse_window_dirname, writer_name
+    from .storage.files import LocalFiles
+    from .storage.window_tier import WindowTier
 
     try:
-        found = [
-            wid
-            for d in Path(host_dir).iterdir()
-            if (wid := parse_window_dirname(d.name)) is not None and (d / manifest_name(writer_name(rank))).exists()
-        ]
+        return WindowTier(LocalFiles(host_dir), rank, 0).window_ids() if host_dir else []
     except OSError:
         return []
-    return sorted(found)
 
 
 def recovery_line(report: dict) -> str:

@@ -136,6 +136,7 @@ class CollectiveWatchdog:
     ):
         check_timeout("watchdog timeout_s", timeout_s)
         self.timeout_s = timeout_s
+        self.enabled = timeout_s is not None
         self.rank = rank
         self.events_path = os.fspath(events_path) if events_path else None
         self.exit_on_dist_error = exit_on_dist_error
@@ -154,10 +155,6 @@ class CollectiveWatchdog:
         self.max_region_s = 0.0
         self.hangs_detected = 0
         self.last_detect_s: float | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return self.timeout_s is not None
 
     @contextmanager
     def watch(self, op: str, timeout_s: float | None = None) -> Iterator[None]:
