@@ -254,8 +254,18 @@ class CheckpointConfig:
 
 
 # What compute_dtype may be given as besides a torch.dtype: name -> torch attribute.
-_ALIASES = {"bfloat16": "bf16", "float16": "fp16 half", "float32": "fp32 float", "float64": "fp64"}
-DTYPE_NAMES = {n: dtype for dtype, names in _ALIASES.items() for n in [dtype, *names.split()]}
+DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "float64": "float64",
+}
 
 
 def compute_dtype_of(value):

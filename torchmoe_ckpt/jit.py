@@ -40,7 +40,7 @@ from .storage.layout import jit_step_dirname as step_dirname
 from .storage.layout import writer_name as rank_dirname
 from .storage.recover import all_gather_objects
 from .storage.store_open import open_store
-from .watchdog import _write  # os.write on fd 2: this may run while another thread holds a stream lock
+from .watchdog import write_all  # os.write on fd 2: this may run while another thread holds a stream lock
 
 log = logging.getLogger("torchmoe_ckpt.jit")
 MARKER = "COMPLETE.json"
@@ -147,7 +147,8 @@ class JitCheckpointer:
                 step, tensors, lr = self.capture()
                 if step == 0:  # no update yet: the deterministic initialisation is the state; cold start
                     self.saved = {"step": 0, "skipped": "no update yet"}
-                    _write(2, f"event=jit_skipped rank={rank} reason={reason}: no update yet, a restart cold-starts\n")
+                    line = f"event=jit_skipped rank={rank} reason={reason}: no update yet, a restart cold-starts\n"
+                    write_all(2, line)
                     return self.saved
                 buf = io.BytesIO()
                 torch.save({"step": step, "lr": lr, "shard": self.shard, "tensors": tensors}, buf)
@@ -189,14 +190,14 @@ class JitCheckpointer:
                 self.saved = dict(
                     marker, host_seconds=round(host_s, 4), seconds=round(time.perf_counter() - t0, 4), store=stored
                 )
-                _write(
+                write_all(
                     2,
                     f"event=jit_saved rank={rank} step={step} begun={marker['begun']} reason={reason} "
                     f"bytes={len(data)} seconds={self.saved['seconds']} store={stored} dir={d}\n",
                 )
             except Exception as exc:
                 self.saved = {"error": f"{type(exc).__name__}: {exc}"}
-                _write(2, f"event=jit_save_failed rank={rank} reason={reason} error={type(exc).__name__}: {exc}\n")
+                write_all(2, f"event=jit_save_failed rank={rank} reason={reason} error={type(exc).__name__}: {exc}\n")
             return self.saved
 
 

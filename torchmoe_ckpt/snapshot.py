@@ -328,10 +328,11 @@ class SnapshotEngine:
     def wait(self) -> float:
         """Before the next update: block until the in-flight copy no longer needs its sources (CUDA: queued, the
         training stream then waits on the device). Returns the seconds waited; raises the copy's error."""
-        job, self.inflight = self.inflight, None
+        job = self.inflight
         if job is None:
             return 0.0
         waited = self._timed(job.released)
+        self.inflight = None  # only now: a wait cut short must not let the next update overwrite its sources
         self.waits.append(waited)
         if job.slot.error is not None:
             raise job.slot.error

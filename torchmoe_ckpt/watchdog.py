@@ -71,7 +71,7 @@ def start_stop_guard(grace_s: float = 5.0) -> subprocess.Popen | None:
     if not ready or guard.stdout.readline() != b"ready\n":
         guard.kill()
         guard.wait()
-        _write(2, "event=stop_guard_failed: a frozen worker may wait out torchrun's SIGTERM grace\n")
+        write_all(2, "event=stop_guard_failed: a frozen worker may wait out torchrun's SIGTERM grace\n")
         return None
     guard.stdout.close()
     return guard
@@ -177,7 +177,7 @@ class CollectiveWatchdog:
             yield
         except BaseException as exc:
             if self.exit_on_dist_error and _is_dist_error(exc):
-                _write(2, "".join(traceback.format_exception(exc)))  # os._exit below skips Python's report
+                write_all(2, "".join(traceback.format_exception(exc)))  # os._exit below skips Python's report
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
                 self._fail("collective_error", op, time.monotonic() - start, error=error)
             raise
@@ -241,18 +241,18 @@ class CollectiveWatchdog:
         line = " ".join(
             f"{k}={json.dumps(v) if isinstance(v, str) and (' ' in v or not v) else v}" for k, v in rec.items()
         )
-        _write(2, line + "\n")
+        write_all(2, line + "\n")
         if self.events_path:
             with suppress(OSError):
                 fd = os.open(self.events_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-                _write(fd, json.dumps(rec) + "\n")
+                write_all(fd, json.dumps(rec) + "\n")
                 os.fsync(fd)
                 os.close(fd)
         for hook in list(self.on_failure):
             try:
                 hook(dict(rec))
             except BaseException as exc:  # a failing hook must not keep the process from exiting
-                _write(2, f"event=failure_hook_error rank={rank} error={type(exc).__name__}: {exc}\n")
+                write_all(2, f"event=failure_hook_error rank={rank} error={type(exc).__name__}: {exc}\n")
         if event == "hang":
             with suppress(Exception):
                 faulthandler.dump_traceback(file=2, all_threads=True)
@@ -260,7 +260,7 @@ class CollectiveWatchdog:
         t = threading.Thread(target=lambda: result.append(abort_process_groups()), daemon=True)
         t.start()
         t.join(ABORT_WAIT_S)
-        _write(2, f"event=exit rank={rank} abort={result[0] if result else 'timed_out'} exit_code={code}\n")
+        write_all(2, f"event=exit rank={rank} abort={result[0] if result else 'timed_out'} exit_code={code}\n")
         os._exit(code)
 
 
@@ -272,7 +272,8 @@ def check_timeout(name: str, value, error=ValueError) -> None:
         raise error(f"{name} must be a finite number of seconds > 0, or None (off), got {value!r}")
 
 
-def _write(fd: int, text: str) -> None:
+def write_all(fd: int, text: str) -> None:
+    """os.write of all of `text`: no stream lock, which another thread may hold while stuck (also jit.py)."""
     data = text.encode()
     while data:
         data = data[os.write(fd, data) :]

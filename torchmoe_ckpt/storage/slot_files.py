@@ -122,9 +122,8 @@ class SlotFiles:
                     base[a:b].zero_()
             slot = build_slot(index, active, frozen, ops, compute_dtype, alloc=alloc)
             unreg = self.register(base) if self.register is not None else None
-        except (
-            BaseException
-        ):  # not mapped or not page-locked: the file goes, the allocator takes an arena for this plan
+        except BaseException:
+            # not mapped or not page-locked: the file goes, the allocator takes an arena for this plan
             _release(path, fd)
             raise
         slot.backing = Backing(path, fd, base, weakref.finalize(slot, _release, path, fd, unreg), unreg)

@@ -100,13 +100,14 @@ class TierHealth:
         log.warning("event=checkpoint_stall %s", text)
 
     def stats(self) -> dict:
+        ld = self.last_durable
         return {
             "state": self.state,
             "reason": self.reason,
             "failed_writes": self.failures,
             "windows_skipped": self.skipped,
             "state_changes": self.state_changes,
-            "last_durable_window": self.last_durable and dict(zip(("window_id", "last_step"), self.last_durable)),
+            "last_durable_window": None if ld is None else {"window_id": ld[0], "last_step": ld[1]},
         }
 
 
