@@ -62,7 +62,8 @@ _FAULTS: list[tuple[str, int, str]] = []  # (case, faults injected, outcome) fro
 def fault_summary():
     """Record one failure-test outcome: "recovered exactly", "refused with one line" (another run's state, or a
     state no rank can rebuild, refused at start, nothing loaded or overwritten), "started fresh" (a new run,
-    nothing of another loaded), "failed loudly", "data lost" (a window some rank still held was not used: a
+    nothing of another loaded), "ended within its timeout" (a hang bounded by the configured timeout), "failed
+    loudly", "data lost" (a window some rank still held was not used: a
     fresh start or an older window) or "silently wrong"."""
     return lambda case, injected, outcome: _FAULTS.append((case, injected, outcome))
 
@@ -79,6 +80,7 @@ def pytest_terminal_summary(terminalreporter):
         f"faults injected: {sum(f[1] for f in _FAULTS)}, jobs: {len(_FAULTS)}, recovered exactly: "
         f"{count('recovered exactly')}, refused with one line: {count('refused with one line')}, "
         f"started fresh: {count('started fresh')}, "
+        f"ended within its timeout: {count('ended within its timeout')}, "
         f"failed loudly: {count('failed loudly')}, "
         f"data lost: {count('data lost')} (must be 0), "
         f"silently wrong: {count('silently wrong')} (must be 0)"

@@ -25,7 +25,7 @@ from .capture import SchedulerPosition, check_coverage, infer_compute_dtype
 from .config import CheckpointConfig
 from .device_copy import host_copy
 from .errors import ConfigError
-from .identity import RunIdentity, process_seed
+from .identity import RunIdentity, TorchSeed, torch_seed
 from .operators import discover_operators, local_tensor
 from .optim_state import as_optimizers, check_optimizer_state, check_optimizers, describe_optimizer_state
 from .recovery import ResumeResult
@@ -79,7 +79,8 @@ class Checkpointer:
     ):
         """`forward_backward(batch)` runs forward and `loss.backward()` and returns the loss; nothing else (no
         optimizer or scheduler step, clipping or zeroing). `data_identity` (the data order) and `seed` ("auto": the
-        seed this process gave `torch.manual_seed`; an int; None: left out) are part of the run identity.
+        seed the user gave `torch.manual_seed`, before or after importing this package, recognised at `resume()`;
+        an int; None: left out) are part of the run identity.
         `optimizer`: one, or a list holding every trainable parameter once; `scheduler`: one, a list, or None."""
         self.config = config or CheckpointConfig()
         if not callable(forward_backward):
@@ -93,7 +94,8 @@ class Checkpointer:
         self.data_identity = data_identity
         if seed != "auto" and seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ConfigError(f'seed must be "auto", an integer or None, got {seed!r}')
-        self.seed = process_seed() if seed == "auto" else seed  # now: a later RNG restore changes initial_seed
+        # Read now: recovery restores RNG states, which changes torch.initial_seed().
+        self.seed: int | None | TorchSeed = torch_seed() if seed == "auto" else seed
         self.compute_dtype = self.config.compute_dtype or infer_compute_dtype(model)
         self.ops = discover_operators(model, self.config.operators)
         self.op_by_name = {o.name: o for o in self.ops}

@@ -39,6 +39,8 @@ __all__ = [
     "default_group_keyed",
     "default_backend",
     "library_group",
+    "library_new_group",
+    "default_group_timeout",
 ]
 
 ROUND_STORE_KEY = "/torchmoe/round-store"  # in the agent's store: "<port> <nonce>" of a round's own store
@@ -166,6 +168,25 @@ def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> 
     return dist.get_rank(), dist.get_world_size()
 
 
+def default_group_timeout() -> timedelta | None:
+    """The timeout the user gave the default process group (`init_process_group(timeout=...)`; torch's defaults
+    otherwise), read from its backend, the device one (NCCL) first; None without a process group."""
+    if not dist.is_initialized():
+        return None
+    pg = c10d._get_default_group()
+    for device in sorted(pg._device_types, key=lambda d: d.type == "cpu"):
+        with suppress(Exception):  # a backend without options (a fake or custom one): try the next
+            return pg._get_backend(device).options._timeout
+    return None
+
+
+def library_new_group(ranks: list[int] | None = None, **kwargs) -> dist.ProcessGroup:
+    """A gloo group of the library's own, with the default group's timeout: every collective the library issues
+    (recovery's agreement, peer copies, exports) ends when the user's own collectives would, never later.
+    Collective over `ranks` (all ranks when None), like `dist.new_group`."""
+    return dist.new_group(ranks, timeout=default_group_timeout(), backend="gloo", **kwargs)
+
+
 # The library's own collectives carry a few CPU numbers; on a GPU job the default group is NCCL, which refuses
 # CPU tensors, so they run on gloo groups of the library's own (one per rank set), made again after a new default.
 _owned: dict = {"default": None, "groups": {}}
@@ -186,8 +207,6 @@ def library_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup |
     if ranks not in groups:
         # A sub-group mirror synchronises only its members (other ranks never come here).
         groups[ranks] = (
-            dist.new_group(backend="gloo")
-            if ranks is None
-            else dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+            library_new_group() if ranks is None else library_new_group(list(ranks), use_local_synchronization=True)
         )
     return groups[ranks]

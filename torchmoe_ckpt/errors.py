@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["TorchmoeError", "ConfigError", "UncapturedStateError", "UnusableCheckpointError"]
+import sys
+
+__all__ = [
+    "TorchmoeError",
+    "ConfigError",
+    "UncapturedStateError",
+    "UnusableCheckpointError",
+    "is_collective_failure",
+]
 
 
 class TorchmoeError(Exception):
@@ -20,3 +28,18 @@ class UncapturedStateError(TorchmoeError, ValueError):
 class UnusableCheckpointError(TorchmoeError, RuntimeError):
     """Windows exist for this run but every one was rejected (corrupt, torn, or its replay diverged): resuming is
     refused on every rank rather than starting over and overwriting them; the message lists each and the fixes."""
+
+
+# gloo raises a plain RuntimeError ("[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms
+# for recv operation to complete", "[.../pair.cc:553] Connection closed by peer"), not dist.DistError.
+_COLLECTIVE_MARKERS = ("gloo", "nccl", "timed out", "connection closed", "connection reset", "broken pipe")
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether `exc` is a collective that failed (a peer gone or frozen past the process group's timeout): the
+    job cannot go on, so recovery does not treat it as a bad window and the watchdog ends the process. Never
+    imports torch (the watchdog's exit path calls it)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _COLLECTIVE_MARKERS)

@@ -27,22 +27,47 @@ __all__ = [
     "identity_mismatch",
     "allowed_changes",
     "mesh_replicate",
-    "process_seed",
+    "TorchSeed",
+    "torch_seed",
+    "given_seed",
+    "USER_SEED_LIMIT",
 ]
 
 # Optimizer param-group keys that do not shape the state (the LR is scheduled; the rest are kernel choices).
 _NOT_STATE = frozenset({"params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable", "name"})
 
 
-# torch seeds its generator at random at start; the value at import tells a later torch.manual_seed(n) apart.
-_STARTUP_SEED = torch.initial_seed()
+# torch seeds its CPU generator from /dev/urandom when it starts: 64 random bits, another value in every process.
+# A seed a person gives is a small number (below 2**32 in practice) or the same on every rank. So whether the user
+# seeded torch is read off the value itself, not off when this module was imported (docs/failure-recovery.md).
+USER_SEED_LIMIT = 2**32
 
 
-def process_seed() -> int | None:
-    """The seed this process gave torch (`torch.manual_seed`) after importing the library, else None (random per
-    process: not an identity). Call it before anything restores an RNG state (that changes `initial_seed`)."""
-    seed = torch.initial_seed()
-    return None if seed == _STARTUP_SEED else int(seed)
+@dataclass(frozen=True)
+class TorchSeed:
+    """`torch.initial_seed()` as read when the checkpointer was built, before recovery restores an RNG state (that
+    changes it): the user's `torch.manual_seed(n)` or torch's random default. `given_seed` tells which, once every
+    rank's value is known (`startup.start` gathers them)."""
+
+    value: int
+
+
+def torch_seed() -> TorchSeed:
+    """This process's torch seed now (the own loop's `Checkpointer(seed="auto")`)."""
+    return TorchSeed(int(torch.initial_seed()))
+
+
+def given_seed(this_rank: int, every_rank: list[int]) -> int | None:
+    """The seed the user gave torch, else None (torch's random default: not part of a run's identity, or the run's
+    own restarts, each with another random seed, would refuse its windows). Given when it is below 2**32 (torch's
+    own is below that with probability 2**-32) or the same on every rank of a multi-rank job (torch's own differs
+    per process). A user's seed of 2**32 or more that differs between ranks is not recognised: pass
+    `Checkpointer(seed=n)`."""
+    if this_rank < USER_SEED_LIMIT:
+        return int(this_rank)
+    if len(every_rank) > 1 and len(set(every_rank)) == 1:
+        return int(this_rank)
+    return None
 
 
 class IdentityMismatch(ConfigError):
@@ -111,7 +136,7 @@ def build_identity(
     seed: int | None = None,
 ) -> RunIdentity:
     """The identity of a run from what it trains. `ops`: list or name -> Operator; `data` (the data order) and
-    `seed` (`process_seed()`) are fingerprinted when given; `steps` (planned iterations) is free."""
+    `seed` (`given_seed`) are fingerprinted when given; `steps` (planned iterations) is free."""
     op_list = list(ops.values()) if isinstance(ops, dict) else list(ops)
     experts = dict(Counter(o.moe or "" for o in op_list if o.kind == "expert"))
     tensors = {n: [list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in model.named_parameters()}

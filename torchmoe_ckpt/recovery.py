@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .errors import UnusableCheckpointError
+from .errors import UnusableCheckpointError, is_collective_failure
 from .identity import IdentityMismatch, RunIdentity, allowed_changes, build_identity, refusal
 from .operators import Operator
 from .optim_state import describe_optimizer_state
@@ -139,6 +139,8 @@ def _replay_tail(trainer, host, window: Window, ops, compute_dtype, identity, re
             trainer, suffix.seq, suffix.start_step, suffix.record, window.id + 1, suffix.label, replay_check
         )
     except Exception as exc:  # noqa: BLE001  (ReplayDivergence, a torn item: the committed window is next)
+        if is_collective_failure(exc):  # a peer frozen or gone: no verdict on the window (storage/recover._try)
+            raise
         why = f"{type(exc).__name__}: {exc}"
     whys = [w for w in all_gather_objects(why) if w]
     if whys:

@@ -15,13 +15,14 @@ import torch
 import torch.distributed as dist
 
 from .config import SparseConfig, TierConfig
-from .identity import RunIdentity, build_identity, mesh_replicate
+from .identity import RunIdentity, TorchSeed, build_identity, given_seed, mesh_replicate
 from .operators import Operator, discover_operators
 from .recovery import ResumeResult, recover
 from .replay_check import ReplayPolicy
 from .sparse_checkpointer import SAME_GROUP, SparseCheckpointer
 from .sparse_to_dense import Replayable
 from .status import log_recovery
+from .storage.recover import all_gather_objects
 from .storage.tiers import Tiers, build_tiers
 from .window import Window
 
@@ -56,7 +57,7 @@ def start(
     ops: list[Operator] | None = None,
     hsdp_replicate: int | None = None,
     data: str | None = None,
-    seed: int | None = None,
+    seed: int | TorchSeed | None = None,
     steps: int | None = None,
     resume: bool = True,
     on_unusable: str = "fail",
@@ -82,6 +83,7 @@ def start(
     cfg = TierConfig.from_dict(tiers) if isinstance(tiers, dict) else tiers
     # Who this run is: written into every window, and what a window must match to be loaded.
     run_id = cfg.resolved_run_id() if cfg is not None else None
+    seed = _resolve_seed(seed)
     identity = build_identity(
         model, optimizer, compute_dtype, ops, run_id, world, hsdp, data=data, steps=steps, seed=seed
     )
@@ -89,25 +91,30 @@ def start(
     if opened is not None and on_tiers is not None:
         on_tiers(opened)
     resumed = None
-    if resume:
-        got = recover_with(opened, identity) if recover_with is not None else None
-        if got is not None:
-            resumed, trainer = got
-        elif opened is not None:
-            resumed = recover(
-                trainer,
-                opened,
-                {o.name: o for o in ops},
-                compute_dtype,
-                rank,
-                before_replay=before_replay,
-                identity=identity,
-                watchdog=watchdog,
-                on_unusable=on_unusable,
-                replay_check=replay_check,
-            )
-            if resumed.window is not None:
-                log_recovery(resumed.report, rank)  # where the copy came from; every replayed loss matched
+    try:
+        if resume:
+            got = recover_with(opened, identity) if recover_with is not None else None
+            if got is not None:
+                resumed, trainer = got
+            elif opened is not None:
+                resumed = recover(
+                    trainer,
+                    opened,
+                    {o.name: o for o in ops},
+                    compute_dtype,
+                    rank,
+                    before_replay=before_replay,
+                    identity=identity,
+                    watchdog=watchdog,
+                    on_unusable=on_unusable,
+                    replay_check=replay_check,
+                )
+                if resumed.window is not None:
+                    log_recovery(resumed.report, rank)  # where the copy came from; every replayed loss matched
+    except Exception:
+        if opened is not None:  # refused or failed before anything was written: the store prefix is free again
+            opened.release_store_lease()
+        raise
     if cold_start is not None and (resumed is None or resumed.recovered_step is None):
         trainer = cold_start()  # nothing recovered: the trainer recovery was tried on is not the one to train
     if trainer.model is not model:  # a hook handed over another trainer: its state is the one checkpointed
@@ -127,3 +134,11 @@ def start(
         sum_counts=sum_counts,
     )
     return Started(ck, trainer, identity, opened, resumed)
+
+
+def _resolve_seed(seed: int | TorchSeed | None) -> int | None:
+    """Collective (every rank gathers, whatever it was given). A `TorchSeed` becomes the seed the user gave torch or
+    None (`identity.given_seed`: it needs every rank's value); an int or None is taken as it is."""
+    auto = seed.value if isinstance(seed, TorchSeed) else None
+    every_rank = all_gather_objects(auto)
+    return given_seed(auto, every_rank) if auto is not None else seed

@@ -24,6 +24,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
+from .errors import is_collective_failure
+
 EXIT_HANG = 124  # like coreutils' timeout(1): "the command timed out"
 EXIT_COLLECTIVE_ERROR = 125  # torch.distributed raised inside a watched region
 ABORT_WAIT_S = 2.0  # how long the process-group abort may take before we exit regardless
@@ -88,18 +90,6 @@ def _rank() -> int | str:
         if dist is not None and dist.is_available() and dist.is_initialized():
             return dist.get_rank()
     return os.environ.get("RANK", "?")
-
-
-# gloo raises a plain RuntimeError ("[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms
-# for recv operation to complete", "[.../pair.cc:553] Connection closed by peer"), not dist.DistError.
-_DIST_MARKERS = ("gloo", "nccl", "timed out", "connection closed", "connection reset", "broken pipe")
-
-
-def _is_dist_error(exc: BaseException) -> bool:
-    dist = _dist()
-    if dist is not None and isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _DIST_MARKERS)
 
 
 def abort_process_groups() -> str:
@@ -176,7 +166,7 @@ class CollectiveWatchdog:
         try:
             yield
         except BaseException as exc:
-            if self.exit_on_dist_error and _is_dist_error(exc):
+            if self.exit_on_dist_error and is_collective_failure(exc):
                 write_all(2, "".join(traceback.format_exception(exc)))  # os._exit below skips Python's report
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
                 self._fail("collective_error", op, time.monotonic() - start, error=error)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .servers import free_port
+
 
 @dataclass
 class RunResult:
@@ -68,14 +70,18 @@ def torchrun(
     timeout: float = 120.0,
     extra_env: dict | None = None,
     max_restarts: int = 0,
+    standalone: bool = True,
 ) -> str:
     """`torchrun --standalone --nproc_per_node nproc ... program` (a script path or `-m module`, with its
-    arguments); returns its output (also written to `log_path`), raises with the tail on failure or timeout."""
+    arguments); returns its output (also written to `log_path`), raises with the tail on failure or timeout.
+    `standalone=False`: the plainest launch line instead, `torchrun --nproc_per_node nproc --master-port P` (static
+    rendezvous, rendezvous id "none"), on a free port."""
+    rdzv = ["--standalone"] if standalone else [f"--master-port={free_port()}"]
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *rdzv,
         f"--nproc_per_node={nproc}",
         f"--max-restarts={max_restarts}",
         *program,

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from ..distributed import library_new_group
 from ..optim_state import optimizer_list
 from ..storage.layout import METADATA
 from ..storage.layout import dense_step_dirname as step_dirname
@@ -111,7 +112,7 @@ class DenseExporter:
             raise ValueError(f"dense export interval must be >= 1 iterations or None (off), got {every}")
         self.uri, self.opts, self.every, self.keep = uri.rstrip("/"), dict(storage_options or {}), every, keep
         self.fs, self.root = open_store(uri, self.opts, probe=True)
-        self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.pg = library_new_group() if dist.is_initialized() else None
         self.async_stager = async_stager
         self._future, self._pending_step = None, None
         self.exported: list[int] = []

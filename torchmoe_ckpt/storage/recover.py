@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import library_group
+from ..errors import is_collective_failure
 from ..identity import RunIdentity
 from .host_tier import HostTier
 from .slot_format import CorruptCopyError
@@ -133,12 +134,16 @@ def _attempt(wid: int, report: dict, fetch, use):
 
 
 def _try(fn, *args):
-    """(fn(*args), None), or (None, why it failed) for every exception but a process exit."""
+    """(fn(*args), None), or (None, why it failed) for every exception but a process exit and a failed collective.
+    A collective that failed (a peer frozen or gone past the process group's timeout) is no verdict on the window:
+    agreeing on it would wait once more for the same peer, so it ends the recovery (the watchdog exits)."""
     try:
         return fn(*args), None
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if is_collective_failure(exc):
+            raise
         return None, _reason(exc)
 
 

@@ -27,15 +27,29 @@ class StoreLeasedError(ConfigError):
     """Another live job writes this run's prefix of the object store; the message names it and the fix."""
 
 
+def local_job_key() -> str:
+    """What names this launch, as this process sees it: torchrun's rendezvous id when it has one; else its torchrun
+    agent (the parent process: the same across restarts of one launch, so a restarted job takes its own lease back
+    at once); else this process. Ranks see different agents and processes, so every rank uses rank 0's key
+    (`tiers.job_key`): plain `torchrun --nproc_per_node N` (rendezvous id "none") is one job, not N."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run and run != "none":
+        return f"torchrun:{run}"
+    if run == "none":
+        return f"torchrun-agent:{socket.gethostname()}:{os.getppid()}"
+    return f"process:{socket.gethostname()}:{os.getpid()}"
+
+
 class StoreLease:
-    def __init__(self, uri: str, run_id: str, storage_options: dict | None, lease_s: float, rank: int):
+    def __init__(self, uri: str, run_id: str, storage_options: dict | None, lease_s: float, rank: int, job: str):
+        """`job`: the key every rank of this launch shares (`tiers.job_key`); a lease with another key is another
+        job's."""
         self.fs, root = open_store(uri, storage_options, probe=False)
         run = run_id.strip("/")
         self.path = f"{root.rstrip('/')}/{run}/{LEASE_NAME}" if run else f"{root.rstrip('/')}/{LEASE_NAME}"
         self.where = f"{uri.rstrip('/')}/{run}" if run else uri
         self.lease_s, self.rank = float(lease_s), rank
-        job = os.environ.get("TORCHELASTIC_RUN_ID")
-        self.job = f"torchrun:{job}" if job and job != "none" else f"process:{socket.gethostname()}:{os.getpid()}"
+        self.job = job
         self.nonce = uuid.uuid4().hex
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

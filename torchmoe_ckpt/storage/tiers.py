@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..background import stop_at_exit
 from ..config import DEFAULT_HOST_ROOT, TierConfig
+from ..distributed import library_group, library_new_group
 from ..errors import ConfigError
 from ..placement import Topology, place_replicas
 from . import run_lock
@@ -21,7 +22,7 @@ from .layout import node_dirname
 from .object_tier import make_store
 from .orphans import OrphanCopies
 from .peer_tier import PeerTier
-from .store_lease import StoreLease, StoreLeasedError
+from .store_lease import StoreLease, StoreLeasedError, local_job_key
 
 log = logging.getLogger("torchmoe_ckpt.tiers")
 
@@ -36,6 +37,13 @@ class Tiers(NamedTuple):
     host: HostTier
     replicator: PeerTier | None  # the peer tier
     store: object | None  # object_tier.ObjectTier / tensorstore_tier.TensorstoreTier
+
+    def release_store_lease(self) -> None:
+        """Give the store prefix up now (a job that refuses to start wrote nothing there: the next job on the prefix
+        need not wait for the lease to expire). Only the rank that holds the lease does anything."""
+        lease = getattr(self.store, "lease", None)
+        if lease is not None:
+            lease.release()
 
 
 def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: int = 1) -> Tiers:
@@ -62,18 +70,26 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
     if cfg.object_store is not None:
         o = cfg.object_store
         store = make_store(o.uri, run_id, rank, o.storage_options or None, keep_windows=o.keep, format=o.format)
-        store.lease = _lease(o, run_id, rank)
+        store.lease = _lease(o, run_id, rank, job_key())
     if cfg.replicas <= 0:
         return Tiers(tier, None, store)
     placement = place_replicas(Topology.from_mesh_shape(world, hsdp_replicate, rpn), cfg.replicas)
-    group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    group = library_new_group() if dist.is_initialized() else None
     return Tiers(tier, PeerTier(tier, placement, group), store)
 
 
-def _lease(o, run_id: str, rank: int) -> StoreLease | None:
+def job_key() -> str:
+    """Collective: rank 0's `local_job_key()`, the same on every rank of this launch (store_lease.py)."""
+    key = [local_job_key()]
+    if dist.is_initialized():
+        dist.broadcast_object_list(key, src=0, group=library_group())
+    return key[0]
+
+
+def _lease(o, run_id: str, rank: int, job: str) -> StoreLease | None:
     """This job's writer lease on the store's run prefix (store_lease.py). A store that cannot be reached now is
     the store's outage (the uploads retry and say so), not a reason to stop the job: then no lease is held."""
-    lease = StoreLease(o.uri, run_id, o.storage_options or None, o.lease_s, rank)
+    lease = StoreLease(o.uri, run_id, o.storage_options or None, o.lease_s, rank, job)
     try:
         lease.acquire()
     except StoreLeasedError:
