@@ -150,7 +150,7 @@ class ObjectStoreConfig:
         if self.keep < 1:
             raise ConfigError(f"object_store.keep must be >= 1 (windows kept in the store), got {self.keep}")
         if self.format not in STORE_FORMATS:
-            raise ConfigError(f"object_store.format {self.format!r} is not one of {STORE_FORMATS}")
+            raise ConfigError(f"object_store.format {self.format!r} is not one of {', '.join(STORE_FORMATS)}")
         if not _is(self.exit_wait_s, (int, float)) or not 0 <= self.exit_wait_s < math.inf:
             raise ConfigError(
                 f"object_store.exit_wait_s must be a number of seconds >= 0 (finite: the bounded wait for "

@@ -16,20 +16,20 @@ import titan_integration.sparse_config as s
 cfg = c.CheckpointConfig(tiers={"run_id": "r", "object_store": {"uri": "memory://x"}}, window={"window": 3})
 sec = s.SparseCheckpointSection.from_table({"enable": True, "window": 3, "object_store": {"uri": "memory://x"}})
 sec.core_config(), sec.checkpoint_config()
-assert tmc.CheckpointConfig is c.CheckpointConfig and tmc.ReplayPolicy(tolerance=0.1).mode == "exact"
-print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+assert tmc.CheckpointConfig is c.CheckpointConfig
+print("torch" in sys.modules)
+assert tmc.ReplayPolicy is c.ReplayPolicy and tmc.OperatorSpec is c.OperatorSpec  # the public names, unchanged
 """
 
 
 def test_config_imports_no_torch():
-    env_path = f"{ROOT}"
     proc = subprocess.run(
         [sys.executable, "-c", CHECK],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
         timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[]", f"torch imported by the config: {proc.stdout}"
+    assert proc.stdout.strip() == "False", "torchmoe_ckpt.config (or the [sparse_checkpoint] section) imported torch"
