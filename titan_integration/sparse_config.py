@@ -378,10 +378,6 @@ class SparseCheckpointSection:
         """This section's values of `cls`'s fields, as the core takes them (object_store: separately)."""
         return {k: to_core(k, getattr(self, k)) for k, c in CORE_KEYS.items() if c is cls and k != "object_store"}
 
-    def memory_limit(self) -> int | None:
-        """host_memory_limit in bytes (None: no limit). Raises ValueError (a ConfigError) for a bad value."""
-        return self.core_config().host_memory_limit
-
     def core_config(self) -> SparseConfig:
         """The library's SparseConfig for this section (the core's defaults for what the section does not set)."""
         return SparseConfig(**self._core_kwargs(SparseConfig))
@@ -481,7 +477,7 @@ def _core_names(table: dict[str, Any], section: str) -> tuple[dict[str, Any], di
         if old not in table:
             continue
         head, _, sub = new.partition(".")
-        if head in out and not sub or sub and store is not None and sub in store:
+        if (not sub and head in out) or (sub and store is not None and sub in store):
             raise JobConfigError(f"[{section}] {old} and {new} are both set; fix: keep {new} (the new name)")
         if sub:
             if store is None and "object_store" in out:  # not a table: validation says so
