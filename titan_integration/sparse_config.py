@@ -1,43 +1,18 @@
-"""The ``[sparse_checkpoint]`` section of a TorchTitan job file: fields, validation, and mapping onto the core.
+"""The ``[sparse_checkpoint]`` section of a TorchTitan job file, built on the core configuration.
 
-Its keys are the core configuration's own field names (torchmoe_ckpt.config: SparseConfig, TierConfig,
-ObjectStoreConfig, CheckpointConfig), so what one reads in docs/api.md is what one writes here:
+Its keys are the core configuration's own field names (torchmoe_ckpt.config: `SparseConfig`, `TierConfig`,
+`ObjectStoreConfig`, `CheckpointConfig`), with their defaults, their choices (the same `Literal` types) and their
+checks: the core's, never restated here (tests/unit/test_sparse_section_core.py). A core field is declared here with
+`core(...)`, which reads its default from the core dataclass. What TOML changes:
 
-    [sparse_checkpoint]
-    enable = true
-    window = "auto"            # SparseConfig.window: or an int >= 1 (forced window size W)
-    popularity = "hard"        # SparseConfig.popularity: expert popularity, hard | soft | decayed | capacity
-    sliding = false            # SparseConfig.sliding: any W consecutive slots recover (a failure loses only its
-                               # own iteration; more bytes per slot)
-    host_memory_limit = ""     # SparseConfig.host_memory_limit: bytes or e.g. "64 GiB" ("" = none; counted either
-                               # way); refused at start with the figure when the plan needs more
-    max_window = 0             # SparseConfig.max_window: auto W never above this (0 = no bound)
-    root = "/dev/shm/torchmoe-ckpt"  # TierConfig.root: the node-local host directory
-    run_id = ""                # TierConfig.run_id: "" = torchrun's run id (new for every launch); a name resumes
-                               # across launches
-    replicas = 0               # TierConfig.replicas: peers holding a copy of every window (0 = this node only)
-    upload_backlog = 4         # TierConfig.upload_backlog: windows kept while the object store lags or is down
-    spare_windows = 1          # TierConfig.spare_windows: collected windows' files kept to be written over
-    object_store = {}          # TierConfig.object_store, ObjectStoreConfig's fields ({} = none):
-                               #   uri = "s3://bucket/x"   file://, s3://, az://, abfs://, memory://
-                               #   format = "dcp"          "dcp" (DCP files) | "tensorstore" (zarr3 + OCDBT)
-                               #   exit_wait_s = 30        at exit, wait at most this long for pending uploads
-                               #   keep = 2, lease_s = 30, storage_options = {} (default: the section's)
-    storage_options = {}       # fsspec options (endpoint_url, key, secret, connection_string ...) for the dense
-                               # export, and for the object store when its table has none
-    hang_timeout_s = 0         # CheckpointConfig.hang_timeout_s: > 0: a collective that hangs this long ends the
-                               # rank (torchrun restarts); 0 = off here (TorchTitan has its own timeouts)
-    on_unusable_checkpoint = "fail" # CheckpointConfig: windows exist but every one is rejected (corrupt, torn,
-                               # replay diverged): "fail" = refuse with the reasons (exit 2), "restart" = step 0
-    replay_check = "exact"     # CheckpointConfig: "exact" = bit for bit (on GPUs needs deterministic kernels:
-                               # torch.use_deterministic_algorithms + CUBLAS_WORKSPACE_CONFIG, checked at start);
-                               # "tolerant" = within replay_tolerance, reported as approximate
-    replay_tolerance = 1e-2    # CheckpointConfig: tolerant: largest relative deviation accepted
-    persist_interval = 1       # persist every window to the storage tiers (only 1 is supported so far)
-    dense_export_uri = ""      # "" = none; any fsspec URI: dense exports in TorchTitan's layout, {uri}/step-N
-    dense_export_every = 0     # > 0: export every N iterations (dcp.async_save, off the training thread)
-    dense_export_keep = 2      # newest exports kept; older ones deleted
-    pipeline_log_max_bytes = 0 # with pipeline parallelism: bound on each stage's boundary log (0 = none)
+* TOML has no null, so the core's ``None`` is written as ``TOML_NONE`` spells it: ``window = "auto"``,
+  ``host_memory_limit = ""``, ``max_window = 0``, ``run_id = ""``, ``hang_timeout_s = 0``, ``object_store = {}``;
+* ``TITAN_DEFAULTS``: the one default chosen differently here, ``hang_timeout_s`` off (TorchTitan has its own
+  collective timeouts);
+* the section's own keys: ``enable``, ``storage_options`` (the dense export's, and the store's by default),
+  ``persist_interval``, ``dense_export_uri``/``_every``/``_keep``, ``pipeline_log_max_bytes``.
+
+The keys, their meaning and an example: docs/torchtitan.md; each core field's docstring says what it does.
 
 Older names still work for one release, with a warning once the section is valid (``DEPRECATED``): ``host_dir``
 (root), ``ordering`` (popularity), ``fault_timeout_s`` (hang_timeout_s), ``object_store_uri``,
@@ -47,35 +22,73 @@ Everything is checked before training starts; a bad value raises :class:`JobConf
 one line ``... ; fix: ...`` naming the key as the file wrote it (the launcher prints it as ``error: <message>``
 and exits with status 2). :meth:`SparseCheckpointSection.check_resources` is what the launcher runs first, before
 TorchTitan is imported: the host directory (created and probe-written), the on-store format (tensorstore
-importable, a driver for the URI) and the object store / dense-export location (opened and probe-written).
+importable, a driver for the URI) and the object store / dense-export location (opened and probe-written). This
+module imports neither torch nor TorchTitan (torchmoe_ckpt.config is torch-free).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-import math
+import json
 import os
+import re
+import typing
 import uuid
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Literal
+
+from torchmoe_ckpt.config import (
+    POPULARITIES,
+    STORE_FORMATS,
+    CheckpointConfig,
+    ConfigError,
+    ObjectStoreConfig,
+    OnUnusable,
+    Popularity,
+    SparseConfig,
+    TierConfig,
+    default_run_id,
+)
+from torchmoe_ckpt.config_values import ReplayCheck, ReplayPolicy
 
 __all__ = [
     "JobConfigError",
     "DeprecatedKeyWarning",
     "SparseCheckpointSection",
+    "CORE_KEYS",
+    "TOML_NONE",
+    "TITAN_DEFAULTS",
     "DEPRECATED",
     "ORDERINGS",
     "STORE_FORMATS",
     "STORE_KEYS",
 ]
 
-ORDERINGS = ("hard", "soft", "decayed", "capacity")  # SparseConfig.popularity
-STORE_FORMATS = ("dcp", "tensorstore")  # torchmoe_ckpt.config.ObjectStoreConfig.format
-# The object_store table's keys: torchmoe_ckpt.config.ObjectStoreConfig's fields (tests keep them equal; this module
-# imports neither torch nor TorchTitan, the launcher checks the section first)
-STORE_KEYS = ("uri", "storage_options", "keep", "format", "exit_wait_s", "lease_s")
+ORDERINGS = POPULARITIES  # SparseConfig.popularity's choices
+STORE_KEYS = tuple(f.name for f in fields(ObjectStoreConfig))  # the object_store table's keys
+# The section's keys that are core fields, and the core dataclass each belongs to.
+CORE_KEYS: dict[str, type] = {
+    **dict.fromkeys(("window", "popularity", "sliding", "host_memory_limit", "max_window"), SparseConfig),
+    **dict.fromkeys(("root", "run_id", "replicas", "upload_backlog", "spare_windows", "object_store"), TierConfig),
+    **dict.fromkeys(("hang_timeout_s", "on_unusable_checkpoint", "replay_check", "replay_tolerance"), CheckpointConfig),
+}
+# TOML has no null: how a key spells the core's None (the first spelling is the one the section's default uses).
+TOML_NONE: dict[str, tuple[Any, ...]] = {
+    "window": ("auto",),
+    "host_memory_limit": ("", 0),
+    "max_window": (0,),
+    "run_id": ("",),  # torchrun's run id (TierConfig.run_id)
+    "hang_timeout_s": (0.0,),  # off
+    "object_store": ({},),  # no object store
+}
+# Defaults chosen differently from the core's (core value), with the reason.
+TITAN_DEFAULTS: dict[str, Any] = {
+    "hang_timeout_s": None,  # off: TorchTitan has its own timeouts (comm.init_timeout_seconds, train_timeout_seconds)
+}
+_STORE_PROBE_URI = "memory://sparse-checkpoint-check"  # checks an object_store key while the table has no uri yet
 # Old key -> the core name it is now ("table.key": a key of that table)
 DEPRECATED = {
     "host_dir": "root",
@@ -95,33 +108,83 @@ class DeprecatedKeyWarning(FutureWarning):
     """A [sparse_checkpoint] key under its old name (shown by default, unlike DeprecationWarning)."""
 
 
+def _core_field(cls: type, name: str) -> Field:
+    return next(f for f in fields(cls) if f.name == name)
+
+
+def core_default(key: str) -> Any:
+    """The core's default of a section key (or TITAN_DEFAULTS'), as the core holds it (None included)."""
+    if key in TITAN_DEFAULTS:
+        return TITAN_DEFAULTS[key]
+    f = _core_field(CORE_KEYS[key], key)
+    return f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
+
+
+def to_toml(key: str, value: Any) -> Any:
+    """A core value as the section writes it (None: TOML_NONE's spelling)."""
+    return TOML_NONE[key][0] if value is None and key in TOML_NONE else value
+
+
+def to_core(key: str, value: Any) -> Any:
+    """A section value as the core takes it (TOML_NONE's spellings: None; anything else as is, for its checks)."""
+    if any(value == none and type(value) is not bool for none in TOML_NONE.get(key, ())):
+        return None
+    return value
+
+
+def core(key: str) -> Any:
+    """The dataclass field of a core key: the core's default, in TOML's spelling."""
+    default = to_toml(key, core_default(key))
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default))
+    return field(default=default)
+
+
+@functools.cache
+def choices(cls: type, name: str) -> tuple[Any, ...]:
+    """The values a core field's Literal type allows (empty: not a choice field)."""
+    hint = typing.get_type_hints(cls)[name]
+    return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+
+
 @dataclass
 class SparseCheckpointSection:
+    """TorchTitan's ``[sparse_checkpoint]``: the core fields below mean what their core docstrings say."""
+
     enable: bool = False
-    window: int | str = "auto"  # SparseConfig.window ("auto": None)
-    popularity: str = "hard"  # SparseConfig.popularity
-    sliding: bool = False  # SparseConfig.sliding
-    host_memory_limit: int | str = ""  # SparseConfig.host_memory_limit ("" or 0: none)
-    max_window: int = 0  # SparseConfig.max_window (0: none)
-    root: str = "/dev/shm/torchmoe-ckpt"  # TierConfig.root
-    run_id: str = ""  # TierConfig.run_id; "": derived from torchrun's TORCHELASTIC_RUN_ID (never shared between jobs)
-    replicas: int = 0  # TierConfig.replicas
-    upload_backlog: int = 4  # TierConfig.upload_backlog
-    spare_windows: int = 1  # TierConfig.spare_windows
-    object_store: dict[str, Any] = field(default_factory=dict)  # TierConfig.object_store (STORE_KEYS; {}: none)
-    storage_options: dict[str, Any] = field(default_factory=dict)  # the dense export's (and the store's by default)
-    hang_timeout_s: float = 0.0  # CheckpointConfig.hang_timeout_s (0: off)
-    on_unusable_checkpoint: str = "fail"  # CheckpointConfig.on_unusable_checkpoint: "fail" | "restart"
-    replay_check: str = "exact"  # CheckpointConfig.replay_check: "exact" | "tolerant"
-    replay_tolerance: float = 1e-2  # CheckpointConfig.replay_tolerance (replay_check.DEFAULT_TOLERANCE)
+    """Sparse per-iteration checkpointing on; false: the stock Trainer, untouched."""
+    window: int | Literal["auto"] = core("window")  # SparseConfig.window
+    popularity: Popularity = core("popularity")  # SparseConfig.popularity
+    sliding: bool = core("sliding")  # SparseConfig.sliding
+    host_memory_limit: int | str = core("host_memory_limit")  # SparseConfig.host_memory_limit
+    max_window: int = core("max_window")  # SparseConfig.max_window
+    root: str = core("root")  # TierConfig.root
+    run_id: str = core("run_id")  # TierConfig.run_id (resolved once per worker: resolved_run_id)
+    replicas: int = core("replicas")  # TierConfig.replicas
+    upload_backlog: int = core("upload_backlog")  # TierConfig.upload_backlog
+    spare_windows: int = core("spare_windows")  # TierConfig.spare_windows
+    object_store: dict[str, Any] = core("object_store")  # TierConfig.object_store: ObjectStoreConfig's keys
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options of the dense export, and of the object store when its table has none."""
+    hang_timeout_s: float = core("hang_timeout_s")  # CheckpointConfig.hang_timeout_s (TITAN_DEFAULTS)
+    on_unusable_checkpoint: OnUnusable = core("on_unusable_checkpoint")  # CheckpointConfig.on_unusable_checkpoint
+    replay_check: ReplayCheck = core("replay_check")  # CheckpointConfig.replay_check
+    replay_tolerance: float = core("replay_tolerance")  # CheckpointConfig.replay_tolerance
     persist_interval: int = 1
+    """Persist every N-th window to the storage tiers; only 1 (every window) is supported so far."""
     dense_export_uri: str = ""
+    """Where dense exports go, in TorchTitan's layout ({uri}/step-N; any fsspec URI). "": none."""
     dense_export_every: int = 0
+    """> 0: a dense export every N iterations (dcp.async_save, off the training thread)."""
     dense_export_keep: int = 2
-    pipeline_log_max_bytes: int = 0  # bound on each pipeline stage's boundary log (0: unbounded)
-    # How the file named each key that came under an old name (new name -> old name): messages say what it wrote.
-    # Not a field: it describes the file, not a setting (set per instance by from_table).
-    given_as: ClassVar[dict[str, str]] = {}
+    """The newest dense exports kept; older ones are deleted."""
+    pipeline_log_max_bytes: int = 0
+    """Pipeline parallelism: the bound on each stage's boundary log. 0: none."""
+
+    def __post_init__(self):
+        # How the file named each key that came under an old name (new name -> old name), set by from_table:
+        # messages say what the file wrote. Not a field: it describes the file, not a setting.
+        self.given_as: dict[str, str] = {}
 
     # ---- construction from a TOML table ------------------------------------------------------------
     @classmethod
@@ -155,62 +218,59 @@ class SparseCheckpointSection:
     def _name(self, key: str) -> str:
         return self.given_as.get(key, key)
 
-    def validate(self, section: str = "sparse_checkpoint") -> None:
-        def bad(key: str, why: str, fix: str) -> JobConfigError:
-            value = (
-                self.object_store.get(key.split(".", 1)[1]) if key.startswith("object_store.") else getattr(self, key)
-            )
-            return JobConfigError(f"[{section}] {self._name(key)} = {value!r}: {why}; fix: {fix}")
+    def _value(self, key: str) -> Any:
+        head, _, sub = key.partition(".")
+        return self.object_store.get(sub) if sub else getattr(self, head)
 
+    def _bad(self, section: str, key: str, why: str, fix: str) -> JobConfigError:
+        return JobConfigError(f"[{section}] {self._name(key)} = {self._value(key)!r}: {why}; fix: {fix}")
+
+    def _core_error(self, section: str, key: str, exc: ConfigError) -> JobConfigError:
+        """The core's own message for a bad value, under the key as the file wrote it, with a fix."""
+        cls, name = (ObjectStoreConfig, key.split(".", 1)[1]) if "." in key else (CORE_KEYS[key], key)
+        why = re.sub(rf"^(?:\w+\.)?{re.escape(name)}:?\s+", "", str(exc))
+        for none in TOML_NONE.get(key, ())[:1]:
+            why = why.replace("None", _toml_text(none))
+        allowed = choices(cls, name)
+        if allowed:
+            fix = f"use one of {', '.join(allowed)}"
+        elif _core_field(cls, name).default is MISSING:  # ObjectStoreConfig.uri
+            fix = f"correct {self._name(key)} (torchmoe_ckpt.config.{cls.__name__}.{name})"
+        else:
+            default = core_default(key) if cls is not ObjectStoreConfig else _core_field(cls, name).default
+            fix = f"e.g. {self._name(key)} = {_toml_text(to_toml(key, default))} (the default)"
+        return self._bad(section, key, why, fix)
+
+    def validate(self, section: str = "sparse_checkpoint") -> None:
+        """The section's own keys here; every core key by the core dataclass's own checks, one key at a time
+        (so the message names it), then the whole core configuration once."""
         if not isinstance(self.enable, bool):
-            raise bad("enable", "must be a boolean", "enable = true or enable = false")
-        w = self.window
-        if isinstance(w, bool) or not (w == "auto" or isinstance(w, int)):
-            raise bad("window", 'must be "auto" or an integer >= 1', 'window = "auto" or e.g. window = 4')
-        if isinstance(w, int) and w < 1:
-            raise bad("window", "must be >= 1", 'window = "auto" (sized from measured bandwidth) or an integer >= 1')
-        if not isinstance(self.sliding, bool):
-            raise bad("sliding", "must be a boolean", "sliding = true or sliding = false")
-        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
-            raise bad("replicas", "must be an integer >= 0", "replicas = 0 (host memory only) or 1, 2, ...")
-        for key in ("root", "run_id", "dense_export_uri"):
-            if not isinstance(getattr(self, key), str):
-                raise bad(key, "must be a string", f'{self._name(key)} = "..."')
-        if not self.root:
-            raise bad("root", "must not be empty", f'{self._name("root")} = "/dev/shm/torchmoe-ckpt"')
-        if "/" in self.run_id:
-            raise bad("run_id", "must be a name without '/' (or empty: torchrun's run id)", 'run_id = "my-job"')
+            raise self._bad(section, "enable", "must be a boolean", "enable = true or enable = false")
         if not isinstance(self.storage_options, dict):
-            raise bad("storage_options", "must be a table", 'storage_options = { endpoint_url = "..." }')
-        self._validate_store(bad, section)
-        if (
-            isinstance(self.persist_interval, bool)
-            or not isinstance(self.persist_interval, int)
-            or self.persist_interval < 1
-        ):
-            raise bad("persist_interval", "must be an integer >= 1", "persist_interval = 1")
+            raise self._bad(section, "storage_options", "must be a table", 'storage_options = { endpoint_url = "..." }')
+        self._validate_store(section)
+        for key, cls in CORE_KEYS.items():
+            if key == "object_store":
+                continue  # key by key above
+            try:
+                cls(**{key: to_core(key, getattr(self, key))})
+            except ConfigError as exc:
+                raise self._core_error(section, key, exc) from None
+        if not _whole(self.persist_interval, 1):
+            raise self._bad(section, "persist_interval", "must be an integer >= 1", "persist_interval = 1")
         if self.persist_interval != 1:
             # The core's PersistThread persists every committed window; skipping windows needs a core change.
-            raise bad("persist_interval", "only 1 (persist every window) is supported so far", "persist_interval = 1")
-        if self.popularity not in ORDERINGS:
-            raise bad("popularity", "unknown ordering", f"use one of {', '.join(ORDERINGS)}")
-        t = self.hang_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
-            raise bad(
-                "hang_timeout_s", "must be a finite number >= 0", f"{self._name('hang_timeout_s')} = 0 (off) or e.g. 60"
+            raise self._bad(
+                section, "persist_interval", "only 1 (persist every window) is supported so far", "persist_interval = 1"
             )
-        for key in (
-            "dense_export_every",
-            "dense_export_keep",
-            "pipeline_log_max_bytes",
-            "max_window",
-            "upload_backlog",
-        ):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise bad(key, "must be an integer >= 0", f"{key} = 0 (off) or e.g. 100")
+        if not isinstance(self.dense_export_uri, str):
+            raise self._bad(section, "dense_export_uri", "must be a string", 'dense_export_uri = "..."')
+        for key in ("dense_export_every", "dense_export_keep", "pipeline_log_max_bytes"):
+            if not _whole(getattr(self, key), 0):
+                raise self._bad(section, key, "must be an integer >= 0", f"{key} = 0 (off) or e.g. 100")
         if self.dense_export_every and not self.dense_export_uri:
-            raise bad(
+            raise self._bad(
+                section,
                 "dense_export_every",
                 "needs a place to write",
                 'set dense_export_uri = "file:///..." (any fsspec URI) or dense_export_every = 0',
@@ -220,72 +280,32 @@ class SparseCheckpointSection:
                 f"[{section}] storage_options is set but there is no object store (object_store.uri is empty) and "
                 'no dense_export_uri; fix: set object_store = { uri = "..." } or remove storage_options'
             )
-        if self.on_unusable_checkpoint not in ("fail", "restart"):
-            raise bad(
-                "on_unusable_checkpoint",
-                'must be "fail" or "restart"',
-                'on_unusable_checkpoint = "fail" (refuse when every window is rejected) or "restart" '
-                "(start over from step 0, overwriting them)",
-            )
-        if self.replay_check not in ("exact", "tolerant"):
-            raise bad(
-                "replay_check",
-                'must be "exact" or "tolerant"',
-                'replay_check = "exact" (bit for bit; GPUs need deterministic kernels) or "tolerant" (within '
-                "replay_tolerance, reported as approximate)",
-            )
-        t = self.replay_tolerance
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1:
-            raise bad("replay_tolerance", "must be a relative bound in (0, 1)", "replay_tolerance = 1e-2")
-        if isinstance(self.spare_windows, bool) or not isinstance(self.spare_windows, int) or self.spare_windows < 0:
-            raise bad("spare_windows", "must be an integer >= 0", "spare_windows = 1 (or 0: delete collected files)")
         try:
-            self.memory_limit()
-        except ValueError:
-            raise bad(
-                "host_memory_limit",
-                'must be bytes > 0 or a size like "64 GiB"',
-                'host_memory_limit = "64 GiB" (or "": none)',
-            ) from None
+            self.checkpoint_config()  # what the keys give together (each one alone passed above)
+        except ConfigError as exc:
+            raise JobConfigError(f"[{section}] {exc}; fix: see docs/torchtitan.md") from None
 
-    def _validate_store(self, bad, section: str) -> None:
-        """The object_store table: ObjectStoreConfig's keys and value types (its URI is opened in check_store)."""
+    def _validate_store(self, section: str) -> None:
+        """The object_store table: ObjectStoreConfig's keys, each checked by ObjectStoreConfig itself (its URI is
+        opened in check_store)."""
         o = self.object_store
         if not isinstance(o, dict):
-            raise bad("object_store", "must be a table", 'object_store = { uri = "s3://bucket/prefix" }')
+            raise self._bad(section, "object_store", "must be a table", 'object_store = { uri = "s3://bucket/prefix" }')
         unknown = [k for k in o if k not in STORE_KEYS]
         if unknown:
             raise JobConfigError(
                 f"[{section}] object_store: unknown key '{unknown[0]}'; fix: use one of {', '.join(STORE_KEYS)}"
             )
-        if not o:
-            return
-        uri, fmt = self._name("object_store.uri"), self._name("object_store.format")
-        if not isinstance(o.get("uri", ""), str):
-            raise bad("object_store.uri", "must be a string", f'{uri} = "s3://bucket/prefix"')
-        if not isinstance(o.get("storage_options", {}), dict):
-            raise bad("object_store.storage_options", "must be a table", 'storage_options = { endpoint_url = "..." }')
-        if o.get("format", "dcp") not in STORE_FORMATS:
-            raise bad("object_store.format", "unknown format", f"use one of {', '.join(STORE_FORMATS)}")
-        for key, fix in (("exit_wait_s", "30 (0: do not wait for pending uploads at exit)"), ("lease_s", "30")):
-            v = o.get(key, 30.0)
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, (int, float))
-                or not 0 <= v < math.inf
-                or (key == "lease_s" and v == 0)
-            ):
-                name = self._name(f"object_store.{key}")
-                raise bad(
-                    f"object_store.{key}",
-                    "must be a number of seconds >= 0" if key == "exit_wait_s" else "must be a number of seconds > 0",
-                    f"{name} = {fix}",
-                )
-        k = o.get("keep", 2)
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise bad("object_store.keep", "must be an integer >= 1 (windows kept in the store)", "keep = 2")
-        if o.get("format", "dcp") != "dcp" and not o.get("uri"):
-            raise bad("object_store.format", f"is set but {uri} is empty", f"set {uri} or remove {fmt}")
+        for key, value in o.items():
+            if key == "uri" and value == "":
+                continue  # no object store
+            try:
+                ObjectStoreConfig(**{"uri": _STORE_PROBE_URI, key: value})
+            except ConfigError as exc:
+                raise self._core_error(section, f"object_store.{key}", exc) from None
+        if o.get("format", self.store_format) != _core_field(ObjectStoreConfig, "format").default and not o.get("uri"):
+            uri, fmt = self._name("object_store.uri"), self._name("object_store.format")
+            raise self._bad(section, "object_store.format", f"is set but {uri} is empty", f"set {uri} or remove {fmt}")
 
     # ---- launch-time checks (touch the file system / the store) -------------------------------------------
     def check_resources(self, probe: bool = True) -> None:
@@ -309,7 +329,7 @@ class SparseCheckpointSection:
             raise JobConfigError(
                 f"[sparse_checkpoint] {self._name('root')} = {self.root!r}: cannot create or write it "
                 f"({type(exc).__name__}: {why}); fix: {self._name('root')} = a writable node-local "
-                'directory, e.g. "/dev/shm/torchmoe-ckpt"'
+                f"directory, e.g. {_toml_text(core_default('root'))}"
             ) from None
 
     def check_format(self) -> None:
@@ -354,37 +374,38 @@ class SparseCheckpointSection:
                 raise JobConfigError(f"[sparse_checkpoint] {key}: {msg}") from None
 
     # ---- mapping onto the core ---------------------------------------------------------------------
-    def memory_limit(self) -> int | None:
-        """host_memory_limit in bytes (None: no limit). Raises ValueError (a ConfigError) for a bad value."""
-        if self.host_memory_limit in ("", 0):
+    def _core_kwargs(self, cls: type) -> dict[str, Any]:
+        """This section's values of `cls`'s fields, as the core takes them (object_store: separately)."""
+        return {k: to_core(k, getattr(self, k)) for k, c in CORE_KEYS.items() if c is cls and k != "object_store"}
+
+    def core_config(self) -> SparseConfig:
+        """The library's SparseConfig for this section (the core's defaults for what the section does not set)."""
+        return SparseConfig(**self._core_kwargs(SparseConfig))
+
+    def store_config(self) -> ObjectStoreConfig | None:
+        """The library's ObjectStoreConfig (None: no object store); storage_options default to the section's."""
+        if not self.store_uri:
             return None
-        from torchmoe_ckpt.host_memory import parse_bytes
+        return ObjectStoreConfig(**{**self.object_store, "storage_options": dict(self.store_options)})
 
-        return parse_bytes(self.host_memory_limit)
+    def tier_config(self, run_id: str | None = None) -> TierConfig:
+        """The library's TierConfig (run_id: this section's, unresolved, unless given)."""
+        kwargs = self._core_kwargs(TierConfig)
+        return TierConfig(**{**kwargs, "run_id": run_id or kwargs["run_id"], "object_store": self.store_config()})
 
-    def core_config(self):
-        """The library's SparseConfig for this section."""
-        from torchmoe_ckpt.config import SparseConfig
-
-        return SparseConfig(
-            window=None if self.window == "auto" else int(self.window),
-            popularity=self.popularity,
-            sliding=self.sliding,
-            host_memory_limit=self.memory_limit(),
-            max_window=self.max_window or None,
+    def checkpoint_config(self) -> CheckpointConfig:
+        """The whole core configuration the section describes (the tiers with the run id unresolved)."""
+        return CheckpointConfig(
+            tiers=self.tier_config(), window=self.core_config(), **self._core_kwargs(CheckpointConfig)
         )
 
-    def replay_policy(self):
+    def replay_policy(self) -> ReplayPolicy:
         """How recovery checks each replayed iteration (torchmoe_ckpt.replay_check.ReplayPolicy)."""
-        from torchmoe_ckpt.replay_check import ReplayPolicy
-
         return ReplayPolicy(self.replay_check, float(self.replay_tolerance))
 
     def resolved_run_id(self) -> str:
         """The run id windows are kept under: the job file's, else torchrun's (the same in every restart of
         one launch, new for every launch), so two jobs never share a default."""
-        from torchmoe_ckpt.config import default_run_id
-
         rid = self.run_id or default_run_id()
         if not rid:
             raise JobConfigError(
@@ -394,12 +415,13 @@ class SparseCheckpointSection:
         return rid
 
     def tiers_config(self, ranks_per_node: int | None = None) -> dict:
-        """The dict torchmoe_ckpt.storage.tiers.build_tiers takes."""
+        """The dict torchmoe_ckpt.storage.tiers.build_tiers takes: the keys set away from the core's defaults
+        (root, run_id and replicas always), the object store in full."""
         cfg: dict[str, Any] = {"root": self.root, "run_id": self.resolved_run_id(), "replicas": self.replicas}
         if ranks_per_node:
             cfg["ranks_per_node"] = ranks_per_node
-        for key, default in (("upload_backlog", 4), ("spare_windows", 1)):  # host memory: only when changed
-            if getattr(self, key) != default:
+        for key in ("upload_backlog", "spare_windows"):  # host memory: only when changed
+            if getattr(self, key) != core_default(key):
                 cfg[key] = getattr(self, key)
         if self.store_uri:
             cfg["object_store"] = dict(
@@ -417,7 +439,7 @@ class SparseCheckpointSection:
 
     @property
     def store_format(self) -> str:
-        return self.object_store.get("format", "dcp")
+        return self.object_store.get("format", _core_field(ObjectStoreConfig, "format").default)
 
     @property
     def store_options(self) -> dict:
@@ -427,10 +449,22 @@ class SparseCheckpointSection:
     @property
     def exit_wait_s(self) -> float:
         """ObjectStoreConfig.exit_wait_s: the bounded wait for pending uploads at exit."""
-        return float(self.object_store.get("exit_wait_s", 30.0))
+        return float(self.object_store.get("exit_wait_s", _core_field(ObjectStoreConfig, "exit_wait_s").default))
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _whole(value: Any, least: int) -> bool:
+    """An integer (not a bool) >= least."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _toml_text(value: Any) -> str:
+    """A value as a job file writes it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return json.dumps(value) if isinstance(value, (str, dict)) else repr(value)
 
 
 def _core_names(table: dict[str, Any], section: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -443,7 +477,7 @@ def _core_names(table: dict[str, Any], section: str) -> tuple[dict[str, Any], di
         if old not in table:
             continue
         head, _, sub = new.partition(".")
-        if head in out and not sub or sub and store is not None and sub in store:
+        if (not sub and head in out) or (sub and store is not None and sub in store):
             raise JobConfigError(f"[{section}] {old} and {new} are both set; fix: keep {new} (the new name)")
         if sub:
             if store is None and "object_store" in out:  # not a table: validation says so

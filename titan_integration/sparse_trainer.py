@@ -59,6 +59,7 @@ from titan_integration.titan_optimizers import init_titan_optimizer_state, regis
 from titan_integration.titan_pipeline_recovery import TitanPipeline
 from titan_integration.titan_replay import OptimizerView, TitanReplayable, TitanStepResult, pack_batches, unpack_batches
 from titan_integration.titan_state_export import state_tensors, write_export
+from titan_integration.upstream_pin import UPSTREAM_TRAIN_STEP
 from torchmoe_ckpt import faults, rng
 from torchmoe_ckpt.capture import position_lambda_lr
 from torchmoe_ckpt.distributed import key_rendezvous_by_attempt
@@ -69,7 +70,7 @@ from torchmoe_ckpt.sparse_to_dense import ReplayDivergence
 from torchmoe_ckpt.startup import start
 from torchmoe_ckpt.watchdog import CollectiveWatchdog
 
-__all__ = ["SparseTrainer", "TitanReplayable", "TitanStepResult"]
+__all__ = ["SparseTrainer", "TitanReplayable", "TitanStepResult", "UPSTREAM_TRAIN_STEP"]
 
 log = logging.getLogger("torchmoe_ckpt.titan")
 pipeline_compat.install()  # also on the --override.imports path, which does not go through our launcher
@@ -200,7 +201,11 @@ class SparseTrainer(Trainer):
 
     def sparse_step(self, data_iterator=None, replay=None) -> TitanStepResult:
         """TorchTitan's ``train_step`` for iteration ``self.step`` (already incremented), optionally replaying
-        a logged iteration (batch, RNG state and grad norm from the log). Returns the step's record."""
+        a logged iteration (batch, RNG state and grad norm from the log). Returns the step's record.
+
+        A copy of ``Trainer.train_step`` as of ``UPSTREAM_TRAIN_STEP`` (torchtitan 0.3.0, with its source digest):
+        tests/unit/test_upstream_pin.py fails when the installed TorchTitan's differs (titan_integration/upstream_pin.py
+        says what to re-check here)."""
         t_start = time.perf_counter()
         faults.set_iteration(self.step)
         faults.point("forward")

@@ -8,47 +8,80 @@ import math
 import os
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal, get_args
 
+# Torch-free, every one of them (tests/unit/test_config_torch_free.py): a launcher checks a config before torch loads.
+from .config_values import DEFAULT_TOLERANCE, OperatorSpec, ReplayCheck, ReplayPolicy, parse_bytes
 from .errors import ConfigError
-from .host_memory import parse_bytes
-from .operators import OperatorSpec
-from .replay_check import DEFAULT_TOLERANCE, ReplayPolicy
 from .storage.store_open import StoreConfigError, check_uri
 from .watchdog import check_timeout
 
 __all__ = ["ConfigError", "SparseConfig", "ObjectStoreConfig", "TierConfig", "CheckpointConfig", "DEFAULT_HOST_ROOT"]
 
 DEFAULT_HOST_ROOT = "/dev/shm/torchmoe-ckpt"
-HOST_BUFFERS = ("auto", "arena", "shm-registered")  # SparseConfig.host_buffers (slot_alloc.py)
-STORE_FORMATS = ("dcp", "tensorstore")
 CUDA_OVERLAP = 0.4  # SparseConfig.overlap's default on CUDA: see there
-UNUSABLE_POLICIES = ("fail", "restart")  # CheckpointConfig.on_unusable_checkpoint (resume.recover's on_unusable)
+
+# The choice fields' values, each written once: the Literal is the field's type, the tuple is what is checked.
+Popularity = Literal["hard", "soft", "decayed", "capacity"]
+HostBuffers = Literal["auto", "arena", "shm-registered"]
+StoreFormat = Literal["dcp", "tensorstore"]
+OnStall = Literal["warn", "fail"]
+OnUnusable = Literal["fail", "restart"]
+POPULARITIES: tuple[str, ...] = get_args(Popularity)
+HOST_BUFFERS: tuple[str, ...] = get_args(HostBuffers)  # (slot_alloc.py)
+STORE_FORMATS: tuple[str, ...] = get_args(StoreFormat)
+STALL_POLICIES: tuple[str, ...] = get_args(OnStall)
+UNUSABLE_POLICIES: tuple[str, ...] = get_args(OnUnusable)  # (recovery.recover's on_unusable)
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 @dataclass
 class SparseConfig:
-    window: int | None = None  # force W; None = Algorithm 1 priced with the observed copy cost
-    # Share of one iteration a slot copy may take. None: 1.0 on a CPU, CUDA_OVERLAP on CUDA (docs/gpu.md)
+    """How windows are sized and filled: W (the window), the order operators are captured in, the memory bound."""
+
+    window: int | None = None
+    """W, the iterations (slots) of one window: every operator is captured once per window, so a failure replays
+    at most W iterations. None: Algorithm 1 picks W from what one slot copy costs (priced as below)."""
+
     overlap: float | None = None
-    # None: price slots by what copies cost under training; a number: that fixed bandwidth
+    """The share of one iteration a slot's copy may take, hidden behind compute (W is sized so it fits).
+    None: 1.0 on a CPU (copies run beside the step), CUDA_OVERLAP on CUDA (measured, docs/gpu.md)."""
+
     bandwidth_bytes_per_s: float | None = None
-    popularity: str = "hard"  # hard | soft | decayed | capacity
+    """The copy bandwidth slots are priced with. None: what copies cost while training, measured in the first
+    window; a number: that fixed bandwidth (reproducible plans, benchmarks)."""
+
+    popularity: Popularity = "hard"
+    """The order experts are captured in, most routed first: "hard" (top-k token counts), "soft" (router
+    probabilities), "decayed" (counts aged by `decay` per iteration), "capacity" (`expert_capacity`)."""
+
     decay: float = 0.9
+    """"decayed" popularity: the weight of the previous count per iteration, in [0, 1]."""
+
     reorder_change: float = 0.10
+    """The next window's order is recomputed only when popularity moved by more than this share, in [0, 1]."""
+
     reorder_fraction: float = 0.25
-    expert_capacity: list[list[float]] | None = None  # [moe layers][experts], for popularity "capacity"
-    # Every slot also copies the compute weights of operators already captured in its window, so any W consecutive
-    # slots recover (a failure loses only its own iteration); more bytes per slot (docs/benchmarks.md)
+    """The largest share of operators one reorder may move, in [0, 1] (bounds the churn between windows)."""
+
+    expert_capacity: list[list[float]] | None = None
+    """"capacity" popularity: a weight per expert, [moe layers][experts]."""
+
     sliding: bool = False
-    # Bytes of host memory per rank the checkpointer may hold (host_memory.py), or e.g. "64 GiB"; checked against
-    # the plan's worst case at construction and every window start. None: no limit (still counted)
+    """Every slot also copies the compute weights of operators already captured in its window, so any W
+    consecutive slots recover (a failure loses only its own iteration); more bytes per slot (docs/benchmarks.md)."""
+
     host_memory_limit: int | str | None = None
-    max_window: int | None = None  # auto W never above this (a smaller W holds fewer bytes per window)
-    # Slot buffers (slot_alloc.py): "auto" (slot files on CPU with a host tier, else "arena") | "arena" (one arena
-    # per slot set, pinned on CUDA) | "shm-registered" (CUDA: slot files page-locked; opt-in, unmeasured)
-    host_buffers: str = "auto"
+    """Bytes of host memory per rank the checkpointer may hold (host_memory.py), or a size such as "64 GiB";
+    checked against the plan's worst case at construction and at every window start. None: no limit (still
+    counted)."""
+
+    max_window: int | None = None
+    """Auto W is never above this (a smaller W holds fewer bytes per window). None: no bound."""
+
+    host_buffers: HostBuffers = "auto"
+    """Slot buffers (slot_alloc.py): "auto" (slot files on a CPU with a host tier, else "arena"), "arena" (one
+    arena per slot set, pinned on CUDA), "shm-registered" (CUDA: slot files page-locked; opt-in, unmeasured)."""
 
     def __post_init__(self):
         if not isinstance(self.sliding, bool):
@@ -78,8 +111,8 @@ class SparseConfig:
             raise ConfigError(f"max_window must be an integer >= 1 or None, got {self.max_window!r}")
         if self.host_buffers not in HOST_BUFFERS:
             raise ConfigError(f"host_buffers {self.host_buffers!r} is not one of {', '.join(HOST_BUFFERS)}")
-        if self.popularity not in ("hard", "soft", "decayed", "capacity"):
-            raise ConfigError(f"popularity {self.popularity!r} is not one of hard, soft, decayed, capacity")
+        if self.popularity not in POPULARITIES:
+            raise ConfigError(f"popularity {self.popularity!r} is not one of {', '.join(POPULARITIES)}")
 
 
 @dataclass
@@ -87,11 +120,24 @@ class ObjectStoreConfig:
     """Where committed windows are uploaded in the background (file://, s3://, az://, abfs://, memory://)."""
 
     uri: str
-    storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec (credentials, endpoint)
-    keep: int = 2  # windows kept in the store; older ones are deleted
-    format: str = "dcp"  # "dcp" (standard DCP files) | "tensorstore" (zarr3 + OCDBT, one expert per chunk)
-    exit_wait_s: float = 30.0  # at exit, the longest wait for pending uploads (the rest: the next run uploads it)
-    lease_s: float = 30.0  # the writing job's lease on <uri>/<run_id> (storage/store_lease.py), renewed every lease_s/3
+    """The store's root: file://, s3://, az://, abfs://, memory:// (a scheme without '//' is refused)."""
+
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to fsspec: credentials, endpoint_url, connection_string, ..."""
+
+    keep: int = 2
+    """Committed windows kept in the store (>= 1); older ones are deleted once a newer one is complete."""
+
+    format: StoreFormat = "dcp"
+    """"dcp": standard DCP files (readable by torch.distributed.checkpoint); "tensorstore": zarr3 + OCDBT, one
+    expert per chunk (needs the tensorstore extra and a kvstore driver for the scheme)."""
+
+    exit_wait_s: float = 30.0
+    """At exit, the longest wait for pending uploads; what is left is uploaded by the next run (>= 0)."""
+
+    lease_s: float = 30.0
+    """The writing job's lease on <uri>/<run_id> (storage/store_lease.py), renewed every lease_s/3: a second job
+    writing the same run is refused while the lease is fresh, and takes over once it has expired."""
 
     def __post_init__(self):
         if not isinstance(self.uri, str) or not self.uri:
@@ -104,7 +150,7 @@ class ObjectStoreConfig:
         if self.keep < 1:
             raise ConfigError(f"object_store.keep must be >= 1 (windows kept in the store), got {self.keep}")
         if self.format not in STORE_FORMATS:
-            raise ConfigError(f"object_store.format {self.format!r} is not one of {STORE_FORMATS}")
+            raise ConfigError(f"object_store.format {self.format!r} is not one of {', '.join(STORE_FORMATS)}")
         if not _is(self.exit_wait_s, (int, float)) or not 0 <= self.exit_wait_s < math.inf:
             raise ConfigError(
                 f"object_store.exit_wait_s must be a number of seconds >= 0 (finite: the bounded wait for "
@@ -124,15 +170,37 @@ class ObjectStoreConfig:
 class TierConfig:
     """Host memory of this node, r peers, and optionally an object store."""
 
-    root: str = DEFAULT_HOST_ROOT  # node-local directory; shared memory survives a worker restart
-    run_id: str | None = None  # windows live under <root>/node-N/<run_id>; None: torchrun's run id
-    ranks_per_node: int | None = None  # failure domains; default LOCAL_WORLD_SIZE (one node per torchrun agent)
-    replicas: int = 0  # r: peers that hold a copy of each window (HSDP replicas first)
+    root: str = DEFAULT_HOST_ROOT
+    """The node-local directory windows are written to; shared memory (/dev/shm) survives a worker restart."""
+
+    run_id: str | None = None
+    """Names this training run: windows live under <root>/node-N/<run_id> (and <uri>/<run_id> in the store), and
+    resume() reads only this run's. 1-128 letters, digits, '.', '_', '-'. None: torchrun's run id
+    (TORCHELASTIC_RUN_ID), the same in every restart of one launch and new for every launch; to resume across
+    launches, give a name. Two unrelated jobs must never share one: their windows would mix."""
+
+    ranks_per_node: int | None = None
+    """Ranks per failure domain (peers are placed on other nodes). None: LOCAL_WORLD_SIZE (one node per
+    torchrun agent)."""
+
+    replicas: int = 0
+    """r: peers that hold a copy of each window (HSDP replicas first); 0: this node only."""
+
     object_store: ObjectStoreConfig | None = None
-    stall_iterations: int | None = 50  # iterations without a durable window = stalled; above 2 x W. None: no check
-    on_stall: str = "warn"  # "warn" (log once per stall) | "fail" (raise in the training thread)
-    upload_backlog: int = 4  # windows kept in host memory beyond retention while the object store lags or is down
-    spare_windows: int = 1  # collected windows whose data files are kept to be written over; 0: deleted at once
+    """Where committed windows are also uploaded, in the background (a dict is read as ObjectStoreConfig)."""
+
+    stall_iterations: int | None = 50
+    """Iterations without a new durable window before the checkpoint counts as stalled (>= 1, keep it above
+    2 x W). None: no check."""
+
+    on_stall: OnStall = "warn"
+    """A stall: "warn" logs it once per stall; "fail" raises CheckpointStallError in the training thread."""
+
+    upload_backlog: int = 4
+    """Windows kept in host memory beyond retention while the object store lags or is down (>= 0)."""
+
+    spare_windows: int = 1
+    """Collected windows whose data files are kept to be written over (no new allocation); 0: deleted at once."""
 
     def __post_init__(self):
         if isinstance(self.object_store, dict):
@@ -159,7 +227,7 @@ class TierConfig:
                 f"stall_iterations must be an integer >= 1 (iterations without a durable window "
                 f"before on_stall applies) or None (no check), got {self.stall_iterations!r}"
             )
-        if self.on_stall not in ("warn", "fail"):
+        if self.on_stall not in STALL_POLICIES:
             raise ConfigError(f"on_stall {self.on_stall!r} must be 'warn' (log it) or 'fail' (end the job)")
 
     def resolved_run_id(self) -> str:
@@ -190,25 +258,46 @@ class CheckpointConfig:
     in this process only; `max_grad_norm` turns on clipping (the library clips: replay reuses the logged norm)."""
 
     tiers: TierConfig | None = None
+    """Where windows are kept beyond this process (host memory, peers, object store). None: this process only."""
+
     window: SparseConfig = field(default_factory=SparseConfig)
+    """How windows are sized and filled (a dict is read as SparseConfig)."""
+
     max_grad_norm: float | None = None
+    """Gradient clipping by the library (> 0): replay reuses the logged norm. None: no clipping."""
+
     operators: OperatorSpec | None = None
-    router_top_k: int | None = None  # experts per token, when neither the router output nor the model says it
-    # the dtype forward runs in: a floating torch.dtype or a name ("bf16"); None: FSDP2's param dtype, else the model's
+    """Where experts and routers are, when structural detection does not find them. None: detected."""
+
+    router_top_k: int | None = None
+    """Experts per token, when neither the router output nor the model says it (>= 1). None: detected."""
+
     compute_dtype: Any = None
-    # every window rejected (corrupt, torn, replay diverged): "fail" raises UnusableCheckpointError on every rank,
-    # nothing touched; "restart" starts from step 0 and overwrites them
-    on_unusable_checkpoint: str = "fail"
-    # With more than one rank, a step that blocks longer than this ends the process (exit 124, `event=hang`) so
-    # torchrun restarts the job (watchdog.py). None: off. Below the process group's timeout, above the slowest step
+    """The dtype forward runs in: a floating torch.dtype or a name ("bf16", "fp32", ...). None: FSDP2's param
+    dtype, else the model's."""
+
+    on_unusable_checkpoint: OnUnusable = "fail"
+    """Windows exist but every one is rejected (corrupt, torn, replay diverged): "fail" raises
+    UnusableCheckpointError on every rank and touches nothing; "restart" starts from step 0 and overwrites them."""
+
     hang_timeout_s: float | None = 100.0
-    # The bound for resume() and the first step after it, and (plus the upload wait) close(). None: hang_timeout_s
+    """With more than one rank, a step that blocks longer than this ends the process (exit 124, `event=hang`) so
+    torchrun restarts the job (watchdog.py). Keep it below the process group's timeout and above the slowest
+    step. None: off."""
+
     hang_start_timeout_s: float | None = 300.0
-    # "exact": every replayed loss equals the original bit for bit (CUDA: deterministic kernels); "tolerant": within
-    # replay_tolerance, reported approximate
-    replay_check: str = "exact"
-    replay_tolerance: float = DEFAULT_TOLERANCE  # tolerant: largest relative deviation accepted (docs/gpu.md)
-    host_memory_limit: int | str | None = None  # the same as window.host_memory_limit, which it sets
+    """The bound for resume() and the first step after it, and (plus the upload wait) close(). None:
+    hang_timeout_s."""
+
+    replay_check: ReplayCheck = "exact"
+    """"exact": every replayed loss equals the original bit for bit (CUDA: deterministic kernels); "tolerant":
+    within replay_tolerance, reported as approximate."""
+
+    replay_tolerance: float = DEFAULT_TOLERANCE
+    """"tolerant": the largest relative deviation accepted, in (0, 1) (docs/gpu.md, "Choosing the bound")."""
+
+    host_memory_limit: int | str | None = None
+    """The same as window.host_memory_limit, which it sets (setting both to different values is an error)."""
 
     def __post_init__(self):
         if self.on_unusable_checkpoint not in UNUSABLE_POLICIES:
@@ -270,10 +359,10 @@ DTYPE_NAMES = {
 
 def compute_dtype_of(value):
     """CheckpointConfig.compute_dtype as a torch dtype (or None: inferred from the model)."""
+    if value is None:
+        return None  # before importing torch: a launcher builds configs before torch loads
     import torch
 
-    if value is None:
-        return None
     if isinstance(value, str):
         name = DTYPE_NAMES.get(value.lower().removeprefix("torch."))
         if name is None:

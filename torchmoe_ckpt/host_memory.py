@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 
+from .config_values import parse_bytes  # noqa: F401 (re-exported: defined torch-free for config.py)
 from .errors import ConfigError
 from .slot_pool import pageup
 from .status import human_bytes
@@ -19,7 +19,6 @@ from .status import human_bytes
 log = logging.getLogger("torchmoe_ckpt.host_memory")
 META_PER_ITEM = 320  # bytes of a slot's `.metadata` per item, an upper bound (measured 210-240)
 REPLAY_RECORD = 8192  # bytes per logged iteration besides its batch: CPU RNG state (5 KB), scalars, pickling
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 KNOBS = (
     "a smaller window (SparseConfig.window / max_window; TorchTitan: window, max_window), fewer replicas "
     "(TierConfig.replicas), a smaller upload backlog (TierConfig.upload_backlog), no spare files "
@@ -29,22 +28,6 @@ KNOBS = (
 
 class HostMemoryLimitError(ConfigError):
     """The checkpointer would hold more host memory than `host_memory_limit` (the message gives the figure)."""
-
-
-def parse_bytes(value, field: str = "host_memory_limit") -> int | None:
-    """A byte count: an int, or a string like "64 GiB", "512M", "1.5 TiB" (binary units; "GB" is read as GiB)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ConfigError(f"{field} must be a number of bytes or a string like '64 GiB', got {value!r}")
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", value)
-        if not m:
-            raise ConfigError(f"{field} {value!r} is not a size: write bytes or e.g. '64 GiB', '512 MiB'")
-        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value <= 0:
-        raise ConfigError(f"{field} must be > 0 bytes (or None: no limit), got {value!r}")
-    return int(value)
 
 
 class HostMemory:

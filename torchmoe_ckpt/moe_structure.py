@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .config_values import OperatorSpec  # defined torch-free for config.py
 from .errors import ConfigError
 
 __all__ = ["OperatorSpec", "OperatorDiscoveryError", "MoEBlock", "find_moe_blocks", "state_tensors", "ancestors"]
@@ -28,23 +29,6 @@ _WRAPPERS = re.compile(r"^(FSDP|CheckpointWrapper)")
 
 class OperatorDiscoveryError(ConfigError):
     """The model's MoE layout could not be mapped to operators; the message names the module and the fix."""
-
-
-@dataclass(frozen=True)
-class OperatorSpec:
-    """Where experts and routers are, as fnmatch patterns of module names, e.g.
-    `OperatorSpec(experts=("model.layers.*.mlp.experts",), routers=("model.layers.*.mlp.gate",))`. An experts
-    module is an expert list or holds grouped `[E, ...]` tensors. Given patterns replace detection for that role."""
-
-    experts: tuple[str, ...] = ()
-    routers: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        for role in ("experts", "routers"):
-            value = getattr(self, role)
-            if not isinstance(value, (tuple, list)) or not all(isinstance(p, str) and p for p in value):
-                raise ConfigError(f"OperatorSpec.{role} must be a tuple of module-name patterns, got {value!r}")
-            object.__setattr__(self, role, tuple(value))
 
 
 @dataclass

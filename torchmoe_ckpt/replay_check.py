@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 
+from .config_values import DEFAULT_TOLERANCE, REPLAY_CHECKS, ReplayPolicy  # torch-free, for config.py
 from .errors import ConfigError, TorchmoeError
 
 __all__ = [
@@ -26,33 +26,11 @@ __all__ = [
     "replay_verdict",
 ]
 
-REPLAY_CHECKS = ("exact", "tolerant")
-# Relative bound of the tolerant check: 12x above what non-deterministic GPU kernels moved replays by, 4x to 27x
-# below what another data order's batches did (docs/gpu.md, "Choosing the bound").
-DEFAULT_TOLERANCE = 1e-2
 CUBLAS_CONFIGS = (":4096:8", ":16:8")  # the two workspace settings cuBLAS documents as deterministic
 
 
 class ReplayDivergence(TorchmoeError, RuntimeError):
     """A replayed iteration did not reproduce the logged loss, so the rebuilt state would not be the run's."""
-
-
-@dataclass(frozen=True)
-class ReplayPolicy:
-    mode: str = "exact"  # "exact" | "tolerant"
-    tolerance: float = DEFAULT_TOLERANCE  # tolerant only: largest relative deviation accepted
-
-    def __post_init__(self):
-        if self.mode not in REPLAY_CHECKS:
-            raise ConfigError(
-                f"replay_check {self.mode!r} must be 'exact' (bit for bit; CUDA needs deterministic kernels) or "
-                "'tolerant' (within replay_tolerance, reported as approximate)"
-            )
-        t = self.tolerance
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1:
-            raise ConfigError(
-                f"replay_tolerance must be a relative bound in (0, 1), e.g. {DEFAULT_TOLERANCE}, got {t!r}"
-            )
 
 
 def check_replay_check(mode: str, device: torch.device | str) -> None:

@@ -64,10 +64,11 @@ def test_section_defaults_and_mapping():
         ({"windwo": 3}, "unknown key 'windwo'; fix: use one of enable, window, popularity"),
         ({"window": 0}, "window = 0: must be >= 1"),
         ({"window": -2}, "window = -2: must be >= 1"),
-        ({"window": "big"}, 'must be "auto" or an integer'),
+        ({"window": "big"}, 'must be an integer or "auto"'),
         (
             {"ordering": "random"},
-            "ordering = 'random': unknown ordering; fix: use one of hard, soft, decayed, capacity",
+            "ordering = 'random': 'random' is not one of hard, soft, decayed, capacity; "
+            "fix: use one of hard, soft, decayed, capacity",
         ),
         ({"replicas": -1}, "replicas = -1"),
         ({"enable": "yes"}, "enable = 'yes': must be a boolean"),
@@ -100,7 +101,7 @@ def test_store_uri_is_probed(tmp_path):
 @pytest.mark.parametrize(
     "extra_sparse, extra, needle",
     [
-        ("ordering = 'fifo'", "", "error: [sparse_checkpoint] ordering = 'fifo': unknown ordering; fix: use one of"),
+        ("ordering = 'fifo'", "", "error: [sparse_checkpoint] ordering = 'fifo': 'fifo' is not one of hard"),
         ("bogus = 1", "", "error: [sparse_checkpoint] unknown key 'bogus'; fix: use one of enable, window"),
         (
             "object_store = { uri = 'gopher://x/y' }",
@@ -360,7 +361,8 @@ def test_bad_override_json_is_one_error_line(tmp_path, env):
     )
     err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(err) == 1, proc.stderr[-3000:]
-    assert err[0].startswith("error: [override sparse_checkpoint] window = 0: must be >= 1; fix:"), err
+    assert err[0].startswith("error: [override sparse_checkpoint] window = 0: must be >= 1"), err
+    assert "; fix: " in err[0], err
 
 
 def test_on_unusable_checkpoint_is_a_checked_key_passed_to_recovery():
@@ -373,7 +375,10 @@ def test_on_unusable_checkpoint_is_a_checked_key_passed_to_recovery():
         "on_unusable_checkpoint": "restart"
     }
     assert SparseCheckpointSection.from_table({"on_unusable_checkpoint": "restart"}).on_unusable_checkpoint == "restart"
-    with pytest.raises(JobConfigError, match=r'on_unusable_checkpoint = .never.: must be "fail" or "restart"; fix:'):
+    with pytest.raises(
+        JobConfigError,
+        match=r"on_unusable_checkpoint = .never.: .never. must be .fail. .*; fix: use one of fail, restart",
+    ):
         SparseCheckpointSection.from_table({"on_unusable_checkpoint": "never"})
     src = (Path(__file__).resolve().parents[2] / "titan_integration" / "sparse_trainer.py").read_text()
     assert "on_unusable=self.sc.on_unusable_checkpoint" in src
@@ -388,8 +393,12 @@ def test_replay_check_is_a_checked_key_mapped_onto_the_core_policy():
     assert sec.replay_policy() == ReplayPolicy("exact", DEFAULT_TOLERANCE)
     got = SparseCheckpointSection.from_table({"replay_check": "tolerant", "replay_tolerance": 2e-3}).replay_policy()
     assert got == ReplayPolicy("tolerant", 2e-3)
-    with pytest.raises(JobConfigError, match=r'replay_check = .bitwise.: must be "exact" or "tolerant"; fix:'):
+    with pytest.raises(
+        JobConfigError, match=r"replay_check = .bitwise.: .bitwise. must be .exact. .*; fix: use one of exact, tolerant"
+    ):
         SparseCheckpointSection.from_table({"replay_check": "bitwise"})
     for bad in (0, 1, "1e-3", True):
-        with pytest.raises(JobConfigError, match=r"replay_tolerance = .*: must be a relative bound in \(0, 1\); fix:"):
+        with pytest.raises(
+            JobConfigError, match=r"replay_tolerance = .*: must be a relative bound in \(0, 1\).*; fix:"
+        ):
             SparseCheckpointSection.from_table({"replay_tolerance": bad})

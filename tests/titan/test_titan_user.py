@@ -87,7 +87,8 @@ def test_object_store_format_maps_onto_the_library_config(tmp_path):
     [
         (
             {"object_store_uri": "memory://x", "object_store_format": "zarr"},
-            "[sparse_checkpoint] object_store_format = 'zarr': unknown format; fix: use one of dcp, tensorstore",
+            "[sparse_checkpoint] object_store_format = 'zarr': 'zarr' is not one of dcp, tensorstore; "
+            "fix: use one of dcp, tensorstore",
         ),
         (
             {"object_store_format": "tensorstore"},
@@ -160,7 +161,7 @@ def test_sparse_flags_override_the_job_file_section(monkeypatch):
     sec = sparse_section(job)
     assert (sec.window, sec.run_id, sec.popularity) == (3, "cli", "decayed")  # an old key name from the CLI
     monkeypatch.setenv(SPARSE_ENV, '{"window": 0}')
-    with pytest.raises(JobConfigError, match=r"^\[sparse_checkpoint\] window = 0: must be >= 1; fix:"):
+    with pytest.raises(JobConfigError, match=r"^\[sparse_checkpoint\] window = 0: must be >= 1 .*; fix:"):
         sparse_section(job)
 
 
@@ -185,7 +186,7 @@ def test_sparse_flags_go_into_the_override_entry():
     added = merge_into_override(["--training.steps", "4"], {"window": 2})
     assert added == ["--training.steps", "4", OVERRIDE_FLAG, f'{TARGET}={{"window": 2}}']
     assert override_section(["--training.steps", "4"]) is None
-    with pytest.raises(JobConfigError, match=r"^\[override sparse_checkpoint\] window = 0: must be >= 1; fix:"):
+    with pytest.raises(JobConfigError, match=r"^\[override sparse_checkpoint\] window = 0: must be >= 1 .*; fix:"):
         override_section(merge_into_override(args, {"window": 0}))
 
 
@@ -196,7 +197,7 @@ def test_bad_sparse_flag_is_one_error_line_before_torchtitan(tmp_path, env, how)
     proc, titan_imported = _launch(tmp_path, env, base + ["--sparse_checkpoint.window", "0"])
     line = _one_error_line(proc)
     label = "[sparse_checkpoint]" if how == "job" else "[override sparse_checkpoint]"
-    assert line.startswith(f"error: {label} window = 0: must be >= 1; fix:"), line
+    assert line.startswith(f"error: {label} window = 0: must be >= 1 ") and "; fix: " in line, line
     proc, _ = _launch(tmp_path, env, base + ["--sparse_checkpoint.windwo", "3"])
     assert _one_error_line(proc).startswith(
         "error: --sparse_checkpoint.windwo: unknown [sparse_checkpoint] key; fix: use one of enable, window"

@@ -358,9 +358,12 @@ def test_torchtitan_section_maps_the_memory_settings():
     assert TierConfig.from_dict(sec.tiers_config()).spare_windows == 0
     assert SparseCheckpointSection.from_table({}).core_config().host_memory_limit is None
     for table, needle in (
-        ({"host_memory_limit": "lots"}, "host_memory_limit = 'lots': must be bytes > 0 or a size like \"64 GiB\""),
-        ({"spare_windows": -1}, "spare_windows = -1: must be an integer >= 0"),
-        ({"upload_backlog": "4"}, "upload_backlog = '4': must be an integer >= 0"),
+        (
+            {"host_memory_limit": "lots"},
+            "host_memory_limit = 'lots': 'lots' is not a size: write bytes or e.g. '64 GiB'",
+        ),
+        ({"spare_windows": -1}, "spare_windows = -1: must be >= 0"),
+        ({"upload_backlog": "4"}, "upload_backlog = '4': must be an integer"),
     ):
         with pytest.raises(JobConfigError) as err:
             SparseCheckpointSection.from_table(table)
