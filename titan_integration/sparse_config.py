@@ -358,7 +358,7 @@ class SparseCheckpointSection:
         """host_memory_limit in bytes (None: no limit). Raises ValueError (a ConfigError) for a bad value."""
         if self.host_memory_limit in ("", 0):
             return None
-        from torchmoe_ckpt.host_memory import parse_bytes
+        from torchmoe_ckpt.capture.host_memory import parse_bytes
 
         return parse_bytes(self.host_memory_limit)
 
@@ -375,8 +375,8 @@ class SparseCheckpointSection:
         )
 
     def replay_policy(self):
-        """How recovery checks each replayed iteration (torchmoe_ckpt.replay_check.ReplayPolicy)."""
-        from torchmoe_ckpt.replay_check import ReplayPolicy
+        """How recovery checks each replayed iteration (torchmoe_ckpt.recovery.replay_check.ReplayPolicy)."""
+        from torchmoe_ckpt.recovery.replay_check import ReplayPolicy
 
         return ReplayPolicy(self.replay_check, float(self.replay_tolerance))
 

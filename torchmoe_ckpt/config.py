@@ -10,12 +10,12 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .errors import ConfigError
-from .host_memory import parse_bytes
-from .operators import OperatorSpec
-from .replay_check import DEFAULT_TOLERANCE, ReplayPolicy
+from .capture.host_memory import parse_bytes
+from .core.errors import ConfigError
+from .model.operators import OperatorSpec
+from .recovery.replay_check import DEFAULT_TOLERANCE, ReplayPolicy
+from .runtime.watchdog import check_timeout
 from .storage.store_open import StoreConfigError, check_uri
-from .watchdog import check_timeout
 
 __all__ = ["ConfigError", "SparseConfig", "ObjectStoreConfig", "TierConfig", "CheckpointConfig", "DEFAULT_HOST_ROOT"]
 

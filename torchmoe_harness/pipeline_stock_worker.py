@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from torchmoe_ckpt.pipeline_log import BoundaryLog
-from torchmoe_ckpt.pipeline_stock import LoggingPipelineStage
+from torchmoe_ckpt.pipeline.boundary_log import BoundaryLog
+from torchmoe_ckpt.pipeline.stock import LoggingPipelineStage
 from torchmoe_harness.data import TokenStream
 from torchmoe_harness.pipeline_trainer import PipelineConfig, build_stage, stage_forward
 from torchmoe_harness.trainer import RunConfig

@@ -8,9 +8,9 @@ import queue
 import threading
 import time
 
-from ..background import stop_at_exit
-from ..snapshot import Slot
-from ..status import RunStatus
+from ..core.slot import Slot
+from ..ops.status import RunStatus
+from ..runtime.background import stop_at_exit
 from .host_tier import HostTier
 from .manifest import record_digest
 from .tier_health import TierHealth

@@ -11,8 +11,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from ..distributed import library_group
-from ..identity import RunIdentity
+from ..model.identity import RunIdentity
+from ..runtime.distributed import library_group
 from .host_tier import HostTier
 from .slot_format import CorruptCopyError
 

@@ -11,10 +11,10 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from ..background import stop_at_exit
 from ..config import DEFAULT_HOST_ROOT, TierConfig
-from ..errors import ConfigError
-from ..placement import Topology, place_replicas
+from ..core.errors import ConfigError
+from ..planning.placement import Topology, place_replicas
+from ..runtime.background import stop_at_exit
 from . import run_lock
 from .host_tier import HostTier
 from .layout import node_dirname
