@@ -1,5 +1,5 @@
 """torchrun entry point: train the tiny MoE with a *stock* torch.distributed.pipelining schedule whose
-stages log their sends (pipeline_stock.LoggingPipelineStage), and record what each stage actually
+stages log their sends (pipeline.stock.LoggingPipelineStage), and record what each stage actually
 received, so a test can check the logs entry by entry against the receivers (torch.equal).
 
 Spec: "run" (RunConfig), "schedule": gpipe | 1f1b | interleaved1f1b, "stages_per_rank" (2 for

@@ -13,7 +13,7 @@ running. So a healthy stage that sees a peer fail (a gloo error, or torchrun's S
 boundary) discards the aborted iteration (nothing was updated yet), writes its live state to host memory
 (`<root>/<run_id>/live/stage-S.pt`, /dev/shm in practice) and exits; its restarted process loads it back
 in place: no rollback, no recomputation. Its boundary log is already in host memory. A stage without a
-live state (killed) recovers from its window and its neighbours' logs (pipeline_recovery).
+live state (killed) recovers from its window and its neighbours' logs (pipeline.recovery).
 """
 
 from __future__ import annotations
