@@ -10,6 +10,7 @@ relative ones resolved against the importing module."""
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -327,6 +328,36 @@ def test_layer_packages_exist_and_name_their_layer():
         init = ROOT / LIBRARY / name / "__init__.py"
         assert init.is_file(), f"layer package {name}/ is missing"
         assert ast.get_docstring(ast.parse(init.read_text())), f"{name}/__init__.py says what the layer holds"
+
+
+def architecture_block(text: str) -> list[tuple[str, str]]:
+    """(package, module file) as docs/architecture.md's layer block names them, top first; the package is "" for
+    the front door (the `torchmoe_ckpt/` section)."""
+    block = text.split("## Layers", 1)[1].split("```", 2)[1]
+    out, pkg = [], None
+    for line in block.splitlines():
+        head = re.match(r"\s*(\w+)/\s", line)
+        if head and head.group(1) == LIBRARY:
+            pkg = ""
+        elif head and pkg is not None:
+            pkg = head.group(1)
+        if pkg is not None:
+            out += [(pkg, f) for f in re.findall(r"\b(\w+\.py)\b", line)]
+    return out
+
+
+def test_architecture_doc_draws_the_layers_and_names_every_module():
+    named = architecture_block((ROOT / "docs" / "architecture.md").read_text())
+    have = set()
+    for path in module_names(ROOT, LIBRARY).values():
+        rel = path.relative_to(ROOT / LIBRARY)
+        if rel.name != "__init__.py" or len(rel.parts) == 1:
+            have.add(("" if len(rel.parts) == 1 else rel.parts[0], rel.name))
+    missing, stale = sorted(have - set(named)), sorted(set(named) - have)
+    assert not missing and not stale, f"docs/architecture.md's layer block: not named {missing}; no such module {stale}"
+    ranks = {name: r for r, name, _ in LAYERS} | {"": max(r for r, *_ in LAYERS) + 1}
+    order = [ranks[p] for p, _ in named]
+    assert order == sorted(order, reverse=True), "the block draws the layers top first, in the order of LAYERS"
 
 
 def test_moved_modules_are_gone_from_the_library():
