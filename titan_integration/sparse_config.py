@@ -375,7 +375,7 @@ class SparseCheckpointSection:
         )
 
     def replay_policy(self):
-        """How recovery checks each replayed iteration (torchmoe_ckpt.recovery.replay_check.ReplayPolicy)."""
+        """How recovery checks each replayed iteration (torchmoe_ckpt.replay_check.ReplayPolicy)."""
         from torchmoe_ckpt.recovery.replay_check import ReplayPolicy
 
         return ReplayPolicy(self.replay_check, float(self.replay_tolerance))
