@@ -244,7 +244,8 @@ def test_status_lines_say_each_window_once_and_store_changes_once(caplog):
     lines say pending at once; one warning per change of state; the exit summary names the pending windows."""
     import logging
 
-    from torchmoe_ckpt.ops.status import RunStatus, recovery_line
+    from torchmoe_ckpt.ops.status import recovery_line
+    from torchmoe_ckpt.storage.run_status import RunStatus
 
     st = RunStatus(0, peers=1, store="s3://b/x")
     with caplog.at_level(logging.INFO, logger="torchmoe_ckpt"):
@@ -278,7 +279,7 @@ def test_status_lines_say_each_window_once_and_store_changes_once(caplog):
 def test_exit_with_no_window_committed_is_a_warning_that_says_why(caplog):
     import logging
 
-    from torchmoe_ckpt.ops.status import RunStatus
+    from torchmoe_ckpt.storage.run_status import RunStatus
 
     with caplog.at_level(logging.INFO, logger="torchmoe_ckpt"):
         RunStatus(0).exit_summary(0.0, 30.0, "/dev/shm/x")

@@ -58,9 +58,6 @@ ALLOWED_UPWARD = {
     ("capture.slot_alloc", "config"): "HOST_BUFFERS: the allocator choices, validated where they are chosen",
     ("storage.tiers", "config"): "TierConfig, DEFAULT_HOST_ROOT: build_tiers builds the tiers from the config",
     ("recovery.jit", "config"): "TierConfig: the JIT checkpoint writes where the tiers are configured",
-    # ops/status.py holds both RunStatus (fed by the persist thread and the uploader) and the recovery line (which
-    # needs recovery.replay_check); RunStatus belongs in storage/ once the two are split.
-    ("storage.persist_thread", "ops.status"): "RunStatus: the persist thread reports each committed window",
 }
 
 

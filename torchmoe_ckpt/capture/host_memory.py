@@ -13,6 +13,7 @@ import re
 import time
 
 from ..core.errors import ConfigError
+from ..storage.run_status import human_bytes
 from .slot_pool import pageup
 
 log = logging.getLogger("torchmoe_ckpt.host_memory")
@@ -44,13 +45,6 @@ def parse_bytes(value, field: str = "host_memory_limit") -> int | None:
     if value <= 0:
         raise ConfigError(f"{field} must be > 0 bytes (or None: no limit), got {value!r}")
     return int(value)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
 
 
 class HostMemory:

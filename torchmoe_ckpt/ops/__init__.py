@@ -1,1 +1,1 @@
-"""Operations tools: the status lines a user reads, the torchmoe-ckpt command line, inspect/verify."""
+"""Operations tools: the line a user reads after a recovery, the torchmoe-ckpt command line, inspect/verify."""

@@ -9,10 +9,10 @@ import threading
 import time
 
 from ..core.slot import Slot
-from ..ops.status import RunStatus
 from ..runtime.background import stop_at_exit
 from .host_tier import HostTier
 from .manifest import record_digest
+from .run_status import RunStatus
 from .tier_health import TierHealth
 from .uploader import Uploader
 
