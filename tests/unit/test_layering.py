@@ -40,12 +40,12 @@ LAYERS = (
     (0, "runtime", "process services with no library imports: process groups, fault points, exit, watchdog"),
     (1, "model", "what is checkpointed: operators, MoE structure, optimizer state, routing, run identity"),
     (2, "planning", "Algorithm 1, the window planner, popularity, peer placement"),
-    (3, "storage", "the tiers behind one contract, layout, manifests, checksums, persist thread, run lock"),
+    (3, "storage", "the tiers behind one contract, layout, manifests, checksums, persist thread, status lines"),
     (4, "dcp", "DCP planners and StorageWriter/Reader adapters over the tiers"),
     (5, "capture", "the copy engine, slot pools and their allocators, host memory"),
     (6, "recovery", "recover, sparse-to-dense, replay checks and records, RNG, JIT checkpoint"),
     (7, "pipeline", "stage-boundary logs and localized recovery"),
-    (7, "ops", "status lines, the command line, inspect/verify"),
+    (7, "ops", "the recovery line, the command line, inspect/verify"),
 )
 # Modules at the package root: the front door (what a user imports, the start-up sequence). It may import any layer.
 FRONT_DOOR = ("__init__", "checkpointer", "config", "startup", "sparse_checkpointer")
@@ -227,9 +227,7 @@ def scan(root: Path, package: str) -> tuple[list[Import], dict[str, dict[str, Im
 def rank_of(module: str, package: str = LIBRARY, layers=LAYERS, front=FRONT_DOOR) -> int | None:
     """The rank of a library module's layer; the front door ranks above every layer; None: in no layer."""
     parts = module.split(".")[1:]
-    if not parts:  # the package's __init__
-        return len(layers) and max(r for r, *_ in layers) + 1
-    if len(parts) == 1 and parts[0] in front:
+    if not parts or (len(parts) == 1 and parts[0] in front):  # the package's __init__, a front-door file
         return max(r for r, *_ in layers) + 1
     ranks = {name: r for r, name, _ in layers}
     return ranks.get(parts[0]) if len(parts) > 1 or parts[0] in ranks else None
