@@ -36,7 +36,7 @@ from torchtitan.trainer import Trainer
 
 from titan_integration.assets import TOKENIZER_VOCAB_SIZE, ensure_assets
 from titan_integration.cpu_mode import apply_cpu_config, cpu_mode_enabled
-from torchmoe_ckpt.distributed import key_rendezvous_by_attempt
+from torchmoe_ckpt.runtime.distributed import key_rendezvous_by_attempt
 
 __all__ = ["deepseek_v3_tiny", "deepseek_v3_tiny_ep2", "TINY", "DEFAULT_CONFIG", "DATASET_NAME"]
 
@@ -144,7 +144,7 @@ def _register() -> None:
 _register()
 # ConfigManager imports this module before the Trainer exists, so also on TorchTitan's stock entry point
 # (python -m torchtitan.train --module titan_integration.config_registry) every process group gets a store of
-# its rendezvous round (torchmoe_ckpt.distributed: why a restart fails without it).
+# its rendezvous round (torchmoe_ckpt.runtime.distributed: why a restart fails without it).
 key_rendezvous_by_attempt()
 
 

@@ -16,7 +16,7 @@ checkpointer: the factory swaps ``CheckpointManager.Config`` for :class:`Overrid
 :class:`SparseTrainer` as it is built (:func:`adopt`).
 
 Restarts: every process group must be keyed by torchrun attempt, or a restarted worker reads the previous
-attempt's store keys (:mod:`torchmoe_ckpt.distributed`). TorchTitan sets up its process group *before* it
+attempt's store keys (:mod:`torchmoe_ckpt.runtime.distributed`). TorchTitan sets up its process group *before* it
 imports override modules, so the keying is installed earlier: by our launcher before TorchTitan is imported,
 and by :mod:`titan_integration.config_registry` when ConfigManager imports it. With neither (stock
 ``torchtitan.train`` and a TorchTitan model registry) this module keys every group created after it (ours,
@@ -40,7 +40,7 @@ from titan_integration import restart_timing
 from titan_integration.checkpoint_manager import SparseCheckpointManager
 from titan_integration.sparse_config import SparseCheckpointSection
 from titan_integration.sparse_trainer import SparseTrainer
-from torchmoe_ckpt.distributed import key_groups_by_attempt
+from torchmoe_ckpt.runtime.distributed import key_groups_by_attempt
 
 TARGET = f"{__name__}.sparse_checkpoint"
 

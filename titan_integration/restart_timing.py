@@ -4,7 +4,7 @@ Each worker keeps wall-clock marks of its own start (``mark``): the process star
 ``main()`` called (every import and our launcher's checks done), the process group ready, the model built
 (our checkpoint manager is built after the model, its parallelisation, optimizer and data loader), recovery
 done, and the first iteration trained after it. The kill's time comes from the fault injection
-(``torchmoe_ckpt.faults.last_kill_time``), when a fault was injected; a real ``kill -9`` has none, and the
+(``torchmoe_ckpt.runtime.faults.last_kill_time``), when a fault was injected; a real ``kill -9`` has none, and the
 breakdown then starts at the process start. Phases, in seconds:
 
   agent_restart   kill -> this worker process started (torchrun noticed, stopped the others, spawned anew)
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from torchtitan.tools.logging import logger
 
-from torchmoe_ckpt import faults
+from torchmoe_ckpt.runtime import faults
 
 __all__ = ["mark", "note", "reset", "breakdown", "after_step", "result", "PHASES"]
 

@@ -52,7 +52,7 @@ from torchmoe_ckpt.config import (
     TierConfig,
     default_run_id,
 )
-from torchmoe_ckpt.config_values import ReplayCheck, ReplayPolicy
+from torchmoe_ckpt.core.config_values import ReplayCheck, ReplayPolicy
 
 __all__ = [
     "JobConfigError",

@@ -9,7 +9,7 @@ With ``enable = false`` it trains exactly like the stock Trainer. With ``enable 
 * every iteration runs :meth:`SparseTrainer.sparse_step` -- TorchTitan's own ``train_step`` body (same
   batch fetch, global token count, ``forward_backward_step``, ``dist_utils.clip_grad_norm_``, optimizer and
   LR-scheduler step, metric logging) with four additions:
-  - the batch (``input`` + ``labels``), the RNG state (CPU and GPU generators: torchmoe_ckpt.rng), this rank's
+  - the batch (``input`` + ``labels``), the RNG state (CPU and GPU generators: torchmoe_ckpt.recovery.rng), this rank's
     loss, the global grad norm and the LR are kept for exact replay (loss and norm stay on the device; the
     checkpointer copies them to host memory without waiting);
   - the MoE layers' ``tokens_per_expert_E`` are cloned on the device after backward, *before* TorchTitan's
@@ -23,7 +23,7 @@ With ``enable = false`` it trains exactly like the stock Trainer. With ``enable 
   window's iterations with frozen operators, grad norm taken from the log), skips the data loader past the
   recovered step and continues. TorchTitan's own checkpoint load is skipped then (it would be older).
 
-:class:`TitanReplayable` is the ``torchmoe_ckpt.sparse_to_dense.Replayable`` adapter over a SparseTrainer.
+:class:`TitanReplayable` is the ``torchmoe_ckpt.recovery.sparse_to_dense.Replayable`` adapter over a SparseTrainer.
 
 Under pipeline parallelism (one rank per stage) :class:`titan_integration.titan_pipeline_recovery.TitanPipeline`
 adds stage-boundary logs, the live state of healthy stages and localized recovery of failed stages; the
@@ -60,15 +60,16 @@ from titan_integration.titan_pipeline_recovery import TitanPipeline
 from titan_integration.titan_replay import OptimizerView, TitanReplayable, TitanStepResult, pack_batches, unpack_batches
 from titan_integration.titan_state_export import state_tensors, write_export
 from titan_integration.upstream_pin import UPSTREAM_TRAIN_STEP
-from torchmoe_ckpt import faults, rng
-from torchmoe_ckpt.capture import position_lambda_lr
-from torchmoe_ckpt.distributed import key_rendezvous_by_attempt
-from torchmoe_ckpt.recovery import ResumeResult
-from torchmoe_ckpt.replay_check import check_replay_check
-from torchmoe_ckpt.replay_log import group_hyper
-from torchmoe_ckpt.sparse_to_dense import ReplayDivergence
+from torchmoe_ckpt.model.coverage import position_lambda_lr
+from torchmoe_ckpt.recovery import rng
+from torchmoe_ckpt.recovery.recover import ResumeResult
+from torchmoe_ckpt.recovery.replay_check import check_replay_check
+from torchmoe_ckpt.recovery.replay_log import group_hyper
+from torchmoe_ckpt.recovery.sparse_to_dense import ReplayDivergence
+from torchmoe_ckpt.runtime import faults
+from torchmoe_ckpt.runtime.distributed import key_rendezvous_by_attempt
+from torchmoe_ckpt.runtime.watchdog import CollectiveWatchdog
 from torchmoe_ckpt.startup import start
-from torchmoe_ckpt.watchdog import CollectiveWatchdog
 
 __all__ = ["SparseTrainer", "TitanReplayable", "TitanStepResult", "UPSTREAM_TRAIN_STEP"]
 
@@ -119,7 +120,7 @@ class SparseTrainer(Trainer):
 
     def init_distributed(self):
         """TorchTitan's own init_distributed with a store of this rendezvous round for every process group (the
-        shared agent store otherwise hands a restart the previous round's keys: torchmoe_ckpt.distributed)."""
+        shared agent store otherwise hands a restart the previous round's keys: torchmoe_ckpt.runtime.distributed)."""
         key_rendezvous_by_attempt()
         dims = super().init_distributed()
         restart_timing.mark("pg_ready")

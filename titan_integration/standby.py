@@ -267,7 +267,7 @@ def _become(request: dict, fds: list[int], conn: socket.socket) -> None:
 def _reset_for_attempt() -> None:
     """What the first attempt left in module state that belongs to an attempt, not to the job."""
     from titan_integration import restart_timing
-    from torchmoe_ckpt import faults
+    from torchmoe_ckpt.runtime import faults
 
     restart_timing.reset()
     _note_state()

@@ -1,4 +1,4 @@
-"""TorchTitan's optimizers as the core sees them (torchmoe_ckpt.optim_state).
+"""TorchTitan's optimizers as the core sees them (torchmoe_ckpt.model.optim_state).
 
 * ``DistMuon`` (the Kimi K2.x recipe: matrices on DistMuon, the rest on AdamW, by parameter group) gets its update
   rule: one momentum buffer per parameter, and each matrix -- the last two dims; grouped [E, F, D] expert tensors
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from torchmoe_ckpt.optim_state import UpdateRule, init_optimizer_state, register_update_rule
+from torchmoe_ckpt.model.optim_state import UpdateRule, init_optimizer_state, register_update_rule
 
 __all__ = ["init_titan_optimizer_state", "register_titan_optimizers"]
 

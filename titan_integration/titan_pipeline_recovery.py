@@ -4,7 +4,7 @@ TorchTitan builds the stages (``pipeline_llm``: its module split, its ``Pipeline
 ``Schedule1F1B``/``ScheduleGPipe``) and trains with ``pp_schedule.step``. :class:`TitanPipeline` adds, on
 each stage rank of a :class:`~titan_integration.sparse_trainer.SparseTrainer`:
 
-* boundary logs: the stage becomes a :class:`torchmoe_ckpt.pipeline_stock.LoggingPipelineStage` (in
+* boundary logs: the stage becomes a :class:`torchmoe_ckpt.pipeline.stock.LoggingPipelineStage` (in
   place), which logs every activation and gradient it sends, plus a per-iteration record (global grad norm,
   loss), in ``<root>/<run_id>/pp/log/stage-S`` (host memory), collected as windows commit;
 * static stage shapes (:func:`titan_integration.pipeline_compat.set_static_shapes`), so no shape-inference
@@ -14,7 +14,7 @@ each stage rank of a :class:`~titan_integration.sparse_trainer.SparseTrainer`:
 * on a peer failure (gloo error, torchrun's SIGTERM), a healthy stage discards the aborted iteration and
   keeps its live state in host memory (``pp/live/stage-S.pt``, emulating a stage that keeps running
   across torchrun's restart-all); at the next start it loads it back: no rollback, no recomputation;
-* at start, :meth:`TitanPipeline.recover` plans with ``torchmoe_ckpt.pipeline_recovery.plan_recovery``
+* at start, :meth:`TitanPipeline.recover` plans with ``torchmoe_ckpt.pipeline.recovery.plan_recovery``
   (segments of failed stages, global fallback with a reason) and a failed stage replays its window
   (sparse-to-dense, frozen operators) and then the iterations up to the healthy stages' step *through
   TorchTitan's own schedule*, with the receives from outside its segment served from the neighbours' logs.
@@ -36,13 +36,13 @@ import torch.distributed as dist
 from titan_integration.pipeline_compat import set_static_shapes
 from titan_integration.sparse_config import JobConfigError
 from titan_integration.titan_replay import TitanReplayable, pack_batches
-from torchmoe_ckpt import faults
-from torchmoe_ckpt.operators import discover_operators
-from torchmoe_ckpt.pipeline_log import BoundaryLog, LogReader
-from torchmoe_ckpt.pipeline_recovery import StageStatus, plan_recovery
-from torchmoe_ckpt.pipeline_stock import LoggingPipelineStage, ReplayIO
-from torchmoe_ckpt.replay_log import Replay
-from torchmoe_ckpt.sparse_to_dense import ReplayDivergence, sparse_to_dense
+from torchmoe_ckpt.model.operators import discover_operators
+from torchmoe_ckpt.pipeline.boundary_log import BoundaryLog, LogReader
+from torchmoe_ckpt.pipeline.recovery import StageStatus, plan_recovery
+from torchmoe_ckpt.pipeline.stock import LoggingPipelineStage, ReplayIO
+from torchmoe_ckpt.recovery.replay_log import Replay
+from torchmoe_ckpt.recovery.sparse_to_dense import ReplayDivergence, sparse_to_dense
+from torchmoe_ckpt.runtime import faults
 
 log = logging.getLogger("torchmoe_ckpt.titan_pipeline")
 SCHEDULES = ("1F1B", "GPipe")

@@ -1,7 +1,7 @@
 """What one TorchTitan iteration leaves for the sparse checkpointer and how recovery replays it: the batch
 packed into one int64 tensor for the replay log, the per-step result that `SparseCheckpointer.after_step` and
 recovery read, a `torch.optim.Optimizer`-like view over TorchTitan's OptimizersContainer, and
-:class:`TitanReplayable`, the `torchmoe_ckpt.sparse_to_dense.Replayable` over a SparseTrainer (duck-typed: the
+:class:`TitanReplayable`, the `torchmoe_ckpt.recovery.sparse_to_dense.Replayable` over a SparseTrainer (duck-typed: the
 trainer's `sparse_step`, `set_lr_step`, `step`, `_losses`, `_lrs`; no import of the trainer module, which
 imports this one)."""
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchmoe_ckpt.optim_state import Optimizers
+from torchmoe_ckpt.model.optim_state import Optimizers
 
 __all__ = ["BATCH_KEYS", "OptimizerView", "TitanReplayable", "TitanStepResult", "pack_batches", "unpack_batches"]
 
@@ -54,7 +54,7 @@ class TitanStepResult:
     expert_counts: torch.Tensor  # [moe layers, experts], this rank's (the checkpointer sums them over the ranks)
     expert_probs: torch.Tensor  # TorchTitan keeps no router-probability sums: the counts again
     seconds: float = 0.0
-    device_rng: dict | None = None  # GPU generators' states (torchmoe_ckpt.rng)
+    device_rng: dict | None = None  # GPU generators' states (torchmoe_ckpt.recovery.rng)
     replayed_grad_norm: torch.Tensor | None = None  # replay only: the replayed gradients' norm (for the check)
     lrs: tuple[float, ...] = ()  # every param group's LR, of every optimizer (DistMuon's and AdamW's differ)
     hyper: tuple[dict, ...] = ()  # every param group's other hyper-parameters (replay_log.group_hyper)
@@ -71,7 +71,7 @@ class OptimizerView(Optimizers):
 
 
 class TitanReplayable:
-    """``torchmoe_ckpt.sparse_to_dense.Replayable`` over a SparseTrainer: replays TorchTitan iterations."""
+    """``torchmoe_ckpt.recovery.sparse_to_dense.Replayable`` over a SparseTrainer: replays TorchTitan iterations."""
 
     def __init__(self, trainer):  # a SparseTrainer
         self.trainer = trainer

@@ -24,7 +24,7 @@ Run under torchrun::
   store (probe-written in torchrun's first attempt; a restart only opens it). A problem is one
   ``error: ... fix: ...`` line, exit status 2, on every rank.
 * Before TorchTitan is imported, every process group this process will create gets a store of its rendezvous
-  round (:func:`torchmoe_ckpt.distributed.key_rendezvous_by_attempt`): a restart must not read the previous
+  round (:func:`torchmoe_ckpt.runtime.distributed.key_rendezvous_by_attempt`): a restart must not read the previous
   round's rendezvous keys (the cause of "Gloo connectFullMesh failed" on restart).
 * ``TORCHMOE_STANDBY=1``: the first attempt forks a pre-imported standby per rank, and a restarted worker hands
   itself over to it instead of importing torch and TorchTitan again (:mod:`titan_integration.standby`).
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args = cpu_cli_flags(expert_parallel_degree=2) + args
 
-    from torchmoe_ckpt.distributed import key_rendezvous_by_attempt
+    from torchmoe_ckpt.runtime.distributed import key_rendezvous_by_attempt
 
     key_rendezvous_by_attempt()  # before TorchTitan's init_distributed: a restart must not read stale store keys
     import torchtitan.train

@@ -19,8 +19,6 @@ nothing else, so a process that needs one piece does not import all the others.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING
 
 
@@ -31,26 +29,28 @@ def _by_module(table: dict[str, str]) -> dict[str, str]:
 # public name -> the module that defines it, imported on first use
 _EXPORTS = _by_module(
     {
-        "capture": "SchedulerPosition",
+        "model.coverage": "SchedulerPosition",
         "checkpointer": "Checkpointer StepResult",
         "config": "CheckpointConfig ObjectStoreConfig SparseConfig TierConfig",
-        "distributed": "init_process_group restart_attempt",
-        "errors": "ConfigError UncapturedStateError UnusableCheckpointError",
-        "host_memory": "HostMemoryLimitError",
-        "identity": "IdentityMismatch RunIdentity",
-        "operators": "Operator OperatorDiscoveryError OperatorSpec discover_operators",
-        "optim_state": "Optimizers UpdateRule optimizer_list register_update_rule",
-        "placement": "Placement Topology place_replicas",
-        "recovery": "ResumeResult recover",
-        "replay_check": "ReplayPolicy",
-        "replay_log": "IterationRecord Replay",
-        "routing": "RouterCounter",
+        "runtime.distributed": "init_process_group restart_attempt",
+        "core.errors": "ConfigError UncapturedStateError UnusableCheckpointError",
+        "capture.host_memory": "HostMemoryLimitError",
+        "model.identity": "IdentityMismatch RunIdentity",
+        "core.operator": "Operator",
+        "model.operators": "OperatorDiscoveryError OperatorSpec discover_operators",
+        "model.optim_state": "Optimizers UpdateRule optimizer_list register_update_rule",
+        "planning.placement": "Placement Topology place_replicas",
+        "recovery.recover": "ResumeResult recover",
+        "recovery.replay_check": "ReplayPolicy",
+        "core.records": "IterationRecord",
+        "recovery.replay_log": "Replay",
+        "model.routing": "RouterCounter",
         "sparse_checkpointer": "SparseCheckpointer",
-        "sparse_to_dense": "RecoveryReport Replayable ReplayDivergence sparse_to_dense",
+        "recovery.sparse_to_dense": "RecoveryReport Replayable ReplayDivergence sparse_to_dense",
         "storage.run_lock": "RunLockedError",
         "storage.tier_health": "CheckpointStallError",
         "storage.tiers": "Tiers build_tiers",
-        "window": "Window",
+        "core.window": "Window",
     }
 )
 # The DCP users' names: dcp.__all__ (tests/unit/test_layering.py keeps them equal), imported on first use too
@@ -67,26 +67,28 @@ _DCP_EXPORTS = _by_module(
 
 # ruff: noqa: F401 (the imports below are for type checkers; __all__ is built from the tables above)
 if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they come from __getattr__
-    from .capture import SchedulerPosition
+    from .capture.host_memory import HostMemoryLimitError
     from .checkpointer import Checkpointer, StepResult
     from .config import CheckpointConfig, ObjectStoreConfig, SparseConfig, TierConfig
-    from .distributed import init_process_group, restart_attempt
-    from .errors import ConfigError, UncapturedStateError, UnusableCheckpointError
-    from .host_memory import HostMemoryLimitError
-    from .identity import IdentityMismatch, RunIdentity
-    from .operators import Operator, OperatorDiscoveryError, OperatorSpec, discover_operators
-    from .optim_state import Optimizers, UpdateRule, optimizer_list, register_update_rule
-    from .placement import Placement, Topology, place_replicas
-    from .recovery import ResumeResult, recover
-    from .replay_check import ReplayPolicy
-    from .replay_log import IterationRecord, Replay
-    from .routing import RouterCounter
+    from .core.errors import ConfigError, UncapturedStateError, UnusableCheckpointError
+    from .core.operator import Operator
+    from .core.records import IterationRecord
+    from .core.window import Window
+    from .model.coverage import SchedulerPosition
+    from .model.identity import IdentityMismatch, RunIdentity
+    from .model.operators import OperatorDiscoveryError, OperatorSpec, discover_operators
+    from .model.optim_state import Optimizers, UpdateRule, optimizer_list, register_update_rule
+    from .model.routing import RouterCounter
+    from .planning.placement import Placement, Topology, place_replicas
+    from .recovery.recover import ResumeResult, recover
+    from .recovery.replay_check import ReplayPolicy
+    from .recovery.replay_log import Replay
+    from .recovery.sparse_to_dense import RecoveryReport, Replayable, ReplayDivergence, sparse_to_dense
+    from .runtime.distributed import init_process_group, restart_attempt
     from .sparse_checkpointer import SparseCheckpointer
-    from .sparse_to_dense import RecoveryReport, Replayable, ReplayDivergence, sparse_to_dense
     from .storage.run_lock import RunLockedError
     from .storage.tier_health import CheckpointStallError
     from .storage.tiers import Tiers, build_tiers
-    from .window import Window
 
 
 def __getattr__(name: str):
@@ -102,22 +104,6 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS) | set(_DCP_EXPORTS))
-
-
-class _Package(types.ModuleType):
-    """`sparse_to_dense` is a submodule and the function it exports: importing the submodule would set the package
-    attribute to it (and `__getattr__` is then never asked); a property on the package's class keeps the function."""
-
-    @property
-    def sparse_to_dense(self):
-        return importlib.import_module(".sparse_to_dense", __name__).sparse_to_dense
-
-    @sparse_to_dense.setter
-    def sparse_to_dense(self, _submodule) -> None:
-        pass
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [*_EXPORTS, *_DCP_EXPORTS]  # every public name (dcp.__all__ included)

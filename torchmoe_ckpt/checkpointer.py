@@ -20,23 +20,24 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
-from . import faults, rng
-from .capture import SchedulerPosition, check_coverage, infer_compute_dtype
 from .config import CheckpointConfig
-from .device_copy import host_copy
-from .errors import ConfigError
-from .identity import RunIdentity, TorchSeed, torch_seed
-from .operators import discover_operators, local_tensor
-from .optim_state import as_optimizers, check_optimizer_state, check_optimizers, describe_optimizer_state
-from .recovery import ResumeResult
-from .replay_check import check_replay_check
-from .replay_log import Replay, group_hyper
-from .routing import RouterCounter
+from .core.errors import ConfigError
+from .model.coverage import SchedulerPosition, check_coverage, infer_compute_dtype
+from .model.identity import RunIdentity, TorchSeed, torch_seed
+from .model.operators import discover_operators, local_tensor
+from .model.optim_state import as_optimizers, check_optimizer_state, check_optimizers, describe_optimizer_state
+from .model.routing import RouterCounter
+from .recovery import rng
+from .recovery.recover import ResumeResult
+from .recovery.replay_check import check_replay_check
+from .recovery.replay_log import Replay, group_hyper
+from .recovery.sparse_to_dense import ReplayDivergence, init_optimizer_state
+from .runtime import faults
+from .runtime.device_copy import host_copy
+from .runtime.watchdog import CollectiveWatchdog
 from .sparse_checkpointer import SparseCheckpointer
-from .sparse_to_dense import ReplayDivergence, init_optimizer_state
 from .startup import start
 from .storage.tiers import Tiers
-from .watchdog import CollectiveWatchdog
 
 log = logging.getLogger("torchmoe_ckpt.checkpointer")
 

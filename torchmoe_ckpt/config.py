@@ -11,10 +11,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 # Torch-free, every one of them (tests/unit/test_config_torch_free.py): a launcher checks a config before torch loads.
-from .config_values import DEFAULT_TOLERANCE, OperatorSpec, ReplayCheck, ReplayPolicy, parse_bytes
-from .errors import ConfigError
+from .core.config_values import DEFAULT_TOLERANCE, OperatorSpec, ReplayCheck, ReplayPolicy, parse_bytes
+from .core.errors import ConfigError
+from .runtime.watchdog import check_timeout
 from .storage.store_open import StoreConfigError, check_uri
-from .watchdog import check_timeout
 
 __all__ = ["ConfigError", "SparseConfig", "ObjectStoreConfig", "TierConfig", "CheckpointConfig", "DEFAULT_HOST_ROOT"]
 

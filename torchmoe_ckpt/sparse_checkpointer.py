@@ -14,25 +14,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .capture.host_memory import HostMemory
+from .capture.slot_alloc import make_slot_allocator
+from .capture.snapshot import SnapshotEngine, StateAccess
 from .config import SparseConfig
-from .device_copy import host_copy
-from .distributed import library_group
-from .errors import ConfigError
-from .host_memory import HostMemory
-from .identity import RunIdentity, build_identity
-from .operators import Operator, discover_operators
-from .optim_state import describe_optimizer_state
-from .recovery import ResumeResult
-from .replay_log import IterationRecord
-from .slot_alloc import make_slot_allocator
-from .snapshot import SnapshotEngine, StateAccess
-from .sparse_to_dense import RecoveryReport, replay_slots, sparse_to_dense
+from .core.errors import ConfigError
+from .core.operator import Operator
+from .core.records import IterationRecord
+from .core.window import Window, sliding_suffix
+from .model.identity import RunIdentity, build_identity
+from .model.operators import discover_operators
+from .model.optim_state import describe_optimizer_state
+from .planning.window_planner import WindowPlanner
+from .recovery.recover import ResumeResult
+from .recovery.sparse_to_dense import RecoveryReport, replay_slots, sparse_to_dense
+from .runtime.device_copy import host_copy
+from .runtime.distributed import library_group
 from .storage.host_tier import HostTier
 from .storage.manifest import plan_digest
 from .storage.persist_thread import PersistThread
 from .storage.tiers import Tiers
-from .window import Window, sliding_suffix
-from .window_planner import WindowPlanner
 
 log = logging.getLogger("torchmoe_ckpt")
 

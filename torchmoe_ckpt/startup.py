@@ -15,16 +15,17 @@ import torch
 import torch.distributed as dist
 
 from .config import SparseConfig, TierConfig
-from .identity import RunIdentity, TorchSeed, build_identity, given_seed, mesh_replicate
-from .operators import Operator, discover_operators
-from .recovery import ResumeResult, recover
-from .replay_check import ReplayPolicy
+from .core.operator import Operator
+from .core.window import Window
+from .model.identity import RunIdentity, TorchSeed, build_identity, given_seed, mesh_replicate
+from .model.operators import discover_operators
+from .ops.status import log_recovery
+from .recovery.recover import ResumeResult, recover
+from .recovery.replay_check import ReplayPolicy
+from .recovery.sparse_to_dense import Replayable
 from .sparse_checkpointer import SAME_GROUP, SparseCheckpointer
-from .sparse_to_dense import Replayable
-from .status import log_recovery
 from .storage.recover import all_gather_objects
 from .storage.tiers import Tiers, build_tiers
-from .window import Window
 
 log = logging.getLogger("torchmoe_ckpt.startup")
 

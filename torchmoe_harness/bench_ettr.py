@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from torchmoe_ckpt.status import PHASES as PHASE_COLUMNS
+from torchmoe_ckpt.ops.status import PHASES as PHASE_COLUMNS
 from torchmoe_harness.bench_moe import RUN
 from torchmoe_harness.ettr import SystemProfile, failure_iterations, simulate_iterations
 from torchmoe_harness.ettr_regime import crossover, curves

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchmoe_ckpt.schedule import measure_copy_bandwidth
+from torchmoe_ckpt.planning.schedule import measure_copy_bandwidth
 from torchmoe_harness.baselines import runner
 from torchmoe_harness.ettr import SystemProfile, best_interval
 from torchmoe_harness.worker import serve

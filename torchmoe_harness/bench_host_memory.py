@@ -1,5 +1,5 @@
-"""Host bytes per parameter the checkpointer holds, by part (torchmoe_ckpt/host_memory.py's account), measured on
-CPU at a forced W for an fp32 and a bf16 compute dtype, two emulated nodes (one rank each), the host tier alone and
+"""Host bytes per parameter the checkpointer holds, by part (torchmoe_ckpt/capture/host_memory.py's account), measured
+on CPU at a forced W for an fp32 and a bf16 compute dtype, two emulated nodes (one rank each), the host tier alone and
 with one peer copy (replicas = 1) and a local object store on /dev/shm; for the CPU allocator (shared-memory slot
 files) and the CUDA one (`host_buffers="arena"`: an arena per slot set, the host tier's files beside it; unpinned
 here, so measured on CPU too). Also the construction figure (the worst case the limit is checked against).

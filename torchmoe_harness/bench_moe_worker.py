@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchmoe_ckpt.schedule import measure_copy_bandwidth
+from torchmoe_ckpt.planning.schedule import measure_copy_bandwidth
 from torchmoe_harness.baselines import make_system
 from torchmoe_harness.ettr import SystemProfile, best_interval
 from torchmoe_harness.trainer import RunConfig, Trainer

@@ -1,6 +1,6 @@
 """What each optimizer's state costs a slot, on the MoE-regime bench model: slot bytes / dense snapshot bytes at
 forced W and the auto W a fixed copy budget gives, from the optimizer state as the checkpointer describes it
-(torchmoe_ckpt.optim_state). Sizes, not timings: deterministic, computed in one process on the meta device (no
+(torchmoe_ckpt.model.optim_state). Sizes, not timings: deterministic, computed in one process on the meta device (no
 memory, no training), for the whole model (a rank's share under expert parallelism has the same ratios).
 
 Kinds: AdamW (fp32 states), AdamW with bf16 states (fp32 masters: TorchTitan's "fused_opt_states_bf16"), Muon +
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from torchmoe_ckpt.operators import discover_operators
-from torchmoe_ckpt.optim_state import describe_optimizer_state
-from torchmoe_ckpt.schedule import choose_window, plan_window
+from torchmoe_ckpt.model.operators import discover_operators
+from torchmoe_ckpt.model.optim_state import describe_optimizer_state
+from torchmoe_ckpt.planning.schedule import choose_window, plan_window
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
 from torchmoe_harness.optimizers import build_optimizers
 

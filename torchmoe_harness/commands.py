@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 
-from torchmoe_ckpt.cli import bounded
+from torchmoe_ckpt.ops.cli import bounded
 
 _positive = bounded(int, 1)
 RANK_MEMORY_BYTES = 512 << 20  # what one harness rank needs at least (torch, the model, its slot buffers)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from torchmoe_ckpt.operators import Piece
-from torchmoe_ckpt.replay_log import IterationRecord, ReplayLog
-from torchmoe_ckpt.schedule import SlotPlan, WindowPlan
-from torchmoe_ckpt.snapshot import Slot, SlotItem
+from torchmoe_ckpt.core.operator import Piece
+from torchmoe_ckpt.core.plan import SlotPlan, WindowPlan
+from torchmoe_ckpt.core.records import IterationRecord, ReplayLog
+from torchmoe_ckpt.core.slot import Slot, SlotItem
 from torchmoe_ckpt.storage.host_tier import HostTier
 from torchmoe_ckpt.storage.layout import store_writer_prefix, window_dirname, writer_name
 

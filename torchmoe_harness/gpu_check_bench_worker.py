@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from torchmoe_ckpt.config import SparseConfig
-from torchmoe_ckpt.schedule import measure_copy_bandwidth
+from torchmoe_ckpt.planning.schedule import measure_copy_bandwidth
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.storage.tiers import build_tiers
 from torchmoe_harness.baselines import make_system
@@ -117,7 +117,7 @@ def pinned_in_use(device: torch.device) -> int | None:
 
 def own_host_bytes(system) -> tuple[int | None, dict | None]:
     """The system's own account of the host bytes it holds, where its stats() has one: ours (every part, counted
-    from its owners: torchmoe_ckpt/host_memory.py) or a baseline's `host_bytes`. Returns (total, parts)."""
+    from its owners: torchmoe_ckpt/capture/host_memory.py) or a baseline's `host_bytes`. Returns (total, parts)."""
     for stats in (system.stats(), system.ck.stats() if hasattr(system, "ck") else {}):
         mem = stats.get("host_memory")
         if isinstance(mem, dict) and isinstance(mem.get("total"), int):

@@ -28,7 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import torchmoe_ckpt as tmc  # noqa: E402
-from torchmoe_ckpt.errors import TorchmoeError  # noqa: E402
+from torchmoe_ckpt.core.errors import TorchmoeError  # noqa: E402
 from torchmoe_harness.data import TokenStream  # noqa: E402
 from torchmoe_harness.gpu_check_syncs import SyncCounter  # noqa: E402
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig  # noqa: E402

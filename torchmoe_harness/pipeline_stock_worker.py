@@ -1,5 +1,5 @@
 """torchrun entry point: train the tiny MoE with a *stock* torch.distributed.pipelining schedule whose
-stages log their sends (pipeline_stock.LoggingPipelineStage), and record what each stage actually
+stages log their sends (pipeline.stock.LoggingPipelineStage), and record what each stage actually
 received, so a test can check the logs entry by entry against the receivers (torch.equal).
 
 Spec: "run" (RunConfig), "schedule": gpipe | 1f1b | interleaved1f1b, "stages_per_rank" (2 for
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from torchmoe_ckpt.pipeline_log import BoundaryLog
-from torchmoe_ckpt.pipeline_stock import LoggingPipelineStage
+from torchmoe_ckpt.pipeline.boundary_log import BoundaryLog
+from torchmoe_ckpt.pipeline.stock import LoggingPipelineStage
 from torchmoe_harness.data import TokenStream
 from torchmoe_harness.pipeline_trainer import PipelineConfig, build_stage, stage_forward
 from torchmoe_harness.trainer import RunConfig

@@ -1,6 +1,6 @@
 """The harness's pipeline stage trainer: TinyMoE cut into stages, trained with an explicit GPipe/1F1B
-schedule over the library's stage I/O (`torchmoe_ckpt.pipeline`), and replayable by localized recovery
-(`torchmoe_ckpt.pipeline_recovery`, through its `StageReplayable` protocol).
+schedule over the library's stage I/O (`torchmoe_ckpt.pipeline.stage_io`), and replayable by localized recovery
+(`torchmoe_ckpt.pipeline.recovery`, through its `StageReplayable` protocol).
 
 Per iteration on every stage: the micro-batch forwards/backwards of the schedule, then one all-reduce
 over the stages of [local grad-norm^2, loss] (global clipping norm and the loss, known to every stage and
@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torchmoe_ckpt import faults
-from torchmoe_ckpt.capture import position_lambda_lr
-from torchmoe_ckpt.pipeline import SCHEDULES, Peer, StageIO, actions, boundary_tag
-from torchmoe_ckpt.pipeline_log import BoundaryLog
-from torchmoe_ckpt.sparse_to_dense import ReplayDivergence, init_optimizer_state
+from torchmoe_ckpt.model.coverage import position_lambda_lr
+from torchmoe_ckpt.pipeline.boundary_log import BoundaryLog
+from torchmoe_ckpt.pipeline.stage_io import SCHEDULES, Peer, StageIO, actions, boundary_tag
+from torchmoe_ckpt.recovery.sparse_to_dense import ReplayDivergence, init_optimizer_state
+from torchmoe_ckpt.runtime import faults
 from torchmoe_harness.data import TokenStream
 from torchmoe_harness.model import TinyMoE
 from torchmoe_harness.trainer import DTYPES, RunConfig, training_state
@@ -109,7 +109,7 @@ class StageStep:
 
 class StageTrainer:
     """One pipeline stage (one rank, DP=1): the same optimizer, LR schedule and bias update as the
-    harness Trainer; satisfies `torchmoe_ckpt.pipeline.StageReplayable` (what localized recovery needs)."""
+    harness Trainer; satisfies `torchmoe_ckpt.pipeline.stage_io.StageReplayable` (what localized recovery needs)."""
 
     def __init__(
         self,

@@ -13,7 +13,7 @@ running. So a healthy stage that sees a peer fail (a gloo error, or torchrun's S
 boundary) discards the aborted iteration (nothing was updated yet), writes its live state to host memory
 (`<root>/<run_id>/live/stage-S.pt`, /dev/shm in practice) and exits; its restarted process loads it back
 in place: no rollback, no recomputation. Its boundary log is already in host memory. A stage without a
-live state (killed) recovers from its window and its neighbours' logs (pipeline_recovery).
+live state (killed) recovers from its window and its neighbours' logs (pipeline.recovery).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 
 from torchmoe_ckpt.config import SparseConfig, TierConfig
-from torchmoe_ckpt.operators import discover_operators
-from torchmoe_ckpt.pipeline_log import BoundaryLog, LogReader
-from torchmoe_ckpt.pipeline_recovery import StageStatus, plan_recovery, recover_global, recover_in_segment
-from torchmoe_ckpt.recovery import ResumeResult
+from torchmoe_ckpt.model.operators import discover_operators
+from torchmoe_ckpt.pipeline.boundary_log import BoundaryLog, LogReader
+from torchmoe_ckpt.pipeline.recovery import StageStatus, plan_recovery, recover_global, recover_in_segment
+from torchmoe_ckpt.recovery.recover import ResumeResult
+from torchmoe_ckpt.recovery.sparse_to_dense import ReplayDivergence
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
-from torchmoe_ckpt.sparse_to_dense import ReplayDivergence
 from torchmoe_ckpt.storage.host_tier import HostTier
 from torchmoe_ckpt.storage.tiers import Tiers
 from torchmoe_harness.pipeline_trainer import PipelineConfig, StageTrainer
@@ -179,7 +179,7 @@ def run(spec: dict, out: Path) -> dict:
             )  # not where the log bound stopped logging
     try:
         if plan is not None and status.healthy and plan.mode in ("none", "local"):
-            from torchmoe_ckpt import faults
+            from torchmoe_ckpt.runtime import faults
 
             faults.set_iteration(trainer.step)
             faults.point("recovery")  # a healthy stage waiting for its neighbours' recovery

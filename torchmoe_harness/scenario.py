@@ -18,7 +18,7 @@ What survives is what would survive in host memory: the newest committed window.
              which a stopped process never acts on).
 
 Spec "replay_check" ("exact", the default, or "tolerant") and "replay_tolerance": how recovery checks its replay
-(torchmoe_ckpt.replay_check; "exact" on a GPU refuses to start without deterministic kernels).
+(torchmoe_ckpt.recovery.replay_check; "exact" on a GPU refuses to start without deterministic kernels).
 
 Spec "watchdog_timeout_s" (None: off) arms a CollectiveWatchdog around each train step and checkpointer
 call; "watchdog_events" (a path) keeps its hang records across restarts for the report. Spec "jit": true
@@ -36,18 +36,18 @@ from pathlib import Path
 
 import torch
 
+from torchmoe_ckpt.capture.snapshot import SimulatedCopyFault
 from torchmoe_ckpt.config import SparseConfig, TierConfig
-from torchmoe_ckpt.errors import UnusableCheckpointError
-from torchmoe_ckpt.identity import IdentityMismatch, RunIdentity, build_identity
-from torchmoe_ckpt.operators import discover_operators
-from torchmoe_ckpt.recovery import ResumeResult
-from torchmoe_ckpt.replay_check import DEFAULT_TOLERANCE, ReplayPolicy, check_replay_check
-from torchmoe_ckpt.snapshot import SimulatedCopyFault
+from torchmoe_ckpt.core.errors import UnusableCheckpointError
+from torchmoe_ckpt.model.identity import IdentityMismatch, RunIdentity, build_identity
+from torchmoe_ckpt.model.operators import discover_operators
+from torchmoe_ckpt.recovery.recover import ResumeResult
+from torchmoe_ckpt.recovery.replay_check import DEFAULT_TOLERANCE, ReplayPolicy, check_replay_check
+from torchmoe_ckpt.recovery.sparse_to_dense import sparse_to_dense
+from torchmoe_ckpt.runtime.watchdog import CollectiveWatchdog, read_events
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
-from torchmoe_ckpt.sparse_to_dense import sparse_to_dense
 from torchmoe_ckpt.startup import start
 from torchmoe_ckpt.storage.tiers import Tiers, node_of
-from torchmoe_ckpt.watchdog import CollectiveWatchdog, read_events
 from torchmoe_harness.trainer import Trainer
 
 log = logging.getLogger("torchmoe_ckpt.scenario")
@@ -197,7 +197,7 @@ def _start(trainer: Trainer, spec: dict, ck_cfg: SparseConfig, wd, policy, attem
 
     def jit_first(tiers: Tiers, _identity) -> tuple[ResumeResult, Trainer] | None:
         nonlocal jit_rep
-        from torchmoe_ckpt.jit import resume as jit_resume
+        from torchmoe_ckpt.recovery.jit import resume as jit_resume
 
         # A copy is loaded into a trainer with other initial weights: anything it fails to restore shows.
         got, jit_rep = jit_resume(
@@ -287,7 +287,7 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
     step_cpu: list[float] = []  # process CPU (every thread: training, copy, tier threads) per step
     jit = None
     if use_jit:
-        from torchmoe_ckpt.jit import JitCheckpointer
+        from torchmoe_ckpt.recovery.jit import JitCheckpointer
 
         jit = JitCheckpointer(trainer, host, host_dir / "jit")
         if not jit.enabled and trainer.rank == 0:

@@ -16,10 +16,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from torchmoe_ckpt import faults, rng
-from torchmoe_ckpt.capture import position_lambda_lr
-from torchmoe_ckpt.optim_state import Optimizers
-from torchmoe_ckpt.replay_log import Replay, group_hyper
+from torchmoe_ckpt.model.coverage import position_lambda_lr
+from torchmoe_ckpt.model.optim_state import Optimizers
+from torchmoe_ckpt.recovery import rng
+from torchmoe_ckpt.recovery.replay_log import Replay, group_hyper
+from torchmoe_ckpt.runtime import faults
 from torchmoe_harness.data import TokenStream
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
 from torchmoe_harness.optimizers import KINDS, build_optimizers
@@ -102,7 +103,7 @@ class StepResult:
     expert_counts: torch.Tensor  # [layers, experts] routed tokens, summed over all ranks
     expert_probs: torch.Tensor  # [layers, experts] summed gating probabilities, over all ranks
     seconds: float = 0.0
-    device_rng: dict | None = None  # device generators' states (torchmoe_ckpt.rng)
+    device_rng: dict | None = None  # device generators' states (torchmoe_ckpt.recovery.rng)
     replayed_grad_norm: torch.Tensor | None = None  # replay only: the norm of the replayed gradients
     lrs: tuple[float, ...] = ()  # every param group's LR (all optimizers)
     hyper: tuple[dict, ...] = ()  # every param group's other hyper-parameters (replay_log.group_hyper)
@@ -220,7 +221,7 @@ class Trainer:
         if not frozen_ops:
             return []
         if self._expert_of is None:  # operator name -> (GroupedExperts, expert index), found once
-            from torchmoe_ckpt.operators import discover_operators
+            from torchmoe_ckpt.model.operators import discover_operators
 
             self._expert_of = {
                 o.name: (self.model.get_submodule(o.moe).routed_experts.inner_experts, o.expert)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchmoe_ckpt.distributed import init_process_group
+from torchmoe_ckpt.runtime.distributed import init_process_group
 from torchmoe_harness.trainer import RunConfig, Trainer
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchmoe_ckpt.distributed import key_rendezvous_by_attempt, library_group
+from torchmoe_ckpt.runtime.distributed import key_rendezvous_by_attempt, library_group
 from torchmoe_harness.hf_worker import flat_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))

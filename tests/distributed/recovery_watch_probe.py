@@ -12,11 +12,11 @@ import os
 import torch
 
 from torchmoe_ckpt.config import SparseConfig
-from torchmoe_ckpt.operators import discover_operators
-from torchmoe_ckpt.recovery import recover
+from torchmoe_ckpt.model.operators import discover_operators
+from torchmoe_ckpt.recovery.recover import recover
+from torchmoe_ckpt.runtime.watchdog import CollectiveWatchdog
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.storage.tiers import build_tiers
-from torchmoe_ckpt.watchdog import CollectiveWatchdog
 from torchmoe_harness.trainer import RunConfig, Trainer
 from torchmoe_harness.worker import leave, start, write_report
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from torchmoe_ckpt.cli import main
+from torchmoe_ckpt.ops.cli import main
 
-CLI = [sys.executable, "-c", "import sys; from torchmoe_ckpt.cli import main; sys.exit(main())"]
+CLI = [sys.executable, "-c", "import sys; from torchmoe_ckpt.ops.cli import main; sys.exit(main())"]
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
@@ -204,7 +204,7 @@ def test_inspect_of_a_root_lists_each_run_separately(capsys, tmp_path, one_rank_
     rc, out, err = run_cli(capsys, "inspect", str(tmp_path))
     assert rc == 0, err
     assert "2 runs (listed separately" in out and "run node-0/other:" in out and "run node-0/run:" in out, out
-    from torchmoe_ckpt.inspection import inspect_location
+    from torchmoe_ckpt.ops.inspection import inspect_location
 
     info = inspect_location(str(tmp_path))
     runs = {r["run"]: [w["window_id"] for w in r["windows"]] for r in info["runs"]}

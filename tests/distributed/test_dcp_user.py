@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import torchmoe_ckpt as tmc
 from torchmoe_ckpt.dcp.sparse_planner import dcp_key
-from torchmoe_ckpt.operators import local_tensor
+from torchmoe_ckpt.model.operators import local_tensor
 from torchmoe_harness.launch import torchrun
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "dcp_user.py")
@@ -101,7 +101,7 @@ def test_sigkill_and_wiped_host_memory_then_dcp_load_reads_the_peer_copy_bit_exa
 
 def _saved_slot(tmp_path):
     """One rank (no process group): three iterations saved with our planner and writers, window W=3."""
-    from torchmoe_ckpt.replay_log import IterationRecord
+    from torchmoe_ckpt.core.records import IterationRecord
     from torchmoe_harness.trainer import RunConfig, Trainer
 
     t = Trainer(RunConfig(steps=3, dtype="bf16"))
@@ -166,7 +166,7 @@ def test_peer_copy_commits_with_its_window_manifest_and_every_item_is_verified(t
     """One rank: the PeerReader reads a copy this node holds for a writer (as a peer keeps it, under `.peers/`,
     committed by the window manifest written last) when the writer's own copy is gone; a torn copy (no
     manifest) is not held; a flipped byte is refused."""
-    from torchmoe_ckpt.replay_log import IterationRecord
+    from torchmoe_ckpt.core.records import IterationRecord
     from torchmoe_harness.trainer import RunConfig, Trainer
 
     t = Trainer(RunConfig(steps=3, dtype="bf16"))
@@ -211,7 +211,7 @@ def test_peer_copy_commits_with_its_window_manifest_and_every_item_is_verified(t
 
 def test_async_save_with_our_planner_and_writer_recovers_bit_exactly(tmp_path, one_rank_group):
     """dcp.async_save drives the same planner and writer (DCP stages the state dict, then writes off-thread)."""
-    from torchmoe_ckpt.replay_log import IterationRecord
+    from torchmoe_ckpt.core.records import IterationRecord
     from torchmoe_harness.trainer import RunConfig, Trainer
 
     cfg = RunConfig(steps=6, dtype="bf16")
@@ -269,7 +269,7 @@ def test_cli_inspect_and_verify_read_a_dcp_users_checkpoint(tmp_path, one_rank_g
     """A DCP user's `dcp.save` writes the layout and the window manifests the checkpointer writes, so the CLI
     checks it the same way, on the host tier and in the store: verify exits 0 while every byte verifies and 1
     once one data byte is flipped, naming the file."""
-    from torchmoe_ckpt.cli import main
+    from torchmoe_ckpt.ops.cli import main
 
     _saved_slot(tmp_path)
     for location in (str(tmp_path / "shm"), f"file://{tmp_path}/store"):

@@ -92,7 +92,7 @@ def test_table3_shape_deepseek():
 
 
 def test_cli_simulate(tmp_path, capsys):
-    from torchmoe_ckpt.cli import main
+    from torchmoe_ckpt.ops.cli import main
 
     out = tmp_path / "sim.json"
     assert main(["simulate", "--seeds", "3", "--out", str(out)]) == 0

@@ -1,6 +1,6 @@
 """Failure matrix under real torchrun: a real SIGKILL at each named point of training and checkpointing
-(torchmoe_ckpt/faults.py); two ranks at once; a failure while recovery is running. Every job must end with every tensor
-and every loss `torch.equal` to the run that never failed. The session prints a summary (conftest)."""
+(torchmoe_ckpt/runtime/faults.py); two ranks at once; a failure while recovery is running. Every job must end with
+every tensor and every loss `torch.equal` to the run that never failed. The session prints a summary (conftest)."""
 
 import pytest
 

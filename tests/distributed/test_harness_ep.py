@@ -109,7 +109,7 @@ def _probe(out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from torchmoe_ckpt.distributed import init_process_group
+    from torchmoe_ckpt.runtime.distributed import init_process_group
     from torchmoe_harness.parallel import EXPERT_PARAM_NAMES
     from torchmoe_harness.trainer import RunConfig, Trainer
     from torchmoe_harness.worker import leave

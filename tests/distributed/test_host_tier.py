@@ -84,7 +84,7 @@ def test_stock_dcp_load_reads_a_slot(tmp_path, one_rank_group):
     assert torch.equal(region, item.buffer)
     ck.close()
     # inspect/verify: exit 0 while every byte verifies, 1 once a data file is damaged
-    from torchmoe_ckpt.cli import main
+    from torchmoe_ckpt.ops.cli import main
 
     assert main(["verify", str(tmp_path / "run")]) == 0
     assert main(["inspect", str(tmp_path / "run")]) == 0

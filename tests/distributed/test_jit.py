@@ -1,4 +1,4 @@
-"""Just-in-time checkpoint (torchmoe_ckpt/jit.py) under real torchrun, HSDP 2x2 on CPU/gloo: rank 0 is
+"""Just-in-time checkpoint (torchmoe_ckpt/recovery/jit.py) under real torchrun, HSDP 2x2 on CPU/gloo: rank 0 is
 killed (SIGKILL) or frozen (SIGSTOP) in iteration 4, before the gradient reductions (fault point "backward")
 or after its optimizer update ("optimizer"). The healthy replicas save their state without collectives, the
 job restarts, and it resumes from the JIT copies: every tensor and every later loss `torch.equal` to the run

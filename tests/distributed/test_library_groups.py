@@ -44,7 +44,7 @@ def test_own_loop_and_recovery_never_use_a_default_group_that_refuses_cpu_tensor
 
 NEW_DEFAULT = """
 import torch.distributed as dist
-from torchmoe_ckpt.distributed import init_process_group, library_group
+from torchmoe_ckpt.runtime.distributed import init_process_group, library_group
 init_process_group("gloo")
 first = library_group()
 assert first is library_group() and first is not dist.group.WORLD and dist.get_backend(first) == "gloo"

@@ -7,7 +7,7 @@ both resume, and the final state of every rank and every loss are `torch.equal` 
 
 `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (torch's opt-out) where the case needs it: with torchrun's default
 shared store, a host that joins at a non-zero node rank while node rank 0 survives never gets the store address
-inside torchrun (torch 2.13), whatever the workers do (torchmoe_ckpt/distributed.py). The rank-0 case runs on
+inside torchrun (torch 2.13), whatever the workers do (torchmoe_ckpt/runtime/distributed.py). The rank-0 case runs on
 the default shared store: the survivor is renumbered to rank 0 and the two agents' restart counts differ, which
 the per-round store makes work.
 """

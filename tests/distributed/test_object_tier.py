@@ -34,8 +34,8 @@ def test_azure_blob_round_trip_on_azurite(tmp_path, azurite):
 
 def _cli_verifies_the_store(uri: str, opts: dict, window_id: int) -> None:
     """`torchmoe-ckpt verify URI` exits 0 while every byte in the store verifies, 1 after one byte flips."""
-    from torchmoe_ckpt.cli import main
-    from torchmoe_ckpt.inspection import inspect_location
+    from torchmoe_ckpt.ops.cli import main
+    from torchmoe_ckpt.ops.inspection import inspect_location
     from torchmoe_ckpt.storage.store_open import open_store
 
     assert main(["verify", uri, "--storage-options", json.dumps(opts)]) == 0
@@ -203,7 +203,7 @@ def test_a_store_that_loses_files_mid_upload_gets_the_whole_window_again(tmp_pat
     """The store restarts (empty) while a window is being uploaded: the files written before are gone. The
     manifest must not go up over them (inspect would list a torn window as good): the upload fails, the
     uploader uploads the whole window again, and `verify` passes."""
-    from torchmoe_ckpt.inspection import inspect_location
+    from torchmoe_ckpt.ops.inspection import inspect_location
 
     tier = HostTier(tmp_path / "host", "run", 0, 1)
     wdir, files = tier.window_dir(1), {}
@@ -234,7 +234,7 @@ def test_a_store_that_loses_files_mid_upload_gets_the_whole_window_again(tmp_pat
 
 
 def main_verify(uri: str, opts: dict) -> int:
-    from torchmoe_ckpt.cli import main
+    from torchmoe_ckpt.ops.cli import main
 
     return main(["verify", uri, "--storage-options", json.dumps(opts)])
 
@@ -244,7 +244,8 @@ def test_status_lines_say_each_window_once_and_store_changes_once(caplog):
     lines say pending at once; one warning per change of state; the exit summary names the pending windows."""
     import logging
 
-    from torchmoe_ckpt.status import RunStatus, recovery_line
+    from torchmoe_ckpt.ops.status import recovery_line
+    from torchmoe_ckpt.storage.run_status import RunStatus
 
     st = RunStatus(0, peers=1, store="s3://b/x")
     with caplog.at_level(logging.INFO, logger="torchmoe_ckpt"):
@@ -278,7 +279,7 @@ def test_status_lines_say_each_window_once_and_store_changes_once(caplog):
 def test_exit_with_no_window_committed_is_a_warning_that_says_why(caplog):
     import logging
 
-    from torchmoe_ckpt.status import RunStatus
+    from torchmoe_ckpt.storage.run_status import RunStatus
 
     with caplog.at_level(logging.INFO, logger="torchmoe_ckpt"):
         RunStatus(0).exit_summary(0.0, 30.0, "/dev/shm/x")

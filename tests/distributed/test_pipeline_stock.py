@@ -5,7 +5,7 @@ tagged (iteration, micro-batch, direction), and `torch.equal` to what the receiv
 import pytest
 import torch
 
-from torchmoe_ckpt.pipeline_log import LogReader
+from torchmoe_ckpt.pipeline.boundary_log import LogReader
 from torchmoe_harness.launch import launch
 
 RUN = {"model": {"n_layers": 4}, "batch_size": 4}

@@ -1,4 +1,5 @@
-"""Process groups across torchrun restarts and host replacement, on real TCPStores (torchmoe_ckpt/distributed.py).
+"""Process groups across torchrun restarts and host replacement, on real TCPStores
+(torchmoe_ckpt/runtime/distributed.py).
 
 torchrun's agent hosts one store for every rendezvous round; each round's workers must see only their own keys
 (torch >= 2.5 stopped prefixing them: a restart read the previous attempt's gloo addresses). A prefix from
@@ -16,7 +17,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from torchmoe_ckpt.distributed import ROUND_STORE_KEY, round_store
+from torchmoe_ckpt.runtime.distributed import ROUND_STORE_KEY, round_store
 
 T = timedelta(seconds=20)
 
@@ -68,7 +69,7 @@ def test_unshared_store_untouched(monkeypatch):
     """Without torchrun's shared agent store (torch's opt-out), each round already has a fresh store."""
     import importlib
 
-    from torchmoe_ckpt.distributed import key_rendezvous_by_attempt
+    from torchmoe_ckpt.runtime.distributed import key_rendezvous_by_attempt
 
     rdzv = importlib.import_module("torch.distributed.rendezvous")
     server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=T)
@@ -86,7 +87,7 @@ def test_unshared_store_untouched(monkeypatch):
 _LATE = """
 import os, sys
 import torch.distributed as dist
-from torchmoe_ckpt.distributed import default_group_keyed, key_groups_by_attempt
+from torchmoe_ckpt.runtime.distributed import default_group_keyed, key_groups_by_attempt
 dist.init_process_group("gloo")  # as TorchTitan's stock entry point does, before any override module is imported
 assert not default_group_keyed()
 assert key_groups_by_attempt() and default_group_keyed() and not key_groups_by_attempt()  # once

@@ -12,7 +12,7 @@ import pytest
 
 from torchmoe_harness.selftest_hf import selftest_hf
 
-CLI = [sys.executable, "-m", "torchmoe_ckpt.cli"]
+CLI = [sys.executable, "-m", "torchmoe_ckpt.ops.cli"]
 
 
 def check(res: dict, layers: int) -> None:

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from torchmoe_ckpt.inspection import verify_location
+from torchmoe_ckpt.ops.inspection import verify_location
 from torchmoe_ckpt.storage.host_tier import HostTier
 from torchmoe_ckpt.storage.object_tier import ObjectTier, make_store
 from torchmoe_ckpt.storage.tensorstore_read import read_global, read_pieces

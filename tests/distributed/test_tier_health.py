@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from torchmoe_ckpt.config import ConfigError, SparseConfig, TierConfig
-from torchmoe_ckpt.operators import discover_operators
+from torchmoe_ckpt.model.operators import discover_operators
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.storage.layout import manifest_name, writer_name
 from torchmoe_ckpt.storage.tier_health import CheckpointStallError

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from torchmoe_ckpt.watchdog import EXIT_COLLECTIVE_ERROR, EXIT_HANG
+from torchmoe_ckpt.runtime.watchdog import EXIT_COLLECTIVE_ERROR, EXIT_HANG
 from torchmoe_harness.launch import compare, processes_mentioning, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ SLACK_S = 1.5  # detection may lag the deadline by scheduling on a loaded 2-core
 
 REGIONS = textwrap.dedent("""
     import json, sys, time
-    from torchmoe_ckpt.watchdog import CollectiveWatchdog
+    from torchmoe_ckpt.runtime.watchdog import CollectiveWatchdog
     wd = CollectiveWatchdog(float(sys.argv[1]), rank=3)
     for i, secs in enumerate(json.loads(sys.argv[2])):
         with wd.watch(f"fake all_reduce {i}"):
@@ -35,7 +35,7 @@ REGIONS = textwrap.dedent("""
 GLOO = textwrap.dedent("""
     import datetime, os, sys
     import torch, torch.distributed as dist
-    from torchmoe_ckpt.watchdog import CollectiveWatchdog
+    from torchmoe_ckpt.runtime.watchdog import CollectiveWatchdog
     rank, gloo_s, wd_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
     # rendezvous with a long timeout (the two interpreters may start seconds apart on a loaded machine),
     # then the collectives on a group with the timeout under test
@@ -90,7 +90,7 @@ def test_regions_within_timeout_do_not_fire():
 
 
 def test_watchdog_off_is_a_no_op():
-    from torchmoe_ckpt.watchdog import CollectiveWatchdog
+    from torchmoe_ckpt.runtime.watchdog import CollectiveWatchdog
 
     wd = CollectiveWatchdog(None)
     with wd.watch("anything"):
@@ -102,7 +102,7 @@ def test_watchdog_off_is_a_no_op():
 
 STOPPED = textwrap.dedent("""
     import os, sys
-    from torchmoe_ckpt.watchdog import start_stop_guard
+    from torchmoe_ckpt.runtime.watchdog import start_stop_guard
     guard = start_stop_guard(5.0) if sys.argv[1] == "guard" else None
     print(guard.pid if guard else 0, flush=True)
     os.kill(os.getpid(), 19)  # SIGSTOP: from here on only SIGKILL (or SIGCONT) reaches this process

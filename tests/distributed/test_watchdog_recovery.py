@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from torchmoe_ckpt.watchdog import read_events
+from torchmoe_ckpt.runtime.watchdog import read_events
 from torchmoe_harness.launch import compare, load_result, processes_mentioning, torchrun
 
 PROBE = str(Path(__file__).with_name("recovery_watch_probe.py"))

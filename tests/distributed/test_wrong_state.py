@@ -20,9 +20,9 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import torchmoe_ckpt as tmc
 from torchmoe_ckpt.checkpointer import _Replay
-from torchmoe_ckpt.identity import IdentityMismatch, build_identity
-from torchmoe_ckpt.inspection import verify_location
-from torchmoe_ckpt.recovery import recover
+from torchmoe_ckpt.model.identity import IdentityMismatch, build_identity
+from torchmoe_ckpt.ops.inspection import verify_location
+from torchmoe_ckpt.recovery.recover import recover
 from torchmoe_ckpt.storage.checksums import crc32_bytes
 from torchmoe_ckpt.storage.host_tier import HostTier
 from torchmoe_ckpt.storage.manifest import content_checksum, record_digest
@@ -338,7 +338,7 @@ def test_every_window_damaged_with_restart_opt_in_starts_over(written, tmp_path,
         _replay_diverges(run_dir(root) / f"window-00000{w}")
     model, opt, sched, fb = build(init_seed=7777)
     cfg = config(root, on_unusable_checkpoint="restart")
-    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.recovery"):
+    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.recovery.recover"):
         with tmc.Checkpointer(model, opt, fb, sched, cfg, data_identity="data=0") as ck:
             assert ck.resume() == 0
     assert ck.resumed.report["outcome"] == "no usable window"
@@ -387,7 +387,7 @@ def test_same_run_id_other_world_size_is_refused_with_one_line(written, tmp_path
 def test_more_steps_and_another_lr_are_accepted_and_logged(written, tmp_path, caplog, fault_summary):
     root = copy_run(written, tmp_path)
     got: dict = {}
-    with caplog.at_level(logging.INFO, logger="torchmoe_ckpt.recovery"):
+    with caplog.at_level(logging.INFO, logger="torchmoe_ckpt.recovery.recover"):
         ck, start = train(root, steps=STEPS + 3, init_seed=7777, states=got, lr=1e-3)
     exact = start == 9 and same(got[9], written[1][9])
     fault_summary("more_steps_other_lr", 0, outcome(exact))
@@ -473,7 +473,7 @@ def test_second_job_other_seed_same_run_id_is_refused(tmp_path, fault_summary):
     )
     assert refused, str(exc.value)[-2000:]
     assert "data/seed identity seed=0 != seed=1" in refused[0] and "new run id" in refused[0], refused[0]
-    assert "torchmoe_ckpt/recovery.py" not in log  # one line, no traceback of ours
+    assert "torchmoe_ckpt/recovery/recover.py" not in log  # one line, no traceback of ours
 
 
 def test_jobs_without_a_run_id_never_share_one(tmp_path, fault_summary):

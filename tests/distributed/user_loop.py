@@ -61,7 +61,7 @@ def main(argv: list[str]) -> None:
     logging.getLogger("torchmoe_ckpt").setLevel(logging.INFO)
 
     rank, world = tmc.init_process_group(timeout_s=args.pg_timeout_s)
-    seeded_before_identity = "torchmoe_ckpt.identity" not in sys.modules
+    seeded_before_identity = "torchmoe_ckpt.model.identity" not in sys.modules
     if not args.no_seed and not os.environ.get("USER_LOOP_SEED_FIRST"):
         torch.manual_seed(args.seed)
     cfg = MixtralConfig(

@@ -25,7 +25,7 @@ from torchtitan.distributed.flex_shard.dist_muon import DistMuon, build_dist_muo
 from torchtitan.distributed.flex_shard.optimizer_reshard import BucketConfig, ComputeLayout, Owned
 import titan_integration.sparse_trainer  # registers DistMuon's update rule
 from titan_integration.titan_optimizers import init_titan_optimizer_state
-from torchmoe_ckpt.optim_state import _check_coupling, rule_of
+from torchmoe_ckpt.model.optim_state import _check_coupling, rule_of
 
 # 1. DistMuon does not run on CPU: TorchTitan refuses at construction.
 mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))

@@ -8,7 +8,7 @@ final model, optimizer state, buffers, LR and step of every rank, and every loss
 ``--override.imports`` factory and the job-file SparseTrainer train identically: tests/titan/test_titan_sparse.py).
 
 Without a store of its own for every rendezvous round, the second or third attempt reads the previous
-attempt's store keys and dies in ``Gloo connectFullMesh`` or hangs (torchmoe_ckpt/distributed.py): each
+attempt's store keys and dies in ``Gloo connectFullMesh`` or hangs (torchmoe_ckpt/runtime/distributed.py): each
 attempt here starts a new default group, device meshes and our own gloo groups, so these runs cover it.
 
 Time: a TorchTitan restart on this 2-core machine costs 5.5 s when it is idle and 15-25 s while other jobs

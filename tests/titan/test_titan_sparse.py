@@ -387,7 +387,7 @@ def test_on_unusable_checkpoint_is_a_checked_key_passed_to_recovery():
 def test_replay_check_is_a_checked_key_mapped_onto_the_core_policy():
     """[sparse_checkpoint] replay_check ("exact" | "tolerant") and replay_tolerance: validated in one line, mapped
     onto torchmoe_ckpt's ReplayPolicy with the core's default bound."""
-    from torchmoe_ckpt.replay_check import DEFAULT_TOLERANCE, ReplayPolicy
+    from torchmoe_ckpt.recovery.replay_check import DEFAULT_TOLERANCE, ReplayPolicy
 
     sec = SparseCheckpointSection()
     assert sec.replay_policy() == ReplayPolicy("exact", DEFAULT_TOLERANCE)

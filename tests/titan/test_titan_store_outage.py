@@ -34,7 +34,7 @@ def _rank0(lines: list[str], needle: str) -> list[int]:
 
 
 def test_store_outage_mid_run_warns_summarises_exits_in_time_and_catches_up(tmp_path):
-    from torchmoe_ckpt.cli import main as cli
+    from torchmoe_ckpt.ops.cli import main as cli
     from torchmoe_ckpt.storage.host_tier import HostTier
     from torchmoe_ckpt.storage.object_tier import ObjectTier
     from torchmoe_ckpt.storage.store_open import open_store

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from torchmoe_ckpt.schedule import CopyCost, choose_window, plan_window
+from torchmoe_ckpt.planning.schedule import CopyCost, choose_window, plan_window
 
 # The trial: 4 MoE layers x 32 experts (153 MB of full state per rank), 12 B/param full, 4 B compute.
 ORDER = [f"e{i}" for i in range(128)] + ["router", "dense"]

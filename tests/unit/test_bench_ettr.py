@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchmoe_ckpt.status import PHASES, recovery_line
+from torchmoe_ckpt.ops.status import PHASES, recovery_line
 from torchmoe_harness.bench_ettr import analyse_run, goals
 from torchmoe_harness.ettr import SystemProfile, failure_iterations, simulate_iterations
 from torchmoe_harness.ettr_regime import crossover, curves, sparse_window

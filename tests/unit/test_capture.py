@@ -174,7 +174,7 @@ def test_refused_up_front():
 
 
 def test_uncovered_tensor_is_named():
-    from torchmoe_ckpt.capture import check_coverage
+    from torchmoe_ckpt.model.coverage import check_coverage
 
     model = Net(0)
     ops = [o for o in tmc.discover_operators(model)]

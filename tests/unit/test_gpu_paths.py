@@ -13,15 +13,16 @@ import torch.nn.functional as F
 from test_capture import TOP_K, Net, batch_for  # pytest puts tests/unit on sys.path
 
 import torchmoe_ckpt as tmc
-from torchmoe_ckpt import rng
 from torchmoe_ckpt.config import SparseConfig
-from torchmoe_ckpt.device_copy import CopyStream, host_copy
-from torchmoe_ckpt.errors import ConfigError, UnusableCheckpointError
-from torchmoe_ckpt.popularity import PopularityTracker
-from torchmoe_ckpt.replay_check import check_replay_check
-from torchmoe_ckpt.replay_log import IterationRecord, Replay
+from torchmoe_ckpt.core.errors import ConfigError, UnusableCheckpointError
+from torchmoe_ckpt.core.records import IterationRecord
+from torchmoe_ckpt.planning.popularity import PopularityTracker
+from torchmoe_ckpt.recovery import rng
+from torchmoe_ckpt.recovery.replay_check import check_replay_check
+from torchmoe_ckpt.recovery.replay_log import Replay
+from torchmoe_ckpt.recovery.sparse_to_dense import init_optimizer_state
+from torchmoe_ckpt.runtime.device_copy import CopyStream, host_copy
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
-from torchmoe_ckpt.sparse_to_dense import init_optimizer_state
 from torchmoe_harness.trainer import RunConfig, Trainer
 
 
@@ -197,8 +198,8 @@ def test_default_copy_budget_is_smaller_on_cuda():
     """SparseConfig.overlap=None prices a slot at a whole iteration on a CPU and at CUDA_OVERLAP of one on CUDA
     (an H200 step slowed by 19-53% once a slot's copy took 62-72% of it); a given overlap is used as given."""
     from torchmoe_ckpt.config import CUDA_OVERLAP
-    from torchmoe_ckpt.operators import discover_operators
-    from torchmoe_ckpt.window_planner import WindowPlanner
+    from torchmoe_ckpt.model.operators import discover_operators
+    from torchmoe_ckpt.planning.window_planner import WindowPlanner
 
     ops = discover_operators(Net(0))
     plan = lambda cfg, cuda: WindowPlanner(cfg, ops, torch.float32, None, None, False, 0, cuda=cuda)  # noqa: E731

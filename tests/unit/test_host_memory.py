@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from test_capture import TOP_K, Net, batch_for  # pytest puts tests/unit on sys.path
 
 import torchmoe_ckpt as tmc
+from torchmoe_ckpt.capture.host_memory import HostMemoryLimitError, parse_bytes
 from torchmoe_ckpt.config import CheckpointConfig, ConfigError, SparseConfig, TierConfig
-from torchmoe_ckpt.host_memory import HostMemoryLimitError, parse_bytes
-from torchmoe_ckpt.recovery import ResumeResult
+from torchmoe_ckpt.recovery.recover import ResumeResult
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_ckpt.storage.host_tier import HostTier
 from torchmoe_ckpt.storage.tiers import Tiers
@@ -246,7 +246,7 @@ def test_limit_caps_auto_window(shm, one_rank_group):
 
 
 def plan_for(ck, w):
-    from torchmoe_ckpt.schedule import plan_window
+    from torchmoe_ckpt.planning.schedule import plan_window
 
     full, comp = ck.planner.op_sizes()
     return plan_window(ck.planner.operator_order(), full, comp, float("inf"), forced_window=w, warn=False)

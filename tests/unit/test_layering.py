@@ -1,12 +1,16 @@
 """Layering of the library, read from the source with `ast` (nothing is imported): `torchmoe_ckpt` never
 imports what sits on top of it (the harness, bench, baselines, simulator, TorchTitan and its glue), imports
 only the standard library, torch and its optional extras, and has no import circle among its modules.
+Inside the library, every module sits in the package of its layer (LAYERS, bottom first) or is one of the
+front-door files (FRONT_DOOR), and a layer imports only the layers below it (and itself); the front door may
+import anything. The exceptions are listed one by one, with their reason (ALLOWED_UPWARD).
 Every import counts: module-level and function-local ones (a function-local import must not hide a circle),
 relative ones resolved against the importing module."""
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +30,40 @@ MOVED = (
 )
 # Third-party packages the library may import: torch, numpy (a dependency) and the optional extras.
 THIRD_PARTY_OK = {"torch", "numpy", "fsspec", "s3fs", "adlfs", "azure", "tensorstore", "matplotlib"}
+
+
+# The library's layers, bottom first: (rank, package, what it holds). A package imports only packages of a lower
+# rank, and modules of its own; packages of the same rank never import each other. docs/architecture.md draws
+# this table as the import graph and names every module.
+LAYERS = (
+    (
+        0,
+        "core",
+        "shared data, no threads: errors, torch-free config values, operator pieces, window plans, slots, "
+        "windows, replay records",
+    ),
+    (1, "runtime", "process services: process groups, fault points, exit, watchdog, device copies"),
+    (2, "model", "what is checkpointed: operators, MoE structure, optimizer state, routing, run identity"),
+    (3, "planning", "Algorithm 1, the window planner, popularity, peer placement"),
+    (4, "storage", "the tiers behind one contract, layout, manifests, checksums, persist thread, status lines"),
+    (5, "dcp", "DCP planners and StorageWriter/Reader adapters over the tiers"),
+    (6, "capture", "the copy engine, slot pools and their allocators, host memory"),
+    (7, "recovery", "recover, sparse-to-dense, replay checks and records, RNG, JIT checkpoint"),
+    (8, "pipeline", "stage-boundary logs and localized recovery"),
+    (8, "ops", "the recovery line, the command line, inspect/verify"),
+)
+# Modules at the package root: the front door (what a user imports, the start-up sequence). It may import any layer.
+FRONT_DOOR = ("__init__", "checkpointer", "config", "startup", "sparse_checkpointer")
+# Imports against the order that this re-layout left, each with its reason: (importing module, imported module).
+ALLOWED_UPWARD = {
+    # config.py holds the configuration dataclasses and their defaults; lower layers read theirs from it. It still
+    # imports torch-side modules to validate (host_memory, operators, replay_check, store_open, watchdog); issue #37
+    # makes it torch-free and built from core dataclasses, after which these settings can come from below.
+    ("planning.window_planner", "config"): "SparseConfig, CUDA_OVERLAP: the planner's settings and default",
+    ("capture.slot_alloc", "config"): "HOST_BUFFERS: the allocator choices, validated where they are chosen",
+    ("storage.tiers", "config"): "TierConfig, DEFAULT_HOST_ROOT: build_tiers builds the tiers from the config",
+    ("recovery.jit", "config"): "TierConfig: the JIT checkpoint writes where the tiers are configured",
+}
 
 
 @dataclass(frozen=True)
@@ -191,6 +229,49 @@ def scan(root: Path, package: str) -> tuple[list[Import], dict[str, dict[str, Im
     return imports, graph(imports, set(mods))
 
 
+def rank_of(module: str, package: str = LIBRARY, layers=LAYERS, front=FRONT_DOOR) -> int | None:
+    """The rank of a library module's layer; the front door ranks above every layer; None: in no layer."""
+    parts = module.split(".")[1:]
+    if not parts or (len(parts) == 1 and parts[0] in front):  # the package's __init__, a front-door file
+        return max(r for r, *_ in layers) + 1
+    ranks = {name: r for r, name, _ in layers}
+    return ranks.get(parts[0]) if len(parts) > 1 or parts[0] in ranks else None
+
+
+def layer_name(module: str) -> str:
+    parts = module.split(".")[1:]
+    return parts[0] if len(parts) > 1 or (parts and parts[0] not in FRONT_DOOR) else "front door"
+
+
+def outside_layers(modules, package: str = LIBRARY, layers=LAYERS, front=FRONT_DOOR) -> list[str]:
+    """Modules in no layer package and not front-door files (a stray module at the root, or an unknown package)."""
+    return sorted(m for m in modules if rank_of(m, package, layers, front) is None)
+
+
+def against_order(
+    imports: list[Import], modules: set[str], package: str = LIBRARY, layers=LAYERS, front=FRONT_DOOR, allowed=()
+) -> list[Import]:
+    """Imports of a module of a higher-ranked layer, or of another package of the same rank, less the `allowed`
+    (importing module, imported module) pairs, names relative to the package."""
+    strip = len(package) + 1
+    bad = []
+    for i in imports:
+        dst = owning_module(i, modules)
+        if dst is None or dst == i.source:
+            continue
+        src_rank, dst_rank = rank_of(i.source, package, layers, front), rank_of(dst, package, layers, front)
+        if src_rank is None or dst_rank is None:
+            continue  # reported by outside_layers
+        src_pkg, dst_pkg = i.source[strip:].split(".")[0], dst[strip:].split(".")[0]
+        top = max(r for r, *_ in layers) + 1
+        if src_rank == top or src_pkg == dst_pkg or dst_rank < src_rank:
+            continue
+        if (i.source[strip:], dst[strip:]) in allowed:
+            continue
+        bad.append(i)
+    return bad
+
+
 # ---- the library ------------------------------------------------------------------------------------------
 def test_library_does_not_import_what_sits_on_top_of_it():
     imports, _ = scan(ROOT, LIBRARY)
@@ -212,6 +293,73 @@ def test_library_has_no_import_circle():
     assert not found, "import circles among library modules:\n  " + "\n  ".join(describe(c, g) for c in found)
 
 
+def test_every_library_module_sits_in_its_layer_or_the_front_door():
+    found = outside_layers(module_names(ROOT, LIBRARY))
+    assert not found, (
+        f"modules in no layer package of {[name for _, name, _ in LAYERS]} and not front-door files "
+        f"{list(FRONT_DOOR)} (put each in the package of its layer, or add a new layer to LAYERS):\n  "
+        + "\n  ".join(found)
+    )
+
+
+def test_library_imports_follow_the_layer_order():
+    mods = module_names(ROOT, LIBRARY)
+    imports, _ = scan(ROOT, LIBRARY)
+    bad = against_order(imports, set(mods), allowed=ALLOWED_UPWARD)
+    lines = [f"{i.where()}  [{layer_name(i.source)} -> {layer_name(owning_module(i, set(mods)))}]" for i in bad]
+    assert not bad, (
+        "imports against the layer order (LAYERS: a layer imports only lower ones; move the shared definition down "
+        "into core/ rather than import upward):\n  " + "\n  ".join(lines)
+    )
+
+
+def test_allowed_upward_imports_still_exist():
+    """An exception that no longer happens leaves the list (so that the list stays the truth)."""
+    mods = module_names(ROOT, LIBRARY)
+    imports, _ = scan(ROOT, LIBRARY)
+    strip = len(LIBRARY) + 1
+    seen = {(i.source[strip:], (owning_module(i, set(mods)) or "")[strip:]) for i in imports}
+    stale = sorted(set(ALLOWED_UPWARD) - seen)
+    assert not stale, f"ALLOWED_UPWARD entries that no import needs any more: {stale}"
+
+
+def test_layer_packages_exist_and_name_their_layer():
+    for _, name, _ in LAYERS:
+        init = ROOT / LIBRARY / name / "__init__.py"
+        assert init.is_file(), f"layer package {name}/ is missing"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{name}/__init__.py says what the layer holds"
+
+
+def architecture_block(text: str) -> list[tuple[str, str]]:
+    """(package, module file) as docs/architecture.md's layer block names them, top first; the package is "" for
+    the front door (the `torchmoe_ckpt/` section)."""
+    block = text.split("## Layers", 1)[1].split("```", 2)[1]
+    out, pkg = [], None
+    for line in block.splitlines():
+        head = re.match(r"\s*(\w+)/\s", line)
+        if head and head.group(1) == LIBRARY:
+            pkg = ""
+        elif head and pkg is not None:
+            pkg = head.group(1)
+        if pkg is not None:
+            out += [(pkg, f) for f in re.findall(r"\b(\w+\.py)\b", line)]
+    return out
+
+
+def test_architecture_doc_draws_the_layers_and_names_every_module():
+    named = architecture_block((ROOT / "docs" / "architecture.md").read_text())
+    have = set()
+    for path in module_names(ROOT, LIBRARY).values():
+        rel = path.relative_to(ROOT / LIBRARY)
+        if rel.name != "__init__.py" or len(rel.parts) == 1:
+            have.add(("" if len(rel.parts) == 1 else rel.parts[0], rel.name))
+    missing, stale = sorted(have - set(named)), sorted(set(named) - have)
+    assert not missing and not stale, f"docs/architecture.md's layer block: not named {missing}; no such module {stale}"
+    ranks = {name: r for r, name, _ in LAYERS} | {"": max(r for r, *_ in LAYERS) + 1}
+    order = [ranks[p] for p, _ in named]
+    assert order == sorted(order, reverse=True), "the block draws the layers top first, in the order of LAYERS"
+
+
 def test_moved_modules_are_gone_from_the_library():
     mods = module_names(ROOT, LIBRARY)
     left = [m for m in mods if any(m == x or m.startswith(x + ".") for x in MOVED)]
@@ -220,7 +368,7 @@ def test_moved_modules_are_gone_from_the_library():
 
 def test_torchtitan_glue_does_not_need_the_harness():
     """titan_integration sits on the library only: with the library clean (above), TorchTitan's runs never
-    load the harness (its pipeline path once loaded TinyMoE through torchmoe_ckpt.pipeline)."""
+    load the harness (its pipeline path once loaded TinyMoE through torchmoe_ckpt.pipeline.stage_io)."""
     imports, _ = scan(ROOT, "titan_integration")
     bad = [
         i
@@ -281,16 +429,48 @@ def test_checker_passes_a_clean_graph():
     assert cycles({"a": {"b": None}, "b": {"c": None}, "c": {"a": None}}) == [["a", "b", "c", "a"]]
 
 
+def test_checker_finds_an_import_against_the_order_and_a_stray_module(tmp_path):
+    _fake_package(
+        tmp_path,
+        {
+            "lib/__init__.py": "from .front import go\n",
+            "lib/front.py": "from .top.t import x\nfrom .low.l import y\n",  # the front door imports anything
+            "lib/stray.py": "",  # in no layer
+            "lib/low/__init__.py": "",
+            "lib/low/l.py": "def f():\n    from ..mid.m import z  # upward, function-local\n    return z\ny = 1\n",
+            "lib/low/l2.py": "from .l import y\n",  # its own layer
+            "lib/side/__init__.py": "",
+            "lib/side/s.py": "from ..low import l2\n",  # a peer of low: no
+            "lib/mid/__init__.py": "",
+            "lib/mid/m.py": "from ..low.l import y\nfrom .. import front\nz = 2\n",  # down: yes; the front door: no
+            "lib/top/__init__.py": "",
+            "lib/top/t.py": "from ..mid import m\nfrom ..side.s import w\nx = 3\n",
+        },
+    )
+    layers = ((0, "low", ""), (0, "side", ""), (1, "mid", ""), (2, "top", ""))
+    mods = module_names(tmp_path, "lib")
+    imports, _ = scan(tmp_path, "lib")
+    assert outside_layers(mods, "lib", layers, ("__init__", "front")) == ["lib.stray"]
+    bad = against_order(imports, set(mods), "lib", layers, ("__init__", "front"))
+    assert sorted((i.source, i.target, i.local) for i in bad) == [
+        ("lib.low.l", "lib.mid.m.z", True),
+        ("lib.mid.m", "lib.front", False),
+        ("lib.side.s", "lib.low.l2", False),
+    ]
+    allowed = {("low.l", "mid.m"): "reason"}
+    assert len(against_order(imports, set(mods), "lib", layers, ("__init__", "front"), allowed)) == 2
+
+
 def test_public_names_are_lazy_complete_and_the_dcp_ones_in_step():
     """`import torchmoe_ckpt` imports nothing else (the names come on first use, PEP 562); every name in
     `__all__` resolves, the DCP users' names are exactly dcp.__all__, and `sparse_to_dense` stays the function
-    after its submodule is imported."""
+    after its submodule (recovery/sparse_to_dense.py) is imported."""
     import subprocess
 
     code = (
         "import sys, torchmoe_ckpt as t\n"
         "assert 'torch' not in sys.modules and 'torchmoe_ckpt.checkpointer' not in sys.modules, sorted(sys.modules)\n"
-        "import torchmoe_ckpt.sparse_to_dense\n"
+        "import torchmoe_ckpt.recovery.sparse_to_dense\n"
         "assert callable(t.sparse_to_dense) and t.sparse_to_dense.__name__ == 'sparse_to_dense'\n"
         "from torchmoe_ckpt import dcp\n"
         "assert set(t._DCP_EXPORTS) == set(dcp.__all__), set(t._DCP_EXPORTS) ^ set(dcp.__all__)\n"

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-from torchmoe_ckpt.moe_structure import state_tensors
-from torchmoe_ckpt.operators import OperatorDiscoveryError, OperatorSpec, discover_operators, expert_grid
-from torchmoe_ckpt.routing import TOP_K_KEYS, RouterCounter
-from torchmoe_ckpt.snapshot import build_slot
+from torchmoe_ckpt.core.slot import build_slot
+from torchmoe_ckpt.model.moe_structure import state_tensors
+from torchmoe_ckpt.model.operators import OperatorDiscoveryError, OperatorSpec, discover_operators, expert_grid
+from torchmoe_ckpt.model.routing import TOP_K_KEYS, RouterCounter
 from torchmoe_harness.hf_models import build_hf_model, is_moe_model_type, moe_model_types
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
 

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from torchmoe_ckpt.operators import discover_operators
-from torchmoe_ckpt.snapshot import SimulatedCopyFault, SnapshotEngine, StateAccess, build_slot, restore_slot
-from torchmoe_ckpt.sparse_to_dense import init_optimizer_state
+from torchmoe_ckpt.capture.snapshot import SimulatedCopyFault, SnapshotEngine, StateAccess, restore_slot
+from torchmoe_ckpt.core.slot import build_slot
+from torchmoe_ckpt.model.operators import discover_operators
+from torchmoe_ckpt.recovery.sparse_to_dense import init_optimizer_state
 from torchmoe_harness.trainer import RunConfig, Trainer
 
 
@@ -93,7 +94,7 @@ def test_torn_copy_is_reported_not_committed(trainer):
 def test_empty_shard_keeps_its_step_counter():
     """Uneven FSDP2 sharding can leave a rank no rows of a small parameter (e.g. [1, D] on 2 ranks); its
     optimizer state still has a step counter, which a slot must hold (seen on DeepSeek-V4 / HY-V4 before)."""
-    from torchmoe_ckpt.operators import Operator, Piece
+    from torchmoe_ckpt.core.operator import Operator, Piece
 
     empty = Piece("gate.weight", True, (1, 4), (1, 0), (slice(0, 0), slice(0, 4)), (0, 4))
     full = Piece("norm.weight", True, (4,), (0,), (slice(0, 4),), (4,))

@@ -12,9 +12,9 @@ from torch import nn
 from transformers import MixtralConfig, MixtralForCausalLM
 
 import torchmoe_ckpt as tmc
-from torchmoe_ckpt.operators import discover_operators
-from torchmoe_ckpt.optim_state import describe_optimizer_state, init_optimizer_state
-from torchmoe_ckpt.snapshot import full_specs
+from torchmoe_ckpt.core.slot import full_specs
+from torchmoe_ckpt.model.operators import discover_operators
+from torchmoe_ckpt.model.optim_state import describe_optimizer_state, init_optimizer_state
 from torchmoe_harness.optimizers import build_optimizers, needs_bf16_params
 
 CFG = dict(
@@ -122,7 +122,7 @@ def test_logged_lrs_of_every_optimizer_are_replayed(tmp_path):
 
 
 def test_replay_sets_every_groups_logged_hyper_parameters():
-    from torchmoe_ckpt.replay_log import Replay, group_hyper
+    from torchmoe_ckpt.recovery.replay_log import Replay, group_hyper
 
     a, b = nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(3))
     muon, adamw = torch.optim.Muon([a], lr=0.02, momentum=0.95), torch.optim.AdamW([b], lr=1e-3, betas=(0.9, 0.95))
@@ -227,7 +227,7 @@ def test_slot_bytes_are_the_real_state_bytes():
 def test_factored_state_is_cut_along_the_dims_it_keeps():
     """A factored state of a grouped tensor (what Adafactor keeps per matrix, on a per-matrix optimizer) is cut
     along the expert dim it keeps; a state that reduces the expert dim cannot be cut per operator: refused."""
-    from torchmoe_ckpt.optim_state import UpdateRule, register_update_rule
+    from torchmoe_ckpt.model.optim_state import UpdateRule, register_update_rule
 
     class RowScaled(torch.optim.SGD):
         """SGD whose state is one value per row of each matrix (factored over the last dim)."""
@@ -335,7 +335,7 @@ def test_dcp_user_path_holds_any_optimizer_state(kind, tmp_path, one_rank_group)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from torchmoe_ckpt.replay_log import IterationRecord
+    from torchmoe_ckpt.core.records import IterationRecord
     from torchmoe_harness.trainer import RunConfig, Trainer
 
     cfg = RunConfig(steps=4, optimizer_kind=kind)

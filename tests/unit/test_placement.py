@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchmoe_ckpt.placement import Placement, Topology, place_replicas
+from torchmoe_ckpt.planning.placement import Placement, Topology, place_replicas
 
 
 @st.composite

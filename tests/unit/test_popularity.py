@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchmoe_ckpt.popularity import POLICIES, PopularityTracker, order_experts, reorder_needed
+from torchmoe_ckpt.planning.popularity import POLICIES, PopularityTracker, order_experts, reorder_needed
 
 
 def freq(values):

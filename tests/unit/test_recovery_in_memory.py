@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchmoe_ckpt import window_planner as wp
 from torchmoe_ckpt.config import SparseConfig
-from torchmoe_ckpt.replay_log import Replay
+from torchmoe_ckpt.ops.status import PHASES
+from torchmoe_ckpt.planning import window_planner as wp
+from torchmoe_ckpt.recovery.replay_log import Replay
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
-from torchmoe_ckpt.status import PHASES
 from torchmoe_harness.baselines.common import lose_state
 from torchmoe_harness.trainer import RunConfig, Trainer, local
 

@@ -14,10 +14,10 @@ from torch import nn
 
 import torchmoe_ckpt as tmc
 from torchmoe_ckpt.checkpointer import _Replay
-from torchmoe_ckpt.errors import UnusableCheckpointError
-from torchmoe_ckpt.replay_check import DEFAULT_TOLERANCE
-from torchmoe_ckpt.sparse_to_dense import ReplayDivergence, sparse_to_dense
-from torchmoe_ckpt.status import recovery_line
+from torchmoe_ckpt.core.errors import UnusableCheckpointError
+from torchmoe_ckpt.ops.status import recovery_line
+from torchmoe_ckpt.recovery.replay_check import DEFAULT_TOLERANCE
+from torchmoe_ckpt.recovery.sparse_to_dense import ReplayDivergence, sparse_to_dense
 
 VOCAB = 50257  # GPT-2's vocabulary: an 804k-element embedding, not a power of two
 W = 6  # one window, steps 1..6: five replayed iterations, each a fair chance to round differently

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchmoe_ckpt.schedule import WindowPlan, copy_budget, measure_copy_bandwidth, plan_window
+from torchmoe_ckpt.core.plan import WindowPlan
+from torchmoe_ckpt.planning.schedule import copy_budget, measure_copy_bandwidth, plan_window
 
 
 def ops_and_sizes(draw_sizes):
@@ -121,7 +122,7 @@ def test_paper_example_three_slots():
 def test_impossible_budget_is_reported_once_and_uses_single_operator_slots(caplog):
     order = ["a", "b", "c"]
     full, comp = {o: 100 for o in order}, {o: 10 for o in order}
-    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.schedule"):
+    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.planning.schedule"):
         plan = plan_window(order, full, comp, 5)
     assert not plan.fits and plan.window == 3 and all(len(s.active) == 1 for s in plan.slots)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -140,13 +141,13 @@ def test_one_oversized_operator_gets_a_slot_alone_and_the_rest_are_packed(caplog
     order = ["e0", "e1", "big", "e2", "e3"]
     full = {"e0": 10, "e1": 10, "big": 1000, "e2": 10, "e3": 10}
     comp = {"e0": 2, "e1": 2, "big": 100, "e2": 2, "e3": 2}
-    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.schedule"):
+    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.planning.schedule"):
         plan = plan_window(order, full, comp, 200)
     assert [s.active for s in plan.slots] == [("e0", "e1"), ("big",), ("e2", "e3")]
     assert [s.bytes for s in plan.slots] == [124, 1004, 20] and not plan.fits
     assert len(caplog.records) == 1 and "slot 1" in caplog.records[0].getMessage()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.schedule"):
+    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.planning.schedule"):
         plan_window(order, full, comp, 200, warn=False)  # the caller already reported it
         plan_window(order, full, comp, 2000)  # fits: nothing to say
     assert caplog.records == []
@@ -195,7 +196,7 @@ def test_copy_budget_and_bandwidth():
 def test_sliding_plan_carries_every_other_operator_and_balances_its_own_cost():
     """A sliding plan's slot holds the compute weights of every operator it does not activate (those before it
     too); its cost is full(active) + compute(all) - compute(active), and the forced split balances that cost."""
-    from torchmoe_ckpt.schedule import choose_window
+    from torchmoe_ckpt.planning.schedule import choose_window
 
     order = [f"e{i}" for i in range(8)]
     full, comp = dict.fromkeys(order, 12), dict.fromkeys(order, 4)

@@ -6,10 +6,10 @@ import random
 
 import torch
 
-from torchmoe_ckpt.operators import discover_operators
-from torchmoe_ckpt.schedule import plan_window
-from torchmoe_ckpt.slot_pool import ArenaSlotPool
-from torchmoe_ckpt.snapshot import build_slot
+from torchmoe_ckpt.capture.slot_pool import ArenaSlotPool
+from torchmoe_ckpt.core.slot import build_slot
+from torchmoe_ckpt.model.operators import discover_operators
+from torchmoe_ckpt.planning.schedule import plan_window
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
 
 CFG = TinyMoEConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, num_experts=4, expert_hidden=8, max_seq_len=8)

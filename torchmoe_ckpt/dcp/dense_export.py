@@ -17,8 +17,8 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from ..distributed import library_new_group
-from ..optim_state import optimizer_list
+from ..model.optim_state import init_optimizer_state, optimizer_list
+from ..runtime.distributed import library_new_group
 from ..storage.layout import METADATA
 from ..storage.layout import dense_step_dirname as step_dirname
 from ..storage.store_open import open_store
@@ -76,8 +76,6 @@ def load_dense(
             f"{uri} is not a complete dense export ({METADATA} missing): the export was "
             f"interrupted or the path is wrong; use an older export"
         )
-    from ..sparse_to_dense import init_optimizer_state
-
     init_optimizer_state(optimizer)  # DCP loads in place: the optimizer state tensors must exist
     state = _state(model, optimizer)
     try:

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..placement import Placement
+from ..planning.placement import Placement
 from ..storage.layout import METADATA, parse_slot_path, slot_dirname, writer_name, writer_rank
 from ..storage.peer_tier import PeerTier
 from ..storage.slot_format import load_metadata, merge_metadata

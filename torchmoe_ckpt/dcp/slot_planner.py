@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
-from ..snapshot import Slot
+from ..core.slot import Slot
 from ..storage.checksums import crc32_tensor
 from ..storage.slot_format import PLANNER_KEY, checksum_name, write_item
 

@@ -1,7 +1,7 @@
 """Sparse DCP planners on a *standard* state dict, for a DCP user who checkpoints every iteration sparsely
 (docs/dcp-user.md): iteration `step` writes its slot of the window plan under the keys a dense save uses
 (`model.<fqn>`, `optim.state.<fqn>.<key>`), later operators' compute weights under `compute.<fqn>`, and its replay
-record as one bytes item; `load_sparse_window` reads a window back for `torchmoe_ckpt.sparse_to_dense`.
+record as one bytes item; `load_sparse_window` reads a window back for `torchmoe_ckpt.recovery.sparse_to_dense`.
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..operators import agreed_sizes, discover_operators, local_tensor
-from ..optim_state import describe_optimizer_state
-from ..replay_log import IterationRecord, ReplayLog
-from ..schedule import plan_window
-from ..snapshot import Slot, SlotItem, build_slot
+from ..core.records import IterationRecord, ReplayLog
+from ..core.slot import Slot, SlotItem, build_slot
+from ..core.window import Window
+from ..model.operators import agreed_sizes, discover_operators, local_tensor
+from ..model.optim_state import describe_optimizer_state
+from ..planning.schedule import plan_window
 from ..storage.layout import slot_name
 from ..storage.manifest import plan_digest
 from ..storage.slot_format import INFO_KEYS, PLANNER_KEY, planner_info
 from ..storage.window_tier import saved
-from ..window import Window
 from .slot_planner import partial_global_plan
 
 # DCP's state-dict helpers drop these wrapper names from FQNs (torch.compile, activation checkpointing).
@@ -266,7 +266,7 @@ class SparseLoadPlanner(DefaultLoadPlanner):
 
 def load_sparse_window(schedule: SparseSchedule, window_id: int, reader_for, pin_memory: bool = False) -> Window:
     """The W slots of window `window_id` (each read with `dcp.load` through `reader_for(step)`, a
-    StorageReader) as a `Window` for `torchmoe_ckpt.sparse_to_dense`. Collective like `dcp.load`."""
+    StorageReader) as a `Window` for `torchmoe_ckpt.recovery.sparse_to_dense`. Collective like `dcp.load`."""
     start = schedule.first_step + window_id * schedule.window
     slots, log = [], ReplayLog()
     for i in range(schedule.window):

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import TorchmoeError
+from ..core.errors import TorchmoeError
 
 BLOCK = 512  # bytes per summed block (64 int64 words); also the item alignment of files that use sum64b512
 SUM64 = "sum64b512"

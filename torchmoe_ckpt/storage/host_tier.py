@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from .. import faults
-from ..identity import RunIdentity
-from ..replay_log import IterationRecord, ReplayLog
-from ..schedule import WindowPlan
-from ..snapshot import Slot, build_slot
-from ..window import Window
+from ..core.plan import WindowPlan
+from ..core.records import IterationRecord, ReplayLog
+from ..core.slot import Slot, build_slot
+from ..core.window import Window
+from ..model.identity import RunIdentity
+from ..runtime import faults
 from . import usage
 from .checksums import tensor_block_sums
 from .files import LocalFiles

@@ -10,7 +10,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from ..errors import TorchmoeError
+from ..core.errors import TorchmoeError
 from .checksums import CRC32, FileEntry
 from .layout import METADATA, slot_of
 

@@ -10,7 +10,7 @@ import logging
 import os
 from pathlib import Path
 
-from .. import faults
+from ..runtime import faults
 from . import usage
 from .checksums import CHUNK, Digester, FileEntry
 from .files import StoreFiles

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import faults
+from ..runtime import faults
 from . import usage
 from .files import LocalFiles
 from .layout import (

@@ -8,11 +8,11 @@ import queue
 import threading
 import time
 
-from ..background import stop_at_exit
-from ..snapshot import Slot
-from ..status import RunStatus
+from ..core.slot import Slot
+from ..runtime.background import stop_at_exit
 from .host_tier import HostTier
 from .manifest import record_digest
+from .run_status import RunStatus
 from .tier_health import TierHealth
 from .uploader import Uploader
 

@@ -11,9 +11,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-from ..distributed import library_group
-from ..errors import is_collective_failure
-from ..identity import RunIdentity
+from ..core.errors import is_collective_failure
+from ..model.identity import RunIdentity
+from ..runtime.distributed import library_group
 from .host_tier import HostTier
 from .slot_format import CorruptCopyError
 

@@ -18,7 +18,7 @@ import socket
 import time
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .commit import write_last
 from .layout import LOCK_NAME
 

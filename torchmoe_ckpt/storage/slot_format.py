@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..errors import TorchmoeError
-from ..snapshot import Slot, SlotItem
+from ..core.errors import TorchmoeError
+from ..core.slot import Slot, SlotItem
 from . import checksums
 from .checksums import BLOCK, CRC32, SUM64, UnknownChecksum, crc32_bytes
 from .layout import DATA_FILE, METADATA

@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .store_open import open_store
 
 log = logging.getLogger("torchmoe_ckpt.store_lease")

@@ -9,7 +9,7 @@ import logging
 import re
 import uuid
 
-from ..errors import TorchmoeError
+from ..core.errors import TorchmoeError
 
 
 class StoreConfigError(TorchmoeError, ValueError):

@@ -12,9 +12,10 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..errors import TorchmoeError
-from ..operators import EXPERT_PARAM_NAMES, Piece
-from ..snapshot import Slot, SlotItem
+from ..core.errors import TorchmoeError
+from ..core.operator import Piece
+from ..core.slot import Slot, SlotItem
+from ..model.operators import EXPERT_PARAM_NAMES
 from .files import LocalFiles
 from .slot_format import read_slot, read_slot_metadata
 

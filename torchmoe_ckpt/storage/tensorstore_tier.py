@@ -13,8 +13,8 @@ import time
 import numpy as np
 import torch
 
-from .. import faults
-from ..snapshot import Slot
+from ..core.slot import Slot
+from ..runtime import faults
 from .checksums import FileEntry, crc32_bytes, crc32_tensor
 from .layout import (
     manifest_name,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from ..errors import TorchmoeError
+from ..core.errors import TorchmoeError
 
 log = logging.getLogger("torchmoe_ckpt.tier_health")
 STALL_POLICIES = ("warn", "fail")

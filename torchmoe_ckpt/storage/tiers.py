@@ -11,11 +11,11 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from ..background import stop_at_exit
 from ..config import DEFAULT_HOST_ROOT, TierConfig
-from ..distributed import library_group, library_new_group
-from ..errors import ConfigError
-from ..placement import Topology, place_replicas
+from ..core.errors import ConfigError
+from ..planning.placement import Topology, place_replicas
+from ..runtime.background import stop_at_exit
+from ..runtime.distributed import library_group, library_new_group
 from . import run_lock
 from .host_tier import HostTier
 from .layout import node_dirname

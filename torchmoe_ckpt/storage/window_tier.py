@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from .. import faults
-from ..errors import TorchmoeError
-from ..identity import RunIdentity, identity_mismatch
-from ..replay_log import ReplayLog
-from ..schedule import WindowPlan
+from ..core.errors import TorchmoeError
+from ..core.plan import WindowPlan
+from ..core.records import ReplayLog
+from ..model.identity import RunIdentity, identity_mismatch
+from ..runtime import faults
 from .checksums import SUM64, FileEntry, crc32_bytes, tensor_block_sums
 from .layout import (
     DATA_FILE,

@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from torchmoe_ckpt import rng
-from torchmoe_ckpt.snapshot import ROLES_FULL, StateAccess, restore_slot
-from torchmoe_ckpt.sparse_to_dense import init_optimizer_state
+from torchmoe_ckpt.capture.snapshot import ROLES_FULL, StateAccess, restore_slot
+from torchmoe_ckpt.recovery import rng
+from torchmoe_ckpt.recovery.sparse_to_dense import init_optimizer_state
 from torchmoe_harness.trainer import Trainer
 
 FULL_ROLES = ROLES_FULL + ("step", "buffer")
@@ -99,7 +99,7 @@ class HostCopyBaseline:
 
 
 def rng_state() -> tuple[torch.Tensor, dict | None]:
-    """The CPU and device generators' states now (torchmoe_ckpt.rng), for `restore_rng` after a recovery."""
+    """The CPU and device generators' states now (torchmoe_ckpt.recovery.rng), for `restore_rng` after a recovery."""
     cpu, device = rng.capture()
     return cpu.clone(), device
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import time
 
-from torchmoe_ckpt.operators import discover_operators
-from torchmoe_ckpt.snapshot import SnapshotEngine, StateAccess, build_slot
-from torchmoe_ckpt.sparse_to_dense import init_optimizer_state
+from torchmoe_ckpt.capture.snapshot import SnapshotEngine, StateAccess
+from torchmoe_ckpt.core.slot import build_slot
+from torchmoe_ckpt.model.operators import discover_operators
+from torchmoe_ckpt.recovery.sparse_to_dense import init_optimizer_state
 from torchmoe_harness.baselines.common import HostCopyBaseline, Timer, restore_rng, restore_slots, rng_state
 
 

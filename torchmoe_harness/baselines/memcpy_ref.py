@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from torchmoe_ckpt.operators import discover_operators
+from torchmoe_ckpt.model.operators import discover_operators
 from torchmoe_harness.baselines.common import HostCopyBaseline, Timer
 
 

@@ -16,8 +16,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from torchmoe_ckpt.operators import discover_operators, expert_grid
-from torchmoe_ckpt.snapshot import Slot, SnapshotEngine, StateAccess, build_slot
+from torchmoe_ckpt.capture.snapshot import SnapshotEngine, StateAccess
+from torchmoe_ckpt.core.slot import Slot, build_slot
+from torchmoe_ckpt.model.operators import discover_operators, expert_grid
 from torchmoe_harness.baselines.common import HostCopyBaseline, Timer, restored_trainer, rng_state
 
 

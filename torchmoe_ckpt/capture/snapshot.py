@@ -1,0 +1,258 @@
+"""Per-iteration capture of one slot into host buffers that are allocated once and reused.
+
+A slot holds the full state (master weights, every optimizer state tensor, buffers) of its ACTIVE operators and
+the compute weights of the others it carries. Each `SlotItem` knows its DCP identity, so tiers write it as is.
+The copy runs off the training thread (device_copy.py); training waits only before the next update would
+overwrite a source still being copied, and on CUDA that wait is on the device.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..core.errors import TorchmoeError
+from ..core.slot import Slot, SlotItem
+from ..model.operators import local_tensor
+from ..runtime import faults
+from ..runtime.background import stop_at_exit
+from ..runtime.device_copy import CopyStream
+
+ROLES_FULL = ("master", "exp_avg", "exp_avg_sq")  # AdamW's full-state roles (other optimizers: their state keys)
+
+
+class StateAccess:
+    """Resolves slot items to the live tensors of a model + optimizer (rank-local storage)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.params = dict(model.named_parameters())
+        self.buffers = {n: b for n, b in model.named_buffers() if b is not None}
+        self.buffers.update((n, p) for n, p in self.params.items() if not p.requires_grad)  # held by value
+        self.optimizer = optimizer
+
+    def source(self, item: SlotItem) -> torch.Tensor:
+        piece = item.piece
+        if item.role == "buffer":
+            return local_tensor(self.buffers[piece.fqn])[piece.local_slices]
+        p = self.params[piece.fqn]
+        if item.role in ("master", "compute"):
+            return local_tensor(p)[piece.local_slices]
+        v = local_tensor(self.optimizer.state[p][item.role])
+        return v if v.dim() == 0 else v[piece.local_slices]  # a factored state's piece is cut to its own shape
+
+
+class SimulatedCopyFault(TorchmoeError, RuntimeError):
+    """Raised by the fault hook to tear a slot copy in the middle (failure-injection tests)."""
+
+
+@dataclass
+class _Job:
+    """One slot copy in flight. `released`: the sources may be overwritten once the training stream is ordered
+    after `end` (CUDA: as soon as the copies are queued; CPU: once they are done)."""
+
+    slot: Slot
+    step: int
+    srcs: list[torch.Tensor]
+    dsts: list[torch.Tensor]
+    ready: object  # CopyStream.mark_ready()
+    keep: list[torch.Tensor]  # device staging copies of buffers, alive until the copy is done
+    end: object = None
+    released: threading.Event = field(default_factory=threading.Event)
+
+
+class SnapshotEngine:
+    """Copies slots off the training thread (one code path for CPU and CUDA: device_copy.CopyStream) and measures
+    how long training waits. On CUDA the next update waits on the device (`wait`); the host waits for a copy to be
+    done only at a window commit (`wait_done`)."""
+
+    def __init__(self, access: StateAccess, device: torch.device | str | None = None):
+        self.access = access
+        if device is None:  # where the model lives: its slots are copied from there
+            device = next((local_tensor(p).device for p in access.params.values()), torch.device("cpu"))
+        self.copier = CopyStream(device)
+        self.use_cuda = self.copier.cuda
+        self.inflight: _Job | None = None  # not yet released: the next update waits for it
+        self._last: _Job | None = None  # the newest job, maybe not done
+        self.wait_seconds_total = 0.0
+        self.waits: list[float] = []
+        # What copies cost under training: the last one (bytes, copy s, copy-thread CPU s) and totals.
+        self.last_copy: tuple[int, float, float] | None = None
+        self.copy_totals = {"copies": 0, "bytes": 0, "wall_s": 0.0, "cpu_s": 0.0}
+        self._sources: dict[int, tuple] = {}  # id(slot) -> (slot ref, state key, sources, buffers, buffer items)
+        self._views_key: tuple | None = None  # the state key the per-piece views below were resolved under
+        self._views: dict[tuple, tuple] = {}  # (id(piece), role) -> (piece, live view)
+        # One-shot hook called with (slot, items_copied); may raise SimulatedCopyFault to tear the copy.
+        self.fault_hook: Callable[[Slot, int], None] | None = None
+        # An emulated slower host link (benchmarks): a copy of n bytes lasts at least n / throttle seconds.
+        self.throttle_bytes_per_s: float | None = None
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="tmoe-snapshot", daemon=True)
+        self._thread.start()
+        stop_at_exit(self)
+
+    def capture(self, slot: Slot, step: int) -> None:
+        """Start copying the live state into `slot` (call right after the optimizer step)."""
+        self.wait()
+        slot.done.clear()
+        slot.error, slot.step = None, None
+        srcs, dsts, buffer_items = self._resolve(slot)
+        keep: list[torch.Tensor] = []
+        with torch.no_grad():  # buffers may change in the next forward, before the update: copied or staged now
+            for it in buffer_items:
+                if self.use_cuda:
+                    keep.append(self.access.source(it).clone())
+                else:
+                    it.buffer.copy_(self.access.source(it))
+        if keep:
+            srcs, dsts = srcs + keep, dsts + [it.buffer for it in buffer_items]
+        job = _Job(slot, step, srcs, dsts, self.copier.mark_ready(), keep)
+        self.inflight = self._last = job
+        self._jobs.put(job)
+
+    def _resolve(self, slot: Slot) -> tuple[list, list, list]:
+        """(sources, host buffers, buffer items) of a slot, cached while the live tensors keep their storage."""
+        acc = self.access
+        key = tuple(local_tensor(t).data_ptr() for t in acc.params.values()) + tuple(
+            local_tensor(v).data_ptr() for st in acc.optimizer.state.values() for v in st.values() if torch.is_tensor(v)
+        )
+        hit = self._sources.get(id(slot))
+        if hit is None or hit[0]() is not slot or hit[1] != key:
+            # A new plan's slots are made of the same pieces: views are cached per (piece, role) too.
+            if self._views_key != key:
+                self._views_key, self._views = key, {}
+            views = self._views
+            srcs, dsts, buffers = [], [], []
+            for it in slot.items:
+                if it.role == "buffer":
+                    buffers.append(it)
+                    continue
+                vk = (id(it.piece), it.role)
+                got = views.get(vk)
+                if got is None or got[0] is not it.piece:  # the piece is held, so its id is not reused
+                    got = views[vk] = (it.piece, acc.source(it))
+                srcs.append(got[1])
+                dsts.append(it.buffer)
+            # Weakly: a slot its allocator dropped takes its entry (and the buffers it holds) with it.
+            ref = weakref.ref(slot, _forget_slot(self._sources, id(slot)))
+            self._sources[id(slot)] = hit = (ref, key, srcs, dsts, buffers)
+            while len(self._sources) > 64:  # bounded, should slots outlive their use
+                self._sources.pop(next(iter(self._sources)))
+        return hit[2], hit[3], hit[4]
+
+    def shutdown(self) -> None:
+        """Stop the copy thread (after a simulated crash, or at exit)."""
+        self._jobs.put(None)
+
+    def stop(self, timeout_s: float) -> None:
+        """Finish the copy in flight, then stop the thread (at interpreter exit: background.py)."""
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        self.copier.bind_thread()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self._copy(job)
+
+    def _copy(self, job: _Job) -> None:
+        slot, srcs, dsts = job.slot, job.srcs, job.dsts
+        t0, c0 = time.perf_counter(), time.thread_time()
+        seconds = None
+        try:
+            with torch.no_grad(), self.copier.context():
+                start = self.copier.begin(job.ready)
+                # Two batched calls: each drops the GIL once for the batch (per-item calls contend for it).
+                half = len(srcs) // 2
+                if half:
+                    torch._foreach_copy_(dsts[:half], srcs[:half], non_blocking=self.use_cuda)
+                if srcs:  # the tear point: half-way through the items, on CPU and CUDA alike
+                    faults.point("snapshot_copy")
+                    if self.fault_hook is not None:
+                        hook, self.fault_hook = self.fault_hook, None
+                        hook(slot, half)
+                    torch._foreach_copy_(dsts[half:], srcs[half:], non_blocking=self.use_cuda)
+                job.end = self.copier.end()
+            if self.use_cuda:
+                job.released.set()  # queued: the update may be queued behind it (CopyStream.order_after)
+            seconds = self.copier.finish(start, job.end)
+            if self.throttle_bytes_per_s:  # the emulated slower link: the copy lasts n bytes / throttle at least
+                rest = sum(d.numel() * d.element_size() for d in dsts) / self.throttle_bytes_per_s
+                time.sleep(max(0.0, rest - (time.perf_counter() - t0)))
+                seconds = max(seconds or 0.0, time.perf_counter() - t0)
+            slot.step = job.step
+        except BaseException as exc:  # surfaced to the training thread by wait()
+            slot.error = exc
+        slot.copy_seconds = seconds if seconds is not None else time.perf_counter() - t0
+        if slot.error is None:
+            last = (sum(d.numel() * d.element_size() for d in dsts), slot.copy_seconds, time.thread_time() - c0)
+            self.copy_totals["copies"] += 1
+            for k, v in zip(("bytes", "wall_s", "cpu_s"), last):
+                self.copy_totals[k] += v
+            self.last_copy = last
+        job.keep.clear()
+        slot.done.set()
+        job.released.set()
+
+    def wait(self) -> float:
+        """Before the next update: block until the in-flight copy no longer needs its sources (CUDA: queued, the
+        training stream then waits on the device). Returns the seconds waited; raises the copy's error."""
+        job = self.inflight
+        if job is None:
+            return 0.0
+        waited = self._timed(job.released)
+        self.inflight = None  # only now: a wait cut short must not let the next update overwrite its sources
+        self.waits.append(waited)
+        if job.slot.error is not None:
+            raise job.slot.error
+        self.copier.order_after(job.end)
+        return waited
+
+    def wait_done(self) -> float:
+        """Block until the newest copy is on the host (a window commit reads it); raises the copy's error."""
+        self.wait()
+        job = self._last
+        if job is None:
+            return 0.0
+        waited = self._timed(job.slot.done)
+        if job.slot.error is not None:
+            raise job.slot.error
+        return waited
+
+    def _timed(self, event: threading.Event) -> float:
+        t0 = time.perf_counter()
+        event.wait()
+        waited = time.perf_counter() - t0
+        self.wait_seconds_total += waited
+        return waited
+
+
+def _forget_slot(sources: dict, key: int):
+    """A weakref callback removing a dead slot's cached sources (only its own entry: the id may be reused)."""
+
+    def forget(ref) -> None:
+        got = sources.get(key)
+        if got is not None and got[0] is ref:
+            del sources[key]
+
+    return forget
+
+
+@torch.no_grad()
+def restore_slot(slot: Slot, access: StateAccess, roles: tuple[str, ...] | None = None) -> int:
+    """Copy a slot back into live tensors (all items, or those with `roles`) in place; returns bytes."""
+    n = 0
+    for it in slot.items:
+        if roles is not None and it.role not in roles:
+            continue
+        access.source(it).copy_(it.buffer)
+        n += it.nbytes
+    return n

@@ -1,0 +1,158 @@
+"""Operators: the units sparse checkpointing schedules, named by module path.
+
+An operator is one expert of one MoE layer (`<moe>.experts.<e>`: a dim-0 slice of grouped `[E, ...]` tensors,
+or one module of an expert list), one router (`<moe>.router`, with the MoE's own `[E]` tensors), the non-expert
+state of one repeated block (`<block>.dense`) or a top-level module. Every parameter and persistent buffer lands
+in exactly one operator, as pieces of this rank's local shards with global offsets from the DTensor placement.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ..core.operator import Operator, Piece, StatePiece
+from ..runtime.distributed import library_group
+from .moe_structure import OperatorDiscoveryError, OperatorSpec, ancestors, find_moe_blocks
+
+__all__ = [
+    "Piece",
+    "StatePiece",
+    "Operator",
+    "OperatorSpec",
+    "OperatorDiscoveryError",
+    "discover_operators",
+    "expert_grid",
+    "moe_order",
+    "local_tensor",
+    "EXPERT_PARAM_NAMES",
+]
+
+# Grouped expert tensor names of TorchTitan and the harness (the tensorstore layout keys on them).
+EXPERT_PARAM_NAMES = ("w1_EFD", "w2_EDF", "w3_EFD", "w1", "w2", "w3")
+# Wrapper path components (activation checkpointing, torch.compile) left out of operator names.
+_WRAPPER_PARTS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)(?=\.|$)")
+
+
+def local_offset(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offset, local shape) of this rank's shard of `t`."""
+    if isinstance(t, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return tuple(offset), tuple(shape)
+    return (0,) * t.dim(), tuple(t.shape)
+
+
+def _whole_piece(fqn: str, t: torch.Tensor, is_param: bool) -> Piece | None:
+    offset, shape = local_offset(t)
+    if any(s == 0 for s in shape) and t.dim() > 0 and not is_param:
+        return None  # uneven sharding left this rank empty
+    # An empty shard of a parameter still has optimizer state on this rank: its step counter (a slot holds it).
+    return Piece(fqn, is_param, tuple(t.shape), offset, tuple(slice(0, s) for s in shape), shape, t.dtype)
+
+
+def _expert_piece(fqn: str, t: torch.Tensor, expert: int, is_param: bool) -> Piece | None:
+    """The rows of expert `expert` (dim 0) held by this rank, whatever dim the tensor is sharded on."""
+    offset, shape = local_offset(t)
+    lo = expert - offset[0]
+    if lo < 0 or lo >= shape[0] or any(s == 0 for s in shape[1:]):
+        return None
+    slices = (slice(lo, lo + 1),) + tuple(slice(0, s) for s in shape[1:])
+    return Piece(fqn, is_param, tuple(t.shape), (expert,) + offset[1:], slices, (1,) + shape[1:], t.dtype)
+
+
+def _clean(path: str) -> str:
+    return _WRAPPER_PARTS.sub("", path).lstrip(".")
+
+
+def discover_operators(model: nn.Module, spec: OperatorSpec | None = None) -> list[Operator]:
+    """All operators of `model` in a canonical order (by layer, then experts, router, dense), the same names on
+    every rank. Raises `OperatorDiscoveryError` when MoE-looking modules match no experts, or a pattern nothing."""
+    moes, blocks, tensors = find_moe_blocks(model, spec)
+    # A parameter that never trains has no optimizer state: it is held like a buffer, by value.
+    params = {n for n, p in model.named_parameters() if p.requires_grad}
+    # Layer index: position of the repeated block (or of an MoE outside any block) in module order.
+    inside = set(blocks)
+    units = blocks + [m.path for m in moes if m.path not in inside and not any(a in inside for a in ancestors(m.path))]
+    order = {p: i for i, p in enumerate(dict(model.named_modules()))}
+    units.sort(key=order.__getitem__)
+    layer_of = {u: i for i, u in enumerate(units)}
+    holders = {a for u in units for a in [u, *ancestors(u)]}  # modules that hold a block or an MoE
+
+    def unit(fqn: str) -> str | None:
+        return next((a for a in ancestors(fqn) if a in layer_of), None)
+
+    ops: dict[str, Operator] = {}
+    claimed: set[str] = set()
+
+    def add(name: str, kind: str, fqn: str, piece: Piece | None, **kw) -> None:
+        o = ops.setdefault(name, Operator(name, kind, **kw))
+        claimed.add(fqn)
+        if piece is not None:
+            o.pieces.append(piece)
+
+    for moe in moes:
+        layer, base = layer_of[moe.path if moe.path in layer_of else unit(moe.path)], _clean(moe.path)
+        for e in range(moe.num_experts):
+            name = f"{base}.experts.{e}" if base else f"experts.{e}"
+            ops[name] = Operator(name, "expert", layer, e, moe=moe.path, cuts={fqn: (0,) for fqn in moe.grouped})
+            for fqn in moe.grouped:
+                add(name, "expert", fqn, _expert_piece(fqn, tensors[fqn], e, fqn in params))
+            for fqn in moe.per_expert[e] if moe.per_expert else ():
+                add(name, "expert", fqn, _whole_piece(fqn, tensors[fqn], fqn in params))
+        if moe.router:
+            name = f"{base}.router" if base else "router"
+            ops[name] = Operator(name, "router", layer, moe=moe.path, modules=tuple(moe.router_modules))
+            for fqn in moe.router:
+                add(name, "router", fqn, _whole_piece(fqn, tensors[fqn], fqn in params))
+    for fqn, t in tensors.items():
+        if fqn in claimed:
+            continue
+        u = unit(fqn)
+        if u is not None:
+            name, layer = f"{_clean(u)}.dense", layer_of[u]
+        else:  # the outermost module on the way down that holds no block and no MoE (else the tensor itself)
+            name = next((a for a in reversed(list(ancestors(fqn))) if a and a not in holders), fqn)
+            name, layer = _clean(name), None
+        add(name, "dense", fqn, _whole_piece(fqn, t, fqn in params), layer=layer)
+    kind_rank = {"expert": 0, "router": 1, "dense": 2}
+    top = 1 << 30  # top-level operators last
+    return sorted(
+        ops.values(), key=lambda o: (top if o.layer is None else o.layer, kind_rank[o.kind], o.expert or 0, o.name)
+    )
+
+
+def moe_order(ops: list[Operator]) -> list[str]:
+    """The MoE blocks' module paths in MoE-layer order (the rows of `expert_grid` and of routed-token counts)."""
+    seen: dict[str, int] = {}
+    for o in ops:
+        if o.kind == "expert" and o.moe not in seen:
+            seen[o.moe] = o.layer if o.layer is not None else 1 << 30
+    return sorted(seen, key=lambda m: (seen[m], m))
+
+
+def expert_grid(ops: list[Operator]) -> dict[tuple[int, int], str]:
+    """(layer index among MoE layers, expert) -> operator name."""
+    idx = {m: i for i, m in enumerate(moe_order(ops))}
+    return {(idx[o.moe], o.expert): o.name for o in ops if o.kind == "expert"}
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def agreed_sizes(
+    ops: dict[str, Operator], compute_dtype: torch.dtype, group=None
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Full and compute bytes per operator, the max over `group`'s ranks: every rank plans from the same sizes."""
+    names = list(ops)
+    sizes = torch.tensor(
+        [[ops[n].full_bytes(), ops[n].compute_bytes(compute_dtype.itemsize)] for n in names], dtype=torch.float64
+    )
+    if dist.is_initialized():
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=library_group(group))
+    return tuple({n: int(sizes[i, k]) for i, n in enumerate(names)} for k in (0, 1))

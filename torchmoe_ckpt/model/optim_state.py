@@ -1,0 +1,370 @@
+"""Optimizer state, whatever the optimizer: what each parameter's state holds, how an operator's share is cut
+(like the parameter, along the dims a factored state keeps, or once per tensor for 0-dim `step`), and whether
+replay with frozen operators is exact: each optimizer's `UpdateRule` says how its update couples elements,
+"element" (Adam, AdamW, SGD), "matrix" (Muon: cut only along batch dims) or "tensor" (Adafactor: no cut); anything
+else is refused. Several optimizers at once are one `Optimizers`, each parameter in exactly one.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.optim.optimizer import _get_scalar_dtype
+
+from ..core.errors import UncapturedStateError
+from ..core.operator import Operator, Piece, StatePiece
+from .operators import local_offset
+
+__all__ = [
+    "Optimizers",
+    "UpdateRule",
+    "register_update_rule",
+    "optimizer_list",
+    "check_optimizers",
+    "init_optimizer_state",
+    "describe_optimizer_state",
+    "check_optimizer_state",
+]
+
+RESERVED = ("master", "compute", "buffer")  # slot roles of the other items: no state key may be named so
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """How an optimizer's update couples elements, and the state its lazy init creates for a parameter."""
+
+    coupling: str  # "element" | "matrix" (last two dims) | "tensor" (the whole parameter)
+    init: Callable[[dict, torch.Tensor, torch.dtype | None], dict[str, torch.Tensor]]  # (group, param, dtype)
+    why: str = ""  # what couples, for the refusal
+    check: Callable[[dict], str | None] | None = None  # a group setting replay cannot reproduce -> why
+
+
+_RULES: dict[type, UpdateRule] = {}
+
+
+def register_update_rule(cls: type, rule: UpdateRule) -> None:
+    """Declare the update rule of an optimizer class (TorchTitan's DistMuon is registered by its glue)."""
+    if rule.coupling not in ("element", "matrix", "tensor"):
+        raise ValueError(f"coupling {rule.coupling!r}: use 'element', 'matrix' or 'tensor'")
+    _RULES[cls] = rule
+
+
+def _zeros(p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return torch.zeros_like(p, memory_format=torch.preserve_format, dtype=dtype)
+
+
+def _adam_init(group: dict, p: torch.Tensor, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    # torch.optim.Adam/AdamW._init_group, value for value (the step lives on the device when fused/capturable).
+    fused = group.get("fused")
+    st = {
+        "step": torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device)
+        if group.get("capturable") or fused
+        else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"),
+        "exp_avg": _zeros(p, dtype),
+        "exp_avg_sq": _zeros(p, dtype),
+    }
+    if group.get("amsgrad"):
+        st["max_exp_avg_sq"] = _zeros(p, dtype)
+    return st
+
+
+def _sgd_init(group: dict, p: torch.Tensor, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    # SGD starts its buffer as a copy of the first gradient; with dampening 0, zeros give the same value.
+    return {"momentum_buffer": _zeros(p, dtype)} if group["momentum"] != 0 else {}
+
+
+def _sgd_check(group: dict) -> str | None:
+    if group["momentum"] != 0 and group["dampening"] != 0:
+        return (
+            f"SGD(dampening={group['dampening']}) starts its momentum from a parameter's first gradient, not from "
+            "zeros, so a parameter without a gradient yet has no state a slot can hold: use dampening=0"
+        )
+    return None
+
+
+def _adafactor_init(group: dict, p: torch.Tensor, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    # torch.optim.Adafactor._init_group: factored second moment over the last two dims, a vector's in full.
+    st = {"step": torch.tensor(0.0, dtype=_get_scalar_dtype())}
+    if p.dim() > 1:
+        st["row_var"] = p.new_zeros((*p.shape[:-1], 1), dtype=dtype or p.dtype)
+        st["col_var"] = p.new_zeros((*p.shape[:-2], 1, p.shape[-1]), dtype=dtype or p.dtype)
+    else:
+        st["variance"] = _zeros(p, dtype)
+    return st
+
+
+for _cls in (torch.optim.Adam, torch.optim.AdamW):
+    register_update_rule(_cls, UpdateRule("element", _adam_init))
+register_update_rule(torch.optim.SGD, UpdateRule("element", _sgd_init, check=_sgd_check))
+register_update_rule(
+    torch.optim.Muon,
+    UpdateRule(
+        "matrix",
+        lambda g, p, dt: {"momentum_buffer": _zeros(p, dt)},
+        "orthogonalises each 2-D parameter as a whole (Newton-Schulz)",
+    ),
+)
+register_update_rule(
+    torch.optim.Adafactor,
+    UpdateRule("tensor", _adafactor_init, "scales each update by the RMS of the whole parameter and of the update"),
+)
+
+
+def _known() -> str:
+    return ", ".join(sorted(c.__name__ for c in _RULES))
+
+
+def rule_of(opt: torch.optim.Optimizer) -> UpdateRule:
+    """The update rule of `opt`'s class (or of the stock class it derives from without replacing `step`)."""
+    if isinstance(opt, torch.optim.LBFGS):
+        raise UncapturedStateError(
+            "optimizer LBFGS keeps one state for all its parameters and steps through a closure that re-runs the "
+            f"model, so neither per-operator slots nor replay can hold it: use one of {_known()}"
+        )
+    cls = next((c for c in type(opt).__mro__ if c in _RULES), None)
+    if cls is not None and inspect.unwrap(type(opt).step) is inspect.unwrap(cls.step):  # not a new update rule
+        return _RULES[cls]
+    raise UncapturedStateError(
+        f"optimizer {type(opt).__name__} has an update rule the checkpointer does not know, so it cannot tell "
+        f"whether replay with frozen operators is exact (an update that couples elements across operators, or state "
+        f"shared by parameters, would come back wrong): use one of {_known()}, or declare it with register_update_rule"
+    )
+
+
+def optimizer_list(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers behind `optimizer`: one, a list/tuple, or a container with `.optimizers`."""
+    if isinstance(optimizer, (list, tuple)):
+        return [o for x in optimizer for o in optimizer_list(x)]
+    inner = getattr(optimizer, "optimizers", None)
+    return list(inner) if inner is not None else [optimizer]
+
+
+class MergedState(Mapping):
+    """`optimizer.state` of several optimizers: param -> its state dict in the optimizer that owns it."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self._optimizers = optimizers
+        self._owner = {id(p): o for o in optimizers for g in o.param_groups for p in g["params"]}
+
+    def __getitem__(self, p):
+        o = self._owner.get(id(p))
+        if o is None:
+            raise KeyError(p)
+        return o.state[p]
+
+    def __contains__(self, p) -> bool:
+        o = self._owner.get(id(p))
+        return o is not None and p in o.state
+
+    def get(self, p, default=None):
+        return self[p] if p in self else default
+
+    def __iter__(self) -> Iterator:
+        return (p for o in self._optimizers for p in o.state)
+
+    def __len__(self) -> int:
+        return sum(len(o.state) for o in self._optimizers)
+
+
+class Optimizers:
+    """Several optimizers stepped, captured and replayed as one (`torch.optim.Optimizer`-like: `param_groups`
+    and `state` of all of them, in order). `step_with`: the object whose `step()` runs them (TorchTitan's
+    container, so that its step pre-hooks run), else each optimizer's own `step()` in order."""
+
+    def __init__(self, optimizers, step_with=None):
+        self.optimizers = optimizer_list(optimizers)
+        self._step_with = step_with
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self):
+        return self.optimizers[0].state if len(self.optimizers) == 1 else MergedState(self.optimizers)
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise UncapturedStateError("a step closure cannot be replayed: step without one")
+        if self._step_with is not None:
+            return self._step_with.step()
+        for o in self.optimizers:
+            o.step()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def as_optimizers(optimizer):
+    """A torch optimizer as it is, several (a list, a container) as one `Optimizers`."""
+    if isinstance(optimizer, Optimizers):
+        return optimizer
+    if isinstance(optimizer, (list, tuple)) or getattr(optimizer, "optimizers", None) is not None:
+        step_with = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        return Optimizers(optimizer, step_with)
+    return optimizer
+
+
+def check_optimizers(model: nn.Module, optimizer) -> None:
+    """Every optimizer has a known update rule and settings replay reproduces; every trainable parameter of
+    `model` belongs to exactly one optimizer. Refusals are one line each."""
+    opts = optimizer_list(optimizer)
+    owner: dict[int, torch.optim.Optimizer] = {}
+    for o in opts:
+        rule = rule_of(o)
+        for g in o.param_groups:
+            if rule.check is not None and (why := rule.check(g)):
+                raise UncapturedStateError(why)
+            for p in g["params"]:
+                if owner.get(id(p), o) is not o:
+                    raise UncapturedStateError(
+                        f"parameter {_name(model, p)} is in two optimizers ({type(owner[id(p)]).__name__} and "
+                        f"{type(o).__name__}): each parameter must belong to exactly one"
+                    )
+                owner[id(p)] = o
+    for name, p in model.named_parameters():
+        if id(p) not in owner and p.requires_grad:
+            raise UncapturedStateError(
+                f"parameter {name} is not in the optimizer, so the slot format has no optimizer state for it: pass "
+                "every trainable parameter to the optimizer(s), or set requires_grad=False (then it is held by value)"
+            )
+
+
+def _name(model: nn.Module, p: torch.Tensor) -> str:
+    return next((n for n, q in model.named_parameters() if q is p), f"<a parameter of shape {tuple(p.shape)}>")
+
+
+def init_optimizer_state(optimizer, state_dtype: torch.dtype | None = None) -> None:
+    """Create, for every trainable parameter without state, the state its optimizer's lazy init would (zeros, step
+    0), so slots load into it in place and a parameter without a gradient yet has state to copy. Non-scalar
+    states take `state_dtype`, else the dtype existing states of that key have (if not their parameter's), else
+    the parameter's."""
+    for o in optimizer_list(optimizer):
+        rule = rule_of(o)
+        dtypes = _state_dtypes(o) if state_dtype is None else {}
+        for group in o.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad or len(o.state.get(p, {})) > 0:
+                    continue  # never updated (no state, no empty entry in state_dict), or initialised already
+                st = rule.init(group, p, state_dtype)
+                for k, dt in dtypes.items():
+                    if k in st and st[k].dim() > 0 and st[k].dtype != dt:
+                        st[k] = st[k].to(dt)
+                if st:
+                    o.state[p].update(st)
+
+
+def _state_dtypes(o: torch.optim.Optimizer) -> dict[str, torch.dtype]:
+    out: dict[str, torch.dtype] = {}
+    for p, st in o.state.items():
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.dtype != p.dtype:
+                out.setdefault(k, v.dtype)
+    return out
+
+
+def describe_optimizer_state(model: nn.Module, ops, optimizer) -> None:
+    """Check `optimizer`, create missing state and give every operator its `Operator.state`. Idempotent."""
+    ops = list(ops.values()) if isinstance(ops, dict) else list(ops)
+    check_optimizers(model, optimizer)
+    init_optimizer_state(optimizer)
+    opts = optimizer_list(optimizer)
+    rules = {id(p): (o, rule_of(o)) for o in opts for g in o.param_groups for p in g["params"]}
+    state = Optimizers(opts).state
+    params = dict(model.named_parameters())
+    cuts: dict[str, set[int]] = {}
+    for op in ops:
+        for fqn, dims in op.cuts.items():
+            cuts.setdefault(fqn, set()).update(dims)
+    for fqn, dims in cuts.items():
+        p = params.get(fqn)
+        if p is not None and id(p) in rules:
+            _check_coupling(fqn, p, sorted(dims), *rules[id(p)], sum(fqn in op.cuts for op in ops))
+    seen: dict[int, str] = {}
+    for op in ops:
+        op.state = {
+            pc.fqn: tuple(_state_piece(op, pc, k, v, seen) for k, v in state.get(params[pc.fqn], {}).items())
+            for pc in op.pieces
+            if pc.is_param and pc.fqn in params
+        }
+
+
+def _check_coupling(fqn: str, p: torch.Tensor, dims: list[int], opt, rule: UpdateRule, n_ops: int) -> None:
+    name = type(opt).__name__
+    if rule.coupling == "element" or (rule.coupling == "matrix" and all(d < p.dim() - 2 for d in dims)):
+        return
+    where = "inside its matrices (the last two dims)" if rule.coupling == "matrix" else "at all"
+    raise UncapturedStateError(
+        f"{name} {rule.why}, and {fqn} {tuple(p.shape)} is cut into {n_ops} operators along dim "
+        f"{', '.join(map(str, dims))}, which it cannot be {where}: replay would mix frozen operators' placeholder "
+        f"state into the active ones. Put such tensors on an elementwise optimizer (e.g. a second optimizer, "
+        f"AdamW) or give each expert its own parameters"
+    )
+
+
+def _state_piece(op: Operator, pc: Piece, key: str, v, seen: dict[int, str]) -> StatePiece:
+    """The part of state tensor `v` (of parameter piece `pc`) that operator `op` owns on this rank."""
+    where = f"optimizer state {key!r} of {pc.fqn}"
+    if key in RESERVED:
+        raise UncapturedStateError(f"{where}: the name is reserved for slot items ({', '.join(RESERVED)})")
+    if not torch.is_tensor(v):
+        raise UncapturedStateError(f"{where} is a {type(v).__name__}, not a tensor: slots hold tensors only")
+    if v.dim() == 0:
+        return StatePiece(key, None, v.dtype)
+    owner = seen.setdefault(id(v), pc.fqn)
+    if owner != pc.fqn:
+        raise UncapturedStateError(f"{where} is shared with {owner}: slots hold state per parameter")
+    glob, shape = tuple(v.shape), pc.global_shape
+    if len(glob) != len(shape) or any(h not in (g, 1) for h, g in zip(glob, shape)):
+        raise UncapturedStateError(
+            f"{where} has shape {glob}, neither the parameter's {shape} nor one that keeps some of its dims: a slot "
+            f"cannot cut it per operator"
+        )
+    lo, ls = local_offset(v)
+    cut = op.cuts.get(pc.fqn, ())
+    offs, sizes, slices = [], [], []
+    for i, (h, g) in enumerate(zip(glob, shape)):
+        if h == g:  # kept dim: the operator's range of the parameter
+            a, b = (pc.global_offset[i], pc.global_offset[i] + pc.shape[i]) if i in cut else (0, g)
+        elif i in cut:
+            raise UncapturedStateError(
+                f"{where} has shape {glob}: it reduces dim {i}, along which {op.name} is cut from the tensor, so "
+                "one value is shared by several operators"
+            )
+        else:
+            a, b = 0, 1
+        a, b = max(a, lo[i]), min(b, lo[i] + ls[i])  # what this rank holds of it
+        b = max(a, b)
+        offs.append(a)
+        sizes.append(b - a)
+        slices.append(slice(a - lo[i], b - lo[i]))
+    if (glob, tuple(offs), tuple(slices), tuple(sizes)) == (shape, pc.global_offset, pc.local_slices, pc.shape):
+        return StatePiece(key, pc, v.dtype)  # cut like the parameter: the parameter's own piece
+    return StatePiece(key, Piece(pc.fqn, True, glob, tuple(offs), tuple(slices), tuple(sizes), v.dtype), v.dtype)
+
+
+def check_optimizer_state(model: nn.Module, optimizer, ops) -> None:
+    """After the first update: every parameter's state still has the keys, dtypes and shapes the slots hold."""
+    params = dict(model.named_parameters())
+    state = Optimizers(optimizer_list(optimizer)).state
+    for op in ops.values() if isinstance(ops, dict) else ops:
+        for fqn, pieces in (op.state or {}).items():
+            live = state.get(params[fqn], {})
+            got = {k: (tuple(v.shape), v.dtype) if torch.is_tensor(v) else type(v).__name__ for k, v in live.items()}
+            want = {s.key: (s.piece.global_shape if s.piece is not None else (), s.dtype) for s in pieces}
+            if got != want:
+                raise UncapturedStateError(
+                    f"optimizer state of {fqn} changed after the first step: slots hold {_fmt(want)}, the "
+                    f"optimizer now has {_fmt(got)}; create the state before the checkpointer (in its final dtype) "
+                    "or use a stock optimizer"
+                )
+
+
+def _fmt(d: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v[1] if isinstance(v, tuple) else v}" for k, v in sorted(d.items())) + "}"

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: stage-boundary logs and localized recovery of one stage."""

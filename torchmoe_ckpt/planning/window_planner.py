@@ -1,0 +1,204 @@
+"""WindowPlanner: what the next window holds, the same on every rank of the planning group.
+
+It orders the operators (experts by popularity, re-sorted when the reorder rule fires, then routers and dense),
+prices a slot's copy budget from what copies cost under training, picks W (Algorithm 1, or forced; agreed in the
+background during the window before) and returns the slot plan; and caps W by the host-memory limit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from ..config import CUDA_OVERLAP, SparseConfig
+from ..core.operator import Operator
+from ..core.plan import WindowPlan
+from ..model.operators import agreed_sizes, expert_grid
+from ..runtime.device_copy import host_copy
+from ..runtime.distributed import library_group
+from .popularity import PopularityTracker, order_experts, reorder_needed
+from .schedule import CopyCost, choose_window, copy_budget, measure_copy_bandwidth, plan_window
+
+log = logging.getLogger("torchmoe_ckpt")
+
+_PROBED: dict[str, float] = {}  # the idle copy bandwidth, measured once per process (agreed across ranks)
+
+
+class WindowPlanner:
+    """Plans the windows of one rank. `agree(value, op)`: a collective over the checkpointer's agree group;
+    `group`: the ranks that plan together; `sum_counts`: counts are this rank's own; `cuda`: the default overlap."""
+
+    def __init__(
+        self,
+        cfg: SparseConfig,
+        ops: list[Operator],
+        compute_dtype: torch.dtype,
+        group: dist.ProcessGroup | None,
+        agree,
+        sum_counts: bool,
+        rank: int,
+        cuda: bool = False,
+    ):
+        self.cfg, self.ops, self.compute_dtype, self.group = cfg, ops, compute_dtype, group
+        self.overlap = cfg.overlap if cfg.overlap is not None else CUDA_OVERLAP if cuda else 1.0
+        self._agree, self.sum_counts, self._rank = agree, sum_counts, rank
+        self.op_by_name = {o.name: o for o in ops}
+        self.grid = expert_grid(ops)
+        n_layers, n_experts = (max((le[i] + 1 for le in self.grid), default=1) for i in (0, 1))
+        cap = None if cfg.expert_capacity is None else torch.tensor(cfg.expert_capacity, dtype=torch.float64)
+        self.tracker = PopularityTracker(n_layers, n_experts, policy=cfg.popularity, decay=cfg.decay, capacity=cap)
+        self.pending_counts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # The last window's counts on their way to the host, applied at the next window start (lagging one window).
+        self._counts_in_flight: tuple[torch.Tensor, object] | None = None
+        self.reorders = 0
+        self._order: list[str] | None = None
+        self._order_freq: torch.Tensor | None = None
+        self._sizes: tuple[dict[str, int], dict[str, int]] | None = None
+        # The copy bandwidth: given, or probed once per process when first needed; the prior until copies are seen.
+        self.bandwidth: float | None = cfg.bandwidth_bytes_per_s
+        self.cost = CopyCost(self.bandwidth or _PROBED.get("bytes_per_s") or 1e9)
+        self._prior_known = self.bandwidth is not None or "bytes_per_s" in _PROBED
+        self.t_iter: float | None = None
+        self.auto_w: int | None = None
+        self._w_pending: tuple | None = None  # (async all-reduce, tensor): the next window's agreed W
+        self.w_cap: int | None = None  # the largest W under the host-memory limit (None: no limit, or W forced)
+        self._warned_unfit = False  # an impossible copy budget is reported once, not every window
+        self._last_split: tuple[list[str], int, WindowPlan] | None = None  # (order, W, plan) of the last split
+
+    def observe_step(self, seconds: float, counts: torch.Tensor, probs: torch.Tensor) -> None:
+        self.t_iter = seconds if self.t_iter is None else 0.7 * self.t_iter + 0.3 * seconds
+        self.pending_counts.append((counts, probs))  # read at the next window start
+        self.cost.observe_step(seconds)
+
+    def plan(self) -> tuple[WindowPlan, float]:
+        """The next window's plan and the copy budget per slot it was priced with (bytes; inf when W is forced)."""
+        order = self.operator_order()
+        full, comp = self.op_sizes()
+        budget, auto_w = float("inf"), None
+        if self.cfg.window is None:
+            if self.cfg.bandwidth_bytes_per_s is None:  # priced by what copies cost under training
+                if not self._prior_known:  # the idle copy bandwidth, once per process (slowest rank's)
+                    if "bytes_per_s" not in _PROBED:
+                        _PROBED["bytes_per_s"] = self._agree(measure_copy_bandwidth(), dist.ReduceOp.MIN)
+                    self.bandwidth = _PROBED["bytes_per_s"]
+                    self.cost.prior_s_per_byte = 1.0 / self.bandwidth
+                    self._prior_known = True
+                budget = self.cost.budget_bytes(self.overlap)
+            else:
+                budget = copy_budget(self.t_iter, self.bandwidth, self.overlap)
+            proposal = choose_window(order, full, comp, budget, self.auto_w, sliding=self.cfg.sliding)
+            auto_w = self._agreed_w(min(proposal, self.w_cap or len(order)))
+        w = self.cfg.window if auto_w is None else auto_w
+        warn = not self._warned_unfit and self._rank == 0
+        # The split depends on the order (the same list object) and W alone, only `fits` on the budget: the last
+        # plan again saves ~1 ms per window start.
+        plan, last = None, self._last_split
+        if last is not None and last[0] is order and last[1] == w:
+            plan = replace(last[2], budget_bytes=float(budget), fits=all(s.bytes <= budget for s in last[2].slots))
+        if plan is None or (warn and not plan.fits):  # a new order or W (or a warning to give): split anew
+            plan = plan_window(
+                order,
+                full,
+                comp,
+                budget,
+                forced_window=self.cfg.window,
+                auto_window=auto_w,
+                warn=warn,
+                sliding=self.cfg.sliding,
+            )
+            self._last_split = (order, w, plan)
+        self._warned_unfit = self._warned_unfit or not plan.fits
+        return plan, budget
+
+    def _agreed_w(self, proposal: int) -> int:
+        """The largest W any rank proposed, agreed asynchronously during the window before (no rank waits here)."""
+        if self._w_pending is None:
+            auto_w = int(self._agree(float(proposal), dist.ReduceOp.MAX, self.group))
+        else:
+            work, agreed = self._w_pending
+            if work is not None:
+                work.wait()
+            auto_w = int(agreed.item())
+        nxt = torch.tensor([float(proposal)], dtype=torch.float64)
+        work = (
+            dist.all_reduce(nxt, op=dist.ReduceOp.MAX, group=library_group(self.group), async_op=True)
+            if dist.is_initialized()
+            else None
+        )
+        self._w_pending = (work, nxt)
+        self.auto_w = auto_w
+        return auto_w
+
+    def _update_popularity(self) -> None:
+        """Queue the last window's counts for the host (no sync) and apply the ones queued a window ago (summed over
+        the group with `sum_counts`), iteration by iteration as if applied when each ran."""
+        pending, self.pending_counts = self.pending_counts, []
+        ready, self._counts_in_flight = self._counts_in_flight, None
+        if pending:
+            stats = torch.stack([torch.stack([c.double(), p.double()]) for c, p in pending])  # [n, 2, L, E]
+            landed = torch.cuda.Event() if stats.is_cuda else None
+            self._counts_in_flight = (host_copy(stats), landed)  # CUDA: queued into pinned memory, no host sync
+            if landed is not None:
+                landed.record()
+        if ready is None:
+            return
+        stats, landed = ready
+        if landed is not None:
+            landed.synchronize()  # recorded a whole window ago
+        if self.sum_counts and dist.is_initialized():
+            dist.all_reduce(stats, group=library_group(self.group))
+        for s in stats:
+            self.tracker.update(s[0], s[1])
+
+    def operator_order(self) -> list[str]:
+        self._update_popularity()
+        freq = self.tracker.frequencies()
+        if self._order is None or reorder_needed(
+            self._order_freq, freq, self.cfg.reorder_change, self.cfg.reorder_fraction
+        ):
+            if self._order is not None:
+                self.reorders += 1
+            experts = [self.grid[le] for le in order_experts(self.tracker.scores()) if le in self.grid]
+            routers = [o.name for o in self.ops if o.kind == "router"]
+            dense = [o.name for o in self.ops if o.kind == "dense"]
+            self._order, self._order_freq = experts + routers + dense, freq.clone()
+        return self._order
+
+    def op_sizes(self) -> tuple[dict[str, int], dict[str, int]]:
+        if self._sizes is None:
+            self._sizes = agreed_sizes(self.op_by_name, self.compute_dtype, self.group)
+        return self._sizes
+
+    def cap_by_memory(self, memory, replicator) -> None:
+        """The host-memory limit against the plan's worst case, before training: sets `w_cap` (or raises)."""
+        if memory.limit is None:
+            return
+        saved = self._order, self._order_freq  # the first window plans as it would without a limit
+        order, (full, comp) = self.operator_order(), self.op_sizes()
+        self._order, self._order_freq = saved
+        # Reorders permute the experts: the worst case puts those with the most local compute bytes last.
+        tail = {o.name for o in self.ops if o.kind in ("router", "dense")}
+        local = {o.name: o.compute_bytes(self.compute_dtype.itemsize) for o in self.ops}
+        worst = sorted((n for n in order if n not in tail), key=local.__getitem__) + [n for n in order if n in tail]
+        max_w = choose_window(order, full, comp, 0.0)  # the largest W Algorithm 1 can choose (its budget floor)
+        if self.cfg.max_window is not None:
+            max_w = min(max_w, self.cfg.max_window)
+        pairs = () if replicator is None else replicator.pairs
+        senders = sum(1 for _s, dst, replica in pairs if dst == self._rank and not replica)
+        self.w_cap = memory.check(
+            lambda w: plan_window(worst, full, comp, float("inf"), forced_window=w, warn=False),
+            self.cfg.window,
+            max_w,
+            lambda x, op: self._agree(float(x), dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, self.group),
+            senders=senders,
+        )
+
+    def inherit(self, old: WindowPlanner) -> None:
+        """What copies cost is learned once, not per restart."""
+        self.cost, self.auto_w = old.cost, old.auto_w
+        self._prior_known = self._prior_known or old._prior_known
+        self.bandwidth = self.bandwidth or old.bandwidth
+        self.reorders += old.reorders
