@@ -1,6 +1,6 @@
 # make setup: .venv with everything (idempotent; quick when nothing changed)
 # make demo:  setup, then the main job          make test: setup, lint, then the tests (make test-all: and the matrix)
-# make lint:  ruff check + ruff format --check   make test-fast: the unit tests alone (in-process, under a minute)
+# make lint:  ruff check + ruff format --check + pyright (library)   make test-fast: the unit tests alone (in-process, under a minute)
 # make bench: setup, then the benchmark suite (JSON + report in benchmarks/results/)
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
@@ -39,6 +39,7 @@ demo: setup
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/pyright
 
 test: setup lint
 	$(BIN)/python -m pytest -q tests
