@@ -14,7 +14,10 @@ a run cut short still leaves what it found (and DIR/bench_raw.json: every turn o
   2  non-deterministic kernels: replay_check="exact" refuses in one line, "tolerant" recovers and reports its
      deviation (gpu_check_recovery.py);
   3  the benchmark: ours (auto W, W = 4, with the host tier), the dense pinned snapshot and DCP async_save with
-     pinned staging (every iteration, best interval), interleaved on a model sized to the card (gpu_check_bench.py).
+     pinned staging (every iteration, best interval), interleaved on a model sized to the card (gpu_check_bench.py);
+  4  the copy-engine microbenchmark, independent of the library: how long a small read on the training stream waits
+     while a side stream copies back-to-back, in chunks with a spacer kernel, in one piece, with casts and
+     device-to-device (gpu_copy_engine.py; on a CPU it says it needs CUDA and measures nothing).
 
 Exit status 0 when every phase that ran passed."""
 
@@ -31,10 +34,10 @@ import time
 import traceback
 from pathlib import Path
 
-PHASES = ("environment", "exact_recovery", "nondeterministic", "bench")
+PHASES = ("environment", "exact_recovery", "nondeterministic", "bench", "copy_engine")
 # Seconds per phase on a GPU (phases 1-3 within ~7 minutes, torchrun starts and model builds included); on a CPU
 # the tiny phases take well under these.
-BUDGET_S = {"cuda": (45, 100, 85, 210), "cpu": (60, 240, 240, 240)}
+BUDGET_S = {"cuda": (45, 100, 85, 210, 60), "cpu": (60, 240, 240, 240, 30)}
 # Packages the harness may use that a machine need not have: an import failing for one of these is reported, not a
 # failure (TorchTitan's glue, the S3 and Azure stores and their test servers).
 OPTIONAL = {"torchtitan", "titan_integration", "tyro", "s3fs", "moto", "adlfs", "azure", "boto3", "botocore"}
@@ -118,6 +121,10 @@ def _phase(n: int, device: str, tiny: bool, work: Path, budget: float) -> dict:
         from torchmoe_harness.gpu_check_recovery import nondeterministic
 
         return nondeterministic(device, tiny, work / "nondeterministic", budget)
+    if n == 4:
+        from torchmoe_harness.gpu_copy_engine import run
+
+        return run(device, tiny)
     from torchmoe_harness.gpu_check_bench import run_bench
 
     return run_bench(device, tiny, work, budget)
@@ -187,7 +194,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="where gpu_check.json and gpu_check.md go (rewritten after each phase)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available, else cpu")
     p.add_argument("--tiny", action="store_true", help="a small model in the benchmark (what `make test` runs)")
-    p.add_argument("--phases", default="0,1,2,3", help="which phases, e.g. 3 or 1,2 (a rerun of one phase)")
+    p.add_argument(
+        "--phases", default="0,4,1,2,3", help="which phases, in this order, e.g. 3 or 4,3 (a rerun of a part)"
+    )
     p.add_argument("--work", default=None, help="scratch directory (default: a new one under /dev/shm, removed)")
 
 
@@ -198,11 +207,11 @@ def from_args(a: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but torch sees no CUDA device: use --device cpu, or run on a GPU machine")
     try:
-        phases = sorted({int(x) for x in a.phases.split(",") if x.strip()})
+        phases = list(dict.fromkeys(int(x) for x in a.phases.split(",") if x.strip()))  # in the order given
     except ValueError:
         phases = [-1]
     if not phases or any(n not in range(len(PHASES)) for n in phases):
-        raise ValueError(f"--phases {a.phases!r}: use numbers 0-3 separated by commas, e.g. 0,1,2,3 or 3")
+        raise ValueError(f"--phases {a.phases!r}: use numbers 0-4 separated by commas, e.g. 0,4,1,2,3 or 3")
     report = run_check(Path(a.out), device, a.tiny, phases, Path(a.work) if a.work else None)
     print(
         f"[gpu-check] {'PASSED' if report['ok'] else 'FAILED'} in {report['seconds']} s: {Path(a.out) / 'gpu_check.md'}"

@@ -84,6 +84,7 @@ def _nondeterministic(r: dict) -> list[str]:
 
 def markdown(report: dict) -> list[str]:
     from torchmoe_harness.gpu_check_bench import markdown as bench_table
+    from torchmoe_harness.gpu_copy_engine import markdown as copy_engine_table
 
     verdict = "PASSED" if report.get("ok") else "FAILED"
     lines = [
@@ -98,6 +99,7 @@ def markdown(report: dict) -> list[str]:
         "1_exact_recovery": _exact,
         "2_nondeterministic": _nondeterministic,
         "3_bench": bench_table,
+        "4_copy_engine": copy_engine_table,
     }
     for name, entry in report["phases"].items():
         lines += [f"## Phase {name}: {entry['status']} ({entry['seconds']} s of {entry['budget_s']} s)", ""]

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torchmoe_harness.gpu_check import PHASES
+
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ("none", "ours_auto", "ours_W4", "ours_W8", "ours_host", "gemini_k1", "dcp_async_k1", "dcp_async_best")
 
@@ -24,7 +26,7 @@ def run_check(tmp_path, phases: str) -> tuple[dict, Path]:
     # timeout: a hang guard only, above the suite's per-test limit
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=280, cwd=ROOT)
     report = json.loads((out / "gpu_check.json").read_text())
-    names = [n for n in ("0_environment", "1_exact_recovery", "2_nondeterministic", "3_bench") if n[0] in phases]
+    names = [f"{n}_{PHASES[int(n)]}" for n in phases.split(",")]
     assert list(report["phases"]) == names, report["phases"].keys()
     failed = {k: (p["status"], p.get("error")) for k, p in report["phases"].items() if p["status"] != "passed"}
     assert not failed and report["ok"] and run.returncode == 0, (failed, run.stdout[-3000:], run.stderr[-3000:])
@@ -35,7 +37,8 @@ def run_check(tmp_path, phases: str) -> tuple[dict, Path]:
 
 # Three tests, some phases each, so that none comes near the suite's 60 s limit (the whole check: 42-46 s).
 def test_gpu_check_environment_and_exact_recovery_on_a_cpu(tmp_path):
-    phases, _ = run_check(tmp_path, "0,1")
+    phases, _ = run_check(tmp_path, "0,4,1")
+    assert "needs CUDA" in phases["4_copy_engine"]["result"]["skipped"]
     env_ = phases["0_environment"]["result"]
     assert env_["imports"]["imported"] > 50 and not env_["imports"]["failed"]
 
