@@ -211,6 +211,9 @@ def analyse(rep: dict) -> dict:
                 d2h_bytes_per_s=cb / cs if cs else None,
                 d2h_vs_peak=cb / cs / peak if cs and peak else None,
             )
+        copies = sum(t.get("copies") or 0 for t in ts)
+        if copies:  # only the measured steps' copies (the warm-up's last one lands before the measurement)
+            row.update(copies=copies, copy_bytes_per_copy=cb / copies, copy_s_per_copy=cs / copies)
         last = ts[-1]
         for key in ("own_host_bytes", "own_host_parts", "windows_W"):
             if last.get(key) is not None:

@@ -177,6 +177,8 @@ def turn(trainer: Trainer, system, warmup: int, measure: int, every: int = 1) ->
         every = system.ck.current.plan.window
     steps = every * math.ceil(measure / every)
     eng = _engine(system)
+    if eng is not None:  # the warm-up's last copy lands first: only the copies of the measured steps are counted
+        eng.wait_done()
     copy0 = dict(eng.copy_totals) if eng is not None else None
     stage0 = len(getattr(system, "stage_seconds", []))
     if cuda:
@@ -213,6 +215,7 @@ def turn(trainer: Trainer, system, warmup: int, measure: int, every: int = 1) ->
     if eng is not None:
         out["copy_bytes"] = eng.copy_totals["bytes"] - copy0["bytes"]
         out["copy_s"] = eng.copy_totals["wall_s"] - copy0["wall_s"]
+        out["copies"] = eng.copy_totals["copies"] - copy0["copies"]  # one per measured step
     if hasattr(system, "stage_seconds"):  # DCP: the staging copies of this turn's checkpoints
         done = system.stage_seconds[stage0:]
         out["copy_bytes"], out["copy_s"] = system.state_bytes * len(done), sum(done)
