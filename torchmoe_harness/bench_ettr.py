@@ -49,10 +49,13 @@ GOALS = {
     "recovery_floor": "ours' recovery / (window bytes / its copy speed + replayed x no-ckpt step), worst of 2 configs",
     "redone_per_failure": "ours' iterations redone per failure beyond the replay, worst of auto W and W = 4",
     "ettr_vs_periodic": "ours' measured ETTR - the best periodic baseline's (at its best interval), worst MTBF",
-    "ettr_relative_error": "|measured ETTR - simulated| / measured, worst run",
+    # A run's ETTR simulated from its own per-event durations matches by construction (~1e-15): no goal. The test of
+    # the simulator is whether it predicts: one MTBF's ETTR from the profile measured under the other MTBF.
+    "ettr_prediction_error": "|predicted ETTR - measured| / measured, one MTBF's run predicted from the other's "
+    "profile, worst system",
 }
 BOUNDS = {"recovery_floor": (1.2, "<="), "redone_per_failure": (0.5, "<="), "ettr_vs_periodic": (0.0, ">=")}
-BOUNDS["ettr_relative_error"] = (0.05, "<=")
+BOUNDS["ettr_prediction_error"] = (0.05, "<=")
 
 
 def _spec(settings: dict) -> dict:
@@ -258,7 +261,9 @@ def goals(res: dict, spec: dict) -> dict:
             )
             for r in ours
         ),
-        "ettr_relative_error": max(r["relative_error"] for r in rows.values()),
+        "ettr_prediction_error": max(
+            (v["relative_error"] for v in (res.get("predictions") or {}).values()), default=0.0
+        ),
     }
     out = {}
     for k, v in vals.items():
