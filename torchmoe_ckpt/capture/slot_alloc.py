@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import HOST_BUFFERS
 from ..core.errors import ConfigError
+from ..core.sparse_config import HOST_BUFFERS
 from .file_slot_pool import FileSlotPool
 from .slot_pool import ArenaSlotPool, SlotAllocator
 

@@ -13,9 +13,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from ..config import CUDA_OVERLAP, SparseConfig
 from ..core.operator import Operator
 from ..core.plan import WindowPlan
+from ..core.sparse_config import CUDA_OVERLAP, SparseConfig
 from ..model.operators import agreed_sizes, expert_grid
 from ..runtime.device_copy import host_copy
 from ..runtime.distributed import library_group
