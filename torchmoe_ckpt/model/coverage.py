@@ -21,7 +21,7 @@ __all__ = ["check_coverage", "infer_compute_dtype", "SchedulerPosition", "positi
 def check_coverage(model: nn.Module, ops: list[Operator]) -> None:
     """Every parameter and persistent buffer (what `state_dict` holds) belongs to an operator."""
     claimed = {pc.fqn for o in ops for pc in o.pieces}
-    tensors = dict(model.named_parameters())
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
     tensors.update(model.named_buffers())
     for key in model.state_dict(keep_vars=True):
         t = tensors.get(key)
