@@ -27,6 +27,14 @@ log = logging.getLogger("torchmoe_ckpt")
 _PROBED: dict[str, float] = {}  # the idle copy bandwidth, measured once per process (agreed across ranks)
 
 
+def _default_overlap(cuda: bool) -> float:
+    """SparseConfig.overlap's default: on a CPU copies run beside the step (a whole iteration); on CUDA a side-stream
+    copy slows the step it overlaps, so a slot may take less of it (docs/gpu.md)."""
+    if cuda:
+        return CUDA_OVERLAP
+    return 1.0
+
+
 @dataclass
 class _Split:
     """A split of `order` into W slots (`plan`), kept to be reused while the order and W stay (_same_split)."""
@@ -52,7 +60,7 @@ class WindowPlanner:
         cuda: bool = False,
     ):
         self.cfg, self.ops, self.compute_dtype, self.group = cfg, ops, compute_dtype, group
-        self.overlap = cfg.overlap if cfg.overlap is not None else CUDA_OVERLAP if cuda else 1.0
+        self.overlap = _default_overlap(cuda) if cfg.overlap is None else cfg.overlap
         self._agree, self.sum_counts, self._rank = agree, sum_counts, rank
         self.op_by_name = {o.name: o for o in ops}
         self.grid = expert_grid(ops)
