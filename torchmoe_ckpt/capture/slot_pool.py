@@ -45,11 +45,13 @@ class SlotAllocator(Protocol):
     Call order (one allocator per SparseCheckpointer; "T": the training thread, "M": any thread that reads the
     host-memory account, e.g. the status line; the allocator's own lock makes M's reads safe):
 
-    1. (T, at a window start) `host_memory.HostMemory` asks `has_free(plan)` and `set_bytes(plan)` to know whether
-       the start needs a new set; under memory pressure it calls `trim()` first (free sets given back).
+    1. (T, at a window start, with a host_memory_limit) `HostMemory.before_window` asks `has_free(plan)`, else
+       `set_bytes(plan)` (the new set's bytes); when those would pass the limit it calls `trim()` (every free set
+       given back) before refusing.
     2. (T) `slots_for(plan)`: the new window's slots, a free set re-assembled or a new one allocated.
     3. (T) `prepare(plan, room)`: the next window's set allocated ahead on a helper thread when none would be
-       free; `preparing` says whether that helper is still at it. `slot_bytes(slots)`: the bytes each copy moves.
+       free and `room(nbytes)` (HostMemory.room_for) allows; `preparing` says whether that helper is still at
+       it. `slot_bytes(slots)`: the bytes each copy of the new window moves.
     4. (T, when the checkpointer drops a window) `release(slots, ticket)`: the persist thread still reads them
        until it is past `ticket` (None: every job queued so far); only then is the set free for step 2.
     5. (M, at any time) `host_bytes()`, `files()` and the counters (`kind`, `allocations`, `prepared`,
