@@ -56,7 +56,11 @@ class OperatorSpec:
     module is an expert list or holds grouped `[E, ...]` tensors. Given patterns replace detection for that role."""
 
     experts: tuple[str, ...] = ()
+    """Patterns of the experts modules (an expert list, or a module holding grouped [E, ...] tensors). Empty:
+    detected by structure."""
+
     routers: tuple[str, ...] = ()
+    """Patterns of the router (gate) modules, one per MoE layer. Empty: detected by structure."""
 
     def __post_init__(self):
         for role in ("experts", "routers"):
