@@ -106,4 +106,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS) | set(_DCP_EXPORTS))
 
 
-__all__ = [*_EXPORTS, *_DCP_EXPORTS]  # every public name (dcp.__all__ included)
+__all__ = [*_EXPORTS, *_DCP_EXPORTS]  # pyright: ignore[reportUnsupportedDunderAll]  (every public name, dcp.__all__ included: built from the tables)

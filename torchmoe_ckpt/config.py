@@ -11,108 +11,37 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 # Torch-free, every one of them (tests/unit/test_config_torch_free.py): a launcher checks a config before torch loads.
-from .core.config_values import DEFAULT_TOLERANCE, OperatorSpec, ReplayCheck, ReplayPolicy, parse_bytes
+from .core.config_values import (
+    DEFAULT_HOST_ROOT,
+    DEFAULT_TOLERANCE,
+    OperatorSpec,
+    ReplayCheck,
+    ReplayPolicy,
+    is_kind,
+    parse_bytes,
+)
 from .core.errors import ConfigError
+from .core.sparse_config import (  # noqa: F401 (re-exported: SparseConfig lives in core/, below its readers)
+    CUDA_OVERLAP,
+    HOST_BUFFERS,
+    POPULARITIES,
+    HostBuffers,
+    Popularity,
+    SparseConfig,
+)
 from .runtime.watchdog import check_timeout
 from .storage.store_open import StoreConfigError, check_uri
 
 __all__ = ["ConfigError", "SparseConfig", "ObjectStoreConfig", "TierConfig", "CheckpointConfig", "DEFAULT_HOST_ROOT"]
 
-DEFAULT_HOST_ROOT = "/dev/shm/torchmoe-ckpt"
-CUDA_OVERLAP = 0.4  # SparseConfig.overlap's default on CUDA: see there
-
 # The choice fields' values, each written once: the Literal is the field's type, the tuple is what is checked.
-Popularity = Literal["hard", "soft", "decayed", "capacity"]
-HostBuffers = Literal["auto", "arena", "shm-registered"]
 StoreFormat = Literal["dcp", "tensorstore"]
 OnStall = Literal["warn", "fail"]
 OnUnusable = Literal["fail", "restart"]
-POPULARITIES: tuple[str, ...] = get_args(Popularity)
-HOST_BUFFERS: tuple[str, ...] = get_args(HostBuffers)  # (slot_alloc.py)
 STORE_FORMATS: tuple[str, ...] = get_args(StoreFormat)
 STALL_POLICIES: tuple[str, ...] = get_args(OnStall)
 UNUSABLE_POLICIES: tuple[str, ...] = get_args(OnUnusable)  # (recovery.recover's on_unusable)
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-@dataclass
-class SparseConfig:
-    """How windows are sized and filled: W (the window), the order operators are captured in, the memory bound."""
-
-    window: int | None = None
-    """W, the iterations (slots) of one window: every operator is captured once per window, so a failure replays
-    at most W iterations. None: Algorithm 1 picks W from what one slot copy costs (priced as below)."""
-
-    overlap: float | None = None
-    """The share of one iteration a slot's copy may take, hidden behind compute (W is sized so it fits).
-    None: 1.0 on a CPU (copies run beside the step), CUDA_OVERLAP on CUDA (measured, docs/gpu.md)."""
-
-    bandwidth_bytes_per_s: float | None = None
-    """The copy bandwidth slots are priced with. None: what copies cost while training, measured in the first
-    window; a number: that fixed bandwidth (reproducible plans, benchmarks)."""
-
-    popularity: Popularity = "hard"
-    """The order experts are captured in, most routed first: "hard" (top-k token counts), "soft" (router
-    probabilities), "decayed" (counts aged by `decay` per iteration), "capacity" (`expert_capacity`)."""
-
-    decay: float = 0.9
-    """"decayed" popularity: the weight of the previous count per iteration, in [0, 1]."""
-
-    reorder_change: float = 0.10
-    """The next window's order is recomputed only when popularity moved by more than this share, in [0, 1]."""
-
-    reorder_fraction: float = 0.25
-    """The largest share of operators one reorder may move, in [0, 1] (bounds the churn between windows)."""
-
-    expert_capacity: list[list[float]] | None = None
-    """"capacity" popularity: a weight per expert, [moe layers][experts]."""
-
-    sliding: bool = False
-    """Every slot also copies the compute weights of operators already captured in its window, so any W
-    consecutive slots recover (a failure loses only its own iteration); more bytes per slot (docs/benchmarks.md)."""
-
-    host_memory_limit: int | str | None = None
-    """Bytes of host memory per rank the checkpointer may hold (host_memory.py), or a size such as "64 GiB";
-    checked against the plan's worst case at construction and at every window start. None: no limit (still
-    counted)."""
-
-    max_window: int | None = None
-    """Auto W is never above this (a smaller W holds fewer bytes per window). None: no bound."""
-
-    host_buffers: HostBuffers = "auto"
-    """Slot buffers (slot_alloc.py): "auto" (slot files on a CPU with a host tier, else "arena"), "arena" (one
-    arena per slot set, pinned on CUDA), "shm-registered" (CUDA: slot files page-locked; opt-in, unmeasured)."""
-
-    def __post_init__(self):
-        if not isinstance(self.sliding, bool):
-            raise ConfigError(f"SparseConfig.sliding must be true or false, got {self.sliding!r}")
-        optional = ("window", "overlap", "bandwidth_bytes_per_s")
-        for name in ("window", "overlap", "bandwidth_bytes_per_s", "decay", "reorder_change", "reorder_fraction"):
-            v, kinds = getattr(self, name), (int,) if name == "window" else (int, float)
-            if (v is not None or name not in optional) and not _is(v, kinds):  # "3" from a job file: one clear line
-                raise ConfigError(
-                    f"SparseConfig.{name} must be {'an integer' if name == 'window' else 'a number'}"
-                    f"{' or None' if name in optional else ''}, got {v!r}"
-                )
-        if self.window is not None and self.window < 1:
-            raise ConfigError(f"window must be >= 1 or None (auto), got {self.window}")
-        if self.overlap is not None and not 0 < self.overlap < math.inf:
-            raise ConfigError(f"overlap must be a finite number > 0 (share of an iteration), got {self.overlap}")
-        if self.bandwidth_bytes_per_s is not None and not 0 < self.bandwidth_bytes_per_s < math.inf:
-            raise ConfigError(
-                "bandwidth_bytes_per_s must be a finite number > 0 or None (measured), got "
-                f"{self.bandwidth_bytes_per_s}"
-            )
-        for name in ("decay", "reorder_change", "reorder_fraction"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"SparseConfig.{name} must be in [0, 1], got {getattr(self, name)}")
-        self.host_memory_limit = parse_bytes(self.host_memory_limit, "host_memory_limit")
-        if self.max_window is not None and (not _is(self.max_window, int) or self.max_window < 1):
-            raise ConfigError(f"max_window must be an integer >= 1 or None, got {self.max_window!r}")
-        if self.host_buffers not in HOST_BUFFERS:
-            raise ConfigError(f"host_buffers {self.host_buffers!r} is not one of {', '.join(HOST_BUFFERS)}")
-        if self.popularity not in POPULARITIES:
-            raise ConfigError(f"popularity {self.popularity!r} is not one of {', '.join(POPULARITIES)}")
 
 
 @dataclass
@@ -151,7 +80,7 @@ class ObjectStoreConfig:
             raise ConfigError(f"object_store.keep must be >= 1 (windows kept in the store), got {self.keep}")
         if self.format not in STORE_FORMATS:
             raise ConfigError(f"object_store.format {self.format!r} is not one of {', '.join(STORE_FORMATS)}")
-        if not _is(self.exit_wait_s, (int, float)) or not 0 <= self.exit_wait_s < math.inf:
+        if not is_kind(self.exit_wait_s, (int, float)) or not 0 <= self.exit_wait_s < math.inf:
             raise ConfigError(
                 f"object_store.exit_wait_s must be a number of seconds >= 0 (finite: the bounded wait for "
                 f"pending uploads at exit), got {self.exit_wait_s!r}"
@@ -222,7 +151,7 @@ class TierConfig:
             raise ConfigError(f"replicas must be >= 0 (peers holding a copy of each window), got {self.replicas}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ConfigError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
-        if self.stall_iterations is not None and (not _is(self.stall_iterations, int) or self.stall_iterations < 1):
+        if self.stall_iterations is not None and (not is_kind(self.stall_iterations, int) or self.stall_iterations < 1):
             raise ConfigError(
                 f"stall_iterations must be an integer >= 1 (iterations without a durable window "
                 f"before on_stall applies) or None (no check), got {self.stall_iterations!r}"
@@ -261,7 +190,9 @@ class CheckpointConfig:
     """Where windows are kept beyond this process (host memory, peers, object store). None: this process only."""
 
     window: SparseConfig = field(default_factory=SparseConfig)
-    """How windows are sized and filled (a dict is read as SparseConfig)."""
+    """How windows are sized and filled: a whole SparseConfig (a dict is read as one), not the window size; W itself
+    is `window.window`, e.g. `CheckpointConfig(window=SparseConfig(window=3))` or `{"window": {"window": 3}}`.
+    Default: SparseConfig() (W chosen by Algorithm 1)."""
 
     max_grad_norm: float | None = None
     """Gradient clipping by the library (> 0): replay reuses the logged norm. None: no clipping."""
@@ -313,18 +244,11 @@ class CheckpointConfig:
             raise ConfigError(
                 f"window must be a SparseConfig (e.g. SparseConfig(window=3)) or a dict, got {self.window!r}"
             )
-        if self.host_memory_limit is not None:
-            limit = parse_bytes(self.host_memory_limit, "host_memory_limit")
-            if self.window.host_memory_limit not in (None, limit):
-                raise ConfigError(
-                    f"host_memory_limit is set twice ({limit} and window.host_memory_limit "
-                    f"{self.window.host_memory_limit}): set one"
-                )
-            self.host_memory_limit = self.window.host_memory_limit = limit
+        self._merge_host_memory_limit()
         if self.tiers is not None and not isinstance(self.tiers, TierConfig):
             raise ConfigError(f"tiers must be a TierConfig, a dict or None, got {type(self.tiers).__name__}")
         _whole("router_top_k", self.router_top_k, none_ok=True)
-        if self.max_grad_norm is not None and not _is(self.max_grad_norm, (int, float)):
+        if self.max_grad_norm is not None and not is_kind(self.max_grad_norm, (int, float)):
             raise ConfigError(f"max_grad_norm must be a number > 0 or None (no clipping), got {self.max_grad_norm!r}")
         if self.router_top_k is not None and self.router_top_k < 1:
             raise ConfigError(f"router_top_k must be >= 1 or None, got {self.router_top_k}")
@@ -336,6 +260,18 @@ class CheckpointConfig:
         check_timeout("hang_timeout_s", self.hang_timeout_s, ConfigError)
         check_timeout("hang_start_timeout_s", self.hang_start_timeout_s, ConfigError)
         self.replay_policy()  # validates replay_check and replay_tolerance
+
+    def _merge_host_memory_limit(self) -> None:
+        """`host_memory_limit` given here is set on `window` (SparseConfig), where the checkpointer reads it."""
+        if self.host_memory_limit is None:
+            return
+        limit = parse_bytes(self.host_memory_limit, "host_memory_limit")
+        if self.window.host_memory_limit not in (None, limit):
+            raise ConfigError(
+                f"host_memory_limit is set twice ({limit} and window.host_memory_limit "
+                f"{self.window.host_memory_limit}): set one"
+            )
+        self.host_memory_limit = self.window.host_memory_limit = limit
 
     def replay_policy(self) -> ReplayPolicy:
         """How recovery checks each replayed iteration (replay_check.py)."""
@@ -378,14 +314,9 @@ def compute_dtype_of(value):
     return value
 
 
-def _is(value, kinds) -> bool:
-    """isinstance, with bool (an int subclass) refused as a number."""
-    return isinstance(value, kinds) and not isinstance(value, bool)
-
-
 def _whole(name: str, value, none_ok: bool = False) -> None:
     """An integer field given as "2" or 2.0 fails here with its name, not as a TypeError in a comparison."""
-    if (value is None and none_ok) or _is(value, int):
+    if (value is None and none_ok) or is_kind(value, int):
         return
     raise ConfigError(
         f"{name} must be an integer{' or None' if none_ok else ''}, got {value!r} ({type(value).__name__})"

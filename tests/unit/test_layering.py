@@ -56,11 +56,9 @@ LAYERS = (
 FRONT_DOOR = ("__init__", "checkpointer", "config", "startup", "sparse_checkpointer")
 # Imports against the order that this re-layout left, each with its reason: (importing module, imported module).
 ALLOWED_UPWARD = {
-    # config.py holds the configuration dataclasses and their defaults; lower layers read theirs from it. It still
-    # imports torch-side modules to validate (host_memory, operators, replay_check, store_open, watchdog); issue #37
-    # makes it torch-free and built from core dataclasses, after which these settings can come from below.
-    ("planning.window_planner", "config"): "SparseConfig, CUDA_OVERLAP: the planner's settings and default",
-    ("capture.slot_alloc", "config"): "HOST_BUFFERS: the allocator choices, validated where they are chosen",
+    # config.py holds TierConfig, whose checks need the storage layer (storage.store_open.check_uri: a URI that
+    # would silently be a local directory is refused at construction); SparseConfig and the torch-free constants
+    # live in core/ (core/sparse_config.py, core/config_values.py). These two read a TierConfig from the front door.
     ("storage.tiers", "config"): "TierConfig, DEFAULT_HOST_ROOT: build_tiers builds the tiers from the config",
     ("recovery.jit", "config"): "TierConfig: the JIT checkpoint writes where the tiers are configured",
 }

@@ -14,7 +14,7 @@ from ..core.plan import WindowPlan
 from ..core.slot import Slot
 from ..storage.checksums import BLOCK
 from ..storage.slot_files import Backing, SlotFiles, backing
-from .slot_pool import ArenaSlotPool, SlotAllocator, signature
+from .slot_pool import ArenaSlotPool, SlotPoolBase, signature
 
 log = logging.getLogger("torchmoe_ckpt.slot_files")
 MAX_SETS = 8  # sets kept without a host-memory limit: current, committed, still linked, one being collected
@@ -32,7 +32,7 @@ class _FileSet:
     ticket: int | None = None  # None: in use by a window
 
 
-class FileSlotPool(SlotAllocator):
+class FileSlotPool(SlotPoolBase):
     """The slot allocator over shared-memory slot files (a set = one file per slot). A released set is reused once
     the persist thread is past it and no window links its files; a new plan takes the free sets' files. When shared
     memory cannot be allocated, that plan's slots come from a plain arena (the host tier copies them into files)."""
@@ -76,7 +76,7 @@ class FileSlotPool(SlotAllocator):
                 return self.fallback.slots_for(plan)
             finally:  # a free set any of whose files went to the new plan is spent
                 for f in free:
-                    if any(not b.finalizer.alive for b in _backings([f])):
+                    if any(not b.finalizer.alive for b in _backings([f])):  # pyright: ignore[reportOptionalMemberAccess]  (built slot files have one)
                         self.sets.remove(f)
             if self.slot_files.created != before[0]:
                 self.allocations += 1

@@ -144,6 +144,7 @@ class HostMemory:
         return None if forced is not None else cap
 
     def _refusal(self, w: int, total: int, parts: dict, worst: int) -> str:
+        assert self.limit is not None  # a refusal needs a limit
         shown = ", ".join(f"{k} {human_bytes(v)}" for k, v in parts.items() if v)
         here = f"{human_bytes(total)} ({shown})"
         if worst > total:  # another rank holds more (uneven shards): its figure is the one to meet

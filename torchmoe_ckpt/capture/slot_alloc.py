@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import HOST_BUFFERS
 from ..core.errors import ConfigError
+from ..core.sparse_config import HOST_BUFFERS
 from .file_slot_pool import FileSlotPool
 from .slot_pool import ArenaSlotPool, SlotAllocator
 
@@ -31,7 +31,7 @@ def cuda_host_register(t: torch.Tensor):
     """Page-lock `t` (a /dev/shm mapping) for asynchronous device copies; returns the undo. CUDA only."""
     cudart = torch.cuda.cudart()  # CUDA only
     ptr, n = t.data_ptr(), t.numel()
-    err = cudart.cudaHostRegister(ptr, n, 0)  # CUDA only: cudaHostRegisterDefault
+    err = cudart.cudaHostRegister(ptr, n, 0)  # pyright: ignore[reportOptionalMemberAccess]  (CUDA: cudaHostRegisterDefault)
     if int(err) != 0:
         raise OSError(f"cudaHostRegister of a {n}-byte shared-memory mapping failed (cudaError {int(err)})")
-    return lambda: cudart.cudaHostUnregister(ptr)  # CUDA only
+    return lambda: cudart.cudaHostUnregister(ptr)  # pyright: ignore[reportOptionalMemberAccess]  (CUDA only)

@@ -1,4 +1,5 @@
-"""Slot buffers: the allocator contract (`slot_alloc.make_slot_allocator` picks one) and the arena allocator.
+"""Slot buffers: the allocator contract (`SlotAllocator`; `slot_alloc.make_slot_allocator` picks one), the base
+the allocators share (`SlotPoolBase`) and the arena allocator (`ArenaSlotPool`).
 
 A *set* (one window's W slots) is ONE allocation (an arena, pinned on CUDA) carved into *groups*: an operator's
 items for one slot, or one tensor's 0-dim states. A new plan re-assembles a free set from its own groups, carving
@@ -11,7 +12,9 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -34,16 +37,85 @@ def pageup(n: int, page: int = PAGE) -> int:
     return (int(n) + page - 1) // page * page
 
 
-class SlotAllocator:
-    """A slot-buffer allocator's defaults and the reuse bookkeeping all share (a released set is reusable once the
-    writer is past its ticket; a lock for readers on other threads). Every allocator also has (training thread):
+class SlotAllocator(Protocol):
+    """The slot-buffer allocator contract: where a window's W slots (host buffers) come from, and when they can be
+    written over again. `slot_alloc.make_slot_allocator` picks one per checkpointer (`ArenaSlotPool` or
+    `FileSlotPool`); both build on `SlotPoolBase`.
 
-    * `slots_for(plan) -> list[Slot]`: the slots of a new window with this plan;
-    * `release(slots, ticket=None)`: their window was dropped; the writer reads them until past `ticket` (None:
-      every job queued so far);
-    * `set_bytes(plan) -> int`: host bytes one set for `plan` holds; `has_free(plan) -> bool`: a window start
-      would reuse a set; `trim() -> int`: drop every free set (memory pressure), the bytes given back;
-    * `host_bytes() -> {part: bytes}`: what it holds, for host_memory.py."""
+    Call order (one allocator per SparseCheckpointer; "T": the training thread, "M": any thread that reads the
+    host-memory account, e.g. the status line; the allocator's own lock makes M's reads safe):
+
+    1. (T, at a window start, with a host_memory_limit) `HostMemory.before_window` asks `has_free(plan)`, else
+       `set_bytes(plan)` (the new set's bytes); when those would pass the limit it calls `trim()` (every free set
+       given back) before refusing.
+    2. (T) `slots_for(plan)`: the new window's slots, a free set re-assembled or a new one allocated.
+    3. (T) `prepare(plan, room)`: the next window's set allocated ahead on a helper thread when none would be
+       free and `room(nbytes)` (HostMemory.room_for) allows; `preparing` says whether that helper is still at
+       it. `slot_bytes(slots)`: the bytes each copy of the new window moves.
+    4. (T, when the checkpointer drops a window) `release(slots, ticket)`: the persist thread still reads them
+       until it is past `ticket` (None: every job queued so far); only then is the set free for step 2.
+    5. (M, at any time) `host_bytes()`, `files()` and the counters (`kind`, `allocations`, `prepared`,
+       `alloc_seconds`): what the allocator holds, for host_memory.py.
+    6. (T, once, at the end) `close()`: the helper joined, the sets let go.
+    """
+
+    kind: str  # "pinned-arena" | "plain-arena" | "shm-files": what the sets are
+    allocations: int  # new memory allocated (arenas, or slot files): 0 per window in steady state
+    prepared: int  # sets allocated ahead by `prepare`, off the training thread
+    alloc_seconds: dict[str, float]  # time spent allocating, by thread ("training_thread", "helper")
+
+    def slots_for(self, plan: WindowPlan) -> list[Slot]:
+        """The slots of a new window with this plan."""
+        ...
+
+    def release(self, slots: list[Slot], ticket: int | None = None) -> None:
+        """`slots`' window was dropped; the writer reads them until past `ticket` (None: every job queued so far)."""
+        ...
+
+    def slot_bytes(self, slots: list[Slot]) -> list[int]:
+        """This rank's bytes per slot (what each copy moves)."""
+        ...
+
+    def set_bytes(self, plan: WindowPlan) -> int:
+        """Host bytes one set for `plan` holds."""
+        ...
+
+    def has_free(self, plan: WindowPlan) -> bool:
+        """Whether a window start with `plan` would reuse a set (allocate nothing)."""
+        ...
+
+    def trim(self) -> int:
+        """Drop every free set (memory pressure); returns the bytes given back."""
+        ...
+
+    def prepare(self, plan: WindowPlan, room: Callable[[int], bool] | None = None) -> bool:
+        """Allocate the next window's set off the training thread if `room(nbytes)` allows; returns whether an
+        allocation started."""
+        ...
+
+    @property
+    def preparing(self) -> bool:
+        """A set is being allocated ahead (`prepare`), off the training thread."""
+        ...
+
+    def host_bytes(self) -> dict[str, int]:
+        """What it holds, {part: bytes}, for host_memory.py."""
+        ...
+
+    def files(self) -> set[tuple[int, int]]:
+        """(device, inode) of the files the sets are (shm-files), so that they are not counted twice."""
+        ...
+
+    def close(self) -> None:
+        """The checkpointer is done: join the helper thread, if any, and let the sets go."""
+        ...
+
+
+class SlotPoolBase:
+    """What every `SlotAllocator` shares: the defaults of the optional steps (`prepare`, `preparing`, `files`,
+    `close`), the counters, and the reuse bookkeeping (a released set is reusable once the writer is past its
+    ticket; a lock for readers on other threads). Subclasses add `slots_for`, `release`, `set_bytes`, `has_free`,
+    `trim` and `host_bytes`."""
 
     kind = "?"  # "pinned-arena" | "plain-arena" | "shm-files": what the sets are
 
@@ -59,7 +131,7 @@ class SlotAllocator:
         """This rank's bytes per slot (what each copy moves)."""
         return [sl.nbytes for sl in slots]
 
-    def prepare(self, plan: WindowPlan, room=None) -> bool:
+    def prepare(self, plan: WindowPlan, room: Callable[[int], bool] | None = None) -> bool:
         """Allocate the next window's set off the training thread if `room(nbytes)` allows; returns whether an
         allocation started (allocators that allocate quickly do nothing)."""
         return False
@@ -77,15 +149,23 @@ class SlotAllocator:
         return set()
 
     def _ticket(self, ticket: int | None = None) -> int:
-        return ticket if ticket is not None else self.writer.ticket() if self.writer is not None else 0
+        """The ticket a released set waits for: the one given, else the writer's latest job (0: no writer)."""
+        if ticket is not None:
+            return ticket
+        if self.writer is None:
+            return 0
+        return self.writer.ticket()
 
     def _writer_done(self, ticket: int | None) -> bool:
         return ticket is not None and (self.writer is None or self.writer.done(ticket))
 
 
 def arena_bytes(need: int, pin: bool) -> int:
-    """An arena's capacity: pinned, the caching host allocator's power-of-two block (all of it is used)."""
-    return 1 << max(0, int(need) - 1).bit_length() if pin else int(need * (1 + HEADROOM)) + ALIGN
+    """An arena's capacity: pinned, the caching host allocator's power-of-two block (all of it is used); plain,
+    `need` plus the headroom."""
+    if pin:
+        return 1 << max(0, int(need) - 1).bit_length()
+    return int(need * (1 + HEADROOM)) + ALIGN
 
 
 class Arena:
@@ -118,7 +198,7 @@ class _Set:
     ticket: int | None = None  # None: in use by a window
 
 
-class ArenaSlotPool(SlotAllocator):
+class ArenaSlotPool(SlotPoolBase):
     def __init__(self, ops: dict[str, Operator], compute_dtype: torch.dtype, pin_memory: bool = False, writer=None):
         super().__init__(writer)
         self.ops, self.compute_dtype, self.pin_memory = ops, compute_dtype, pin_memory
@@ -126,7 +206,8 @@ class ArenaSlotPool(SlotAllocator):
         self.sets: list[_Set] = []
         # (form, op) -> full/compute: [(key, role, piece, shape, dtype)]; scalar: [(fqn, piece, [(key, dtype)])]
         self._specs: dict[tuple[str, str], list[tuple]] = {}
-        self._bytes: dict[tuple, object] = {}  # (form, name, alignment) -> group bytes; ("shapes", form, name)
+        self._bytes: dict[tuple[str, str, int], int] = {}  # (form, name, alignment) -> group bytes
+        self._shape_memo: dict[tuple[str, str], list[tuple]] = {}  # (form, name) -> [(shape, dtype)] of its items
         self.new_memory_groups = 0  # groups carved in newly allocated arenas
         self._spare: threading.Thread | None = None  # allocating a set for the next window (prepare)
         self._spare_bytes = 0  # what it allocates: counted as held from the start
@@ -161,7 +242,7 @@ class ArenaSlotPool(SlotAllocator):
                 self._drop(other)
             return s.slots
 
-    def prepare(self, plan: WindowPlan, room=None) -> bool:
+    def prepare(self, plan: WindowPlan, room: Callable[[int], bool] | None = None) -> bool:
         """Only when no set but the one just handed out would serve `plan`; the bytes count as held from now."""
         need = self.set_need(plan)
         with self.lock:
@@ -313,9 +394,20 @@ class ArenaSlotPool(SlotAllocator):
             sizes.append(sum(n for _, n in groups))
         s.slots, s.nbytes = slots, sizes
 
-    def _take(self, s: _Set, avail: dict, form: str, name: str, fresh: bool, piece=None, scalars=None) -> Group:
+    def _take(  # noqa: PLR0913  (a group's whole address: set, free groups, form, name, and the 0-dim extras)
+        self,
+        s: _Set,
+        avail: dict,
+        form: str,
+        name: str,
+        fresh: bool,
+        piece: Piece | None = None,
+        scalars: list[tuple[str, torch.dtype]] | None = None,
+    ) -> Group:
+        specs: list[tuple] = []
+        scalars = scalars or []  # "scalar" only: the tensor's 0-dim states, [(key, dtype)]
         if form == "scalar":  # `name` is the tensor's fqn; its items are relabelled by the caller
-            key, specs = ("scalar",) + tuple(scalars), None
+            key = ("scalar",) + tuple(scalars)
         else:
             specs = self._spec(form, name)
             key = ("full", name) if form == "full" else ("compute",) + tuple((sh, dt) for _, _, _, sh, dt in specs)
@@ -335,7 +427,7 @@ class ArenaSlotPool(SlotAllocator):
             buf = s.arena.take(sh, dt)
             if buf is None:
                 raise _Full
-            items.append(SlotItem(k, role, op, pc, buf))
+            items.append(SlotItem(k, role, op, pc, buf))  # pyright: ignore[reportArgumentType]  (piece: set for "scalar")
         g = (items, sum(it.nbytes for it in items))
         s.groups.setdefault(key, []).append(g)
         self.new_memory_groups += fresh
@@ -350,14 +442,14 @@ class ArenaSlotPool(SlotAllocator):
 
     def _shapes(self, form: str, name: str) -> list[tuple]:
         """[(shape, dtype)] of a group's items; for "scalar" `name` is a tensor's fqn (from an operator that has it)."""
-        key = ("shapes", form, name)
-        if key not in self._bytes:
+        key = (form, name)
+        if key not in self._shape_memo:
             if form == "scalar":
                 sc = next(sc for o in self.ops for fqn, _, sc in self._spec("scalar", o) if fqn == name)
-                self._bytes[key] = [((), dt) for _, dt in sc]
+                self._shape_memo[key] = [((), dt) for _, dt in sc]
             else:
-                self._bytes[key] = [(sh, dt) for _, _, _, sh, dt in self._spec(form, name)]
-        return self._bytes[key]
+                self._shape_memo[key] = [(sh, dt) for _, _, _, sh, dt in self._spec(form, name)]
+        return self._shape_memo[key]
 
     def _group_bytes(self, form: str, name: str, align: int) -> int:
         if (form, name, align) not in self._bytes:

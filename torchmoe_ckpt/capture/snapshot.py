@@ -173,13 +173,13 @@ class SnapshotEngine:
                 # Two batched calls: each drops the GIL once for the batch (per-item calls contend for it).
                 half = len(srcs) // 2
                 if half:
-                    torch._foreach_copy_(dsts[:half], srcs[:half], non_blocking=self.use_cuda)
+                    torch._foreach_copy_(dsts[:half], srcs[:half], non_blocking=self.use_cuda)  # pyright: ignore[reportPrivateImportUsage]  (torch private)
                 if srcs:  # the tear point: half-way through the items, on CPU and CUDA alike
                     faults.point("snapshot_copy")
                     if self.fault_hook is not None:
                         hook, self.fault_hook = self.fault_hook, None
                         hook(slot, half)
-                    torch._foreach_copy_(dsts[half:], srcs[half:], non_blocking=self.use_cuda)
+                    torch._foreach_copy_(dsts[half:], srcs[half:], non_blocking=self.use_cuda)  # pyright: ignore[reportPrivateImportUsage]  (torch private)
                 job.end = self.copier.end()
             if self.use_cuda:
                 job.released.set()  # queued: the update may be queued behind it (CopyStream.order_after)

@@ -13,9 +13,24 @@ from typing import Literal, get_args
 
 from .errors import ConfigError
 
-__all__ = ["parse_bytes", "OperatorSpec", "ReplayCheck", "REPLAY_CHECKS", "DEFAULT_TOLERANCE", "ReplayPolicy"]
+__all__ = [
+    "DEFAULT_HOST_ROOT",
+    "is_kind",
+    "parse_bytes",
+    "OperatorSpec",
+    "ReplayCheck",
+    "REPLAY_CHECKS",
+    "DEFAULT_TOLERANCE",
+    "ReplayPolicy",
+]
 
+DEFAULT_HOST_ROOT = "/dev/shm/torchmoe-ckpt"  # TierConfig.root's default: shared memory survives a worker restart
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def is_kind(value, kinds) -> bool:
+    """isinstance, with bool (an int subclass) refused as a number."""
+    return isinstance(value, kinds) and not isinstance(value, bool)
 
 
 def parse_bytes(value, field: str = "host_memory_limit") -> int | None:
@@ -41,7 +56,11 @@ class OperatorSpec:
     module is an expert list or holds grouped `[E, ...]` tensors. Given patterns replace detection for that role."""
 
     experts: tuple[str, ...] = ()
+    """Patterns of the experts modules (an expert list, or a module holding grouped [E, ...] tensors). Empty:
+    detected by structure."""
+
     routers: tuple[str, ...] = ()
+    """Patterns of the router (gate) modules, one per MoE layer. Empty: detected by structure."""
 
     def __post_init__(self):
         for role in ("experts", "routers"):

@@ -92,7 +92,7 @@ def full_specs(op: Operator) -> tuple[list[tuple], list[tuple]]:
             continue
         items.append((f"model.{pc.fqn}", "master", pc, pc.shape, master))
         for s in state:
-            if not s.scalar and s.piece.numel > 0:
+            if s.piece is not None and s.piece.numel > 0:  # None: a scalar (listed above)
                 items.append((f"optim.{pc.fqn}.{s.key}", s.key, s.piece, s.piece.shape, s.dtype))
     return items, scalars
 
@@ -108,7 +108,7 @@ def compute_specs(op: Operator, compute_dtype: torch.dtype) -> list[tuple]:
     ]
 
 
-def build_slot(
+def build_slot(  # noqa: PLR0913  (the slot: index, active, frozen; its sources; how its buffers are made)
     index: int,
     active: tuple[str, ...],
     frozen: tuple[str, ...],

@@ -21,7 +21,7 @@ __all__ = ["check_coverage", "infer_compute_dtype", "SchedulerPosition", "positi
 def check_coverage(model: nn.Module, ops: list[Operator]) -> None:
     """Every parameter and persistent buffer (what `state_dict` holds) belongs to an operator."""
     claimed = {pc.fqn for o in ops for pc in o.pieces}
-    tensors = dict(model.named_parameters())
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
     tensors.update(model.named_buffers())
     for key in model.state_dict(keep_vars=True):
         t = tensors.get(key)
@@ -60,10 +60,24 @@ class SchedulerPosition:
     """Put LR schedulers (one, a list, or None) and their optimizers' LRs where `step` iterations leave them.
     LambdaLR is positioned in O(1) from its lambdas (a changed schedule takes effect); any other step-count
     scheduler is replayed `step` times from its initial state (the same LRs bit for bit). ReduceLROnPlateau
-    follows a metric and is refused."""
+    follows a metric and is refused.
+
+    Args:
+        optimizer: the optimizer (or optimizers) whose LRs the schedulers set.
+        scheduler: an LRScheduler, a list of them, or None (no schedule: nothing to position).
+
+    Raises:
+        UncapturedStateError: a scheduler that cannot be positioned by step count (ReduceLROnPlateau, or not an
+            LRScheduler).
+    """
 
     def __init__(self, optimizer, scheduler: LRScheduler | list | None):
-        scheds = list(scheduler) if isinstance(scheduler, (list, tuple)) else [] if scheduler is None else [scheduler]
+        if scheduler is None:
+            scheds = []
+        elif isinstance(scheduler, (list, tuple)):
+            scheds = list(scheduler)
+        else:
+            scheds = [scheduler]
         for sched in scheds:
             if isinstance(sched, ReduceLROnPlateau) or not isinstance(sched, LRScheduler):
                 raise UncapturedStateError(

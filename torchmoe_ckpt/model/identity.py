@@ -123,7 +123,7 @@ def _hyper(group: dict) -> dict:
     return out
 
 
-def build_identity(
+def build_identity(  # noqa: PLR0913  (one argument per part of the identity; the optional ones with defaults)
     model: nn.Module,
     optimizer,
     compute_dtype: torch.dtype,
@@ -170,23 +170,42 @@ def _short(v) -> str:
 
 
 def _diff(found: dict, want: dict) -> str | None:
-    """The first difference between two identities' parts, in words (found != expected)."""
-    simple = [
-        ("world_size", "world size"),
-        ("hsdp_replicate", "HSDP replicate degree"),
-        ("compute_dtype", "dtype"),
-        ("seed", "seed"),
-        ("data", "data/seed identity"),
-        ("optimizer", "optimizer"),
-        ("optimizer_state", "optimizer state (key, dtype)"),
-    ]
-    for key, name in simple:
+    """The first difference between two identities' parts, in words (found != expected): the parts a user can
+    name first (world size, dtype, ...), then experts, tensors, operators, optimizer hyper-parameters, the rest."""
+    for differ in (_diff_simple, _diff_experts, _diff_tensors, _diff_operators, _diff_hyper, _diff_rest):
+        why = differ(found, want)
+        if why is not None:
+            return why
+    return None
+
+
+_SIMPLE_PARTS = (  # (key, what the message calls it), in the order they are reported
+    ("world_size", "world size"),
+    ("hsdp_replicate", "HSDP replicate degree"),
+    ("compute_dtype", "dtype"),
+    ("seed", "seed"),
+    ("data", "data/seed identity"),
+    ("optimizer", "optimizer"),
+    ("optimizer_state", "optimizer state (key, dtype)"),
+)
+
+
+def _diff_simple(found: dict, want: dict) -> str | None:
+    for key, name in _SIMPLE_PARTS:
         if found.get(key) != want.get(key):
             return f"{name} {_short(found.get(key))} != {_short(want.get(key))}"
+    return None
+
+
+def _diff_experts(found: dict, want: dict) -> str | None:
     fe, we = found.get("experts") or {}, want.get("experts") or {}
     for moe in sorted(set(fe) | set(we)):
         if fe.get(moe) != we.get(moe):
             return f"expert count {fe.get(moe, 0)} != {we.get(moe, 0)} in {moe or 'the model'}"
+    return None
+
+
+def _diff_tensors(found: dict, want: dict) -> str | None:
     ft, wt = found.get("tensors") or {}, want.get("tensors") or {}
     for name in sorted(set(ft) | set(wt)):
         if name not in wt:
@@ -197,8 +216,14 @@ def _diff(found: dict, want: dict) -> str | None:
             return f"shape of {name} {_short(ft[name][0])} != {_short(wt[name][0])}"
         if ft[name][1] != wt[name][1]:
             return f"dtype of {name} {ft[name][1]} != {wt[name][1]}"
-    if found.get("operators") != want.get("operators"):
-        return "operator names differ"
+    return None
+
+
+def _diff_operators(found: dict, want: dict) -> str | None:
+    return "operator names differ" if found.get("operators") != want.get("operators") else None
+
+
+def _diff_hyper(found: dict, want: dict) -> str | None:
     fh, wh = found.get("optimizer_hyper") or [], want.get("optimizer_hyper") or []
     if len(fh) != len(wh):
         return f"optimizer param groups {len(fh)} != {len(wh)}"
@@ -207,6 +232,10 @@ def _diff(found: dict, want: dict) -> str | None:
             if a.get(k) != b.get(k):
                 where = f" (param group {i})" if len(fh) > 1 else ""
                 return f"optimizer {k} {_short(a.get(k))} != {_short(b.get(k))}{where}"
+    return None
+
+
+def _diff_rest(found: dict, want: dict) -> str | None:
     for k in sorted(set(found) | set(want)):
         if found.get(k) != want.get(k):
             return f"{k} {_short(found.get(k))} != {_short(want.get(k))}"

@@ -56,7 +56,7 @@ def _shared(path: str) -> bool:
 
 def state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and persistent buffer, once (tied aliases dropped): what the operators must cover."""
-    out = dict(model.named_parameters())
+    out: dict[str, torch.Tensor] = dict(model.named_parameters())
     modules = dict(model.named_modules())
     for fqn, b in model.named_buffers():
         owner = modules.get(_parent(fqn)) if "." in fqn else model
@@ -197,13 +197,13 @@ def _match(tree: _Tree, patterns: tuple[str, ...], role: str) -> list[str]:
 
 
 def _spec_experts(tree: _Tree, paths: list[str]) -> list[tuple[list[str], int]]:
-    groups: dict[tuple[str, int], list[str]] = {}
+    groups: dict[tuple[str, int], list[str]] = {}  # (parent, expert count; -1: a list) -> paths
     for path in paths:
         if path in tree.containers or _parent(path) in tree.containers:  # the list, or its elements
             listed = path if path in tree.containers else _parent(path)
             groups[(listed, -1)] = tree.children[listed]
             continue
-        lead = [_lead(tree.tensors[f]) for f in tree.direct.get(path, []) if tree.tensors[f].dim() >= 1]
+        lead = [tree.tensors[f].shape[0] for f in tree.direct.get(path, []) if tree.tensors[f].dim() >= 1]
         if not lead:
             raise OperatorDiscoveryError(
                 f"OperatorSpec.experts matched {path!r}, which holds no tensors of its own: "

@@ -71,66 +71,112 @@ def _clean(path: str) -> str:
 
 def discover_operators(model: nn.Module, spec: OperatorSpec | None = None) -> list[Operator]:
     """All operators of `model` in a canonical order (by layer, then experts, router, dense), the same names on
-    every rank. Raises `OperatorDiscoveryError` when MoE-looking modules match no experts, or a pattern nothing."""
+    every rank.
+
+    Args:
+        model: the model as this rank holds it (FSDP2/DTensor shards, wrappers and torch.compile allowed).
+        spec: where experts and routers are, when structural detection does not find them (None: detected).
+
+    Returns:
+        Every operator: one per expert, one router per MoE layer, the dense state of each repeated block and the
+        top-level modules; every parameter and persistent buffer in exactly one of them, as this rank's pieces.
+
+    Raises:
+        OperatorDiscoveryError: MoE-looking modules match no experts, or a pattern of `spec` matches nothing.
+    """
     moes, blocks, tensors = find_moe_blocks(model, spec)
     # A parameter that never trains has no optimizer state: it is held like a buffer, by value.
     params = {n for n, p in model.named_parameters() if p.requires_grad}
-    # Layer index: position of the repeated block (or of an MoE outside any block) in module order.
-    inside = set(blocks)
-    units = blocks + [m.path for m in moes if m.path not in inside and not any(a in inside for a in ancestors(m.path))]
-    order = {p: i for i, p in enumerate(dict(model.named_modules()))}
-    units.sort(key=order.__getitem__)
-    layer_of = {u: i for i, u in enumerate(units)}
-    holders = {a for u in units for a in [u, *ancestors(u)]}  # modules that hold a block or an MoE
+    layers = _Layers.of(model, moes, blocks)
+    table = _OperatorTable()
+    for moe in moes:
+        _add_moe(table, moe, layers, tensors, params)
+    for fqn, t in tensors.items():
+        if fqn not in table.claimed:
+            _add_dense(table, fqn, t, layers, fqn in params)
+    return sorted(table.ops.values(), key=_canonical)
 
-    def unit(fqn: str) -> str | None:
-        return next((a for a in ancestors(fqn) if a in layer_of), None)
 
-    ops: dict[str, Operator] = {}
-    claimed: set[str] = set()
+class _Layers:
+    """Layer indices: the position of each repeated block (or of an MoE outside any block) in module order."""
 
-    def add(name: str, kind: str, fqn: str, piece: Piece | None, **kw) -> None:
-        o = ops.setdefault(name, Operator(name, kind, **kw))
-        claimed.add(fqn)
+    def __init__(self, layer_of: dict[str, int]):
+        self.layer_of = layer_of
+        self.holders = {a for u in layer_of for a in [u, *ancestors(u)]}  # modules that hold a block or an MoE
+
+    @classmethod
+    def of(cls, model: nn.Module, moes, blocks: list[str]) -> _Layers:
+        inside = set(blocks)
+        units = blocks + [
+            m.path for m in moes if m.path not in inside and not any(a in inside for a in ancestors(m.path))
+        ]
+        order = {p: i for i, p in enumerate(dict(model.named_modules()))}
+        units.sort(key=order.__getitem__)
+        return cls({u: i for i, u in enumerate(units)})
+
+    def unit(self, fqn: str) -> str | None:
+        """The block (or MoE) `fqn` sits in; None: outside every one."""
+        return next((a for a in ancestors(fqn) if a in self.layer_of), None)
+
+
+class _OperatorTable:
+    """The operators found so far, and the tensors they claimed."""
+
+    def __init__(self):
+        self.ops: dict[str, Operator] = {}
+        self.claimed: set[str] = set()
+
+    def add(self, name: str, kind: str, fqn: str, piece: Piece | None, **kw) -> None:
+        o = self.ops.setdefault(name, Operator(name, kind, **kw))
+        self.claimed.add(fqn)
         if piece is not None:
             o.pieces.append(piece)
 
-    for moe in moes:
-        layer, base = layer_of[moe.path if moe.path in layer_of else unit(moe.path)], _clean(moe.path)
-        for e in range(moe.num_experts):
-            name = f"{base}.experts.{e}" if base else f"experts.{e}"
-            ops[name] = Operator(name, "expert", layer, e, moe=moe.path, cuts={fqn: (0,) for fqn in moe.grouped})
-            for fqn in moe.grouped:
-                add(name, "expert", fqn, _expert_piece(fqn, tensors[fqn], e, fqn in params))
-            for fqn in moe.per_expert[e] if moe.per_expert else ():
-                add(name, "expert", fqn, _whole_piece(fqn, tensors[fqn], fqn in params))
-        if moe.router:
-            name = f"{base}.router" if base else "router"
-            ops[name] = Operator(name, "router", layer, moe=moe.path, modules=tuple(moe.router_modules))
-            for fqn in moe.router:
-                add(name, "router", fqn, _whole_piece(fqn, tensors[fqn], fqn in params))
-    for fqn, t in tensors.items():
-        if fqn in claimed:
-            continue
-        u = unit(fqn)
-        if u is not None:
-            name, layer = f"{_clean(u)}.dense", layer_of[u]
-        else:  # the outermost module on the way down that holds no block and no MoE (else the tensor itself)
-            name = next((a for a in reversed(list(ancestors(fqn))) if a and a not in holders), fqn)
-            name, layer = _clean(name), None
-        add(name, "dense", fqn, _whole_piece(fqn, t, fqn in params), layer=layer)
-    kind_rank = {"expert": 0, "router": 1, "dense": 2}
-    top = 1 << 30  # top-level operators last
-    return sorted(
-        ops.values(), key=lambda o: (top if o.layer is None else o.layer, kind_rank[o.kind], o.expert or 0, o.name)
-    )
+
+def _add_moe(table: _OperatorTable, moe, layers: _Layers, tensors: dict, params: set[str]) -> None:
+    """One operator per expert (a dim-0 slice of each grouped tensor, or its own modules) and the MoE's router."""
+    path = moe.path if moe.path in layers.layer_of else layers.unit(moe.path)
+    layer, base = layers.layer_of[path], _clean(moe.path)  # pyright: ignore[reportArgumentType]  (an MoE is a unit or in one)
+    for e in range(moe.num_experts):
+        name = f"{base}.experts.{e}" if base else f"experts.{e}"
+        table.ops[name] = Operator(name, "expert", layer, e, moe=moe.path, cuts={fqn: (0,) for fqn in moe.grouped})
+        for fqn in moe.grouped:
+            table.add(name, "expert", fqn, _expert_piece(fqn, tensors[fqn], e, fqn in params))
+        for fqn in moe.per_expert[e] if moe.per_expert else ():
+            table.add(name, "expert", fqn, _whole_piece(fqn, tensors[fqn], fqn in params))
+    if moe.router:
+        name = f"{base}.router" if base else "router"
+        table.ops[name] = Operator(name, "router", layer, moe=moe.path, modules=tuple(moe.router_modules))
+        for fqn in moe.router:
+            table.add(name, "router", fqn, _whole_piece(fqn, tensors[fqn], fqn in params))
+
+
+def _add_dense(table: _OperatorTable, fqn: str, t: torch.Tensor, layers: _Layers, is_param: bool) -> None:
+    """A tensor no expert or router claimed: its block's dense operator, else the outermost module on the way down
+    that holds no block and no MoE (else the tensor itself), with no layer."""
+    u = layers.unit(fqn)
+    if u is not None:
+        name, layer = f"{_clean(u)}.dense", layers.layer_of[u]
+    else:
+        name = next((a for a in reversed(list(ancestors(fqn))) if a and a not in layers.holders), fqn)
+        name, layer = _clean(name), None
+    table.add(name, "dense", fqn, _whole_piece(fqn, t, is_param), layer=layer)
+
+
+_KIND_RANK = {"expert": 0, "router": 1, "dense": 2}
+
+
+def _canonical(o: Operator) -> tuple:
+    """By layer (top-level operators last), then experts, router, dense, then expert index and name."""
+    top = 1 << 30
+    return (top if o.layer is None else o.layer, _KIND_RANK[o.kind], o.expert or 0, o.name)
 
 
 def moe_order(ops: list[Operator]) -> list[str]:
     """The MoE blocks' module paths in MoE-layer order (the rows of `expert_grid` and of routed-token counts)."""
     seen: dict[str, int] = {}
     for o in ops:
-        if o.kind == "expert" and o.moe not in seen:
+        if o.kind == "expert" and o.moe is not None and o.moe not in seen:
             seen[o.moe] = o.layer if o.layer is not None else 1 << 30
     return sorted(seen, key=lambda m: (seen[m], m))
 
@@ -138,7 +184,7 @@ def moe_order(ops: list[Operator]) -> list[str]:
 def expert_grid(ops: list[Operator]) -> dict[tuple[int, int], str]:
     """(layer index among MoE layers, expert) -> operator name."""
     idx = {m: i for i, m in enumerate(moe_order(ops))}
-    return {(idx[o.moe], o.expert): o.name for o in ops if o.kind == "expert"}
+    return {(idx[o.moe], o.expert): o.name for o in ops if o.kind == "expert"}  # pyright: ignore[reportReturnType, reportArgumentType]  (an expert has both)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -155,4 +201,5 @@ def agreed_sizes(
     )
     if dist.is_initialized():
         dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=library_group(group))
-    return tuple({n: int(sizes[i, k]) for i, n in enumerate(names)} for k in (0, 1))
+    full, compute = ({n: int(sizes[i, k]) for i, n in enumerate(names)} for k in (0, 1))
+    return full, compute

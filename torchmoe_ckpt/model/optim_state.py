@@ -26,6 +26,7 @@ __all__ = [
     "optimizer_list",
     "check_optimizers",
     "init_optimizer_state",
+    "attach_optimizer_state",
     "describe_optimizer_state",
     "check_optimizer_state",
 ]
@@ -269,14 +270,36 @@ def _state_dtypes(o: torch.optim.Optimizer) -> dict[str, torch.dtype]:
     return out
 
 
-def describe_optimizer_state(model: nn.Module, ops, optimizer) -> None:
-    """Check `optimizer`, create missing state and give every operator its `Operator.state`. Idempotent."""
+def attach_optimizer_state(model: nn.Module, ops, optimizer) -> None:
+    """Check `optimizer` against the operators, create its missing state, and set every operator's
+    `Operator.state` (what its slots hold of the optimizer state). Idempotent: callers that may come first call it.
+
+    Args:
+        model: the model `optimizer` trains.
+        ops: the operators (a list, or name -> Operator); their `state` is set in place.
+        optimizer: a torch optimizer, or a list of them (each parameter in exactly one).
+
+    Raises:
+        UncapturedStateError: slots could not hold or replay this optimizer's state: an unsupported optimizer
+            or state, or an update that couples elements an operator cut separates (e.g. Muon across the experts
+            of one grouped tensor).
+    """
     ops = list(ops.values()) if isinstance(ops, dict) else list(ops)
     check_optimizers(model, optimizer)
-    init_optimizer_state(optimizer)
+    init_optimizer_state(optimizer)  # the state its first step would create
     opts = optimizer_list(optimizer)
+    _check_cuts(model, ops, opts)
+    _assign_state(model, ops, Optimizers(opts).state)
+
+
+# The old name of attach_optimizer_state (call sites in the front door, recovery and dcp still use it).
+describe_optimizer_state = attach_optimizer_state
+
+
+def _check_cuts(model: nn.Module, ops: list, opts: list) -> None:
+    """Every tensor the operators cut (an expert's slice of a grouped tensor) has an update rule that allows the
+    cut: its elements are updated independently across it."""
     rules = {id(p): (o, rule_of(o)) for o in opts for g in o.param_groups for p in g["params"]}
-    state = Optimizers(opts).state
     params = dict(model.named_parameters())
     cuts: dict[str, set[int]] = {}
     for op in ops:
@@ -286,6 +309,11 @@ def describe_optimizer_state(model: nn.Module, ops, optimizer) -> None:
         p = params.get(fqn)
         if p is not None and id(p) in rules:
             _check_coupling(fqn, p, sorted(dims), *rules[id(p)], sum(fqn in op.cuts for op in ops))
+
+
+def _assign_state(model: nn.Module, ops: list, state) -> None:
+    """Each operator's `state`: per parameter piece it owns, the optimizer state pieces its slots hold."""
+    params = dict(model.named_parameters())
     seen: dict[int, str] = {}
     for op in ops:
         op.state = {

@@ -67,7 +67,19 @@ class _Layer:
 
 
 class RouterCounter:
-    """Per-MoE-layer routed-token counts and summed probabilities, [L, E] in `expert_grid` layer order."""
+    """Per-MoE-layer routed-token counts and summed probabilities, [L, E] in `expert_grid` layer order, counted by
+    forward hooks on the routers (training forwards only; no host sync). The popularity order is built from them.
+
+    Args:
+        model: the model; a hook goes on each MoE layer's router module.
+        ops: its operators (`discover_operators`): which MoE layers and routers exist, and their order.
+        top_k: experts per token, for routers whose output carries scores but no expert indices: one for every
+            layer, or one per MoE layer. None: read from the router, its MoE or the model's config (else top-1,
+            warned once).
+
+    Raises:
+        ValueError: `top_k` is a sequence whose length is not the number of MoE layers.
+    """
 
     def __init__(self, model: nn.Module, ops: list[Operator], top_k: int | Sequence[int] | None = None):
         order = moe_order(ops)

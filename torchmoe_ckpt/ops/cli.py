@@ -89,6 +89,19 @@ def register_plugins(sub: argparse._SubParsersAction) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `torchmoe-ckpt` command: `inspect` and `verify` a location, plus the subcommands other packages
+    register (entry points; the harness adds its own).
+
+    Args:
+        argv: the arguments after the program name (None: sys.argv[1:]).
+
+    Returns:
+        The exit status: 0 (done; `verify`: everything verified), 1 (`verify`: a problem found), 2 (an error,
+        said in one line on stderr).
+
+    Raises:
+        SystemExit: bad arguments (one line on stderr, status 2) or --help (status 0), from argparse.
+    """
     ap = OneLineParser(prog="torchmoe-ckpt", description="Sparse per-iteration checkpointing for MoE training")
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, fn, text in (

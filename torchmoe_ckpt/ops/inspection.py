@@ -42,14 +42,15 @@ def _run_of(rel_parts: list[str]) -> str:
     return "/".join(rel_parts)
 
 
-def _window_part(parts: list[str]) -> int | None:
-    """The index of the `window-N` part of a path below the location, None when it is not a window's file or
+def _window_part(parts: list[str]) -> tuple[int, int] | None:
+    """(index of the `window-N` part, N) of a path below the location, None when it is not a window's file or
     lies in an internal directory (slot buffers, spares, peer copies)."""
     for j, p in enumerate(parts[:-1]):
         if is_internal(p):
             return None
-        if parse_window_dirname(p) is not None:
-            return j
+        wid = parse_window_dirname(p)
+        if wid is not None:
+            return j, wid
     return None
 
 
@@ -68,8 +69,9 @@ def _runs(files: list[str], root: str) -> set[str]:
     runs = set()
     for f in files:
         parts = f[len(root) :].strip("/").split("/")
-        if (j := _window_part(parts)) is not None:
-            runs.add(_run_of(parts[:j]))
+        found = _window_part(parts)
+        if found is not None:
+            runs.add(_run_of(parts[: found[0]]))
     return runs
 
 
@@ -104,7 +106,19 @@ def _dcp_copy(tier: WindowTier, window_id: int):
 
 
 def inspect_location(location: str, storage_options: dict | None = None) -> dict:
-    """What one run holds; a location with several runs gives `{"location", "runs": [one entry per run]}`."""
+    """What one run holds: its windows (each writer's copy read and checked), their slots and the dense exports.
+
+    Args:
+        location: a host-tier run directory (e.g. /dev/shm/torchmoe-ckpt/node-0/<run>) or an object-store URI.
+        storage_options: fsspec options for an object store (credentials, endpoint_url, ...).
+
+    Returns:
+        `{"location", "windows": [...], "dense_exports": [...]}`; a location with several runs gives
+        `{"location", "runs": [one such entry per run, with "run"]}`. `format_inspect` prints it.
+
+    Raises:
+        ValueError: the location cannot be listed, or holds no window and no dense export.
+    """
     fs, root = _open(location, storage_options)
     try:
         files = [f.rstrip("/") for f in fs.find(root)]
@@ -126,54 +140,10 @@ def inspect_location(location: str, storage_options: dict | None = None) -> dict
 
 
 def _inspect_run(location: str, storage_options: dict | None, fs, root: str, files: list[str]) -> dict:
-    windows: dict[int, dict] = {}
-    copies = []  # (window, writer rank, format, read: () -> (manifest, problems, slot infos, bytes) or None)
-    for f in files:  # every window directory, with or without a manifest
-        parts = f[len(root) :].strip("/").split("/")
-        j = _window_part(parts)
-        if j is None:
-            continue
-        wid = parse_window_dirname(parts[j])
-        new = dict(
-            window_id=wid, paths=set(), committed_ranks=[], problems={}, slots=[], bytes=0, ranks_with_files=set()
-        )
-        entry = windows.setdefault(wid, new)
-        entry["paths"].add("/".join([root, *parts[: j + 1]]))
-        entry["ranks_with_files"].update(r for q in parts[max(j - 1, 0) :] if (r := _writer_of(q)) is not None)
-        if len(parts) == j + 2 and (writer := parse_manifest_name(parts[-1])) is not None:  # the DCP layout
-            tier = WindowTier(StoreFiles(fs, "/".join([root, *parts[:j]]), location), writer_rank(writer), 0)
-            copies.append((wid, tier.rank, "dcp", lambda t=tier, w=wid: _dcp_copy(t, w)))
-        elif parts[-1] == "manifest.ocdbt" and len(parts) == j + 2 and j >= 1:  # tensorstore: <run>/<writer>/window-N
-            from ..storage.tensorstore_tier import TensorstoreTier
-
-            ts = TensorstoreTier(location, _run_of(parts[:j]), writer_rank(parts[j - 1]), storage_options, probe=False)
-            copies.append((wid, ts.rank, "tensorstore", lambda t=ts, w=wid: t.inspect(w)))
+    """One run: every window directory (with or without a manifest), each committed copy read and checked."""
+    windows, copies = _find_copies(location, storage_options, fs, root, files)
     for wid, rank, fmt, read in sorted(copies, key=lambda c: c[:2]):
-        entry = windows[wid]
-        entry["format"] = fmt
-        try:
-            got = read()
-        except Exception as exc:  # unreadable: bad JSON, edited (checksum), a damaged database
-            entry["problems"][rank] = [f"bad manifest: {' '.join(str(exc).split())[:300]}"]
-            continue
-        if got is None:
-            continue  # a torn tensorstore commit: invisible
-        man, problems, infos, nbytes = got
-        entry["committed_ranks"].append(rank)
-        if problems:
-            entry["problems"][rank] = problems
-        ident = man.identity or {}
-        entry.update(
-            start_step=man.start_step,
-            window=man.window,
-            world_size=man.world_size,
-            bytes=entry["bytes"] + nbytes,
-            run_id=ident.get("run_id"),
-            fingerprint=ident.get("fingerprint"),
-            node_ranks=sorted(set(entry.get("node_ranks", [])) | set(man.extra.get("node_ranks") or [])),
-        )
-        if not entry["slots"] and not problems:
-            entry["slots"] = _slots(man, infos)
+        _read_copy(windows[wid], rank, fmt, read)
     for entry in windows.values():
         entry["paths"] = sorted(entry["paths"])
         entry["ranks_with_files"] = sorted(entry["ranks_with_files"])
@@ -185,6 +155,64 @@ def _inspect_run(location: str, storage_options: dict | None, fs, root: str, fil
         "windows": [windows[k] for k in sorted(windows)],
         "dense_exports": [{"step": s, "path": p} for s, p in _exports(files)],
     }
+
+
+def _find_copies(location: str, storage_options: dict | None, fs, root: str, files: list[str]):
+    """(window id -> its entry, [(window, writer rank, format, read)]): `read()` gives (manifest, problems, slot
+    infos, bytes), or None for a torn tensorstore commit."""
+    windows: dict[int, dict] = {}
+    copies = []
+    for f in files:  # every window directory, with or without a manifest
+        parts = f[len(root) :].strip("/").split("/")
+        found = _window_part(parts)
+        if found is None:
+            continue
+        j, wid = found
+        new = dict(
+            window_id=wid, paths=set(), committed_ranks=[], problems={}, slots=[], bytes=0, ranks_with_files=set()
+        )
+        entry = windows.setdefault(wid, new)
+        entry["paths"].add("/".join([root, *parts[: j + 1]]))
+        entry["ranks_with_files"].update(r for q in parts[max(j - 1, 0) :] if (r := _writer_of(q)) is not None)
+        writer = parse_manifest_name(parts[-1]) if len(parts) == j + 2 else None
+        if writer is not None:  # the DCP layout
+            rank = writer_rank(writer)
+            tier = WindowTier(StoreFiles(fs, "/".join([root, *parts[:j]]), location), rank, 0)  # pyright: ignore[reportArgumentType]  (a manifest's writer has a rank)
+            copies.append((wid, tier.rank, "dcp", lambda t=tier, w=wid: _dcp_copy(t, w)))
+        elif parts[-1] == "manifest.ocdbt" and len(parts) == j + 2 and j >= 1:  # tensorstore: <run>/<writer>/window-N
+            from ..storage.tensorstore_tier import TensorstoreTier
+
+            ts = TensorstoreTier(location, _run_of(parts[:j]), writer_rank(parts[j - 1]), storage_options, probe=False)
+            copies.append((wid, ts.rank, "tensorstore", lambda t=ts, w=wid: t.inspect(w)))
+    return windows, copies
+
+
+def _read_copy(entry: dict, rank: int, fmt: str, read) -> None:
+    """One writer's copy of a window read into the window's entry: committed, its problems, sizes and slots."""
+    entry["format"] = fmt
+    try:
+        got = read()
+    except Exception as exc:  # unreadable: bad JSON, edited (checksum), a damaged database
+        entry["problems"][rank] = [f"bad manifest: {' '.join(str(exc).split())[:300]}"]
+        return
+    if got is None:
+        return  # a torn tensorstore commit: invisible
+    man, problems, infos, nbytes = got
+    entry["committed_ranks"].append(rank)
+    if problems:
+        entry["problems"][rank] = problems
+    ident = man.identity or {}
+    entry.update(
+        start_step=man.start_step,
+        window=man.window,
+        world_size=man.world_size,
+        bytes=entry["bytes"] + nbytes,
+        run_id=ident.get("run_id"),
+        fingerprint=ident.get("fingerprint"),
+        node_ranks=sorted(set(entry.get("node_ranks", [])) | set(man.extra.get("node_ranks") or [])),
+    )
+    if not entry["slots"] and not problems:
+        entry["slots"] = _slots(man, infos)
 
 
 def format_inspect(info: dict) -> str:
@@ -220,7 +248,18 @@ def format_inspect(info: dict) -> str:
 
 def verify_location(location: str, storage_options: dict | None = None) -> tuple[bool, dict]:
     """OK only if there is a committed window, every committed copy verifies and every committed window was
-    committed by every rank of the run. Every problem found is listed in `info["problems"]`."""
+    committed by every rank of the run.
+
+    Args:
+        location: as for `inspect_location`.
+        storage_options: as for `inspect_location`.
+
+    Returns:
+        (ok, info): `inspect_location`'s info, with every problem found listed in `info["problems"]`.
+
+    Raises:
+        ValueError: as `inspect_location`.
+    """
     info = inspect_location(location, storage_options)
     runs = info["runs"] if "runs" in info else [info]
     problems = []

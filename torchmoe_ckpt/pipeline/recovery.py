@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 import torch
 
@@ -77,12 +78,22 @@ def _common_windows(members: list[StageStatus]) -> list[int]:
 
 
 def plan_recovery(statuses: list[StageStatus], log_dirs: list, microbatches: int) -> RecoveryPlan:
-    """Decide who replays what. `log_dirs[s]` is stage s's boundary-log directory (readable here)."""
+    """Decide who replays what: the failed stages alone ("local", from their neighbours' boundary logs), every
+    stage ("global", from the newest window common to all), "cold" (start over) or "none".
+
+    Args:
+        statuses: every stage's report (healthy, iterations completed, committed windows), indexed by stage.
+        log_dirs: `log_dirs[s]` is stage s's boundary-log directory (readable here).
+        microbatches: micro-batches per iteration (a border log must hold every one of them).
+
+    Returns:
+        The plan; its `reason` says in words why it is not "local" when it is not.
+    """
     n = len(statuses)
     failed = [s.stage for s in statuses if not s.healthy]
     if not failed:
         return RecoveryPlan("none", target_step=statuses[0].step)
-    healthy_steps = {s.step for s in statuses if s.healthy}
+    healthy_steps = {cast(int, s.step) for s in statuses if s.healthy}  # a healthy stage's step is set
 
     def global_plan(reason: str) -> RecoveryPlan:
         common = _common_windows(statuses)
@@ -128,22 +139,36 @@ def segment_io(trainer: StageReplayable, seg: Segment, log_dirs: list) -> StageI
     def side(n: int, inside: bool, border: int | None, direction: str) -> Peer | Logged | None:
         if not 0 <= n < trainer.n_stages:
             return None
-        return Peer(trainer.ranks[n]) if inside else Logged(LogReader(log_dirs[border]), direction)
+        return Peer(trainer.ranks[n]) if inside else Logged(LogReader(log_dirs[border]), direction)  # pyright: ignore[reportCallIssue, reportArgumentType]  (outside: a border stage)
 
     up = side(s - 1, s - 1 >= seg.first, seg.up, "fwd")
     down = side(s + 1, s + 1 <= seg.last, seg.down, "bwd")
-    border = seg.up if seg.up is not None else seg.down
-    return StageIO(up, down, meta=LogReader(log_dirs[border]))
+    border = seg.up if seg.up is not None else seg.down  # a segment has a live neighbour on one side at least
+    return StageIO(up, down, meta=LogReader(log_dirs[border]))  # pyright: ignore[reportCallIssue, reportArgumentType]
 
 
 def recover_in_segment(trainer: StageReplayable, window, seg: Segment, target: int, log_dirs: list) -> dict:
-    """Phase 1: sparse-to-dense over the window; phase 2: replay to the healthy stages' iteration."""
+    """Recover one failed stage inside its segment. Phase 1: sparse-to-dense over the window; phase 2: replay to
+    the healthy stages' iteration, boundary tensors from live neighbours inside the segment and from the border
+    stages' logs at its edges.
+
+    Args:
+        trainer: this stage's trainer.
+        window: the segment's window (`Segment.window_id`), loaded.
+        seg: this stage's segment of the plan (`RecoveryPlan.segment_of`).
+        target: the healthy stages' iteration (`RecoveryPlan.target_step`).
+        log_dirs: every stage's boundary-log directory.
+
+    Returns:
+        The recovery report (sparse_to_dense's, plus mode, segment, iterations replayed and seconds).
+    """
     t_start = time.perf_counter()
     trainer.replay_io = segment_io(trainer, seg, log_dirs)
     if trainer.log is not None:
         trainer.log.clear()  # this stage's own log went down with it; what it replays is logged again
     rep = sparse_to_dense(trainer, window).to_dict()
     meta = trainer.replay_io.meta
+    assert meta is not None  # segment_io always gives the border's log
     for t in range(trainer.step + 1, target + 1):
         rec = meta.meta(t)
         # No operator here draws random numbers; the state is passed only to keep the replay contract.
@@ -165,7 +190,16 @@ def recover_in_segment(trainer: StageReplayable, window, seg: Segment, target: i
 
 
 def recover_global(trainer: StageReplayable, window) -> dict:
-    """Every stage rolls back to `window` and replays it jointly, live, like training."""
+    """Every stage rolls back to `window` and replays it jointly, live, like training (collective over the
+    pipeline: every stage calls it).
+
+    Args:
+        trainer: this stage's trainer.
+        window: the window every stage rolls back to (`RecoveryPlan.window_id`), loaded.
+
+    Returns:
+        The recovery report (sparse_to_dense's, plus mode, iterations replayed and seconds).
+    """
     t_start = time.perf_counter()
     io = trainer.live_io
     trainer.replay_io = StageIO(io.up, io.down, meta=None, reduce_loss=True)

@@ -41,8 +41,8 @@ class LoggingPipelineStage(PipelineStage):
         if type(stage) is not PipelineStage:
             raise TypeError(f"boundary logging wraps torch's PipelineStage, got {type(stage).__name__}")
         stage.__class__ = cls
-        stage._init_logging(boundary_log, local_vote)
-        return stage
+        stage._init_logging(boundary_log, local_vote)  # pyright: ignore[reportAttributeAccessIssue]  (its class is cls now)
+        return stage  # pyright: ignore[reportReturnType]  (its class is cls now)
 
     def _init_logging(self, boundary_log: BoundaryLog, local_vote: bool = False) -> None:
         self.boundary_log = boundary_log
@@ -91,7 +91,7 @@ class LoggingPipelineStage(PipelineStage):
     def _warmup_forward_vote(self, has_backward: bool, received_acc: torch.Tensor | None = None) -> torch.Tensor:
         if not self.local_vote:
             return super()._warmup_forward_vote(has_backward, received_acc)
-        if InferenceMode.needs_dynamic(self._user_meta, has_backward):
+        if InferenceMode.needs_dynamic(self._user_meta, has_backward):  # pyright: ignore[reportOptionalMemberAccess]  (local_vote needs it)
             raise RuntimeError(f"stage {self.stage_index}: local_vote needs static shapes (_user_meta)")
         return torch.ones(1, dtype=torch.int32, device=self.device)
 

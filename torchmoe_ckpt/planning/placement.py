@@ -117,12 +117,22 @@ class Placement:
 
 
 def place_replicas(topo: Topology, r: int = 2) -> Placement:
+    """Algorithm 2: which peers hold each rank's copies (the module doc gives the steps).
+
+    Args:
+        topo: the ranks' nodes (failure domains) and HSDP shard groups.
+        r: copies of each rank's windows, on other nodes (>= 0).
+
+    Returns:
+        The placement: each rank's peers (HSDP replicas first), the load on every receiver, and the shortfall
+        where fewer than r eligible peers exist.
+
+    Raises:
+        ValueError: `topo` is not a Topology, or `r` is not an integer >= 0.
+    """
     _require(isinstance(topo, Topology), f"place_replicas needs a Topology, got {type(topo).__name__}")
     _require(isinstance(r, int) and not isinstance(r, bool) and r >= 0, f"r must be an integer >= 0, got {r!r}")
     n, node, group = topo.world_size, topo.node_of, topo.shard_group_of
-    members: dict[int, list[int]] = {}
-    for p in range(n):
-        members.setdefault(group[p], []).append(p)
 
     def ok(o: int, p: int) -> bool:  # p may receive a sent copy of o: another node, not a replica (those are free)
         return node[p] != node[o] and group[p] != group[o]
@@ -130,7 +140,24 @@ def place_replicas(topo: Topology, r: int = 2) -> Placement:
     def cands(o: int):
         return (p for p in range(n) if ok(o, p))
 
-    replicas: list[list[int]] = []  # Step 1: HSDP replicas on other nodes, spread over nodes
+    replicas = _replicas_first(n, node, group, r)
+    n_other = len(set(node)) - 1
+    load, sends = _least_loaded_sends(n, node, n_other, ok, replicas, r)
+    _rebalance(n, cands, sends, load)
+    _spread(n, node, group, n_other, cands, replicas, sends, load)
+
+    peers = tuple(tuple(sorted(replicas[o] + sends[o])) for o in range(n))
+    replica_peers, send_peers = (tuple(tuple(sorted(x)) for x in xs) for xs in (replicas, sends))
+    return Placement(peers, replica_peers, send_peers, tuple(load), tuple(r - len(p) for p in peers), r, node)
+
+
+def _replicas_first(n: int, node, group, r: int) -> list[list[int]]:
+    """Step 1: each rank's HSDP replicas on other nodes (they hold the same data: a copy there is free), up to r,
+    spread over nodes."""
+    members: dict[int, list[int]] = {}
+    for p in range(n):
+        members.setdefault(group[p], []).append(p)
+    replicas: list[list[int]] = []
     for o in range(n):
         pool = [p for p in members[group[o]] if node[p] != node[o]]
         chosen: list[int] = []
@@ -138,24 +165,20 @@ def place_replicas(topo: Topology, r: int = 2) -> Placement:
             count = Counter(node[q] for q in chosen)
             chosen.append(min((p for p in pool if p not in chosen), key=lambda p: (count[node[p]], p)))
         replicas.append(chosen)
+    return replicas
 
-    # Step 2. by_load[L] = ranks receiving L copies, ascending: the scan stops at the first rank whose node
-    # holds the fewest possible of o's copies, so a pick costs ~(r+1) nodes' ranks, not the world.
-    n_other = len(set(node)) - 1
+
+def _least_loaded_sends(n: int, node, n_other: int, ok, replicas, r: int) -> tuple[list[int], list[list[int]]]:
+    """Step 2: the copies still missing, each sent to the least-loaded eligible rank on the node holding the fewest
+    of the owner's copies. by_load[L] = ranks receiving L copies, ascending: the scan stops at the first rank whose
+    node holds the fewest possible of o's copies, so a pick costs ~(r+1) nodes' ranks, not the world. Returns
+    (load per receiver, receivers per owner)."""
     load, sends, by_load = [0] * n, [[] for _ in range(n)], [list(range(n))]
     for o in range(n):
         while len(replicas[o]) + len(sends[o]) < r:
             count = Counter(node[q] for q in replicas[o] + sends[o])
             floor = min(count.values(), default=0) if len(count) >= n_other else 0  # fewest copies any node can hold
-            best = None
-            for bucket in by_load:
-                for p in bucket:
-                    if ok(o, p) and p not in sends[o] and (best is None or count[node[p]] < count[node[best]]):
-                        best = p
-                        if count[node[p]] == floor:
-                            break
-                if best is not None:
-                    break
+            best = _least_loaded(by_load, o, count, floor, node, ok, sends)
             if best is None:
                 break  # fewer eligible ranks than r: recorded as shortfall
             by_load[load[best]].remove(best)
@@ -164,13 +187,22 @@ def place_replicas(topo: Topology, r: int = 2) -> Placement:
                 by_load.append([])
             insort(by_load[load[best]], best)
             sends[o].append(best)
+    return load, sends
 
-    _rebalance(n, cands, sends, load)
-    _spread(n, node, group, n_other, cands, replicas, sends, load)
 
-    peers = tuple(tuple(sorted(replicas[o] + sends[o])) for o in range(n))
-    replica_peers, send_peers = (tuple(tuple(sorted(x)) for x in xs) for xs in (replicas, sends))
-    return Placement(peers, replica_peers, send_peers, tuple(load), tuple(r - len(p) for p in peers), r, node)
+def _least_loaded(by_load, o: int, count: Counter, floor: int, node, ok, sends) -> int | None:  # noqa: PLR0913  (Step 2's state, read only)
+    """The receiver of o's next copy: the lowest load first, then the node with the fewest of o's copies (a rank
+    on a node at `floor` ends the scan). None: no eligible rank."""
+    best = None
+    for bucket in by_load:
+        for p in bucket:
+            if ok(o, p) and p not in sends[o] and (best is None or count[node[p]] < count[node[best]]):
+                best = p
+                if count[node[p]] == floor:
+                    break
+        if best is not None:
+            break
+    return best
 
 
 def _rebalance(n, cands, sends, load) -> None:
@@ -196,15 +228,17 @@ def _rebalance(n, cands, sends, load) -> None:
         if target is None:
             return  # no improving path: max load is optimal
         u = target
-        while prev[u] is not None:
-            v, o = prev[u]
+        step = prev[u]
+        while step is not None:  # back along the path: each owner sends one copy one node further
+            v, o = step
             sends[o][sends[o].index(v)] = u
             load[v] -= 1
             load[u] += 1
             u = v
+            step = prev[u]
 
 
-def _spread(n, node, group, n_other, cands, replicas, sends, load) -> None:
+def _spread(n, node, group, n_other, cands, replicas, sends, load) -> None:  # noqa: C901, PLR0913  (Step 4 of Algorithm 2 in one place: the chain search, the walk back and the acceptance test share the invariants that make the loop end)
     """Step 4: rank o has two copies on one node (one at v) and none on another: move v's copy there, to u.
     If u is at the max load, a chain of owners passes one copy on (each keeping its own node count) until a
     receiver below the max, or v itself, takes it. A chain is kept only if the result adds a node to o, takes
@@ -221,7 +255,7 @@ def _spread(n, node, group, n_other, cands, replicas, sends, load) -> None:
             for nd in [nd for nd in live if nd != node[x] and (nd == node[a] or c[node[a]] > 1 or c[nd] == 0)]:
                 yield from ((x, nd, b) for b in [b for b in live[nd] if b not in sends[x] and group[b] != group[x]])
 
-    def improve(o: int) -> bool:
+    def improve(o: int) -> bool:  # noqa: C901  (one chain search for owner o: see _spread's docstring)
         count = spread[o]
         for v in [v for v in sends[o] if count[node[v]] >= 2] if len(count) < n_other else ():
             prev = {u: (v, o) for u in sorted(cands(o), key=lambda u: (load[u], u)) if count[node[u]] == 0}

@@ -68,7 +68,7 @@ class PopularityTracker:
         elif self.policy == "decayed":
             self.score.mul_(self.decay).add_((1.0 - self.decay) * counts)
         else:
-            self.score += counts / self.capacity
+            self.score += counts / self.capacity  # pyright: ignore[reportOperatorIssue]  ("capacity" requires it)
 
     def scores(self) -> torch.Tensor:
         return self.score.clone()

@@ -84,7 +84,7 @@ def _check_sizes(order: list[str], full: dict[str, int], comp: dict[str, int]) -
             raise ValueError(f"operator {o!r}: need 0 <= compute_bytes <= full_bytes, got {c} and {f}")
 
 
-def plan_window(
+def plan_window(  # noqa: PLR0913  (Algorithm 1's inputs, and its mode options with defaults)
     order: list[str],
     full_bytes: dict[str, int],
     compute_bytes: dict[str, int],
@@ -180,10 +180,10 @@ class CopyCost:
 
     def budget_bytes(self, overlap: float) -> float:
         """Bytes one slot may copy for its copy to take `overlap` x T_iter."""
-        return copy_budget(self.t_iter, self.bytes_per_s, overlap)
+        return copy_budget(self.t_iter, self.bytes_per_s, overlap)  # pyright: ignore[reportArgumentType]  (a step is observed before any plan)
 
 
-def choose_window(
+def choose_window(  # noqa: PLR0913  (Algorithm 1's inputs, and the W in use with its hysteresis)
     order: list[str],
     full: dict[str, int],
     comp: dict[str, int],

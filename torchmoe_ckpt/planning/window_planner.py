@@ -8,14 +8,14 @@ background during the window before) and returns the slot plan; and caps W by th
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from ..config import CUDA_OVERLAP, SparseConfig
 from ..core.operator import Operator
 from ..core.plan import WindowPlan
+from ..core.sparse_config import CUDA_OVERLAP, SparseConfig
 from ..model.operators import agreed_sizes, expert_grid
 from ..runtime.device_copy import host_copy
 from ..runtime.distributed import library_group
@@ -27,11 +27,28 @@ log = logging.getLogger("torchmoe_ckpt")
 _PROBED: dict[str, float] = {}  # the idle copy bandwidth, measured once per process (agreed across ranks)
 
 
+def _default_overlap(cuda: bool) -> float:
+    """SparseConfig.overlap's default: on a CPU copies run beside the step (a whole iteration); on CUDA a side-stream
+    copy slows the step it overlaps, so a slot may take less of it (docs/gpu.md)."""
+    if cuda:
+        return CUDA_OVERLAP
+    return 1.0
+
+
+@dataclass
+class _Split:
+    """A split of `order` into W slots (`plan`), kept to be reused while the order and W stay (_same_split)."""
+
+    order: list[str]  # the operator order it split: the same list object while no reorder happened
+    window: int | None  # W
+    plan: WindowPlan
+
+
 class WindowPlanner:
     """Plans the windows of one rank. `agree(value, op)`: a collective over the checkpointer's agree group;
     `group`: the ranks that plan together; `sum_counts`: counts are this rank's own; `cuda`: the default overlap."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913  (the planner's inputs, built in one place: SparseCheckpointer)
         self,
         cfg: SparseConfig,
         ops: list[Operator],
@@ -43,16 +60,17 @@ class WindowPlanner:
         cuda: bool = False,
     ):
         self.cfg, self.ops, self.compute_dtype, self.group = cfg, ops, compute_dtype, group
-        self.overlap = cfg.overlap if cfg.overlap is not None else CUDA_OVERLAP if cuda else 1.0
+        self.overlap = _default_overlap(cuda) if cfg.overlap is None else cfg.overlap
         self._agree, self.sum_counts, self._rank = agree, sum_counts, rank
         self.op_by_name = {o.name: o for o in ops}
         self.grid = expert_grid(ops)
-        n_layers, n_experts = (max((le[i] + 1 for le in self.grid), default=1) for i in (0, 1))
+        n_layers = max((layer + 1 for layer, _ in self.grid), default=1)
+        n_experts = max((expert + 1 for _, expert in self.grid), default=1)
         cap = None if cfg.expert_capacity is None else torch.tensor(cfg.expert_capacity, dtype=torch.float64)
         self.tracker = PopularityTracker(n_layers, n_experts, policy=cfg.popularity, decay=cfg.decay, capacity=cap)
         self.pending_counts: list[tuple[torch.Tensor, torch.Tensor]] = []
         # The last window's counts on their way to the host, applied at the next window start (lagging one window).
-        self._counts_in_flight: tuple[torch.Tensor, object] | None = None
+        self._counts_in_flight: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self.reorders = 0
         self._order: list[str] | None = None
         self._order_freq: torch.Tensor | None = None
@@ -66,7 +84,7 @@ class WindowPlanner:
         self._w_pending: tuple | None = None  # (async all-reduce, tensor): the next window's agreed W
         self.w_cap: int | None = None  # the largest W under the host-memory limit (None: no limit, or W forced)
         self._warned_unfit = False  # an impossible copy budget is reported once, not every window
-        self._last_split: tuple[list[str], int, WindowPlan] | None = None  # (order, W, plan) of the last split
+        self._last_split: _Split | None = None  # the last split, reused while the order and W stay (_same_split)
 
     def observe_step(self, seconds: float, counts: torch.Tensor, probs: torch.Tensor) -> None:
         self.t_iter = seconds if self.t_iter is None else 0.7 * self.t_iter + 0.3 * seconds
@@ -74,30 +92,19 @@ class WindowPlanner:
         self.cost.observe_step(seconds)
 
     def plan(self) -> tuple[WindowPlan, float]:
-        """The next window's plan and the copy budget per slot it was priced with (bytes; inf when W is forced)."""
+        """The next window's plan and the copy budget per slot it was priced with (bytes; inf when W is forced).
+        Collective over the agree group on every rank's first auto-W plan of a process (`_probe_prior`)."""
         order = self.operator_order()
         full, comp = self.op_sizes()
+        self._probe_prior()
         budget, auto_w = float("inf"), None
         if self.cfg.window is None:
-            if self.cfg.bandwidth_bytes_per_s is None:  # priced by what copies cost under training
-                if not self._prior_known:  # the idle copy bandwidth, once per process (slowest rank's)
-                    if "bytes_per_s" not in _PROBED:
-                        _PROBED["bytes_per_s"] = self._agree(measure_copy_bandwidth(), dist.ReduceOp.MIN)
-                    self.bandwidth = _PROBED["bytes_per_s"]
-                    self.cost.prior_s_per_byte = 1.0 / self.bandwidth
-                    self._prior_known = True
-                budget = self.cost.budget_bytes(self.overlap)
-            else:
-                budget = copy_budget(self.t_iter, self.bandwidth, self.overlap)
+            budget = self._copy_budget()
             proposal = choose_window(order, full, comp, budget, self.auto_w, sliding=self.cfg.sliding)
             auto_w = self._agreed_w(min(proposal, self.w_cap or len(order)))
         w = self.cfg.window if auto_w is None else auto_w
         warn = not self._warned_unfit and self._rank == 0
-        # The split depends on the order (the same list object) and W alone, only `fits` on the budget: the last
-        # plan again saves ~1 ms per window start.
-        plan, last = None, self._last_split
-        if last is not None and last[0] is order and last[1] == w:
-            plan = replace(last[2], budget_bytes=float(budget), fits=all(s.bytes <= budget for s in last[2].slots))
+        plan = self._same_split(order, w, budget)
         if plan is None or (warn and not plan.fits):  # a new order or W (or a warning to give): split anew
             plan = plan_window(
                 order,
@@ -109,9 +116,37 @@ class WindowPlanner:
                 warn=warn,
                 sliding=self.cfg.sliding,
             )
-            self._last_split = (order, w, plan)
+            self._last_split = _Split(order, w, plan)
         self._warned_unfit = self._warned_unfit or not plan.fits
         return plan, budget
+
+    def _probe_prior(self) -> None:
+        """Measure the idle copy bandwidth, the copy cost's prior until copies under training are seen, once per
+        process: the probe copies real bytes and takes a while, and a restart in the same process (a new
+        checkpointer after a recovery) prices with what the first one measured. Agreed to the slowest rank's
+        figure, so that every rank prices the same W. Only for an auto W priced by what copies cost (no
+        `window`, no `bandwidth_bytes_per_s`); collective (agree group) the first time, on every rank alike."""
+        if self._prior_known or self.cfg.window is not None or self.cfg.bandwidth_bytes_per_s is not None:
+            return
+        if "bytes_per_s" not in _PROBED:
+            _PROBED["bytes_per_s"] = self._agree(measure_copy_bandwidth(), dist.ReduceOp.MIN)
+        self.bandwidth = _PROBED["bytes_per_s"]
+        self.cost.prior_s_per_byte = 1.0 / self.bandwidth
+        self._prior_known = True
+
+    def _copy_budget(self) -> float:
+        """Bytes one slot may copy: priced by what copies cost under training, or by the given bandwidth."""
+        if self.cfg.bandwidth_bytes_per_s is None:
+            return self.cost.budget_bytes(self.overlap)
+        return copy_budget(self.t_iter, self.cfg.bandwidth_bytes_per_s, self.overlap)  # pyright: ignore[reportArgumentType]  (after_step observes a step before any plan)
+
+    def _same_split(self, order: list[str], w: int | None, budget: float) -> WindowPlan | None:
+        """The last plan again when the order (the same list object) and W are unchanged, re-priced for `budget`
+        (only `fits` depends on it): splitting anew costs ~1 ms per window start. None: split anew."""
+        last = self._last_split
+        if last is None or last.order is not order or last.window != w:
+            return None
+        return replace(last.plan, budget_bytes=float(budget), fits=all(s.bytes <= budget for s in last.plan.slots))
 
     def _agreed_w(self, proposal: int) -> int:
         """The largest W any rank proposed, agreed asynchronously during the window before (no rank waits here)."""

@@ -65,7 +65,7 @@ class CopyStream:
     def begin(self, ready):
         """Start of one copy: on CUDA the side stream waits for `ready`, then a timing event; on CPU a clock."""
         if self.cuda:
-            self.stream.wait_event(ready)  # CUDA only
+            self.stream.wait_event(ready)  # pyright: ignore[reportOptionalMemberAccess]  (CUDA: the side stream exists)
         return self.end()
 
     def end(self):

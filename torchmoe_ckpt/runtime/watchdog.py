@@ -7,6 +7,13 @@ dumps every thread's stack, tries to abort the process groups (bounded) and exit
 restarts the job. torch.distributed errors raised inside a region (a gloo timeout, a reset connection) also end
 the process (`event=collective_error`): unwinding could block at exit on a thread waiting on the dead peer.
 timeout_s=None switches it off; a region may have its own, longer bound (`watch(op, timeout_s=...)`).
+
+    wd = CollectiveWatchdog(timeout_s=100.0, rank=rank)
+    with wd.watch("all_reduce(grads)"):
+        dist.all_reduce(grads)          # blocked past 100 s: event=hang on stderr, stacks dumped, exit EXIT_HANG
+    with wd.watch("resume", timeout_s=300.0):
+        recover(...)                    # its own, longer bound
+    wd.close()
 """
 
 from __future__ import annotations
@@ -68,14 +75,16 @@ def start_stop_guard(grace_s: float = 5.0) -> subprocess.Popen | None:
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
     )
+    out = guard.stdout
+    assert out is not None  # stdout=PIPE
     # Until its handlers are installed a SIGTERM would kill the guard alone: wait for it to say so.
-    ready, _, _ = select.select([guard.stdout], [], [], 10.0)
-    if not ready or guard.stdout.readline() != b"ready\n":
+    ready, _, _ = select.select([out], [], [], 10.0)
+    if not ready or out.readline() != b"ready\n":
         guard.kill()
         guard.wait()
         write_all(2, "event=stop_guard_failed: a frozen worker may wait out torchrun's SIGTERM grace\n")
         return None
-    guard.stdout.close()
+    out.close()
     return guard
 
 
@@ -152,11 +161,7 @@ class CollectiveWatchdog:
         if self.timeout_s is None:
             yield
             return
-        if self._thread is None:
-            if self.stop_guard_s is not None:
-                self.guard = start_stop_guard(self.stop_guard_s)
-            self._thread = threading.Thread(target=self._loop, name="collective-watchdog", daemon=True)
-            self._thread.start()
+        self._ensure_thread()
         start = time.monotonic()
         with self._cv:
             token = self._next
@@ -176,6 +181,16 @@ class CollectiveWatchdog:
                 self._open.pop(token, None)
                 self.regions += 1
                 self.max_region_s = max(self.max_region_s, time.monotonic() - start)
+
+    def _ensure_thread(self) -> None:
+        """Start the watchdog thread (and the stop guard) at the first watched region, not at construction: a
+        watchdog that is off (timeout_s=None) or never watches a region costs no thread and no guard process."""
+        if self._thread is not None:
+            return
+        if self.stop_guard_s is not None:
+            self.guard = start_stop_guard(self.stop_guard_s)
+        self._thread = threading.Thread(target=self._loop, name="collective-watchdog", daemon=True)
+        self._thread.start()
 
     def stats(self) -> dict:
         return {

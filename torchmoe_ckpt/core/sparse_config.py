@@ -1,0 +1,116 @@
+"""SparseConfig: how windows are sized and filled, with its choices and the CUDA default of `overlap`.
+
+Torch-free and below every layer that reads it: the window planner takes a SparseConfig, the slot allocator checks
+`host_buffers` against HOST_BUFFERS. `torchmoe_ckpt.config` re-exports every name (users import it from there).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from .config_values import is_kind, parse_bytes
+from .errors import ConfigError
+
+__all__ = ["SparseConfig", "Popularity", "HostBuffers", "POPULARITIES", "HOST_BUFFERS", "CUDA_OVERLAP"]
+
+CUDA_OVERLAP = 0.4  # SparseConfig.overlap's default on CUDA: see there
+
+# The choice fields' values, each written once: the Literal is the field's type, the tuple is what is checked.
+Popularity = Literal["hard", "soft", "decayed", "capacity"]
+HostBuffers = Literal["auto", "arena", "shm-registered"]
+POPULARITIES: tuple[str, ...] = get_args(Popularity)
+HOST_BUFFERS: tuple[str, ...] = get_args(HostBuffers)  # (capture/slot_alloc.py)
+_OPTIONAL = ("window", "overlap", "bandwidth_bytes_per_s")  # None is allowed (auto / measured)
+_SHARES = ("decay", "reorder_change", "reorder_fraction")  # in [0, 1]
+
+
+@dataclass
+class SparseConfig:
+    """How windows are sized and filled: W (the window), the order operators are captured in, the memory bound."""
+
+    window: int | None = None
+    """W, the iterations (slots) of one window: every operator is captured once per window, so a failure replays
+    at most W iterations. None: Algorithm 1 picks W from what one slot copy costs (priced as below)."""
+
+    overlap: float | None = None
+    """The share of one iteration a slot's copy may take, hidden behind compute (W is sized so it fits).
+    None: 1.0 on a CPU (copies run beside the step), CUDA_OVERLAP (0.4) on CUDA: measured, a
+    side-stream copy slows the step it overlaps, so a slot may take less of it (docs/gpu.md)."""
+
+    bandwidth_bytes_per_s: float | None = None
+    """The copy bandwidth slots are priced with. None: what copies cost while training, measured in the first
+    window; a number: that fixed bandwidth (reproducible plans, benchmarks)."""
+
+    popularity: Popularity = "hard"
+    """The order experts are captured in, most routed first: "hard" (top-k token counts), "soft" (router
+    probabilities), "decayed" (counts aged by `decay` per iteration), "capacity" (`expert_capacity`)."""
+
+    decay: float = 0.9
+    """"decayed" popularity: the weight of the previous count per iteration, in [0, 1]."""
+
+    reorder_change: float = 0.10
+    """The next window's order is recomputed only when popularity moved by more than this share, in [0, 1]."""
+
+    reorder_fraction: float = 0.25
+    """The largest share of operators one reorder may move, in [0, 1] (bounds the churn between windows)."""
+
+    expert_capacity: list[list[float]] | None = None
+    """"capacity" popularity: a weight per expert, [moe layers][experts]."""
+
+    sliding: bool = False
+    """Every slot also copies the compute weights of operators already captured in its window, so any W
+    consecutive slots recover (a failure loses only its own iteration); more bytes per slot (docs/benchmarks.md)."""
+
+    host_memory_limit: int | str | None = None
+    """Bytes of host memory per rank the checkpointer may hold (host_memory.py), or a size such as "64 GiB";
+    checked against the plan's worst case at construction and at every window start. None: no limit (still
+    counted)."""
+
+    max_window: int | None = None
+    """Auto W is never above this (a smaller W holds fewer bytes per window). None: no bound."""
+
+    host_buffers: HostBuffers = "auto"
+    """Slot buffers (slot_alloc.py): "auto" (slot files on a CPU with a host tier, else "arena"), "arena" (one
+    arena per slot set, pinned on CUDA), "shm-registered" (CUDA: slot files page-locked; opt-in, unmeasured)."""
+
+    def __post_init__(self):
+        self._check_types()
+        self._check_ranges()
+        self.host_memory_limit = parse_bytes(self.host_memory_limit, "host_memory_limit")
+        self._check_choices()
+
+    def _check_types(self) -> None:
+        """A wrong type ("3" from a job file) fails here with one clear line, not later in a comparison."""
+        if not isinstance(self.sliding, bool):
+            raise ConfigError(f"SparseConfig.sliding must be true or false, got {self.sliding!r}")
+        for name in _OPTIONAL + _SHARES:
+            v, kinds = getattr(self, name), (int,) if name == "window" else (int, float)
+            if (v is not None or name not in _OPTIONAL) and not is_kind(v, kinds):
+                raise ConfigError(
+                    f"SparseConfig.{name} must be {'an integer' if name == 'window' else 'a number'}"
+                    f"{' or None' if name in _OPTIONAL else ''}, got {v!r}"
+                )
+
+    def _check_ranges(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ConfigError(f"window must be >= 1 or None (auto), got {self.window}")
+        if self.overlap is not None and not 0 < self.overlap < math.inf:
+            raise ConfigError(f"overlap must be a finite number > 0 (share of an iteration), got {self.overlap}")
+        if self.bandwidth_bytes_per_s is not None and not 0 < self.bandwidth_bytes_per_s < math.inf:
+            raise ConfigError(
+                "bandwidth_bytes_per_s must be a finite number > 0 or None (measured), got "
+                f"{self.bandwidth_bytes_per_s}"
+            )
+        for name in _SHARES:
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"SparseConfig.{name} must be in [0, 1], got {getattr(self, name)}")
+
+    def _check_choices(self) -> None:
+        if self.max_window is not None and (not is_kind(self.max_window, int) or self.max_window < 1):
+            raise ConfigError(f"max_window must be an integer >= 1 or None, got {self.max_window!r}")
+        if self.host_buffers not in HOST_BUFFERS:
+            raise ConfigError(f"host_buffers {self.host_buffers!r} is not one of {', '.join(HOST_BUFFERS)}")
+        if self.popularity not in POPULARITIES:
+            raise ConfigError(f"popularity {self.popularity!r} is not one of {', '.join(POPULARITIES)}")
