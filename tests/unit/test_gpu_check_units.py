@@ -68,5 +68,5 @@ def test_gpu_check_is_a_subcommand_and_refuses_unknown_phases():
     register_gpu_check(ap.add_subparsers(dest="cmd"))
     a = ap.parse_args(["gpu-check", "--out", "x", "--device", "cpu", "--tiny", "--phases", "1,7"])
     assert a.tiny and a.device == "cpu"
-    with pytest.raises(ValueError, match="--phases '1,7': use numbers 0-3"):
+    with pytest.raises(ValueError, match="--phases '1,7': use numbers 0-4"):
         a.fn(a)
