@@ -24,6 +24,7 @@ from ..model.operators import local_tensor
 from ..runtime import faults
 from ..runtime.background import stop_at_exit
 from ..runtime.device_copy import CopyStream
+from .copy_chunks import ChunkedCopy, chunk_copy_lists
 
 ROLES_FULL = ("master", "exp_avg", "exp_avg_sq")  # AdamW's full-state roles (other optimizers: their state keys)
 
@@ -63,6 +64,9 @@ class _Job:
     dsts: list[torch.Tensor]
     ready: object  # CopyStream.mark_ready()
     keep: list[torch.Tensor]  # device staging copies of buffers, alive until the copy is done
+    tear_at: int  # where the copy is split in two batches (the fault point), in srcs
+    tear_items: int  # the slot items copied before it (what the fault hook is told)
+    host_bytes: int  # what lands on the host (a chunked copy's spacers not counted)
     end: object = None
     released: threading.Event = field(default_factory=threading.Event)
 
@@ -72,8 +76,14 @@ class SnapshotEngine:
     how long training waits. On CUDA the next update waits on the device (`wait`); the host waits for a copy to be
     done only at a window commit (`wait_done`)."""
 
-    def __init__(self, access: StateAccess, device: torch.device | str | None = None):
+    def __init__(self, access: StateAccess, device: torch.device | str | None = None, chunk_bytes: int | None = None):
+        """`chunk_bytes` (`SparseConfig.copy_chunk_bytes`): copy same-dtype items in chunks of at most this many
+        bytes with a spacer kernel between them, so the copy engine serves the training stream's own small reads
+        in between (copy_chunks.py); None: one copy per item."""
+        if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)):
+            raise ValueError(f"chunk_bytes must be an int or None, got {chunk_bytes!r}")
         self.access = access
+        self.chunk_bytes = chunk_bytes
         if device is None:  # where the model lives: its slots are copied from there
             device = next((local_tensor(p).device for p in access.params.values()), torch.device("cpu"))
         self.copier = CopyStream(device)
@@ -92,6 +102,9 @@ class SnapshotEngine:
         self.fault_hook: Callable[[Slot, int], None] | None = None
         # An emulated slower host link (benchmarks): a copy of n bytes lasts at least n / throttle seconds.
         self.throttle_bytes_per_s: float | None = None
+        # Benchmarks' ablation: the whole path (resolve, queue, events, thread) runs but nothing is copied, which
+        # isolates what the copy thread's Python costs the training thread (the GPU check's phase 3).
+        self.skip_copies = False
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="tmoe-snapshot", daemon=True)
         self._thread.start()
@@ -102,7 +115,7 @@ class SnapshotEngine:
         self.wait()
         slot.done.clear()
         slot.error, slot.step = None, None
-        srcs, dsts, buffer_items = self._resolve(slot)
+        plan, buffer_items = self._resolve(slot)
         keep: list[torch.Tensor] = []
         with torch.no_grad():  # buffers may change in the next forward, before the update: copied or staged now
             for it in buffer_items:
@@ -110,14 +123,22 @@ class SnapshotEngine:
                     keep.append(self.access.source(it).clone())
                 else:
                     it.buffer.copy_(self.access.source(it))
+        srcs, dsts, host_bytes = plan.srcs, plan.dsts, plan.host_bytes
         if keep:
-            srcs, dsts = srcs + keep, dsts + [it.buffer for it in buffer_items]
-        job = _Job(slot, step, srcs, dsts, self.copier.mark_ready(), keep)
+            kept = [it.buffer for it in buffer_items]
+            srcs, dsts = srcs + keep, dsts + kept
+            host_bytes += sum(d.numel() * d.element_size() for d in kept)
+        # The tear point: half-way through the items (a chunked item counts once), on CPU and CUDA alike.
+        n_plan = len(plan.item_ends)
+        half = (n_plan + len(keep)) // 2
+        tear_at = plan.split_at_item(half) if half <= n_plan else len(plan.srcs) + half - n_plan
+        job = _Job(slot, step, srcs, dsts, self.copier.mark_ready(), keep, tear_at, half, host_bytes)
         self.inflight = self._last = job
         self._jobs.put(job)
 
-    def _resolve(self, slot: Slot) -> tuple[list, list, list]:
-        """(sources, host buffers, buffer items) of a slot, cached while the live tensors keep their storage."""
+    def _resolve(self, slot: Slot) -> tuple[ChunkedCopy, list]:
+        """(the copy of the slot's sources into its host buffers, as issued; its buffer items), cached while the
+        live tensors keep their storage."""
         acc = self.access
         key = tuple(local_tensor(t).data_ptr() for t in acc.params.values()) + tuple(
             local_tensor(v).data_ptr() for st in acc.optimizer.state.values() for v in st.values() if torch.is_tensor(v)
@@ -141,10 +162,10 @@ class SnapshotEngine:
                 dsts.append(it.buffer)
             # Weakly: a slot its allocator dropped takes its entry (and the buffers it holds) with it.
             ref = weakref.ref(slot, _forget_slot(self._sources, id(slot)))
-            self._sources[id(slot)] = hit = (ref, key, srcs, dsts, buffers)
+            self._sources[id(slot)] = hit = (ref, key, chunk_copy_lists(srcs, dsts, self.chunk_bytes), buffers)
             while len(self._sources) > 64:  # bounded, should slots outlive their use
                 self._sources.pop(next(iter(self._sources)))
-        return hit[2], hit[3], hit[4]
+        return hit[2], hit[3]
 
     def shutdown(self) -> None:
         """Stop the copy thread (after a simulated crash, or at exit)."""
@@ -171,21 +192,22 @@ class SnapshotEngine:
             with torch.no_grad(), self.copier.context():
                 start = self.copier.begin(job.ready)
                 # Two batched calls: each drops the GIL once for the batch (per-item calls contend for it).
-                half = len(srcs) // 2
-                if half:
+                half = job.tear_at
+                if half and not self.skip_copies:
                     torch._foreach_copy_(dsts[:half], srcs[:half], non_blocking=self.use_cuda)  # pyright: ignore[reportPrivateImportUsage]  (torch private)
                 if srcs:  # the tear point: half-way through the items, on CPU and CUDA alike
                     faults.point("snapshot_copy")
                     if self.fault_hook is not None:
                         hook, self.fault_hook = self.fault_hook, None
-                        hook(slot, half)
-                    torch._foreach_copy_(dsts[half:], srcs[half:], non_blocking=self.use_cuda)  # pyright: ignore[reportPrivateImportUsage]  (torch private)
+                        hook(slot, job.tear_items)
+                    if not self.skip_copies:
+                        torch._foreach_copy_(dsts[half:], srcs[half:], non_blocking=self.use_cuda)  # pyright: ignore[reportPrivateImportUsage]  (torch private)
                 job.end = self.copier.end()
             if self.use_cuda:
                 job.released.set()  # queued: the update may be queued behind it (CopyStream.order_after)
             seconds = self.copier.finish(start, job.end)
             if self.throttle_bytes_per_s:  # the emulated slower link: the copy lasts n bytes / throttle at least
-                rest = sum(d.numel() * d.element_size() for d in dsts) / self.throttle_bytes_per_s
+                rest = job.host_bytes / self.throttle_bytes_per_s
                 time.sleep(max(0.0, rest - (time.perf_counter() - t0)))
                 seconds = max(seconds or 0.0, time.perf_counter() - t0)
             slot.step = job.step
@@ -193,7 +215,7 @@ class SnapshotEngine:
             slot.error = exc
         slot.copy_seconds = seconds if seconds is not None else time.perf_counter() - t0
         if slot.error is None:
-            last = (sum(d.numel() * d.element_size() for d in dsts), slot.copy_seconds, time.thread_time() - c0)
+            last = (job.host_bytes, slot.copy_seconds, time.thread_time() - c0)
             self.copy_totals["copies"] += 1
             for k, v in zip(("bytes", "wall_s", "cpu_s"), last):
                 self.copy_totals[k] += v

@@ -44,17 +44,20 @@ class SparseConfig:
     window; a number: that fixed bandwidth (reproducible plans, benchmarks)."""
 
     popularity: Popularity = "hard"
-    """The order experts are captured in, most routed first: "hard" (top-k token counts), "soft" (router
-    probabilities), "decayed" (counts aged by `decay` per iteration), "capacity" (`expert_capacity`)."""
+    """What orders the experts' full captures in a window, least popular first (ascending; routers and dense blocks
+    last): "hard" (routed top-k token counts), "soft" (router probabilities), "decayed" (counts aged by `decay` per
+    iteration), "capacity" (`expert_capacity`)."""
 
     decay: float = 0.9
     """"decayed" popularity: the weight of the previous count per iteration, in [0, 1]."""
 
     reorder_change: float = 0.10
-    """The next window's order is recomputed only when popularity moved by more than this share, in [0, 1]."""
+    """An expert counts as changed when its routed-token frequency moved by more than this share of its old value
+    (relative, in [0, 1]); see `reorder_fraction`."""
 
     reorder_fraction: float = 0.25
-    """The largest share of operators one reorder may move, in [0, 1] (bounds the churn between windows)."""
+    """The order is regenerated at a window start only when at least this share of the experts changed (by more than
+    `reorder_change`), in [0, 1]: a few experts drifting do not reshuffle every window."""
 
     expert_capacity: list[list[float]] | None = None
     """"capacity" popularity: a weight per expert, [moe layers][experts]."""
@@ -70,6 +73,12 @@ class SparseConfig:
 
     max_window: int | None = None
     """Auto W is never above this (a smaller W holds fewer bytes per window). None: no bound."""
+
+    copy_chunk_bytes: int | None = None
+    """CUDA: copy each same-dtype slot item in chunks of at most this many bytes with a 1-element kernel between
+    them, so the device-to-host copy engine, shared by every stream, serves the training stream's own small reads
+    (`.item()`, `.tolist()`) in between instead of queueing them behind the slot (capture/copy_chunks.py, the GPU
+    check's phase 4 measures it). None: one copy per item. On a CPU the same code path runs, to no effect."""
 
     host_buffers: HostBuffers = "auto"
     """Slot buffers (slot_alloc.py): "auto" (slot files on a CPU with a host tier, else "arena"), "arena" (one
@@ -110,6 +119,8 @@ class SparseConfig:
     def _check_choices(self) -> None:
         if self.max_window is not None and (not is_kind(self.max_window, int) or self.max_window < 1):
             raise ConfigError(f"max_window must be an integer >= 1 or None, got {self.max_window!r}")
+        if self.copy_chunk_bytes is not None and (not is_kind(self.copy_chunk_bytes, int) or self.copy_chunk_bytes < 1):
+            raise ConfigError(f"copy_chunk_bytes must be an integer >= 1 or None, got {self.copy_chunk_bytes!r}")
         if self.host_buffers not in HOST_BUFFERS:
             raise ConfigError(f"host_buffers {self.host_buffers!r} is not one of {', '.join(HOST_BUFFERS)}")
         if self.popularity not in POPULARITIES:
