@@ -24,7 +24,7 @@ from ..storage.host_tier import HostTier
 from ..storage.layout import DATA_FILE, METADATA, parse_slot_path, writer_name
 from ..storage.object_tier import ObjectTier
 from ..storage.slot_format import SlotLayout, chunk_sizes, load_item, nbytes_of, read_slot_metadata
-from ..storage.window_tier import UncommittableWindow, WindowTier, data_writer, write_slot_dir
+from ..storage.window_tier import FilesWindowTier, UncommittableWindow, data_writer, write_slot_dir
 
 log = logging.getLogger("torchmoe_ckpt.dcp")
 MAX_TIERS = 8  # tier objects kept for the run directories DCP users save into (each keeps its planned layouts)
@@ -222,4 +222,4 @@ def committed_windows(location: str | os.PathLike, storage_options: dict | None 
     """The windows a writer (default: this rank) committed under a run directory (its manifest is there)."""
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else 0
-    return WindowTier(open_files(location, storage_options), rank, 1).window_ids()
+    return FilesWindowTier(open_files(location, storage_options), rank, 1).window_ids()

@@ -12,7 +12,7 @@ from ..storage.files import StoreFiles
 from ..storage.layout import METADATA, is_internal, parse_manifest_name, parse_window_dirname, writer_rank
 from ..storage.manifest import WindowManifest, check_window, slot_metadata_file
 from ..storage.store_open import explain, open_store
-from ..storage.window_tier import WindowTier
+from ..storage.window_tier import FilesWindowTier
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -93,7 +93,7 @@ def _slots(man: WindowManifest, infos: list[dict]) -> list[dict]:
     ]
 
 
-def _dcp_copy(tier: WindowTier, window_id: int):
+def _dcp_copy(tier: FilesWindowTier, window_id: int):
     """(manifest, problems, per slot planner info, bytes) of one writer's copy in the DCP layout."""
     man = tier.manifest(window_id)
     problems = tier.verify_files(window_id, man) or check_window(
@@ -141,7 +141,7 @@ def _inspect_run(location: str, storage_options: dict | None, fs, root: str, fil
         entry["paths"].add("/".join([root, *parts[: j + 1]]))
         entry["ranks_with_files"].update(r for q in parts[max(j - 1, 0) :] if (r := _writer_of(q)) is not None)
         if len(parts) == j + 2 and (writer := parse_manifest_name(parts[-1])) is not None:  # the DCP layout
-            tier = WindowTier(StoreFiles(fs, "/".join([root, *parts[:j]]), location), writer_rank(writer), 0)
+            tier = FilesWindowTier(StoreFiles(fs, "/".join([root, *parts[:j]]), location), writer_rank(writer), 0)
             copies.append((wid, tier.rank, "dcp", lambda t=tier, w=wid: _dcp_copy(t, w)))
         elif parts[-1] == "manifest.ocdbt" and len(parts) == j + 2 and j >= 1:  # tensorstore: <run>/<writer>/window-N
             from ..storage.tensorstore_tier import TensorstoreTier

@@ -11,6 +11,7 @@ from pathlib import PurePosixPath
 DATA_FILE = "__0_0.distcp"  # a writer's data file of one slot (DCP's name for rank 0 of a one-writer save)
 METADATA = ".metadata"  # DCP's metadata file name; in a slot it is the writer's commit of that slot
 LOCK_NAME = "LOCK.json"
+REPLICA_VERIFIED = "REPLICA_VERIFIED"  # in a replica's peer copy: its slot data is the receiver's own (peer_tier.py)
 SLOTS_DIR, SPARE_DIR, PEERS_DIR = ".slots", ".spare", ".peers"
 REPLAY_DIR = "replay"
 _WINDOW = re.compile(r"^window-(\d+)$")

@@ -199,9 +199,9 @@ class RunStatus:
 def _committed_on_host(host_dir: str | None, rank: int) -> list[int]:
     """Windows this rank has committed in `host_dir` (its manifest is there), whichever attempt wrote them."""
     from .files import LocalFiles
-    from .window_tier import WindowTier
+    from .window_tier import FilesWindowTier
 
     try:
-        return WindowTier(LocalFiles(host_dir), rank, 0).window_ids() if host_dir else []
+        return FilesWindowTier(LocalFiles(host_dir), rank, 0).window_ids() if host_dir else []
     except OSError:
         return []

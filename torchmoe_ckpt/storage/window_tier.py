@@ -1,6 +1,11 @@
 """What the host tier and the object store (DCP format) share: one writer's windows as files in the layout
 (layout.py), written slot by slot, committed by a manifest written last, on a local directory or any fsspec store
-(files.py). tier.py states the contract."""
+(files.py). `FilesWindowTier` implements tier.py's `WindowTier` contract (its call order is there).
+
+    FilesWindowTier    one writer's windows on one Files backend (a held peer copy, an orphan, inspection)
+      HostTier         host_tier.py: node-local, slot files linked in, loads windows back for recovery
+      ObjectTier       object_tier.py: the DCP-format object store (also a CopyTier of the host tier)
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import io
 import os
 import pickle
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,6 +50,16 @@ def saved(obj) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+@dataclass(frozen=True)
+class PartialWindow:
+    """A sliding plan's window before its commit, as far as it got: written after each of its slots
+    (`write_partial`) so that a recovery can continue through it before the window commits."""
+
+    start_step: int  # the window's first step
+    plan: WindowPlan
+    records: list  # the IterationRecords of the replay log so far
 
 
 class UncommittableWindow(TorchmoeError, RuntimeError):
@@ -95,11 +111,15 @@ def mapped(maps, files, lay: SlotLayout, items: list, take_spare=None):
     return write
 
 
-class WindowTier:
-    """One writer's windows on one Files backend."""
+class FilesWindowTier:
+    """One writer's windows on one Files backend (tier.py's `WindowTier` contract)."""
 
-    def __init__(self, files, rank: int, world_size: int):
+    def __init__(self, files, rank: int, world_size: int, node_ranks: list[int] | None = None):
+        """`files`: the backend (files.py). `rank`: the writer whose windows these are. `world_size`: recorded
+        in the manifests this tier commits. `node_ranks`: every rank writing into this directory (a host tier's
+        node; recorded in its manifests: verify expects them all), None: not recorded."""
         self.files, self.rank, self.world_size = files, rank, world_size
+        self.node_ranks = node_ranks
         self.writer = writer_name(rank)
         # (window, slot) -> what that slot's write reported: its files and its DCP info (the commit lists these).
         self._written: dict[tuple[int, int], tuple[dict[str, FileEntry], dict]] = {}
@@ -245,7 +265,6 @@ class WindowTier:
 
     _maps = None  # MappedFiles: data files written through kept mappings (the host tier's)
     max_spares = 0  # data files of collected windows kept (local backends) for the next ones to be written over
-    node_ranks: list[int] | None = None  # every rank writing into this directory (a host tier's node: build_tiers)
     window_data_files = 0  # data files of the newest window this writer committed (spare limits derive from it)
 
     def spare_path(self) -> Path:
