@@ -23,7 +23,7 @@ from ..storage.files import open_files
 from ..storage.host_tier import HostTier
 from ..storage.layout import DATA_FILE, METADATA, parse_slot_path, writer_name
 from ..storage.object_tier import ObjectTier
-from ..storage.slot_format import SlotLayout, chunk_sizes, load_item, nbytes_of, read_slot_metadata
+from ..storage.slot_format import ItemSource, SlotLayout, chunk_sizes, load_item, nbytes_of, read_slot_metadata
 from ..storage.window_tier import FilesWindowTier, UncommittableWindow, data_writer, write_slot_dir
 
 log = logging.getLogger("torchmoe_ckpt.dcp")
@@ -201,10 +201,11 @@ class RawReader(NoPlanning, StorageReader):
             if req.storage_index not in self.storage_data:  # planned against another tier's fuller view
                 raise FileNotFoundError(f"{self.path} holds no {req.storage_index.fqn} at {req.storage_index.offset}")
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        source = ItemSource(self.metadata, self._sizes, self.verify, self.path)
         for rel, reqs in per_file.items():
             raw = self.read_file(rel)
             for req in reqs:
-                load_item(raw, rel, req, planner, self.metadata, self._sizes, self.verify, self.path)
+                load_item(raw, rel, req, planner, source)
         return done()
 
     def read_file(self, rel: str):

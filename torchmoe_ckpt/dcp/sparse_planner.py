@@ -59,7 +59,7 @@ class SparseSchedule:
     """The window plan a DCP user's loop follows: windows start at `first_step`, `first_step + W`, ...; slot i holds
     the state after iteration `start_step + i`. Collective with a process group (every rank agrees the sizes)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913  (the DCP user's public constructor: the model and how to plan it, by keyword)
         self,
         model: torch.nn.Module,
         window: int,

@@ -10,7 +10,6 @@ import dataclasses
 import io
 import pickle
 from array import array
-from dataclasses import dataclass
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -267,8 +266,19 @@ def chunk_sizes(md: Metadata) -> dict[tuple, tuple]:
     }
 
 
-def load_item(raw, rel: str, req, planner, md: Metadata, sizes: dict, verify: bool, where: str) -> None:
+@dataclasses.dataclass(frozen=True)
+class ItemSource:
+    """What the item reads of one checkpoint share (a DCP reader's `read_data`)."""
+
+    md: Metadata  # its DCP metadata
+    sizes: dict  # chunk_sizes(md)
+    verify: bool  # check each item against its checksum
+    where: str  # the checkpoint's location, named in errors
+
+
+def load_item(raw, rel: str, req, planner, source: ItemSource) -> None:
     """Check one item of data file `rel` (its bytes `raw`) against its checksum and hand it to `planner`."""
+    md, sizes, verify, where = source.md, source.sizes, source.verify, source.where
     info = md.storage_data[req.storage_index]
     view = memoryview(raw)[info.offset : info.offset + info.length]
     if len(view) != info.length:
