@@ -10,6 +10,7 @@ import dataclasses
 import io
 import pickle
 from array import array
+from dataclasses import dataclass
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -266,7 +267,7 @@ def chunk_sizes(md: Metadata) -> dict[tuple, tuple]:
     }
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class ItemSource:
     """What the item reads of one checkpoint share (a DCP reader's `read_data`)."""
 
