@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import warnings
+from collections.abc import Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,7 +28,7 @@ from .files import LocalFiles
 from .layout import partial_file, replay_file, slot_writer_dir, slots_dir, window_dirname
 from .manifest import plan_digest, record_digest, slot_metadata_file, slot_record
 from .mapped_files import MappedFiles
-from .slot_files import SlotFiles, backing
+from .slot_files import Backing, SlotFiles, backing
 from .slot_format import CorruptCopyError, SlotLayout, read_slot, slot_items
 from .window_tier import FilesWindowTier, PartialWindow, mapped, mapped_items
 
@@ -97,19 +98,22 @@ class HostTier(FilesWindowTier):
         (sliding plans): how far its window got, recorded after the slot (`write_partial`)."""
         lay, items = self._slot_layout(slot)
         back = backing(slot)
-
-        def link(data_rel: str):
-            # The snapshot copy already wrote the bytes into this file (slot_files.py): link it into the window
-            # (it is not reused until collect unlinks it) and sum it once for the checksums.
-            os.link(back.path, self.dir / data_rel)
-            return tensor_block_sums(back.t).numpy()
-
-        write = link if back is not None else mapped(self._maps, self.files, lay, items, self.take_spare)
+        write = self._linker(back) if back is not None else mapped(self._maps, self.files, lay, items, self.take_spare)
         self._store_slot(window_id, slot.index, lay, info, write)
         if partial is not None:
             self.write_partial(window_id, partial.start_step, partial.plan, partial.records, slot.index + 1)
         faults.point("persist")
         return lay.nbytes
+
+    def _linker(self, back: Backing):
+        """`write_data` of a slot whose buffers are a slot file: the snapshot copy already wrote the bytes into it
+        (slot_files.py): link it into the window (it is not reused until collect unlinks it) and sum it once."""
+
+        def link(data_rel: str):
+            os.link(back.path, self.dir / data_rel)
+            return tensor_block_sums(back.t).numpy()
+
+        return link
 
     def _slot_layout(self, slot: Slot) -> tuple[SlotLayout, list]:
         """The slot's layout and its [(offset, bytes, buffer)], computed once per slot object (its items never
@@ -140,7 +144,7 @@ class HostTier(FilesWindowTier):
         """Spare data files kept: `spare_windows` windows' worth; none with slot files (their sets are reused whole)."""
         return 0 if self._slot_files is not None else self.spare_windows * self.window_data_files
 
-    def host_bytes(self, aliased: set = frozenset(), backlog_below: int | None = None) -> dict[str, int]:
+    def host_bytes(self, aliased: Set = frozenset(), backlog_below: int | None = None) -> dict[str, int]:
         """This writer's host memory here, from the file system: window files other than the live slot sets'
         (`aliased`: their (device, inode)s), split at the retention floor `backlog_below` into kept windows and the
         object store's backlog; spares; stale slot-file names; mappings of deleted files (pinned while mapped)."""

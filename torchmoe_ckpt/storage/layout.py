@@ -40,6 +40,14 @@ def window_dirname(window_id: int) -> str:
     return f"window-{window_id:06d}"
 
 
+def rank_of_writer(name: str) -> int:
+    """The rank of a name already known to be a writer's (parsed from a manifest or a `from-` directory name)."""
+    rank = writer_rank(name)
+    if rank is None:
+        raise ValueError(f"{name!r} is not a writer name")
+    return rank
+
+
 def parse_window_dirname(name: str) -> int | None:
     m = _WINDOW.match(name)
     return int(m.group(1)) if m else None

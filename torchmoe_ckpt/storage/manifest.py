@@ -49,7 +49,7 @@ class WindowManifest:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @staticmethod
-    def from_json(text: str) -> WindowManifest:
+    def from_json(text: str | bytes) -> WindowManifest:
         try:
             d = json.loads(text)
         except ValueError as exc:
@@ -68,9 +68,13 @@ class WindowManifest:
             files = {
                 k: FileEntry(int(v["bytes"]), int(v["crc32"]), str(v.get("algo", CRC32))) for k, v in d["files"].items()
             }
-            sizes = [int(d[k]) for k in ("window_id", "start_step", "window", "world_size")]
+            window_id, start_step, window, world_size = (
+                int(d[k]) for k in ("window_id", "start_step", "window", "world_size")
+            )
             extra, identity, slots = d.get("extra", {}), d.get("identity") or {}, list(d.get("slots") or [])
-            return WindowManifest(*sizes, d["plan"], files, extra, d["format"], identity, slots)
+            return WindowManifest(
+                window_id, start_step, window, world_size, d["plan"], files, extra, d["format"], identity, slots
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ManifestError(f"manifest is missing or has a bad field ({type(exc).__name__}: {exc})") from None
 

@@ -97,7 +97,11 @@ class ObjectTier(FilesWindowTier, StoreTier):
         w = window_dirname(window_id)
         if entries is None:  # a whole window: invisible here until its manifest is back
             self._retry("delete", self.files.remove, [f"{w}/{manifest_name(self.writer)}"])
-        files = man.files if entries is None else entries
+        if entries is None:
+            assert man is not None, "a whole window is uploaded with its commit"
+            files = man.files
+        else:
+            files = entries
         nbytes = 0
         for rel in sorted(files, key=lambda r: r.endswith(METADATA)):  # a slot's `.metadata` after its data
             entry = files[rel]
@@ -109,7 +113,7 @@ class ObjectTier(FilesWindowTier, StoreTier):
                     raise RuntimeError(f"local copy of window {window_id} changed under the uploader: {rel}")
                 self._retry("upload", self._put, self.files.path(f"{w}/{rel}"), bytes(data))
             nbytes += entry.bytes
-        if commit:
+        if man is not None:  # commit
             faults.point("upload")
             self._check_complete(w, man, window_id)
             self._retry(

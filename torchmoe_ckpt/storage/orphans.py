@@ -24,8 +24,8 @@ from .layout import (
     parse_manifest_name,
     parse_peer_copy_name,
     parse_window_dirname,
+    rank_of_writer,
     window_dirname,
-    writer_rank,
 )
 from .window_tier import FilesWindowTier
 
@@ -48,10 +48,10 @@ class OrphanCopies:
         for d in run_dirs:
             windows = [d / name for name in _listdir(d) if parse_window_dirname(name) is not None]
             writers = {w for wd in windows for n in _listdir(wd) if (w := parse_manifest_name(n)) is not None}
-            self._copies += [FilesWindowTier(LocalFiles(d), writer_rank(w), 0) for w in sorted(writers)]
+            self._copies += [FilesWindowTier(LocalFiles(d), rank_of_writer(w), 0) for w in sorted(writers)]
             for p in sorted(d.glob(f"{PEERS_DIR}/*/*")):  # <holder>/from-<src>
                 if (src := parse_peer_copy_name(p.name)) is not None:
-                    self._copies.append(FilesWindowTier(LocalFiles(p), writer_rank(src), 0))
+                    self._copies.append(FilesWindowTier(LocalFiles(p), rank_of_writer(src), 0))
 
     @staticmethod
     def find(root: Path, run_id: str, rank: int, ranks_per_node: int, world: int) -> OrphanCopies | None:
@@ -88,7 +88,10 @@ class OrphanCopies:
 
     def copy_into(self, wid: int, src: int, tier) -> None:
         """Writer `src`'s copy of `wid` into `tier` (this rank's own window now), every file, the manifest last."""
-        man, path = self.source(wid, src)
+        got = self.source(wid, src)
+        if got is None:  # callers ask `copy_of` first
+            raise FileNotFoundError(f"no usable copy of writer {src}'s window {wid} among this host's orphans")
+        man, path = got
         w = window_dirname(wid)
         for rel in sorted(man.files):
             dest = tier.files.path(f"{w}/{rel}")

@@ -27,9 +27,9 @@ from .layout import (
     parse_manifest_name,
     parse_peer_copy_name,
     peer_copy_dir,
+    rank_of_writer,
     window_dirname,
     writer_name,
-    writer_rank,
 )
 from .manifest import WindowManifest
 from .peer_transport import CHUNK, GlooTransport
@@ -56,11 +56,14 @@ class PeerTier:
         replicas_hold_data: replica peers hold the sender's slot data (see the module docstring).
         """
         self.tier, self.placement, self.group = tier, placement, group
-        self.pairs = [
-            (src, dst, replicas_hold_data and dst in placement.replica_peers[src])
-            for src in range(tier.world_size if placement is not None else 0)
-            for dst in placement.peers[src]
-        ]
+        # (sender, receiver, whether the receiver is an HSDP replica holding the data) in one global order
+        self.pairs: list[tuple[int, int, bool]] = []
+        if placement is not None:
+            self.pairs = [
+                (src, dst, replicas_hold_data and dst in placement.replica_peers[src])
+                for src in range(tier.world_size)
+                for dst in placement.peers[src]
+            ]
         self.bytes_sent = 0  # all bytes this rank sent to peers
         self.data_bytes_sent = 0  # of which slot data (0 when every peer is an HSDP replica)
         self.own_data_bytes = 0  # slot data of the windows this rank pushed (sent r times without replicas)
@@ -166,13 +169,13 @@ class PeerTier:
     def sources(self) -> list[int]:
         """The writers this writer holds copies of."""
         names = [parse_peer_copy_name(n) for n in self.tier.files.listdir(held_copies_dir(self.tier.writer))]
-        return sorted(writer_rank(n) for n in names if n is not None)
+        return sorted(rank_of_writer(n) for n in names if n is not None)
 
     def copies(self, window_id: int) -> dict[int, Path]:
         """Rank -> the directory holding that writer's committed copy of a window here (own node's, or held)."""
         w = window_dirname(window_id)
         names = map(parse_manifest_name, self.tier.files.listdir(w))
-        out = {writer_rank(n): self.tier.window_dir(window_id) for n in names if n}
+        out = {rank_of_writer(n): self.tier.window_dir(window_id) for n in names if n}
         for src in self.sources():
             if src not in out and (held := self.held(src)).files.exists(f"{w}/{manifest_name(held.writer)}"):
                 out[src] = Path(held.files.path(w))

@@ -33,7 +33,7 @@ class GlooTransport:
     def view(self, n: int) -> memoryview:
         if n > self.t.numel():
             self.t = torch.empty(n, dtype=torch.uint8)
-        return memoryview(self.t.numpy())[:n]
+        return self.t.numpy().data[:n]  # a memoryview of the tensor's bytes
 
     def send(self, files: list[tuple[str, Path]], dst: int, group, meta: dict) -> int:
         """Send named files to `dst`: a JSON header (names, sizes, `meta`), then each non-empty file in messages of

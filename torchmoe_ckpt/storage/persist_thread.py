@@ -7,6 +7,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -149,7 +150,7 @@ class PersistThread:
             "data_bytes_sent": rep.data_bytes_sent,
             "cpu_s": round(self.cpu_s["peers"], 6),  # this thread's; gloo's own I/O threads not included
             "own_data_bytes": rep.own_data_bytes,
-            "replicas": max((len(p) for p in rep.placement.peers), default=0),
+            "replicas": 0 if rep.placement is None else max((len(p) for p in rep.placement.peers), default=0),
             "replica_verified": rep.replica_verified,
             "replica_mismatch": rep.replica_mismatch,
             "windows_replicated": len(self.replicated),
@@ -200,7 +201,7 @@ class PersistThread:
         n = self.tier.trim_spares()
         return n + (self.peers.trim_spares() if self.peers is not None else 0)
 
-    def host_bytes(self, aliased: set = frozenset()) -> dict[str, int]:
+    def host_bytes(self, aliased: Set = frozenset()) -> dict[str, int]:
         """The tiers' part of the host-memory account (host_memory.py): the host tier's files (`aliased`: the live
         slot sets' own, counted by the allocator), what this rank holds for peers, a local store's on tmpfs."""
         out = dict(self.tier.host_bytes(aliased, self.keep_floor))

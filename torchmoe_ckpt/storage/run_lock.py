@@ -195,6 +195,7 @@ def _take(run_dir: Path, me: dict) -> dict | None:
     verdict = _verdict(holder, me)
     if verdict == "held" or (verdict == "free" and not _create(run_dir, me)):
         return None  # refused in acquire's next round; or created outside the mutex meanwhile: judge that one
+    holder = holder or {}  # "free" and created: nothing to log about a holder
     if verdict == "stale":
         log.warning(
             "event=run_lock_takeover run_dir=%s reason=stale: the holder (pid %s on host %s, run id %s, "

@@ -25,7 +25,7 @@ def _iter_pieces(uri, run_id, window_id, wanted, slot, storage_options):
                 e for e in s["items"] if wanted is None or any(_inside(e, o, sh) for o, sh in wanted.get(e["key"], ()))
             ]
             for e, tensor, problem in t.read_items(window_id, sel):
-                if problem:
+                if problem or tensor is None:
                     raise RuntimeError(f"rank {r} window {window_id}: {problem}")
                 yield s["slot"], e, tensor
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -109,7 +110,7 @@ class TensorstoreTier(StoreTier):
         writes, nbytes = [], 0
         for slot, info in slots:
             entries: list[dict] = []
-            arrays: dict[str, object] = {}
+            arrays: dict[str, Any] = {}  # key -> its open tensorstore array
             for it in slot.items:
                 pc, buf = it.piece, it.buffer
                 e = {"key": it.key, "offset": list(pc.global_offset), "shape": list(pc.shape)}
@@ -223,7 +224,10 @@ class TensorstoreTier(StoreTier):
             problems += [p for _, _, p in got if p]
             if problems:
                 continue
-            items = [plain_item(e["key"], e["global_shape"], e["offset"], e["shape"], t) for e, t, _ in got]
+            # a tensor is None only together with a problem (none here)
+            items = [
+                plain_item(e["key"], e["global_shape"], e["offset"], e["shape"], t) for e, t, _ in got if t is not None
+            ]
             slot = Slot(s["slot"], (), (), items)
             tier.write_slot(window_id, slot, s["info"])
             files.update(tier.written(window_id, slot.index))
