@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     BytesIOWriteData,
     LoadItemType,
@@ -208,7 +208,7 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         self.slot = into if into is not None else schedule.slot_items(schedule.locate(step)[1])
         self.record: IterationRecord | None = None
         self._dest: dict[tuple, SlotItem] = {}
-        self._pending: dict[tuple, torch.Tensor] = {}
+        self._pending: dict[int, torch.Tensor] = {}  # id(buffer read in the compute dtype) -> its destination
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
@@ -223,13 +223,15 @@ class SparseLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         reads: list[ReadItem] = []
+        assert self.metadata is not None  # DCP calls set_up_planner first
         md = self.metadata.state_dict_metadata
         for it in self.slot.items:
             key, wi = dcp_key(it, *self.keys), it.write_item()
-            if key not in md:
+            stored, td = md.get(key), wi.tensor_data
+            if not isinstance(stored, TensorStorageMetadata) or td is None:
                 raise KeyError(f"slot checkpoint has no {key!r}: written for another model or plan")
-            chunk = ChunkStorageMetadata(wi.tensor_data.chunk.offsets, wi.tensor_data.chunk.sizes)
-            found = create_read_items_for_chunk_list(key, md[key], [chunk])
+            chunk = ChunkStorageMetadata(td.chunk.offsets, td.chunk.sizes)
+            found = create_read_items_for_chunk_list(key, stored, [chunk])
             got = sum(int(torch.Size(r.lengths).numel()) for r in found)
             if got != torch.Size(chunk.sizes).numel():
                 raise KeyError(f"slot checkpoint covers {got} elements of {key} at {tuple(chunk.offsets)}")
@@ -239,8 +241,16 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         rk = replay_key(self.rank)
         if rk in md:
             at, e = MetadataIndex(rk), torch.Size(())
-            item = dict(dest_index=at, dest_offsets=e, storage_index=at, storage_offsets=e, lengths=e)
-            reads.append(ReadItem(type=LoadItemType.BYTE_IO, **item))
+            reads.append(
+                ReadItem(
+                    type=LoadItemType.BYTE_IO,
+                    dest_index=at,
+                    dest_offsets=e,
+                    storage_index=at,
+                    storage_offsets=e,
+                    lengths=e,
+                )
+            )
         self.plan = LoadPlan(reads)
         return self.plan
 
@@ -272,7 +282,8 @@ def load_sparse_window(schedule: SparseSchedule, window_id: int, reader_for, pin
     for i in range(schedule.window):
         slot = schedule.slot_items(i, alloc=lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin_memory))
         planner = SparseLoadPlanner(schedule, start + i, into=slot)
-        dcp.load({}, storage_reader=reader_for(start + i), planner=planner)
+        # public DCP API; torch re-exports it without __all__
+        dcp.load({}, storage_reader=reader_for(start + i), planner=planner)  # pyright: ignore[reportPrivateImportUsage]
         if planner.record is not None:
             log.add(planner.record)
         slot.step = start + i
