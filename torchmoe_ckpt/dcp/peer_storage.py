@@ -54,6 +54,11 @@ class PeerWriter(HostWriter):
     collective = True  # a TieredWriter must not swallow a failed push: every rank takes part in it
 
     def __init__(self, path: str | os.PathLike, placement: Placement, group=None):
+        """Args:
+        path: a slot path on the host tier (`schedule.slot_path(root, step)`).
+        placement: which ranks hold each rank's copies (`place_replicas(topology, r)`).
+        group: the gloo group the copies travel over (default: the default group).
+        """
         super().__init__(path)
         self.placement, self.group = placement, group
         self.bytes_sent = 0  # to peers, this save

@@ -69,7 +69,17 @@ class SparseSchedule:
         group=None,
         optimizer=None,
     ):
-        """`optimizer` (one or several): slots hold its state as it is (created now if missing); None: AdamW's."""
+        """Plan the windows of `model` once (Algorithm 1 with a forced window); collective with a process group.
+
+        Args:
+            model: the (possibly FSDP2-sharded) model whose operators are checkpointed.
+            window: W, the slots per window.
+            compute_dtype: the dtype later operators' compute weights are kept in (e.g. torch.bfloat16).
+            first_step: the first checkpointed iteration (window 0 starts there).
+            ops: the operators (default: `discover_operators(model)`).
+            group: the process group whose ranks agree the sizes (default: the default group, if initialized).
+            optimizer: one or several; slots hold its state as it is (created now if missing); None: AdamW's.
+        """
         ops = ops if ops is not None else discover_operators(model)
         if optimizer is not None:
             describe_optimizer_state(model, ops, optimizer)
@@ -148,6 +158,18 @@ class SparseSavePlanner(DefaultSavePlanner):
         model_key: str = "model",
         optim_key: str = "optim",
     ):
+        """Pass as `dcp.save(state_dict, checkpoint_id=schedule.slot_path(root, step), planner=...)` every step.
+
+        Args:
+            schedule: the run's `SparseSchedule`.
+            step: the iteration whose slot this save writes (state after it).
+            record: the iteration's replay record (required to recover through the window: `load_sparse_window`).
+            run: a fingerprint of the run, recorded in the slot (a window of another run is refused).
+            model_key, optim_key: where the state dict holds the model's and the optimizer's state.
+
+        Raises:
+            ValueError: `step` is before `schedule.first_step`.
+        """
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
         self.schedule, self.step, self.record, self.keys = schedule, step, record, (model_key, optim_key)
         self.info = schedule.info(step, run)
@@ -203,6 +225,14 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         model_key: str = "model",
         optim_key: str = "optim",
     ):
+        """Pass as `dcp.load(state_dict, checkpoint_id=schedule.slot_path(root, step), planner=...)`.
+
+        Args:
+            schedule: the run's `SparseSchedule`.
+            step: the iteration whose slot is read.
+            into: read into this slot's buffers instead of the state dict (`load_sparse_window`).
+            model_key, optim_key: where the state dict holds the model's and the optimizer's state.
+        """
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.schedule, self.step, self.keys, self.into = schedule, step, (model_key, optim_key), into
         self.slot = into if into is not None else schedule.slot_items(schedule.locate(step)[1])
@@ -275,8 +305,22 @@ class SparseLoadPlanner(DefaultLoadPlanner):
 
 
 def load_sparse_window(schedule: SparseSchedule, window_id: int, reader_for, pin_memory: bool = False) -> Window:
-    """The W slots of window `window_id` (each read with `dcp.load` through `reader_for(step)`, a
-    StorageReader) as a `Window` for `torchmoe_ckpt.recovery.sparse_to_dense`. Collective like `dcp.load`."""
+    """The W slots of window `window_id` as a `Window` for `torchmoe_ckpt.recovery.sparse_to_dense`. Collective
+    like `dcp.load` (every rank calls it).
+
+    Args:
+        schedule: the run's `SparseSchedule`.
+        window_id: the window to read.
+        reader_for: step -> the StorageReader of that step's slot (e.g. `lambda s: TieredReader([...])`).
+        pin_memory: read into pinned host buffers (faster copies to the GPU).
+
+    Returns:
+        The window, every slot read and checked, with its replay records.
+
+    Raises:
+        ValueError: the replay records do not cover the window (a save without `record`).
+        CorruptCopyError, FileNotFoundError: from the reader (no tier holds a verified copy).
+    """
     start = schedule.first_step + window_id * schedule.window
     slots, log = [], ReplayLog()
     for i in range(schedule.window):
