@@ -81,7 +81,8 @@ class OrphanCopies:
 
     def source(self, wid: int, src: int):
         """(manifest, rel -> path) of writer `src`'s copy of window `wid` (what the peer tier sends), or None."""
-        if (c := self.copy_of(wid, src)) is None:
+        c = self.copy_of(wid, src)
+        if c is None:
             return None
         wdir = Path(c.files.path(window_dirname(wid)))
         return c.manifest(wid), lambda rel: wdir / rel

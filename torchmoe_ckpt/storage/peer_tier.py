@@ -113,7 +113,8 @@ class PeerTier:
                 self.data_bytes_sent += 0 if replica else data_bytes
             elif me == dst:
                 held = self.held(src)
-                if (theirs := self._receive(src, held, window_id)) is not None:
+                theirs = self._receive(src, held, window_id)  # collective with the sender's send
+                if theirs is not None:
                     self._window_files[src] = sum(map(is_data_file, theirs.files))
                     held.max_spares = self._spare_limit(src)
                     if replica:
@@ -177,7 +178,10 @@ class PeerTier:
         names = map(parse_manifest_name, self.tier.files.listdir(w))
         out = {rank_of_writer(n): self.tier.window_dir(window_id) for n in names if n}
         for src in self.sources():
-            if src not in out and (held := self.held(src)).files.exists(f"{w}/{manifest_name(held.writer)}"):
+            if src in out:
+                continue
+            held = self.held(src)
+            if held.files.exists(f"{w}/{manifest_name(held.writer)}"):
                 out[src] = Path(held.files.path(w))
         return out
 

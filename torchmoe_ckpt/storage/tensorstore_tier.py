@@ -82,7 +82,8 @@ class TensorstoreTier(StoreTier):
 
     def upload(self, tier, window_id: int) -> int:
         """Upload this rank's copy of a committed host-tier window as one atomic OCDBT commit."""
-        if problems := tier.verify(window_id):
+        problems = tier.verify(window_id)
+        if problems:
             if "no manifest" in problems[0]:
                 raise FileNotFoundError(f"window {window_id} is not on the host tier: {problems[0]}")
             raise RuntimeError(f"local copy of window {window_id} does not verify: {problems[0]}")
@@ -249,7 +250,8 @@ class TensorstoreTier(StoreTier):
     def inspect(self, window_id: int) -> tuple[WindowManifest, list[str], list[dict], int] | None:
         """What `inspect` lists of this writer's window: (its manifest, the problems `verify` finds, per slot the
         planner info with its items as "checksums", payload bytes); None while it is not committed."""
-        if (meta := self._read_meta(window_id)) is None:
+        meta = self._read_meta(window_id)
+        if meta is None:
             return None
         try:
             problems = self.verify(window_id)
@@ -265,7 +267,8 @@ class TensorstoreTier(StoreTier):
 
     def verify(self, window_id: int) -> list[str]:
         """Read every piece and the replay records of this rank's window and check them (nothing written)."""
-        if (meta := self._read_meta(window_id)) is None:
+        meta = self._read_meta(window_id)
+        if meta is None:
             return [NOT_COMMITTED]
         problems = []
         for s in meta["slots"]:

@@ -15,6 +15,7 @@ import pickle
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -60,6 +61,13 @@ class PartialWindow:
     start_step: int  # the window's first step
     plan: WindowPlan
     records: list  # the IterationRecords of the replay log so far
+
+
+class SlotWrite(NamedTuple):
+    """What one slot write of this process reported: the commit lists these."""
+
+    files: dict[str, FileEntry]  # its files, relative to the window directory
+    info: dict  # its DCP planner info (window, slot, step, run, plan)
 
 
 class UncommittableWindow(TorchmoeError, RuntimeError):
@@ -122,7 +130,7 @@ class FilesWindowTier:
         self.node_ranks = node_ranks
         self.writer = writer_name(rank)
         # (window, slot) -> what that slot's write reported: its files and its DCP info (the commit lists these).
-        self._written: dict[tuple[int, int], tuple[dict[str, FileEntry], dict]] = {}
+        self._written: dict[tuple[int, int], SlotWrite] = {}
         self._layouts: dict[tuple, SlotLayout] = {}  # planned once per layout, not per save
 
     def layout(self, items: list, offsets=None, size=None) -> SlotLayout:
@@ -149,7 +157,7 @@ class FilesWindowTier:
             self.files.remove([f"{window_dirname(window_id)}/{manifest_name(self.writer)}"])
         entries, digests = write_slot_dir(self.files, rel, lay, info, write_data, algo)
         d = slot_writer_dir(slot, self.writer)
-        self._written[(window_id, slot)] = ({f"{d}/{k}": e for k, e in entries.items()}, dict(info))
+        self._written[(window_id, slot)] = SlotWrite({f"{d}/{k}": e for k, e in entries.items()}, dict(info))
         return digests
 
     def _discard_slot(self, rel: str) -> None:
@@ -157,7 +165,7 @@ class FilesWindowTier:
 
     def written(self, window_id: int, slot: int) -> dict[str, FileEntry]:
         """The files one slot write of this process reported (relative to the window directory)."""
-        return self._written[(window_id, slot)][0]
+        return self._written[(window_id, slot)].files
 
     def write_commit(
         self, window_id: int, start_step: int, plan: WindowPlan, log: ReplayLog | None, extra: dict
@@ -192,8 +200,8 @@ class FilesWindowTier:
         faults.point("manifest")
         self.files.write_last(f"{w}/{manifest_name(self.writer)}", man.to_json().encode())  # the commit
         self.window_data_files = sum(map(is_data_file, files))
-        for key in [k for k in self._written if k[0] <= window_id]:
-            del self._written[key]
+        for wid, slot in [(wid, slot) for wid, slot in self._written if wid <= window_id]:
+            del self._written[(wid, slot)]
         return man
 
     def write_partial(self, window_id: int, start_step: int, plan: WindowPlan, records: list, slots: int) -> None:
