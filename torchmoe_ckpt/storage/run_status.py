@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 log = logging.getLogger("torchmoe_ckpt")
 
@@ -49,7 +50,9 @@ class RunStatus:
         self._fail_since: float | None = None
         self._failed_attempts = 0
         self._lock = threading.Lock()
-        self.memory = None  # () -> "host memory X of LIMIT" (host_memory.HostMemory.line), set by the checkpointer
+        # () -> "host memory X of LIMIT" (host_memory.HostMemory.line): set by the checkpointer once its host-memory
+        # account exists (that account reads this thread's tiers, so it is built after them)
+        self.memory: Callable[[], str] | None = None
 
     def say(self, text: str, level: int | None = None) -> None:
         self.lines.append(text)
