@@ -34,6 +34,7 @@ from .storage.host_tier import HostTier
 from .storage.manifest import plan_digest
 from .storage.persist_thread import PersistThread
 from .storage.tiers import Tiers
+from .storage.window_tier import PartialWindow
 
 log = logging.getLogger("torchmoe_ckpt")
 
@@ -92,7 +93,9 @@ class SparseCheckpointer:
                 f"tiers.host must be a HostTier, got {type(host_tier).__name__}: build the tiers with "
                 "build_tiers(TierConfig(...)), or use torchmoe_ckpt.Checkpointer, which owns them"
             )
-        self.tier_writer = None if host_tier is None else PersistThread(host_tier, tiers.replicator, tiers.store)
+        self.tier_writer = (
+            None if host_tier is None else PersistThread(host_tier, tiers.peers, tiers.store, tiers.lease)
+        )
         self.slots = make_slot_allocator(
             self.op_by_name, compute_dtype, use_cuda, host_tier, self.tier_writer, self.cfg.host_buffers
         )
@@ -115,7 +118,7 @@ class SparseCheckpointer:
         self.counters.update((k, []) for k in ("slot_bytes", "copy_seconds", "windows", "recoveries"))
         self._redo: dict | None = None  # after a recovery: the iteration to reach again and the clock (redo phase)
         self.dense_bytes = sum(o.full_bytes() for o in self.ops)  # what one dense snapshot of this rank copies
-        self.planner.cap_by_memory(self.memory, None if self.tier_writer is None else self.tier_writer.replicator)
+        self.planner.cap_by_memory(self.memory, None if self.tier_writer is None else self.tier_writer.peers)
 
     def attach(self, trainer) -> SparseCheckpointer:
         trainer.before_update.append(self.before_update)
@@ -159,7 +162,7 @@ class SparseCheckpointer:
                     "record": record,  # the persist thread writes its digest (storage.manifest.record_digest)
                 },
                 # sliding plans: how far the window got, so that a restart can use it before it commits
-                (cur.start_step, cur.plan, list(cur.log.records.values())) if cur.plan.sliding else None,
+                PartialWindow(cur.start_step, cur.plan, list(cur.log.records.values())) if cur.plan.sliding else None,
             )
         cur.captured += 1
         self.counters["slots"] += 1

@@ -340,6 +340,6 @@ def test_a_second_job_on_the_same_store_prefix_is_refused(tmp_path, monkeypatch,
         holder.wait()
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-c")  # the holder is gone: its lease expires, c takes over
     tiers = build_tiers(TierConfig(root=str(tmp_path / "host-c"), run_id="t", object_store=cfg.object_store), 0, 1)
-    assert tiers.store.lease is not None and tiers.store.lease.read()["job"] == "torchrun:job-c"
-    tiers.store.lease.release()
-    assert tiers.store.lease.read() is None  # a clean exit gives the prefix up at once
+    assert tiers.lease is not None and tiers.lease.read()["job"] == "torchrun:job-c"
+    tiers.lease.release()
+    assert tiers.lease.read() is None  # a clean exit gives the prefix up at once

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from ..model.optim_state import init_optimizer_state, optimizer_list
 from ..runtime.distributed import library_new_group
@@ -38,7 +40,9 @@ def _state(model: torch.nn.Module, optimizer, step: int = 0, lr: float = 0.0) ->
     return {**msd, "optimizer": osd, TRAIN_STATE: train}
 
 
-def _export_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, extra=None) -> dict:
+def _export_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, extra: dict | Callable[[], dict] | None = None
+) -> dict:
     """`extra`: more top-level entries (a dict, or a function returning one at export time), e.g. a framework's
     data-loader position, so that its own full resume finds every key."""
     state = _state(model, optimizer, step, float(optimizer_list(optimizer)[0].param_groups[0]["lr"]))
@@ -60,7 +64,7 @@ def export_dense(
 ) -> float:
     """Collective and synchronous (e.g. right after recovery): every rank calls it. Returns seconds."""
     t0 = time.perf_counter()
-    dcp.save(_export_state(model, optimizer, step, extra), storage_writer=FsspecWriter(uri, **(storage_options or {})))
+    save(_export_state(model, optimizer, step, extra), storage_writer=FsspecWriter(uri, **(storage_options or {})))
     seconds = time.perf_counter() - t0
     log.info("event=dense_export step=%d path=%s seconds=%.3f", step, uri, seconds)
     return seconds
@@ -79,7 +83,7 @@ def load_dense(
     init_optimizer_state(optimizer)  # DCP loads in place: the optimizer state tensors must exist
     state = _state(model, optimizer)
     try:
-        dcp.load(state, storage_reader=FsspecReader(uri, **(storage_options or {})))
+        load(state, storage_reader=FsspecReader(uri, **(storage_options or {})))
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         failures = getattr(exc, "failures", None)  # rank -> the exception it hit
         if any(isinstance(e, dist.DistError) for e in (failures.values() if failures else (exc,))):
@@ -127,7 +131,7 @@ class DenseExporter:
     def export(self, model, optimizer, step: int, extra=None) -> None:
         self.wait()  # one export at a time
         t0 = time.perf_counter()
-        self._future = dcp.async_save(
+        self._future = async_save(
             _export_state(model, optimizer, step, extra),
             storage_writer=FsspecWriter(self.path(step), **self.opts),
             process_group=self.pg,
@@ -139,9 +143,10 @@ class DenseExporter:
     def wait(self) -> None:
         if self._future is None:
             return
-        fut = getattr(self._future, "upload_completion", self._future)
-        fut.result()
+        fut = getattr(self._future, "upload_completion", self._future)  # torch >= 2.9: an AsyncSaveResponse
+        fut.result()  # pyright: ignore[reportAttributeAccessIssue]  (a Future either way)
         step, self._future, self._pending_step = self._pending_step, None, None
+        assert step is not None  # set together with the future
         self.export_seconds.append(time.perf_counter() - self._t0)
         self.exported.append(step)
         log.info("event=dense_export step=%d path=%s seconds=%.3f", step, self.path(step), self.export_seconds[-1])

@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..planning.placement import Placement
-from ..storage.layout import METADATA, parse_slot_path, slot_dirname, writer_name, writer_rank
+from ..storage.host_tier import HostTier
+from ..storage.layout import METADATA, parse_slot_path, rank_of_writer, slot_dirname, writer_name, writer_rank
 from ..storage.peer_tier import PeerTier
 from ..storage.slot_format import load_metadata, merge_metadata
 from .raw_storage import RawWriter, run_tier
@@ -35,7 +36,9 @@ def _peers(path: str, group=None) -> tuple[PeerTier, int, int]:
     run, window, slot = _slot_path(str(path))
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1
-    return PeerTier(run_tier(run, rank, world, store=False), None, group), window, slot
+    tier = run_tier(run, rank, world, store=False)
+    assert isinstance(tier, HostTier)  # store=False: the run directory's host tier
+    return PeerTier(tier, None, group), window, slot
 
 
 def held_copies(path: str | os.PathLike) -> dict[int, Path]:
@@ -51,6 +54,11 @@ class PeerWriter(HostWriter):
     collective = True  # a TieredWriter must not swallow a failed push: every rank takes part in it
 
     def __init__(self, path: str | os.PathLike, placement: Placement, group=None):
+        """Args:
+        path: a slot path on the host tier (`schedule.slot_path(root, step)`).
+        placement: which ranks hold each rank's copies (`place_replicas(topology, r)`).
+        group: the gloo group the copies travel over (default: the default group).
+        """
         super().__init__(path)
         self.placement, self.group = placement, group
         self.bytes_sent = 0  # to peers, this save
@@ -65,8 +73,9 @@ class PeerWriter(HostWriter):
         saves the same slot, so every rank is here); returns the bytes sent."""
         _slot_path(first.path)
         self.bytes_sent = 0
-        if not first.closes_window:
+        if not first.closes_window or first.window is None:
             return 0
+        assert isinstance(first.tier, HostTier)  # a HostWriter's window save
         peers = PeerTier(first.tier, self.placement, self.group, replicas_hold_data=False)
         peers.push(first.window, first.committed)  # None (not committed here): this rank sends nothing
         self.bytes_sent = peers.bytes_sent
@@ -107,13 +116,14 @@ class PeerReader(HostReader):
         if not pieces:
             raise FileNotFoundError(f"{self.path}: no node holds a committed copy of this checkpoint")
         md = merge_metadata({writer_name(s): pieces[s] for s in sorted(pieces)}, self.path)
+        assert md.storage_meta is not None  # merge_metadata records one
         md.storage_meta.load_id = self.load_id
         return md
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Pull the windows of the writers whose files this rank's reads need and its node lacks (collective)."""
         me = dist.get_rank()
-        owners = {writer_rank(self.storage_data[r.storage_index].relative_path.split("/", 1)[0]) for r in plan.items}
+        owners = {rank_of_writer(self.storage_data[r.storage_index].relative_path.split("/", 1)[0]) for r in plan.items}
         every = self._gather(sorted(owners - set(self.peers.copies(self.window))))
         transfers = []
         for dst, wants in enumerate(every):
@@ -130,7 +140,8 @@ class PeerReader(HostReader):
         return plan
 
     def read_file(self, rel: str):
-        d = self._where.get(writer_rank(rel.split("/", 1)[0]))
+        src = writer_rank(rel.split("/", 1)[0])
+        d = None if src is None else self._where.get(src)
         if d is None:
             raise FileNotFoundError(f"{self.path}: no node holds {rel}")
         return bytearray((d / slot_dirname(self.slot) / rel).read_bytes())  # items are verified on read

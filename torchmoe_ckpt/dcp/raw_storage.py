@@ -22,13 +22,14 @@ from ..storage.checksums import SUM64
 from ..storage.files import open_files
 from ..storage.host_tier import HostTier
 from ..storage.layout import DATA_FILE, METADATA, parse_slot_path, writer_name
+from ..storage.manifest import WindowManifest
 from ..storage.object_tier import ObjectTier
-from ..storage.slot_format import SlotLayout, chunk_sizes, load_item, nbytes_of, read_slot_metadata
-from ..storage.window_tier import UncommittableWindow, WindowTier, data_writer, write_slot_dir
+from ..storage.slot_format import ItemSource, SlotLayout, chunk_sizes, load_item, nbytes_of, read_slot_metadata
+from ..storage.window_tier import FilesWindowTier, UncommittableWindow, data_writer, write_slot_dir
 
 log = logging.getLogger("torchmoe_ckpt.dcp")
 MAX_TIERS = 8  # tier objects kept for the run directories DCP users save into (each keeps its planned layouts)
-_TIERS: OrderedDict[tuple, object] = OrderedDict()
+_TIERS: OrderedDict[tuple, HostTier | ObjectTier] = OrderedDict()
 
 
 class NoPlanning:
@@ -52,7 +53,9 @@ def done(value=None) -> Future:
     return fut
 
 
-def run_tier(run: str, rank: int, world: int, storage_options: dict | None = None, store: bool | None = None):
+def run_tier(
+    run: str, rank: int, world: int, storage_options: dict | None = None, store: bool | None = None
+) -> HostTier | ObjectTier:
     """The tier object of a run directory for one writer (HostTier for a local path, ObjectTier for a URI), kept
     across saves: its planned layouts, its record of which slots of a window this process wrote."""
     store = "://" in run if store is None else store
@@ -84,10 +87,13 @@ class RawWriter(NoPlanning, StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.written: dict[str, int] = {}  # data file (relative to path) -> bytes, this writer's
         self.file_checksum: dict[str, tuple[str, int]] = {}  # data file -> (algo, 32-bit digest)
-        self.tier, self.window, self.slot = None, None, None  # a window save: its tier, window id and slot
+        # a window save: its tier, window id and slot
+        self.tier: HostTier | ObjectTier | None = None
+        self.window: int | None = None
+        self.slot: int | None = None
         self.slot_files: dict = {}  # a window save: the files of this writer's piece (relative to the window)
         self.closes_window = False  # the save was the window's last slot
-        self.committed = None  # the window manifest this save committed then
+        self.committed: WindowManifest | None = None  # the window manifest this save committed then
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -110,21 +116,21 @@ class RawWriter(NoPlanning, StorageWriter):
         wplan = getattr(planner, "window_plan", None)  # SparseSavePlanner: the window plan of the schedule
         where = parse_slot_path(self.path) if wplan is not None else None
         self.tier, self.window, self.slot, self.committed, self.closes_window = None, None, None, None, False
-        if where is not None:
+        if where is not None and wplan is not None:  # (where is None without a window plan)
             run, self.window, self.slot = where
             if (self.window, self.slot) != (info.get("window"), info.get("slot")):
                 raise ValueError(
                     f"{self.path}: saving window {info.get('window')} slot {info.get('slot')} into the directory "
                     f"of window {self.window} slot {self.slot}; use schedule.slot_path(root, step)"
                 )
-            self.tier = run_tier(run, self.rank, self.world, self.storage_options, self._store)
-            results = self.tier.write_items(self.window, self.slot, items, info, self.algo)
-            entries = self.slot_files = self.tier.written(self.window, self.slot)
+            tier = self.tier = run_tier(run, self.rank, self.world, self.storage_options, self._store)
+            results = tier.write_items(self.window, self.slot, items, info, self.algo)
+            entries = self.slot_files = tier.written(self.window, self.slot)
             self.closes_window = self.slot == wplan.window - 1
             if self.closes_window:  # this writer's window manifest, if every slot of it was written here
                 extra = {"identity": {"fingerprint": info["run"]} if info.get("run") else {}}
                 try:
-                    self.committed = self.tier.write_commit(self.window, info["start_step"], wplan, None, extra)
+                    self.committed = tier.write_commit(self.window, info["start_step"], wplan, None, extra)
                 except UncommittableWindow as exc:  # e.g. saving began mid-window: the window is never visible
                     log.info("%s", exc)
         else:
@@ -155,10 +161,11 @@ class RawWriter(NoPlanning, StorageWriter):
         if where is None or where[1:] != (first.window, first.slot):
             raise ValueError(f"{self.path}: a later tier must save the same slot as the first ({first.path})")
         run, self.window, self.slot = where
-        self.tier = run_tier(run, self.rank, self.world, self.storage_options, True)
-        nbytes = self.tier.upload(first.tier, first.window, first.slot_files, commit=False)
+        store = self.tier = run_tier(run, self.rank, self.world, self.storage_options, True)
+        assert isinstance(store, ObjectTier)  # store=True
+        nbytes = store.upload(first.tier, self.window, first.slot_files, commit=False)
         if first.committed is not None:
-            self.tier.upload(first.tier, first.window, {}, commit=True)  # the manifest, once every file is here
+            store.upload(first.tier, self.window, {}, commit=True)  # the manifest, once every file is here
             self.committed = first.committed
         self.written = dict(first.written)
         return nbytes
@@ -188,6 +195,7 @@ class RawReader(NoPlanning, StorageReader):
         if kwargs.get("rank") is not None:  # DCP's rank-local fallback: a slot's metadata is whole already
             raise FileNotFoundError("the slot format has no rank-local metadata mode")
         md = read_slot_metadata(self.files, "")
+        assert md.storage_meta is not None  # the slot format records one
         md.storage_meta.load_id = self.load_id
         return md
 
@@ -201,14 +209,17 @@ class RawReader(NoPlanning, StorageReader):
             if req.storage_index not in self.storage_data:  # planned against another tier's fuller view
                 raise FileNotFoundError(f"{self.path} holds no {req.storage_index.fqn} at {req.storage_index.offset}")
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        source = ItemSource(self.metadata, self._sizes, self.verify, self.path)
         for rel, reqs in per_file.items():
             raw = self.read_file(rel)
             for req in reqs:
-                load_item(raw, rel, req, planner, self.metadata, self._sizes, self.verify, self.path)
+                load_item(raw, rel, req, planner, source)
         return done()
 
     def read_file(self, rel: str):
         """The bytes of data file `rel` (PeerReader reads them from wherever a copy is held)."""
+        if self.files is None:
+            raise FileNotFoundError("no checkpoint path given (reset(checkpoint_id) names it)")
         return self.files.read(rel)
 
 
@@ -222,4 +233,4 @@ def committed_windows(location: str | os.PathLike, storage_options: dict | None 
     """The windows a writer (default: this rank) committed under a run directory (its manifest is there)."""
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else 0
-    return WindowTier(open_files(location, storage_options), rank, 1).window_ids()
+    return FilesWindowTier(open_files(location, storage_options), rank, 1).window_ids()

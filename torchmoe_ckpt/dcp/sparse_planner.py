@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     BytesIOWriteData,
     LoadItemType,
@@ -59,7 +59,7 @@ class SparseSchedule:
     """The window plan a DCP user's loop follows: windows start at `first_step`, `first_step + W`, ...; slot i holds
     the state after iteration `start_step + i`. Collective with a process group (every rank agrees the sizes)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913  (the DCP user's public constructor: the model and how to plan it, by keyword)
         self,
         model: torch.nn.Module,
         window: int,
@@ -69,7 +69,17 @@ class SparseSchedule:
         group=None,
         optimizer=None,
     ):
-        """`optimizer` (one or several): slots hold its state as it is (created now if missing); None: AdamW's."""
+        """Plan the windows of `model` once (Algorithm 1 with a forced window); collective with a process group.
+
+        Args:
+            model: the (possibly FSDP2-sharded) model whose operators are checkpointed.
+            window: W, the slots per window.
+            compute_dtype: the dtype later operators' compute weights are kept in (e.g. torch.bfloat16).
+            first_step: the first checkpointed iteration (window 0 starts there).
+            ops: the operators (default: `discover_operators(model)`).
+            group: the process group whose ranks agree the sizes (default: the default group, if initialized).
+            optimizer: one or several; slots hold its state as it is (created now if missing); None: AdamW's.
+        """
         ops = ops if ops is not None else discover_operators(model)
         if optimizer is not None:
             describe_optimizer_state(model, ops, optimizer)
@@ -148,6 +158,18 @@ class SparseSavePlanner(DefaultSavePlanner):
         model_key: str = "model",
         optim_key: str = "optim",
     ):
+        """Pass as `dcp.save(state_dict, checkpoint_id=schedule.slot_path(root, step), planner=...)` every step.
+
+        Args:
+            schedule: the run's `SparseSchedule`.
+            step: the iteration whose slot this save writes (state after it).
+            record: the iteration's replay record (required to recover through the window: `load_sparse_window`).
+            run: a fingerprint of the run, recorded in the slot (a window of another run is refused).
+            model_key, optim_key: where the state dict holds the model's and the optimizer's state.
+
+        Raises:
+            ValueError: `step` is before `schedule.first_step`.
+        """
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
         self.schedule, self.step, self.record, self.keys = schedule, step, record, (model_key, optim_key)
         self.info = schedule.info(step, run)
@@ -203,12 +225,20 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         model_key: str = "model",
         optim_key: str = "optim",
     ):
+        """Pass as `dcp.load(state_dict, checkpoint_id=schedule.slot_path(root, step), planner=...)`.
+
+        Args:
+            schedule: the run's `SparseSchedule`.
+            step: the iteration whose slot is read.
+            into: read into this slot's buffers instead of the state dict (`load_sparse_window`).
+            model_key, optim_key: where the state dict holds the model's and the optimizer's state.
+        """
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.schedule, self.step, self.keys, self.into = schedule, step, (model_key, optim_key), into
         self.slot = into if into is not None else schedule.slot_items(schedule.locate(step)[1])
         self.record: IterationRecord | None = None
         self._dest: dict[tuple, SlotItem] = {}
-        self._pending: dict[tuple, torch.Tensor] = {}
+        self._pending: dict[int, torch.Tensor] = {}  # id(buffer read in the compute dtype) -> its destination
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
@@ -223,13 +253,15 @@ class SparseLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         reads: list[ReadItem] = []
+        assert self.metadata is not None  # DCP calls set_up_planner first
         md = self.metadata.state_dict_metadata
         for it in self.slot.items:
             key, wi = dcp_key(it, *self.keys), it.write_item()
-            if key not in md:
+            stored, td = md.get(key), wi.tensor_data
+            if not isinstance(stored, TensorStorageMetadata) or td is None:
                 raise KeyError(f"slot checkpoint has no {key!r}: written for another model or plan")
-            chunk = ChunkStorageMetadata(wi.tensor_data.chunk.offsets, wi.tensor_data.chunk.sizes)
-            found = create_read_items_for_chunk_list(key, md[key], [chunk])
+            chunk = ChunkStorageMetadata(td.chunk.offsets, td.chunk.sizes)
+            found = create_read_items_for_chunk_list(key, stored, [chunk])
             got = sum(int(torch.Size(r.lengths).numel()) for r in found)
             if got != torch.Size(chunk.sizes).numel():
                 raise KeyError(f"slot checkpoint covers {got} elements of {key} at {tuple(chunk.offsets)}")
@@ -239,8 +271,16 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         rk = replay_key(self.rank)
         if rk in md:
             at, e = MetadataIndex(rk), torch.Size(())
-            item = dict(dest_index=at, dest_offsets=e, storage_index=at, storage_offsets=e, lengths=e)
-            reads.append(ReadItem(type=LoadItemType.BYTE_IO, **item))
+            reads.append(
+                ReadItem(
+                    type=LoadItemType.BYTE_IO,
+                    dest_index=at,
+                    dest_offsets=e,
+                    storage_index=at,
+                    storage_offsets=e,
+                    lengths=e,
+                )
+            )
         self.plan = LoadPlan(reads)
         return self.plan
 
@@ -265,14 +305,29 @@ class SparseLoadPlanner(DefaultLoadPlanner):
 
 
 def load_sparse_window(schedule: SparseSchedule, window_id: int, reader_for, pin_memory: bool = False) -> Window:
-    """The W slots of window `window_id` (each read with `dcp.load` through `reader_for(step)`, a
-    StorageReader) as a `Window` for `torchmoe_ckpt.recovery.sparse_to_dense`. Collective like `dcp.load`."""
+    """The W slots of window `window_id` as a `Window` for `torchmoe_ckpt.recovery.sparse_to_dense`. Collective
+    like `dcp.load` (every rank calls it).
+
+    Args:
+        schedule: the run's `SparseSchedule`.
+        window_id: the window to read.
+        reader_for: step -> the StorageReader of that step's slot (e.g. `lambda s: TieredReader([...])`).
+        pin_memory: read into pinned host buffers (faster copies to the GPU).
+
+    Returns:
+        The window, every slot read and checked, with its replay records.
+
+    Raises:
+        ValueError: the replay records do not cover the window (a save without `record`).
+        CorruptCopyError, FileNotFoundError: from the reader (no tier holds a verified copy).
+    """
     start = schedule.first_step + window_id * schedule.window
     slots, log = [], ReplayLog()
     for i in range(schedule.window):
         slot = schedule.slot_items(i, alloc=lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin_memory))
         planner = SparseLoadPlanner(schedule, start + i, into=slot)
-        dcp.load({}, storage_reader=reader_for(start + i), planner=planner)
+        # public DCP API; torch re-exports it without __all__
+        dcp.load({}, storage_reader=reader_for(start + i), planner=planner)  # pyright: ignore[reportPrivateImportUsage]
         if planner.record is not None:
             log.add(planner.record)
         slot.step = start + i

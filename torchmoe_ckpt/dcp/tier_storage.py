@@ -1,6 +1,12 @@
-"""One StorageWriter/StorageReader per tier for DCP users, thin adapters over the checkpointer's tier objects
-(Host*: HostTier, Store*: ObjectTier, Peer*: peer_storage.py); the tiered writer writes the first tier from the
-state dict, then hands its files to the others, each window manifest last (a tier that failed half-way is invisible).
+"""One StorageWriter/StorageReader per tier for DCP users, each a thin adapter over the checkpointer's tier objects:
+
+    HostWriter / HostReader      node-local shared memory (a /dev/shm path): HostTier
+    StoreWriter / StoreReader    any fsspec URI, with storage options: ObjectTier
+    PeerWriter / PeerReader      r copies in peers' host memory: PeerTier (peer_storage.py)
+    TieredWriter / TieredReader  write through several tiers; read from the fastest holding a verified copy
+
+The tiered writer writes the first tier from the state dict, then hands the files it wrote to the others (each
+slot's files, the window manifest last): a tier that failed half-way has no manifest, invisible to readers.
 """
 
 from __future__ import annotations
@@ -36,6 +42,13 @@ class HostWriter(RawWriter):
     _store = False
 
     def __init__(self, path: str | os.PathLike = ""):
+        """Args:
+            path: a local directory (e.g. under /dev/shm), or `file://`; a slot path
+                (`schedule.slot_path(root, step)`) saves into the run's host tier, committing each window.
+
+        Raises:
+            ValueError: `path` is a URI of another scheme (use StoreWriter).
+        """
         super().__init__(_local_path(str(path)))
 
 
@@ -50,6 +63,10 @@ class StoreWriter(RawWriter):
     _store = True
 
     def __init__(self, uri: str = "", storage_options: dict | None = None):
+        """Args:
+        uri: any fsspec URI (file://, s3://, az://, abfs://, memory://) or a slot path under one.
+        storage_options: passed to fsspec as they are (credentials, endpoint).
+        """
         super().__init__(uri, storage_options)
 
 
@@ -79,6 +96,13 @@ class TieredWriter(_Tiers, StorageWriter):
     files)."""
 
     def __init__(self, writers: list[RawWriter]):
+        """Args:
+            writers: the tiers, fastest first; the first writes from the state dict, the others copy its files
+                (a tier that fails is logged and skipped, except a collective PeerWriter, whose failure fails all).
+
+        Raises:
+            ValueError: no writer given.
+        """
         super().__init__(writers)
         if not writers:
             raise ValueError("TieredWriter needs at least one tier")
@@ -113,6 +137,9 @@ class TieredReader(_Tiers, StorageReader):
     missing, torn or corrupt copy falls through to the next tier."""
 
     def __init__(self, readers: list[RawReader]):
+        """Args:
+        readers: the tiers, fastest first; a missing, torn or corrupt copy falls through to the next.
+        """
         super().__init__(readers)
         self.readers = readers
         self.source: int | None = None  # index of the tier the last read came from

@@ -12,7 +12,7 @@ from ..storage.files import StoreFiles
 from ..storage.layout import METADATA, is_internal, parse_manifest_name, parse_window_dirname, writer_rank
 from ..storage.manifest import WindowManifest, check_window, slot_metadata_file
 from ..storage.store_open import explain, open_store
-from ..storage.window_tier import WindowTier
+from ..storage.window_tier import FilesWindowTier
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -95,7 +95,7 @@ def _slots(man: WindowManifest, infos: list[dict]) -> list[dict]:
     ]
 
 
-def _dcp_copy(tier: WindowTier, window_id: int):
+def _dcp_copy(tier: FilesWindowTier, window_id: int):
     """(manifest, problems, per slot planner info, bytes) of one writer's copy in the DCP layout."""
     man = tier.manifest(window_id)
     problems = tier.verify_files(window_id, man) or check_window(
@@ -177,7 +177,7 @@ def _find_copies(location: str, storage_options: dict | None, fs, root: str, fil
         writer = parse_manifest_name(parts[-1]) if len(parts) == j + 2 else None
         if writer is not None:  # the DCP layout
             rank = writer_rank(writer)
-            tier = WindowTier(StoreFiles(fs, "/".join([root, *parts[:j]]), location), rank, 0)  # pyright: ignore[reportArgumentType]  (a manifest's writer has a rank)
+            tier = FilesWindowTier(StoreFiles(fs, "/".join([root, *parts[:j]]), location), rank, 0)  # pyright: ignore[reportArgumentType]  (a manifest's writer has a rank)
             copies.append((wid, tier.rank, "dcp", lambda t=tier, w=wid: _dcp_copy(t, w)))
         elif parts[-1] == "manifest.ocdbt" and len(parts) == j + 2 and j >= 1:  # tensorstore: <run>/<writer>/window-N
             from ..storage.tensorstore_tier import TensorstoreTier

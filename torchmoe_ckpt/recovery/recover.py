@@ -82,7 +82,7 @@ def recover(
             done["report"] = rep if rep is not None else sparse_to_dense(trainer, window, replay_check)
 
         window, found = recover_from_tiers(
-            tiers.host, tiers.replicator, ops, compute_dtype, store=tiers.store, identity=identity, use=replay
+            tiers.host, tiers.peers, ops, compute_dtype, store=tiers.store, identity=identity, use=replay
         )
         fetch_s = time.perf_counter() - t0
         if window is None:

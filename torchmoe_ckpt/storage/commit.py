@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 
-def write_last(path: str | os.PathLike, data: bytes) -> None:
+def write_last(path: str | os.PathLike, data: bytes | bytearray) -> None:
     """Write `data` as `path` atomically (a temporary file, then a rename): readers never see a part of it."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")  # two writers never share one

@@ -37,7 +37,7 @@ class LocalFiles:
         with open(self.path(rel), "wb") as f:
             f.write(memoryview(data).cast("B"))
 
-    def write_last(self, rel: str, data: bytes) -> None:
+    def write_last(self, rel: str, data: bytes | bytearray) -> None:
         self.path(rel).parent.mkdir(parents=True, exist_ok=True)
         write_last(self.path(rel), data)
 
@@ -90,7 +90,7 @@ class StoreFiles:
             self.fs.makedirs(self.path(rel).rsplit("/", 1)[0], exist_ok=True)
         self.fs.pipe_file(self.path(rel), bytes(memoryview(data).cast("B")))
 
-    def write_last(self, rel: str, data: bytes) -> None:
+    def write_last(self, rel: str, data: bytes | bytearray) -> None:
         self.write(rel, data)  # one put is whole; the commit is that it comes after every other file
         self.invalidate()
 

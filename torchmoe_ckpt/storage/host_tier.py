@@ -9,7 +9,10 @@ from __future__ import annotations
 import io
 import os
 import warnings
+from collections.abc import Set
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,26 +28,63 @@ from .files import LocalFiles
 from .layout import partial_file, replay_file, slot_writer_dir, slots_dir, window_dirname
 from .manifest import plan_digest, record_digest, slot_metadata_file, slot_record
 from .mapped_files import MappedFiles
-from .slot_files import SlotFiles, backing
+from .slot_files import Backing, SlotFiles, backing
 from .slot_format import CorruptCopyError, SlotLayout, read_slot, slot_items
-from .window_tier import WindowTier, mapped, mapped_items
+from .window_tier import FilesWindowTier, PartialWindow, mapped, mapped_items
+
+if TYPE_CHECKING:
+    from .orphans import OrphanCopies
 
 # Each writer deliberately saves its own pieces without collectives (no_dist=True); DCP warns about that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 MAX_MAPPINGS = 80  # data-file mappings kept open (mapped_files.py); their memory is the files'
 
 
-class HostTier(WindowTier):
-    orphans = None  # orphans.OrphanCopies: this host's copies under an older node numbering (build_tiers)
+@dataclass(frozen=True)
+class HostTierOptions:
+    """A host tier's settings beyond its directory (build_tiers fills them from a `TierConfig`; the defaults are
+    TierConfig's, for a HostTier built directly, as the tests and the harness do)."""
 
-    def __init__(self, root: str | Path, run_id: str, rank: int, world_size: int):
+    orphans: OrphanCopies | None = None  # this host's copies under an older node numbering (orphans.py)
+    node_ranks: list[int] | None = None  # every rank writing into this node directory: its manifests record them
+    stall_iterations: int | None = 50  # TierConfig.stall_iterations: read by the PersistThread (tier_health.py)
+    on_stall: str = "warn"  # TierConfig.on_stall
+    upload_backlog: int = 4  # TierConfig.upload_backlog: windows kept for a slow or unreachable object store
+    spare_windows: int = 1  # TierConfig.spare_windows: collected windows whose data files are written over
+
+
+@dataclass(frozen=True)
+class _SlotLayoutCache:
+    """A slot's layout, computed once per slot object (kept on the slot: its items never change)."""
+
+    n_items: int  # len(slot.items) when computed
+    layout: SlotLayout
+    items: list  # [(offset, bytes, buffer)], as MappedFiles.write takes them
+
+
+class HostTier(FilesWindowTier):
+    """This writer's windows in a node-local directory `<root>/<run_id>` (tier.py: the `WindowTier` contract)."""
+
+    def __init__(
+        self, root: str | Path, run_id: str, rank: int, world_size: int, options: HostTierOptions | None = None
+    ):
+        """Creates `<root>/<run_id>` (OSError when it cannot be; build_tiers words that as a ConfigError).
+
+        Args:
+            root: the node-local host directory (default /dev/shm/torchmoe-ckpt/node-N via build_tiers).
+            run_id: the run's directory name under `root`.
+            rank, world_size: this writer and the job's size (recorded in the manifests).
+            options: orphans, node ranks, stall policy, upload backlog, spare windows (`HostTierOptions`).
+        """
+        self.options = options if options is not None else HostTierOptions()
         self.dir = Path(root) / run_id
         self.dir.mkdir(parents=True, exist_ok=True)
-        super().__init__(LocalFiles(self.dir), rank, world_size)
+        super().__init__(LocalFiles(self.dir), rank, world_size, self.options.node_ranks)
+        self.orphans = self.options.orphans
+        self.spare_windows = self.options.spare_windows  # collected windows whose data files are kept to reuse
         # Data files stay mapped across reuse (mapped_files.py): a persist is one memcpy plus one summing pass.
         self._maps = MappedFiles(limit=MAX_MAPPINGS)
         self._slot_files: SlotFiles | None = None
-        self.spare_windows = 1  # collected windows whose data files are kept to be written over (TierConfig)
 
     def window_dir(self, window_id: int) -> Path:
         return self.dir / window_dirname(window_id)
@@ -53,35 +93,39 @@ class HostTier(WindowTier):
         """A writer's piece of one slot: a self-contained DCP checkpoint (stock dcp.load reads it)."""
         return self.window_dir(window_id) / slot_writer_dir(slot, self.writer_of(rank))
 
-    def write_slot(self, window_id: int, slot: Slot, info: dict, partial: tuple | None = None) -> int:
-        """Persist one captured slot of the checkpointer; returns its bytes. `partial` (sliding plans): (start
-        step, plan, replay records so far) of its window, recorded after the slot (`write_partial`)."""
+    def write_slot(self, window_id: int, slot: Slot, info: dict, partial: PartialWindow | None = None) -> int:
+        """Persist one captured slot of the checkpointer (the persist thread); returns its bytes. `partial`
+        (sliding plans): how far its window got, recorded after the slot (`write_partial`)."""
         lay, items = self._slot_layout(slot)
         back = backing(slot)
+        write = self._linker(back) if back is not None else mapped(self._maps, self.files, lay, items, self.take_spare)
+        self._store_slot(window_id, slot.index, lay, info, write)
+        if partial is not None:
+            self.write_partial(window_id, partial.start_step, partial.plan, partial.records, slot.index + 1)
+        faults.point("persist")
+        return lay.nbytes
+
+    def _linker(self, back: Backing):
+        """`write_data` of a slot whose buffers are a slot file: the snapshot copy already wrote the bytes into it
+        (slot_files.py): link it into the window (it is not reused until collect unlinks it) and sum it once."""
 
         def link(data_rel: str):
-            # The snapshot copy already wrote the bytes into this file (slot_files.py): link it into the window
-            # (it is not reused until collect unlinks it) and sum it once for the checksums.
             os.link(back.path, self.dir / data_rel)
             return tensor_block_sums(back.t).numpy()
 
-        write = link if back is not None else mapped(self._maps, self.files, lay, items, self.take_spare)
-        self._store_slot(window_id, slot.index, lay, info, write)
-        if partial is not None:  # (start step, plan, records)
-            self.write_partial(window_id, *partial, slot.index + 1)
-        faults.point("persist")
-        return lay.nbytes
+        return link
 
     def _slot_layout(self, slot: Slot) -> tuple[SlotLayout, list]:
         """The slot's layout and its [(offset, bytes, buffer)], computed once per slot object (its items never
         change)."""
-        got = getattr(slot, "_raw_layout", None)
-        if got is None or got[0] != len(slot.items):
+        got: _SlotLayoutCache | None = getattr(slot, "_raw_layout", None)
+        if got is None or got.n_items != len(slot.items):
             back = backing(slot)
             items, offsets = slot_items(slot, None if back is None else back.t)
             lay = self.layout(items, offsets, None if back is None else back.t.numel())
-            got = slot._raw_layout = (len(slot.items), lay, mapped_items(lay, [it.buffer for it in slot.items]))
-        return got[1], got[2]
+            got = _SlotLayoutCache(len(slot.items), lay, mapped_items(lay, [it.buffer for it in slot.items]))
+            setattr(slot, "_raw_layout", got)  # noqa: B010  (kept on the slot object: a cache, not a Slot field)
+        return got.layout, got.items
 
     def _discard_slot(self, rel: str) -> None:
         for f in (self.dir / rel).glob("*.distcp"):
@@ -100,7 +144,7 @@ class HostTier(WindowTier):
         """Spare data files kept: `spare_windows` windows' worth; none with slot files (their sets are reused whole)."""
         return 0 if self._slot_files is not None else self.spare_windows * self.window_data_files
 
-    def host_bytes(self, aliased: set = frozenset(), backlog_below: int | None = None) -> dict[str, int]:
+    def host_bytes(self, aliased: Set = frozenset(), backlog_below: int | None = None) -> dict[str, int]:
         """This writer's host memory here, from the file system: window files other than the live slot sets'
         (`aliased`: their (device, inode)s), split at the retention floor `backlog_below` into kept windows and the
         object store's backlog; spares; stale slot-file names; mappings of deleted files (pinned while mapped)."""

@@ -11,6 +11,7 @@ from pathlib import PurePosixPath
 DATA_FILE = "__0_0.distcp"  # a writer's data file of one slot (DCP's name for rank 0 of a one-writer save)
 METADATA = ".metadata"  # DCP's metadata file name; in a slot it is the writer's commit of that slot
 LOCK_NAME = "LOCK.json"
+REPLICA_VERIFIED = "REPLICA_VERIFIED"  # in a replica's peer copy: its slot data is the receiver's own (peer_tier.py)
 SLOTS_DIR, SPARE_DIR, PEERS_DIR = ".slots", ".spare", ".peers"
 REPLAY_DIR = "replay"
 _WINDOW = re.compile(r"^window-(\d+)$")
@@ -37,6 +38,14 @@ def node_dirname(node: int) -> str:
 
 def window_dirname(window_id: int) -> str:
     return f"window-{window_id:06d}"
+
+
+def rank_of_writer(name: str) -> int:
+    """The rank of a name already known to be a writer's (parsed from a manifest or a `from-` directory name)."""
+    rank = writer_rank(name)
+    if rank is None:
+        raise ValueError(f"{name!r} is not a writer name")
+    return rank
 
 
 def parse_window_dirname(name: str) -> int | None:

@@ -49,7 +49,7 @@ class WindowManifest:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @staticmethod
-    def from_json(text: str) -> WindowManifest:
+    def from_json(text: str | bytes) -> WindowManifest:
         try:
             d = json.loads(text)
         except ValueError as exc:
@@ -68,9 +68,13 @@ class WindowManifest:
             files = {
                 k: FileEntry(int(v["bytes"]), int(v["crc32"]), str(v.get("algo", CRC32))) for k, v in d["files"].items()
             }
-            sizes = [int(d[k]) for k in ("window_id", "start_step", "window", "world_size")]
+            window_id, start_step, window, world_size = (
+                int(d[k]) for k in ("window_id", "start_step", "window", "world_size")
+            )
             extra, identity, slots = d.get("extra", {}), d.get("identity") or {}, list(d.get("slots") or [])
-            return WindowManifest(*sizes, d["plan"], files, extra, d["format"], identity, slots)
+            return WindowManifest(
+                window_id, start_step, window, world_size, d["plan"], files, extra, d["format"], identity, slots
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ManifestError(f"manifest is missing or has a bad field ({type(exc).__name__}: {exc})") from None
 
@@ -121,13 +125,7 @@ def check_window(
     """Problems with where a manifest and its slot files sit (window, rank, world size, plan, and what each slot's
     DCP metadata, `slot_info(rel)`, was written for): a copy from another window or run is refused even when every
     checksum matches. Empty list = consistent."""
-    out = []
-    if man.window_id != window_id:
-        out.append(f"manifest is of window {man.window_id}, found in the directory of window {window_id}")
-    if man.extra.get("rank", rank) != rank:
-        out.append(f"manifest is rank {man.extra.get('rank')}'s, found as rank {rank}'s")
-    if world_size is not None and man.world_size != world_size:
-        out.append(f"world size {man.world_size} != {world_size}")
+    out = _placement_problems(man, window_id, rank, world_size)
     if not man.slots and not man.identity:
         return out  # written by a tool, not a checkpointer: nothing recorded to compare (recovery refuses it)
     slots = man.plan.get("slots") if isinstance(man.plan, dict) else None
@@ -147,25 +145,41 @@ def check_window(
                 f"slot {i}: manifest records {', '.join(f'{k} {rec.get(k)!r}' for k in bad)}, expected "
                 f"{', '.join(f'{want[k]!r}' for k in bad)}"
             )
-            continue
-        if slot_info is None:
-            continue
-        rel = slot_metadata_file(man, i)
-        if rel is None:
-            out.append(f"slot {i}: no DCP metadata file listed")
-            continue
-        try:
-            info = slot_info(rel) or {}
-        except Exception as exc:  # unreadable metadata: a damaged or foreign file
-            out.append(f"slot {i}: metadata unreadable ({type(exc).__name__}: {exc})")
-            continue
-        bad = _differs(info, want)
-        if bad:
-            out.append(
-                f"{rel}: written for {', '.join(f'{k} {info.get(k)!r}' for k in bad)}, but sits at "
-                f"{', '.join(f'{k} {want[k]!r}' for k in bad)} (a slot file of another window or run)"
-            )
+        elif slot_info is not None:
+            problem = _slot_file_problem(man, i, want, slot_info)
+            if problem is not None:
+                out.append(problem)
     return out
+
+
+def _placement_problems(man: WindowManifest, window_id: int, rank: int, world_size: int | None) -> list[str]:
+    """Whether the manifest is of the window, writer and world size where it was found."""
+    out = []
+    if man.window_id != window_id:
+        out.append(f"manifest is of window {man.window_id}, found in the directory of window {window_id}")
+    if man.extra.get("rank", rank) != rank:
+        out.append(f"manifest is rank {man.extra.get('rank')}'s, found as rank {rank}'s")
+    if world_size is not None and man.world_size != world_size:
+        out.append(f"world size {man.world_size} != {world_size}")
+    return out
+
+
+def _slot_file_problem(man: WindowManifest, i: int, want: dict, slot_info) -> str | None:
+    """Whether slot `i`'s DCP metadata (`slot_info(rel)`) was written for where it sits (`want`); None: it was."""
+    rel = slot_metadata_file(man, i)
+    if rel is None:
+        return f"slot {i}: no DCP metadata file listed"
+    try:
+        info = slot_info(rel) or {}
+    except Exception as exc:  # unreadable metadata: a damaged or foreign file
+        return f"slot {i}: metadata unreadable ({type(exc).__name__}: {exc})"
+    bad = _differs(info, want)
+    if bad:
+        return (
+            f"{rel}: written for {', '.join(f'{k} {info.get(k)!r}' for k in bad)}, but sits at "
+            f"{', '.join(f'{k} {want[k]!r}' for k in bad)} (a slot file of another window or run)"
+        )
+    return None
 
 
 def _differs(got: dict, want: dict) -> list[str]:

@@ -108,7 +108,8 @@ class MappedFiles:
             else:
                 v.copy_(torch.frombuffer(s, dtype=torch.uint8))
         if dst:
-            torch._foreach_copy_(dst, src)  # one memcpy per item, no Python per byte
+            # one memcpy per item, no Python per byte (torch's batched copy, not in its public stubs)
+            torch._foreach_copy_(dst, src)  # pyright: ignore[reportPrivateImportUsage]
         return tensor_block_sums(m.t).numpy()
 
     def unlinked_bytes(self) -> int:

@@ -21,7 +21,7 @@ from .store_open import StoreConfigError, check_uri, open_store, quiet_third_par
 from .tensorstore_spec import NoTensorstoreDriver
 from .tensorstore_tier import TensorstoreTier
 from .tier import StoreTier
-from .window_tier import WindowTier
+from .window_tier import FilesWindowTier
 
 log = logging.getLogger("torchmoe_ckpt.object_tier")
 FORMATS = ("dcp", "tensorstore")
@@ -51,7 +51,7 @@ def make_store(
     return ObjectTier(uri, run_id, rank, storage_options, keep_windows=keep_windows, **kw)
 
 
-class ObjectTier(WindowTier, StoreTier):
+class ObjectTier(FilesWindowTier, StoreTier):
     format = "dcp"
 
     def __init__(self, *args, world_size: int = 1, **kw):
@@ -61,7 +61,7 @@ class ObjectTier(WindowTier, StoreTier):
         run = self.run_id.strip("/")
         self.base = f"{root.rstrip('/')}/{run}" if run else root.rstrip("/")
         where = f"{self.uri.rstrip('/')}/{run}" if run else self.uri
-        WindowTier.__init__(self, StoreFiles(self.fs, self.base, where), self.rank, world_size)
+        FilesWindowTier.__init__(self, StoreFiles(self.fs, self.base, where), self.rank, world_size)
         self.spare_windows = 1  # a local store keeps deleted windows' data files (the host tier's setting)
         self._buf = bytearray(CHUNK)  # the upload thread's one chunk buffer (a local store streams through it)
 
@@ -87,7 +87,7 @@ class ObjectTier(WindowTier, StoreTier):
             out["store_files"] = sum(usage.window_bytes(root, self.writer, seen).values()) + spare
         return out
 
-    def upload(self, tier: WindowTier, window_id: int, entries: dict | None = None, commit: bool = True) -> int:
+    def upload(self, tier: FilesWindowTier, window_id: int, entries: dict | None = None, commit: bool = True) -> int:
         """Upload this writer's copy of a committed window of `tier`: every file its manifest lists (or `entries`),
         each checked against its entry; `commit`: then the manifest, once every file is in the store. Returns bytes."""
         man = tier.manifest(window_id) if commit else None
@@ -97,7 +97,11 @@ class ObjectTier(WindowTier, StoreTier):
         w = window_dirname(window_id)
         if entries is None:  # a whole window: invisible here until its manifest is back
             self._retry("delete", self.files.remove, [f"{w}/{manifest_name(self.writer)}"])
-        files = man.files if entries is None else entries
+        if entries is None:
+            assert man is not None, "a whole window is uploaded with its commit"
+            files = man.files
+        else:
+            files = entries
         nbytes = 0
         for rel in sorted(files, key=lambda r: r.endswith(METADATA)):  # a slot's `.metadata` after its data
             entry = files[rel]
@@ -109,7 +113,7 @@ class ObjectTier(WindowTier, StoreTier):
                     raise RuntimeError(f"local copy of window {window_id} changed under the uploader: {rel}")
                 self._retry("upload", self._put, self.files.path(f"{w}/{rel}"), bytes(data))
             nbytes += entry.bytes
-        if commit:
+        if man is not None:  # commit
             faults.point("upload")
             self._check_complete(w, man, window_id)
             self._retry(
@@ -159,7 +163,7 @@ class ObjectTier(WindowTier, StoreTier):
         self.files.invalidate()
         return super().window_ids(require_manifest, rank)
 
-    def download(self, window_id: int, tier: WindowTier) -> list[str]:
+    def download(self, window_id: int, tier: FilesWindowTier) -> list[str]:
         """Fetch this writer's copy into `tier` (the host tier), every file verified, the manifest last; returns
         problems (empty = ok)."""
         w = window_dirname(window_id)

@@ -18,16 +18,16 @@ from . import run_lock
 from .files import LocalFiles
 from .layout import (
     PEERS_DIR,
+    REPLICA_VERIFIED,  # the marker of a data-less replica copy (not usable alone)
     manifest_name,
     node_dirname,
     parse_manifest_name,
     parse_peer_copy_name,
     parse_window_dirname,
+    rank_of_writer,
     window_dirname,
-    writer_rank,
 )
-from .peer_tier import REPLICA_VERIFIED  # the marker of a data-less replica copy (not usable alone)
-from .window_tier import WindowTier
+from .window_tier import FilesWindowTier
 
 log = logging.getLogger("torchmoe_ckpt.tiers")
 
@@ -44,14 +44,14 @@ class OrphanCopies:
 
     def __init__(self, run_dirs: list[Path]):
         self.run_dirs = run_dirs
-        self._copies: list[WindowTier] = []  # one per (directory, writer): its windows of that writer
+        self._copies: list[FilesWindowTier] = []  # one per (directory, writer): its windows of that writer
         for d in run_dirs:
             windows = [d / name for name in _listdir(d) if parse_window_dirname(name) is not None]
             writers = {w for wd in windows for n in _listdir(wd) if (w := parse_manifest_name(n)) is not None}
-            self._copies += [WindowTier(LocalFiles(d), writer_rank(w), 0) for w in sorted(writers)]
+            self._copies += [FilesWindowTier(LocalFiles(d), rank_of_writer(w), 0) for w in sorted(writers)]
             for p in sorted(d.glob(f"{PEERS_DIR}/*/*")):  # <holder>/from-<src>
                 if (src := parse_peer_copy_name(p.name)) is not None:
-                    self._copies.append(WindowTier(LocalFiles(p), writer_rank(src), 0))
+                    self._copies.append(FilesWindowTier(LocalFiles(p), rank_of_writer(src), 0))
 
     @staticmethod
     def find(root: Path, run_id: str, rank: int, ranks_per_node: int, world: int) -> OrphanCopies | None:
@@ -64,7 +64,7 @@ class OrphanCopies:
         dirs = [d for d in runs if d.is_dir() and not run_lock.held_by_another_job(d, me)]
         return OrphanCopies(dirs) if dirs else None
 
-    def _usable(self, copy: WindowTier, wid: int) -> bool:
+    def _usable(self, copy: FilesWindowTier, wid: int) -> bool:
         if copy.files.exists(f"{window_dirname(wid)}/{REPLICA_VERIFIED}"):
             return False  # its data files are the old holder's own: not a copy that stands alone
         return not copy.verify(wid)
@@ -76,19 +76,23 @@ class OrphanCopies:
             out.setdefault(c.rank, set()).update(w for w in c.window_ids() if self._usable(c, w))
         return {r: sorted(ws) for r, ws in out.items() if ws}
 
-    def copy_of(self, wid: int, src: int) -> WindowTier | None:
+    def copy_of(self, wid: int, src: int) -> FilesWindowTier | None:
         return next((c for c in self._copies if c.rank == src and wid in c.window_ids() and self._usable(c, wid)), None)
 
     def source(self, wid: int, src: int):
         """(manifest, rel -> path) of writer `src`'s copy of window `wid` (what the peer tier sends), or None."""
-        if (c := self.copy_of(wid, src)) is None:
+        c = self.copy_of(wid, src)
+        if c is None:
             return None
         wdir = Path(c.files.path(window_dirname(wid)))
         return c.manifest(wid), lambda rel: wdir / rel
 
     def copy_into(self, wid: int, src: int, tier) -> None:
         """Writer `src`'s copy of `wid` into `tier` (this rank's own window now), every file, the manifest last."""
-        man, path = self.source(wid, src)
+        got = self.source(wid, src)
+        if got is None:  # callers ask `copy_of` first
+            raise FileNotFoundError(f"no usable copy of writer {src}'s window {wid} among this host's orphans")
+        man, path = got
         w = window_dirname(wid)
         for rel in sorted(man.files):
             dest = tier.files.path(f"{w}/{rel}")

@@ -5,116 +5,76 @@ An HSDP *replica* peer already holds bit-identical slot data, so it is sent only
 and the `.metadata` files, and verifies by digest that its own data equals the sender's (a DCP user's save dedups
 replicated items, so its PeerWriter sends the data: `replicas_hold_data`). Push and pull run over a gloo group,
 rank pairs in one global order (no deadlock). A copy lives under `.peers/<receiver>/from-<sender>/` in the common
-layout, its manifest last. Files travel in messages of at most CHUNK bytes through two reused buffers, written over
-a collected copy's spare files; no checksum pass (a copy is verified when used: `holdings`)."""
+layout, its manifest last. Files travel in messages of at most CHUNK bytes through two reused buffers
+(peer_transport.py: the byte transport), written over a collected copy's spare files; no checksum pass (a copy is
+verified when used: `holdings`)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from ..runtime import faults
 from . import usage
 from .files import LocalFiles
 from .layout import (
+    REPLICA_VERIFIED,
     held_copies_dir,
     is_data_file,
     manifest_name,
     parse_manifest_name,
     parse_peer_copy_name,
     peer_copy_dir,
+    rank_of_writer,
     window_dirname,
     writer_name,
-    writer_rank,
 )
 from .manifest import WindowManifest
+from .peer_transport import CHUNK, GlooTransport
 from .spare_files import place_new_file, pwrite_all
-from .window_tier import WindowTier
+from .window_tier import FilesWindowTier
+
+if TYPE_CHECKING:
+    from .host_tier import HostTier
+    from .tier import PeerTransport
 
 log = logging.getLogger("torchmoe_ckpt.peer_tier")
-REPLICA_VERIFIED = "REPLICA_VERIFIED"  # in a replica's copy: its slot data is the receiver's own
-CHUNK = 64 << 20  # bytes per gloo message: the two transfer buffers stay this small whatever the slot files' size
-
-
-class Buffer:
-    """One uint8 tensor reused for every chunk sent or received, grown to the largest (at most CHUNK bytes)."""
-
-    def __init__(self):
-        self.t = torch.empty(0, dtype=torch.uint8)
-
-    def view(self, n: int) -> memoryview:
-        if n > self.t.numel():
-            self.t = torch.empty(n, dtype=torch.uint8)
-        return memoryview(self.t.numpy())[:n]
-
-    def send(self, files: list[tuple[str, Path]], dst: int, group, meta: dict) -> int:
-        """Send named files to `dst`: a JSON header (names, sizes, `meta`), then each non-empty file in messages of
-        at most CHUNK bytes read into this buffer (cheaper per byte than mapping the file). Returns the bytes sent."""
-        sizes = [os.stat(path).st_size for _, path in files]
-        header = json.dumps({"meta": meta, "files": [[rel, n] for (rel, _), n in zip(files, sizes)]}).encode()
-        dist.send(torch.tensor([len(header)], dtype=torch.int64), dst, group=group)
-        dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group)
-        short = []
-        for (_rel, path), n in zip(files, sizes):
-            if not n:
-                continue
-            got = 0
-            with open(path, "rb", buffering=0) as f:
-                for off in range(0, n, CHUNK):
-                    m = min(CHUNK, n - off)
-                    got += f.readinto(self.view(m)) or 0
-                    dist.send(self.t[:m], dst, group=group)
-            if got != n:  # shrank since the header: still send n bytes, the receiver (and the pair order) waits
-                short.append(f"{path}: {got} bytes read, {n} announced")
-        if short:  # not raised: the rest of the exchange must go on; the copy fails verification where it is used
-            log.warning("file(s) changed while being sent to rank %d, its copy is torn: %s", dst, short)
-        return 8 + len(header) + sum(sizes)
-
-    def recv(self, src: int, group, write) -> dict:
-        """Receive one `send` transfer; `write(rel, size, chunks)` stores each file from its (offset, view)
-        chunks (a view is valid until the next one). Returns the sender's `meta`."""
-        n = torch.zeros(1, dtype=torch.int64)
-        dist.recv(n, src, group=group)
-        header = torch.empty(int(n.item()), dtype=torch.uint8)
-        dist.recv(header, src, group=group)
-        header = json.loads(header.numpy().tobytes())
-        for rel, size in header["files"]:
-            write(rel, size, self._chunks(src, group, size))
-        return header["meta"]
-
-    def _chunks(self, src: int, group, size: int):
-        for off in range(0, size, CHUNK):
-            m = min(CHUNK, size - off)
-            view = self.view(m)
-            dist.recv(self.t[:m], src, group=group)
-            yield off, view
+__all__ = ["CHUNK", "REPLICA_VERIFIED", "PeerTier"]  # CHUNK: each transfer buffer's bound (host_memory.py)
 
 
 class PeerTier:
-    def __init__(self, tier, placement=None, group=None, replicas_hold_data: bool = True):
-        """`tier`: this writer's HostTier (what it pushes; where held copies live). `placement`: where pushes go
-        (None: pull only). `replicas_hold_data`: replica peers hold the sender's slot data (see above)."""
+    """The peer policy: which windows go to which peers, where received copies live, which copies are usable
+    (tier.py: the `PeerTier` steps of a save and a recovery). The bytes travel through a `PeerTransport`."""
+
+    def __init__(self, tier: HostTier, placement=None, group=None, replicas_hold_data: bool = True):
+        """Args:
+        tier: this writer's HostTier (what it pushes; where held copies live).
+        placement: where pushes go (placement.py; None: pull only, a DCP user's reader).
+        group: the gloo group the transfers run over (None: the default group).
+        replicas_hold_data: replica peers hold the sender's slot data (see the module docstring).
+        """
         self.tier, self.placement, self.group = tier, placement, group
-        self.pairs = [
-            (src, dst, replicas_hold_data and dst in placement.replica_peers[src])
-            for src in range(tier.world_size if placement is not None else 0)
-            for dst in placement.peers[src]
-        ]
+        # (sender, receiver, whether the receiver is an HSDP replica holding the data) in one global order
+        self.pairs: list[tuple[int, int, bool]] = []
+        if placement is not None:
+            self.pairs = [
+                (src, dst, replicas_hold_data and dst in placement.replica_peers[src])
+                for src in range(tier.world_size)
+                for dst in placement.peers[src]
+            ]
         self.bytes_sent = 0  # all bytes this rank sent to peers
         self.data_bytes_sent = 0  # of which slot data (0 when every peer is an HSDP replica)
         self.own_data_bytes = 0  # slot data of the windows this rank pushed (sent r times without replicas)
         self.replica_verified = self.replica_mismatch = 0
-        self.inbox, self.outbox = Buffer(), Buffer()
+        self.inbox: PeerTransport = GlooTransport()  # receives (push and pull)
+        self.outbox: PeerTransport = GlooTransport()  # sends (push)
         self._window_files: dict[int, int] = {}  # sender -> data files of its newest copy held here
 
-    def held(self, src: int) -> WindowTier:
+    def held(self, src: int) -> FilesWindowTier:
         """The copies of `src`'s windows this writer holds, as a tier of their own (list, verify, read)."""
-        held = WindowTier(LocalFiles(self.tier.dir / peer_copy_dir(self.tier.writer, writer_name(src))), src, 0)
+        held = FilesWindowTier(LocalFiles(self.tier.dir / peer_copy_dir(self.tier.writer, writer_name(src))), src, 0)
         # collected copies' data files are written over by the next ones: the host tier's `spare_windows` of them
         held.max_spares = self._spare_limit(src)
         return held
@@ -124,7 +84,7 @@ class PeerTier:
         return sum(self.held(src).trim_spares() for src in self.sources())
 
     def _spare_limit(self, src: int) -> int:
-        return getattr(self.tier, "spare_windows", 1) * self._window_files.get(src, 0)
+        return self.tier.spare_windows * self._window_files.get(src, 0)
 
     def host_bytes(self) -> dict[str, int]:
         """What this writer holds for others (copies, their spares: the file system) and its two transfer buffers."""
@@ -133,7 +93,7 @@ class PeerTier:
         return {
             "peer_copies": usage.tree_bytes(root, seen),
             "peer_spares": spare,
-            "peer_buffers": self.inbox.t.numel() + self.outbox.t.numel(),
+            "peer_buffers": self.inbox.buffer_bytes() + self.outbox.buffer_bytes(),
         }
 
     def push(self, window_id: int, manifest: WindowManifest | None) -> None:
@@ -153,7 +113,8 @@ class PeerTier:
                 self.data_bytes_sent += 0 if replica else data_bytes
             elif me == dst:
                 held = self.held(src)
-                if (theirs := self._receive(src, held, window_id)) is not None:
+                theirs = self._receive(src, held, window_id)  # collective with the sender's send
+                if theirs is not None:
                     self._window_files[src] = sum(map(is_data_file, theirs.files))
                     held.max_spares = self._spare_limit(src)
                     if replica:
@@ -162,7 +123,7 @@ class PeerTier:
                     if wid < window_id - 1:
                         held.remove_window(wid)
 
-    def _verify_replica(self, window_id: int, theirs: WindowManifest, held: WindowTier) -> None:
+    def _verify_replica(self, window_id: int, theirs: WindowManifest, held: FilesWindowTier) -> None:
         mine = self.tier.manifest(window_id)
         ours = {r.replace(self.tier.writer, held.writer): f.crc32 for r, f in mine.files.items() if is_data_file(r)}
         same = all(ours.get(r) == f.crc32 for r, f in theirs.files.items() if is_data_file(r))
@@ -178,7 +139,7 @@ class PeerTier:
                 self.tier.rank,
             )
 
-    def _receive(self, holder: int, dest: WindowTier, window_id: int) -> WindowManifest | None:
+    def _receive(self, holder: int, dest: FilesWindowTier, window_id: int) -> WindowManifest | None:
         """One window copy of `dest.writer` from `holder` into `dest`, data files over `dest`'s spares; the manifest
         last (a torn copy has none). None: the sender had none."""
         w = window_dirname(window_id)
@@ -196,7 +157,9 @@ class PeerTier:
             finally:
                 os.close(fd)
 
-        if (text := self.inbox.recv(holder, self.group, write)["manifest"]) is None:
+        meta = self.inbox.recv(holder, self.group, write)  # collective with the holder's send
+        text = meta["manifest"]
+        if text is None:
             return None
         man = WindowManifest.from_json(text)
         if dest is self.tier and self.tier.node_ranks:  # now this node's own window: the ranks that write here
@@ -207,15 +170,18 @@ class PeerTier:
     def sources(self) -> list[int]:
         """The writers this writer holds copies of."""
         names = [parse_peer_copy_name(n) for n in self.tier.files.listdir(held_copies_dir(self.tier.writer))]
-        return sorted(writer_rank(n) for n in names if n is not None)
+        return sorted(rank_of_writer(n) for n in names if n is not None)
 
     def copies(self, window_id: int) -> dict[int, Path]:
         """Rank -> the directory holding that writer's committed copy of a window here (own node's, or held)."""
         w = window_dirname(window_id)
         names = map(parse_manifest_name, self.tier.files.listdir(w))
-        out = {writer_rank(n): self.tier.window_dir(window_id) for n in names if n}
+        out = {rank_of_writer(n): self.tier.window_dir(window_id) for n in names if n}
         for src in self.sources():
-            if src not in out and (held := self.held(src)).files.exists(f"{w}/{manifest_name(held.writer)}"):
+            if src in out:
+                continue
+            held = self.held(src)
+            if held.files.exists(f"{w}/{manifest_name(held.writer)}"):
                 out[src] = Path(held.files.path(w))
         return out
 
@@ -225,7 +191,7 @@ class PeerTier:
         ok = {src: [w for w in h.window_ids() if self._usable(h, w)] for src, h in held.items()}
         return {src: wids for src, wids in ok.items() if wids}
 
-    def _usable(self, held: WindowTier, wid: int) -> bool:
+    def _usable(self, held: FilesWindowTier, wid: int) -> bool:
         if held.files.exists(f"{window_dirname(wid)}/{REPLICA_VERIFIED}"):  # its data files are this writer's own
             return self.tier.verify(wid) == [] and not [p for p in held.verify(wid) if ".distcp" not in p]
         return not held.verify(wid)
@@ -238,9 +204,10 @@ class PeerTier:
             man, wdir = self.tier.manifest(window_id, src), self.tier.window_dir(window_id)
             return man, lambda rel: wdir / rel
         held = self.held(src)
-        orphans = getattr(self.tier, "orphans", None)  # copies of an older node numbering (orphans.py)
+        orphans = self.tier.orphans  # copies of an older node numbering (orphans.py)
         if orphans is not None and not held.files.exists(f"{w}/{manifest_name(held.writer)}"):
-            if (got := orphans.source(window_id, src)) is not None:
+            got = orphans.source(window_id, src)
+            if got is not None:
                 return got
         wdir, own = held.files.path(w), self.tier.window_dir(window_id)
         replica = (wdir / REPLICA_VERIFIED).exists()
@@ -258,6 +225,6 @@ class PeerTier:
             if me == holder:
                 man, path = self._source(window_id, src)
                 files = [(rel, path(rel)) for rel in sorted(man.files)]
-                Buffer().send(files, needer, self.group, {"manifest": man.to_json()})  # once, at a restart
+                GlooTransport().send(files, needer, self.group, {"manifest": man.to_json()})  # once, at a restart
             elif me == needer:
                 self._receive(holder, self.tier if src == me else self.held(src), window_id)

@@ -7,44 +7,107 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Set
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..core.slot import Slot
+from ..core.window import Window
 from ..runtime.background import stop_at_exit
 from .host_tier import HostTier
 from .manifest import record_digest
 from .run_status import RunStatus
 from .tier_health import TierHealth
 from .uploader import Uploader
+from .window_tier import PartialWindow
+
+if TYPE_CHECKING:
+    from .manifest import WindowManifest
+    from .peer_tier import PeerTier
+    from .store_lease import StoreLease
+    from .tier import ObjectStore
 
 log = logging.getLogger("torchmoe_ckpt.host_tier")
-MAX_UPLOAD_BACKLOG = 4  # default of TierConfig.upload_backlog: windows kept for a slow or unreachable store
-DEFAULT_STALL = (50, "warn")  # TierConfig's defaults, for a HostTier built without build_tiers
+
+
+# The jobs on the persist thread's queue (TorchTitan's checkpoint.py puts typed sentinels on its queues, too).
+@dataclass(frozen=True)
+class SlotJob:
+    """Persist one captured slot once its copy finished (`HostTier.write_slot`)."""
+
+    window_id: int
+    slot: Slot
+    info: dict  # the planner info of the slot's `.metadata` (window, slot, step, run, plan, replay record)
+    partial: PartialWindow | None  # sliding plans: how far its window got (written after the slot)
+
+
+@dataclass(frozen=True)
+class CommitJob:
+    """Commit a window on the host tier, then push it to the peers, hand it to the store and collect."""
+
+    window: Window
+    extra: dict  # the manifest's extra fields (dtype, identity)
+    keep_from: int  # the retention floor: the newest window every rank persisted
+    queued_at: float = field(default_factory=time.perf_counter)  # for the commit and replication lags
+
+
+@dataclass(frozen=True)
+class FlushJob:
+    """Set `done` once every job queued before it is processed."""
+
+    done: threading.Event
+
+
+@dataclass(frozen=True)
+class StopJob:
+    """Stop the thread (the jobs queued before it are processed first)."""
+
+
+Job = SlotJob | CommitJob | FlushJob | StopJob
 
 
 class PersistThread:
-    """Background thread that persists captured slots and commits windows on the host tier, in order."""
+    """Background thread that persists captured slots and commits windows on the host tier, in order.
 
-    def __init__(self, tier: HostTier, replicator=None, store=None):
+    Call order (tier.py has the whole save): the training thread calls `slot` for each captured slot and `commit`
+    once a window is complete, `flush` / `finish` at a checkpoint or the end; only this thread writes the tiers.
+    """
+
+    def __init__(
+        self,
+        tier: HostTier,
+        peers: PeerTier | None = None,
+        store: ObjectStore | None = None,
+        lease: StoreLease | None = None,
+    ):
+        """Starts the thread; uploads first what a previous run committed but could not upload.
+
+        Args:
+            tier: this writer's host tier; its `options` give the stall policy and the upload backlog.
+            peers: the peer tier (each committed window is pushed to its peers), None: no peers.
+            store: the object store (each committed window is uploaded by an upload thread), None: no store.
+            lease: this job's writer lease on the store's prefix, released by `finish` (a clean exit).
+        """
         self.tier = tier
-        stall_iterations, on_stall = getattr(tier, "stall_policy", None) or DEFAULT_STALL
-        self.health = TierHealth("host", tier.rank, stall_iterations, on_stall)
+        self.health = TierHealth("host", tier.rank, tier.options.stall_iterations, tier.options.on_stall)
         self._failed: set[int] = set()  # windows with a failed or skipped write: never committed here
         self._attempted: set[int] = set()  # windows whose writing started
-        pl = None if replicator is None else replicator.placement
+        pl = None if peers is None else peers.placement
         self._peers_here = None if pl is None else len(pl.peers[tier.rank])  # k of the r requested (placement)
-        peers = None if pl is None else getattr(pl, "r", self._peers_here)
+        n_peers = None if pl is None else getattr(pl, "r", self._peers_here)
         where = None if store is None else str(getattr(store, "uri", None) or type(store).__name__)
-        self.status = RunStatus(tier.rank, peers, where)
+        self.status = RunStatus(tier.rank, n_peers, where)
         # First what a previous run committed but could not upload (an outage, an exit before the store caught up).
         self.uploader = Uploader(store, tier, status=self.status) if store is not None else None
         if self.uploader is not None:
             self.uploader.catch_up()
-        self.replicator = replicator  # peer_tier.PeerTier: pushes each committed window to peers
-        self.jobs: queue.Queue = queue.Queue()
+        self.peers = peers  # pushes each committed window to this writer's peers
+        self.lease = lease
+        self.jobs: queue.Queue[Job] = queue.Queue()
         # Jobs queued / processed: slot buffers released after `ticket()` are no longer read once `done(ticket)`.
         self._queued, self._processed = 0, 0
         # Windows kept beyond the retention floor while the object store still needs them.
-        self.upload_backlog = getattr(tier, "upload_backlog", MAX_UPLOAD_BACKLOG)
+        self.upload_backlog = tier.options.upload_backlog
         self.keep_floor: int | None = None  # the retention floor of the last collect (older kept windows: backlog)
         self.persisted: set[int] = set()  # window ids whose rank manifest is written
         self.errors: list[str] = []
@@ -79,7 +142,7 @@ class PersistThread:
         return f"host tier {self.tier.dir} rank {self.tier.rank}: {text}{bad}{why}"
 
     def replication_stats(self) -> dict | None:
-        rep = self.replicator
+        rep = self.peers
         if rep is None:
             return None
         return {
@@ -87,7 +150,7 @@ class PersistThread:
             "data_bytes_sent": rep.data_bytes_sent,
             "cpu_s": round(self.cpu_s["peers"], 6),  # this thread's; gloo's own I/O threads not included
             "own_data_bytes": rep.own_data_bytes,
-            "replicas": max((len(p) for p in rep.placement.peers), default=0),
+            "replicas": 0 if rep.placement is None else max((len(p) for p in rep.placement.peers), default=0),
             "replica_verified": rep.replica_verified,
             "replica_mismatch": rep.replica_mismatch,
             "windows_replicated": len(self.replicated),
@@ -95,22 +158,32 @@ class PersistThread:
             "replication_lag_s": [round(x, 4) for x in self.replication_lag_seconds],
         }
 
-    def slot(self, window_id: int, slot: Slot, info: dict, partial: tuple | None = None) -> None:
-        """Persist a captured slot. `partial` (sliding plans): (start step, plan, replay records so far), written
-        after the slot (`WindowTier.write_partial`) so that a recovery can use it before the window commits."""
+    def slot(self, window_id: int, slot: Slot, info: dict, partial: PartialWindow | None = None) -> None:
+        """Persist a captured slot (the training thread; returns at once, the copy may still be running).
+
+        Args:
+            window_id: the slot's window.
+            slot: the captured slot; written once `slot.done` is set, never when its copy was torn.
+            info: the planner info for its `.metadata` (window, slot, start_step, plan, run, replay record).
+            partial: sliding plans: how far the window got, written after the slot (`WindowTier.write_partial`)
+                so that a recovery can use it before the window commits.
+        """
         if "start_step" in info and "slot" in info:  # the training thread: the stall policy may end the job here
             self.health.check_stall(info["start_step"] + info["slot"])
-        self._put(("slot", window_id, slot, info, partial))
+        self._put(SlotJob(window_id, slot, info, partial))
 
-    def commit(self, window, extra: dict, keep_from: int) -> None:
-        self._put(("commit", window, extra, keep_from, time.perf_counter()))
+    def commit(self, window: Window, extra: dict, keep_from: int) -> None:
+        """Commit `window` once its slots are written, push it to the peers, hand it to the store, and collect
+        windows older than `keep_from` (the training thread; returns at once)."""
+        self._put(CommitJob(window, extra, keep_from))
 
     def flush(self) -> None:
+        """Wait until every job queued so far is processed (not the uploads)."""
         done = threading.Event()
-        self._put(("flush", done))
+        self._put(FlushJob(done))
         done.wait()
 
-    def _put(self, job) -> None:
+    def _put(self, job: Job) -> None:
         self._queued += 1  # one enqueuing thread (the training thread)
         self.jobs.put(job)
 
@@ -126,16 +199,17 @@ class PersistThread:
         """Give back the host tier's and the held peer copies' spare files (memory pressure). Call it only while
         this thread is idle (after `flush`, before the next job is queued)."""
         n = self.tier.trim_spares()
-        return n + (self.replicator.trim_spares() if self.replicator is not None else 0)
+        return n + (self.peers.trim_spares() if self.peers is not None else 0)
 
-    def host_bytes(self, aliased: set = frozenset()) -> dict[str, int]:
+    def host_bytes(self, aliased: Set = frozenset()) -> dict[str, int]:
         """The tiers' part of the host-memory account (host_memory.py): the host tier's files (`aliased`: the live
         slot sets' own, counted by the allocator), what this rank holds for peers, a local store's on tmpfs."""
         out = dict(self.tier.host_bytes(aliased, self.keep_floor))
-        if self.replicator is not None:
-            out.update(self.replicator.host_bytes())
-        if self.uploader is not None and hasattr(self.uploader.store, "host_bytes"):
-            out.update(self.uploader.store.host_bytes())
+        if self.peers is not None:
+            out.update(self.peers.host_bytes())
+        store_bytes = None if self.uploader is None else getattr(self.uploader.store, "host_bytes", None)
+        if store_bytes is not None:  # a local store's (object_tier.py); the tensorstore format has none
+            out.update(store_bytes())
         return out
 
     def finish(self, wait_s: float) -> dict:
@@ -148,14 +222,13 @@ class PersistThread:
         summary = self.status.exit_summary(time.monotonic() - t0, wait_s, str(self.tier.dir))
         # A clean exit gives the store prefix up now (store_lease.py); after the summary, whose wait is the uploads'
         # alone: with the store down, releasing may take the renewal thread's join (up to 2 s) and a failed read.
-        lease = getattr(self.uploader.store, "lease", None) if self.uploader is not None else None
-        if lease is not None:
-            lease.release()
+        if self.lease is not None:
+            self.lease.release()
         return summary
 
     def shutdown(self) -> None:
         """Stop once the jobs queued so far are done (not waited for); the upload thread stops now."""
-        self.jobs.put(None)
+        self.jobs.put(StopJob())
         if self.uploader is not None:
             self.uploader.stop()
 
@@ -178,39 +251,20 @@ class PersistThread:
 
     def _run(self) -> None:
         while True:
-            if (job := self.jobs.get()) is None:
+            job = self.jobs.get()
+            if isinstance(job, StopJob):
                 return
             if self._dead:
                 self._processed += 1
                 continue
             c0 = time.thread_time()
             try:
-                if job[0] == "slot":
-                    self._write_slot(*job[1:])
-                elif job[0] == "commit":
-                    _, win, extra, keep, t0 = job
-                    if (man := self._write_commit(win, extra)) is None:
-                        continue
-                    self.lag_seconds.append(time.perf_counter() - t0)
-                    if self.replicator is not None:
-                        c1 = time.thread_time()
-                        self.cpu_s["host"] += c1 - c0
-                        self.replicator.push(win.id, man)
-                        c0 = time.thread_time()
-                        self.cpu_s["peers"] += c0 - c1
-                        self.replicated.add(win.id)
-                        self.replication_lag_seconds.append(time.perf_counter() - t0)
-                    last = win.start_step + win.plan.window - 1
-                    self.status.window_committed(win.id, win.start_step, last, man.total_bytes, self._peers_here)
-                    self.keep_floor = keep
-                    if self.uploader is not None:
-                        self.uploader.submit(win.id)
-                        # keep what still has to reach the store (a bounded backlog)
-                        if (needed := self.uploader.oldest_needed()) is not None:
-                            keep = max(min(keep, needed), keep - self.upload_backlog)
-                    self.tier.collect(keep)
+                if isinstance(job, SlotJob):
+                    self._write_slot(job.window_id, job.slot, job.info, job.partial)
+                elif isinstance(job, CommitJob):
+                    c0 = self._commit(job, c0)
                 else:
-                    job[1].set()
+                    job.done.set()
             except BaseException as exc:  # DCP's CheckpointException is a BaseException
                 # Keep training; peers / the store / retention failing must not stop the writer thread.
                 log.warning("host tier write failed: %s", exc)
@@ -219,7 +273,35 @@ class PersistThread:
                 self.cpu_s["host"] += time.thread_time() - c0
                 self._processed += 1
 
-    def _write_slot(self, wid: int, slot: Slot, info: dict, partial: tuple | None = None) -> None:
+    def _commit(self, job: CommitJob, c0: float) -> float:
+        """Commit on the host tier, push to the peers (collective), hand to the store, collect. `c0`: this job's
+        thread-time start; returns where the host tier's share starts again (the peers' time is theirs)."""
+        win, keep = job.window, job.keep_from
+        man = self._write_commit(win, job.extra)
+        if man is None:
+            return c0
+        self.lag_seconds.append(time.perf_counter() - job.queued_at)
+        if self.peers is not None:
+            c1 = time.thread_time()
+            self.cpu_s["host"] += c1 - c0
+            self.peers.push(win.id, man)
+            c0 = time.thread_time()
+            self.cpu_s["peers"] += c0 - c1
+            self.replicated.add(win.id)
+            self.replication_lag_seconds.append(time.perf_counter() - job.queued_at)
+        last = win.start_step + win.plan.window - 1
+        self.status.window_committed(win.id, win.start_step, last, man.total_bytes, self._peers_here)
+        self.keep_floor = keep
+        if self.uploader is not None:
+            self.uploader.submit(win.id)
+            # keep what still has to reach the store (a bounded backlog)
+            needed = self.uploader.oldest_needed()
+            if needed is not None:
+                keep = max(min(keep, needed), keep - self.upload_backlog)
+        self.tier.collect(keep)
+        return c0
+
+    def _write_slot(self, wid: int, slot: Slot, info: dict, partial: PartialWindow | None = None) -> None:
         slot.done.wait()
         if wid in self._failed or not slot.complete:  # a torn copy is never persisted
             return
@@ -236,7 +318,7 @@ class PersistThread:
         except BaseException as exc:  # ENOSPC, EACCES, DCP's CheckpointException (a BaseException)
             self._give_up(wid, f"window {wid} slot {slot.index}", exc)
 
-    def _write_commit(self, win, extra: dict):
+    def _write_commit(self, win: Window, extra: dict) -> WindowManifest | None:
         """Commit a window whose every slot was written: its manifest; None when it cannot be (nothing of it left)."""
         self._attempted.discard(win.id)
         if win.id in self._failed:

@@ -16,6 +16,8 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..core.errors import ConfigError
@@ -131,6 +133,34 @@ def acquire(run_dir: str | Path, leader: bool, world: int = 1, wait_s: float = 6
         return dict(this_job(world), unwritten=f"{type(exc).__name__}: {exc}")
 
 
+def _refuse(run_dir: Path, holder: dict) -> RunLockedError:
+    """The one-line refusal when another live job holds the lock: who holds it, and the fix."""
+    return RunLockedError(
+        f"run directory {run_dir} is in use by another job (torchrun run id {holder.get('torchrun_run_id')}, "
+        f"pid {holder.get('pid')} on host {holder.get('host')}, owner {holder.get('owner')}, started "
+        f"{holder.get('started')}): two jobs on one run would mix their windows; give this job another "
+        f"run_id (TierConfig.run_id) or root, or stop that job (if it is gone, delete {run_dir / LOCK_NAME})"
+    )
+
+
+def _probe_writable(run_dir: Path) -> None:
+    """Raise OSError when this process cannot write the run directory (then the leader cannot either)."""
+    probe = run_dir / f".lock-probe-{os.getpid()}"
+    probe.write_bytes(bytes(4096))  # a page: on a full tmpfs an empty file would still fit
+    probe.unlink()
+
+
+@contextmanager
+def _mutex(run_dir: Path) -> Iterator[None]:
+    """Exclusive between the processes of this host that judge and write this run's lock."""
+    fd = os.open(run_dir / MUTEX_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 def _acquire(run_dir: Path, leader: bool, world: int, wait_s: float) -> dict:
     me = this_job(world)
     deadline = time.monotonic() + wait_s
@@ -138,18 +168,13 @@ def _acquire(run_dir: Path, leader: bool, world: int, wait_s: float) -> dict:
         holder = read(run_dir)
         verdict = _verdict(holder, me)
         if verdict == "held":
-            raise RunLockedError(
-                f"run directory {run_dir} is in use by another job (torchrun run id {holder.get('torchrun_run_id')}, "
-                f"pid {holder.get('pid')} on host {holder.get('host')}, owner {holder.get('owner')}, started "
-                f"{holder.get('started')}): two jobs on one run would mix their windows; give this job another "
-                f"run_id (TierConfig.run_id) or root, or stop that job (if it is gone, delete {run_dir / LOCK_NAME})"
-            )
+            assert holder is not None  # "held" judges a lock that exists
+            raise _refuse(run_dir, holder)
         if not leader:  # wait for this node's local rank 0 to take it for this job
             if verdict == "mine":
+                assert holder is not None  # "mine" judges a lock that exists
                 return holder
-            probe = run_dir / f".lock-probe-{os.getpid()}"  # OSError: the leader cannot write it either
-            probe.write_bytes(bytes(4096))  # a page: on a full tmpfs an empty file would still fit
-            probe.unlink()
+            _probe_writable(run_dir)  # OSError: the leader cannot write it either (acquire says so)
             if time.monotonic() > deadline:
                 raise RunLockedError(
                     f"run directory {run_dir}: this node's local rank 0 did not take the run lock "
@@ -157,13 +182,8 @@ def _acquire(run_dir: Path, leader: bool, world: int, wait_s: float) -> dict:
                 )
             time.sleep(0.05)
             continue
-        # exclusive between the processes of this host that judge and write this run's lock
-        fd = os.open(run_dir / MUTEX_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with _mutex(run_dir):
             got = _take(run_dir, me)
-        finally:
-            os.close(fd)  # releases the flock
         if got is not None:
             return got
         # a concurrent job took it first: loop and judge that one (refused while it lives)
@@ -175,6 +195,7 @@ def _take(run_dir: Path, me: dict) -> dict | None:
     verdict = _verdict(holder, me)
     if verdict == "held" or (verdict == "free" and not _create(run_dir, me)):
         return None  # refused in acquire's next round; or created outside the mutex meanwhile: judge that one
+    holder = holder or {}  # "free" and created: nothing to log about a holder
     if verdict == "stale":
         log.warning(
             "event=run_lock_takeover run_dir=%s reason=stale: the holder (pid %s on host %s, run id %s, "

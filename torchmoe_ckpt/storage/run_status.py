@@ -12,15 +12,17 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 log = logging.getLogger("torchmoe_ckpt")
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+    return f"{n:.1f} GiB"
 
 
 def _ids(ids) -> str:
@@ -48,7 +50,9 @@ class RunStatus:
         self._fail_since: float | None = None
         self._failed_attempts = 0
         self._lock = threading.Lock()
-        self.memory = None  # () -> "host memory X of LIMIT" (host_memory.HostMemory.line), set by the checkpointer
+        # () -> "host memory X of LIMIT" (host_memory.HostMemory.line): set by the checkpointer once its host-memory
+        # account exists (that account reads this thread's tiers, so it is built after them)
+        self.memory: Callable[[], str] | None = None
 
     def say(self, text: str, level: int | None = None) -> None:
         self.lines.append(text)
@@ -199,9 +203,9 @@ class RunStatus:
 def _committed_on_host(host_dir: str | None, rank: int) -> list[int]:
     """Windows this rank has committed in `host_dir` (its manifest is there), whichever attempt wrote them."""
     from .files import LocalFiles
-    from .window_tier import WindowTier
+    from .window_tier import FilesWindowTier
 
     try:
-        return WindowTier(LocalFiles(host_dir), rank, 0).window_ids() if host_dir else []
+        return FilesWindowTier(LocalFiles(host_dir), rank, 0).window_ids() if host_dir else []
     except OSError:
         return []

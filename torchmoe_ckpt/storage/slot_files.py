@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,9 +90,10 @@ class SlotFiles:
         build_slot(index, active, frozen, ops, compute_dtype, alloc=plan)
         size = max(pos, BLOCK)
         reuse = min((b for b in spare or () if b.t.numel() >= size), key=lambda b: b.t.numel(), default=None)
-        if reuse is not None:
+        if spare is not None and reuse is not None:
             spare.remove(reuse)
-            reuse.finalizer.detach()  # the file now belongs to the new slot
+            if reuse.finalizer is not None:
+                reuse.finalizer.detach()  # the file now belongs to the new slot
             if reuse.unregister is not None:
                 reuse.unregister()  # its mapping is replaced below
             path, fd = reuse.path, reuse.fd
@@ -120,10 +121,13 @@ class SlotFiles:
             # not mapped or not page-locked: the file goes, the allocator takes an arena for this plan
             _release(path, fd)
             raise
-        slot.backing = Backing(path, fd, base, weakref.finalize(slot, _release, path, fd, unreg), unreg)
+        # a slot-file slot carries its Backing (read by `backing`); core.slot.Slot knows nothing of files
+        slot.backing = Backing(  # pyright: ignore[reportAttributeAccessIssue]
+            path, fd, base, weakref.finalize(slot, _release, path, fd, unreg), unreg
+        )
         return slot
 
-    def build(self, plan, ops: dict, compute_dtype: torch.dtype, recycle: list[list[Slot]] = ()) -> list[Slot]:
+    def build(self, plan, ops: dict, compute_dtype: torch.dtype, recycle: Sequence[list[Slot]] = ()) -> list[Slot]:
         """The slots of a window plan; files of the free sets in `recycle` are reused (those sets are spent)."""
         spare = [b for slots in recycle for b in map(backing, slots) if b is not None and b.free()]
         return [self.build_slot(i, sp.active, sp.frozen, ops, compute_dtype, spare) for i, sp in enumerate(plan.slots)]

@@ -118,6 +118,7 @@ class SlotLayout:
                 sd[wi.index.fqn] = BytesStorageMetadata()
             else:
                 td = wi.tensor_data
+                assert td is not None  # a tensor write item carries its tensor data
                 sd.setdefault(wi.index.fqn, TensorStorageMetadata(td.properties, td.size, [])).chunks.append(td.chunk)
             storage[wi.index] = RawItem(DATA_FILE, off, n, None)
         self.size = pos if size is None else size
@@ -150,10 +151,12 @@ class SlotLayout:
         file's block sums (sum64b512; a bytes-like of little-endian int64, one per BLOCK), or, for CRC32, from
         the data file's bytes."""
         if algo == SUM64:
+            assert sums is not None, "sum64b512 digests from the block sums"
             mv = memoryview(sums).cast("B")
             ds = array("I", [crc32_bytes(nle, crc32_bytes(mv[a:b])) for a, b, nle in self.spans])
             file_digest = crc32_bytes(self.size.to_bytes(8, "little"), crc32_bytes(mv))
         elif algo == CRC32:
+            assert data is not None, "CRC32 digests from the data file's bytes"
             mv = memoryview(data).cast("B")
             ds = array("I", [crc32_bytes(mv[o : o + n]) for o, n in zip(self.offsets, self.lengths)])
             file_digest = crc32_bytes(mv)
@@ -267,8 +270,19 @@ def chunk_sizes(md: Metadata) -> dict[tuple, tuple]:
     }
 
 
-def load_item(raw, rel: str, req, planner, md: Metadata, sizes: dict, verify: bool, where: str) -> None:
+@dataclass(frozen=True)
+class ItemSource:
+    """What the item reads of one checkpoint share (a DCP reader's `read_data`)."""
+
+    md: Metadata  # its DCP metadata
+    sizes: dict  # chunk_sizes(md)
+    verify: bool  # check each item against its checksum
+    where: str  # the checkpoint's location, named in errors
+
+
+def load_item(raw, rel: str, req, planner, source: ItemSource) -> None:
     """Check one item of data file `rel` (its bytes `raw`) against its checksum and hand it to `planner`."""
+    md, sizes, verify, where = source.md, source.sizes, source.verify, source.where
     info = md.storage_data[req.storage_index]
     view = memoryview(raw)[info.offset : info.offset + info.length]
     if len(view) != info.length:
@@ -285,7 +299,9 @@ def load_item(raw, rel: str, req, planner, md: Metadata, sizes: dict, verify: bo
         tensor = torch.load(io.BytesIO(bytes(view)), map_location="cpu", weights_only=True)
     else:
         fqn = req.storage_index.fqn
-        dtype = md.state_dict_metadata[fqn].properties.dtype
+        tm = md.state_dict_metadata[fqn]
+        assert isinstance(tm, TensorStorageMetadata)  # a tensor item (BYTE_IO returned above)
+        dtype = tm.properties.dtype
         shape = sizes[(fqn, tuple(req.storage_index.offset or ()))]
         tensor = (torch.frombuffer(view, dtype=dtype) if len(view) else torch.empty(0, dtype=dtype)).reshape(shape)
     tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
@@ -308,7 +324,7 @@ def read_slot(files, rel: str, slot: Slot, md: Metadata | None = None) -> dict:
         info = md.storage_data.get(wi.index)
         if not isinstance(info, RawItem) or info.length != it.nbytes:
             raise CorruptCopyError(
-                f"{where}: no item {wi.index.fqn} at {tuple(wi.index.offset)} of {it.nbytes} bytes: written for "
+                f"{where}: no item {wi.index.fqn} at {tuple(wi.index.offset or ())} of {it.nbytes} bytes: written for "
                 "another model or plan"
             )
         view = raw[info.offset : info.offset + info.length]

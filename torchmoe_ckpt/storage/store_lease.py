@@ -75,8 +75,7 @@ class StoreLease:
         deadline = time.monotonic() + self.lease_s * 1.5 + 1.0
         while True:
             cur = self.read()
-            age = None if cur is None else time.time() - float(cur.get("renewed", 0.0))
-            if cur is None or cur.get("job") == self.job or age > float(cur.get("lease_s", 0.0)):
+            if cur is None or cur.get("job") == self.job or _age_s(cur) > float(cur.get("lease_s", 0.0)):
                 if self.rank != 0:
                     return  # rank 0 takes it (or has taken it) for this job
                 self._write()
@@ -90,6 +89,7 @@ class StoreLease:
                 continue
             # renewed while we watched (its job is alive), or neither renewed nor expired in time
             if (first is not None and cur.get("renewed") != first.get("renewed")) or time.monotonic() > deadline:
+                age = _age_s(cur)
                 raise StoreLeasedError(
                     f"object store prefix {self.where} is written by another job ({cur.get('job')}, pid "
                     f"{cur.get('pid')} on host {cur.get('host')}, renewed {age:.1f} s ago): two jobs on one run would "
@@ -121,3 +121,8 @@ class StoreLease:
 
     def stop(self, timeout_s: float) -> None:  # background.stop_at_exit: stop renewing, the lease then expires
         self._stop.set()
+
+
+def _age_s(lease: dict) -> float:
+    """Seconds since a lease was last renewed."""
+    return time.time() - float(lease.get("renewed", 0.0))

@@ -16,7 +16,8 @@ def _iter_pieces(uri, run_id, window_id, wanted, slot, storage_options):
     keys = ts_module().KvStore.open(spec, context=context()).result().list().result()
     for r in sorted({r for k in keys if (r := writer_rank(k.decode().split("/", 1)[0])) is not None}):
         t = TensorstoreTier(uri, run_id, r, storage_options, probe=False)
-        if (meta := t._read_meta(window_id)) is None:
+        meta = t._read_meta(window_id)
+        if meta is None:
             raise RuntimeError(f"rank {r} has no committed window {window_id} in {uri}")
         for s in meta["slots"]:
             if slot is not None and s["slot"] != slot:
@@ -25,7 +26,7 @@ def _iter_pieces(uri, run_id, window_id, wanted, slot, storage_options):
                 e for e in s["items"] if wanted is None or any(_inside(e, o, sh) for o, sh in wanted.get(e["key"], ()))
             ]
             for e, tensor, problem in t.read_items(window_id, sel):
-                if problem:
+                if problem or tensor is None:
                     raise RuntimeError(f"rank {r} window {window_id}: {problem}")
                 yield s["slot"], e, tensor
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,7 +82,8 @@ class TensorstoreTier(StoreTier):
 
     def upload(self, tier, window_id: int) -> int:
         """Upload this rank's copy of a committed host-tier window as one atomic OCDBT commit."""
-        if problems := tier.verify(window_id):
+        problems = tier.verify(window_id)
+        if problems:
             if "no manifest" in problems[0]:
                 raise FileNotFoundError(f"window {window_id} is not on the host tier: {problems[0]}")
             raise RuntimeError(f"local copy of window {window_id} does not verify: {problems[0]}")
@@ -109,7 +111,7 @@ class TensorstoreTier(StoreTier):
         writes, nbytes = [], 0
         for slot, info in slots:
             entries: list[dict] = []
-            arrays: dict[str, object] = {}
+            arrays: dict[str, Any] = {}  # key -> its open tensorstore array
             for it in slot.items:
                 pc, buf = it.piece, it.buffer
                 e = {"key": it.key, "offset": list(pc.global_offset), "shape": list(pc.shape)}
@@ -223,7 +225,10 @@ class TensorstoreTier(StoreTier):
             problems += [p for _, _, p in got if p]
             if problems:
                 continue
-            items = [plain_item(e["key"], e["global_shape"], e["offset"], e["shape"], t) for e, t, _ in got]
+            # a tensor is None only together with a problem (none here)
+            items = [
+                plain_item(e["key"], e["global_shape"], e["offset"], e["shape"], t) for e, t, _ in got if t is not None
+            ]
             slot = Slot(s["slot"], (), (), items)
             tier.write_slot(window_id, slot, s["info"])
             files.update(tier.written(window_id, slot.index))
@@ -245,7 +250,8 @@ class TensorstoreTier(StoreTier):
     def inspect(self, window_id: int) -> tuple[WindowManifest, list[str], list[dict], int] | None:
         """What `inspect` lists of this writer's window: (its manifest, the problems `verify` finds, per slot the
         planner info with its items as "checksums", payload bytes); None while it is not committed."""
-        if (meta := self._read_meta(window_id)) is None:
+        meta = self._read_meta(window_id)
+        if meta is None:
             return None
         try:
             problems = self.verify(window_id)
@@ -261,7 +267,8 @@ class TensorstoreTier(StoreTier):
 
     def verify(self, window_id: int) -> list[str]:
         """Read every piece and the replay records of this rank's window and check them (nothing written)."""
-        if (meta := self._read_meta(window_id)) is None:
+        meta = self._read_meta(window_id)
+        if meta is None:
             return [NOT_COMMITTED]
         problems = []
         for s in meta["slots"]:

@@ -34,7 +34,7 @@ class TierHealth:
         self.state_changes = 0
         self.retry_delay_s = 0.0  # the uploader's wait before it retries
         self._skip_left = 0  # windows still to skip before the next attempt
-        self.last_durable: tuple[int, int] | None = None  # (window id, its last step)
+        self.last_durable: tuple[int, int | None] | None = None  # (window id, its last step)
         self._first_step: int | None = None
         self._stalled = False
 

@@ -17,12 +17,13 @@ from ..planning.placement import Topology, place_replicas
 from ..runtime.background import stop_at_exit
 from ..runtime.distributed import library_group, library_new_group
 from . import run_lock
-from .host_tier import HostTier
+from .host_tier import HostTier, HostTierOptions
 from .layout import node_dirname
 from .object_tier import make_store
 from .orphans import OrphanCopies
 from .peer_tier import PeerTier
 from .store_lease import StoreLease, StoreLeasedError, local_job_key
+from .tier import ObjectStore
 
 log = logging.getLogger("torchmoe_ckpt.tiers")
 
@@ -32,50 +33,70 @@ def node_of(rank: int, ranks_per_node: int) -> int:
 
 
 class Tiers(NamedTuple):
-    """One rank's storage tiers: host memory (always), peers and object store (optional)."""
+    """One rank's storage tiers: host memory (always), peers and object store (optional; tier.py: the contracts)."""
 
     host: HostTier
-    replicator: PeerTier | None  # the peer tier
-    store: object | None  # object_tier.ObjectTier / tensorstore_tier.TensorstoreTier
+    peers: PeerTier | None  # the peer tier: each committed window also on r peers
+    store: ObjectStore | None  # object_tier.ObjectTier / tensorstore_tier.TensorstoreTier
+    lease: StoreLease | None = None  # this job's writer lease on the store's run prefix (store_lease.py)
 
     def release_store_lease(self) -> None:
         """Give the store prefix up now (a job that refuses to start wrote nothing there: the next job on the prefix
         need not wait for the lease to expire). Only the rank that holds the lease does anything."""
-        lease = getattr(self.store, "lease", None)
-        if lease is not None:
-            lease.release()
+        if self.lease is not None:
+            self.lease.release()
 
 
 def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: int = 1) -> Tiers:
-    """Collective when replicas > 0 (creates the peer gloo group). A dict is read as `TierConfig.from_dict`."""
+    """Build one rank's tiers; takes the run lock (run_lock.py) and the store lease (store_lease.py).
+
+    Collective when replicas > 0 (creates the peer gloo group) or an object store is configured (`job_key`).
+
+    Args:
+        cfg: the tiers' configuration; a dict is read as `TierConfig.from_dict`.
+        rank, world: this rank and the job's size.
+        hsdp_replicate: the HSDP replicate degree (replica peers hold the same slot data: placement.py).
+
+    Returns:
+        `Tiers(host, peers, store, lease)`.
+
+    Raises:
+        ConfigError: the host root cannot be written; RunLockedError: another live job holds the run directory;
+            StoreLeasedError: another live job writes the store's run prefix.
+    """
     if isinstance(cfg, dict):
         cfg = TierConfig.from_dict(cfg)
     rpn = int(cfg.ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", world))
     run_id, node = cfg.resolved_run_id(), node_of(rank, rpn)
     node_dir = Path(cfg.root) / node_dirname(node)
     try:
-        tier = HostTier(node_dir, run_id, rank, world)
+        (node_dir / run_id).mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # the root is a file, under /proc, read-only or not ours: one line, before training
         raise ConfigError(
             f"host tier root {cfg.root!r}: cannot create the run directory {node_dir / run_id} "
             f"({type(exc).__name__}: {exc.strerror or exc}); fix: TierConfig(root=...) a writable node-local "
             f"directory, e.g. {DEFAULT_HOST_ROOT}"
         ) from None
-    run_lock.acquire(tier.dir, leader=rank % rpn == 0, world=world)  # one job per run directory (run_lock.py)
-    tier.orphans = OrphanCopies.find(Path(cfg.root), run_id, rank, rpn, world)  # an older numbering's copies
-    tier.node_ranks = list(range(node * rpn, min(world, (node + 1) * rpn)))  # recorded: verify expects them all
-    tier.stall_policy = (cfg.stall_iterations, cfg.on_stall)  # read by its PersistThread (tier_health.py)
-    tier.upload_backlog, tier.spare_windows = cfg.upload_backlog, cfg.spare_windows  # host memory (host_memory.py)
-    store = None
+    run_lock.acquire(node_dir / run_id, leader=rank % rpn == 0, world=world)  # one job per run directory
+    options = HostTierOptions(
+        orphans=OrphanCopies.find(Path(cfg.root), run_id, rank, rpn, world),  # an older numbering's copies
+        node_ranks=list(range(node * rpn, min(world, (node + 1) * rpn))),  # recorded: verify expects them all
+        stall_iterations=cfg.stall_iterations,  # read by its PersistThread (tier_health.py)
+        on_stall=cfg.on_stall,
+        upload_backlog=cfg.upload_backlog,  # host memory (host_memory.py)
+        spare_windows=cfg.spare_windows,
+    )
+    tier = HostTier(node_dir, run_id, rank, world, options)
+    store, lease = None, None
     if cfg.object_store is not None:
         o = cfg.object_store
         store = make_store(o.uri, run_id, rank, o.storage_options or None, keep_windows=o.keep, format=o.format)
-        store.lease = _lease(o, run_id, rank, job_key())
+        lease = _lease(o, run_id, rank, job_key())
     if cfg.replicas <= 0:
-        return Tiers(tier, None, store)
+        return Tiers(tier, None, store, lease)
     placement = place_replicas(Topology.from_mesh_shape(world, hsdp_replicate, rpn), cfg.replicas)
     group = library_new_group() if dist.is_initialized() else None
-    return Tiers(tier, PeerTier(tier, placement, group), store)
+    return Tiers(tier, PeerTier(tier, placement, group), store, lease)
 
 
 def job_key() -> str:

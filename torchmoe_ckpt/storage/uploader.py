@@ -87,6 +87,56 @@ class Uploader:
             self._pending.clear()
             self._lock.notify_all()
 
+    def _next(self) -> tuple[int | str, float] | None:
+        """The next queued entry (a window id or CATCH_UP, and when it was queued), marked current; None: stopped."""
+        with self._lock:
+            while not self._pending and not self._stopped:
+                self._lock.wait()
+            if self._stopped:
+                return None
+            wid, t0 = self._pending.pop(0)
+            self._current = wid
+        return wid, t0
+
+    def _upload(self, wid: int, t0: float) -> None:
+        """Upload one committed window, retrying while the store is down (capped backoff), until it is in the
+        store, collected on the host tier meanwhile, superseded by a newer window, or the thread stops."""
+        while True:
+            try:
+                self.bytes += self.store.upload(self.tier, wid)  # a torn copy raises: the window is redone
+                self.store.collect()
+                self.uploaded.append(wid)
+                self.lag_seconds.append(time.perf_counter() - t0)
+                self.health.succeeded(wid)
+                if self.status is not None:
+                    self.status.uploaded_window(wid, self.lag_seconds[-1])
+                return
+            except FileNotFoundError as exc:  # the local window was collected meanwhile: nothing to upload
+                self.errors.append(str(exc))
+                if self.status is not None:
+                    self.status.superseded(wid, None)
+                return
+            except Exception as exc:
+                self.errors.append(str(exc)[:200])
+                self.health.failed(f"upload of window {wid}", exc)  # warns once, then backs off (capped)
+                if self.status is not None:
+                    self.status.upload_failed(wid, self.health.reason, self.health.backoff_cap_s)
+            time.sleep(self.health.retry_delay_s)
+            if self._give_up(wid):
+                return
+
+    def _give_up(self, wid: int) -> bool:
+        """After a failed try and its backoff: whether to stop retrying `wid` (stopped, or a newer one waits)."""
+        with self._lock:
+            if self._stopped:
+                return True
+            if self._pending:  # a newer window is waiting: it supersedes this one
+                self.dropped += 1
+                if self.status is not None:
+                    self.status.superseded(wid, self._pending[-1][0])
+                return True
+        return False
+
     def oldest_needed(self) -> int | None:
         """The oldest window still to be uploaded (the host tier must not collect it yet), or None."""
         with self._lock:
@@ -95,45 +145,15 @@ class Uploader:
 
     def _run(self) -> None:
         while True:
-            with self._lock:
-                while not self._pending and not self._stopped:
-                    self._lock.wait()
-                if self._stopped:
-                    return
-                wid, t0 = self._pending.pop(0)
-                self._current = wid
+            entry = self._next()
+            if entry is None:
+                return
+            wid, t0 = entry
             c0 = time.thread_time()
-            if wid is CATCH_UP:
+            if isinstance(wid, int):
+                self._upload(wid, t0)
+            else:  # CATCH_UP
                 self._catch_up()
-            while wid is not CATCH_UP:  # the store may be down: keep trying (capped backoff) until it is back
-                try:
-                    self.bytes += self.store.upload(self.tier, wid)  # a torn copy raises: the window is redone
-                    self.store.collect()
-                    self.uploaded.append(wid)
-                    self.lag_seconds.append(time.perf_counter() - t0)
-                    self.health.succeeded(wid)
-                    if self.status is not None:
-                        self.status.uploaded_window(wid, self.lag_seconds[-1])
-                    break
-                except FileNotFoundError as exc:  # the local window was collected meanwhile: nothing to upload
-                    self.errors.append(str(exc))
-                    if self.status is not None:
-                        self.status.superseded(wid, None)
-                    break
-                except Exception as exc:
-                    self.errors.append(str(exc)[:200])
-                    self.health.failed(f"upload of window {wid}", exc)  # warns once, then backs off (capped)
-                    if self.status is not None:
-                        self.status.upload_failed(wid, self.health.reason, self.health.backoff_cap_s)
-                    time.sleep(self.health.retry_delay_s)
-                    with self._lock:
-                        if self._stopped:
-                            break
-                        if self._pending:  # a newer window is waiting: it supersedes this one
-                            self.dropped += 1
-                            if self.status is not None:
-                                self.status.superseded(wid, self._pending[-1][0])
-                            break
             self.cpu_s += time.thread_time() - c0
             with self._lock:
                 self._current = None

@@ -5,6 +5,7 @@ allocated (on tmpfs: its pages), every inode counted once, per part of the host-
 from __future__ import annotations
 
 import os
+from collections.abc import Set
 from pathlib import Path
 
 from .layout import belongs_to, parse_window_dirname
@@ -12,7 +13,7 @@ from .layout import belongs_to, parse_window_dirname
 _MEMORY_FS = ("tmpfs", "ramfs", "hugetlbfs")
 
 
-def _count(path: str, seen: set, skip: set) -> int:
+def _count(path: str, seen: set, skip: Set) -> int:
     """Allocated bytes of one file, unless its inode is in `seen` or `skip` (then 0); adds it to `seen`."""
     try:
         st = os.lstat(path)
@@ -25,14 +26,14 @@ def _count(path: str, seen: set, skip: set) -> int:
     return st.st_blocks * 512
 
 
-def tree_bytes(root: Path, seen: set, skip: set = frozenset(), writer: str | None = None) -> int:
+def tree_bytes(root: Path, seen: set, skip: Set = frozenset(), writer: str | None = None) -> int:
     """Allocated bytes of every file under `root` (only `writer`'s, when given) not in `seen` or `skip` ((dev,
     inode) sets); adds them to `seen`."""
     paths = (os.path.join(d, n) for d, _dirs, names in os.walk(root) for n in names)
     return sum(_count(p, seen, skip) for p in paths if writer is None or belongs_to(os.path.relpath(p, root), writer))
 
 
-def window_bytes(run_dir: Path, writer: str, seen: set, skip: set = frozenset()) -> dict[int, int]:
+def window_bytes(run_dir: Path, writer: str, seen: set, skip: Set = frozenset()) -> dict[int, int]:
     """Window id -> allocated bytes of `writer`'s files in that window directory."""
     try:
         names = os.listdir(run_dir)

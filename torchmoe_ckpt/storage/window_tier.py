@@ -1,6 +1,11 @@
 """What the host tier and the object store (DCP format) share: one writer's windows as files in the layout
 (layout.py), written slot by slot, committed by a manifest written last, on a local directory or any fsspec store
-(files.py). tier.py states the contract."""
+(files.py). `FilesWindowTier` implements tier.py's `WindowTier` contract (its call order is there).
+
+    FilesWindowTier    one writer's windows on one Files backend (a held peer copy, an orphan, inspection)
+      HostTier         host_tier.py: node-local, slot files linked in, loads windows back for recovery
+      ObjectTier       object_tier.py: the DCP-format object store (also a CopyTier of the host tier)
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,9 @@ import io
 import os
 import pickle
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -44,6 +51,23 @@ def saved(obj) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+@dataclass(frozen=True)
+class PartialWindow:
+    """A sliding plan's window before its commit, as far as it got: written after each of its slots
+    (`write_partial`) so that a recovery can continue through it before the window commits."""
+
+    start_step: int  # the window's first step
+    plan: WindowPlan
+    records: list  # the IterationRecords of the replay log so far
+
+
+class SlotWrite(NamedTuple):
+    """What one slot write of this process reported: the commit lists these."""
+
+    files: dict[str, FileEntry]  # its files, relative to the window directory
+    info: dict  # its DCP planner info (window, slot, step, run, plan)
 
 
 class UncommittableWindow(TorchmoeError, RuntimeError):
@@ -95,14 +119,18 @@ def mapped(maps, files, lay: SlotLayout, items: list, take_spare=None):
     return write
 
 
-class WindowTier:
-    """One writer's windows on one Files backend."""
+class FilesWindowTier:
+    """One writer's windows on one Files backend (tier.py's `WindowTier` contract)."""
 
-    def __init__(self, files, rank: int, world_size: int):
+    def __init__(self, files, rank: int, world_size: int, node_ranks: list[int] | None = None):
+        """`files`: the backend (files.py). `rank`: the writer whose windows these are. `world_size`: recorded
+        in the manifests this tier commits. `node_ranks`: every rank writing into this directory (a host tier's
+        node; recorded in its manifests: verify expects them all), None: not recorded."""
         self.files, self.rank, self.world_size = files, rank, world_size
+        self.node_ranks = node_ranks
         self.writer = writer_name(rank)
         # (window, slot) -> what that slot's write reported: its files and its DCP info (the commit lists these).
-        self._written: dict[tuple[int, int], tuple[dict[str, FileEntry], dict]] = {}
+        self._written: dict[tuple[int, int], SlotWrite] = {}
         self._layouts: dict[tuple, SlotLayout] = {}  # planned once per layout, not per save
 
     def layout(self, items: list, offsets=None, size=None) -> SlotLayout:
@@ -129,7 +157,7 @@ class WindowTier:
             self.files.remove([f"{window_dirname(window_id)}/{manifest_name(self.writer)}"])
         entries, digests = write_slot_dir(self.files, rel, lay, info, write_data, algo)
         d = slot_writer_dir(slot, self.writer)
-        self._written[(window_id, slot)] = ({f"{d}/{k}": e for k, e in entries.items()}, dict(info))
+        self._written[(window_id, slot)] = SlotWrite({f"{d}/{k}": e for k, e in entries.items()}, dict(info))
         return digests
 
     def _discard_slot(self, rel: str) -> None:
@@ -137,7 +165,7 @@ class WindowTier:
 
     def written(self, window_id: int, slot: int) -> dict[str, FileEntry]:
         """The files one slot write of this process reported (relative to the window directory)."""
-        return self._written[(window_id, slot)][0]
+        return self._written[(window_id, slot)].files
 
     def write_commit(
         self, window_id: int, start_step: int, plan: WindowPlan, log: ReplayLog | None, extra: dict
@@ -172,8 +200,8 @@ class WindowTier:
         faults.point("manifest")
         self.files.write_last(f"{w}/{manifest_name(self.writer)}", man.to_json().encode())  # the commit
         self.window_data_files = sum(map(is_data_file, files))
-        for key in [k for k in self._written if k[0] <= window_id]:
-            del self._written[key]
+        for wid, slot in [(wid, slot) for wid, slot in self._written if wid <= window_id]:
+            del self._written[(wid, slot)]
         return man
 
     def write_partial(self, window_id: int, start_step: int, plan: WindowPlan, records: list, slots: int) -> None:
@@ -245,7 +273,6 @@ class WindowTier:
 
     _maps = None  # MappedFiles: data files written through kept mappings (the host tier's)
     max_spares = 0  # data files of collected windows kept (local backends) for the next ones to be written over
-    node_ranks: list[int] | None = None  # every rank writing into this directory (a host tier's node: build_tiers)
     window_data_files = 0  # data files of the newest window this writer committed (spare limits derive from it)
 
     def spare_path(self) -> Path:
