@@ -125,7 +125,7 @@ def test_corrupt_chunk_is_detected_and_never_used(tmp_path):
 CRASH = textwrap.dedent("""
     import os, signal, sys, threading, time
     from pathlib import Path
-    from torchmoe_ckpt import faults
+    from torchmoe_ckpt.runtime import faults
     from torchmoe_ckpt.storage.tensorstore_tier import TensorstoreTier
     from torchmoe_harness.format_compare import synthetic_window
     tmp, how = Path(sys.argv[1]), sys.argv[2]

@@ -45,7 +45,7 @@ def test_log_roundtrip_accounting_and_collection(tmp_path):
 def test_log_bound_stops_logging_until_collection(tmp_path, caplog):
     per_it = 2 * 2 * 2 * 4 * 4 + 2 * 4
     log = BoundaryLog(tmp_path / "s1", max_bytes=int(2.5 * per_it))
-    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.pipeline.boundary_log"):
+    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.pipeline_log"):
         fill(log, range(1, 6))
     assert "event=pp_log_overflow" in caplog.text
     r = LogReader(tmp_path / "s1")

@@ -122,7 +122,7 @@ def test_paper_example_three_slots():
 def test_impossible_budget_is_reported_once_and_uses_single_operator_slots(caplog):
     order = ["a", "b", "c"]
     full, comp = {o: 100 for o in order}, {o: 10 for o in order}
-    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.planning.schedule"):
+    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.schedule"):
         plan = plan_window(order, full, comp, 5)
     assert not plan.fits and plan.window == 3 and all(len(s.active) == 1 for s in plan.slots)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -141,13 +141,13 @@ def test_one_oversized_operator_gets_a_slot_alone_and_the_rest_are_packed(caplog
     order = ["e0", "e1", "big", "e2", "e3"]
     full = {"e0": 10, "e1": 10, "big": 1000, "e2": 10, "e3": 10}
     comp = {"e0": 2, "e1": 2, "big": 100, "e2": 2, "e3": 2}
-    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.planning.schedule"):
+    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.schedule"):
         plan = plan_window(order, full, comp, 200)
     assert [s.active for s in plan.slots] == [("e0", "e1"), ("big",), ("e2", "e3")]
     assert [s.bytes for s in plan.slots] == [124, 1004, 20] and not plan.fits
     assert len(caplog.records) == 1 and "slot 1" in caplog.records[0].getMessage()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.planning.schedule"):
+    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.schedule"):
         plan_window(order, full, comp, 200, warn=False)  # the caller already reported it
         plan_window(order, full, comp, 2000)  # fits: nothing to say
     assert caplog.records == []
