@@ -28,15 +28,15 @@ from .model.operators import discover_operators, local_tensor
 from .model.optim_state import as_optimizers, check_optimizer_state, check_optimizers, describe_optimizer_state
 from .model.routing import RouterCounter
 from .recovery import rng
-from .recovery.recover import ResumeResult
+from .recovery.recover import RecoveryOptions, ResumeResult
 from .recovery.replay_check import check_replay_check
 from .recovery.replay_log import Replay, group_hyper
 from .recovery.sparse_to_dense import ReplayDivergence, init_optimizer_state
 from .runtime import faults
 from .runtime.device_copy import host_copy
 from .runtime.watchdog import CollectiveWatchdog
-from .sparse_checkpointer import SparseCheckpointer
-from .startup import start
+from .sparse_checkpointer import PlanningGroups, SparseCheckpointer
+from .startup import IdentityParts, start
 from .storage.tiers import Tiers
 
 log = logging.getLogger("torchmoe_ckpt.checkpointer")
@@ -133,12 +133,10 @@ class Checkpointer:
                 cfg.window,
                 cfg.tiers,
                 ops=self.ops,
-                data=self.data_identity,
-                seed=self.seed,
-                on_unusable=cfg.on_unusable_checkpoint,
-                replay_check=cfg.replay_policy(),
-                group=self.group,
-                sum_counts=True,  # the routed-token counts of _iteration are this rank's
+                identity=IdentityParts(data=self.data_identity, seed=self.seed),
+                recovery=RecoveryOptions(on_unusable=cfg.on_unusable_checkpoint, replay_check=cfg.replay_policy()),
+                # the routed-token counts of _iteration are this rank's
+                groups=PlanningGroups(group=self.group, sum_counts=True),
             )
             self.identity, self.tiers, self.resumed = started.identity, started.tiers, started.resumed
             self.sparse = started.checkpointer
@@ -232,7 +230,19 @@ class Checkpointer:
         self.step_count = step
         loss, norm, seconds = loss.detach().clone(), norm.detach().clone(), time.perf_counter() - t_start
         return StepResult(
-            step, loss, norm, lrs[0], lrs, logged, rng_state, counts, probs, seconds, device_rng, replayed_norm, hyper
+            step=step,
+            loss=loss,
+            grad_norm=norm,
+            lr=lrs[0],
+            lrs=lrs,
+            tokens=logged,
+            rng_state=rng_state,
+            expert_counts=counts,
+            expert_probs=probs,
+            seconds=seconds,
+            device_rng=device_rng,
+            replayed_grad_norm=replayed_norm,
+            hyper=hyper,
         )
 
     def _grad_norm(self, replay: Replay | None) -> torch.Tensor:

@@ -24,7 +24,7 @@ DEFAULT_STALL = (50, "warn")  # TierConfig's defaults, for a HostTier built with
 class PersistThread:
     """Background thread that persists captured slots and commits windows on the host tier, in order."""
 
-    def __init__(self, tier: HostTier, replicator=None, store=None):
+    def __init__(self, tier: HostTier, replicator=None, store=None, memory_line=None):
         self.tier = tier
         stall_iterations, on_stall = getattr(tier, "stall_policy", None) or DEFAULT_STALL
         self.health = TierHealth("host", tier.rank, stall_iterations, on_stall)
@@ -35,6 +35,7 @@ class PersistThread:
         peers = None if pl is None else getattr(pl, "r", self._peers_here)
         where = None if store is None else str(getattr(store, "uri", None) or type(store).__name__)
         self.status = RunStatus(tier.rank, peers, where)
+        self.status.memory = memory_line  # () -> "host memory X of LIMIT" for the status lines (HostMemory.line)
         # First what a previous run committed but could not upload (an outage, an exit before the store caught up).
         self.uploader = Uploader(store, tier, status=self.status) if store is not None else None
         if self.uploader is not None:
