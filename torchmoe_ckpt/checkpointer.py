@@ -67,7 +67,7 @@ class Checkpointer:
     """Owns the sparse checkpointer, its storage tiers and the training step. Use `with Checkpointer(...)` or
     call `close()` at the end (flushes the host tier and uploads, stops the threads)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the public signature of tmc.Checkpointer, as README and docs/api.md show it)
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
@@ -78,11 +78,23 @@ class Checkpointer:
         data_identity: str | None = None,
         seed: int | None | str = "auto",
     ):
-        """`forward_backward(batch)` runs forward and `loss.backward()` and returns the loss; nothing else (no
-        optimizer or scheduler step, clipping or zeroing). `data_identity` (the data order) and `seed` ("auto": the
-        seed the user gave `torch.manual_seed`, before or after importing this package, recognised at `resume()`;
-        an int; None: left out) are part of the run identity.
-        `optimizer`: one, or a list holding every trainable parameter once; `scheduler`: one, a list, or None."""
+        """Check the model, optimizer and config up front; nothing is written and no thread starts until `resume()`.
+
+        Args:
+            model: the model to checkpoint (plain, FSDP2 or HSDP).
+            optimizer: one, or a list holding every trainable parameter once.
+            forward_backward: `forward_backward(batch)` runs forward and `loss.backward()` and returns the loss;
+                nothing else (no optimizer or scheduler step, clipping or zeroing).
+            scheduler: one, a list, or None.
+            config: `CheckpointConfig` (None: defaults).
+            group: the ranks that plan windows together (None: every rank).
+            data_identity: the data order; part of the run identity.
+            seed: "auto": the seed the user gave `torch.manual_seed`, before or after importing this package,
+                recognised at `resume()`; an int; None: left out. Part of the run identity.
+
+        Raises:
+            ConfigError: a bad argument or config (the message names the field and the fix).
+        """
         self.config = config or CheckpointConfig()
         if not callable(forward_backward):
             raise ConfigError("forward_backward must be a function batch -> loss that also calls loss.backward()")
@@ -121,8 +133,16 @@ class Checkpointer:
         self._start_timeout_s = self.config.hang_start_timeout_s or self.config.hang_timeout_s
 
     def resume(self) -> int:
-        """Collective; call once before the first `step`. Recovers the newest window any tier holds and returns the
-        number of completed iterations to continue after (0: a new run)."""
+        """Recover the newest window any tier holds. Collective; call once, before the first `step`.
+
+        Returns:
+            The number of completed iterations to continue after (0: a new run).
+
+        Raises:
+            RuntimeError: called twice.
+            IdentityMismatch: every window there belongs to another run.
+            UnusableCheckpointError: windows exist but every one was rejected (`on_unusable_checkpoint="fail"`).
+        """
         if self.sparse is not None:
             raise RuntimeError("resume() was already called: call it once, before the first step()")
         with self.watchdog.watch("resume", self._start_timeout_s):  # a peer frozen in recovery ends it too
@@ -145,7 +165,14 @@ class Checkpointer:
             return self.step_count
 
     def step(self, batch: Any) -> torch.Tensor:
-        """One training iteration on `batch`, checkpointed. Returns this rank's loss (detached)."""
+        """One training iteration on `batch`, checkpointed.
+
+        Args:
+            batch: what `forward_backward` takes (logged for the replay).
+
+        Returns:
+            This rank's loss (detached).
+        """
         if self.sparse is None:
             raise RuntimeError(
                 "call ckpt.resume() once before the first step(): it recovers a previous attempt "
@@ -168,8 +195,11 @@ class Checkpointer:
         return out
 
     def close(self, upload_timeout_s: float | None = None) -> None:
-        """Flush to the host tier, give the object store up to `upload_timeout_s` (default: its `exit_wait_s`), log
-        the exit summary and stop the threads. Idempotent."""
+        """Flush to the host tier, wait for the object store, log the exit summary and stop the threads. Idempotent.
+
+        Args:
+            upload_timeout_s: how long pending uploads may take (default: the object store's `exit_wait_s`).
+        """
         sp = self.sparse
         if sp is None or self._closed:
             self.routers.close()

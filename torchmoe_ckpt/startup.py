@@ -9,7 +9,8 @@ with when nothing was recovered). Collective.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -121,7 +122,12 @@ def start(  # noqa: PLR0913 (the front door: four positional essentials, then on
         hooks.on_tiers(opened)
     resumed = None
     if resume:
-        resumed, trainer = _resume(trainer, compute_dtype, ops, opened, ident, recovery, hooks)
+        with _lease_released_on_error(opened):
+            got = hooks.recover_with(opened, ident) if hooks.recover_with is not None else None
+            if got is not None:
+                resumed, trainer = got
+            elif opened is not None:
+                resumed = _recover_from_tiers(trainer, compute_dtype, ops, opened, ident, recovery)
     if hooks.cold_start is not None and (resumed is None or resumed.recovered_step is None):
         trainer = hooks.cold_start()  # nothing recovered: the trainer recovery was tried on is not the one to train
     if trainer.model is not model:  # a hook handed over another trainer: its state is the one checkpointed
@@ -137,24 +143,23 @@ def start(  # noqa: PLR0913 (the front door: four positional essentials, then on
     return Started(ck, trainer, ident, opened, resumed)
 
 
-def _resume(trainer, compute_dtype, ops, opened: Tiers | None, identity: RunIdentity, recovery, hooks: StartupHooks):
-    """The recovery: the hook's, else from the tiers. Returns (what was resumed or None, the trainer holding it)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+@contextmanager
+def _lease_released_on_error(opened: Tiers | None) -> Iterator[None]:
+    """Refused or failed before anything was written: the store prefix is free again."""
     try:
-        got = hooks.recover_with(opened, identity) if hooks.recover_with is not None else None
-        if got is not None:
-            return got
-        if opened is None:
-            return None, trainer
-        ops_by_name = {o.name: o for o in ops}
-        resumed = recover(trainer, opened, ops_by_name, compute_dtype, identity=identity, options=recovery)
-        if resumed.window is not None:
-            log_recovery(resumed.report, rank)  # where the copy came from; every replayed loss matched
-        return resumed, trainer
+        yield
     except Exception:
-        if opened is not None:  # refused or failed before anything was written: the store prefix is free again
+        if opened is not None:
             opened.release_store_lease()
         raise
+
+
+def _recover_from_tiers(trainer, compute_dtype, ops, opened: Tiers, identity: RunIdentity, recovery) -> ResumeResult:
+    resumed = recover(trainer, opened, {o.name: o for o in ops}, compute_dtype, identity=identity, options=recovery)
+    if resumed.window is not None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        log_recovery(resumed.report, rank)  # where the copy came from; every replayed loss matched
+    return resumed
 
 
 def _resolve_seed(seed: int | TorchSeed | None) -> int | None:

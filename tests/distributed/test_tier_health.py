@@ -18,7 +18,7 @@ from torchmoe_ckpt.model.operators import discover_operators
 from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_ckpt.storage.layout import manifest_name, writer_name
 from torchmoe_ckpt.storage.tier_health import CheckpointStallError
-from torchmoe_ckpt.storage.tiers import build_tiers
+from torchmoe_ckpt.storage.tiers import Tiers, build_tiers
 from torchmoe_harness.trainer import RunConfig, Trainer
 
 
@@ -209,8 +209,8 @@ def test_unwritable_host_root_holding_a_run_recovers_and_trains_on(tmpfs, one_ra
     try:
         t2 = Trainer(RunConfig(steps=60), init_seed=7777)
         tiers = build_tiers(TierConfig(root=str(tmpfs), run_id="run", stall_iterations=4, on_stall="fail"), 0, 1)
-        window, rep = recover_from_tiers(tiers.host, None, ops, t2.compute_dtype, identity=None)
-        assert window is not None and window.id == 1 and rep["outcome"] == "recovered", rep
+        window, rep = recover_from_tiers(Tiers(tiers.host, None, None), ops, t2.compute_dtype, identity=None)
+        assert window is not None and window.id == 1 and rep.outcome == "recovered", rep
         ck2 = SparseCheckpointer(
             t2.model, t2.optimizer, t2.compute_dtype, SparseConfig(window=3), RunContext(tiers=tiers)
         )

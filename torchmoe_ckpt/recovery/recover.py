@@ -117,10 +117,8 @@ def _recover(trainer, tiers: Tiers, ops, compute_dtype, identity: RunIdentity | 
     describe_optimizer_state(trainer.model, ops, trainer.optimizer)  # the slots' layout of the optimizer state
     if identity is None:
         identity = _identity_of(trainer, tiers, ops, compute_dtype)
-    replay = _ReplayEachWindow(trainer, tiers.host, ops, compute_dtype, identity, opts, t0)
-    window, found = recover_from_tiers(
-        tiers.host, tiers.replicator, ops, compute_dtype, store=tiers.store, identity=identity, use=replay
-    )
+    replay = _ReplayEachWindow(trainer, _Source(tiers.host, ops, compute_dtype, identity), opts, t0)
+    window, found = recover_from_tiers(tiers, ops, compute_dtype, identity=identity, use=replay)
     fetch_s = time.perf_counter() - t0
     rank = dist.get_rank() if dist.is_initialized() else 0
     if window is None:
@@ -139,14 +137,23 @@ def _identity_of(trainer, tiers: Tiers, ops, compute_dtype) -> RunIdentity:
     return build_identity(trainer.model, trainer.optimizer, compute_dtype, ops, tiers.host.dir.name, world)
 
 
+@dataclass(frozen=True)
+class _Source:
+    """Where the windows are read from, and what they must hold: the host tier, operators, dtype and identity."""
+
+    host: HostTier
+    ops: dict[str, Operator]
+    compute_dtype: torch.dtype
+    identity: RunIdentity
+
+
 class _ReplayEachWindow:
     """The `use` hook of `recover_from_tiers`: replays each window tried into the trainer, and keeps the phase
     clock. When every window fails, the caller gets its trainer back as it was, not half-replayed: one host copy
     per recovery (a failed window's state is overwritten by the next one's load), taken before the first replay."""
 
-    def __init__(self, trainer, host: HostTier, ops, compute_dtype, identity: RunIdentity, opts, t0: float):
-        self.trainer, self.host, self.ops, self.compute_dtype = trainer, host, ops, compute_dtype
-        self.identity, self.opts, self.t0 = identity, opts, t0
+    def __init__(self, trainer, source: _Source, opts: RecoveryOptions, t0: float):
+        self.trainer, self.source, self.opts, self.t0 = trainer, source, opts, t0
         self.find_s = 0.0  # listed, checked, agreed and read from the tier
         self.safety_copy_s = 0.0
         self.saved: tuple[list, dict] | None = None
@@ -160,7 +167,7 @@ class _ReplayEachWindow:
             self.safety_copy_s = time.perf_counter() - s0
         if self.opts.before_replay is not None:
             self.opts.before_replay(window)
-        rep = _replay_tail(self.trainer, self.host, window, self.ops, self.compute_dtype, self.identity, self.opts)
+        rep = _replay_tail(self.trainer, self.source, window, self.opts.replay_check)
         self.report = rep if rep is not None else sparse_to_dense(self.trainer, window, self.opts.replay_check)
 
     def undo(self) -> None:
@@ -204,7 +211,7 @@ def _written_by(host: HostTier, wid: int) -> RunIdentity | None:
         return None
 
 
-def _replay_tail(trainer, host, window: Window, ops, compute_dtype, identity, opts) -> RecoveryReport | None:
+def _replay_tail(trainer, source: _Source, window: Window, replay_check: ReplayPolicy | None) -> RecoveryReport | None:
     """Collective. With sliding plans, the replay of `window` on to the newest uncommitted slot after it that every
     rank has (`HostTier.load_partial`) and that covers every operator; None on every rank when some rank has none
     or the replay fails on any (the committed window alone is next)."""
@@ -212,8 +219,12 @@ def _replay_tail(trainer, host, window: Window, ops, compute_dtype, identity, op
         return None
     nxt = None
     try:
-        nxt = host.load_partial(
-            window.id + 1, window.start_step + window.plan.window, ops, compute_dtype, identity.fingerprint
+        nxt = source.host.load_partial(
+            window.id + 1,
+            window.start_step + window.plan.window,
+            source.ops,
+            source.compute_dtype,
+            source.identity.fingerprint,
         )
     except Exception as exc:  # noqa: BLE001  (an unreadable partial copy is one that does not count)
         log.info("event=partial_window_unusable window=%d: %s", window.id + 1, exc)
@@ -233,7 +244,7 @@ def _replay_tail(trainer, host, window: Window, ops, compute_dtype, identity, op
         suffix.record,
         window.id + 1,
         suffix.label,
-        opts.replay_check,
+        replay_check,
         reason=_whole_reason,
     )
     if failures:

@@ -7,15 +7,18 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
+from ..core.window import Window
 from ..model.identity import RunIdentity
 from ..runtime.agreement import all_gather_objects, failure_reason, run_everywhere
 from .host_tier import HostTier
 from .slot_format import CorruptCopyError
+from .tiers import Tiers
 
 log = logging.getLogger("torchmoe_ckpt.tiers")
 
@@ -75,15 +78,26 @@ class RankView(NamedTuple):
     unusable: dict[int, str] | None  # its damaged copies (first round only)
 
 
+@dataclass(frozen=True)
+class _Load:
+    """Loads window `wid` of this rank from its host tier: the operators, the dtype and the identity to check."""
+
+    tier: HostTier
+    ops: dict
+    compute_dtype: torch.dtype
+    identity: RunIdentity | None
+
+    def __call__(self, wid: int):
+        return self.tier.load_window(wid, self.ops, self.compute_dtype, self.identity)
+
+
 def recover_from_tiers(
-    tier: HostTier,
-    replicator,
+    tiers: Tiers,
     ops: dict,
     compute_dtype: torch.dtype,
-    store=None,
     identity: RunIdentity | None = None,
-    use=None,
-) -> tuple:
+    use: Callable[[Window], object] | None = None,
+) -> tuple[Window | None, TierOutcome]:
     """Agree on the newest window every rank can get (its own checked copy, or a peer's), pull the missing copies,
     load this rank's and hand it to `use(window)` (the replay). Collective.
 
@@ -91,17 +105,17 @@ def recover_from_tiers(
     everywhere and the next newest is tried, host and peers first, then the object store.
 
     Args:
-        tier: this rank's host tier.
-        replicator: the peer tier, or None.
+        tiers: this rank's tiers: its host tier, the peer tier (or None) and the object store (or None).
         ops: operators by name.
         compute_dtype: the dtype the slots were captured in.
-        store: the object store tier, or None.
         identity: windows of another run are rejected (None: no check).
         use: called with the loaded window (the replay); its failure on any rank rejects the window.
 
     Returns:
         (the Window, or None, and a `TierOutcome`).
     """
+    tier, replicator = tiers.host, tiers.replicator
+    load = _Load(tier, ops, compute_dtype, identity)
     found = TierOutcome(unusable_copies=_check_host_copies(tier, identity))
     excluded: set[int] = set()
     orphans = tier.orphans  # copies under an older node numbering (orphans.py): this rank's own part, others'
@@ -118,7 +132,7 @@ def recover_from_tiers(
             break
         wid = max(common)
         needers = _needers(views, wid)
-        fetch = functools.partial(_pull_and_load, tier, replicator, wid, needers, ops, compute_dtype, identity)
+        fetch = functools.partial(_pull_and_load, load, replicator, wid, needers)
         window = _attempt(wid, found, fetch, use)
         if window is not None:
             found.source = f"peer {needers[tier.rank]}" if tier.rank in needers else "host"
@@ -126,7 +140,7 @@ def recover_from_tiers(
             _retire(orphans, found)
             return window, found.settle()
         excluded.add(wid)
-    window, listed = _from_store(tier, store, ops, compute_dtype, found, identity, use, excluded)
+    window, listed = _from_store(load, tiers.store, found, use, excluded)
     if window is None:
         _not_every_rank(found, seen, listed)
     else:
@@ -204,12 +218,14 @@ def _not_every_rank(found: TierOutcome, seen: list[set[int]], listed: list[set[i
         }
 
 
-def _pull_and_load(tier: HostTier, replicator, wid: int, needers: dict, ops, compute_dtype, identity):
+def _pull_and_load(load: _Load, replicator, wid: int, needers: dict):
+    """The missing parts of `wid` pulled from the peers that hold them, then this rank's part loaded."""
+    tier = load.tier
     if needers:
         replicator.pull(wid, [(holder, dst, dst) for dst, holder in needers.items()])
     if wid not in tier.window_ids() and tier.orphans is not None and tier.orphans.copy_of(wid, tier.rank):
         tier.orphans.copy_into(wid, tier.rank, tier)  # this rank's part, from its host's older numbering
-    return tier.load_window(wid, ops, compute_dtype, identity)
+    return load(wid)
 
 
 def _attempt(wid: int, found: TierOutcome, fetch, use):
@@ -247,9 +263,7 @@ def _reject(wid: int, failures: dict[int, str], found: TierOutcome, phase: str) 
     )
 
 
-def _from_store(
-    tier: HostTier, store, ops: dict, compute_dtype: torch.dtype, found: TierOutcome, identity, use, excluded
-):
+def _from_store(load: _Load, store, found: TierOutcome, use, excluded: set[int]):
     """Last tier: the newest window every rank has in the object store, downloaded and checked. Returns (the
     window or None, every rank's store listing or None without a store)."""
     if store is None:
@@ -265,10 +279,10 @@ def _from_store(
     for wid in candidates:
 
         def fetch(wid=wid):
-            problems = store.download(wid, tier)
+            problems = store.download(wid, load.tier)
             if problems:
                 raise CorruptCopyError(f"object store copy of window {wid}: {problems[0]}")
-            return tier.load_window(wid, ops, compute_dtype, identity)
+            return load(wid)
 
         window = _attempt(wid, found, fetch, use)
         if window is not None:
