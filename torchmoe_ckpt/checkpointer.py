@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -98,11 +98,13 @@ class Checkpointer:
         self.config = config or CheckpointConfig()
         if not callable(forward_backward):
             raise ConfigError("forward_backward must be a function batch -> loss that also calls loss.backward()")
-        optimizer = as_optimizers(optimizer)  # several optimizers are stepped, captured and replayed as one
-        check_optimizers(model, optimizer)
-        init_optimizer_state(optimizer)  # every parameter has state from the start, even before its first gradient
-        self.schedule = SchedulerPosition(optimizer, scheduler)
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        # Several optimizers are stepped, captured and replayed as one (`Optimizers`: torch.optim.Optimizer-like,
+        # param_groups, state, step, zero_grad).
+        optim = cast(torch.optim.Optimizer, as_optimizers(optimizer))
+        check_optimizers(model, optim)
+        init_optimizer_state(optim)  # every parameter has state from the start, even before its first gradient
+        self.schedule = SchedulerPosition(optim, scheduler)
+        self.model, self.optimizer, self.scheduler = model, optim, scheduler
         self.forward_backward, self.group = forward_backward, group
         self.data_identity = data_identity
         if seed != "auto" and seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -113,7 +115,7 @@ class Checkpointer:
         self.ops = discover_operators(model, self.config.operators)
         self.op_by_name = {o.name: o for o in self.ops}
         check_coverage(model, self.ops)
-        describe_optimizer_state(model, self.ops, optimizer)  # what slots hold of each operator's optimizer state
+        describe_optimizer_state(model, self.ops, optim)  # what slots hold of each operator's optimizer state
         self.params = list(model.parameters())
         self.device = local_tensor(self.params[0]).device if self.params else torch.device("cpu")
         check_replay_check(self.config.replay_check, self.device)  # "exact" on CUDA needs deterministic kernels

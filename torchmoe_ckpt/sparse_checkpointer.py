@@ -183,7 +183,9 @@ class SparseCheckpointer:
             self._rank,
             cuda=self.engine.use_cuda,
         )
-        self.memory = HostMemory(self, self.cfg.host_memory_limit)  # reads this checkpointer's parts, now built
+        limit = self.cfg.host_memory_limit
+        assert not isinstance(limit, str)  # SparseConfig parsed it into bytes
+        self.memory = HostMemory(self, limit)  # reads this checkpointer's parts, now built
         try:
             self.planner.cap_by_memory(self.memory, None if self.persist is None else self.persist.replicator)
         except BaseException:  # refused (HostMemoryLimitError): no thread is left running
@@ -316,8 +318,8 @@ class SparseCheckpointer:
         if self.committed is None:
             return None
         find_s = time.perf_counter() - t0
-        if suffix is not None:
-            rep = replay_slots(trainer, suffix.seq, suffix.start_step, suffix.record, self.current.id, suffix.label)
+        if suffix is not None and cur is not None:  # (a suffix comes with the window being filled)
+            rep = replay_slots(trainer, suffix.seq, suffix.start_step, suffix.record, cur.id, suffix.label)
         else:
             rep = sparse_to_dense(trainer, self.committed)
         rep.phases = {"find": find_s, "safety_copy": 0.0, **rep.phases, "redo": 0.0}

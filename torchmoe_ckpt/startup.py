@@ -167,4 +167,6 @@ def _resolve_seed(seed: int | TorchSeed | None) -> int | None:
     None (`identity.given_seed`: it needs every rank's value); an int or None is taken as it is."""
     auto = seed.value if isinstance(seed, TorchSeed) else None
     every_rank = all_gather_objects(auto)
-    return given_seed(auto, every_rank) if auto is not None else seed
+    if isinstance(seed, TorchSeed):
+        return given_seed(seed.value, every_rank)
+    return seed

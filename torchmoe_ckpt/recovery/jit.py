@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from fnmatch import fnmatch
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -223,9 +223,17 @@ def list_copies(jit_dir: Path, store: StoreFiles | None) -> list[dict]:
     return out
 
 
+def _store_of(store: StoreFiles | None) -> StoreFiles:
+    if store is None:  # list_copies lists store copies only with a store
+        raise ValueError("a JIT copy in the object store, but no object store is configured")
+    return store
+
+
 def _read(copy: dict, store: StoreFiles | None) -> dict:
     data = (
-        (Path(copy["path"]) / STATE).read_bytes() if copy["where"] == "host" else store.read(f"{copy['path']}/{STATE}")
+        (Path(copy["path"]) / STATE).read_bytes()
+        if copy["where"] == "host"
+        else _store_of(store).read(f"{copy['path']}/{STATE}")
     )
     if len(data) != copy["bytes"] or crc32_bytes(data) != copy["crc32"]:
         raise ValueError(
@@ -299,7 +307,16 @@ def apply_state(trainer, blob: dict) -> None:
         )
 
 
-T = TypeVar("T")
+class _JitTrainer(Protocol):
+    """What `resume` reads of a trainer (the harness's and TorchTitan's)."""
+
+    @property
+    def mesh(self) -> object: ...  # the device mesh its shard layout is read from
+    @property
+    def rank(self) -> int: ...
+
+
+T = TypeVar("T", bound=_JitTrainer)
 
 
 def _incomplete_copies(jit_dir: Path) -> list[Path]:
@@ -349,6 +366,7 @@ def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tu
             log.warning(f"event=jit_copy_rejected rank={fresh.rank} copy={where} error={type(exc).__name__}: {exc}")
     if not all_ok(used is not None):  # some shard not loaded: the window path, from a fresh init
         return rebuild(False), None
+    assert used is not None  # agreed: every rank loaded one
     begun = max(c["begun"] for cs in shards.values() for c in cs)
     rep = {
         "source": "jit",

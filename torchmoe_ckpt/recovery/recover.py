@@ -203,8 +203,8 @@ def _log_recovered(window: Window, host: HostTier, identity: RunIdentity, outcom
     return changed
 
 
-def _written_by(host: HostTier, wid: int) -> RunIdentity | None:
-    """The identity in window `wid`'s manifest (None: unreadable)."""
+def _written_by(host: HostTier, wid: int) -> dict | None:
+    """The identity in window `wid`'s manifest, as written (None: unreadable)."""
     try:
         return host.manifest(wid).identity
     except (OSError, ValueError):
