@@ -338,7 +338,7 @@ def test_every_window_damaged_with_restart_opt_in_starts_over(written, tmp_path,
         _replay_diverges(run_dir(root) / f"window-00000{w}")
     model, opt, sched, fb = build(init_seed=7777)
     cfg = config(root, on_unusable_checkpoint="restart")
-    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.recovery.recover"):
+    with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.recovery"):
         with tmc.Checkpointer(model, opt, fb, sched, cfg, data_identity="data=0") as ck:
             assert ck.resume() == 0
     assert ck.resumed.report["outcome"] == "no usable window"
@@ -387,7 +387,7 @@ def test_same_run_id_other_world_size_is_refused_with_one_line(written, tmp_path
 def test_more_steps_and_another_lr_are_accepted_and_logged(written, tmp_path, caplog, fault_summary):
     root = copy_run(written, tmp_path)
     got: dict = {}
-    with caplog.at_level(logging.INFO, logger="torchmoe_ckpt.recovery.recover"):
+    with caplog.at_level(logging.INFO, logger="torchmoe_ckpt.recovery"):
         ck, start = train(root, steps=STEPS + 3, init_seed=7777, states=got, lr=1e-3)
     exact = start == 9 and same(got[9], written[1][9])
     fault_summary("more_steps_other_lr", 0, outcome(exact))
