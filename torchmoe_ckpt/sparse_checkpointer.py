@@ -202,7 +202,13 @@ class SparseCheckpointer:
         self._maybe_commit()
 
     def after_step(self, res) -> None:
-        """Call right after the optimizer step of iteration `res.step` (a harness StepResult or alike)."""
+        """Capture iteration `res.step`: call right after its optimizer step. Starts a window when the last one is
+        full, and commits the window its copy completes (collective then: the retention floor is agreed).
+
+        Args:
+            res: the iteration (`checkpointer.StepResult`, the harness's or TorchTitan's): step, seconds, loss,
+                gradient norm, LRs, batch, RNG states, routed-token counts and probabilities.
+        """
         self.planner.observe_step(res.seconds, res.expert_counts, res.expert_probs)
         self._settle(done=False)
         t = res.step
@@ -251,8 +257,17 @@ class SparseCheckpointer:
             self.persist.flush()
 
     def close(self, upload_timeout_s: float = 30.0) -> dict | None:
-        """`flush()`, up to `upload_timeout_s` for pending uploads, every thread stopped; returns the exit summary
-        (None without tiers). Idempotent. When the flush raises only the copy thread stops (then `stop()`)."""
+        """Flush, wait for pending uploads, stop every thread. Collective (the flush commits). Idempotent.
+
+        Args:
+            upload_timeout_s: how long pending uploads may take.
+
+        Returns:
+            The exit summary (None without tiers, or when already closed).
+
+        Raises:
+            Whatever the flush raises; only the copy thread is stopped then (call `stop()`).
+        """
         if self._closed:
             return None
         try:

@@ -156,8 +156,15 @@ def _warn_shared_store_multi_host() -> None:
 
 
 def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> tuple[int, int]:
-    """Initialise the default process group from torchrun's environment, safely across restarts, and return
-    (rank, world size); without torchrun, a one-process group. `backend`: `default_backend()`. Idempotent."""
+    """Initialise the default process group from torchrun's environment, safely across restarts. Idempotent.
+
+    Args:
+        backend: the process group's backend (default: `default_backend()`).
+        timeout_s: the process group's timeout; the library's own gloo groups take the same.
+
+    Returns:
+        (rank, world size); without torchrun, (0, 1) on a one-process group.
+    """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     backend = backend or default_backend()
