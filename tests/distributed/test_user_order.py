@@ -24,7 +24,7 @@ import pytest
 import torch
 import transformers  # noqa: F401  (make setup installs it: a missing one fails here, not skips)
 
-from torchmoe_ckpt.inspection import verify_location
+from torchmoe_ckpt.ops.inspection import verify_location
 from torchmoe_harness.launch import torchrun
 
 WORKER = str(Path(__file__).with_name("user_loop.py"))
