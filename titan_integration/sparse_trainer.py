@@ -62,14 +62,15 @@ from titan_integration.titan_state_export import state_tensors, write_export
 from titan_integration.upstream_pin import UPSTREAM_TRAIN_STEP
 from torchmoe_ckpt.model.coverage import position_lambda_lr
 from torchmoe_ckpt.recovery import rng
-from torchmoe_ckpt.recovery.recover import ResumeResult
+from torchmoe_ckpt.recovery.recover import RecoveryOptions, ResumeResult
 from torchmoe_ckpt.recovery.replay_check import check_replay_check
 from torchmoe_ckpt.recovery.replay_log import group_hyper
 from torchmoe_ckpt.recovery.sparse_to_dense import ReplayDivergence
 from torchmoe_ckpt.runtime import faults
 from torchmoe_ckpt.runtime.distributed import key_rendezvous_by_attempt
 from torchmoe_ckpt.runtime.watchdog import CollectiveWatchdog
-from torchmoe_ckpt.startup import start
+from torchmoe_ckpt.sparse_checkpointer import PlanningGroups
+from torchmoe_ckpt.startup import IdentityParts, StartupHooks, start
 
 __all__ = ["SparseTrainer", "TitanReplayable", "TitanStepResult", "UPSTREAM_TRAIN_STEP"]
 
@@ -298,19 +299,21 @@ class SparseTrainer(Trainer):
         if should_log:
             self._log_metrics(accumulated_loss, local_valid_tokens, global_valid_tokens, grad_norm, lr_metrics)
         return TitanStepResult(
-            self.step,
-            accumulated_loss.detach().float().clone(),  # on the device: no host sync here
-            grad_norm.detach().float().clone(),
-            lr,
-            tokens,
-            rng_state,
-            counts,
-            counts,
-            time.perf_counter() - t_start,
-            device_rng,
-            None if replayed_norm is None else replayed_norm.detach().float(),
-            lrs,
-            hyper,
+            step=self.step,
+            loss=accumulated_loss.detach().float().clone(),  # on the device: no host sync here
+            grad_norm=grad_norm.detach().float().clone(),
+            lr=lr,
+            tokens=tokens,
+            rng_state=rng_state,
+            expert_counts=counts,
+            # TorchTitan's router keeps no probability sums (only tokens_per_expert): the soft popularity policy
+            # scores by the counts instead, deliberately.
+            expert_probs=counts,
+            seconds=time.perf_counter() - t_start,
+            device_rng=device_rng,
+            replayed_grad_norm=None if replayed_norm is None else replayed_norm.detach().float(),
+            lrs=lrs,
+            hyper=hyper,
         )
 
     def _clip_with_norm(self, params: list[torch.Tensor], total_norm: torch.Tensor) -> None:
@@ -412,17 +415,21 @@ class SparseTrainer(Trainer):
             self.compute_dtype,
             sc.core_config(),
             sc.tiers_config(),
-            hsdp_replicate=c.parallelism.data_parallel_replicate_degree,
-            # the data identity: the dataset and seed of the job file
-            data=f"dataset={getattr(c.training, 'dataset', None)} seed={getattr(c.debug, 'seed', None)}",
-            steps=c.training.steps,
-            on_unusable=self.sc.on_unusable_checkpoint,
-            replay_check=sc.replay_policy(),
-            before_replay=scramble,
-            recover_with=recover_pipeline if pp is not None else None,
-            group=pp.stage_group if pp is not None else None,
-            agree_group=None,  # every rank (under pipeline parallelism: every stage)
-            sum_counts=pp is None,  # _expert_counts are this rank's (a stage plans alone)
+            identity=IdentityParts(
+                # the data identity: the dataset and seed of the job file
+                data=f"dataset={getattr(c.training, 'dataset', None)} seed={getattr(c.debug, 'seed', None)}",
+                steps=c.training.steps,
+                hsdp_replicate=c.parallelism.data_parallel_replicate_degree,
+            ),
+            recovery=RecoveryOptions(
+                on_unusable=self.sc.on_unusable_checkpoint, replay_check=sc.replay_policy(), before_replay=scramble
+            ),
+            hooks=StartupHooks(recover_with=recover_pipeline if pp is not None else None),
+            groups=PlanningGroups(
+                group=pp.stage_group if pp is not None else None,
+                agree_group=None,  # every rank (under pipeline parallelism: every stage)
+                sum_counts=pp is None,  # _expert_counts are this rank's (a stage plans alone)
+            ),
         )
         self.sparse = started.checkpointer.attach(self)
         if pp is not None:

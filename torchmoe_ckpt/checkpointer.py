@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -28,15 +28,15 @@ from .model.operators import discover_operators, local_tensor
 from .model.optim_state import as_optimizers, check_optimizer_state, check_optimizers, describe_optimizer_state
 from .model.routing import RouterCounter
 from .recovery import rng
-from .recovery.recover import ResumeResult
+from .recovery.recover import RecoveryOptions, ResumeResult
 from .recovery.replay_check import check_replay_check
 from .recovery.replay_log import Replay, group_hyper
 from .recovery.sparse_to_dense import ReplayDivergence, init_optimizer_state
 from .runtime import faults
 from .runtime.device_copy import host_copy
 from .runtime.watchdog import CollectiveWatchdog
-from .sparse_checkpointer import SparseCheckpointer
-from .startup import start
+from .sparse_checkpointer import PlanningGroups, SparseCheckpointer
+from .startup import IdentityParts, start
 from .storage.tiers import Tiers
 
 log = logging.getLogger("torchmoe_ckpt.checkpointer")
@@ -67,7 +67,7 @@ class Checkpointer:
     """Owns the sparse checkpointer, its storage tiers and the training step. Use `with Checkpointer(...)` or
     call `close()` at the end (flushes the host tier and uploads, stops the threads)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the public signature of tmc.Checkpointer, as README and docs/api.md show it)
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
@@ -78,19 +78,33 @@ class Checkpointer:
         data_identity: str | None = None,
         seed: int | None | str = "auto",
     ):
-        """`forward_backward(batch)` runs forward and `loss.backward()` and returns the loss; nothing else (no
-        optimizer or scheduler step, clipping or zeroing). `data_identity` (the data order) and `seed` ("auto": the
-        seed the user gave `torch.manual_seed`, before or after importing this package, recognised at `resume()`;
-        an int; None: left out) are part of the run identity.
-        `optimizer`: one, or a list holding every trainable parameter once; `scheduler`: one, a list, or None."""
+        """Check the model, optimizer and config up front; nothing is written and no thread starts until `resume()`.
+
+        Args:
+            model: the model to checkpoint (plain, FSDP2 or HSDP).
+            optimizer: one, or a list holding every trainable parameter once.
+            forward_backward: `forward_backward(batch)` runs forward and `loss.backward()` and returns the loss;
+                nothing else (no optimizer or scheduler step, clipping or zeroing).
+            scheduler: one, a list, or None.
+            config: `CheckpointConfig` (None: defaults).
+            group: the ranks that plan windows together (None: every rank).
+            data_identity: the data order; part of the run identity.
+            seed: "auto": the seed the user gave `torch.manual_seed`, before or after importing this package,
+                recognised at `resume()`; an int; None: left out. Part of the run identity.
+
+        Raises:
+            ConfigError: a bad argument or config (the message names the field and the fix).
+        """
         self.config = config or CheckpointConfig()
         if not callable(forward_backward):
             raise ConfigError("forward_backward must be a function batch -> loss that also calls loss.backward()")
-        optimizer = as_optimizers(optimizer)  # several optimizers are stepped, captured and replayed as one
-        check_optimizers(model, optimizer)
-        init_optimizer_state(optimizer)  # every parameter has state from the start, even before its first gradient
-        self.schedule = SchedulerPosition(optimizer, scheduler)
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        # Several optimizers are stepped, captured and replayed as one (`Optimizers`: torch.optim.Optimizer-like,
+        # param_groups, state, step, zero_grad).
+        optim = cast(torch.optim.Optimizer, as_optimizers(optimizer))
+        check_optimizers(model, optim)
+        init_optimizer_state(optim)  # every parameter has state from the start, even before its first gradient
+        self.schedule = SchedulerPosition(optim, scheduler)
+        self.model, self.optimizer, self.scheduler = model, optim, scheduler
         self.forward_backward, self.group = forward_backward, group
         self.data_identity = data_identity
         if seed != "auto" and seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -101,7 +115,7 @@ class Checkpointer:
         self.ops = discover_operators(model, self.config.operators)
         self.op_by_name = {o.name: o for o in self.ops}
         check_coverage(model, self.ops)
-        describe_optimizer_state(model, self.ops, optimizer)  # what slots hold of each operator's optimizer state
+        describe_optimizer_state(model, self.ops, optim)  # what slots hold of each operator's optimizer state
         self.params = list(model.parameters())
         self.device = local_tensor(self.params[0]).device if self.params else torch.device("cpu")
         check_replay_check(self.config.replay_check, self.device)  # "exact" on CUDA needs deterministic kernels
@@ -121,8 +135,16 @@ class Checkpointer:
         self._start_timeout_s = self.config.hang_start_timeout_s or self.config.hang_timeout_s
 
     def resume(self) -> int:
-        """Collective; call once before the first `step`. Recovers the newest window any tier holds and returns the
-        number of completed iterations to continue after (0: a new run)."""
+        """Recover the newest window any tier holds. Collective; call once, before the first `step`.
+
+        Returns:
+            The number of completed iterations to continue after (0: a new run).
+
+        Raises:
+            RuntimeError: called twice.
+            IdentityMismatch: every window there belongs to another run.
+            UnusableCheckpointError: windows exist but every one was rejected (`on_unusable_checkpoint="fail"`).
+        """
         if self.sparse is not None:
             raise RuntimeError("resume() was already called: call it once, before the first step()")
         with self.watchdog.watch("resume", self._start_timeout_s):  # a peer frozen in recovery ends it too
@@ -133,12 +155,10 @@ class Checkpointer:
                 cfg.window,
                 cfg.tiers,
                 ops=self.ops,
-                data=self.data_identity,
-                seed=self.seed,
-                on_unusable=cfg.on_unusable_checkpoint,
-                replay_check=cfg.replay_policy(),
-                group=self.group,
-                sum_counts=True,  # the routed-token counts of _iteration are this rank's
+                identity=IdentityParts(data=self.data_identity, seed=self.seed),
+                recovery=RecoveryOptions(on_unusable=cfg.on_unusable_checkpoint, replay_check=cfg.replay_policy()),
+                # the routed-token counts of _iteration are this rank's
+                groups=PlanningGroups(group=self.group, sum_counts=True),
             )
             self.identity, self.tiers, self.resumed = started.identity, started.tiers, started.resumed
             self.sparse = started.checkpointer
@@ -147,7 +167,14 @@ class Checkpointer:
             return self.step_count
 
     def step(self, batch: Any) -> torch.Tensor:
-        """One training iteration on `batch`, checkpointed. Returns this rank's loss (detached)."""
+        """One training iteration on `batch`, checkpointed.
+
+        Args:
+            batch: what `forward_backward` takes (logged for the replay).
+
+        Returns:
+            This rank's loss (detached).
+        """
         if self.sparse is None:
             raise RuntimeError(
                 "call ckpt.resume() once before the first step(): it recovers a previous attempt "
@@ -170,8 +197,11 @@ class Checkpointer:
         return out
 
     def close(self, upload_timeout_s: float | None = None) -> None:
-        """Flush to the host tier, give the object store up to `upload_timeout_s` (default: its `exit_wait_s`), log
-        the exit summary and stop the threads. Idempotent."""
+        """Flush to the host tier, wait for the object store, log the exit summary and stop the threads. Idempotent.
+
+        Args:
+            upload_timeout_s: how long pending uploads may take (default: the object store's `exit_wait_s`).
+        """
         sp = self.sparse
         if sp is None or self._closed:
             self.routers.close()
@@ -232,7 +262,19 @@ class Checkpointer:
         self.step_count = step
         loss, norm, seconds = loss.detach().clone(), norm.detach().clone(), time.perf_counter() - t_start
         return StepResult(
-            step, loss, norm, lrs[0], lrs, logged, rng_state, counts, probs, seconds, device_rng, replayed_norm, hyper
+            step=step,
+            loss=loss,
+            grad_norm=norm,
+            lr=lrs[0],
+            lrs=lrs,
+            tokens=logged,
+            rng_state=rng_state,
+            expert_counts=counts,
+            expert_probs=probs,
+            seconds=seconds,
+            device_rng=device_rng,
+            replayed_grad_norm=replayed_norm,
+            hyper=hyper,
         )
 
     def _grad_norm(self, replay: Replay | None) -> torch.Tensor:

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -28,8 +29,8 @@ from .model.optim_state import describe_optimizer_state
 from .planning.window_planner import WindowPlanner
 from .recovery.recover import ResumeResult
 from .recovery.sparse_to_dense import RecoveryReport, replay_slots, sparse_to_dense
+from .runtime.agreement import reduce_float
 from .runtime.device_copy import host_copy
-from .runtime.distributed import library_group
 from .storage.host_tier import HostTier
 from .storage.manifest import plan_digest
 from .storage.persist_thread import PersistThread
@@ -42,6 +43,73 @@ log = logging.getLogger("torchmoe_ckpt")
 SAME_GROUP = object()  # agree_group not given: the planning group
 
 
+@dataclass
+class PlanningGroups:
+    """The process groups a checkpointer plans and agrees over."""
+
+    group: dist.ProcessGroup | None = None  # the ranks that plan together (None: every rank)
+    # Those agreeing on the retention floor and bandwidth (default: `group`; None: every rank; wider under
+    # pipeline parallelism).
+    agree_group: dist.ProcessGroup | None | object = SAME_GROUP
+    sum_counts: bool = False  # routed-token counts are this rank's own: summed over `group` once per window
+
+
+@dataclass
+class RunContext:
+    """What the start-up sequence hands a checkpointer (every part optional)."""
+
+    tiers: Tiers | None = None  # where slots and windows are persisted (None: in this process only)
+    resumed: ResumeResult | None = None  # the recovered window (the fallback until the next commits), next ids
+    identity: RunIdentity | None = None  # written into every manifest and slot (default: built here)
+    ops: list[Operator] | None = None  # operators already discovered
+
+
+@dataclass
+class Counters:
+    """Whole-run figures (`stats()`); `inherit` continues them after a restart."""
+
+    slots: int = 0
+    windows_committed: int = 0
+    plans: int = 0
+    plan_s_total: float = 0.0
+    plan_s_max: float = 0.0
+    plan_s_recent: list[float] = field(default_factory=list)  # the last RECENT_PLANS plans' seconds
+    slot_bytes: list[int] = field(default_factory=list)
+    copy_seconds: list[float] = field(default_factory=list)
+    windows: list[dict] = field(default_factory=list)  # per window started: id, start, W, fits, slot bytes
+    recoveries: list[RecoveryReport] = field(default_factory=list)  # per in-memory recovery, with its phases
+
+    def add_plan(self, seconds: float) -> None:
+        self.plans += 1
+        self.plan_s_total += seconds
+        self.plan_s_max = max(self.plan_s_max, seconds)
+        self.plan_s_recent = (self.plan_s_recent + [seconds])[-RECENT_PLANS:]
+
+    def inherit(self, old: Counters) -> None:
+        self.slots += old.slots
+        self.windows_committed += old.windows_committed
+        self.plans += old.plans
+        self.plan_s_total += old.plan_s_total
+        self.plan_s_max = max(self.plan_s_max, old.plan_s_max)
+        self.slot_bytes = old.slot_bytes + self.slot_bytes
+        self.copy_seconds = old.copy_seconds + self.copy_seconds
+        self.windows = old.windows + self.windows
+        self.recoveries = old.recoveries + self.recoveries
+
+
+@dataclass
+class _Redo:
+    """After an in-memory recovery: the iteration training must reach again, since when, and the phases to add
+    the redo time to (the recovery's report)."""
+
+    until: int
+    since: float
+    phases: dict
+
+
+RECENT_PLANS = 64  # plans whose median `stats()` reports
+
+
 class SparseCheckpointer:
     """Per-iteration sparse checkpointing of one rank: `after_step` after every optimizer step, `close()` at the
     end. Owns the copy thread and, with tiers, the persist and upload threads."""
@@ -52,73 +120,79 @@ class SparseCheckpointer:
         optimizer: torch.optim.Optimizer,
         compute_dtype: torch.dtype,
         cfg: SparseConfig | None = None,
-        *,
-        tiers: Tiers | None = None,
-        resumed: ResumeResult | None = None,
-        identity: RunIdentity | None = None,
-        ops: list[Operator] | None = None,
-        group: dist.ProcessGroup | None = None,
-        agree_group: dist.ProcessGroup | None | object = SAME_GROUP,
-        sum_counts: bool = False,
+        run: RunContext | None = None,
+        groups: PlanningGroups | None = None,
     ):
-        """`tiers`: where slots and windows are persisted (None: in this process only). `resumed`: the recovered
-        window (the recovery fallback until the next commits) and where window ids start. `identity`: written into
-        every manifest and slot (default: built from model, optimizer, dtype, world size, host run id). `ops`:
-        operators already discovered. `group`: the ranks that plan together; `agree_group` (default `group`; None =
-        all ranks): those agreeing on the retention floor and bandwidth (wider under pipeline parallelism).
-        `sum_counts`: routed-token counts are this rank's own, summed over `group` here once per window."""
-        host_tier = tiers.host if tiers is not None else None
-        committed = resumed.window if resumed is not None else None
+        """Validate, then build the copy thread, the persist thread (with tiers), the slot allocator and the
+        planner.
+
+        Args:
+            model: the model checkpointed.
+            optimizer: its optimizer (its state is part of every slot).
+            compute_dtype: the dtype slots are captured in.
+            cfg: `SparseConfig` (None: defaults).
+            run: `RunContext` (tiers, what was resumed, identity, operators).
+            groups: `PlanningGroups` (planning and agreement groups, whether counts are summed here).
+
+        Raises:
+            ConfigError: `run.tiers.host` is not a HostTier.
+            HostMemoryLimitError: no window fits in `cfg.host_memory_limit`.
+        """
+        run, groups = run or RunContext(), groups or PlanningGroups()
+        host_tier = _checked_host_tier(run.tiers)
+        committed = run.resumed.window if run.resumed is not None else None
         self.cfg = cfg or SparseConfig()
-        self.group = group
-        self.agree_group = group if agree_group is SAME_GROUP else agree_group
+        self.group = groups.group
+        self.agree_group = groups.group if groups.agree_group is SAME_GROUP else groups.agree_group
         self.compute_dtype = compute_dtype
-        self.ops: list[Operator] = ops if ops is not None else discover_operators(model)
+        self.ops: list[Operator] = run.ops if run.ops is not None else discover_operators(model)
         describe_optimizer_state(model, self.ops, optimizer)  # slot layout and sizes from the real optimizer state
         self.op_by_name = {o.name: o for o in self.ops}
-        self.access = StateAccess(model, optimizer)
-        if identity is None:
-            run_id = host_tier.dir.name if isinstance(host_tier, HostTier) else None
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            identity = build_identity(model, optimizer, compute_dtype, self.ops, run_id, world)
-        self.identity = identity
-        self._identity_dict = identity.to_dict()
-        self.engine = SnapshotEngine(self.access)  # on the model's device: a side stream on CUDA
-        use_cuda = self.engine.use_cuda
+        self.identity = run.identity or _default_identity(model, optimizer, compute_dtype, self.ops, host_tier)
+        self._identity_dict = self.identity.to_dict()
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._level = logging.INFO if self._rank == 0 else logging.DEBUG  # one line per window, not one per rank
         self.current: Window | None = None
         self.committed: Window | None = committed
         self._inherited = committed  # a window handed over after a restart (still the recovery fallback)
-        if host_tier is not None and not isinstance(host_tier, HostTier):
-            raise ConfigError(
-                f"tiers.host must be a HostTier, got {type(host_tier).__name__}: build the tiers with "
-                "build_tiers(TierConfig(...)), or use torchmoe_ckpt.Checkpointer, which owns them"
-            )
-        self.tier_writer = (
-            None if host_tier is None else PersistThread(host_tier, tiers.peers, tiers.store, tiers.lease)
-        )
-        self.slots = make_slot_allocator(
-            self.op_by_name, compute_dtype, use_cuda, host_tier, self.tier_writer, self.cfg.host_buffers
-        )
-        self.memory = HostMemory(self, self.cfg.host_memory_limit)
-        if self.tier_writer is not None:
-            self.tier_writer.status.memory = self.memory.line
-        first_id = resumed.next_window_id if resumed is not None else None
-        self._next_id = first_id if first_id is not None else (committed.id + 1) if committed else 0
+        self._next_id = _first_window_id(run.resumed, committed)
         self._closed = False
-        self._rank = dist.get_rank() if dist.is_initialized() else 0
-        self._level = logging.INFO if self._rank == 0 else logging.DEBUG  # one line per window, not one per rank
-        self.planner = WindowPlanner(
-            self.cfg, self.ops, compute_dtype, group, self._agree, sum_counts, self._rank, cuda=use_cuda
-        )
         self._copies_seen = 0
         self._cur_slot_bytes: list[int] = []
         self._last_job: dict[int, int] = {}  # window id -> the persist thread's ticket after its commit job
-        # "recoveries": per in-memory recovery, its report with the phases (status.PHASES)
-        self.counters = {"slots": 0, "windows_committed": 0, "plans": 0, "plan_s_total": 0.0, "plan_s_max": 0.0}
-        self.counters.update((k, []) for k in ("slot_bytes", "copy_seconds", "windows", "recoveries"))
-        self._redo: dict | None = None  # after a recovery: the iteration to reach again and the clock (redo phase)
+        self.counters = Counters()
+        self._redo: _Redo | None = None  # after an in-memory recovery: until training is back where it was
         self.dense_bytes = sum(o.full_bytes() for o in self.ops)  # what one dense snapshot of this rank copies
-        self.planner.cap_by_memory(self.memory, None if self.tier_writer is None else self.tier_writer.peers)
+        # Threads last: nothing above can leave one running.
+        self.access = StateAccess(model, optimizer)
+        # On the model's device (a side stream on CUDA); in chunks: the copy engine serves the step's reads between.
+        self.engine = SnapshotEngine(self.access, chunk_bytes=self.cfg.copy_chunk_bytes)
+        self.persist = None
+        if host_tier is not None and run.tiers is not None:
+            self.persist = PersistThread(
+                host_tier, run.tiers.peers, run.tiers.store, run.tiers.lease, memory_line=lambda: self.memory.line()
+            )
+        self.slots = make_slot_allocator(
+            self.op_by_name, compute_dtype, self.engine.use_cuda, host_tier, self.persist, self.cfg.host_buffers
+        )
+        self.planner = WindowPlanner(
+            self.cfg,
+            self.ops,
+            compute_dtype,
+            groups.group,
+            self._agree,
+            groups.sum_counts,
+            self._rank,
+            cuda=self.engine.use_cuda,
+        )
+        limit = self.cfg.host_memory_limit
+        assert not isinstance(limit, str)  # SparseConfig parsed it into bytes
+        self.memory = HostMemory(self, limit)  # reads this checkpointer's parts, now built
+        try:
+            self.planner.cap_by_memory(self.memory, None if self.persist is None else self.persist.peers)
+        except BaseException:  # refused (HostMemoryLimitError): no thread is left running
+            self.stop()
+            raise
 
     def attach(self, trainer) -> SparseCheckpointer:
         trainer.before_update.append(self.before_update)
@@ -130,12 +204,18 @@ class SparseCheckpointer:
         self._maybe_commit()
 
     def after_step(self, res) -> None:
-        """Call right after the optimizer step of iteration `res.step` (a harness StepResult or alike)."""
+        """Capture iteration `res.step`: call right after its optimizer step. Starts a window when the last one is
+        full, and commits the window its copy completes (collective then: the retention floor is agreed).
+
+        Args:
+            res: the iteration (`checkpointer.StepResult`, the harness's or TorchTitan's): step, seconds, loss,
+                gradient norm, LRs, batch, RNG states, routed-token counts and probabilities.
+        """
         self.planner.observe_step(res.seconds, res.expert_counts, res.expert_probs)
         self._settle(done=False)
         t = res.step
-        if self._redo is not None and t >= self._redo["until"]:  # back where the failure found training
-            self._redo["phases"]["redo"] = time.perf_counter() - self._redo["since"]
+        if self._redo is not None and t >= self._redo.until:  # back where the failure found training
+            self._redo.phases["redo"] = time.perf_counter() - self._redo.since
             self._redo = None
         cur, record = self.current, None
         if cur is not None and cur.start_step < t < cur.start_step + cur.plan.window:
@@ -148,8 +228,8 @@ class SparseCheckpointer:
                 cur.log.add(record)
         slot = cur.slots[t - cur.start_step]
         self.engine.capture(slot, t)
-        if self.tier_writer is not None:
-            self.tier_writer.slot(
+        if self.persist is not None:
+            self.persist.slot(
                 cur.id,
                 slot,
                 {
@@ -165,8 +245,8 @@ class SparseCheckpointer:
                 PartialWindow(cur.start_step, cur.plan, list(cur.log.records.values())) if cur.plan.sliding else None,
             )
         cur.captured += 1
-        self.counters["slots"] += 1
-        self.counters["slot_bytes"].append(self._cur_slot_bytes[t - cur.start_step])
+        self.counters.slots += 1
+        self.counters.slot_bytes.append(self._cur_slot_bytes[t - cur.start_step])
 
     def flush(self, commit: bool = True) -> None:
         """Finish the copy in flight, commit the window it completes (collective), then wait until the host tier has
@@ -175,12 +255,21 @@ class SparseCheckpointer:
             self._settle()
         else:
             self.engine.wait()
-        if self.tier_writer is not None:
-            self.tier_writer.flush()
+        if self.persist is not None:
+            self.persist.flush()
 
     def close(self, upload_timeout_s: float = 30.0) -> dict | None:
-        """`flush()`, up to `upload_timeout_s` for pending uploads, every thread stopped; returns the exit summary
-        (None without tiers). Idempotent. When the flush raises only the copy thread stops (then `stop()`)."""
+        """Flush, wait for pending uploads, stop every thread. Collective (the flush commits). Idempotent.
+
+        Args:
+            upload_timeout_s: how long pending uploads may take.
+
+        Returns:
+            The exit summary (None without tiers, or when already closed).
+
+        Raises:
+            Whatever the flush raises; only the copy thread is stopped then (call `stop()`).
+        """
         if self._closed:
             return None
         try:
@@ -188,7 +277,7 @@ class SparseCheckpointer:
         except BaseException:
             self.engine.shutdown()
             raise
-        summary = self.tier_writer.finish(upload_timeout_s) if self.tier_writer is not None else None
+        summary = self.persist.finish(upload_timeout_s) if self.persist is not None else None
         self.stop()
         return summary
 
@@ -206,8 +295,8 @@ class SparseCheckpointer:
         self._closed = True
         self.engine.shutdown()
         self.slots.close()
-        if self.tier_writer is not None:
-            end_writer(self.tier_writer)
+        if self.persist is not None:
+            end_writer(self.persist)
 
     def abandon_window(self) -> None:
         """Finish the copy in flight, then drop an incomplete window (a loop that pauses checkpointing)."""
@@ -246,15 +335,15 @@ class SparseCheckpointer:
         if self.committed is None:
             return None
         find_s = time.perf_counter() - t0
-        if suffix is not None:
-            rep = replay_slots(trainer, suffix.seq, suffix.start_step, suffix.record, self.current.id, suffix.label)
+        if suffix is not None and cur is not None:  # (a suffix comes with the window being filled)
+            rep = replay_slots(trainer, suffix.seq, suffix.start_step, suffix.record, cur.id, suffix.label)
         else:
             rep = sparse_to_dense(trainer, self.committed)
         rep.phases = {"find": find_s, "safety_copy": 0.0, **rep.phases, "redo": 0.0}
         rep.seconds = time.perf_counter() - t0
-        self.counters["recoveries"].append(rep)
+        self.counters.recoveries.append(rep)
         if last is not None and last > rep.recovered_step:
-            self._redo = {"until": last, "since": time.perf_counter(), "phases": rep.phases}
+            self._redo = _Redo(until=last, since=time.perf_counter(), phases=rep.phases)
         return rep
 
     def _observe_copy(self) -> None:
@@ -266,15 +355,23 @@ class SparseCheckpointer:
             self.planner.cost.observe_copy(nbytes, wall, self.engine.waits[-1] if self.engine.waits else 0.0)
 
     def _maybe_commit(self) -> None:
+        """Commit the window being filled once its last copy is complete, then release the window it replaces."""
         cur = self.current
         if cur is not None and cur.captured == cur.plan.window:
-            # The floor agreement below is a collective: wait for a CUDA copy still running, once per window.
+            # The floor agreement in _commit is a collective: wait for a CUDA copy still running, once per window.
             self.engine.wait_done()
         if cur is None or not cur.committed:
             return
         old, self.committed, self.current = self.committed, cur, None
-        self.counters["windows_committed"] += 1
-        self.counters["copy_seconds"].extend(s.copy_seconds for s in cur.slots)
+        self._commit(cur)
+        if old is not None:
+            self._release(old)
+
+    def _commit(self, cur: Window) -> None:
+        """Count and log the window committed in memory, and hand it to the persist thread (collective: the
+        retention floor is agreed)."""
+        self.counters.windows_committed += 1
+        self.counters.copy_seconds.extend(s.copy_seconds for s in cur.slots)
         if log.isEnabledFor(self._level):  # summing every item's bytes costs ~1 ms a window: only when logged
             w = cur.plan.window
             log.log(
@@ -282,26 +379,26 @@ class SparseCheckpointer:
                 f"window committed id={cur.id} steps={cur.start_step}..{cur.start_step + w - 1} "
                 f"W={w} bytes={cur.nbytes()}",
             )
-        if self.tier_writer is not None:
-            # Keep every window from the newest one *all* ranks persisted: the only one they can all recover from.
-            mine = max(self.tier_writer.persisted, default=-1)
-            floor = int(self._agree(float(mine), dist.ReduceOp.MIN))
-            self.tier_writer.commit(
-                cur, {"dtype": str(self.compute_dtype), "identity": self._identity_dict}, keep_from=floor
-            )
-            self._last_job[cur.id] = self.tier_writer.ticket()  # its buffers are read until this job is done
-        # An inherited window (recovered after a restart) is not the allocator's: let go, its memory with it.
-        if old is not None and old is self._inherited:
+        if self.persist is None:
+            return
+        # Keep every window from the newest one *all* ranks persisted: the only one they can all recover from.
+        mine = max(self.persist.persisted, default=-1)
+        floor = int(self._agree(float(mine), dist.ReduceOp.MIN))
+        self.persist.commit(cur, {"dtype": str(self.compute_dtype), "identity": self._identity_dict}, keep_from=floor)
+        self._last_job[cur.id] = self.persist.ticket()  # its buffers are read until this job is done
+
+    def _release(self, old: Window) -> None:
+        """Let go of the window a commit replaced: its slots go back to the allocator once the persist thread is
+        done with them. An inherited window (recovered after a restart) is not the allocator's: let go, its memory
+        with it."""
+        if old is self._inherited:
             self._inherited = None
-        elif old is not None:
+        else:
             self.slots.release(old.slots, self._last_job.pop(old.id, None))
 
     def _agree(self, value: float, op, group: object = SAME_GROUP) -> float:
-        if not dist.is_initialized():
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=op, group=library_group(self.agree_group if group is SAME_GROUP else group))
-        return float(t.item())
+        """`value` reduced with `op` over `agree_group` (or `group`). Collective."""
+        return reduce_float(value, op, self.agree_group if group is SAME_GROUP else group)  # pyright: ignore[reportArgumentType]  (SAME_GROUP is resolved here)
 
     def _start_window(self, t: int) -> Window:
         t0 = time.perf_counter()
@@ -313,13 +410,8 @@ class SparseCheckpointer:
         self._cur_slot_bytes = self.slots.slot_bytes(slots)
         self._next_id += 1
         self.current = win
-        c = self.counters
-        dt = time.perf_counter() - t0
-        c["plans"] += 1
-        c["plan_s_total"] += dt
-        c["plan_s_max"] = max(c["plan_s_max"], dt)
-        c["plan_s_recent"] = (c.get("plan_s_recent", []) + [dt])[-64:]
-        c["windows"].append(
+        self.counters.add_plan(time.perf_counter() - t0)
+        self.counters.windows.append(
             {
                 "id": win.id,
                 "start": t,
@@ -339,24 +431,21 @@ class SparseCheckpointer:
 
     def inherit_counters(self, old: SparseCheckpointer) -> SparseCheckpointer:
         """Continue the counters of the checkpointer that ran before a restart (for whole-run figures)."""
-        for k in ("slots", "windows_committed", "plans", "plan_s_total"):
-            self.counters[k] += old.counters[k]
-        for k in ("slot_bytes", "copy_seconds", "windows", "recoveries"):
-            self.counters[k] = old.counters[k] + self.counters[k]
+        self.counters.inherit(old.counters)
         self.engine.waits = old.engine.waits + self.engine.waits
         self.engine.wait_seconds_total += old.engine.wait_seconds_total
         for k, v in old.engine.copy_totals.items():
             self.engine.copy_totals[k] += v
-        self.counters["plan_s_max"] = max(self.counters["plan_s_max"], old.counters["plan_s_max"])
         self.planner.inherit(old.planner)
         return self
 
     def stats(self) -> dict:
-        waits, sb, cs = self.engine.waits, self.counters["slot_bytes"], self.counters["copy_seconds"]
-        tw = self.tier_writer
+        c = self.counters
+        waits, sb, cs = self.engine.waits, c.slot_bytes, c.copy_seconds
+        tw = self.persist
         return {
-            "slots_captured": self.counters["slots"],
-            "windows_committed": self.counters["windows_committed"],
+            "slots_captured": c.slots,
+            "windows_committed": c.windows_committed,
             "reorders": self.planner.reorders,
             "dense_bytes": self.dense_bytes,
             "mean_slot_bytes": sum(sb) / len(sb) if sb else 0,
@@ -370,20 +459,46 @@ class SparseCheckpointer:
             "priced_bytes_per_s": self.planner.cost.bytes_per_s,
             "priced_t_iter": self.planner.cost.t_iter,
             "auto_window": self.planner.auto_w,
-            "plan_seconds": dict(
-                {k: self.counters[k] for k in ("plans", "plan_s_total", "plan_s_max")},
-                median_recent=statistics.median(self.counters.get("plan_s_recent") or [0.0]),
-            ),
-            "windows": self.counters["windows"][-5:],
+            "plan_seconds": {
+                "plans": c.plans,
+                "plan_s_total": c.plan_s_total,
+                "plan_s_max": c.plan_s_max,
+                "median_recent": statistics.median(c.plan_s_recent or [0.0]),
+            },
+            "windows": c.windows[-5:],
             "recoveries": [
                 dict(r.phases, recovered_step=r.recovered_step, replayed=r.replayed_iterations, bytes=r.bytes_loaded)
-                for r in self.counters["recoveries"][-8:]
+                for r in c.recoveries[-8:]
             ],
             "host_memory": self.memory.account(),  # every host byte held, by part, and the limit
             "host_tier": None if tw is None else tw.stats(),
             "peers": None if tw is None else tw.replication_stats(),
             "object_store": None if tw is None or tw.uploader is None else tw.uploader.stats(),
         }
+
+
+def _checked_host_tier(tiers: Tiers | None) -> HostTier | None:
+    host_tier = tiers.host if tiers is not None else None
+    if host_tier is not None and not isinstance(host_tier, HostTier):
+        raise ConfigError(
+            f"tiers.host must be a HostTier, got {type(host_tier).__name__}: build the tiers with "
+            "build_tiers(TierConfig(...)), or use torchmoe_ckpt.Checkpointer, which owns them"
+        )
+    return host_tier
+
+
+def _default_identity(model, optimizer, compute_dtype, ops, host_tier: HostTier | None) -> RunIdentity:
+    """Built from model, optimizer, dtype, world size and the host tier's run id."""
+    run_id = host_tier.dir.name if host_tier is not None else None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return build_identity(model, optimizer, compute_dtype, ops, run_id, world)
+
+
+def _first_window_id(resumed: ResumeResult | None, committed: Window | None) -> int:
+    """Where new window ids start: what the recovery says, else after the recovered window, else 0."""
+    if resumed is not None and resumed.next_window_id is not None:
+        return resumed.next_window_id
+    return committed.id + 1 if committed is not None else 0
 
 
 def _record(res) -> IterationRecord:

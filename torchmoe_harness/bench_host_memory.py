@@ -23,7 +23,7 @@ import torch
 
 from torchmoe_ckpt import init_process_group
 from torchmoe_ckpt.config import SparseConfig
-from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_ckpt.storage.tiers import build_tiers
 from torchmoe_harness.scenario import run_identity
 from torchmoe_harness.trainer import RunConfig, Trainer
@@ -46,8 +46,7 @@ def measure(dtype: str, allocator: str, window: int, steps: int, root: Path, tie
         trainer.optimizer,
         trainer.compute_dtype,
         limit_probe,
-        tiers=opened,
-        identity=run_identity(trainer, host),
+        RunContext(tiers=opened, identity=run_identity(trainer, host)),
     ).attach(trainer)
     at_peak: dict[str, int] = {}
     part_max: dict[str, int] = {}
@@ -68,7 +67,7 @@ def measure(dtype: str, allocator: str, window: int, steps: int, root: Path, tie
         "tiers": tiers,
         "window": window,
         "params_this_rank": params,
-        "window_bytes": ck.counters["windows"][-1]["mean_slot_bytes"] * window,
+        "window_bytes": ck.counters.windows[-1]["mean_slot_bytes"] * window,
         "total_bytes": total,
         "parts_at_peak_bytes": at_peak,
         "per_param": {k: round(v / params, 2) for k, v in at_peak.items() if v},

@@ -35,7 +35,7 @@ import torch
 
 from torchmoe_ckpt.config import SparseConfig
 from torchmoe_ckpt.planning.schedule import measure_copy_bandwidth
-from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_ckpt.storage.tiers import build_tiers
 from torchmoe_harness.baselines import make_system
 from torchmoe_harness.baselines.ours import Ours
@@ -58,8 +58,10 @@ class OursHostTier(Ours):
             trainer.optimizer,
             trainer.compute_dtype,
             self.cfg,
-            tiers=build_tiers(host, trainer.rank, trainer.world, trainer.cfg.hsdp),
-            identity=run_identity(trainer, host),
+            RunContext(
+                tiers=build_tiers(host, trainer.rank, trainer.world, trainer.cfg.hsdp),
+                identity=run_identity(trainer, host),
+            ),
         )
         self._attached = None
 
@@ -152,9 +154,7 @@ def _warm(system) -> bool:
     if ck is None:
         return True
     cur = ck.current
-    return (
-        len(ck.counters["windows"]) >= 2 and not ck.slots.preparing and (cur is None or cur.captured >= cur.plan.window)
-    )
+    return len(ck.counters.windows) >= 2 and not ck.slots.preparing and (cur is None or cur.captured >= cur.plan.window)
 
 
 def turn(trainer: Trainer, system, warmup: int, measure: int, every: int = 1) -> dict:

@@ -35,7 +35,7 @@ from torchmoe_ckpt.pipeline.boundary_log import BoundaryLog, LogReader
 from torchmoe_ckpt.pipeline.recovery import StageStatus, plan_recovery, recover_global, recover_in_segment
 from torchmoe_ckpt.recovery.recover import ResumeResult
 from torchmoe_ckpt.recovery.sparse_to_dense import ReplayDivergence
-from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.sparse_checkpointer import PlanningGroups, RunContext, SparseCheckpointer
 from torchmoe_ckpt.storage.host_tier import HostTier
 from torchmoe_ckpt.storage.tiers import Tiers
 from torchmoe_harness.pipeline_trainer import PipelineConfig, StageTrainer
@@ -230,10 +230,8 @@ def run(spec: dict, out: Path) -> dict:
         trainer.optimizer,
         trainer.compute_dtype,
         ck_cfg,
-        tiers=Tiers(tier, None, None),
-        resumed=ResumeResult(None, None, next_window_id=int(nxt.item())),
-        group=stage_group,
-        agree_group=None,
+        RunContext(tiers=Tiers(tier, None, None), resumed=ResumeResult(None, None, next_window_id=int(nxt.item()))),
+        PlanningGroups(group=stage_group, agree_group=None),
     )
     ck.attach(trainer)
     gc_floor = None

@@ -41,12 +41,12 @@ from torchmoe_ckpt.config import SparseConfig, TierConfig
 from torchmoe_ckpt.core.errors import UnusableCheckpointError
 from torchmoe_ckpt.model.identity import IdentityMismatch, RunIdentity, build_identity
 from torchmoe_ckpt.model.operators import discover_operators
-from torchmoe_ckpt.recovery.recover import ResumeResult
+from torchmoe_ckpt.recovery.recover import RecoveryOptions, ResumeResult
 from torchmoe_ckpt.recovery.replay_check import DEFAULT_TOLERANCE, ReplayPolicy, check_replay_check
 from torchmoe_ckpt.recovery.sparse_to_dense import sparse_to_dense
 from torchmoe_ckpt.runtime.watchdog import CollectiveWatchdog, read_events
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
-from torchmoe_ckpt.startup import start
+from torchmoe_ckpt.startup import IdentityParts, StartupHooks, start
 from torchmoe_ckpt.storage.tiers import Tiers, node_of
 from torchmoe_harness.trainer import Trainer
 
@@ -75,20 +75,27 @@ def _tear(slot, n) -> None:
     raise SimulatedCopyFault(f"injected failure after {n} of {len(slot.items)} items of slot {slot.index}")
 
 
-def identity_facts(cfg) -> dict:
+def identity_facts(cfg) -> IdentityParts:
     """What this run's identity names besides the model (identity.py): the data seed is part of it (a job on
     other data with the same run id never resumes this one's windows); the planned steps are not (they may grow)."""
-    return {"data": f"seed={cfg.seed}", "steps": cfg.steps, "hsdp_replicate": cfg.hsdp}
+    return IdentityParts(data=f"seed={cfg.seed}", steps=cfg.steps, hsdp_replicate=cfg.hsdp)
 
 
 def run_identity(trainer: Trainer, host: dict | None) -> RunIdentity:
     """This run's identity, as `start` builds it (for a checkpointer built without it: gpu_check_bench_worker)."""
     facts = identity_facts(trainer.cfg)
     run_id = TierConfig.from_dict(host).resolved_run_id() if host else None
-    hsdp = facts.pop("hsdp_replicate")
     ops = discover_operators(trainer.model)
     return build_identity(
-        trainer.model, trainer.optimizer, trainer.compute_dtype, ops, run_id, trainer.world, hsdp, **facts
+        trainer.model,
+        trainer.optimizer,
+        trainer.compute_dtype,
+        ops,
+        run_id,
+        trainer.world,
+        facts.hsdp_replicate,
+        data=facts.data,
+        steps=facts.steps,
     )
 
 
@@ -169,12 +176,13 @@ def restart(
         fresh.compute_dtype,
         ck_cfg,
         host or None,
-        **identity_facts(cfg),
-        replay_check=replay_check,
-        watchdog=wd,
-        on_tiers=corrupt,
-        recover_with=in_memory,
-        cold_start=lambda: Trainer(cfg),  # nothing to recover from: the deterministic initialisation
+        identity=identity_facts(cfg),
+        recovery=RecoveryOptions(replay_check=replay_check, watchdog=wd),
+        hooks=StartupHooks(
+            on_tiers=corrupt,
+            recover_with=in_memory,
+            cold_start=lambda: Trainer(cfg),  # nothing to recover from: the deterministic initialisation
+        ),
     )
     if started.recovered:
         rep.update(started.resumed.report)
@@ -218,12 +226,13 @@ def _start(trainer: Trainer, spec: dict, ck_cfg: SparseConfig, wd, policy, attem
             trainer.compute_dtype,
             ck_cfg,
             host,
-            **identity_facts(cfg),
+            identity=identity_facts(cfg),
             resume=resume,
-            replay_check=policy,
-            watchdog=wd,
-            recover_with=jit_first if resume and _check_jit(spec) else None,
-            cold_start=(lambda: trainer) if resume else None,  # nothing recovered: the deterministic init
+            recovery=RecoveryOptions(replay_check=policy, watchdog=wd),
+            hooks=StartupHooks(
+                recover_with=jit_first if resume and _check_jit(spec) else None,
+                cold_start=(lambda: trainer) if resume else None,  # nothing recovered: the deterministic init
+            ),
         )
     except (IdentityMismatch, UnusableCheckpointError) as exc:  # another run's, or none usable: one line, exit 2
         log.error("event=refused rank=%d: %s", trainer.rank, exc)

@@ -200,19 +200,19 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.step = step
         return StepResult(
-            step,
-            loss.detach(),
-            norm.detach().clone(),
-            lr,
-            tokens,
-            rng_state,
-            counts,
-            probs,
-            time.perf_counter() - t_start,
-            device_rng,
-            replayed_norm,
-            lrs,
-            hyper,
+            step=step,
+            loss=loss.detach(),
+            grad_norm=norm.detach().clone(),
+            lr=lr,
+            tokens=tokens,
+            rng_state=rng_state,
+            expert_counts=counts,
+            expert_probs=probs,
+            seconds=time.perf_counter() - t_start,
+            device_rng=device_rng,
+            replayed_grad_norm=replayed_norm,
+            lrs=lrs,
+            hyper=hyper,
         )
 
     def _freeze_experts(self, frozen_ops: frozenset[str]) -> list:

@@ -13,9 +13,9 @@ import torch
 
 from torchmoe_ckpt.config import SparseConfig
 from torchmoe_ckpt.model.operators import discover_operators
-from torchmoe_ckpt.recovery.recover import recover
+from torchmoe_ckpt.recovery.recover import RecoveryOptions, recover
 from torchmoe_ckpt.runtime.watchdog import CollectiveWatchdog
-from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_ckpt.storage.tiers import build_tiers
 from torchmoe_harness.trainer import RunConfig, Trainer
 from torchmoe_harness.worker import leave, start, write_report
@@ -29,7 +29,7 @@ def main() -> None:
     tiers = build_tiers(spec["host_tier"], trainer.rank, trainer.world, cfg.hsdp)
     fresh = Trainer(cfg, init_seed=cfg.seed + 7777)  # other weights: what recovery misses shows as a mismatch
     ops = {o.name: o for o in discover_operators(fresh.model)}
-    res = recover(fresh, tiers, ops, fresh.compute_dtype, fresh.rank, watchdog=wd)
+    res = recover(fresh, tiers, ops, fresh.compute_dtype, options=RecoveryOptions(watchdog=wd))
     if res.window is not None:
         trainer = fresh
     ck = SparseCheckpointer(
@@ -37,8 +37,7 @@ def main() -> None:
         trainer.optimizer,
         trainer.compute_dtype,
         SparseConfig(**spec["checkpoint"]),
-        tiers=tiers,
-        resumed=res,
+        RunContext(tiers=tiers, resumed=res),
     ).attach(trainer)
     losses = {}
     while trainer.step < cfg.steps:

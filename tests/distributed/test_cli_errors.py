@@ -113,7 +113,7 @@ def _two_rank_run(root: Path, run_id: str = "run", node_ranks=None, **run):
     """A run of 2 ranks (each a 1-process checkpointer writing as rank r of 2) with windows 0 and 1.
     `node_ranks`: the ranks the host tier says write into this node directory (build_tiers sets them)."""
     from torchmoe_ckpt.config import SparseConfig
-    from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+    from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
     from torchmoe_ckpt.storage.host_tier import HostTier
     from torchmoe_ckpt.storage.tiers import Tiers
     from torchmoe_harness.trainer import RunConfig, Trainer
@@ -123,7 +123,7 @@ def _two_rank_run(root: Path, run_id: str = "run", node_ranks=None, **run):
         tier = HostTier(root, run_id, rank, 2)
         tier.node_ranks = node_ranks
         ck = SparseCheckpointer(
-            t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), tiers=Tiers(tier, None, None)
+            t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), RunContext(tiers=Tiers(tier, None, None))
         )
         ck.attach(t)
         for _ in range(7):

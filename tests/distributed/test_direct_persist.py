@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torchmoe_ckpt.config import SparseConfig
 from torchmoe_ckpt.dcp.raw_storage import RawReader, RawWriter
 from torchmoe_ckpt.dcp.slot_planner import SlotSavePlanner
-from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_ckpt.storage.host_tier import HostTier
 from torchmoe_ckpt.storage.layout import DATA_FILE
 from torchmoe_ckpt.storage.slot_files import backing
@@ -26,7 +26,7 @@ def _checkpointer(root, window=3, steps=40):
     t = Trainer(RunConfig(steps=steps))
     tier = HostTier(root, "run", 0, 1)
     ck = SparseCheckpointer(
-        t.model, t.optimizer, t.compute_dtype, SparseConfig(window=window), tiers=Tiers(tier, None, None)
+        t.model, t.optimizer, t.compute_dtype, SparseConfig(window=window), RunContext(tiers=Tiers(tier, None, None))
     )
     return t, tier, ck.attach(t)
 
@@ -106,7 +106,7 @@ def test_pool_never_hands_out_a_committed_windows_files(tmp_path, one_rank_group
     for step in range(1, 31):
         if step == 9:  # the writer stalls for three windows: the sets still linked must not be reused meanwhile
             gate = _Gate()
-            ck.tier_writer.jobs.put(("flush", gate))
+            ck.persist.jobs.put(("flush", gate))
         if step == 15:
             gate.release.set()
         ck.after_step(t.train_step())
@@ -128,7 +128,7 @@ def test_failure_while_next_window_half_written_recovers_previous_bit_exactly(tm
     for step in range(1, 12):
         if step == 8:  # the writer stalls from here: window 1 is the last one it commits before the failure
             ck.flush(commit=False)
-            ck.tier_writer.jobs.put(("flush", gate))
+            ck.persist.jobs.put(("flush", gate))
         ck.after_step(t.train_step())
         if ck.committed is not None and ck.committed.id not in want:  # what each window must read back as
             want[ck.committed.id] = [[it.buffer.clone() for it in s.items] for s in ck.committed.slots]
@@ -150,14 +150,15 @@ RESTART = r"""
 import os, sys, torch
 from torchmoe_ckpt import init_process_group
 from torchmoe_ckpt.config import SparseConfig
-from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_ckpt.storage.host_tier import HostTier
 from torchmoe_ckpt.storage.tiers import Tiers
 from torchmoe_harness.trainer import RunConfig, Trainer
 init_process_group("gloo")
 t = Trainer(RunConfig(steps=8))
 tier = HostTier(sys.argv[1], "run", 0, 1)
-ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), tiers=Tiers(tier, None, None))
+run = RunContext(tiers=Tiers(tier, None, None))
+ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), run)
 ck.attach(t)
 for _ in range(8):
     ck.after_step(t.train_step())
@@ -214,7 +215,7 @@ def test_a_new_plan_reuses_the_free_files_of_the_old_one_and_every_window_reads_
                 win = tier.load_window(wid, ck.op_by_name, t.compute_dtype, ck.identity)
                 for slot, bufs in zip(win.slots, want[wid]):
                     assert all(torch.equal(it.buffer, b) for it, b in zip(slot.items, bufs)), (step, wid)
-    assert {w["W"] for w in ck.counters["windows"]} == {2, 3}
+    assert {w["W"] for w in ck.counters.windows} == {2, 3}
     files = list((tmp_path / "run" / ".slots" / "rank-00000").glob("*.distcp"))
     assert len(files) <= 2 * 6 * 3, len(files)  # bounded: sets rotate and are recycled across plans
     ck.stop()

@@ -55,7 +55,7 @@ def test_corrupt_or_torn_copy_is_reported_and_never_loaded(tmp_path, how, refere
 def test_stock_dcp_load_reads_a_slot(tmp_path, one_rank_group):
     from torchmoe_ckpt.config import SparseConfig
     from torchmoe_ckpt.dcp.raw_storage import RawReader
-    from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+    from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
     from torchmoe_ckpt.storage.host_tier import HostTier
     from torchmoe_ckpt.storage.tiers import Tiers
     from torchmoe_harness.trainer import RunConfig, Trainer
@@ -63,7 +63,7 @@ def test_stock_dcp_load_reads_a_slot(tmp_path, one_rank_group):
     t = Trainer(RunConfig(steps=4))
     tier = HostTier(tmp_path, "run", 0, 1)
     ck = SparseCheckpointer(
-        t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), tiers=Tiers(tier, None, None)
+        t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), RunContext(tiers=Tiers(tier, None, None))
     ).attach(t)
     for _ in range(4):
         ck.after_step(t.train_step())

@@ -15,10 +15,10 @@ import pytest
 
 from torchmoe_ckpt.config import ConfigError, SparseConfig, TierConfig
 from torchmoe_ckpt.model.operators import discover_operators
-from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_ckpt.storage.layout import manifest_name, writer_name
 from torchmoe_ckpt.storage.tier_health import CheckpointStallError
-from torchmoe_ckpt.storage.tiers import build_tiers
+from torchmoe_ckpt.storage.tiers import Tiers, build_tiers
 from torchmoe_harness.trainer import RunConfig, Trainer
 
 
@@ -36,7 +36,7 @@ def tmpfs(tmp_path):
 def _checkpointer(root: Path, **policy):
     t = Trainer(RunConfig(steps=60))
     tiers = build_tiers(TierConfig(root=str(root), run_id="run", **policy), 0, 1)
-    ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), tiers=tiers)
+    ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), RunContext(tiers=tiers))
     return t, ck.attach(t), tiers.host
 
 
@@ -60,7 +60,7 @@ def test_full_tmpfs_is_visible_cleaned_and_checkpointing_resumes(tmpfs, one_rank
     t, ck, tier = _checkpointer(tmpfs)
     _steps(t, ck, 7)  # windows 0 and 1 commit while there is space
     ck.flush(commit=False)
-    assert ck.tier_writer.persisted == {0, 1}
+    assert ck.persist.persisted == {0, 1}
     filler = _fill(tmpfs)  # the disk is full now
     _steps(t, ck, 12)
     ck.flush(commit=False)
@@ -68,7 +68,7 @@ def test_full_tmpfs_is_visible_cleaned_and_checkpointing_resumes(tmpfs, one_rank
     assert st["state"] == "failing" and st["failed_writes"] >= 1, st
     assert "No space left on device" in st["reason"], st["reason"]
     assert st["last_durable_window"] == {"window_id": 1, "last_step": 6}
-    assert ck.tier_writer.persisted == {0, 1}
+    assert ck.persist.persisted == {0, 1}
     warned = _events(caplog, "tier_unhealthy")
     assert len(warned) == 1 and "No space left on device" in warned[0], warned  # once per state change
     # Nothing torn is left: every window directory on disk is committed, except the one being written now.
@@ -86,7 +86,7 @@ def test_full_tmpfs_is_visible_cleaned_and_checkpointing_resumes(tmpfs, one_rank
     assert st["state"] == "ok" and st["last_durable_window"]["window_id"] > 1, st
     assert len(_events(caplog, "tier_recovered")) == 1
     assert all(tier.verify(w) == [] for w in tier.window_ids()) and max(tier.window_ids()) > 1
-    assert "last durable window" in ck.tier_writer.summary()
+    assert "last durable window" in ck.persist.summary()
     ck.stop()
 
 
@@ -175,13 +175,14 @@ import sys
 import torch.distributed as dist
 from torchmoe_ckpt import init_process_group
 from torchmoe_ckpt.config import SparseConfig, TierConfig
-from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_ckpt.storage.tiers import build_tiers
 from torchmoe_harness.trainer import RunConfig, Trainer
 init_process_group("gloo")
 t = Trainer(RunConfig(steps=60))
 tiers = build_tiers(TierConfig(root=sys.argv[1], run_id="run"), 0, 1)
-ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), tiers=tiers).attach(t)
+run = RunContext(tiers=tiers)
+ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), run).attach(t)
 for _ in range(7):
     ck.after_step(t.train_step())
 ck.flush(commit=False)
@@ -208,9 +209,11 @@ def test_unwritable_host_root_holding_a_run_recovers_and_trains_on(tmpfs, one_ra
     try:
         t2 = Trainer(RunConfig(steps=60), init_seed=7777)
         tiers = build_tiers(TierConfig(root=str(tmpfs), run_id="run", stall_iterations=4, on_stall="fail"), 0, 1)
-        window, rep = recover_from_tiers(tiers.host, None, ops, t2.compute_dtype, identity=None)
-        assert window is not None and window.id == 1 and rep["outcome"] == "recovered", rep
-        ck2 = SparseCheckpointer(t2.model, t2.optimizer, t2.compute_dtype, SparseConfig(window=3), tiers=tiers)
+        window, rep = recover_from_tiers(Tiers(tiers.host, None, None), ops, t2.compute_dtype, identity=None)
+        assert window is not None and window.id == 1 and rep.outcome == "recovered", rep
+        ck2 = SparseCheckpointer(
+            t2.model, t2.optimizer, t2.compute_dtype, SparseConfig(window=3), RunContext(tiers=tiers)
+        )
         ck2.attach(t2)
         t2.set_step(6)
         with pytest.raises(CheckpointStallError) as stall:  # the documented policy, in the training thread

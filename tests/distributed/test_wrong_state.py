@@ -215,7 +215,7 @@ def test_failed_slot_write_never_commits_its_window(written, tmp_path, monkeypat
     ck, _ = train(root)
     monkeypatch.setattr(HostTier, "write_slot", real)
     assert not (run_dir(root) / "window-000002" / "MANIFEST.rank-00000.json").exists()
-    assert any("No space left" in e for e in ck.sparse.tier_writer.errors), ck.sparse.tier_writer.errors
+    assert any("No space left" in e for e in ck.sparse.persist.errors), ck.sparse.persist.errors
     rep, start, exact = resume_and_finish(root, written[1])
     fault_summary("slot_write_failed_enospc", 1, outcome(exact))
     assert start == 6 and rep["window_id"] == 1, rep

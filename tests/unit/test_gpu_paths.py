@@ -22,7 +22,7 @@ from torchmoe_ckpt.recovery.replay_check import check_replay_check
 from torchmoe_ckpt.recovery.replay_log import Replay
 from torchmoe_ckpt.recovery.sparse_to_dense import init_optimizer_state
 from torchmoe_ckpt.runtime.device_copy import CopyStream, host_copy
-from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.sparse_checkpointer import PlanningGroups, SparseCheckpointer
 from torchmoe_harness.trainer import RunConfig, Trainer
 
 
@@ -179,7 +179,11 @@ def test_counts_applied_at_window_starts_equal_counts_applied_per_iteration(one_
     """The decayed policy is order-sensitive: equal scores mean every iteration's counts were applied, in order."""
     t = Trainer(RunConfig(steps=8))
     ck = SparseCheckpointer(
-        t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3, popularity="decayed"), sum_counts=True
+        t.model,
+        t.optimizer,
+        t.compute_dtype,
+        SparseConfig(window=3, popularity="decayed"),
+        groups=PlanningGroups(sum_counts=True),
     ).attach(t)
     ref = PopularityTracker(*ck.planner.tracker.shape, policy="decayed", decay=ck.cfg.decay)
     # windows start at steps 1, 4 and 7; each start queues the counts since the last one for the host (a

@@ -23,7 +23,7 @@ import torchmoe_ckpt as tmc
 from torchmoe_ckpt.capture.host_memory import HostMemoryLimitError, parse_bytes
 from torchmoe_ckpt.config import CheckpointConfig, ConfigError, SparseConfig, TierConfig
 from torchmoe_ckpt.recovery.recover import ResumeResult
-from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
+from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_ckpt.storage.host_tier import HostTier
 from torchmoe_ckpt.storage.tiers import Tiers
 from torchmoe_harness.trainer import RunConfig, Trainer
@@ -57,7 +57,7 @@ def checkpointer(root, steps=40, window=3, arena=False, **sparse):
     # arena: the CUDA allocator (one arena per set, the tier copies it into its files), unpinned on CPU
     cfg = SparseConfig(window=window, host_buffers="arena" if arena else "auto", **sparse)
     ck = SparseCheckpointer(
-        t.model, t.optimizer, t.compute_dtype, cfg, tiers=None if tier is None else Tiers(tier, None, None)
+        t.model, t.optimizer, t.compute_dtype, cfg, RunContext(tiers=None if tier is None else Tiers(tier, None, None))
     ).attach(t)
     return t, ck
 
@@ -98,7 +98,7 @@ def deleted_but_mapped(root: Path) -> int:
 )
 def test_account_equals_what_is_allocated(shm, one_rank_group, arena, spares):
     t, ck = checkpointer(shm, window=3, arena=arena)
-    ck.tier_writer.tier.spare_windows = spares
+    ck.persist.tier.spare_windows = spares
     for step in range(1, 25):
         ck.after_step(t.train_step())
         if step % 4:
@@ -123,7 +123,7 @@ def test_account_equals_what_is_allocated(shm, one_rank_group, arena, spares):
         )
     assert ck.memory.account()["peak"] >= ck.memory.account()["total"]
     stop(ck)
-    ck.tier_writer.tier.collect(ck.committed.id + 1)  # a collect drops its files' mappings at once, spares or not
+    ck.persist.tier.collect(ck.committed.id + 1)  # a collect drops its files' mappings at once, spares or not
     assert deleted_but_mapped(shm) == ck.memory.account()["parts"]["unlinked_mappings"] == 0
 
 
@@ -195,7 +195,7 @@ def test_plan_changes_leave_no_memory_behind(shm, one_rank_group):
             ck.cfg.window = 2 + (step // 9) % 4
         ck.after_step(t.train_step())
     ck.flush(commit=False)
-    assert len({w["W"] for w in ck.counters["windows"]}) == 4
+    assert len({w["W"] for w in ck.counters.windows}) == 4
     assert deleted_but_mapped(shm) == ck.memory.account()["parts"]["unlinked_mappings"] == 0
     parts = ck.memory.account()["parts"]
     assert sum(parts[k] for k in FILE_PARTS) == du(shm / "run")
@@ -210,7 +210,7 @@ def test_limit_refuses_an_over_budget_plan_with_the_figure(shm, one_rank_group):
             t.optimizer,
             t.compute_dtype,
             SparseConfig(window=3, host_memory_limit="64 KiB"),
-            tiers=Tiers(HostTier(shm, "run", 0, 1), None, None),
+            RunContext(tiers=Tiers(HostTier(shm, "run", 0, 1), None, None)),
         )
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("host_memory_limit 64.0 KiB per rank is below"), msg
@@ -231,7 +231,7 @@ def test_limit_caps_auto_window(shm, one_rank_group):
     t, free = checkpointer(None, window=None, bandwidth_bytes_per_s=1.0)  # a copy budget that wants the largest W
     for _ in range(3):
         free.after_step(t.train_step())
-    big = free.counters["windows"][-1]["W"]
+    big = free.counters.windows[-1]["W"]
     stop(free)
     assert big >= 3
     t, probe = checkpointer(None, window=None, bandwidth_bytes_per_s=1.0, host_memory_limit=1 << 40)
@@ -241,7 +241,7 @@ def test_limit_caps_auto_window(shm, one_rank_group):
     assert ck.planner.w_cap == 2 and ck.memory.need["window"] == 2
     for _ in range(8):
         ck.after_step(t.train_step())
-    assert {w["W"] for w in ck.counters["windows"]} == {2}
+    assert {w["W"] for w in ck.counters.windows} == {2}
     stop(ck)
 
 
@@ -277,7 +277,9 @@ def test_inherited_window_is_let_go_at_the_next_commit(one_rank_group):
     win = ck.committed
     t2 = Trainer(RunConfig(steps=10))
     resumed = ResumeResult(win, win.start_step + win.plan.window - 1)  # as a recovery hands it over
-    new = SparseCheckpointer(t2.model, t2.optimizer, t2.compute_dtype, SparseConfig(window=2), resumed=resumed)
+    new = SparseCheckpointer(
+        t2.model, t2.optimizer, t2.compute_dtype, SparseConfig(window=2), RunContext(resumed=resumed)
+    )
     del resumed
     new.attach(t2)
     stop(ck)

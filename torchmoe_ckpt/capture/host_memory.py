@@ -43,8 +43,8 @@ class HostMemory:
     def account(self) -> dict:
         ck = self.ck
         parts = dict(ck.slots.host_bytes())
-        if ck.tier_writer is not None:
-            parts.update(ck.tier_writer.host_bytes(ck.slots.files()))
+        if ck.persist is not None:
+            parts.update(ck.persist.host_bytes(ck.slots.files()))
         wins = {id(w): w for w in (ck.current, ck.committed, ck._inherited) if w is not None}
         parts["replay_logs"] = sum(r.nbytes() for w in wins.values() for r in w.log.records.values())
         inh = ck._inherited
@@ -88,7 +88,7 @@ class HostMemory:
         small = sum(pageup(META_PER_ITEM * n + 2048) for n in pool.item_counts(plan))
         small += pageup(len(json.dumps(plan.to_dict())) + 256 * (2 * plan.window + 1) + 4096)
         small += pageup(plan.window * REPLAY_RECORD)
-        tw = ck.tier_writer
+        tw = ck.persist
         backlog = 0 if tw is None or tw.uploader is None else tw.upload_backlog
         spare_w = 0 if tw is None else getattr(tw.tier, "spare_windows", 1)
         out: dict[str, int] = {}
@@ -174,12 +174,12 @@ class HostMemory:
         add = alloc.set_bytes(plan)
         if self.total() + add <= self.limit:
             return
-        if ck.tier_writer is not None:  # the persist thread may be about to free a set (a collect, a copy)
+        if ck.persist is not None:  # the persist thread may be about to free a set (a collect, a copy)
             t0 = time.perf_counter()
-            ck.tier_writer.flush()
+            ck.persist.flush()
             self.drain_waits += 1
             self.drain_wait_s += time.perf_counter() - t0
-            ck.tier_writer.trim_spares()  # safe now: the persist thread is idle until this window starts
+            ck.persist.trim_spares()  # safe now: the persist thread is idle until this window starts
             if alloc.has_free(plan):
                 return
         alloc.trim()

@@ -26,19 +26,19 @@ import time
 from collections.abc import Callable
 from fnmatch import fnmatch
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
 from ..config import TierConfig
 from ..model.operators import local_tensor as _local
+from ..runtime.agreement import all_gather_objects, all_ok
 from ..runtime.watchdog import write_all  # os.write on fd 2: this may run while another thread holds a stream lock
 from ..storage.checksums import crc32_bytes
 from ..storage.commit import write_last
 from ..storage.files import StoreFiles
 from ..storage.layout import jit_step_dirname as step_dirname
 from ..storage.layout import writer_name as rank_dirname
-from ..storage.recover import all_gather_objects
 from ..storage.store_open import open_store
 from .sparse_to_dense import init_optimizer_state
 
@@ -223,9 +223,17 @@ def list_copies(jit_dir: Path, store: StoreFiles | None) -> list[dict]:
     return out
 
 
+def _store_of(store: StoreFiles | None) -> StoreFiles:
+    if store is None:  # list_copies lists store copies only with a store
+        raise ValueError("a JIT copy in the object store, but no object store is configured")
+    return store
+
+
 def _read(copy: dict, store: StoreFiles | None) -> dict:
     data = (
-        (Path(copy["path"]) / STATE).read_bytes() if copy["where"] == "host" else store.read(f"{copy['path']}/{STATE}")
+        (Path(copy["path"]) / STATE).read_bytes()
+        if copy["where"] == "host"
+        else _store_of(store).read(f"{copy['path']}/{STATE}")
     )
     if len(data) != copy["bytes"] or crc32_bytes(data) != copy["crc32"]:
         raise ValueError(
@@ -299,7 +307,22 @@ def apply_state(trainer, blob: dict) -> None:
         )
 
 
-T = TypeVar("T")
+class _JitTrainer(Protocol):
+    """What `resume` reads of a trainer (the harness's and TorchTitan's)."""
+
+    @property
+    def mesh(self) -> object: ...  # the device mesh its shard layout is read from
+    @property
+    def rank(self) -> int: ...
+
+
+T = TypeVar("T", bound=_JitTrainer)
+
+
+def _incomplete_copies(jit_dir: Path) -> list[Path]:
+    """Host copies without a valid marker (a save cut short, or damaged): never used, only reported."""
+    complete = {c["path"] for c in list_copies(jit_dir, None)}
+    return [d for d in sorted(jit_dir.glob("step-*/rank-*")) if str(d) not in complete]
 
 
 def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tuple[T, dict | None]:
@@ -321,9 +344,7 @@ def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tu
             if step is None
             else f"JIT step {step} is not newer than the committed window's step {bound}"
         )
-        # host copies without a valid marker (a save cut short, or damaged): never used, only reported
-        complete = {c["path"] for c in list_copies(jit_dir, None)}
-        incomplete = [d for d in sorted(jit_dir.glob("step-*/rank-*")) if str(d) not in complete]
+        incomplete = _incomplete_copies(jit_dir)
         if trainer.rank == 0 and (incomplete or any(c for _, c in everyone)):
             log.warning(
                 "event=jit_not_used reason=%r window_step=%d incomplete_copies_ignored=%d", why, bound, len(incomplete)
@@ -343,8 +364,9 @@ def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tu
         except Exception as exc:  # torn, corrupt or foreign: try the next replica's copy
             where = f"{c['where']}:{c['path']}"
             log.warning(f"event=jit_copy_rejected rank={fresh.rank} copy={where} error={type(exc).__name__}: {exc}")
-    if not all(all_gather_objects(used is not None)):  # some shard not loaded: the window path, from a fresh init
+    if not all_ok(used is not None):  # some shard not loaded: the window path, from a fresh init
         return rebuild(False), None
+    assert used is not None  # agreed: every rank loaded one
     begun = max(c["begun"] for cs in shards.values() for c in cs)
     rep = {
         "source": "jit",

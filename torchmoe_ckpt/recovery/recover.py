@@ -9,33 +9,70 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from ..core.errors import UnusableCheckpointError, is_collective_failure
+from ..core.errors import UnusableCheckpointError
 from ..core.operator import Operator
 from ..core.window import Window, sliding_suffix
 from ..model.identity import IdentityMismatch, RunIdentity, allowed_changes, build_identity, refusal
 from ..model.optim_state import describe_optimizer_state
-from ..storage.recover import all_gather_objects, recover_from_tiers
+from ..runtime.agreement import all_gather_objects, gather_failures, run_everywhere
+from ..runtime.watchdog import CollectiveWatchdog
+from ..storage.host_tier import HostTier
+from ..storage.recover import TierOutcome, recover_from_tiers
 from ..storage.tiers import Tiers
 from .replay_check import ReplayPolicy, replay_verdict
 from .sparse_to_dense import RecoveryReport, Replayable, replay_slots, sparse_to_dense
 
 log = logging.getLogger("torchmoe_ckpt.recovery")
 
-__all__ = ["ResumeResult", "recover"]
+__all__ = ["RecoveryOptions", "RecoveryOutcome", "ResumeResult", "recover"]
+
+
+@dataclass
+class RecoveryOptions:
+    """How a recovery from the tiers behaves (`recover`, `startup.start`)."""
+
+    # Every window there rejected: "fail" raises UnusableCheckpointError; "restart" starts over from step 0
+    # (overwriting them).
+    on_unusable: Literal["fail", "restart"] | str = "fail"
+    replay_check: ReplayPolicy | None = None  # how each replayed iteration is compared (default: exact)
+    before_replay: Callable[[Window], None] | None = None  # called with each window before its load into the trainer
+    watchdog: CollectiveWatchdog | None = None  # watches the whole recovery
+
+
+@dataclass
+class RecoveryOutcome:
+    """What a recovery from the tiers did; `to_dict()` is the JSON report (`ResumeResult.report`)."""
+
+    tiers: TierOutcome  # where the window came from, what was rejected and why
+    replay: RecoveryReport | None = None  # the conversion to the dense state (None: nothing recovered)
+    fetch_seconds: float = 0.0  # from the start of the recovery to the end of the search over the tiers
+    total_seconds: float | None = None  # the whole recovery (None: nothing recovered)
+    allowed_changes: list[str] | None = None  # settings changed since the window was written (rank 0 only)
+
+    def to_dict(self) -> dict:
+        out = self.replay.to_dict() if self.replay is not None else {}
+        out.update(self.tiers.to_dict(), fetch_seconds=self.fetch_seconds)
+        if self.total_seconds is not None:
+            out["total_seconds"] = self.total_seconds
+        if self.allowed_changes:
+            out["allowed_changes"] = self.allowed_changes
+        return out
 
 
 @dataclass
 class ResumeResult:
     window: Window | None  # the window recovered from (the checkpointer's fallback until the next commits)
     recovered_step: int | None  # iterations completed after recovery; None = no window anywhere
-    report: dict = field(default_factory=dict)
+    report: dict = field(default_factory=dict)  # the JSON report (RecoveryOutcome.to_dict(), or another recovery's)
     # Where new window ids start (None: after `window`, else 0); set by a recovery that hands no window over
     # (pipeline stages, a JIT copy), so that new windows sort after those on the tiers.
     next_window_id: int | None = None
+    outcome: RecoveryOutcome | None = None  # a recovery from the tiers: the report's typed form
 
     @property
     def recovered(self) -> bool:
@@ -47,75 +84,134 @@ def recover(
     tiers: Tiers,
     ops: dict[str, Operator],
     compute_dtype: torch.dtype,
-    rank: int = 0,
-    before_replay: Callable[[Window], None] | None = None,
+    *,
     identity: RunIdentity | None = None,
-    watchdog=None,
-    on_unusable: str = "fail",
-    replay_check: ReplayPolicy | None = None,
+    options: RecoveryOptions | None = None,
 ) -> ResumeResult:
-    """Collective. Loads the newest usable window into `trainer` (freshly built) and replays it; with no window
-    on any tier returns `recovered_step=None`, trainer untouched. `before_replay(window)` runs before the load.
-    `identity` (default: built from the trainer) is what a window must have been written by. A window that fails
-    a check, its load or its replay is rejected on every rank and the next newest is tried. Windows that all
-    belong to another run raise `IdentityMismatch`; windows all rejected raise `UnusableCheckpointError` with
-    `on_unusable="fail"`, or start over with "restart". `watchdog` watches the whole recovery."""
-    with watchdog.watch("recovery") if watchdog is not None else nullcontext():
-        t0 = time.perf_counter()
-        describe_optimizer_state(trainer.model, ops, trainer.optimizer)  # the slots' layout of the optimizer state
-        if identity is None:
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            identity = build_identity(trainer.model, trainer.optimizer, compute_dtype, ops, tiers.host.dir.name, world)
-        done: dict = {}
+    """Load the newest usable window into `trainer` (freshly built) and replay it. Collective, every rank.
 
-        def replay(window: Window) -> None:
-            done["find"] = time.perf_counter() - t0  # listed, checked, agreed and read from the tier
-            # When every window fails, the caller gets its trainer back as it was, not half-replayed: one host
-            # copy per recovery (a failed window's state is overwritten by the next one's load): "safety_copy".
-            if "saved" not in done:
-                s0 = time.perf_counter()
-                done["saved"] = _snapshot(trainer)
-                done["safety_copy"] = time.perf_counter() - s0
-            if before_replay is not None:
-                before_replay(window)
-            rep = _replay_tail(trainer, tiers.host, window, ops, compute_dtype, identity, replay_check)
-            done["report"] = rep if rep is not None else sparse_to_dense(trainer, window, replay_check)
+    A window that fails a check, its load or its replay is rejected on every rank and the next newest is tried.
 
-        window, found = recover_from_tiers(
-            tiers.host, tiers.peers, ops, compute_dtype, store=tiers.store, identity=identity, use=replay
+    Args:
+        trainer: what is recovered into; untouched when nothing is recovered.
+        tiers: the opened tiers (`storage.tiers.build_tiers`).
+        ops: the operators by name.
+        compute_dtype: the dtype the slots were captured in.
+        identity: what a window must have been written by (default: built from the trainer).
+        options: `RecoveryOptions` (on_unusable, replay_check, before_replay, watchdog).
+
+    Returns:
+        A `ResumeResult`; `recovered_step=None` when there is no window on any tier.
+
+    Raises:
+        IdentityMismatch: every window there belongs to another run.
+        UnusableCheckpointError: windows exist but every one was rejected, with `on_unusable="fail"`.
+    """
+    opts = options or RecoveryOptions()
+    with opts.watchdog.watch("recovery") if opts.watchdog is not None else nullcontext():
+        return _recover(trainer, tiers, ops, compute_dtype, identity, opts)
+
+
+def _recover(trainer, tiers: Tiers, ops, compute_dtype, identity: RunIdentity | None, opts: RecoveryOptions):
+    t0 = time.perf_counter()
+    describe_optimizer_state(trainer.model, ops, trainer.optimizer)  # the slots' layout of the optimizer state
+    if identity is None:
+        identity = _identity_of(trainer, tiers, ops, compute_dtype)
+    replay = _ReplayEachWindow(trainer, _Source(tiers.host, ops, compute_dtype, identity), opts, t0)
+    window, found = recover_from_tiers(tiers, ops, compute_dtype, identity=identity, use=replay)
+    fetch_s = time.perf_counter() - t0
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if window is None:
+        replay.undo()  # every window tried failed its replay: the caller's trainer back as it was
+        _no_window(found, tiers, identity, rank, opts.on_unusable)
+        return ResumeResult(None, None, RecoveryOutcome(found, fetch_seconds=fetch_s).to_dict())
+    rep = replay.timed_report(fetch_s)
+    outcome = RecoveryOutcome(found, rep, fetch_s, total_seconds=time.perf_counter() - t0)
+    if rank == 0:
+        outcome.allowed_changes = _log_recovered(window, tiers.host, identity, outcome)
+    return ResumeResult(window, rep.recovered_step, outcome.to_dict(), outcome=outcome)
+
+
+def _identity_of(trainer, tiers: Tiers, ops, compute_dtype) -> RunIdentity:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return build_identity(trainer.model, trainer.optimizer, compute_dtype, ops, tiers.host.dir.name, world)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where the windows are read from, and what they must hold: the host tier, operators, dtype and identity."""
+
+    host: HostTier
+    ops: dict[str, Operator]
+    compute_dtype: torch.dtype
+    identity: RunIdentity
+
+
+class _ReplayEachWindow:
+    """The `use` hook of `recover_from_tiers`: replays each window tried into the trainer, and keeps the phase
+    clock. When every window fails, the caller gets its trainer back as it was, not half-replayed: one host copy
+    per recovery (a failed window's state is overwritten by the next one's load), taken before the first replay."""
+
+    def __init__(self, trainer, source: _Source, opts: RecoveryOptions, t0: float):
+        self.trainer, self.source, self.opts, self.t0 = trainer, source, opts, t0
+        self.find_s = 0.0  # listed, checked, agreed and read from the tier
+        self.safety_copy_s = 0.0
+        self.saved: tuple[list, dict] | None = None
+        self.report: RecoveryReport | None = None
+
+    def __call__(self, window: Window) -> None:
+        self.find_s = time.perf_counter() - self.t0
+        if self.saved is None:
+            s0 = time.perf_counter()
+            self.saved = _snapshot(self.trainer)
+            self.safety_copy_s = time.perf_counter() - s0
+        if self.opts.before_replay is not None:
+            self.opts.before_replay(window)
+        rep = _replay_tail(self.trainer, self.source, window, self.opts.replay_check)
+        self.report = rep if rep is not None else sparse_to_dense(self.trainer, window, self.opts.replay_check)
+
+    def undo(self) -> None:
+        if self.saved is not None:
+            _restore(self.trainer, self.saved)
+
+    def timed_report(self, fetch_s: float) -> RecoveryReport:
+        """The successful replay's report with the recovery's phases: find and safety_copy first, the rest of
+        the search counted as rebuild."""
+        rep = self.report
+        assert rep is not None  # a window was recovered: its replay ran
+        rep.phases = {"find": self.find_s, "safety_copy": self.safety_copy_s, **rep.phases}
+        rep.phases["rebuild"] += max(0.0, fetch_s - self.find_s - self.safety_copy_s - rep.seconds)
+        return rep
+
+
+def _log_recovered(window: Window, host: HostTier, identity: RunIdentity, outcome: RecoveryOutcome) -> list[str]:
+    """Rank 0's lines after a recovery; returns the allowed changes since the window was written."""
+    found, rep = outcome.tiers, outcome.replay
+    assert rep is not None
+    rejected = sorted(w for w in _rejected_windows(found) if w != window.id)  # by any rank (gathered)
+    changed = allowed_changes(_written_by(host, window.id), identity)
+    if changed:
+        log.info(
+            f"event=allowed_change run={identity.run_id} window={window.id}: {'; '.join(changed)} "
+            "(not part of the run identity: accepted)"
         )
-        fetch_s = time.perf_counter() - t0
-        if window is None:
-            if "saved" in done:  # every window tried failed its replay: the caller's trainer back as it was
-                _restore(trainer, done["saved"])
-            _no_window(found, tiers, identity, rank, on_unusable)
-            return ResumeResult(None, None, dict(found, fetch_seconds=fetch_s))
-        rep = done["report"]
-        rep.phases = {"find": done["find"], "safety_copy": done["safety_copy"], **rep.phases}
-        rep.phases["rebuild"] += max(0.0, fetch_s - done["find"] - done["safety_copy"] - rep.seconds)
-        report = dict(rep.to_dict(), **found, fetch_seconds=fetch_s, total_seconds=time.perf_counter() - t0)
-        if rank == 0:
-            rejected = sorted(w for w in _rejected_windows(found) if w != window.id)  # by any rank (gathered)
-            try:
-                written_by = tiers.host.manifest(window.id).identity
-            except (OSError, ValueError):
-                written_by = None
-            changed = allowed_changes(written_by, identity)
-            if changed:
-                report["allowed_changes"] = changed
-                log.info(
-                    f"event=allowed_change run={identity.run_id} window={window.id}: {'; '.join(changed)} "
-                    "(not part of the run identity: accepted)"
-                )
-            log.info(
-                f"event=recovered run={identity.run_id} window={window.id} source={found.get('source')} steps="
-                f"{rep.start_step}..{rep.recovered_step} replayed={rep.replayed_iterations} bytes={rep.bytes_loaded} "
-                f"seconds={report['total_seconds']:.3f} rejected={rejected or 'none'}: {replay_verdict(report)}"
-            )
-        return ResumeResult(window, rep.recovered_step, report)
+    log.info(
+        f"event=recovered run={identity.run_id} window={window.id} source={found.source} steps="
+        f"{rep.start_step}..{rep.recovered_step} replayed={rep.replayed_iterations} bytes={rep.bytes_loaded} "
+        f"seconds={outcome.total_seconds:.3f} rejected={rejected or 'none'}: {replay_verdict(rep.to_dict())}"
+    )
+    return changed
 
 
-def _replay_tail(trainer, host, window: Window, ops, compute_dtype, identity, replay_check) -> RecoveryReport | None:
+def _written_by(host: HostTier, wid: int) -> dict | None:
+    """The identity in window `wid`'s manifest, as written (None: unreadable)."""
+    try:
+        return host.manifest(wid).identity
+    except (OSError, ValueError):
+        return None
+
+
+def _replay_tail(trainer, source: _Source, window: Window, replay_check: ReplayPolicy | None) -> RecoveryReport | None:
     """Collective. With sliding plans, the replay of `window` on to the newest uncommitted slot after it that every
     rank has (`HostTier.load_partial`) and that covers every operator; None on every rank when some rank has none
     or the replay fails on any (the committed window alone is next)."""
@@ -123,47 +219,63 @@ def _replay_tail(trainer, host, window: Window, ops, compute_dtype, identity, re
         return None
     nxt = None
     try:
-        nxt = host.load_partial(
-            window.id + 1, window.start_step + window.plan.window, ops, compute_dtype, identity.fingerprint
+        nxt = source.host.load_partial(
+            window.id + 1,
+            window.start_step + window.plan.window,
+            source.ops,
+            source.compute_dtype,
+            source.identity.fingerprint,
         )
     except Exception as exc:  # noqa: BLE001  (an unreadable partial copy is one that does not count)
         log.info("event=partial_window_unusable window=%d: %s", window.id + 1, exc)
-    k = min(all_gather_objects(nxt.captured if nxt is not None else 0))
-    if k == 0:
+    captured = nxt.captured if nxt is not None else 0
+    k = min(all_gather_objects(captured))
+    if k == 0 or nxt is None:  # nxt is None only where k == 0: the same branch on every rank
         return None
     nxt.captured = k
     suffix = sliding_suffix(window, nxt)
-    rep, why = None, None
-    try:
-        rep = replay_slots(
-            trainer, suffix.seq, suffix.start_step, suffix.record, window.id + 1, suffix.label, replay_check
-        )
-    except Exception as exc:  # noqa: BLE001  (ReplayDivergence, a torn item: the committed window is next)
-        if is_collective_failure(exc):  # a peer frozen or gone: no verdict on the window (storage/recover._try)
-            raise
-        why = f"{type(exc).__name__}: {exc}"
-    whys = [w for w in all_gather_objects(why) if w]
-    if whys:
+    assert suffix is not None
+    # ReplayDivergence, a torn item: the committed window is next (a failed collective ends the recovery).
+    rep, failures = run_everywhere(
+        replay_slots,
+        trainer,
+        suffix.seq,
+        suffix.start_step,
+        suffix.record,
+        window.id + 1,
+        suffix.label,
+        replay_check,
+        reason=_whole_reason,
+    )
+    if failures:
         log.warning(
-            "event=sliding_replay_failed window=%d: %s; replaying window %d alone", window.id + 1, whys[0], window.id
+            "event=sliding_replay_failed window=%d: %s; replaying window %d alone",
+            window.id + 1,
+            next(iter(failures.values())),
+            window.id,
         )
         return None
     return rep
 
 
-def _no_window(found: dict, tiers: Tiers, identity: RunIdentity, rank: int, on_unusable: str) -> None:
+def _whole_reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _no_window(found: TierOutcome, tiers: Tiers, identity: RunIdentity, rank: int, on_unusable: str) -> None:
     """Say why nothing was recovered; refuse when every window there belongs to another run, and (by default)
     when windows exist but every one was rejected: restarting from step 0 would overwrite them."""
-    rejected = dict(found.get("unusable_copies", {}))
-    for w, per_rank in found.get("rejected", {}).items():
+    rejected = dict(found.unusable_copies)
+    for w, per_rank in found.rejected.items():
         rejected.setdefault(w, next(iter(per_rank.values())))
     foreign = [why.split("identity: ", 1)[1] for why in rejected.values() if "identity: " in why]
+    all_foreign = foreign[-1] if foreign and len(foreign) == len(rejected) else None
     # Agreed, so that every rank refuses or none does (a rank that went on alone would hang its peers).
-    refuse = [f for f in all_gather_objects(foreign[-1] if foreign and len(foreign) == len(rejected) else None) if f]
-    if refuse:
-        raise IdentityMismatch(refusal(identity.run_id, foreign[-1] if foreign else refuse[0]))
+    refusing = gather_failures(all_foreign)
+    if refusing:
+        raise IdentityMismatch(refusal(identity.run_id, foreign[-1] if foreign else next(iter(refusing.values()))))
     # "no usable window" is the same on every rank (tiers.py gathers every rank's damaged copies): agreed.
-    if found.get("outcome") == "no usable window":
+    if found.outcome == "no usable window":
         windows = _rejected_windows(found)
         if on_unusable != "restart":
             raise UnusableCheckpointError(unusable_message(identity.run_id, tiers.host.dir, windows))
@@ -179,12 +291,12 @@ def _no_window(found: dict, tiers: Tiers, identity: RunIdentity, rank: int, on_u
         )
 
 
-def _rejected_windows(found: dict) -> dict[int, dict[str, list]]:
+def _rejected_windows(found: TierOutcome) -> dict[int, dict[str, list]]:
     """window -> {reason: [ranks]}: every rank's damaged copies and every window rejected by agreement."""
     out: dict[int, dict[str, list]] = {}
-    by_rank = found.get("unusable_by_rank") or {"this rank": found.get("unusable_copies", {})}
+    by_rank: dict = found.unusable_by_rank or {"this rank": found.unusable_copies}
     damaged = [(w, r, why) for r, copies in by_rank.items() for w, why in copies.items()]
-    agreed = [(w, r, why) for w, per_rank in found.get("rejected", {}).items() for r, why in per_rank.items()]
+    agreed = [(w, r, why) for w, per_rank in found.rejected.items() for r, why in per_rank.items()]
     for w, r, why in damaged + agreed:
         out.setdefault(w, {}).setdefault(why, []).append(r)
     return out
@@ -197,14 +309,19 @@ def _listing(windows: dict[int, dict[str, list]], sep: str) -> str:
     ids = sorted(windows, reverse=True)
     parts = []
     for w in ids[:MAX_LISTED]:
-        whys = [
-            f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: {why}" if ranks != ["this rank"] else why
-            for why, ranks in windows[w].items()
-        ]
+        whys = [_why_with_ranks(why, ranks) for why, ranks in windows[w].items()]
         parts.append(f"window {w}: " + " | ".join(whys[:2]) + (f" (+{len(whys) - 2} more)" if len(whys) > 2 else ""))
     if len(ids) > MAX_LISTED:
         parts.append(f"... and {len(ids) - MAX_LISTED} older window(s): {', '.join(map(str, ids[MAX_LISTED:]))}")
     return sep.join(parts)
+
+
+def _why_with_ranks(why: str, ranks: list) -> str:
+    """ "ranks 0, 2: why" ("this rank": the reason alone)."""
+    if ranks == ["this rank"]:
+        return why
+    label = "ranks" if len(ranks) > 1 else "rank"
+    return f"{label} {', '.join(map(str, ranks))}: {why}"
 
 
 def unusable_message(run_id: str | None, run_dir, windows: dict[int, dict[str, list]]) -> str:
@@ -280,6 +397,10 @@ def _restore(trainer, saved: tuple[list, dict]) -> None:
             continue
         st, was = o.state[p], state.get(id(p))
         for k, v in st.items():
-            if torch.is_tensor(v):  # state created by the recovery attempt: back to a fresh optimizer's zeros
-                v.copy_(was[k]) if was is not None and k in was else v.zero_()
+            if not torch.is_tensor(v):
+                continue
+            if was is not None and k in was:
+                v.copy_(was[k])
+            else:  # state created by the recovery attempt: back to a fresh optimizer's zeros
+                v.zero_()
     trainer.set_step(0)

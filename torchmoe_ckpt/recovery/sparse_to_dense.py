@@ -91,7 +91,7 @@ def sparse_to_dense(trainer: Replayable, window, replay_check: ReplayPolicy | No
     return replay_slots(trainer, seq, window.start_step, window.log.get, window.id, f"window {window.id}", replay_check)
 
 
-def replay_slots(
+def replay_slots(  # noqa: PLR0913 (a run of slots: a window and a sliding suffix hand their own parts)
     trainer: Replayable,
     seq: list[tuple[Slot, SlotPlan]],
     t0: int,

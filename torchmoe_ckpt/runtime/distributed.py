@@ -21,10 +21,17 @@ import time
 import uuid
 from contextlib import suppress
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+# The C++ stores, which torch.distributed re-exports without naming them in its __all__.
+Store = dist.Store  # pyright: ignore[reportPrivateImportUsage]
+TCPStore = dist.TCPStore  # pyright: ignore[reportPrivateImportUsage]
+PrefixStore = dist.PrefixStore  # pyright: ignore[reportPrivateImportUsage]
+HashStore = dist.HashStore  # pyright: ignore[reportPrivateImportUsage]
 
 # `torch.distributed.rendezvous` the attribute is a function that shadows the module of that name.
 rdzv = importlib.import_module("torch.distributed.rendezvous")
@@ -58,14 +65,12 @@ def _shared_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-def round_store(
-    agent_store: dist.Store, host: str, rank: int, world_size: int, timeout: timedelta, seq: int = 0
-) -> dist.Store:
+def round_store(agent_store: Store, host: str, rank: int, world_size: int, timeout: timedelta, seq: int = 0) -> Store:
     """A store that holds only this rendezvous round's keys, found through `agent_store` (module doc). Collective
     in effect. `seq`: which rendezvous of this process it is (the same on every rank), so each gets its own."""
     key = f"{ROUND_STORE_KEY}/{seq}"
     if rank == 0:
-        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        store = TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
         nonce = uuid.uuid4().hex
         store.set(_NONCE_KEY, nonce)
         agent_store.set(key, f"{store.port} {nonce}")
@@ -75,7 +80,7 @@ def round_store(
         port, nonce = agent_store.get(key).decode().split()
         with suppress(OSError, RuntimeError):  # DistStoreError / DistNetworkError are RuntimeErrors
             socket.create_connection((host, int(port)), timeout=2.0).close()  # refused at once when the server is gone
-            store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timedelta(seconds=5))
+            store = TCPStore(host, int(port), world_size, is_master=False, timeout=timedelta(seconds=5))
             if store.check([_NONCE_KEY]) and store.get(_NONCE_KEY).decode() == nonce:
                 store.set_timeout(timeout)
                 return store
@@ -104,7 +109,7 @@ def key_rendezvous_by_attempt() -> None:
 
     keyed.torchmoe_keyed = True
     keyed.used = False
-    rdzv._create_c10d_store = keyed
+    rdzv._create_c10d_store = keyed  # pyright: ignore[reportAttributeAccessIssue]  (torch's private store hook)
 
 
 _late_keyed: list = []  # the default group keyed by key_groups_by_attempt (pybind stores take no attributes)
@@ -130,7 +135,7 @@ def key_groups_by_attempt() -> bool:
     # On the default group itself: its store may hold an earlier round's keys, so a new group could not be trusted.
     dist.broadcast_object_list(nonce, src=0)
     backend, store = c10d._world.pg_map[pg]
-    c10d._world.pg_map[pg] = (backend, dist.PrefixStore(f"/torchmoe/round-{nonce[0]}", store))
+    c10d._world.pg_map[pg] = (backend, PrefixStore(f"/torchmoe/round-{nonce[0]}", store))
     _late_keyed.append(pg)
     return True
 
@@ -151,8 +156,15 @@ def _warn_shared_store_multi_host() -> None:
 
 
 def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> tuple[int, int]:
-    """Initialise the default process group from torchrun's environment, safely across restarts, and return
-    (rank, world size); without torchrun, a one-process group. `backend`: `default_backend()`. Idempotent."""
+    """Initialise the default process group from torchrun's environment, safely across restarts. Idempotent.
+
+    Args:
+        backend: the process group's backend (default: `default_backend()`).
+        timeout_s: the process group's timeout; the library's own gloo groups take the same.
+
+    Returns:
+        (rank, world size); without torchrun, (0, 1) on a one-process group.
+    """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     backend = backend or default_backend()
@@ -160,7 +172,7 @@ def init_process_group(backend: str | None = None, timeout_s: float = 120.0) -> 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(seconds=timeout_s)
     if "RANK" not in os.environ:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1, timeout=timeout)
         return 0, 1
     key_rendezvous_by_attempt()
     dist.init_process_group(backend, timeout=timeout)
@@ -184,7 +196,8 @@ def library_new_group(ranks: list[int] | None = None, **kwargs) -> dist.ProcessG
     """A gloo group of the library's own, with the default group's timeout: every collective the library issues
     (recovery's agreement, peer copies, exports) ends when the user's own collectives would, never later.
     Collective over `ranks` (all ranks when None), like `dist.new_group`."""
-    return dist.new_group(ranks, timeout=default_group_timeout(), backend="gloo", **kwargs)
+    group = dist.new_group(ranks, timeout=default_group_timeout(), backend="gloo", **kwargs)
+    return cast(dist.ProcessGroup, group)  # a group, not NON_GROUP_MEMBER: only its members call this
 
 
 # The library's own collectives carry a few CPU numbers; on a GPU job the default group is NCCL, which refuses

@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Set
+from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -79,6 +79,7 @@ class PersistThread:
         peers: PeerTier | None = None,
         store: ObjectStore | None = None,
         lease: StoreLease | None = None,
+        memory_line: Callable[[], str] | None = None,
     ):
         """Starts the thread; uploads first what a previous run committed but could not upload.
 
@@ -87,6 +88,7 @@ class PersistThread:
             peers: the peer tier (each committed window is pushed to its peers), None: no peers.
             store: the object store (each committed window is uploaded by an upload thread), None: no store.
             lease: this job's writer lease on the store's prefix, released by `finish` (a clean exit).
+            memory_line: () -> "host memory X of LIMIT" for the status lines (`HostMemory.line`), None: not shown.
         """
         self.tier = tier
         self.health = TierHealth("host", tier.rank, tier.options.stall_iterations, tier.options.on_stall)
@@ -97,6 +99,7 @@ class PersistThread:
         n_peers = None if pl is None else getattr(pl, "r", self._peers_here)
         where = None if store is None else str(getattr(store, "uri", None) or type(store).__name__)
         self.status = RunStatus(tier.rank, n_peers, where)
+        self.status.memory = memory_line  # () -> "host memory X of LIMIT" for the status lines (HostMemory.line)
         # First what a previous run committed but could not upload (an outage, an exit before the store caught up).
         self.uploader = Uploader(store, tier, status=self.status) if store is not None else None
         if self.uploader is not None:

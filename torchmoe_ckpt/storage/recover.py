@@ -7,207 +7,287 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from ..core.errors import is_collective_failure
+from ..core.window import Window
 from ..model.identity import RunIdentity
-from ..runtime.distributed import library_group
+from ..runtime.agreement import all_gather_objects, failure_reason, run_everywhere
 from .host_tier import HostTier
 from .slot_format import CorruptCopyError
+from .tiers import Tiers
 
 log = logging.getLogger("torchmoe_ckpt.tiers")
 
+__all__ = ["TierOutcome", "recover_from_tiers"]
+
+
+@dataclass
+class TierOutcome:
+    """What the search over the tiers found (its JSON form, `to_dict()`, is part of the recovery report)."""
+
+    # "recovered", "no window", or "no usable window" (some existed, all rejected)
+    outcome: str = "no window"
+    source: str | None = None  # "host", "peer N" or "object store"; None: nothing recovered
+    unusable_copies: dict[int, str] = field(default_factory=dict)  # this rank's damaged copies: window -> why
+    rejected: dict[int, dict[str, str]] = field(default_factory=dict)  # window -> {rank: why}, agreed
+    unusable_by_rank: dict[int, dict[int, str]] = field(default_factory=dict)  # every rank's damaged copies
+    pulled_from_peers: dict[str, int] | None = None  # rank -> the peer it pulled its part from (host/peer tier)
+    orphans_removed: list[str] | None = None  # run dirs of an older node numbering, retired after the recovery
+    store_unreachable: str | None = None  # why the object store could not be listed
+    failed_downloads: dict[int, str | None] | None = None  # window -> the first rank's reason
+
+    def to_dict(self) -> dict:
+        """The report's keys; optional ones only when set."""
+        out: dict = {
+            "unusable_copies": self.unusable_copies,
+            "rejected": self.rejected,
+            "unusable_by_rank": self.unusable_by_rank,
+            "source": self.source,
+            "outcome": self.outcome,
+        }
+        optional = {
+            "pulled_from_peers": self.pulled_from_peers,
+            "orphans_removed": self.orphans_removed,
+            "store_unreachable": self.store_unreachable,
+            "failed_downloads": self.failed_downloads,
+        }
+        out.update((k, v) for k, v in optional.items() if v is not None)
+        return out
+
+    def settle(self) -> TierOutcome:
+        """Set `outcome` from what was found (after the last change)."""
+        damaged = self.rejected or self.unusable_by_rank or self.unusable_copies
+        if self.source:
+            self.outcome = "recovered"
+        elif damaged:
+            self.outcome = "no usable window"
+        else:
+            self.outcome = "no window"
+        return self
+
+
+class RankView(NamedTuple):
+    """One rank's view in a round of the host/peer search (gathered from every rank)."""
+
+    local: list[int]  # windows of its own it can load (host tier, or its host's older numbering)
+    held: dict[int, list[int]]  # rank -> windows this rank can send it (peer tier, orphans)
+    unusable: dict[int, str] | None  # its damaged copies (first round only)
+
+
+@dataclass(frozen=True)
+class _Load:
+    """Loads window `wid` of this rank from its host tier: the operators, the dtype and the identity to check."""
+
+    tier: HostTier
+    ops: dict
+    compute_dtype: torch.dtype
+    identity: RunIdentity | None
+
+    def __call__(self, wid: int):
+        return self.tier.load_window(wid, self.ops, self.compute_dtype, self.identity)
+
 
 def recover_from_tiers(
-    tier: HostTier,
-    replicator,
+    tiers: Tiers,
     ops: dict,
     compute_dtype: torch.dtype,
-    store=None,
     identity: RunIdentity | None = None,
-    use=None,
-):
+    use: Callable[[Window], object] | None = None,
+) -> tuple[Window | None, TierOutcome]:
     """Agree on the newest window every rank can get (its own checked copy, or a peer's), pull the missing copies,
-    load this rank's and hand it to `use(window)` (the replay). Any failure on any rank (every exception but a
-    process exit) excludes that window everywhere and the next newest is tried, host and peers first, then the
-    object store. `identity`: windows of another run are rejected. Returns (Window or None, report): "rejected"
-    (per window and rank, why), "outcome" ("recovered", "no window" or "no usable window": some existed, all
-    rejected), "unusable_copies" (this rank's damaged copies), "unusable_by_rank" (every rank's). Collective."""
-    report: dict = {"unusable_copies": {}, "rejected": {}, "unusable_by_rank": {}}
-    for w in tier.window_ids():
-        if p := tier.check(w, identity):
-            report["unusable_copies"][w] = p[0]
-            # Every rank says its own (rank 0 alone would hide a damaged copy on another rank).
-            log.warning(
-                "event=unusable_copy rank=%d window=%d dir=%s: %s%s; this copy is skipped",
-                tier.rank,
-                w,
-                tier.window_dir(w),
-                p[0],
-                f" (+{len(p) - 1} more)" if len(p) > 1 else "",
-            )
+    load this rank's and hand it to `use(window)` (the replay). Collective.
+
+    Any failure on any rank (every exception but a process exit or a failed collective) excludes that window
+    everywhere and the next newest is tried, host and peers first, then the object store.
+
+    Args:
+        tiers: this rank's tiers: its host tier, the peer tier (or None) and the object store (or None).
+        ops: operators by name.
+        compute_dtype: the dtype the slots were captured in.
+        identity: windows of another run are rejected (None: no check).
+        use: called with the loaded window (the replay); its failure on any rank rejects the window.
+
+    Returns:
+        (the Window, or None, and a `TierOutcome`).
+    """
+    tier, peers = tiers.host, tiers.peers
+    load = _Load(tier, ops, compute_dtype, identity)
+    found = TierOutcome(unusable_copies=_check_host_copies(tier, identity))
     excluded: set[int] = set()
-    seen: list[set[int]] = []  # per rank: every window it could get in the first round (host, peers)
     orphans = tier.orphans  # copies under an older node numbering (orphans.py): this rank's own part, others'
     adopted = orphans.holdings() if orphans is not None else {}
+    seen: list[set[int]] = []  # per rank: every window it could get in the first round (host, peers)
     for i in itertools.count():
-        own = set(tier.window_ids()) | set(adopted.get(tier.rank, ()))
-        local = [w for w in sorted(own) if w not in excluded and w not in report["unusable_copies"]]
-        held = replicator.holdings() if replicator is not None else {}
-        if replicator is not None:  # others' parts can be sent from the orphans over the peer tier
-            held.update({s: sorted({*held.get(s, ()), *ws}) for s, ws in adopted.items() if s != tier.rank})
-        everyone = all_gather_objects((local, held, report["unusable_copies"] if i == 0 else None))
-        world = len(everyone)
-        avail = [
-            set(everyone[r][0]).union(*(everyone[h][1].get(r, ()) for h in range(world))) - excluded
-            for r in range(world)
-        ]
+        views = _gather_views(tier, peers, adopted, excluded, found.unusable_copies, first=i == 0)
+        avail = _available(views, excluded)
         if i == 0:
-            report["unusable_by_rank"] = {r: e[2] for r, e in enumerate(everyone) if e[2]}
+            found.unusable_by_rank = {r: v.unusable for r, v in enumerate(views) if v.unusable}
             seen = [set(a) for a in avail]
         common = set.intersection(*avail)
         if not common:
             break
         wid = max(common)
-        needers = {
-            r: min(h for h in range(world) if wid in everyone[h][1].get(r, ()))
-            for r in range(world)
-            if wid not in everyone[r][0]
-        }
-        src = f"peer {needers[tier.rank]}" if tier.rank in needers else "host"
-        fetch = functools.partial(_pull_and_load, tier, replicator, wid, needers, ops, compute_dtype, identity)
-        if (window := _attempt(wid, report, fetch, use)) is not None:
-            report.update(source=src, pulled_from_peers={str(k): v for k, v in needers.items()})
-            _retire(orphans, report)
-            return window, _outcome(report)
+        needers = _needers(views, wid)
+        fetch = functools.partial(_pull_and_load, load, peers, wid, needers)
+        window = _attempt(wid, found, fetch, use)
+        if window is not None:
+            found.source = f"peer {needers[tier.rank]}" if tier.rank in needers else "host"
+            found.pulled_from_peers = {str(k): v for k, v in needers.items()}
+            _retire(orphans, found)
+            return window, found.settle()
         excluded.add(wid)
-    window, report = _from_store(tier, store, ops, compute_dtype, report, identity, use, excluded)
-    listed = report.pop("store_listed", None)
+    window, listed = _from_store(load, tiers.store, found, use, excluded)
     if window is None:
-        _not_every_rank(report, seen, listed)
+        _not_every_rank(found, seen, listed)
     else:
-        _retire(orphans, report)
-    return window, report
+        _retire(orphans, found)
+    return window, found.settle()
 
 
-def _retire(orphans, report: dict) -> None:
+def _check_host_copies(tier: HostTier, identity: RunIdentity | None) -> dict[int, str]:
+    """This rank's damaged host copies: window -> the first problem. Every rank says its own (rank 0 alone would
+    hide a damaged copy on another rank)."""
+    unusable: dict[int, str] = {}
+    for w in tier.window_ids():
+        problems = tier.check(w, identity)
+        if not problems:
+            continue
+        unusable[w] = problems[0]
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        log.warning(
+            "event=unusable_copy rank=%d window=%d dir=%s: %s%s; this copy is skipped",
+            tier.rank,
+            w,
+            tier.window_dir(w),
+            problems[0],
+            more,
+        )
+    return unusable
+
+
+def _gather_views(tier: HostTier, peers, adopted: dict, excluded: set[int], unusable: dict, first: bool):
+    """Every rank's `RankView` of this round. Collective."""
+    own = set(tier.window_ids()) | set(adopted.get(tier.rank, ()))
+    local = [w for w in sorted(own) if w not in excluded and w not in unusable]
+    held = peers.holdings() if peers is not None else {}
+    if peers is not None:  # others' parts can be sent from the orphans over the peer tier
+        held.update({s: sorted({*held.get(s, ()), *ws}) for s, ws in adopted.items() if s != tier.rank})
+    return all_gather_objects(RankView(local, held, unusable if first else None))
+
+
+def _available(views: list[RankView], excluded: set[int]) -> list[set[int]]:
+    """Per rank: the windows it can get, its own or from any rank holding them for it."""
+    world = len(views)
+    return [
+        set(views[r].local).union(*(views[h].held.get(r, ()) for h in range(world))) - excluded for r in range(world)
+    ]
+
+
+def _needers(views: list[RankView], wid: int) -> dict[int, int]:
+    """rank -> the lowest rank that can send it `wid`, for each rank without a copy of its own."""
+    world = len(views)
+    return {
+        r: min(h for h in range(world) if wid in views[h].held.get(r, ()))
+        for r in range(world)
+        if wid not in views[r].local
+    }
+
+
+def _retire(orphans, found: TierOutcome) -> None:
     """After a successful recovery the copies of an older node numbering go (orphans.py says why)."""
     if orphans is not None:
-        report["orphans_removed"] = [str(d) for d in orphans.run_dirs]
+        found.orphans_removed = [str(d) for d in orphans.run_dirs]
         orphans.retire()
 
 
-def _not_every_rank(report: dict, seen: list[set[int]], listed: list[set[int]] | None) -> None:
+def _not_every_rank(found: TierOutcome, seen: list[set[int]], listed: list[set[int]] | None) -> None:
     """Windows some rank can get but another cannot, from any tier: never "no window" (a new run would overwrite
     the copies left). Each is rejected with the ranks that have no copy (recovery refuses unless the user opted
     into restarts); the same on every rank (`seen` and the store listing are gathered)."""
     have = [a | b for a, b in zip(seen, listed or [set()] * len(seen))]  # seen: every rank's, from the first round
-    for wid in sorted(set().union(*have) - set(report["rejected"]), reverse=True):
+    for wid in sorted(set().union(*have) - set(found.rejected), reverse=True):
         missing = [r for r, h in enumerate(have) if wid not in h]
-        report["rejected"][wid] = {
+        found.rejected[wid] = {
             str(r): f"no copy: rank {r}'s part of window {wid} is on no tier (its host copy is gone and no peer "
             "or object store holds it)"
             for r in missing
         }
-    _outcome(report)
 
 
-def _pull_and_load(tier: HostTier, replicator, wid: int, needers: dict, ops, compute_dtype, identity):
+def _pull_and_load(load: _Load, peers, wid: int, needers: dict):
+    """The missing parts of `wid` pulled from the peers that hold them, then this rank's part loaded."""
+    tier = load.tier
     if needers:
-        replicator.pull(wid, [(holder, dst, dst) for dst, holder in needers.items()])
+        peers.pull(wid, [(holder, dst, dst) for dst, holder in needers.items()])
     if wid not in tier.window_ids() and tier.orphans is not None and tier.orphans.copy_of(wid, tier.rank):
         tier.orphans.copy_into(wid, tier.rank, tier)  # this rank's part, from its host's older numbering
-    return tier.load_window(wid, ops, compute_dtype, identity)
+    return load(wid)
 
 
-def _attempt(wid: int, report: dict, fetch, use):
+def _attempt(wid: int, found: TierOutcome, fetch, use):
     """Fetch + load `wid` on this rank, agree, then `use` it, agree again: the window, or None when any rank
-    failed (the reasons are in report["rejected"][wid], per rank)."""
-    window, why = _try(fetch)
-    if not _agree(wid, why, report, "load"):
+    failed (the reasons are in found.rejected[wid], per rank). Collective: two agreements.
+
+    A collective that failed inside (a peer frozen or gone past the process group's timeout) is no verdict on the
+    window: agreeing on it would wait once more for the same peer, so it ends the recovery (runtime/agreement.py).
+    """
+    window, failures = run_everywhere(fetch)
+    if failures:
+        _reject(wid, failures, found, "load")
         return None
-    if use is not None and not _agree(wid, _try(use, window)[1], report, "replay"):
-        return None
+    if use is not None:
+        _, failures = run_everywhere(use, window)
+        if failures:
+            _reject(wid, failures, found, "replay")
+            return None
     return window
-
-
-def _try(fn, *args):
-    """(fn(*args), None), or (None, why it failed) for every exception but a process exit and a failed collective.
-    A collective that failed (a peer frozen or gone past the process group's timeout) is no verdict on the window:
-    agreeing on it would wait once more for the same peer, so it ends the recovery (the watchdog exits)."""
-    try:
-        return fn(*args), None
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if is_collective_failure(exc):
-            raise
-        return None, _reason(exc)
 
 
 MAX_RANKS_LISTED = 4  # ranks whose reason a window_rejected line quotes (all are in the report)
 
 
-def _agree(wid: int, why: str | None, report: dict, phase: str) -> bool:
-    reasons = all_gather_objects(why)
-    bad = {str(r): f"{phase}: {w}" for r, w in enumerate(reasons) if w is not None}
-    if bad:
-        report["rejected"].setdefault(wid, {}).update(bad)
-        shown = list(bad.items())[:MAX_RANKS_LISTED]  # the ranks are bounded, each reason is said whole
-        more = f" (+{len(bad) - len(shown)} more rank(s))" if len(bad) > len(shown) else ""
-        log.warning(
-            "event=window_rejected window=%d %s%s: trying the next newest window",
-            wid,
-            " ".join(f"rank{r}={w!r}" for r, w in shown),
-            more,
-        )
-    return not bad
+def _reject(wid: int, failures: dict[int, str], found: TierOutcome, phase: str) -> None:
+    bad = {str(r): f"{phase}: {w}" for r, w in failures.items()}
+    found.rejected.setdefault(wid, {}).update(bad)
+    shown = list(bad.items())[:MAX_RANKS_LISTED]  # the ranks are bounded, each reason is said whole
+    more = f" (+{len(bad) - len(shown)} more rank(s))" if len(bad) > len(shown) else ""
+    log.warning(
+        "event=window_rejected window=%d %s%s: trying the next newest window",
+        wid,
+        " ".join(f"rank{r}={w!r}" for r, w in shown),
+        more,
+    )
 
 
-def _reason(exc: BaseException) -> str:
-    # Never cut: its end is often its point (ReplayDivergence's likely causes); recovery.py bounds the lists.
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}"
-
-
-def _outcome(report: dict) -> dict:
-    damaged = report["rejected"] or report.get("unusable_by_rank") or report["unusable_copies"]
-    report["outcome"] = "recovered" if report.get("source") else "no usable window" if damaged else "no window"
-    return report
-
-
-def _from_store(tier: HostTier, store, ops: dict, compute_dtype: torch.dtype, report: dict, identity, use, excluded):
-    """Last tier: the newest window every rank has in the object store, downloaded and checked."""
+def _from_store(load: _Load, store, found: TierOutcome, use, excluded: set[int]):
+    """Last tier: the newest window every rank has in the object store, downloaded and checked. Returns (the
+    window or None, every rank's store listing or None without a store)."""
     if store is None:
-        return None, _outcome(dict(report, source=None))
+        return None, None
     try:
         mine, why = store.window_ids(), None
     except Exception as exc:  # a store that cannot be listed is a tier without windows, said in the report
-        mine, why = [], _reason(exc)
-    listed = all_gather_objects(mine)
-    report["store_listed"] = [set(x) for x in listed]
+        mine, why = [], failure_reason(exc)
+    listed = [set(x) for x in all_gather_objects(mine)]
     if why is not None:
-        report["store_unreachable"] = why
-    candidates = sorted(set.intersection(*map(set, listed)) - set(excluded), reverse=True)
+        found.store_unreachable = why
+    candidates = sorted(set.intersection(*listed) - set(excluded), reverse=True)
     for wid in candidates:
 
         def fetch(wid=wid):
-            if problems := store.download(wid, tier):
+            problems = store.download(wid, load.tier)
+            if problems:
                 raise CorruptCopyError(f"object store copy of window {wid}: {problems[0]}")
-            return tier.load_window(wid, ops, compute_dtype, identity)
+            return load(wid)
 
-        if (window := _attempt(wid, report, fetch, use)) is not None:
-            return window, _outcome(dict(report, source="object store"))
-        report.setdefault("failed_downloads", {})[wid] = next(iter(report["rejected"].get(wid, {}).values()), None)
-    return None, _outcome(dict(report, source=None))
-
-
-def all_gather_objects(obj) -> list:
-    """Every rank's `obj` (a one-element list without a process group), on the library's gloo group."""
-    if not dist.is_initialized():
-        return [obj]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj, group=library_group())
-    return out
+        window = _attempt(wid, found, fetch, use)
+        if window is not None:
+            found.source = "object store"
+            return window, listed
+        failed = found.failed_downloads = found.failed_downloads or {}
+        failed[wid] = next(iter(found.rejected.get(wid, {}).values()), None)
+    return None, listed
