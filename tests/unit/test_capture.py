@@ -69,7 +69,7 @@ def batch_for(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(step))
 
 
-def train(steps: int, init_seed: int = 0, tiers=None, lam=None, stop_after: int | None = None):
+def train(steps: int, init_seed: int = 0, tiers=None, lam=None, stop_after: int | None = None, chunk=None):
     """Train to `steps` (optionally stopping early, as if killed after `stop_after`); returns (model, opt,
     sched, losses, ckpt). `init_seed`: other initial weights for a restarted attempt; the run's seed (part of
     its identity) is 0 either way."""
@@ -83,7 +83,8 @@ def train(steps: int, init_seed: int = 0, tiers=None, lam=None, stop_after: int 
         loss.backward()
         return loss
 
-    cfg = tmc.CheckpointConfig(tiers=tiers, window=tmc.SparseConfig(window=3), max_grad_norm=0.5, router_top_k=TOP_K)
+    window = tmc.SparseConfig(window=3, copy_chunk_bytes=chunk)
+    cfg = tmc.CheckpointConfig(tiers=tiers, window=window, max_grad_norm=0.5, router_top_k=TOP_K)
     losses = {}
     ckpt = tmc.Checkpointer(model, opt, fb, sched, cfg)
     for step in range(ckpt.resume() + 1, steps + 1):
@@ -121,6 +122,22 @@ def test_unknown_buffers_captured_and_recovered_exactly(tmp_path):
         assert torch.equal(loss, ref[3][s]), s
     names = {o.name for o in got[4].ops if o.kind == "expert"}
     assert len(names) == 2 * EXPERTS, names  # ModuleList experts found, layers kept apart
+
+
+def test_chunked_slot_copies_recover_exactly(tmp_path):
+    """SparseConfig.copy_chunk_bytes (the copy that yields the copy engine on a GPU): every item cut into 64-byte
+    chunks with a spacer copy between them, through a kill and a recovery from another initialisation, ends
+    torch.equal to a run that never failed."""
+    ref = train(10)
+    tiers = tmc.TierConfig(root=str(tmp_path), run_id="chunked")
+    first = train(10, tiers=tiers, stop_after=7, chunk=64)
+    plan = next(iter(first[4].sparse.engine._sources.values()))[2]
+    assert plan.spacers > 0 and plan.chunks > len(plan.item_ends)  # really cut, really spaced
+    got = train(10, init_seed=123, tiers=tiers, chunk=64)
+    assert got[4].resumed.recovered_step == 6
+    assert_same(ref, got)
+    for s, loss in got[3].items():
+        assert torch.equal(loss, ref[3][s]), s
 
 
 def test_extension_with_changed_schedule_is_exact(tmp_path):
