@@ -17,6 +17,7 @@ from torchmoe_ckpt.dcp.slot_planner import SlotSavePlanner
 from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_ckpt.storage.host_tier import HostTier
 from torchmoe_ckpt.storage.layout import DATA_FILE
+from torchmoe_ckpt.storage.persist_thread import FlushJob
 from torchmoe_ckpt.storage.slot_files import backing
 from torchmoe_ckpt.storage.tiers import Tiers
 from torchmoe_harness.trainer import RunConfig, Trainer
@@ -106,7 +107,7 @@ def test_pool_never_hands_out_a_committed_windows_files(tmp_path, one_rank_group
     for step in range(1, 31):
         if step == 9:  # the writer stalls for three windows: the sets still linked must not be reused meanwhile
             gate = _Gate()
-            ck.persist.jobs.put(("flush", gate))
+            ck.persist.jobs.put(FlushJob(gate))  # a flush that holds the writer until released
         if step == 15:
             gate.release.set()
         ck.after_step(t.train_step())
@@ -128,7 +129,7 @@ def test_failure_while_next_window_half_written_recovers_previous_bit_exactly(tm
     for step in range(1, 12):
         if step == 8:  # the writer stalls from here: window 1 is the last one it commits before the failure
             ck.flush(commit=False)
-            ck.persist.jobs.put(("flush", gate))
+            ck.persist.jobs.put(FlushJob(gate))  # a flush that holds the writer until released
         ck.after_step(t.train_step())
         if ck.committed is not None and ck.committed.id not in want:  # what each window must read back as
             want[ck.committed.id] = [[it.buffer.clone() for it in s.items] for s in ck.committed.slots]

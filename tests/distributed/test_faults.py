@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 PROGRAM = (
-    "from torchmoe_ckpt import faults\n"
+    "from torchmoe_ckpt.runtime import faults\n"
     "faults.set_iteration(3)\n"
     "faults.point('forward')\n"
     "print('survived', flush=True)\n"
