@@ -188,6 +188,7 @@ class Cluster:
         env: dict | None = None,
         join_timeout_s: int = 60,
         read_timeout_s: int = 20,
+        keep_alive_s: int = 1,
     ):
         reason = why_unavailable()
         if reason:
@@ -204,6 +205,7 @@ class Cluster:
         self.run_id = run_id or self.tag
         self.env = dict(env or {})
         self.join_timeout_s, self.read_timeout_s = join_timeout_s, read_timeout_s
+        self.keep_alive_s = keep_alive_s  # a lost node leaves the rendezvous after 3 missed heartbeats
         self.bridge = f"{self._link}b"
         self.nodes: list[ClusterNode] = []  # every node ever started, lost ones included
         self._servers: list[tuple[str, subprocess.Popen]] = []
@@ -349,10 +351,17 @@ class Cluster:
 
     # ------------------------------------------------------------------------------------------ jobs
     def start(
-        self, node: int | ClusterNode, program: list[str], max_restarts: int = 0, env: dict | None = None
+        self,
+        node: int | ClusterNode,
+        program: list[str],
+        max_restarts: int = 0,
+        env: dict | None = None,
+        rdzv_id: str | None = None,
     ) -> subprocess.Popen:
         """Start one torchrun agent on `node` running `program` (a script and its arguments, or `-m module ...`);
-        every agent joins the run's c10d rendezvous. Returns the agent's process (its exit code is torchrun's)."""
+        every agent joins the run's c10d rendezvous (`rdzv_id`, default the cluster's run id: a relaunch after
+        a job ended gives a new one, torchrun closes a finished rendezvous). Returns the agent's process (its
+        exit code is torchrun's)."""
         node = self.node(node)
         with self._lock:
             log = self.out / f"node{node.index}-agent{len(node.agents)}.log"
@@ -372,8 +381,9 @@ class Cluster:
                 f"--nproc-per-node={self.nproc_per_node}",
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={self.store_endpoint}",
-                f"--rdzv-id={self.run_id}",
-                f"--rdzv-conf=is_host=false,join_timeout={self.join_timeout_s},read_timeout={self.read_timeout_s}",
+                f"--rdzv-id={rdzv_id or self.run_id}",
+                f"--rdzv-conf=is_host=false,join_timeout={self.join_timeout_s},read_timeout={self.read_timeout_s},"
+                f"keep_alive_interval={self.keep_alive_s},keep_alive_max_attempt=3",
                 f"--local-addr={node.ip}",
                 f"--max-restarts={max_restarts}",
                 "--monitor-interval=0.5",
