@@ -71,6 +71,17 @@ def _freeze_self() -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def _once(trainer: Trainer, hook):
+    """`hook` as a before-update hook that runs once: a frozen rank that is let go (SIGCONT, the cluster tests'
+    pause point) trains on instead of stopping again in every later iteration."""
+
+    def run() -> None:
+        trainer.before_update.remove(run)
+        hook()
+
+    return run
+
+
 def _tear(slot, n) -> None:
     raise SimulatedCopyFault(f"injected failure after {n} of {len(slot.items)} items of slot {slot.index}")
 
@@ -315,7 +326,7 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
                     if fail.get("settled"):
                         ck.flush(commit=False)  # no collective: the peers go on into the next step
                     if fail.get("at", "update") == "update":
-                        trainer.before_update.append(_freeze_self)
+                        trainer.before_update.append(_once(trainer, _freeze_self))
                     else:
                         _freeze_self()
             t0, c0 = time.perf_counter(), time.process_time()
