@@ -256,12 +256,17 @@ def test_throttled_link_fault_free_is_exact(tmp_path, cluster, reference, fault_
     assert report["checkpoint"]["peers"]["windows_replicated"] >= 3, report["checkpoint"]["peers"]
 
 
+@pytest.mark.parametrize(
+    "then_recover",
+    [False, pytest.param(True, marks=[pytest.mark.matrix, pytest.mark.timeout(240)])],
+    ids=["catch-up", "catch-up-then-recover-from-store"],
+)
 def test_object_store_cut_off_from_one_node_catches_up_and_recovery_never_mixes(
-    tmp_path, cluster, reference, fault_summary
+    tmp_path, cluster, reference, fault_summary, then_recover
 ):
     """S3 (moto) in its own namespace; replicas = 0. Node B loses its route to the store for 4 s from iteration
     5 (its uploads fail and retry, node A's go on). The job ends exact and B's windows catch up before it exits.
-    Then both nodes die (all host memory gone) and two new nodes recover from the store alone: a complete window
+    Matrix: then both nodes die (all host memory gone) and two new nodes recover from the store alone: a complete window
     of one step on every rank, exact (a durable copy of one rank never meets a stale one of the other)."""
     reference(2, RUN)
     out = tmp_path / "run"
@@ -276,6 +281,11 @@ def test_object_store_cut_off_from_one_node_catches_up_and_recovery_never_mixes(
     codes = c.wait(60)
     assert codes == [0, 0], (codes, _logs(c)[-4000:])
     _exact(out, reference, fault_summary, "cluster: object store cut off one node", _logs(c))
+    log = _logs(c)  # the cut-off rank's uploads failed, then its windows caught up (the newest one included)
+    assert "event=tier_unhealthy tier=object store rank=1" in log, log[-3000:]
+    assert "event=tier_recovered tier=object store rank=1" in log, log[-3000:]
+    if not then_recover:
+        return
     for n in list(c.live_nodes):
         c.lose(n)
     again = tmp_path / "again"
