@@ -218,13 +218,15 @@ class Cluster:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("link", "set", self.bridge, "up")
             self.store_ip = self._netns_with_port("store", 1)[1]
-            self._start_store()
+            waits = [self._start_store()]  # the servers start (import torch, moto) while the nodes are made
             self.s3_ip = None
             if object_store:
                 self.s3_ip = self._netns_with_port("s3", 2)[1]
-                self._start_s3()
+                waits.append(self._start_s3())
             for _ in range(nodes):
                 self.add_node()
+            for ready, proc, what in waits:
+                self._wait_file(ready, proc, what)
         except BaseException:
             self.close()
             raise
@@ -275,19 +277,19 @@ class Cluster:
                 raise RuntimeError(f"{what} not ready within {timeout:.0f} s")
             time.sleep(0.05)
 
-    def _start_store(self) -> None:
+    def _start_store(self) -> tuple[Path, subprocess.Popen, str]:
         ready = self.out / "store.ready"
         cmd = [sys.executable, "-m", "torchmoe_harness.cluster", "_store", self.store_ip, str(STORE_PORT), str(ready)]
         proc = self._spawn(f"{self.tag}-store", cmd, self.out / "store.log")
         self._servers.append(("store", proc))
-        self._wait_file(ready, proc, "the rendezvous store")
+        return ready, proc, "the rendezvous store"
 
-    def _start_s3(self) -> None:
+    def _start_s3(self) -> tuple[Path, subprocess.Popen, str]:
         ready = self.out / "s3.ready"
         cmd = [sys.executable, "-m", "torchmoe_harness.cluster", "_s3", str(S3_PORT), BUCKET, str(ready)]
         proc = self._spawn(f"{self.tag}-s3", cmd, self.out / "s3.log")
         self._servers.append(("s3", proc))
-        self._wait_file(ready, proc, "the object store (moto)")
+        return ready, proc, "the object store (moto)"
 
     @property
     def store_endpoint(self) -> str:
@@ -642,7 +644,8 @@ class _Control:
             if c.s3_ip:
                 rows.append(f"object store http://{c.s3_ip}:{S3_PORT} bucket {BUCKET}")
             for n in c.nodes:
-                state = "lost" if n.lost else f"agent {'running' if n.agent and n.agent.poll() is None else 'ended'}"
+                agent = "no agent" if n.agent is None else f"agent {'running' if n.agent.poll() is None else 'ended'}"
+                state = "lost" if n.lost else agent
                 rows.append(f"node {n.index} {n.ip} {n.netns}: {state}")
             return "\n".join(rows)
         if op == "down":
@@ -670,7 +673,7 @@ def _up(a) -> int:
         try:
             print(f"cluster {c.tag}: {a.nodes} node(s) on {c.subnet}.0/24, rendezvous {c.store_endpoint}, dir {c.out}")
             if c.object_store:
-                print(f"object store: {json.dumps(c.object_store)}")
+                print(f"object store: {json.dumps(c.object_store)}", flush=True)
             for n in c.nodes:
                 print(f"node {n.index}: {n.ip} ({n.netns})", flush=True)
                 if program:
@@ -679,7 +682,7 @@ def _up(a) -> int:
                 agents = [n.agent for n in c.live_nodes if n.agent is not None]
                 if program and not a.keep and agents and all(p.poll() is not None for p in agents):
                     codes = [p.returncode for p in agents]
-                    print(f"job ended: agent exit codes {codes}; logs in {c.out}")
+                    print(f"job ended: agent exit codes {codes}; logs in {c.out}", flush=True)
                     return 0 if all(x == 0 for x in codes) else 1
             return 0
         finally:
