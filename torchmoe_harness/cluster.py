@@ -434,6 +434,7 @@ class Cluster:
                         p.wait(20)
             node.lost = True
             _ip("netns", "del", node.netns, check=False)
+            _ip("link", "del", node.port, check=False)  # gone with the namespace, unless a socket keeps it a while
             with contextlib.suppress(ValueError):
                 self._netns.remove(node.netns)
 
@@ -511,6 +512,12 @@ class Cluster:
                     os.kill(int(pid), signal.SIGKILL)
             _ip("netns", "del", ns, check=False)
         self._netns.clear()
+        # A namespace lives on (nameless) while the kernel still holds one of its sockets (e.g. an orphaned
+        # connection retransmitting into a dead route): delete the veths here, not only through the namespace.
+        for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+            name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+            if name.startswith(self._link + "v"):
+                _ip("link", "del", name, check=False)
         _ip("link", "del", self.bridge, check=False)
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)

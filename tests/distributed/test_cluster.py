@@ -109,7 +109,7 @@ def cluster(tmp_path):
     for c in made:
         assert netns_of_run(c.tag) == [], netns_of_run(c.tag)
         links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-        assert c.bridge not in links, "the bridge outlived the test"
+        assert f" {c._link}" not in links, "a link of the run (bridge, veth) outlived the test"
     assert not processes_mentioning(str(tmp_path)), "a node's process outlived the test"
 
 
