@@ -8,7 +8,8 @@ What survives is what would survive in host memory: the newest committed window.
   "copy"   - the snapshot copy of iteration f is torn half-way; the failure surfaces in iteration f+1;
   "kill"   - a real `kill -9` of rank `rank` in iteration f (first attempt only); torchrun
              (--max-restarts) restarts every worker, and with "resume" they recover from the host tier;
-  "freeze" - rank `rank` sends itself SIGSTOP in iteration f (first attempt only): a hung, not dead, peer.
+  "freeze" - rank `rank` sends itself SIGSTOP in iteration f (first attempt only, once: a rank let go with
+             SIGCONT trains on, the cluster tests' pause point): a hung, not dead, peer.
              `at`: "update" (default; after backward, before the optimizer step) or "forward" (start of
              the step). `settled`: true waits first until this rank's host tier has written, and its peers
              received, every window committed so far (a host lost after its copies were replicated: the
