@@ -523,10 +523,24 @@ class Cluster:
             atexit.unregister(self.close)
 
     def __enter__(self) -> Cluster:
+        # SIGTERM (as Ctrl-C already does) unwinds through __exit__, when nobody else handles it; a SIGKILL leaves
+        # the namespaces to the next run's sweep (the nodes themselves die with this process: PDEATHSIG).
+        self._old_term = None
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+                self._old_term = signal.signal(signal.SIGTERM, _exit_on_signal)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        try:
+            self.close()
+        finally:
+            if self._old_term is not None:
+                signal.signal(signal.SIGTERM, self._old_term)
+
+
+def _exit_on_signal(signum, _frame):
+    raise SystemExit(128 + signum)
 
 
 def _rate_bps(rate: str) -> int:
@@ -670,11 +684,8 @@ def _up(a) -> int:
     program = a.program[1:] if a.program[:1] == ["--"] else a.program
     stop = threading.Event()
 
-    def on_signal(signum, _frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGHUP, _exit_on_signal)
     with Cluster(a.nodes, a.nproc_per_node, a.link_rate, a.object_store, run_id=a.run_id, shm_size=a.shm) as c:
         ctl = _Control(c, program, a.max_restarts, stop)
         try:
