@@ -63,6 +63,7 @@ STORE_PORT = 29400
 S3_PORT = 5000
 BUCKET = "tmoe"
 _counter = itertools.count()
+_REPO = str(Path(__file__).resolve().parents[1])
 _NETNS_RE = re.compile(rf"^{PREFIX}-(\d+)-\d+-")
 _LINK_RE = re.compile(r"^tm(\d+)-\d+[bvp]")
 # The node's init (its PID 1): reaps every orphan, so a dead agent's pid is gone from the node's /proc at once.
@@ -252,6 +253,7 @@ class Cluster:
         with open(log, "wb") as f:
             return subprocess.Popen(
                 ["ip", "netns", "exec", ns, *cmd],
+                cwd=_REPO,  # `-m torchmoe_harness.cluster` is this file, whatever checkout the caller's cwd holds
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
