@@ -119,6 +119,8 @@ def child_env() -> dict[str, str]:
         PYTHONUNBUFFERED="1",
     )
     env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun would pick; also silences its banner
+    # torch 2.13: a fresh rendezvous store per round, so a replacement host can join (docs/torchtitan.md)
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # Make `-m titan_integration.train` importable from any CWD without an installed package.
     repo_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)

@@ -1,5 +1,6 @@
-"""The harness's `torchmoe-ckpt` subcommands (selftest, bench, simulate, gpu-check), registered through the entry-point
-group `torchmoe_ckpt.commands` (pyproject.toml), so the library's CLI lists them without importing the harness.
+"""The harness's `torchmoe-ckpt` subcommands (selftest, bench, simulate, gpu-check, cluster), registered through the
+entry-point group `torchmoe_ckpt.commands` (pyproject.toml), so the library's CLI lists them without importing the
+harness.
 
 Each `register_*` adds one subparser and sets `fn` (called with the parsed arguments, returns the exit code).
 The work is imported only when the command runs: `torchmoe-ckpt --help` and `inspect` stay fast.
@@ -177,3 +178,14 @@ def register_gpu_check(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("gpu-check", help="the GPU check: exact recovery, replay check, benchmark (docs/gpu.md)")
     add_arguments(g)
     g.set_defaults(fn=from_args)
+
+
+def register_cluster(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser(
+        "cluster",
+        help="real nodes on one machine (namespaces, a bridge, tc tbf) to rehearse node loss, blackholes and "
+        "slow links with your own training script (docs/failure-recovery.md)",
+    )
+    from torchmoe_harness.cluster import register_subcommands
+
+    register_subcommands(c.add_subparsers(dest="cluster_cmd", required=True))

@@ -8,7 +8,8 @@ What survives is what would survive in host memory: the newest committed window.
   "copy"   - the snapshot copy of iteration f is torn half-way; the failure surfaces in iteration f+1;
   "kill"   - a real `kill -9` of rank `rank` in iteration f (first attempt only); torchrun
              (--max-restarts) restarts every worker, and with "resume" they recover from the host tier;
-  "freeze" - rank `rank` sends itself SIGSTOP in iteration f (first attempt only): a hung, not dead, peer.
+  "freeze" - rank `rank` sends itself SIGSTOP in iteration f (first attempt only, once: a rank let go with
+             SIGCONT trains on, the cluster tests' pause point): a hung, not dead, peer.
              `at`: "update" (default; after backward, before the optimizer step) or "forward" (start of
              the step). `settled`: true waits first until this rank's host tier has written, and its peers
              received, every window committed so far (a host lost after its copies were replicated: the
@@ -69,6 +70,17 @@ def _kill_self() -> None:
 def _freeze_self() -> None:
     # SIGSTOP stops every thread, this process's watchdog included: the peers must notice on their own.
     os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _once(trainer: Trainer, hook):
+    """`hook` as a before-update hook that runs once: a frozen rank that is let go (SIGCONT, the cluster tests'
+    pause point) trains on instead of stopping again in every later iteration."""
+
+    def run() -> None:
+        trainer.before_update.remove(run)
+        hook()
+
+    return run
 
 
 def _tear(slot, n) -> None:
@@ -324,7 +336,7 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
                     if fail.get("settled"):
                         ck.flush(commit=False)  # no collective: the peers go on into the next step
                     if fail.get("at", "update") == "update":
-                        trainer.before_update.append(_freeze_self)
+                        trainer.before_update.append(_once(trainer, _freeze_self))
                     else:
                         _freeze_self()
             t0, c0 = time.perf_counter(), time.process_time()

@@ -181,7 +181,7 @@ class Trainer:
             # (not when frozen experts skipped their weight gradients: the norm of the rest is no logged figure)
             replayed_norm, norm = None if frozen else norm, replay.grad_norm.to(self.device)
         torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_norm, norm)
-        for hook in self.before_update:
+        for hook in list(self.before_update):  # a hook may remove itself (scenario._once)
             hook()
         stats = self._reduce_expert_stats()  # the iteration's last collective
         # Everything that mutates the training state runs under update_lock, with no collective inside: a
