@@ -229,7 +229,8 @@ def _start(trainer: Trainer, spec: dict, ck_cfg: SparseConfig, wd, policy, attem
         if jit_rep is None:
             return None  # the window path (the trainer given is untouched)
         # new windows sort after the ones already on the tiers
-        return ResumeResult(None, jit_rep["recovered_step"], jit_rep, next_window_id=jit_rep["next_window_id"]), got
+        rep = jit_rep.to_dict()
+        return ResumeResult(None, jit_rep.recovered_step, rep, next_window_id=jit_rep.next_window_id), got
 
     t0 = time.perf_counter()
     try:
@@ -251,7 +252,7 @@ def _start(trainer: Trainer, spec: dict, ck_cfg: SparseConfig, wd, policy, attem
         sys.stderr.flush()
         os._exit(2)
     if jit_rep is not None:
-        recoveries.append(dict(jit_rep, attempt=attempt))
+        recoveries.append(dict(jit_rep.to_dict(), attempt=attempt))
     elif started.recovered:
         recoveries.append(dict(started.resumed.report, restart_seconds=time.perf_counter() - t0, attempt=attempt))
     elif resume:  # no window anywhere: say what this run starts from

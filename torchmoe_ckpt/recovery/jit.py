@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -325,7 +326,29 @@ def _incomplete_copies(jit_dir: Path) -> list[Path]:
     return [d for d in sorted(jit_dir.glob("step-*/rank-*")) if str(d) not in complete]
 
 
-def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tuple[T, dict | None]:
+@dataclass(frozen=True)
+class JitResumeReport:
+    """What a resume from a just-in-time copy did (`to_dict()`: the JSON keys the harness reports carry)."""
+
+    jit_step: int  # the step of the copy every shard had
+    replayed_iterations: int  # iterations that began after the copy (run again after the restart)
+    failed_iteration: int  # the iteration the failure hit
+    window_step: int  # the newest committed window's step (the copy was newer)
+    jit_copy_rank: int  # whose copy this rank loaded
+    jit_copy_where: str  # "host" or "store"
+    jit_copies: int  # copies listed over every shard
+    next_window_id: int  # where new window ids start (after every window on the tiers)
+    restart_seconds: float
+
+    @property
+    def recovered_step(self) -> int:
+        return self.jit_step
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), source="jit", recovered_step=self.recovered_step)
+
+
+def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tuple[T, JitResumeReport | None]:
     """Collective: load the newest all-shard JIT copy if it beats the last committed window. Returns (trainer,
     report); report None means "use the window path". `rebuild(for_copy)` builds a fresh trainer of the run:
     True, the one the copy is loaded into; False, the normal initial state (some shard's copy cannot be loaded)."""
@@ -368,19 +391,17 @@ def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tu
         return rebuild(False), None
     assert used is not None  # agreed: every rank loaded one
     begun = max(c["begun"] for cs in shards.values() for c in cs)
-    rep = {
-        "source": "jit",
-        "jit_step": step,
-        "recovered_step": step,
-        "replayed_iterations": begun - step,
-        "failed_iteration": begun,
-        "window_step": bound,
-        "jit_copy_rank": used["rank"],
-        "jit_copy_where": used["where"],
-        "jit_copies": sum(len(v) for v in shards.values()),
-        "next_window_id": next_window,
-        "restart_seconds": time.perf_counter() - t0,
-    }
+    rep = JitResumeReport(
+        jit_step=step,
+        replayed_iterations=begun - step,
+        failed_iteration=begun,
+        window_step=bound,
+        jit_copy_rank=used["rank"],
+        jit_copy_where=used["where"],
+        jit_copies=sum(len(v) for v in shards.values()),
+        next_window_id=next_window,
+        restart_seconds=time.perf_counter() - t0,
+    )
     log.warning(
         f"event=jit_resumed rank={fresh.rank} step={step} from_rank={used['rank']} where={used['where']} "
         f"replayed_iterations={begun - step} window_step={bound}"
