@@ -28,22 +28,9 @@ from pathlib import Path  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.utils._pytree import keystr, tree_flatten_with_path  # noqa: E402
 from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 import torchmoe_ckpt as tmc  # noqa: E402
-
-
-def flat_state(tree) -> dict[str, torch.Tensor]:
-    out = {}
-    for path, v in tree_flatten_with_path(tree)[0]:
-        if v is None or isinstance(v, str):
-            continue
-        if isinstance(v, DTensor):
-            v = v.to_local()
-        out[keystr(path)] = v.detach().clone() if torch.is_tensor(v) else torch.tensor(v, dtype=torch.float64)
-    return out
 
 
 def main(argv: list[str]) -> None:
@@ -106,6 +93,8 @@ def main(argv: list[str]) -> None:
         seed_part = ckpt.identity.parts.get("seed") if ckpt.identity is not None else None
     if rank == 0:
         print(f"user_loop: seeded_before_identity_import={seeded_before_identity} identity_seed={seed_part}")
+    from torchmoe_harness.hf_worker import flat_state  # only now: nothing of the harness before the seed
+
     state = flat_state({"model": model.state_dict(), "optim": optimizer.state_dict(), "sched": scheduler.state_dict()})
     torch.save({"state": state, "losses": losses}, Path(os.environ["USER_LOOP_OUT"]) / f"rank{rank}.pt")
     sys.stdout.flush()
