@@ -111,7 +111,9 @@ def test_simulated_ettr_of_a_real_run_agrees(tmp_path):
     agrees with its ETTR (5% in `make bench`)."""
     from torchmoe_harness.baselines.ettr_run import measure_and_simulate
 
-    res = measure_and_simulate(out_dir=str(tmp_path))
+    # Seed 4's trace puts 6 failures within the first 41 mean-step times (seed 1's: 2), so the run sees >= 3 even
+    # when the reference phase ran 2.5x slower than the run (the trace is in seconds of the reference's step).
+    res = measure_and_simulate(out_dir=str(tmp_path), seed=4)
     (tmp_path / "ettr_check.json").write_text(json.dumps(res, indent=1))
     assert res["measured"]["failures"] >= 3, res["measured"]
     # A 5-second wall-clock run on a shared 2-core machine: one slow restart moves the measured ETTR by several
