@@ -213,7 +213,7 @@ def run_bench(device: str, tiny: bool, work: Path, budget_s: float) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="tmoe-gpucheck-bench-", dir=base))
     small = tiny or device != "cuda"
     periodic = {n: dict(v, probe_every=2) for n, v in PERIODIC.items()} if small else PERIODIC
-    reps_s = max(30.0, budget_s - 45.0 - PROFILE_RESERVE_S)  # the worker's start, the profile, the analysis
+    reps_s = max(30.0, budget_s - 25.0 - PROFILE_RESERVE_S)  # the worker's start, the profile, the analysis
     spec = {
         "run": {
             "model": p["model"],
@@ -254,7 +254,7 @@ def run_bench(device: str, tiny: bool, work: Path, budget_s: float) -> dict:
     return res
 
 
-PROFILE_RESERVE_S = 25.0  # the profiler window after the repetitions (3 systems, a window each, and its summary)
+PROFILE_RESERVE_S = 35.0  # the profiler window after the repetitions (3 systems, pinning, a window each, summaries)
 
 
 def _mean(xs: list[float]) -> float:
