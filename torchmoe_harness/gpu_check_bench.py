@@ -205,14 +205,20 @@ def plan(device: str, tiny: bool) -> dict:
     return size_for(float(host_meminfo().get("MemAvailable", 0)), shm, torch.cuda.get_device_properties(0).total_memory)
 
 
-def run_bench(device: str, tiny: bool, work: Path, budget_s: float) -> dict:
+def run_bench(device: str, tiny: bool, work: Path, budget_s: float, turns: list[str] | None = None) -> dict:
+    """Phase 3; `turns`: only these (and `none`, which every overhead is paired with), None: all."""
     p = plan(device, tiny)
     shm = Path("/dev/shm")
     need_shm = p["params"] * 12 * SHM_DENSE_FACTOR
     base = shm if shm.is_dir() and shutil.disk_usage(shm).free * 0.8 >= need_shm else Path(tempfile.gettempdir())
     workdir = Path(tempfile.mkdtemp(prefix="tmoe-gpucheck-bench-", dir=base))
     small = tiny or device != "cuda"
-    periodic = {n: dict(v, probe_every=2) for n, v in PERIODIC.items()} if small else PERIODIC
+    periodic = {n: dict(v, probe_every=2) for n, v in PERIODIC.items()} if small else dict(PERIODIC)
+    systems = resolved(SYSTEMS)
+    if turns is not None:
+        systems = {n: sp for n, sp in systems.items() if n in turns}
+        periodic = {n: sp for n, sp in periodic.items() if n in turns}
+    profiled = [n for n in (PROFILED[:2] if small else PROFILED) if n == "none" or n in systems]
     reps_s = max(30.0, budget_s - 25.0 - PROFILE_RESERVE_S)  # the worker's start, the profile, the analysis
     spec = {
         "run": {
@@ -224,7 +230,7 @@ def run_bench(device: str, tiny: bool, work: Path, budget_s: float) -> dict:
             "optimizer": "fused",
             "device": device,
         },
-        "systems": resolved(SYSTEMS),
+        "systems": systems,
         "periodic": periodic,
         "reps": 2 if small else 3,  # the order rotated each repetition (tiny: 2, under make test's 60 s)
         "warmup": 1,
@@ -233,11 +239,9 @@ def run_bench(device: str, tiny: bool, work: Path, budget_s: float) -> dict:
         "mtbf_iterations": MTBF_ITERATIONS,
         "workdir": str(workdir),
         "deadline_s": reps_s,  # no repetition starts that would end past it
-        "profile": {
-            "systems": list(PROFILED[:2] if small else PROFILED),
-            "steps": 2 if small else W,
-            "start_by_s": reps_s + 15.0,
-        },
+        "profile": {"systems": profiled, "steps": 2 if small else W, "start_by_s": reps_s + 15.0}
+        if len(profiled) > 1
+        else None,
     }
     d = work / "bench"
     try:
@@ -249,7 +253,7 @@ def run_bench(device: str, tiny: bool, work: Path, budget_s: float) -> dict:
     res.update(model=p["model"], params=rep["params"], below_target=p["below_target"], workdir_on=str(base))
     res["switches"] = {n: sp.get("config") or {} for n, sp in spec["systems"].items()}
     res["raw_turns"] = rep["turns"]  # gpu_check.write puts them in bench_raw.json
-    wanted = ("none", *SYSTEMS, *PERIODIC)
+    wanted = ("none", *systems, *periodic)
     res["ok"] = all(name in res["systems"] or name in res["skipped_turns"] for name in wanted)
     return res
 

@@ -35,6 +35,7 @@ class SlotRecord:
     end: object = None
     stall: tuple | None = None  # (event before, event after) the training stream's wait on `end`
     host_wait_s: float | None = None  # the training thread's wait in engine.wait() for this copy
+    lists: tuple | None = None  # the copy's (sources, destinations): its blocks are counted after the window
 
     def timings(self, cuda: bool) -> dict:
         """Seconds, read after the device is synchronised (None: not measured for this copy)."""
@@ -44,6 +45,9 @@ class SlotRecord:
                 return None
             return a.elapsed_time(b) / 1e3 if cuda else b - a
 
+        if self.lists is not None:  # counted here, not on the training thread during the window
+            self.lead_bytes, self.longest_bytes = same_dtype_blocks(*self.lists)
+            self.lists = None
         stall = span(*self.stall) if self.stall else None
         if stall is None and not cuda:
             stall = self.host_wait_s  # a CPU update waits on the host: that is its stall
@@ -143,8 +147,7 @@ class SlotTimer:
             job = engine._last
             rec = SlotRecord(slot.index, t.window_of(), step, ready=t.ready_mark)
             if job is not None:
-                rec.bytes = int(job.host_bytes)
-                rec.lead_bytes, rec.longest_bytes = same_dtype_blocks(job.srcs, job.dsts)
+                rec.bytes, rec.lists = int(job.host_bytes), (job.srcs, job.dsts)
                 t.by_job[id(job)] = rec
             t.records.append(rec)
             t.waiting.append(rec)
