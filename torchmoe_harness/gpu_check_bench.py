@@ -321,10 +321,12 @@ def analyse(rep: dict) -> dict:
             row["sync_sites"] = ts[-1].get("sync_sites")
         cb, cs = sum(t.get("copy_bytes") or 0 for t in ts), sum(t.get("copy_s") or 0.0 for t in ts)
         if cb:
+            moved = not any(t.get("copies_skipped") for t in ts)  # skip_copies: the bytes a copy would move
             row.update(
                 copy_bytes_per_iteration=cb / steps,
-                d2h_bytes_per_s=cb / cs if cs else None,
-                d2h_vs_peak=cb / cs / peak if cs and peak else None,
+                d2h_bytes_per_s=cb / cs if cs and moved else None,
+                d2h_vs_peak=cb / cs / peak if cs and peak and moved else None,
+                copies_skipped=not moved,
             )
         copies = sum(t.get("copies") or 0 for t in ts)
         if copies:  # only the measured steps' copies (the warm-up's last one lands before the measurement)

@@ -279,6 +279,7 @@ def turn(trainer: Trainer, system, warmup: int, measure: int, every: int = 1, wi
         out["copy_bytes"] = eng.copy_totals["bytes"] - copy0["bytes"]
         out["copy_s"] = eng.copy_totals["wall_s"] - copy0["wall_s"]
         out["copies"] = eng.copy_totals["copies"] - copy0["copies"]  # one per measured step
+        out["copies_skipped"] = bool(getattr(eng, "skip_copies", False))  # bytes counted, none moved
     if hasattr(system, "stage_seconds"):  # DCP: the staging copies of this turn's checkpoints
         done = system.stage_seconds[stage0:]
         out["copy_bytes"], out["copy_s"] = system.state_bytes * len(done), sum(done)
