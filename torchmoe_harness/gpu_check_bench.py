@@ -245,7 +245,9 @@ def run_bench(device: str, tiny: bool, work: Path, budget_s: float, turns: list[
     }
     d = work / "bench"
     try:
-        launch(1, spec, d, budget_s + 30.0, module="torchmoe_harness.gpu_check_bench_worker")
+        log = launch(1, spec, d, budget_s + 30.0, module="torchmoe_harness.gpu_check_bench_worker")
+        # each turn's line (RSS, pinned bytes after its release; a skipped turn's reason) in the check's console
+        print("\n".join(line for line in log.splitlines() if line.startswith("[bench]")), flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     rep = json.loads((d / "report.json").read_text())
