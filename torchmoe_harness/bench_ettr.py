@@ -28,6 +28,8 @@ from pathlib import Path
 from torchmoe_ckpt.ops.status import PHASES as PHASE_COLUMNS
 from torchmoe_harness.bench_moe import RUN
 from torchmoe_harness.ettr import SystemProfile, failure_iterations, simulate_iterations
+from torchmoe_harness.ettr_predict import markdown as terms_markdown
+from torchmoe_harness.ettr_predict import prediction_terms
 from torchmoe_harness.ettr_regime import crossover, curves
 from torchmoe_harness.launch import launch
 
@@ -215,6 +217,11 @@ def analyse(rep: dict, spec: dict) -> dict:
         out["rows"][key] = row
     out["sweep"] = _sweep(out, spec)
     out["predictions"] = _predictions(out["rows"], spec)
+    # where the predictions miss: each term from the destination run in turn (ettr_predict.py), and how much the
+    # no-checkpoint step every ETTR is measured against moved between the job's reference phases
+    out["prediction_terms"] = prediction_terms(out["rows"], spec, out["predictions"])
+    refs = [r["t_iter"] for r in out["rows"].values() if not r.get("same_as")]
+    out["reference_step_s"] = [min(refs), max(refs)] if refs else None
     return out
 
 
@@ -347,6 +354,14 @@ def markdown(res: dict) -> list[str]:
         ]
         for k, v in res["predictions"].items():
             lines.append(f"| {k} | {v['predicted']:.3f} | {v['measured']:.3f} | {v['relative_error']:.1%} |")
+        lines += [""] + terms_markdown(res.get("prediction_terms") or {}, BOUNDS["ettr_prediction_error"][0])
+        if res.get("reference_step_s"):
+            lo, hi = res["reference_step_s"]
+            lines.append(
+                f"The no-checkpoint step each run's ETTR is measured against moved from {lo * 1e3:.1f} to "
+                f"{hi * 1e3:.1f} ms ({hi / lo - 1:.0%}) between the job's reference phases: a measured ETTR is no "
+                "steadier than that."
+            )
     lines += ["", "Regime sweep (ETTR; `*` simulated from the point's measured profiles):", ""]
     for mtbf, s in res["sweep"].items():
         lines += [f"MTBF {mtbf} ({st['mtbfs'][mtbf]} iterations):", ""]

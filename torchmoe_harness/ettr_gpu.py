@@ -37,7 +37,8 @@ def profiles(bench: dict, restart_s: float = RESTART_S) -> dict[str, SystemProfi
         if name == "none" or over is None:
             continue
         if name.startswith("ours"):
-            if r.get("blocked_s_per_iteration", 0.0) > 0.5 * t:
+            # a blocked start-up distorts the row; the copy path without copies is an ablation, not a system
+            if r.get("blocked_s_per_iteration", 0.0) > 0.5 * t or name.endswith("_nocopy"):
                 continue
             w = max(r.get("windows_W") or [k])
             out[f"{name} (W={w})"] = SystemProfile(

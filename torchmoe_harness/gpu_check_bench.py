@@ -1,14 +1,21 @@
 """Phase 3 of the GPU check (gpu_check.py): the systems side by side on one rank (gpu_check_bench_worker), on a MoE
 model sized to the card and the host (>= 0.5 B parameters on a GPU; tiny on a CPU), and the figures a GPU run is
-judged by: paired step overhead (CUDA events and wall), training-thread blocked time, device-to-host throughput
-against the pinned-copy peak, host memory, host syncs per iteration.
+judged by: paired step overhead (CUDA events and wall) with its spread over repetitions, training-thread blocked
+time, device-to-host throughput against the pinned-copy peak, host memory, host syncs per iteration; per slot index
+the update's stall, ready-to-start delay, copy time and bytes (gpu_check_slots.py); a profiler window of `none`
+against ours (gpu_check_profile.py).
 
-Systems: none; ours with auto W; ours with W = 4 and W = 8; ours (auto W) with the host tier; the dense snapshot every
-iteration (Gemini-style, pinned double buffers on a side stream); DCP `async_save` with pinned async staging every
-iteration and at its best interval (ETTR-optimal for an MTBF of `MTBF_ITERATIONS` iterations, at most 8)."""
+Systems (SYSTEMS, WHAT): none; ours as it is (W = 4, auto W); the ablations of issue #35 at W = 4, each fix switch
+on alone, and the copy path without copies (the GIL and Python alone); auto W priced by a step-overhead target;
+every fix at once with that target; the dense snapshot every iteration (Gemini-style, pinned double buffers on a
+side stream); DCP `async_save` with pinned async staging at its best interval (ETTR-optimal for an MTBF of
+`MTBF_ITERATIONS` iterations from the stall of a first turn at `PROBE_EVERY`, at most 8). A fix switch this tree's
+SparseConfig lacks skips its turn with one line (`missing_switch`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import math
 import shutil
@@ -18,23 +25,97 @@ from pathlib import Path
 
 from torchmoe_harness.launch import launch
 
-SYSTEMS = {
-    "ours_auto": {"kind": "ours", "window": None},
-    "ours_W4": {"kind": "ours", "window": 4},
-    "ours_W8": {"kind": "ours", "window": 8},  # with W = 4 and auto: where a slot's copy stops costing a step
-    "ours_host": {"kind": "ours_host", "window": None},
-    "gemini_k1": {"kind": "gemini", "every": 1},
-    "dcp_async_k1": {"kind": "dcp_async", "every": 1, "keep": 1},
+CHUNK_BYTES = 8 << 20  # the yielding copy's chunk: phase 4's spaced_8 point
+TARGET_OVERHEAD = 0.02  # auto W's step-overhead target in the turns that set it (the issue's 2%)
+# Issue #35's fix switches (SparseConfig fields) and the value each is switched on with.
+FIXES = {
+    "copy_chunk_bytes": CHUNK_BYTES,
+    "reads_on_copy_stream": True,
+    "copy_phase": "backward",
+    "device_staging": True,
 }
-PERIODIC = {"dcp_async_best": {"kind": "dcp_async", "of": "dcp_async_k1", "params": {"keep": 1}}}
+W = 4  # the ablations' window: run 1's W = 4 row (+19%), a fixed point to compare the switches at
+SYSTEMS: dict[str, dict] = {
+    "ours_W4": {"kind": "ours", "window": W},
+    **{
+        f"ours_W4_{short}": {"kind": "ours", "window": W, "config": {k: v}}
+        for short, (k, v) in zip(("chunked", "reads", "backward", "staging"), FIXES.items())
+    },
+    "ours_W4_nocopy": {"kind": "ours", "window": W, "skip_copies": True},
+    "ours_auto": {"kind": "ours", "window": None},
+    "ours_auto_target": {"kind": "ours", "window": None, "config": {"max_step_overhead": TARGET_OVERHEAD}},
+    "ours_auto_fixed": {"kind": "ours", "window": None, "fixes": "all"},  # config: every switch this tree has
+    "ours_host": {"kind": "ours_host", "window": None},  # auto W with the host tier: what a job runs
+    "gemini_k1": {"kind": "gemini", "every": 1},
+}
+WHAT = {
+    "none": "no checkpoint: the step every overhead is paired with",
+    "ours_W4": "ours as it is, W = 4",
+    "ours_W4_chunked": f"+ copy_chunk_bytes={CHUNK_BYTES >> 20} MiB: the side stream yields the copy engine",
+    "ours_W4_reads": "+ reads_on_copy_stream: the checkpointer's own device-to-host reads off the training stream",
+    "ours_W4_backward": "+ copy_phase=backward: the copy held until the forward's host reads are done",
+    "ours_W4_staging": "+ device_staging: device-to-device after the update, to the host over the next iteration",
+    "ours_W4_nocopy": "the whole copy path without copying (skip_copies): the copy thread's Python and GIL alone",
+    "ours_auto": "ours as it is, auto W (fixed overlap pricing)",
+    "ours_auto_target": f"+ max_step_overhead={TARGET_OVERHEAD}: auto W priced by the measured device loss",
+    "ours_auto_fixed": "every fix switch of this tree at once, auto W with the target: the candidate default",
+    "ours_host": "ours as it is, auto W, with the host tier (persist thread, shared-memory files)",
+    "gemini_k1": "dense pinned snapshot every iteration (side stream, double buffer)",
+    "dcp_async_best": "DCP async_save, pinned staging, at its ETTR-best interval",
+}
+PROBE_EVERY = 8  # the periodic system's first turn (its stall sets the interval of the next ones); tiny: 2
+PERIODIC = {"dcp_async_best": {"kind": "dcp_async", "probe_every": PROBE_EVERY, "params": {"keep": 1}}}
+PROFILED = ("none", "ours_W4", "ours_auto_fixed")  # the profiler window's systems, in this order
 MTBF_ITERATIONS = 100
 TARGET_PARAMS = 0.5e9
 # Host bytes per parameter at the peak, as a multiple of the dense state (fp32 master + two AdamW moments, 12 B):
-# one system at a time, the largest (ours with the host tier: two windows of pinned slots, two to three windows of
-# shared-memory files) plus pinned blocks torch's host allocator keeps cached from the systems before it.
+# one system at a time, the largest (ours: two windows of pinned slots at a power-of-two block each) plus pinned
+# blocks torch's host allocator keeps cached from the turn before it (a turn of the same footprint).
 HOST_DENSE_FACTOR = 8.0
-SHM_DENSE_FACTOR = 3.0  # shared memory: the host tier's files, or DCP's staging segment and its files
+SHM_DENSE_FACTOR = 3.0  # shared memory: DCP's staging segment and its files
 GPU_BYTES_PER_PARAM = 24.0  # fp32 param, grad, two moments, bf16 copies, activations and workspace
+
+
+def sparse_fields() -> set[str]:
+    from torchmoe_ckpt.core.sparse_config import SparseConfig
+
+    return {f.name for f in dataclasses.fields(SparseConfig)}
+
+
+def missing_switch(sp: dict) -> str | None:
+    """Why a turn cannot run in this tree ("switch X not in this tree"), or None: every SparseConfig field its
+    `config` sets exists, and `skip_copies` is a SnapshotEngine knob here."""
+    have = sparse_fields()
+    for key in sp.get("config") or {}:
+        if key not in have:
+            return f"switch {key} not in this tree"
+    if sp.get("skip_copies"):
+        from torchmoe_ckpt.capture.snapshot import SnapshotEngine
+
+        if "skip_copies" not in inspect.getsource(SnapshotEngine):
+            return "switch skip_copies not in this tree"
+    return None
+
+
+def resolved(systems: dict[str, dict]) -> dict[str, dict]:
+    """`fixes: "all"` made concrete: every switch of FIXES this tree has, and the auto-W target where it exists."""
+    have, out = sparse_fields(), {}
+    for name, sp in systems.items():
+        sp = dict(sp)
+        if sp.pop("fixes", None) == "all":
+            wanted = {**FIXES, "max_step_overhead": TARGET_OVERHEAD}
+            sp["config"] = {k: v for k, v in wanted.items() if k in have}
+        out[name] = sp
+    return out
+
+
+def pin_class(sp: dict | None) -> tuple | None:
+    """Turns of one class hold pinned blocks of the same sizes (the next reuses them); None: holds none."""
+    if sp is None or sp.get("kind") == "none":
+        return None
+    if sp["kind"] in ("ours", "ours_host"):
+        return (sp["kind"], sp.get("window") or "auto")
+    return (sp["kind"],)
 
 
 def tiny_model() -> dict:
@@ -124,12 +205,21 @@ def plan(device: str, tiny: bool) -> dict:
     return size_for(float(host_meminfo().get("MemAvailable", 0)), shm, torch.cuda.get_device_properties(0).total_memory)
 
 
-def run_bench(device: str, tiny: bool, work: Path, budget_s: float) -> dict:
+def run_bench(device: str, tiny: bool, work: Path, budget_s: float, turns: list[str] | None = None) -> dict:
+    """Phase 3; `turns`: only these (and `none`, which every overhead is paired with), None: all."""
     p = plan(device, tiny)
     shm = Path("/dev/shm")
     need_shm = p["params"] * 12 * SHM_DENSE_FACTOR
     base = shm if shm.is_dir() and shutil.disk_usage(shm).free * 0.8 >= need_shm else Path(tempfile.gettempdir())
     workdir = Path(tempfile.mkdtemp(prefix="tmoe-gpucheck-bench-", dir=base))
+    small = tiny or device != "cuda"
+    periodic = {n: dict(v, probe_every=2) for n, v in PERIODIC.items()} if small else dict(PERIODIC)
+    systems = resolved(SYSTEMS)
+    if turns is not None:
+        systems = {n: sp for n, sp in systems.items() if n in turns}
+        periodic = {n: sp for n, sp in periodic.items() if n in turns}
+    profiled = [n for n in (PROFILED[:2] if small else PROFILED) if n == "none" or n in systems]
+    reps_s = max(30.0, budget_s - 25.0 - PROFILE_RESERVE_S)  # the worker's start, the profile, the analysis
     spec = {
         "run": {
             "model": p["model"],
@@ -140,39 +230,57 @@ def run_bench(device: str, tiny: bool, work: Path, budget_s: float) -> dict:
             "optimizer": "fused",
             "device": device,
         },
-        "systems": SYSTEMS,
-        "periodic": PERIODIC,
-        "reps": 1 if tiny else 2,  # and one more with the periodic system
+        "systems": systems,
+        "periodic": periodic,
+        "reps": 2 if small else 3,  # the order rotated each repetition (tiny: 2, under make test's 60 s)
         "warmup": 1,
-        "measure": 2 if tiny else 3,
+        "measure": 2 if small else 8,
+        "windows": 1 if small else 2,  # ours: whole windows, at least this many
         "mtbf_iterations": MTBF_ITERATIONS,
         "workdir": str(workdir),
-        "deadline_s": max(30.0, budget_s - 45.0),  # the worker's start and the analysis after it
+        "deadline_s": reps_s,  # no repetition starts that would end past it
+        "profile": {"systems": profiled, "steps": 2 if small else W, "start_by_s": reps_s + 15.0}
+        if len(profiled) > 1
+        else None,
     }
     d = work / "bench"
     try:
-        launch(1, spec, d, budget_s + 30.0, module="torchmoe_harness.gpu_check_bench_worker")
+        log = launch(1, spec, d, budget_s + 30.0, module="torchmoe_harness.gpu_check_bench_worker")
+        # each turn's line (RSS, pinned bytes after its release; a skipped turn's reason) in the check's console
+        print("\n".join(line for line in log.splitlines() if line.startswith("[bench]")), flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     rep = json.loads((d / "report.json").read_text())
     res = analyse(rep)
     res.update(model=p["model"], params=rep["params"], below_target=p["below_target"], workdir_on=str(base))
+    res["switches"] = {n: sp.get("config") or {} for n, sp in spec["systems"].items()}
     res["raw_turns"] = rep["turns"]  # gpu_check.write puts them in bench_raw.json
-    res["ok"] = all(name in res["systems"] for name in ("none", *SYSTEMS))
+    wanted = ("none", *systems, *periodic)
+    res["ok"] = all(name in res["systems"] or name in res["skipped_turns"] for name in wanted)
     return res
+
+
+PROFILE_RESERVE_S = 35.0  # the profiler window after the repetitions (3 systems, pinning, a window each, summaries)
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
+def _spread(xs: list[float]) -> list[float] | None:
+    return [min(xs), statistics.median(xs), max(xs)] if xs else None
+
+
 def analyse(rep: dict) -> dict:
-    """Per system, medians over repetitions of what each turn measured, paired with the same repetition's `none`."""
+    """Per system, medians over repetitions of what each turn measured, paired with the same repetition's `none`
+    (with the min / median / max over repetitions of the overhead), and ours' per-slot figures."""
+    from torchmoe_harness.gpu_check_slots import per_slot
+
     turns = rep["turns"]
     base = {t["rep"]: t for t in turns.get("none", [])}
     none_dev = statistics.median(_mean(t["device_s"]) for t in turns["none"]) if turns.get("none") else math.nan
     peak = rep["pinned_copy_peak_bytes_per_s"]
-    systems = {}
+    systems, slots = {}, {}
     for name, ts in turns.items():
         if not ts:
             continue
@@ -180,11 +288,13 @@ def analyse(rep: dict) -> dict:
         paired = [t for t in ts if t["rep"] in base]
         row = {
             "turns": len(ts),
+            "steps_per_turn": [len(t["wall_s"]) for t in ts],
             "step_s_device": statistics.median(_mean(t["device_s"]) for t in ts),
             "step_s_wall": statistics.median(t["turn_wall_s"] / len(t["wall_s"]) for t in ts),
             "blocked_s_per_iteration": statistics.median(t["blocked_s"] / len(t["wall_s"]) for t in ts),
             "rss_bytes_max": max(t["rss_bytes"] for t in ts),
             "build_s_median": statistics.median(t["build_s"] for t in ts),
+            "turn_s_median": statistics.median(t["total_s"] for t in ts),
         }
         if name != "none" and paired:
             dev = [_mean(t["device_s"]) - _mean(base[t["rep"]]["device_s"]) for t in paired]
@@ -194,6 +304,8 @@ def analyse(rep: dict) -> dict:
             ]
             row.update(
                 overhead_s_device=statistics.median(dev),
+                overhead_s_device_spread=_spread(dev),
+                overhead_s_device_per_rep=dev,
                 overhead_s_wall=statistics.median(wall),
                 overhead_fraction_device=statistics.median(dev) / none_dev if none_dev else math.nan,
                 rss_over_none_bytes=statistics.median(t["rss_bytes"] - base[t["rep"]]["rss_bytes"] for t in paired),
@@ -201,15 +313,22 @@ def analyse(rep: dict) -> dict:
         pinned = [t["pinned_in_use_bytes"] for t in ts if t.get("pinned_in_use_bytes") is not None]
         if pinned:
             row["pinned_in_use_bytes_max"] = max(pinned)
+        after = [t["after_release"] for t in ts if t.get("after_release")]
+        if after:
+            row["after_release_rss_bytes_max"] = max(a["rss_bytes"] for a in after)
+            held = [a["pinned_reserved_bytes"] for a in after if a.get("pinned_reserved_bytes") is not None]
+            row["after_release_pinned_held_bytes_max"] = max(held) if held else None
         if any(t.get("syncs") is not None for t in ts):
             row["syncs_per_iteration"] = sum(t["syncs"] or 0 for t in ts) / steps
             row["sync_sites"] = ts[-1].get("sync_sites")
         cb, cs = sum(t.get("copy_bytes") or 0 for t in ts), sum(t.get("copy_s") or 0.0 for t in ts)
         if cb:
+            moved = not any(t.get("copies_skipped") for t in ts)  # skip_copies: the bytes a copy would move
             row.update(
                 copy_bytes_per_iteration=cb / steps,
-                d2h_bytes_per_s=cb / cs if cs else None,
-                d2h_vs_peak=cb / cs / peak if cs and peak else None,
+                d2h_bytes_per_s=cb / cs if cs and moved else None,
+                d2h_vs_peak=cb / cs / peak if cs and peak and moved else None,
+                copies_skipped=not moved,
             )
         copies = sum(t.get("copies") or 0 for t in ts)
         if copies:  # only the measured steps' copies (the warm-up's last one lands before the measurement)
@@ -220,6 +339,8 @@ def analyse(rep: dict) -> dict:
                 row[key] = last[key]
         row["interval"] = (last.get("stats") or {}).get("interval", 1 if name != "none" else None)
         systems[name] = row
+        if any(t.get("slots") for t in ts):
+            slots[name] = per_slot(ts)
     if "none" in systems and "syncs_per_iteration" in systems["none"]:
         for row in systems.values():
             if "syncs_per_iteration" in row:
@@ -231,9 +352,13 @@ def analyse(rep: dict) -> dict:
         "pinned_copy_peak_bytes_per_s": peak,
         "setup_s": rep["setup_s"],
         "rep_s": rep["rep_s"],
+        "worker_s": rep.get("seconds"),
         "skipped": rep["skipped"],
+        "skipped_turns": rep.get("skipped_turns", {}),
         "intervals": rep["intervals"],
         "systems": systems,
+        "slots": slots,
+        "profile": rep.get("profile"),
     }
 
 

@@ -10,17 +10,24 @@ taking turns in the same process (A B C A B C ..., the order rotated each repeti
 - device-to-host throughput of the system's copies (CUDA-event timed) against the pinned-copy peak measured here;
 - host memory: RSS and pinned bytes in use (torch's host allocator) during the turn, and the system's own
   accounting where its `stats()` has one;
-- host syncs on the training thread per iteration (CUDA sync debug mode).
+- host syncs on the training thread per iteration (CUDA sync debug mode);
+- ours: every measured slot copy's stall, ready-to-start delay, copy time and bytes (gpu_check_slots.SlotTimer);
+- after the repetitions, a short torch.profiler window of `none` and of ours (gpu_check_profile.py).
 
 A system lives for one turn: built, warmed up, measured, finished and closed, so that only one system's host buffers
 exist at a time and a model of half a billion parameters fits the host (every system's buffers at once would not).
-Pinned blocks go back to torch's host allocator and are reused by the next system (handed back to the system when
-less than 40% of the host's memory is available); what auto W learned carries over
-to the next turn's instance, as `SparseCheckpointer.inherit_counters` carries it over a restart.
+After every turn the system and its slot sets are dropped (del, gc, the device cache emptied); its pinned blocks go
+back to the OS (torch's host cache emptied) unless the next turn is of the same pinned footprint (`pin_class`: the
+W = 4 ablations reuse one another's blocks, as pinning 16 GB again costs seconds per turn), and always when less
+than 40% of the host's memory is available. Each turn prints one line with RSS and pinned bytes after that. What
+auto W learned carries over to the next turn's instance, as `SparseCheckpointer.inherit_counters` carries it over a
+restart. A turn whose fix switch this library lacks is skipped with one line (gpu_check_bench.missing_switch).
 
-Spec: {"run": RunConfig fields, "systems": {name: {"kind": ..., params}}, "periodic": {name: {"kind": ..., "of": k=1
-system}}, "reps", "warmup", "measure", "mtbf_iterations", "workdir", "deadline_s"}. Kinds: those of
-`baselines.make_system`, and "ours_host" (ours with the host tier under workdir). rank 0 writes report.json."""
+Spec: {"run": RunConfig fields, "systems": {name: {"kind": ..., params}}, "periodic": {name: {"kind": ...,
+"probe_every": k, "params": {...}}}, "reps", "warmup", "measure", "windows", "mtbf_iterations", "workdir",
+"deadline_s", "profile": {"systems": [...], "steps": n} or None}. A periodic system runs at `probe_every` in the first
+repetition, then at the ETTR-optimal interval its measured stall gives. Kinds: those of `baselines.make_system`, and
+"ours_host" (ours with the host tier under workdir). rank 0 writes report.json."""
 
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import gc
 import math
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -39,8 +47,10 @@ from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_ckpt.storage.tiers import build_tiers
 from torchmoe_harness.baselines import make_system
 from torchmoe_harness.baselines.ours import Ours
-from torchmoe_harness.bench_moe_worker import _detach, _engine, _pick_interval
-from torchmoe_harness.gpu_check_bench import host_meminfo
+from torchmoe_harness.bench_moe_worker import MAX_INTERVAL, _detach, _engine
+from torchmoe_harness.ettr import SystemProfile, best_interval
+from torchmoe_harness.gpu_check_bench import host_meminfo, missing_switch, pin_class
+from torchmoe_harness.gpu_check_slots import SlotTimer
 from torchmoe_harness.gpu_check_syncs import SyncCounter
 from torchmoe_harness.scenario import run_identity
 from torchmoe_harness.trainer import RunConfig, Trainer
@@ -117,6 +127,48 @@ def pinned_in_use(device: torch.device) -> int | None:
     return int(torch.cuda.host_memory_stats().get("active_bytes.current", 0))
 
 
+def pinned_reserved(device: torch.device) -> int | None:
+    """Pinned bytes torch's host allocator holds, in use or cached (what emptying its cache gives back)."""
+    if device.type != "cuda" or not hasattr(torch.cuda, "host_memory_stats"):
+        return None
+    st = torch.cuda.host_memory_stats()
+    return int(st.get("reserved_bytes.current", st.get("allocated_bytes.current", 0)))
+
+
+def release(device: torch.device, empty_host: bool) -> dict:
+    """After a turn (its system already dropped): garbage collected, the device cache emptied, and with
+    `empty_host` (or when less than 40% of the host is available) torch's cached pinned blocks handed back."""
+    gc.collect()
+    emptied = False
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        if empty_host or host_available_fraction() < 0.4:
+            # the caching host allocator keeps every freed pinned block, reused only at its own power-of-two size:
+            # a GPU run's worker was killed with seven systems' blocks piled up (docs/gpu.md)
+            torch._C._host_emptyCache()  # CUDA builds only
+            emptied = True
+    info = host_meminfo()
+    return {
+        "rss_bytes": rss_bytes(),
+        "pinned_in_use_bytes": pinned_in_use(device),
+        "pinned_reserved_bytes": pinned_reserved(device),
+        "host_available_bytes": info.get("MemAvailable"),
+        "host_cache_emptied": emptied,
+    }
+
+
+def memory_line(rep: int, name: str, seconds: float, m: dict) -> str:
+    def gb(x):
+        return "-" if x is None else f"{x / 1e9:.1f} GB"
+
+    return (
+        f"[bench] rep {rep} {name}: {seconds:.1f} s; after release RSS {gb(m['rss_bytes'])}, pinned in use "
+        f"{gb(m['pinned_in_use_bytes'])}, pinned held {gb(m['pinned_reserved_bytes'])}, host available "
+        f"{gb(m['host_available_bytes'])}{', host cache emptied' if m['host_cache_emptied'] else ''}"
+    )
+
+
 def own_host_bytes(system) -> tuple[int | None, dict | None]:
     """The system's own account of the host bytes it holds, where its stats() has one: ours (every part, counted
     from its owners: torchmoe_ckpt/capture/host_memory.py) or a baseline's `host_bytes`. Returns (total, parts)."""
@@ -157,9 +209,9 @@ def _warm(system) -> bool:
     return len(ck.counters.windows) >= 2 and not ck.slots.preparing and (cur is None or cur.captured >= cur.plan.window)
 
 
-def turn(trainer: Trainer, system, warmup: int, measure: int, every: int = 1) -> dict:
+def turn(trainer: Trainer, system, warmup: int, measure: int, every: int = 1, windows: int = 1) -> dict:
     """Warm up (at least `warmup` steps; ours until `_warm`), then measure whole checkpoint intervals: `measure`
-    steps rounded up to a multiple of the interval (`every`; ours: its W)."""
+    steps rounded up to a multiple of the interval (`every`; ours: its W, and at least `windows` windows)."""
     cuda = trainer.device.type == "cuda"
     before = list(trainer.before_update)
     if system is not None:
@@ -173,9 +225,10 @@ def turn(trainer: Trainer, system, warmup: int, measure: int, every: int = 1) ->
         if system is not None:
             system.after_step(trainer, res)
         warmed += 1
-    if getattr(system, "ck", None) is not None and system.ck.current is not None:
-        every = system.ck.current.plan.window
-    steps = every * math.ceil(measure / every)
+    ck = getattr(system, "ck", None)
+    if ck is not None and ck.current is not None:
+        every = ck.current.plan.window
+    steps = every * max(math.ceil(measure / every), windows if ck is not None else 1)
     eng = _engine(system)
     if eng is not None:  # the warm-up's last copy lands first: only the copies of the measured steps are counted
         eng.wait_done()
@@ -184,6 +237,9 @@ def turn(trainer: Trainer, system, warmup: int, measure: int, every: int = 1) ->
     if cuda:
         torch.cuda.synchronize(trainer.device)
     blocked[0] = 0.0
+    timer = None
+    if ck is not None:  # per slot: stall, ready -> start, copy, bytes (events read after the window)
+        timer = SlotTimer.install(eng, lambda: ck.current.plan.window if ck.current is not None else None)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else []
     wall, counter = [], SyncCounter(enabled=cuda)
     t_start = time.perf_counter()
@@ -210,16 +266,33 @@ def turn(trainer: Trainer, system, warmup: int, measure: int, every: int = 1) ->
     if system is not None:
         out["own_host_bytes"], out["own_host_parts"] = own_host_bytes(system)
     trainer.before_update[:] = before + added
+    if timer is not None:
+        timer.stalls = False  # the wait below finishes the last copy: no update follows it
     _detach(system, trainer)  # finishes the copies in flight: the figures below count them
     trainer.before_update[:] = before
+    if timer is not None:
+        if cuda:
+            torch.cuda.synchronize(trainer.device)
+        timer.uninstall()
+        out["slots"] = timer.collect()
     if eng is not None:
         out["copy_bytes"] = eng.copy_totals["bytes"] - copy0["bytes"]
         out["copy_s"] = eng.copy_totals["wall_s"] - copy0["wall_s"]
         out["copies"] = eng.copy_totals["copies"] - copy0["copies"]  # one per measured step
+        out["copies_skipped"] = bool(getattr(eng, "skip_copies", False))  # bytes counted, none moved
     if hasattr(system, "stage_seconds"):  # DCP: the staging copies of this turn's checkpoints
         done = system.stage_seconds[stage0:]
         out["copy_bytes"], out["copy_s"] = system.state_bytes * len(done), sum(done)
     return out
+
+
+def _probe_interval(probe: dict, base: list[dict], every: int, mtbf_iterations: float) -> int:
+    """ETTR-optimal interval of a periodic system from one turn at interval `every`: its stall per checkpoint is
+    `every` x (its mean step - the no-checkpoint step), at an MTBF of `mtbf_iterations` x that step."""
+    t = statistics.median(statistics.fmean(b["device_s"]) for b in base)
+    stall = max(1e-6, every * (statistics.fmean(probe["device_s"]) - t))
+    p = SystemProfile("periodic", t, stall_s=stall, restart_s=t)
+    return max(1, min(MAX_INTERVAL, best_interval(p, mtbf_iterations * t, max_interval=4 * MAX_INTERVAL)))
 
 
 def run(spec: dict, out: Path) -> dict:
@@ -231,25 +304,34 @@ def run(spec: dict, out: Path) -> dict:
         trainer.train_step()
     dense = sum(p.numel() * 12 for p in trainer.model.parameters())  # fp32 master + two AdamW moments
     peak = pinned_copy_peak(trainer.device, min(dense, 1 << 30))
+    release(trainer.device, empty_host=True)  # the peak's own pinned buffer goes back
     workdir, deadline = Path(spec["workdir"]), spec.get("deadline_s") or math.inf
     specs = {"none": None, **spec["systems"]}
-    order, turns = list(specs), {name: [] for name in list(specs) + list(spec.get("periodic", {}))}
+    skipped_turns = {n: why for n, sp in specs.items() if sp is not None and (why := missing_switch(sp))}
+    for name, why in skipped_turns.items():
+        print(f"[bench] {name}: skipped, {why}", flush=True)
+    periodic = spec.get("periodic", {})
+    for name, p in periodic.items():
+        specs[name] = {"kind": p["kind"], "every": p["probe_every"], **p.get("params", {})}
+    order = [n for n in specs if n not in skipped_turns]
+    turns: dict[str, list] = {name: [] for name in order}
     learned: dict[str, tuple] = {}  # ours: what auto W learned (copy cost, W), for the next turn's instance
     intervals, skipped, rep_s = {}, [], []
     setup_s = time.perf_counter() - t_begin
-    for rep in range(spec["reps"] + (1 if spec.get("periodic") else 0)):
+    for rep in range(spec["reps"]):
         t_rep = time.perf_counter()
         if rep_s and time.perf_counter() - t_begin + max(rep_s) > deadline:
             skipped.append(f"repetition {rep} and later: the deadline ({deadline:.0f} s) would pass")
             break
-        if rep == 1 and spec.get("periodic"):
-            for name, p in spec["periodic"].items():
-                intervals[name] = _pick_interval(turns[p["of"]], turns["none"], spec["mtbf_iterations"])
-                if intervals[name] > 1:  # at k = 1 it is its twin, measured already
-                    specs[name] = {"kind": p["kind"], "every": intervals[name], **p.get("params", {})}
-                    order.append(name)
+        if rep == 1:  # the probe measured: every periodic system at its best interval from now on
+            for name, p in periodic.items():
+                intervals[name] = _probe_interval(
+                    turns[name][0], turns["none"], p["probe_every"], spec["mtbf_iterations"]
+                )
+                specs[name] = dict(specs[name], every=intervals[name])
         k = rep % len(order)
-        for name in order[k:] + order[:k]:
+        rotated = order[k:] + order[:k]
+        for i, name in enumerate(rotated):
             sp = dict(specs[name] or {"kind": "none"})
             every = sp.get("every", 1)  # whole intervals are measured: the mean covers one checkpoint each
             t0 = time.perf_counter()
@@ -258,7 +340,7 @@ def run(spec: dict, out: Path) -> dict:
             if hasattr(system, "ck") and name in learned:
                 system.ck.planner.cost, system.ck.planner.auto_w = learned[name]
             built_s = time.perf_counter() - t0
-            res = turn(trainer, system, spec["warmup"], spec["measure"], every)
+            res = turn(trainer, system, spec["warmup"], spec["measure"], every, spec.get("windows", 1))
             if system is not None:
                 if hasattr(system, "ck"):
                     learned[name] = (system.ck.planner.cost, system.ck.planner.auto_w)
@@ -266,14 +348,29 @@ def run(spec: dict, out: Path) -> dict:
                 res["stats"] = {k: v for k, v in system.stats().items() if isinstance(v, (int, float, str, list))}
                 system.close()
             del system
-            gc.collect()
-            if trainer.device.type == "cuda" and host_available_fraction() < 0.4:
-                # the caching host allocator keeps every system's pinned blocks (a block is reused only at its own
-                # power-of-two size): hand them back before the host runs out (a GPU run's worker was killed)
-                torch._C._host_emptyCache()  # CUDA only
+            # the next turn of the same pinned footprint (`none` holds none) reuses these blocks; any other turn
+            # gets them back from the OS, and so does the end of a repetition
+            mine = pin_class(specs[name])
+            nxt = next((c for n in rotated[i + 1 :] if (c := pin_class(specs[n])) is not None), None)
+            res["after_release"] = mem = release(trainer.device, mine is not None and nxt != mine)
             shutil.rmtree(workdir / f"{name}-{rep}", ignore_errors=True)
-            turns[name].append(dict(res, rep=rep, build_s=built_s, total_s=time.perf_counter() - t0))
+            res.update(rep=rep, every=every, build_s=built_s, total_s=time.perf_counter() - t0)
+            turns[name].append(res)
+            print(memory_line(rep, name, res["total_s"], mem), flush=True)
         rep_s.append(time.perf_counter() - t_rep)
+    for name, p in periodic.items():  # only the turns at the interval chosen count (the probe's if it is the same)
+        intervals.setdefault(name, p["probe_every"])
+        turns[name] = [t for t in turns[name] if t["every"] == intervals[name]]
+    profile = None
+    prof_spec = spec.get("profile")
+    if prof_spec and time.perf_counter() - t_begin <= prof_spec.get("start_by_s", math.inf):
+        from torchmoe_harness.gpu_check_profile import profile_systems
+
+        systems = {n: specs[n] for n in prof_spec["systems"] if n in specs and n not in skipped_turns}
+        profile = profile_systems(trainer, systems, prof_spec["steps"], spec["warmup"], workdir, build)
+        release(trainer.device, empty_host=True)
+    elif prof_spec:
+        skipped.append("the profiler window: the deadline would pass")
     return {
         "device": str(trainer.device),
         "device_name": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else "cpu",
@@ -283,9 +380,12 @@ def run(spec: dict, out: Path) -> dict:
         "setup_s": setup_s,
         "rep_s": rep_s,
         "skipped": skipped,
+        "skipped_turns": skipped_turns,
         "intervals": intervals,
         "turns": turns,
+        "profile": profile,
         "steps": trainer.step,
+        "seconds": time.perf_counter() - t_begin,
     }
 
 

@@ -82,8 +82,62 @@ def _nondeterministic(r: dict) -> list[str]:
     return lines
 
 
-def markdown(report: dict) -> list[str]:
+def _ms3(xs) -> str:
+    return "-" if not xs else " / ".join(f"{x * 1e3:+.1f}" for x in xs)
+
+
+def ablations(r: dict) -> list[str]:
+    """Phase 3's turns one by one: what each isolates, its overhead's spread over repetitions, its copies; the
+    turns this tree could not run, each with its one line."""
+    from torchmoe_harness.gpu_check_bench import WHAT
+
+    none = r["systems"].get("none", {}).get("step_s_device")
+    lines = [
+        "Turns (overhead per iteration on the device, paired with the same repetition's `none`, min / median / max "
+        "over repetitions of whole windows; the order rotated each repetition):",
+        "",
+        "| turn | isolates | switches | overhead ms | of the step | blocked/iter | per copy | syncs added |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in r["systems"].items():
+        sw = ", ".join(f"{k}={v}" for k, v in (r.get("switches", {}).get(name) or {}).items()) or "-"
+        frac = row.get("overhead_s_device")
+        of = "-" if frac is None or not none else f"{frac / none:+.1%}"
+        copy = "-"
+        if row.get("copy_s_per_copy") is not None:
+            copy = f"{row['copy_s_per_copy'] * 1e3:.1f} ms, {row['copy_bytes_per_copy'] / 1e9:.2f} GB"
+        syncs = row.get("added_syncs_per_iteration")
+        lines.append(
+            f"| {name} | {WHAT.get(name, '')} | {sw} | {_ms3(row.get('overhead_s_device_spread'))} | {of} | "
+            f"{row['blocked_s_per_iteration'] * 1e3:.2f} ms | {copy} | {'-' if syncs is None else f'{syncs:+.2f}'} |"
+        )
+    for name, why in (r.get("skipped_turns") or {}).items():
+        lines.append(f"| {name} | {WHAT.get(name, '')} | skipped: {why} | | | | | |")
+    lines += [
+        "",
+        "Host memory after each turn's release (max over its turns): the system dropped, pinned blocks "
+        "handed back unless the next turn has the same footprint:",
+        "",
+        "| turn | turn s (median) | RSS | pinned held |",
+        "|---|---|---|---|",
+    ]
+    for name, row in r["systems"].items():
+        lines.append(
+            f"| {name} | {row.get('turn_s_median', 0):.1f} | {_gb(row.get('after_release_rss_bytes_max'))} | "
+            f"{_gb(row.get('after_release_pinned_held_bytes_max'))} |"
+        )
+    return lines + [""]
+
+
+def _bench(r: dict) -> list[str]:
     from torchmoe_harness.gpu_check_bench import markdown as bench_table
+    from torchmoe_harness.gpu_check_profile import markdown as profile_summary
+    from torchmoe_harness.gpu_check_slots import markdown as slot_table
+
+    return bench_table(r) + [""] + ablations(r) + slot_table(r.get("slots") or {}) + profile_summary(r.get("profile"))
+
+
+def markdown(report: dict) -> list[str]:
     from torchmoe_harness.gpu_copy_engine import markdown as copy_engine_table
 
     verdict = "PASSED" if report.get("ok") else "FAILED"
@@ -98,7 +152,7 @@ def markdown(report: dict) -> list[str]:
         "0_environment": _environment,
         "1_exact_recovery": _exact,
         "2_nondeterministic": _nondeterministic,
-        "3_bench": bench_table,
+        "3_bench": _bench,
         "4_copy_engine": copy_engine_table,
     }
     for name, entry in report["phases"].items():

@@ -118,3 +118,30 @@ def test_recovery_line_says_where_the_time_went():
     rep["phases"] = {"find": 0.01, "rebuild": 0.0, "load": 0.03, "replay": 0.46}
     text = recovery_line(rep)
     assert text.startswith(plain) and text.endswith("(find 0.01 s, rebuild 0.00 s, load 0.03 s, replay 0.46 s)")
+
+
+def test_prediction_terms_find_the_term_that_moved_between_the_two_runs():
+    from torchmoe_harness.ettr_predict import prediction_terms, verdict
+
+    fails = {"frequent": (40, [9, 23]), "rare": (60, [30])}
+
+    def row(overhead: float, restart: float) -> dict:
+        p = SystemProfile("ours", 0.1, interval=4, per_iter_overhead_s=0.1 * overhead, restart_s=restart)
+        return {"profile": p.to_dict(), "fail_fraction": 0.5, "overhead_fraction": overhead, "sim_options": {}}
+
+    # the same system, the same failure model; only its per-iteration cost differed between the two runs
+    rows = {"natural/frequent/ours": row(0.10, 1.0), "natural/rare/ours": row(0.30, 1.0)}
+    measured = simulate_iterations(SystemProfile(**rows["natural/rare/ours"]["profile"]), *fails["rare"], 0.5).ettr
+    pred = simulate_iterations(SystemProfile(**rows["natural/frequent/ours"]["profile"]), *fails["rare"], 0.5).ettr
+    preds = {
+        "ours: frequent -> rare": {
+            "predicted": pred,
+            "measured": measured,
+            "relative_error": abs(pred - measured) / measured,
+        }
+    }
+    t = prediction_terms(rows, {"failures": fails}, preds)["ours: frequent -> rare"]
+    assert t["error"] > 0.1  # 10% vs 30% overhead: far off
+    w = t["with_destination"]
+    assert w["pace"] < 1e-9 and w["all"] < 1e-9 and w["recovery"] == pytest.approx(t["error"])
+    assert "the measured pace, not the failure model" in verdict({"ours: frequent -> rare": t}, 0.05)

@@ -20,17 +20,28 @@ class Ours:
         bandwidth_bytes_per_s: float | None = None,
         throttle_bytes_per_s: float | None = None,
         sliding: bool = False,
+        config: dict | None = None,
+        skip_copies: bool = False,
     ):
+        """`config`: more SparseConfig fields (the GPU check's ablations switch one fix on at a time);
+        `skip_copies`: the copy path runs without copying (SnapshotEngine.skip_copies: isolates its Python)."""
         self.cfg = SparseConfig(
-            window=window, overlap=overlap, bandwidth_bytes_per_s=bandwidth_bytes_per_s, sliding=sliding
+            window=window,
+            overlap=overlap,
+            bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+            sliding=sliding,
+            **(config or {}),
         )
         self.throttle = throttle_bytes_per_s  # an emulated slower host link (SnapshotEngine.throttle_bytes_per_s)
+        self.skip_copies = skip_copies
         self.ck = self._checkpointer(trainer)
         self._attached = None
 
     def _checkpointer(self, trainer) -> SparseCheckpointer:
         ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, self.cfg)
         ck.engine.throttle_bytes_per_s = self.throttle
+        if self.skip_copies:
+            ck.engine.skip_copies = True
         return ck
 
     def attach(self, trainer) -> Ours:
