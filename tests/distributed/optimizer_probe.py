@@ -1,10 +1,10 @@
 """torchrun entry for tests/distributed/test_optimizers_kill9.py: the own loop of examples/own_loop.py (Hugging Face
 Mixtral, FSDP2, a crash with `kill -9`, resume) with another optimizer setup (torchmoe_harness.optimizers): SGD,
 AdamW with amsgrad or bf16 states, Muon + AdamW as two optimizers, Adafactor + AdamW, Adafactor alone.
-`--model gpt_oss` trains Hugging Face gpt-oss instead (grouped experts with 2-D [E, F] expert biases). `--parallel ddp` runs
-DistributedDataParallel instead of FSDP2 (torch's Adafactor cannot step FSDP2's DTensor parameters: an in-place
-square of a partial norm, refused by DTensor in torch 2.13). Writes every tensor of this rank's final state (model,
-each optimizer's and scheduler's state dict, local shards) and its losses."""
+`--model gpt_oss` trains Hugging Face gpt-oss instead (grouped experts with 2-D [E, F] expert biases).
+`--parallel ddp` runs DistributedDataParallel instead of FSDP2 (torch's Adafactor cannot step FSDP2's DTensor
+parameters: an in-place square of a partial norm, refused by DTensor in torch 2.13). Writes every tensor of this
+rank's final state (model, each optimizer's and scheduler's state dict, local shards) and its losses."""
 
 from __future__ import annotations
 

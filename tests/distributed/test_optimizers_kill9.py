@@ -67,7 +67,7 @@ def test_adafactor_ddp_kill9(tmp_path):
     check(tmp_path, "adafactor-adamw", "ddp")
 
 
-MERGED = "operator model.layers.{}.mlp.experts: all of its layer's experts as one operator, because {}"
+MERGED = "model.layers.{}.mlp.experts: all of its layer's experts as one operator, because {}"
 
 
 def test_adafactor_on_grouped_experts_ddp_kill9(tmp_path):

@@ -2,9 +2,10 @@
 
 An operator is one expert of one MoE layer (`<moe>.experts.<e>`: a dim-0 slice of grouped `[E, ...]` tensors,
 or one module of an expert list) -- or all of a layer's grouped experts (`<moe>.experts`) when the optimizer's
-update couples across that cut (model/granularity.py) -- one router (`<moe>.router`, with the MoE's own `[E]` tensors), the non-expert
-state of one repeated block (`<block>.dense`) or a top-level module. Every parameter and persistent buffer lands
-in exactly one operator, as pieces of this rank's local shards with global offsets from the DTensor placement.
+update couples across that cut (model/granularity.py) --, one router (`<moe>.router`, with the MoE's own `[E]`
+tensors), the non-expert state of one repeated block (`<block>.dense`) or a top-level module. Every parameter and
+persistent buffer lands in exactly one operator, as pieces of this rank's local shards with global offsets from the
+DTensor placement.
 """
 
 from __future__ import annotations
