@@ -77,6 +77,7 @@ def test_adafactor_on_grouped_experts_ddp_kill9(tmp_path):
     assert MERGED.format(1, "Adafactor scales each update by the RMS of the whole parameter") in log, log[-3000:]
 
 
+@pytest.mark.matrix  # the default suite covers merged operators under kill -9 (Adafactor) and gpt-oss's in one process
 def test_muon_on_gpt_oss_expert_biases_fsdp_kill9(tmp_path):
     """gpt-oss under FSDP2 with the Muon recipe (every 2-D hidden tensor on Muon, so its [E, F] expert biases too:
     one matrix over all experts): each layer's experts are one operator, recovered bit-exactly after a kill -9."""
