@@ -304,7 +304,8 @@ class TitanPipeline:
                     tr._losses[k] = v
 
     def _ops(self):
-        return {o.name: o for o in discover_operators(self.trainer.model)}
+        # as the checkpointer discovered them (start()): as fine as the optimizers allow
+        return {o.name: o for o in discover_operators(self.trainer.model, optimizer=list(self.trainer.optimizers))}
 
     def _recover_segment(self, tier, plan) -> dict:
 

@@ -112,7 +112,7 @@ class Checkpointer:
         # Read now: recovery restores RNG states, which changes torch.initial_seed().
         self.seed: int | None | TorchSeed = torch_seed() if seed == "auto" else seed
         self.compute_dtype = self.config.compute_dtype or infer_compute_dtype(model)
-        self.ops = discover_operators(model, self.config.operators)
+        self.ops = discover_operators(model, self.config.operators, optim)  # as fine as the optimizer allows
         self.op_by_name = {o.name: o for o in self.ops}
         check_coverage(model, self.ops)
         describe_optimizer_state(model, self.ops, optim)  # what slots hold of each operator's optimizer state

@@ -24,7 +24,7 @@ from .core.operator import Operator
 from .core.records import IterationRecord
 from .core.window import Window, sliding_suffix
 from .model.identity import RunIdentity, build_identity
-from .model.operators import discover_operators
+from .model.operators import discover_operators, merged_operators
 from .model.optim_state import describe_optimizer_state
 from .planning.window_planner import WindowPlanner
 from .recovery.recover import ResumeResult
@@ -145,13 +145,15 @@ class SparseCheckpointer:
         self.group = groups.group
         self.agree_group = groups.group if groups.agree_group is SAME_GROUP else groups.agree_group
         self.compute_dtype = compute_dtype
-        self.ops: list[Operator] = run.ops if run.ops is not None else discover_operators(model)
+        self.ops: list[Operator] = run.ops if run.ops is not None else discover_operators(model, optimizer=optimizer)
         describe_optimizer_state(model, self.ops, optimizer)  # slot layout and sizes from the real optimizer state
         self.op_by_name = {o.name: o for o in self.ops}
         self.identity = run.identity or _default_identity(model, optimizer, compute_dtype, self.ops, host_tier)
         self._identity_dict = self.identity.to_dict()
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._level = logging.INFO if self._rank == 0 else logging.DEBUG  # one line per window, not one per rank
+        for name, why in merged_operators(self.ops).items():  # why a window has fewer, larger expert operators
+            log.log(self._level, f"operator {name}: all of its layer's experts as one operator, because {why}")
         self.current: Window | None = None
         self.committed: Window | None = committed
         self._inherited = committed  # a window handed over after a restart (still the recovery fallback)

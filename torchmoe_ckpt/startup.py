@@ -90,7 +90,7 @@ def start(  # noqa: PLR0913 (the front door: four positional essentials, then on
         compute_dtype: the dtype slots are captured in.
         config: the checkpointer's `SparseConfig` (None: defaults).
         tiers: a `TierConfig`, its dict form, or None (windows in this process only).
-        ops: operators already discovered (default: discovered from `trainer.model`).
+        ops: operators already discovered (default: discovered from `trainer.model` and its optimizer).
         identity: `IdentityParts` (data, seed, steps, HSDP replicas).
         resume: False: no recovery is tried.
         recovery: `RecoveryOptions` for the recovery from the tiers.
@@ -108,7 +108,7 @@ def start(  # noqa: PLR0913 (the front door: four positional essentials, then on
     world = dist.get_world_size() if dist.is_initialized() else 1
     hooks, parts = hooks or StartupHooks(), identity or IdentityParts()
     model = trainer.model
-    ops = ops if ops is not None else discover_operators(model)
+    ops = ops if ops is not None else discover_operators(model, optimizer=trainer.optimizer)
     hsdp = parts.hsdp_replicate if parts.hsdp_replicate is not None else mesh_replicate(model)
     cfg = TierConfig.from_dict(tiers) if isinstance(tiers, dict) else tiers
     # Who this run is: written into every window, and what a window must match to be loaded.
@@ -131,7 +131,7 @@ def start(  # noqa: PLR0913 (the front door: four positional essentials, then on
     if hooks.cold_start is not None and (resumed is None or resumed.recovered_step is None):
         trainer = hooks.cold_start()  # nothing recovered: the trainer recovery was tried on is not the one to train
     if trainer.model is not model:  # a hook handed over another trainer: its state is the one checkpointed
-        ops = discover_operators(trainer.model)
+        ops = discover_operators(trainer.model, optimizer=trainer.optimizer)
     ck = SparseCheckpointer(
         trainer.model,
         trainer.optimizer,

@@ -6,7 +6,10 @@ memory, no training), for the whole model (a rank's share under expert paralleli
 Kinds: AdamW (fp32 states), AdamW with bf16 states (fp32 masters: TorchTitan's "fused_opt_states_bf16"), Muon +
 AdamW as torch.optim.Muon takes it (2-D matrices on Muon; the grouped 3-D experts on AdamW), the same recipe with
 the experts on Muon too (TorchTitan's DistMuon, CUDA only: priced with its layout, one momentum buffer per
-parameter, which SGD with momentum has too) and SGD with momentum.
+parameter, which SGD with momentum has too), SGD with momentum, and the two whose update couples a whole grouped
+tensor, so that each MoE layer's experts are ONE operator (torchmoe_ckpt/model/granularity.py): Adafactor on
+everything, and Muon with the grouped experts on it as one matrix each (momentum layout; as gpt-oss's 2-D expert
+biases on torch's Muon do to their layer). Operators are discovered with the optimizers, as the checkpointer does.
 """
 
 from __future__ import annotations
@@ -15,26 +18,51 @@ import torch
 
 from torchmoe_ckpt.model.operators import discover_operators
 from torchmoe_ckpt.model.optim_state import describe_optimizer_state
+from torchmoe_ckpt.model.update_rules import UpdateRule, register_update_rule
 from torchmoe_ckpt.planning.schedule import choose_window, plan_window
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
 from torchmoe_harness.optimizers import build_optimizers
 
-KINDS = ("adamw", "adamw-bf16", "muon-adamw", "distmuon-adamw", "sgd")
+KINDS = ("adamw", "adamw-bf16", "muon-adamw", "distmuon-adamw", "sgd", "adafactor", "muon-merged")
 LABELS = {
     "adamw": "AdamW",
     "adamw-bf16": "AdamW, bf16 states",
     "muon-adamw": "Muon (2-D) + AdamW",
     "distmuon-adamw": "Muon (2-D and experts, DistMuon layout) + AdamW",
     "sgd": "SGD + momentum",
+    "adafactor": "Adafactor (experts merged per layer)",
+    "muon-merged": "Muon, experts as one matrix (merged per layer) + AdamW",
 }
 
 
+class _WholeTensorMuon(torch.optim.SGD):
+    """Priced, never stepped: Muon's state (one momentum buffer) on an update that couples the whole tensor."""
+
+
+register_update_rule(
+    _WholeTensorMuon,
+    UpdateRule(
+        "tensor",
+        lambda g, p, dt: {"momentum_buffer": torch.zeros_like(p, dtype=dt)},
+        "orthogonalises a grouped expert tensor as one matrix",
+    ),
+)
+
+
 def _optimizers(kind: str, model: torch.nn.Module) -> list[torch.optim.Optimizer]:
-    if kind != "distmuon-adamw":
+    if kind not in ("distmuon-adamw", "muon-merged"):
         return build_optimizers(kind, model, lr=1e-3)[0]
     named = [(n, p) for n, p in model.named_parameters()]
     mats = [p for n, p in named if p.dim() >= 2 and not any(k in n for k in ("tok_embeddings", "output"))]
     rest = [p for n, p in named if not any(p is q for q in mats)]
+    if kind == "muon-merged":  # the grouped experts on a whole-tensor Muon, the other matrices on a per-matrix one
+        grouped = [p for p in mats if p.dim() >= 3]
+        flat = [p for p in mats if p.dim() < 3]
+        return [
+            _WholeTensorMuon(grouped, lr=1e-3, momentum=0.9),
+            torch.optim.SGD(flat, lr=1e-3, momentum=0.9),
+            torch.optim.AdamW(rest, lr=1e-3),
+        ]
     # DistMuon's state is one momentum buffer shaped like its parameter: SGD's layout (priced, not trained).
     return [torch.optim.SGD(mats, lr=1e-3, momentum=0.9), torch.optim.AdamW(rest, lr=1e-3)]
 
@@ -49,8 +77,9 @@ def byte_ratios(model_cfg: dict, windows=(2, 4, 8), budget_fraction: float = 0.3
     out: dict = {"params": params, "budget_fraction": budget_fraction, "windows": list(windows), "compute": {}}
     sizes = {}
     for kind in KINDS:
-        ops = {o.name: o for o in discover_operators(model)}
-        describe_optimizer_state(model, ops, _optimizers(kind, model))
+        opts = _optimizers(kind, model)
+        ops = {o.name: o for o in discover_operators(model, optimizer=opts)}  # as fine as the optimizer allows
+        describe_optimizer_state(model, ops, opts)
         sizes[kind] = ops
     budget = None
     for compute in (torch.float32, torch.bfloat16):
@@ -63,7 +92,13 @@ def byte_ratios(model_cfg: dict, windows=(2, 4, 8), budget_fraction: float = 0.3
             dense = sum(full.values())
             if budget is None:
                 budget = budget_fraction * dense  # AdamW, fp32: the first row
-            row = {"dense_bytes": dense, "bytes_per_param": dense / params, "forced": {}}
+            row = {
+                "dense_bytes": dense,
+                "bytes_per_param": dense / params,
+                "operators": len(ops),
+                "largest_operator": max(full.values()) / dense,  # the floor of a slot's full-state part
+                "forced": {},
+            }
             for w in windows:
                 plan = plan_window(order, full, comp, float("inf"), forced_window=w, warn=False)
                 row["forced"][w] = {
@@ -91,15 +126,16 @@ def markdown(res: dict) -> list[str]:
     ]
     for compute, rows in res["compute"].items():
         lines += [
-            f"| optimizer ({compute} compute) | full copy B/param | dense MB | "
+            f"| optimizer ({compute} compute) | full copy B/param | dense MB | operators | largest / dense | "
             + " | ".join(f"W={w} mean (worst)" for w in ws)
             + " | auto W | auto mean |",
-            "|---|---|---|" + "---|" * len(ws) + "---|---|",
+            "|---|---|---|---|---|" + "---|" * len(ws) + "---|---|",
         ]
         for kind, r in rows.items():
             forced = " | ".join(f"{r['forced'][w]['mean']:.3f} ({r['forced'][w]['worst']:.3f})" for w in ws)
             lines.append(
-                f"| {LABELS[kind]} | {r['bytes_per_param']:.2f} | {r['dense_bytes'] / 1e6:.1f} | {forced} | "
+                f"| {LABELS[kind]} | {r['bytes_per_param']:.2f} | {r['dense_bytes'] / 1e6:.1f} | {r['operators']} | "
+                f"{r['largest_operator']:.3f} | {forced} | "
                 f"{r['auto']['W']} | {r['auto']['mean']:.3f} |"
             )
         lines.append("")

@@ -94,7 +94,7 @@ def run(spec: dict, out: Path) -> dict:
         for step in range(start + 1, spec["steps"] + 1):
             losses[step] = ckpt.step(batch_for(step))
         experts = [
-            sum(1 for o in ckpt.ops if o.kind == "expert" and o.layer == layer)
+            sum(len(o.experts) for o in ckpt.ops if o.kind == "expert" and o.layer == layer)  # merged ones too
             for layer in sorted({o.layer for o in ckpt.ops if o.kind == "expert"})
         ]
         stats = ckpt.stats()

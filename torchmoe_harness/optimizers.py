@@ -6,12 +6,14 @@ adamw-bf16    AdamW whose states are bf16 (made before the first step, as TorchT
               "fused_opt_states_bf16" does; on CPU torch's AdamW needs bf16 parameters for that, so there the
               whole model is bf16: `needs_bf16_params`)
 sgd           SGD(momentum=0.9, nesterov=True): one momentum buffer
-muon-adamw    torch.optim.Muon on the 2-D hidden matrices (attention, routers, expert matrices that are 2-D),
+muon-adamw    torch.optim.Muon on the 2-D hidden matrices (attention, routers, 2-D grouped expert tensors such as
+              gpt-oss's expert biases [E, F], whose layer's experts then become one operator),
               AdamW on the rest (embeddings, output head, norms, grouped 3-D expert tensors): the recipe of
               recent large MoE runs (Moonlight, Kimi K2)
 adafactor-adamw  torch.optim.Adafactor (factored second moment) on everything but the grouped expert tensors,
-              AdamW on those (Adafactor's step size is the RMS of a whole tensor: a tensor cut into experts
-              cannot be replayed expert by expert)
+              AdamW on those (so every expert stays its own operator)
+adafactor     torch.optim.Adafactor on everything, the grouped expert tensors too: its step size is the RMS of a
+              whole tensor, so each MoE layer's experts become one operator (torchmoe_ckpt/model/granularity.py)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-KINDS = ("adamw", "amsgrad", "adamw-bf16", "sgd", "muon-adamw", "adafactor-adamw")
+KINDS = ("adamw", "amsgrad", "adamw-bf16", "sgd", "muon-adamw", "adafactor-adamw", "adafactor")
 
 
 def needs_bf16_params(kind: str) -> bool:
@@ -64,6 +66,8 @@ def build_optimizers(
             torch.optim.Muon(mats, lr=lr * 5, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"),
             torch.optim.AdamW(rest, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay),
         ]
+    elif kind == "adafactor":
+        opts = [torch.optim.Adafactor(params, lr=lr * 3, weight_decay=weight_decay)]
     else:
         fact = [p for n, p in named if not _grouped(n, p)]
         grouped = [p for n, p in named if _grouped(n, p)]

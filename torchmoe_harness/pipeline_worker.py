@@ -156,7 +156,7 @@ def run(spec: dict, out: Path) -> dict:
     else:
         recovering = True
         trainer = StageTrainer(cfg, pp, stage, blog, init_seed=cfg.seed + 7777)  # other weights: forgetting shows
-        ops = {o.name: o for o in discover_operators(trainer.model)}
+        ops = {o.name: o for o in discover_operators(trainer.model, optimizer=trainer.optimizer)}
         if live is not None:
             trainer.replayed_iterations = live["replayed"]
         if plan.mode == "local":
@@ -309,7 +309,7 @@ def _bench_recovery(trainer: StageTrainer, bench: dict, paths: Paths, tier: Host
     plan = plan_recovery(statuses, paths.logs, pp.microbatches)
     gplan = plan_recovery([StageStatus(s.stage, False, None, s.windows) for s in statuses], paths.logs, pp.microbatches)
     out: dict = {"failed_stage": victim, "target_step": target, "plan": plan.mode, "global_window": gplan.window_id}
-    ops = {o.name: o for o in discover_operators(trainer.model)}
+    ops = {o.name: o for o in discover_operators(trainer.model, optimizer=trainer.optimizer)}
 
     def exact(t: StageTrainer) -> bool:
         got = t.export_state()

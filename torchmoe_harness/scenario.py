@@ -97,7 +97,7 @@ def run_identity(trainer: Trainer, host: dict | None) -> RunIdentity:
     """This run's identity, as `start` builds it (for a checkpointer built without it: gpu_check_bench_worker)."""
     facts = identity_facts(trainer.cfg)
     run_id = TierConfig.from_dict(host).resolved_run_id() if host else None
-    ops = discover_operators(trainer.model)
+    ops = discover_operators(trainer.model, optimizer=trainer.optimizer)  # as start() discovers them
     return build_identity(
         trainer.model,
         trainer.optimizer,

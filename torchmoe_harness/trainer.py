@@ -220,19 +220,19 @@ class Trainer:
         iteration (model.expert_mlp skips their weight gradients); returns the modules marked."""
         if not frozen_ops:
             return []
-        if self._expert_of is None:  # operator name -> (GroupedExperts, expert index), found once
+        if self._expert_of is None:  # operator name -> (GroupedExperts, its expert indices), found once
             from torchmoe_ckpt.model.operators import discover_operators
 
             self._expert_of = {
-                o.name: (self.model.get_submodule(o.moe).routed_experts.inner_experts, o.expert)
-                for o in discover_operators(self.model)
+                o.name: (self.model.get_submodule(o.moe).routed_experts.inner_experts, o.experts)
+                for o in discover_operators(self.model, optimizer=self.optimizer)  # the checkpointer's operators
                 if o.kind == "expert"
             }
         by_module: dict = {}
         for name in frozen_ops:
             if name in self._expert_of:
-                mod, e = self._expert_of[name]
-                by_module.setdefault(mod, set()).add(e)
+                mod, experts = self._expert_of[name]
+                by_module.setdefault(mod, set()).update(experts)
         for mod, experts in by_module.items():
             mod.frozen = frozenset(experts)
         return list(by_module)

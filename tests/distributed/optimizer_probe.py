@@ -1,9 +1,10 @@
 """torchrun entry for tests/distributed/test_optimizers_kill9.py: the own loop of examples/own_loop.py (Hugging Face
 Mixtral, FSDP2, a crash with `kill -9`, resume) with another optimizer setup (torchmoe_harness.optimizers): SGD,
-AdamW with amsgrad or bf16 states, Muon + AdamW as two optimizers, Adafactor + AdamW. `--parallel ddp` runs
-DistributedDataParallel instead of FSDP2 (torch's Adafactor cannot step FSDP2's DTensor parameters: an in-place
-square of a partial norm, refused by DTensor in torch 2.13). Writes every tensor of this rank's final state (model,
-each optimizer's and scheduler's state dict, local shards) and its losses."""
+AdamW with amsgrad or bf16 states, Muon + AdamW as two optimizers, Adafactor + AdamW, Adafactor alone.
+`--model gpt_oss` trains Hugging Face gpt-oss instead (grouped experts with 2-D [E, F] expert biases).
+`--parallel ddp` runs DistributedDataParallel instead of FSDP2 (torch's Adafactor cannot step FSDP2's DTensor
+parameters: an in-place square of a partial norm, refused by DTensor in torch 2.13). Writes every tensor of this
+rank's final state (model, each optimizer's and scheduler's state dict, local shards) and its losses."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
-from transformers import MixtralConfig, MixtralForCausalLM
+from transformers import GptOssConfig, GptOssForCausalLM, MixtralConfig, MixtralForCausalLM
 
 import torchmoe_ckpt as tmc
 from torchmoe_harness.hf_worker import flat_state
@@ -27,6 +28,7 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--optimizer", choices=KINDS, required=True)
     ap.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp")
+    ap.add_argument("--model", choices=("mixtral", "gpt_oss"), default="mixtral")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--run-id", required=True)
     ap.add_argument("--host-dir", required=True)
@@ -36,7 +38,7 @@ def main(argv: list[str]) -> None:
 
     rank, _world = tmc.init_process_group()
     torch.manual_seed(0)
-    cfg = MixtralConfig(
+    sizes = dict(
         vocab_size=128,
         hidden_size=32,
         intermediate_size=64,
@@ -47,7 +49,12 @@ def main(argv: list[str]) -> None:
         num_experts_per_tok=2,
         max_position_embeddings=64,
     )
-    model = MixtralForCausalLM(cfg)
+    if args.model == "gpt_oss":
+        cfg = GptOssConfig(**sizes, head_dim=16, layer_types=["full_attention"] * 2)
+        model = GptOssForCausalLM(cfg)
+    else:
+        cfg = MixtralConfig(**sizes)
+        model = MixtralForCausalLM(cfg)
     if needs_bf16_params(args.optimizer):
         model = model.to(torch.bfloat16)
     if args.parallel == "fsdp":

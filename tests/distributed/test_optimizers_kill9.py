@@ -2,7 +2,8 @@
 own loop on Hugging Face Mixtral (grouped experts), FSDP2 on 2 ranks, with SGD + momentum, AdamW with amsgrad,
 AdamW with bf16 states, Muon + AdamW as two optimizers; Adafactor (+ AdamW on the grouped experts) under DDP,
 since torch's Adafactor cannot step FSDP2's DTensor parameters. torch.equal on every tensor of the model, of
-every optimizer's and scheduler's state dict, and the losses after the restart."""
+every optimizer's and scheduler's state dict, and the losses after the restart. Adafactor on the grouped experts
+too, and Muon on gpt-oss's 2-D expert biases: there each layer's experts are one operator (model/granularity.py)."""
 
 from __future__ import annotations
 
@@ -18,17 +19,20 @@ ROOT = Path(__file__).resolve().parents[2]
 PROBE = ROOT / "tests" / "distributed" / "optimizer_probe.py"
 
 
-def run(out: Path, kind: str, run_id: str, parallel: str, fault: str | None = None) -> tuple[list[dict], str]:
+def run(
+    out: Path, kind: str, run_id: str, parallel: str, fault: str | None = None, model: str = "mixtral"
+) -> tuple[list[dict], str]:
     out.mkdir(parents=True, exist_ok=True)
     args = ["--optimizer", kind, "--parallel", parallel, "--run-id", run_id, "--host-dir", str(out / "shm")]
+    args += ["--model", model]
     env = {"OWN_LOOP_OUT": str(out), "TORCHMOE_FAULT": fault or ""}
     log = torchrun(2, [str(PROBE), *args], out / "torchrun.log", 55.0, env, max_restarts=1 if fault else 0)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)], log
 
 
-def check(tmp_path: Path, kind: str, parallel: str = "fsdp") -> None:
-    ref, _ = run(tmp_path / "ref", kind, "ref", parallel)
-    got, log = run(tmp_path / "kill", kind, "kill", parallel, fault="kill:point=optimizer:rank=1:step=8")
+def check(tmp_path: Path, kind: str, parallel: str = "fsdp", model: str = "mixtral") -> str:
+    ref, _ = run(tmp_path / "ref", kind, "ref", parallel, model=model)
+    got, log = run(tmp_path / "kill", kind, "kill", parallel, "kill:point=optimizer:rank=1:step=8", model)
     assert "event=fault_injected" in log and "event=recovered" in log, log[-3000:]
     assert "every replayed loss matched the original run bit for bit" in log
     compared = 0
@@ -44,6 +48,7 @@ def check(tmp_path: Path, kind: str, parallel: str = "fsdp") -> None:
         for s in after:
             assert torch.equal(ref[r]["losses"][s], got[r]["losses"][s]), f"rank {r}: loss at step {s}"
     assert compared > 60
+    return log
 
 
 def test_muon_and_adamw_as_two_optimizers_kill9(tmp_path):
@@ -60,6 +65,24 @@ def test_adamw_bf16_states_kill9(tmp_path):
 
 def test_adafactor_ddp_kill9(tmp_path):
     check(tmp_path, "adafactor-adamw", "ddp")
+
+
+MERGED = "model.layers.{}.mlp.experts: all of its layer's experts as one operator, because {}"
+
+
+def test_adafactor_on_grouped_experts_ddp_kill9(tmp_path):
+    """Adafactor on everything, the grouped [E, 2F, D] / [E, D, F] expert tensors too: each layer's experts are
+    one operator (the step size is the RMS of the whole tensor), recovered bit-exactly after a kill -9."""
+    log = check(tmp_path, "adafactor", "ddp")
+    assert MERGED.format(1, "Adafactor scales each update by the RMS of the whole parameter") in log, log[-3000:]
+
+
+@pytest.mark.matrix  # the default suite covers merged operators under kill -9 (Adafactor) and gpt-oss's in one process
+def test_muon_on_gpt_oss_expert_biases_fsdp_kill9(tmp_path):
+    """gpt-oss under FSDP2 with the Muon recipe (every 2-D hidden tensor on Muon, so its [E, F] expert biases too:
+    one matrix over all experts): each layer's experts are one operator, recovered bit-exactly after a kill -9."""
+    log = check(tmp_path, "muon-adamw", model="gpt_oss")
+    assert MERGED.format(0, "Muon orthogonalises each 2-D parameter as a whole") in log, log[-3000:]
 
 
 @pytest.mark.matrix

@@ -91,3 +91,50 @@ def test_distmuon_and_bf16_states_on_cpu_show_why_and_are_described_right():
     assert "ok" in out, proc.stdout
     assert any(ln.startswith("distmuon-cpu: DistMuon requires one CUDA device per process") for ln in out)
     assert any(ln.startswith("bf16-cpu:") for ln in out)
+
+
+GRANULARITY = r"""
+import torch
+from titan_integration.cpu_mode import enable_cpu_mode; enable_cpu_mode()
+from titan_integration.titan_optimizers import register_titan_optimizers; register_titan_optimizers()  # DistMuon's
+from torchtitan.distributed.flex_shard.dist_muon import DistMuon
+from torchtitan.models.deepseek_v3 import model_registry
+from torchmoe_ckpt.model.operators import discover_operators
+from torchmoe_ckpt.model.optim_state import attach_optimizer_state
+from torchmoe_ckpt.model.update_rules import cut_couples, rule_of
+
+with torch.device("meta"):  # TorchTitan's own debug flavor, sizes only
+    model = model_registry("debugmodel").model.build()
+params = [p for p in model.parameters()]
+mats = [p for n, p in model.named_parameters() if p.dim() >= 2 and "tok_embeddings" not in n and "lm_head" not in n]
+
+# DistMuon: per matrix, each [F, D] of a batch-first 3-D [E, F, D] on its own (its Newton-Schulz runs on the batch):
+# an expert cut from dim 0 replays exactly, so every expert stays its own operator; a cut 2-D tensor would couple.
+rule = rule_of(DistMuon.__new__(DistMuon))
+assert rule.coupling == "matrix" and not cut_couples(rule, 3, (0,)) and cut_couples(rule, 2, (0,))
+muon = DistMuon.__new__(DistMuon)  # its constructor refuses CPU tensors: only its class and param groups are read
+muon._param_groups_frozen = False
+torch.optim.Optimizer.__init__(muon, mats, {"lr": 0.01})
+experts = [o.name for o in discover_operators(model, optimizer=muon) if o.kind == "expert"]
+assert len(experts) == 5 * 8 and "layers.1.moe.experts.7" in experts, experts
+
+# Adafactor on the same model: each MoE layer's w1/w2/w3 [8, 256, 256] together, one operator per layer.
+ada = torch.optim.Adafactor(params)
+ops = discover_operators(model, optimizer=ada)
+merged = [o for o in ops if o.kind == "expert"]
+assert [o.name for o in merged] == [f"layers.{i}.moe.experts" for i in range(1, 6)], [o.name for o in merged]
+assert {p.fqn.rsplit(".", 1)[-1] for p in merged[0].pieces} == {"w1_EFD", "w2_EDF", "w3_EFD"}
+assert [o.name for o in ops if o.kind == "router"] == [f"layers.{i}.moe.router" for i in range(1, 6)]
+attach_optimizer_state(model, ops, ada)
+print("ok", len(ops), "operators;", merged[0].merged)
+"""
+
+
+def test_distmuon_keeps_experts_and_adafactor_merges_them_on_the_titan_debug_model():
+    """TorchTitan's deepseek_v3 debugmodel (on the meta device): DistMuon's registered rule is per matrix, so its
+    grouped [8, 256, 256] experts stay one operator each; Adafactor makes each MoE layer's experts one operator."""
+    proc = subprocess.run(
+        [sys.executable, "-c", GRANULARITY], env=demo.child_env(), capture_output=True, text=True, timeout=55
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "ok" in proc.stdout and "Adafactor scales each update by the RMS" in proc.stdout, proc.stdout

@@ -111,10 +111,19 @@ def test_optimizer_byte_ratios_follow_the_real_state_sizes():
         bpp = {k: row["bytes_per_param"] for k, row in rows.items()}  # + buffers and step counters: a little over
         assert 12 < bpp["adamw"] < 12.01 and 8 < bpp["sgd"] < 8.01 and 8 < bpp["adamw-bf16"] < 8.01
         assert bpp["sgd"] < bpp["distmuon-adamw"] < bpp["muon-adamw"] < bpp["adamw"]
+        assert bpp["adafactor"] < bpp["sgd"]  # a factored second moment: rows + columns per matrix
         for row in rows.values():
             assert 0 < row["forced"][4]["mean"] < row["forced"][2]["mean"] < 1
         assert rows["sgd"]["auto"]["W"] <= rows["adamw"]["auto"]["W"]
     assert r["compute"]["float32"]["sgd"]["auto"]["W"] < r["compute"]["float32"]["adamw"]["auto"]["W"]
+    # Adafactor and a whole-tensor Muon make each layer's experts one operator (granularity.py): fewer, larger
+    # operators. The merged Muon has DistMuon's state layout (8 B/param), so the difference is the granularity's.
+    for compute in ("float32", "bfloat16"):
+        rows = r["compute"][compute]
+        assert rows["adafactor"]["operators"] == rows["muon-merged"]["operators"] == rows["adamw"]["operators"] - 30
+        assert rows["muon-merged"]["bytes_per_param"] == rows["distmuon-adamw"]["bytes_per_param"]
+        assert rows["muon-merged"]["largest_operator"] > 10 * rows["distmuon-adamw"]["largest_operator"]
+        assert rows["muon-merged"]["forced"][4]["worst"] > rows["distmuon-adamw"]["forced"][4]["worst"]
     text = "\n".join(opt_markdown(r))
     assert (
         "| AdamW, bf16 states | 8.00 |" in text and "| SGD + momentum | 8.00 |" in text and "| AdamW | 12.00 |" in text

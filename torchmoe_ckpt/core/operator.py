@@ -49,14 +49,22 @@ class Operator:
     name: str
     kind: str  # "expert" | "router" | "dense"
     layer: int | None = None  # index of the repeated block (or MoE) it belongs to; None: top level
-    expert: int | None = None
+    expert: int | None = None  # the one expert it holds; None: not an expert, or several (`experts`)
     pieces: list[Piece] = field(default_factory=list)
     moe: str | None = None  # module path of its MoE block (expert and router operators)
     modules: tuple[str, ...] = ()  # router operators: the modules whose forward routes (for hooks)
     # Tensors this operator owns only a slice of, and the dims it is cut along; the same on every rank.
     cuts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # The experts (indices in its MoE) an expert operator holds: one, or all of its layer's when merged.
+    experts: tuple[int, ...] = ()
+    # Why its layer's experts are one operator (model/granularity.py: the optimizer couples across the cut); "": not.
+    merged: str = ""
     # Optimizer state per parameter fqn (optim_state.describe_optimizer_state); None: the AdamW layout.
     state: dict[str, tuple[StatePiece, ...]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "expert" and not self.experts and self.expert is not None:
+            self.experts = (self.expert,)
 
     def param_numel(self) -> int:
         return sum(p.numel for p in self.pieces if p.is_param)

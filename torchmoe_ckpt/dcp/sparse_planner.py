@@ -76,11 +76,11 @@ class SparseSchedule:
             window: W, the slots per window.
             compute_dtype: the dtype later operators' compute weights are kept in (e.g. torch.bfloat16).
             first_step: the first checkpointed iteration (window 0 starts there).
-            ops: the operators (default: `discover_operators(model)`).
+            ops: the operators (default: `discover_operators(model, optimizer=optimizer)`).
             group: the process group whose ranks agree the sizes (default: the default group, if initialized).
             optimizer: one or several; slots hold its state as it is (created now if missing); None: AdamW's.
         """
-        ops = ops if ops is not None else discover_operators(model)
+        ops = ops if ops is not None else discover_operators(model, optimizer=optimizer)
         if optimizer is not None:
             describe_optimizer_state(model, ops, optimizer)
         self.ops = {o.name: o for o in ops}

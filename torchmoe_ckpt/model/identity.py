@@ -138,7 +138,11 @@ def build_identity(  # noqa: PLR0913  (one argument per part of the identity; th
     """The identity of a run from what it trains. `ops`: list or name -> Operator; `data` (the data order) and
     `seed` (`given_seed`) are fingerprinted when given; `steps` (planned iterations) is free."""
     op_list = list(ops.values()) if isinstance(ops, dict) else list(ops)
-    experts = dict(Counter(o.moe or "" for o in op_list if o.kind == "expert"))
+    counted: Counter[str] = Counter()
+    for o in op_list:
+        if o.kind == "expert":
+            counted[o.moe or ""] += len(o.experts)  # the experts, whether one operator holds one or a layer's
+    experts = dict(counted)
     tensors = {n: [list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in model.named_parameters()}
     opts = optimizer_list(optimizer)
     init_optimizer_state(opts)  # the state its first step would create, so its layout is part of the identity
@@ -156,6 +160,9 @@ def build_identity(  # noqa: PLR0913  (one argument per part of the identity; th
     }
     if seed is not None:  # absent, not null: windows written before the seed was recorded keep their fingerprint
         parts["seed"] = int(seed)
+    merged = {o.name: o.merged for o in op_list if o.merged}
+    if merged:  # absent when every expert is its own operator (granularity.py): `inspect` shows why they are not
+        parts["merged_experts"] = merged
     # The base LR (a scheduler's initial_lr): the current LR depends on where the schedule is.
     lrs = [g.get("initial_lr", g.get("lr")) for o in opts for g in o.param_groups]
     free = {"lrs": [float(x) for x in lrs if isinstance(x, (int, float))], "steps": steps}

@@ -1,9 +1,11 @@
 """Operators: the units sparse checkpointing schedules, named by module path.
 
 An operator is one expert of one MoE layer (`<moe>.experts.<e>`: a dim-0 slice of grouped `[E, ...]` tensors,
-or one module of an expert list), one router (`<moe>.router`, with the MoE's own `[E]` tensors), the non-expert
-state of one repeated block (`<block>.dense`) or a top-level module. Every parameter and persistent buffer lands
-in exactly one operator, as pieces of this rank's local shards with global offsets from the DTensor placement.
+or one module of an expert list) -- or all of a layer's grouped experts (`<moe>.experts`) when the optimizer's
+update couples across that cut (model/granularity.py) --, one router (`<moe>.router`, with the MoE's own `[E]`
+tensors), the non-expert state of one repeated block (`<block>.dense`) or a top-level module. Every parameter and
+persistent buffer lands in exactly one operator, as pieces of this rank's local shards with global offsets from the
+DTensor placement.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..core.operator import Operator, Piece, StatePiece
 from ..runtime.distributed import library_group
+from .granularity import coupled_experts
 from .moe_structure import OperatorDiscoveryError, OperatorSpec, ancestors, find_moe_blocks
 
 __all__ = [
@@ -28,6 +31,7 @@ __all__ = [
     "OperatorDiscoveryError",
     "discover_operators",
     "expert_grid",
+    "merged_operators",
     "moe_order",
     "local_tensor",
     "EXPERT_PARAM_NAMES",
@@ -69,28 +73,33 @@ def _clean(path: str) -> str:
     return _WRAPPER_PARTS.sub("", path).lstrip(".")
 
 
-def discover_operators(model: nn.Module, spec: OperatorSpec | None = None) -> list[Operator]:
+def discover_operators(model: nn.Module, spec: OperatorSpec | None = None, optimizer=None) -> list[Operator]:
     """All operators of `model` in a canonical order (by layer, then experts, router, dense), the same names on
     every rank.
 
     Args:
         model: the model as this rank holds it (FSDP2/DTensor shards, wrappers and torch.compile allowed).
         spec: where experts and routers are, when structural detection does not find them (None: detected).
+        optimizer: the optimizer(s) that train it: the granularity follows their update rules (an MoE layer whose
+            grouped expert tensors they update as a whole is one operator). None: one operator per expert.
 
     Returns:
-        Every operator: one per expert, one router per MoE layer, the dense state of each repeated block and the
-        top-level modules; every parameter and persistent buffer in exactly one of them, as this rank's pieces.
+        Every operator: one per expert (or per layer's experts, see `optimizer`), one router per MoE layer, the
+        dense state of each repeated block and the top-level modules; every parameter and persistent buffer in
+        exactly one of them, as this rank's pieces.
 
     Raises:
         OperatorDiscoveryError: MoE-looking modules match no experts, or a pattern of `spec` matches nothing.
+        UncapturedStateError: an optimizer whose update rule is unknown (optim_state.rule_of).
     """
     moes, blocks, tensors = find_moe_blocks(model, spec)
     # A parameter that never trains has no optimizer state: it is held like a buffer, by value.
     params = {n for n, p in model.named_parameters() if p.requires_grad}
     layers = _Layers.of(model, moes, blocks)
     table = _OperatorTable()
+    merged = coupled_experts(model, moes, optimizer)
     for moe in moes:
-        _add_moe(table, moe, layers, tensors, params)
+        _add_moe(table, moe, layers, tensors, params, merged.get(moe.path, ""))
     for fqn, t in tensors.items():
         if fqn not in table.claimed:
             _add_dense(table, fqn, t, layers, fqn in params)
@@ -133,17 +142,26 @@ class _OperatorTable:
             o.pieces.append(piece)
 
 
-def _add_moe(table: _OperatorTable, moe, layers: _Layers, tensors: dict, params: set[str]) -> None:
-    """One operator per expert (a dim-0 slice of each grouped tensor, or its own modules) and the MoE's router."""
+def _add_moe(table: _OperatorTable, moe, layers: _Layers, tensors: dict, params: set[str], merged: str) -> None:
+    """One operator per expert (a dim-0 slice of each grouped tensor, or its own modules) and the MoE's router;
+    `merged` (why): one operator for all the experts, each grouped tensor whole."""
     path = moe.path if moe.path in layers.layer_of else layers.unit(moe.path)
     layer, base = layers.layer_of[path], _clean(moe.path)  # pyright: ignore[reportArgumentType]  (an MoE is a unit or in one)
-    for e in range(moe.num_experts):
-        name = f"{base}.experts.{e}" if base else f"experts.{e}"
-        table.ops[name] = Operator(name, "expert", layer, e, moe=moe.path, cuts={fqn: (0,) for fqn in moe.grouped})
+    if merged:
+        name = f"{base}.experts" if base else "experts"
+        experts = tuple(range(moe.num_experts))
+        table.ops[name] = Operator(name, "expert", layer, moe=moe.path, experts=experts, merged=merged)
         for fqn in moe.grouped:
-            table.add(name, "expert", fqn, _expert_piece(fqn, tensors[fqn], e, fqn in params))
-        for fqn in moe.per_expert[e] if moe.per_expert else ():
             table.add(name, "expert", fqn, _whole_piece(fqn, tensors[fqn], fqn in params))
+    else:
+        for e in range(moe.num_experts):
+            name = f"{base}.experts.{e}" if base else f"experts.{e}"
+            cuts = {fqn: (0,) for fqn in moe.grouped}
+            table.ops[name] = Operator(name, "expert", layer, e, moe=moe.path, cuts=cuts, experts=(e,))
+            for fqn in moe.grouped:
+                table.add(name, "expert", fqn, _expert_piece(fqn, tensors[fqn], e, fqn in params))
+            for fqn in moe.per_expert[e] if moe.per_expert else ():
+                table.add(name, "expert", fqn, _whole_piece(fqn, tensors[fqn], fqn in params))
     if moe.router:
         name = f"{base}.router" if base else "router"
         table.ops[name] = Operator(name, "router", layer, moe=moe.path, modules=tuple(moe.router_modules))
@@ -182,9 +200,14 @@ def moe_order(ops: list[Operator]) -> list[str]:
 
 
 def expert_grid(ops: list[Operator]) -> dict[tuple[int, int], str]:
-    """(layer index among MoE layers, expert) -> operator name."""
+    """(layer index among MoE layers, expert) -> operator name (every expert of a merged operator names it)."""
     idx = {m: i for i, m in enumerate(moe_order(ops))}
-    return {(idx[o.moe], o.expert): o.name for o in ops if o.kind == "expert"}  # pyright: ignore[reportReturnType, reportArgumentType]  (an expert has both)
+    return {(idx[o.moe], e): o.name for o in ops if o.kind == "expert" for e in o.experts}  # pyright: ignore[reportArgumentType]  (an expert has its MoE)
+
+
+def merged_operators(ops) -> dict[str, str]:
+    """Operator name -> why its layer's experts are one operator, for every merged operator (shown to users)."""
+    return {o.name: o.merged for o in (ops.values() if isinstance(ops, dict) else ops) if o.merged}
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -1,23 +1,22 @@
 """Optimizer state, whatever the optimizer: what each parameter's state holds, how an operator's share is cut
 (like the parameter, along the dims a factored state keeps, or once per tensor for 0-dim `step`), and whether
-replay with frozen operators is exact: each optimizer's `UpdateRule` says how its update couples elements,
-"element" (Adam, AdamW, SGD), "matrix" (Muon: cut only along batch dims) or "tensor" (Adafactor: no cut); anything
-else is refused. Several optimizers at once are one `Optimizers`, each parameter in exactly one.
+replay with frozen operators is exact: each optimizer's `UpdateRule` (model/update_rules.py) says how its update
+couples elements; operator discovery made the operators no finer than that (model/granularity.py), and what no
+granularity can replay is refused here. Several optimizers at once are one `Optimizers`, each parameter in
+exactly one.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
-from torch.optim.optimizer import _get_scalar_dtype
 
 from ..core.errors import UncapturedStateError
 from ..core.operator import Operator, Piece, StatePiece
 from .operators import local_offset
+from .update_rules import UpdateRule, cut_couples, optimizer_list, register_update_rule, rule_of
 
 __all__ = [
     "Optimizers",
@@ -29,119 +28,10 @@ __all__ = [
     "attach_optimizer_state",
     "describe_optimizer_state",
     "check_optimizer_state",
+    "rule_of",
 ]
 
 RESERVED = ("master", "compute", "buffer")  # slot roles of the other items: no state key may be named so
-
-
-@dataclass(frozen=True)
-class UpdateRule:
-    """How an optimizer's update couples elements, and the state its lazy init creates for a parameter."""
-
-    coupling: str  # "element" | "matrix" (last two dims) | "tensor" (the whole parameter)
-    init: Callable[[dict, torch.Tensor, torch.dtype | None], dict[str, torch.Tensor]]  # (group, param, dtype)
-    why: str = ""  # what couples, for the refusal
-    check: Callable[[dict], str | None] | None = None  # a group setting replay cannot reproduce -> why
-
-
-_RULES: dict[type, UpdateRule] = {}
-
-
-def register_update_rule(cls: type, rule: UpdateRule) -> None:
-    """Declare the update rule of an optimizer class (TorchTitan's DistMuon is registered by its glue)."""
-    if rule.coupling not in ("element", "matrix", "tensor"):
-        raise ValueError(f"coupling {rule.coupling!r}: use 'element', 'matrix' or 'tensor'")
-    _RULES[cls] = rule
-
-
-def _zeros(p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    return torch.zeros_like(p, memory_format=torch.preserve_format, dtype=dtype)
-
-
-def _adam_init(group: dict, p: torch.Tensor, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    # torch.optim.Adam/AdamW._init_group, value for value (the step lives on the device when fused/capturable).
-    fused = group.get("fused")
-    st = {
-        "step": torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device)
-        if group.get("capturable") or fused
-        else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"),
-        "exp_avg": _zeros(p, dtype),
-        "exp_avg_sq": _zeros(p, dtype),
-    }
-    if group.get("amsgrad"):
-        st["max_exp_avg_sq"] = _zeros(p, dtype)
-    return st
-
-
-def _sgd_init(group: dict, p: torch.Tensor, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    # SGD starts its buffer as a copy of the first gradient; with dampening 0, zeros give the same value.
-    return {"momentum_buffer": _zeros(p, dtype)} if group["momentum"] != 0 else {}
-
-
-def _sgd_check(group: dict) -> str | None:
-    if group["momentum"] != 0 and group["dampening"] != 0:
-        return (
-            f"SGD(dampening={group['dampening']}) starts its momentum from a parameter's first gradient, not from "
-            "zeros, so a parameter without a gradient yet has no state a slot can hold: use dampening=0"
-        )
-    return None
-
-
-def _adafactor_init(group: dict, p: torch.Tensor, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    # torch.optim.Adafactor._init_group: factored second moment over the last two dims, a vector's in full.
-    st = {"step": torch.tensor(0.0, dtype=_get_scalar_dtype())}
-    if p.dim() > 1:
-        st["row_var"] = p.new_zeros((*p.shape[:-1], 1), dtype=dtype or p.dtype)
-        st["col_var"] = p.new_zeros((*p.shape[:-2], 1, p.shape[-1]), dtype=dtype or p.dtype)
-    else:
-        st["variance"] = _zeros(p, dtype)
-    return st
-
-
-for _cls in (torch.optim.Adam, torch.optim.AdamW):
-    register_update_rule(_cls, UpdateRule("element", _adam_init))
-register_update_rule(torch.optim.SGD, UpdateRule("element", _sgd_init, check=_sgd_check))
-register_update_rule(
-    torch.optim.Muon,
-    UpdateRule(
-        "matrix",
-        lambda g, p, dt: {"momentum_buffer": _zeros(p, dt)},
-        "orthogonalises each 2-D parameter as a whole (Newton-Schulz)",
-    ),
-)
-register_update_rule(
-    torch.optim.Adafactor,
-    UpdateRule("tensor", _adafactor_init, "scales each update by the RMS of the whole parameter and of the update"),
-)
-
-
-def _known() -> str:
-    return ", ".join(sorted(c.__name__ for c in _RULES))
-
-
-def rule_of(opt: torch.optim.Optimizer) -> UpdateRule:
-    """The update rule of `opt`'s class (or of the stock class it derives from without replacing `step`)."""
-    if isinstance(opt, torch.optim.LBFGS):
-        raise UncapturedStateError(
-            "optimizer LBFGS keeps one state for all its parameters and steps through a closure that re-runs the "
-            f"model, so neither per-operator slots nor replay can hold it: use one of {_known()}"
-        )
-    cls = next((c for c in type(opt).__mro__ if c in _RULES), None)
-    if cls is not None and inspect.unwrap(type(opt).step) is inspect.unwrap(cls.step):  # not a new update rule
-        return _RULES[cls]
-    raise UncapturedStateError(
-        f"optimizer {type(opt).__name__} has an update rule the checkpointer does not know, so it cannot tell "
-        f"whether replay with frozen operators is exact (an update that couples elements across operators, or state "
-        f"shared by parameters, would come back wrong): use one of {_known()}, or declare it with register_update_rule"
-    )
-
-
-def optimizer_list(optimizer) -> list[torch.optim.Optimizer]:
-    """The torch optimizers behind `optimizer`: one, a list/tuple, or a container with `.optimizers`."""
-    if isinstance(optimizer, (list, tuple)):
-        return [o for x in optimizer for o in optimizer_list(x)]
-    inner = getattr(optimizer, "optimizers", None)
-    return list(inner) if inner is not None else [optimizer]
 
 
 class MergedState(Mapping):
@@ -281,14 +171,15 @@ def attach_optimizer_state(model: nn.Module, ops, optimizer) -> None:
 
     Raises:
         UncapturedStateError: slots could not hold or replay this optimizer's state: an unsupported optimizer
-            or state, or an update that couples elements an operator cut separates (e.g. Muon across the experts
-            of one grouped tensor).
+            or state, an update that couples parameters of different operators ("global" coupling), or operators
+            cut finer than the update allows (discovered without this optimizer).
     """
     ops = list(ops.values()) if isinstance(ops, dict) else list(ops)
     check_optimizers(model, optimizer)
     init_optimizer_state(optimizer)  # the state its first step would create
     opts = optimizer_list(optimizer)
     _check_cuts(model, ops, opts)
+    _check_global(model, ops, opts)
     _assign_state(model, ops, Optimizers(opts).state)
 
 
@@ -298,7 +189,8 @@ describe_optimizer_state = attach_optimizer_state
 
 def _check_cuts(model: nn.Module, ops: list, opts: list) -> None:
     """Every tensor the operators cut (an expert's slice of a grouped tensor) has an update rule that allows the
-    cut: its elements are updated independently across it."""
+    cut: its elements are updated independently across it. Operators discovered with the optimizer always pass
+    (granularity.py merged what couples); this catches operators discovered without it."""
     rules = {id(p): (o, rule_of(o)) for o in opts for g in o.param_groups for p in g["params"]}
     params = dict(model.named_parameters())
     cuts: dict[str, set[int]] = {}
@@ -309,6 +201,29 @@ def _check_cuts(model: nn.Module, ops: list, opts: list) -> None:
         p = params.get(fqn)
         if p is not None and id(p) in rules:
             _check_coupling(fqn, p, sorted(dims), *rules[id(p)], sum(fqn in op.cuts for op in ops))
+
+
+def _check_global(model: nn.Module, ops: list, opts: list) -> None:
+    """An optimizer whose update mixes different parameters ("global") replays exactly only when all of them are
+    in one operator: replay steps the active ones while the others are frozen at placeholder values."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    holders: dict[str, set[str]] = {}
+    for op in ops:
+        for fqn in {pc.fqn for pc in op.pieces if pc.is_param} | set(op.cuts):
+            holders.setdefault(fqn, set()).add(op.name)
+    for o in opts:
+        rule = rule_of(o)
+        if rule.coupling != "global":
+            continue
+        held = sorted({h for g in o.param_groups for p in g["params"] for h in holders.get(names.get(id(p), ""), ())})
+        if len(held) > 1:
+            shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+            raise UncapturedStateError(
+                f"{type(o).__name__} {rule.why}: its update couples parameters across {len(held)} operators "
+                f"({shown}), so replay with some of them frozen cannot reproduce it, at any operator granularity "
+                "short of the whole model: put those parameters on an optimizer that updates each tensor on its own "
+                "(e.g. AdamW, Adafactor, Muon)"
+            )
 
 
 def _assign_state(model: nn.Module, ops: list, state) -> None:
@@ -324,15 +239,14 @@ def _assign_state(model: nn.Module, ops: list, state) -> None:
 
 
 def _check_coupling(fqn: str, p: torch.Tensor, dims: list[int], opt, rule: UpdateRule, n_ops: int) -> None:
-    name = type(opt).__name__
-    if rule.coupling == "element" or (rule.coupling == "matrix" and all(d < p.dim() - 2 for d in dims)):
+    if not cut_couples(rule, p.dim(), dims):
         return
     where = "inside its matrices (the last two dims)" if rule.coupling == "matrix" else "at all"
     raise UncapturedStateError(
-        f"{name} {rule.why}, and {fqn} {tuple(p.shape)} is cut into {n_ops} operators along dim "
+        f"{type(opt).__name__} {rule.why}, and {fqn} {tuple(p.shape)} is cut into {n_ops} operators along dim "
         f"{', '.join(map(str, dims))}, which it cannot be {where}: replay would mix frozen operators' placeholder "
-        f"state into the active ones. Put such tensors on an elementwise optimizer (e.g. a second optimizer, "
-        f"AdamW) or give each expert its own parameters"
+        "state into the active ones. Discover the operators with the optimizer (discover_operators(model, "
+        "optimizer=...), as Checkpointer and start() do): that layer's experts then become one operator"
     )
 
 

@@ -83,7 +83,8 @@ class RouterCounter:
 
     def __init__(self, model: nn.Module, ops: list[Operator], top_k: int | Sequence[int] | None = None):
         order = moe_order(ops)
-        experts = {m: sum(1 for o in ops if o.kind == "expert" and o.moe == m) for m in order}
+        # Experts per MoE layer, not operators: a merged operator holds all of its layer's.
+        experts = {m: sum(len(o.experts) for o in ops if o.kind == "expert" and o.moe == m) for m in order}
         routers = {o.moe: o for o in ops if o.kind == "router"}
         self.counts = torch.zeros(len(order), max(experts.values(), default=0), dtype=torch.float64)
         self.probs = torch.zeros_like(self.counts)

@@ -209,6 +209,7 @@ def _read_copy(entry: dict, rank: int, fmt: str, read) -> None:
         bytes=entry["bytes"] + nbytes,
         run_id=ident.get("run_id"),
         fingerprint=ident.get("fingerprint"),
+        merged_experts=(ident.get("parts") or {}).get("merged_experts") or {},
         node_ranks=sorted(set(entry.get("node_ranks", [])) | set(man.extra.get("node_ranks") or [])),
     )
     if not entry["slots"] and not problems:
@@ -232,6 +233,8 @@ def format_inspect(info: dict) -> str:
             f"ranks {w['committed_ranks']}/{w.get('world_size')}, {w.get('bytes', 0)} bytes"
             + (f", run {w['run_id']!r}" if w.get("run_id") else "")
         )
+        for name, why in sorted((w.get("merged_experts") or {}).items()):
+            lines.append(f"    operator {name}: all of its layer's experts as one operator, because {why}")
         for s in w["slots"]:
             lines.append(
                 f"    slot {s['slot']} (after iteration {s['step']}): full state of {', '.join(s['active'])};"

@@ -196,7 +196,9 @@ class WindowPlanner:
         ):
             if self._order is not None:
                 self.reorders += 1
-            experts = [self.grid[le] for le in order_experts(self.tracker.scores()) if le in self.grid]
+            ranked = [self.grid[le] for le in order_experts(self.tracker.scores()) if le in self.grid]
+            # A merged operator (a layer's experts as one) goes where its most popular expert goes: its max.
+            experts = list(reversed(dict.fromkeys(reversed(ranked))))
             routers = [o.name for o in self.ops if o.kind == "router"]
             dense = [o.name for o in self.ops if o.kind == "dense"]
             self._order, self._order_freq = experts + routers + dense, freq.clone()
