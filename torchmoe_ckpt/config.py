@@ -131,6 +131,11 @@ class TierConfig:
     spare_windows: int = 1
     """Collected windows whose data files are kept to be written over (no new allocation); 0: deleted at once."""
 
+    peer_max_lag_windows: int = 4
+    """How many windows the peer copy may be behind the newest window committed in memory (>= 1) before it counts
+    as not durable: a warning once per crossing, `stats()['peers']['peer_durable']` False and `peers behind` in
+    the status lines until it catches up. A window superseded while the link was busy is skipped, not queued."""
+
     def __post_init__(self):
         if isinstance(self.object_store, dict):
             self.object_store = _from_dict(ObjectStoreConfig, self.object_store, "object_store")
@@ -146,6 +151,7 @@ class TierConfig:
             _whole(name, getattr(self, name))
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (windows kept in host memory), got {getattr(self, name)}")
+        _check_lag_bound(self.peer_max_lag_windows)
         _whole("ranks_per_node", self.ranks_per_node, none_ok=True)
         if self.replicas < 0:
             raise ConfigError(f"replicas must be >= 0 (peers holding a copy of each window), got {self.replicas}")
@@ -312,6 +318,12 @@ def compute_dtype_of(value):
             f"such as 'bf16'), or None (inferred from the model), got {value!r}"
         )
     return value
+
+
+def _check_lag_bound(value) -> None:
+    _whole("peer_max_lag_windows", value)
+    if value < 1:
+        raise ConfigError(f"peer_max_lag_windows must be >= 1 (windows the peer copy may be behind), got {value}")
 
 
 def _whole(name: str, value, none_ok: bool = False) -> None:

@@ -370,6 +370,7 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
     stats = ck.stats()
     wd.close()
     out = {"recoveries": recoveries, "checkpoint": stats, "step_seconds": step_seconds, "step_cpu_s": step_cpu}
+    out["status_lines"] = [] if ck.persist is None else list(ck.persist.status.lines)[-16:]  # what a user read
     if jit is not None:
         jit.disarm()
         out["jit"] = {"enabled": jit.enabled, "shard": jit.shard, "replicas": jit.replicas}

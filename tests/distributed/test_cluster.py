@@ -130,8 +130,16 @@ def test_throttled_link_fault_free_is_exact(tmp_path, cluster, reference, fault_
         c.start(n, _program(out, "job", _spec(1)))
     codes = c.wait(60)
     assert codes == [0, 0], (codes, _logs(c)[-4000:])
-    report = _exact(out, reference, fault_summary, f"cluster: link {rate or 'unlimited'}", _logs(c))
-    assert report["checkpoint"]["peers"]["windows_replicated"] >= 3, report["checkpoint"]["peers"]
+    log = _logs(c)
+    report = _exact(out, reference, fault_summary, f"cluster: link {rate or 'unlimited'}", log)
+    peers = report["checkpoint"]["peers"]
+    assert peers["windows_replicated"] >= 3, peers
+    # the replication lag and each link's rate, in stats() and in the status lines (storage/peer_lag.py)
+    assert peers["lag_windows"] <= peers["lag_windows_max"] and "peer_durable" in peers, peers
+    sent = [link for link in peers["links"] if link["direction"] == "to"]
+    assert sent and all(link["bytes"] > 0 and link["bytes_per_s"] > 0 for link in sent), peers["links"]
+    lines = [x for x in report["status_lines"] if x.startswith("window ")]
+    assert lines and all(" peers 1/1 lag " in x and "/s)" in x for x in lines), report["status_lines"]
 
 
 def test_node_lost_replacement_at_a_new_address_recovers_exactly_from_the_peer(

@@ -51,6 +51,7 @@ class HostTierOptions:
     on_stall: str = "warn"  # TierConfig.on_stall
     upload_backlog: int = 4  # TierConfig.upload_backlog: windows kept for a slow or unreachable object store
     spare_windows: int = 1  # TierConfig.spare_windows: collected windows whose data files are written over
+    peer_max_lag_windows: int = 4  # TierConfig.peer_max_lag_windows: the peer copy's lag bound (peer_lag.py)
 
 
 @dataclass(frozen=True)

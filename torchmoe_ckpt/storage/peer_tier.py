@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ from .layout import (
     writer_name,
 )
 from .manifest import WindowManifest
+from .peer_lag import LinkStats
 from .peer_transport import CHUNK, GlooTransport
 from .spare_files import place_new_file, pwrite_all
 from .window_tier import FilesWindowTier
@@ -71,6 +73,11 @@ class PeerTier:
         self.inbox: PeerTransport = GlooTransport()  # receives (push and pull)
         self.outbox: PeerTransport = GlooTransport()  # sends (push)
         self._window_files: dict[int, int] = {}  # sender -> data files of its newest copy held here
+        self._received = 0  # bytes of the transfer being received (its link's rate)
+        self.links: dict[tuple[str, int], LinkStats] = {}  # (direction, peer) -> what crossed that link, how fast
+
+    def _link(self, direction: str, peer: int) -> LinkStats:
+        return self.links.setdefault((direction, peer), LinkStats(peer, direction))
 
     def held(self, src: int) -> FilesWindowTier:
         """The copies of `src`'s windows this writer holds, as a tier of their own (list, verify, read)."""
@@ -96,32 +103,46 @@ class PeerTier:
             "peer_buffers": self.inbox.buffer_bytes() + self.outbox.buffer_bytes(),
         }
 
-    def push(self, window_id: int, manifest: WindowManifest | None) -> None:
+    def push(self, window_id: int, manifest: WindowManifest | None, superseded_by: int | None = None) -> None:
         """Send this writer's committed window to its peers and store what peers send (collective; `manifest`
-        None: nothing committed to send)."""
+        None: nothing committed to send). `superseded_by`: a newer window is already committed here, so only the
+        header travels (the pair order stays the same on every rank) and the peers keep their older copy."""
         me = self.tier.rank
-        files = {} if manifest is None else manifest.files
+        files = {} if manifest is None or superseded_by is not None else manifest.files
         data_bytes = sum(f.bytes for r, f in files.items() if is_data_file(r))
         self.own_data_bytes += data_bytes
         for src, dst, replica in self.pairs:
             if me == src:
                 wdir = self.tier.window_dir(window_id)
                 send = [(rel, wdir / rel) for rel in sorted(files) if not (replica and is_data_file(rel))]
-                meta = {"manifest": None if manifest is None else manifest.to_json()}
+                meta = {"manifest": None if not files else manifest.to_json(), "superseded_by": superseded_by}  # pyright: ignore[reportOptionalMemberAccess]  (files is empty without a manifest)
                 faults.point("replication")
-                self.bytes_sent += self.outbox.send(send, dst, self.group, meta)
+                t0 = time.perf_counter()
+                n = self.outbox.send(send, dst, self.group, meta)
+                if send:  # a header alone says nothing about the link's rate
+                    self._link("to", dst).add(n, time.perf_counter() - t0)
+                self.bytes_sent += n
                 self.data_bytes_sent += 0 if replica else data_bytes
             elif me == dst:
                 held = self.held(src)
+                t0, self._received = time.perf_counter(), 0
                 theirs = self._receive(src, held, window_id)  # collective with the sender's send
-                if theirs is not None:
-                    self._window_files[src] = sum(map(is_data_file, theirs.files))
-                    held.max_spares = self._spare_limit(src)
-                    if replica:
-                        self._verify_replica(window_id, theirs, held)
-                for wid in held.window_ids(require_manifest=False):  # the two newest stay; data files kept as spares
-                    if wid < window_id - 1:
+                if theirs is None:  # nothing sent (superseded, or nothing committed): the older copies stay
+                    continue
+                self._link("from", src).add(self._received, time.perf_counter() - t0)
+                self._window_files[src] = sum(map(is_data_file, theirs.files))
+                held.max_spares = self._spare_limit(src)
+                if replica:
+                    self._verify_replica(window_id, theirs, held)
+                complete = held.window_ids()  # the two newest complete copies stay; data files kept as spares
+                keep_from = complete[-2] if len(complete) > 1 else window_id
+                for wid in held.window_ids(require_manifest=False):
+                    if wid < keep_from:
                         held.remove_window(wid)
+
+    def link_stats(self) -> list[dict]:
+        """Every peer link of this rank that carried a copy: bytes, seconds, bytes/s (mean and newest)."""
+        return [self.links[k].to_dict() for k in sorted(self.links)]
 
     def _verify_replica(self, window_id: int, theirs: WindowManifest, held: FilesWindowTier) -> None:
         mine = self.tier.manifest(window_id)
@@ -146,6 +167,7 @@ class PeerTier:
         dest.files.remove([f"{w}/{manifest_name(dest.writer)}"])  # incomplete until the manifest is back
 
         def write(rel: str, size: int, chunks) -> None:  # over a collected copy's file: its pages are reused
+            self._received += size
             path = dest.files.path(f"{w}/{rel}")
             # a file already at `path` (maybe a link to live slot buffers) is replaced
             place_new_file(path, dest.take_spare(size) if is_data_file(rel) and dest is not self.tier else None)

@@ -16,7 +16,8 @@ from ..core.window import Window
 from ..runtime.background import stop_at_exit
 from .host_tier import HostTier
 from .manifest import record_digest
-from .run_status import RunStatus
+from .peer_lag import PeerLag
+from .run_status import RunStatus, human_bytes
 from .tier_health import TierHealth
 from .uploader import Uploader
 from .window_tier import PartialWindow
@@ -105,6 +106,9 @@ class PersistThread:
         if self.uploader is not None:
             self.uploader.catch_up()
         self.peers = peers  # pushes each committed window to this writer's peers
+        self.peer_lag = PeerLag(tier.options.peer_max_lag_windows, self.status.peer_lag_changed)
+        if peers is not None and pl is not None:
+            self.status.peer_text = self._peer_text
         self.lease = lease
         self.jobs: queue.Queue[Job] = queue.Queue()
         # Jobs queued / processed: slot buffers released after `ticket()` are no longer read once `done(ticket)`.
@@ -157,6 +161,8 @@ class PersistThread:
             "replica_verified": rep.replica_verified,
             "replica_mismatch": rep.replica_mismatch,
             "windows_replicated": len(self.replicated),
+            **self.peer_lag.stats(),  # lag in windows, its bound, peer_durable, windows superseded on the link
+            "links": rep.link_stats(),  # bytes/s per peer link
             "replication_lag_s_max": max(self.replication_lag_seconds, default=0.0),
             "replication_lag_s": [round(x, 4) for x in self.replication_lag_seconds],
         }
@@ -179,6 +185,8 @@ class PersistThread:
         """Commit `window` once its slots are written, push it to the peers, hand it to the store, and collect
         windows older than `keep_from` (the training thread; returns at once)."""
         self._put(CommitJob(window, extra, keep_from))
+        if self.peers is not None and self.peers.pairs:
+            self.peer_lag.committed(window.id)  # counters only: the warning is said when the lag crosses its bound
 
     def flush(self) -> None:
         """Wait until every job queued so far is processed (not the uploads)."""
@@ -287,11 +295,16 @@ class PersistThread:
         if self.peers is not None:
             c1 = time.thread_time()
             self.cpu_s["host"] += c1 - c0
-            self.peers.push(win.id, man)
+            newer = self._newer_commit_queued()  # the link is behind: send the newest, not a queue of windows
+            self.peers.push(win.id, man, superseded_by=newer)
             c0 = time.thread_time()
             self.cpu_s["peers"] += c0 - c1
-            self.replicated.add(win.id)
-            self.replication_lag_seconds.append(time.perf_counter() - job.queued_at)
+            if newer is not None:
+                self.peer_lag.skipped()
+            elif self.peers.pairs:
+                self.replicated.add(win.id)
+                self.replication_lag_seconds.append(time.perf_counter() - job.queued_at)
+                self.peer_lag.replicated(win.id)
         last = win.start_step + win.plan.window - 1
         self.status.window_committed(win.id, win.start_step, last, man.total_bytes, self._peers_here)
         self.keep_floor = keep
@@ -303,6 +316,19 @@ class PersistThread:
                 keep = max(min(keep, needed), keep - self.upload_backlog)
         self.tier.collect(keep)
         return c0
+
+    def _newer_commit_queued(self) -> int | None:
+        """The newest window whose commit is queued behind the one in hand (None: none): it supersedes this one
+        on the peer links. Every rank still runs the push (only the header travels), so the pair order holds."""
+        with self.jobs.mutex:
+            ids = [j.window.id for j in self.jobs.queue if isinstance(j, CommitJob)]
+        return max(ids, default=None)
+
+    def _peer_text(self) -> str:
+        """The status lines' peer part: the lag, and each outgoing link's newest rate."""
+        links = sorted(self.peers.links.values(), key=lambda k: k.peer) if self.peers is not None else []
+        rates = ", ".join(f"to rank {k.peer} {human_bytes(k.last_bytes_per_s)}/s" for k in links if k.direction == "to")
+        return self.peer_lag.text() + (f" ({rates})" if rates else "")
 
     def _write_slot(self, wid: int, slot: Slot, info: dict, partial: PartialWindow | None = None) -> None:
         slot.done.wait()

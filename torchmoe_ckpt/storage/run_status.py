@@ -53,6 +53,8 @@ class RunStatus:
         # () -> "host memory X of LIMIT" (host_memory.HostMemory.line): set by the checkpointer once its host-memory
         # account exists (that account reads this thread's tiers, so it is built after them)
         self.memory: Callable[[], str] | None = None
+        # () -> "lag 1" / "behind (lag 6 > 4, not durable)" and each link's rate (peer_lag.py): set with a peer tier
+        self.peer_text: Callable[[], str] | None = None
 
     def say(self, text: str, level: int | None = None) -> None:
         self.lines.append(text)
@@ -81,9 +83,13 @@ class RunStatus:
         text = f"window {wid} steps {first}..{last} bytes {human_bytes(nbytes)} host ok"
         if self.peers is not None:
             ok = self.peers if self._peers_ok is None else self._peers_ok
-            text += f" peers {ok}/{self.peers}"
+            text += f" peers {ok}/{self.peers}" + (f" {self.peer_text()}" if self.peer_text is not None else "")
         text += f" store {store}" if store is not None else ""
         return text + (f"; {self.memory()}" if self.memory is not None else "")
+
+    def peer_lag_changed(self, text: str, warn: bool) -> None:
+        """The peer copy crossed its lag bound (peer_lag.py): said once per crossing."""
+        self.say(text, self.warn_level if warn else None)
 
     def uploaded_window(self, wid: int, lag_s: float) -> None:
         with self._lock:

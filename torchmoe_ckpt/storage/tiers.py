@@ -85,6 +85,7 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
         on_stall=cfg.on_stall,
         upload_backlog=cfg.upload_backlog,  # host memory (host_memory.py)
         spare_windows=cfg.spare_windows,
+        peer_max_lag_windows=cfg.peer_max_lag_windows,  # read by its PersistThread (peer_lag.py)
     )
     tier = HostTier(node_dir, run_id, rank, world, options)
     store, lease = None, None

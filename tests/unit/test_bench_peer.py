@@ -1,0 +1,66 @@
+"""The peer-tier bench section's arithmetic (bench_peer) on hand-made job figures: the dense snapshot's effective
+interval comes from the windows it shipped, its best interval is priced from the measured cost of one shipped
+snapshot, every system sees the same node-loss trace and the same restart, and the report names the link rate and
+the state size."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchmoe_harness import bench_peer
+
+
+def _job(name, step_s, committed, replicated, window_bytes=0, dense=2 << 20, lag=0.5):
+    return {
+        "job": name,
+        "step_s": step_s,
+        "dense_bytes": dense,
+        "windows_committed": committed,
+        "windows_replicated": replicated,
+        "windows_superseded": committed - replicated if replicated else 0,
+        "window_bytes": window_bytes,
+        "link_bytes_per_s": 5e6 if replicated else None,
+        "replication_lag_s": lag,
+    }
+
+
+def _point():
+    jobs = {
+        "host": _job("host", 0.5, 4, 0),
+        "sparse": _job("sparse", 0.6, 4, 4, window_bytes=3 << 20),
+        "dense": _job("dense", 1.0, 12, 6, window_bytes=2 << 20),  # every other snapshot skipped on the link
+    }
+    return {"rate": "40mbit", "jobs": jobs}
+
+
+def test_profiles_price_the_measured_costs_and_treat_restarts_alike():
+    p = bench_peer.profiles(_point())
+    assert p["sparse"].interval == bench_peer.WINDOW and p["sparse"].overhead_fraction() == pytest.approx(0.2)
+    assert p["dense_k1"].interval == 2  # 12 snapshots taken, 6 shipped
+    assert p["dense_k1"].overhead_fraction() == pytest.approx(1.0)
+    # one shipped snapshot costs (1.0 - 0.5) x 2 s of training; at its best interval k that is spread over k
+    best = p["dense_best"]
+    assert best.stall_s == pytest.approx(1.0) and best.interval >= 2
+    assert best.overhead_fraction() == pytest.approx(1.0 / best.interval / 0.5)
+    # the same restart for all; each adds its own pull (bytes / the link's rate) and replication lag
+    for name, nbytes in (("sparse", 3 << 20), ("dense_k1", 2 << 20), ("dense_best", 2 << 20)):
+        assert p[name].restart_s == pytest.approx(bench_peer.RESTART_S + nbytes / 5e6 + 0.5)
+    assert p["sparse"].replay_iters == bench_peer.WINDOW and p["dense_k1"].replay_iters == 0
+
+
+def test_analyse_uses_one_trace_and_the_report_names_rate_and_state_size():
+    point = bench_peer.analyse(_point(), {"step_s": 0.25})
+    assert point["collective_share"] == pytest.approx(0.5)
+    fails = {s["failures"] for s in point["systems"].values()}
+    assert len(fails) == 1 and fails.pop() > 0  # the same node losses for every system
+    res = {
+        "model": bench_peer.MODEL,
+        "window": bench_peer.WINDOW,
+        "trace": bench_peer.TRACE,
+        "trace_failures": 19,
+        "restart_s": bench_peer.RESTART_S,
+        "points": [point],
+    }
+    text = "\n".join(bench_peer.markdown(res))
+    assert "| 40mbit | 500 ms | 50% |" in text and "dense snapshot 2.00 MiB" in text and "3.00 MiB" in text
+    assert bench_peer.markdown({"skipped": "not root"})[-1] == "Skipped: not root."

@@ -1,0 +1,296 @@
+"""The peer-tier section of `make bench`: what replicating to another node's memory costs when the copy crosses the
+same link as training's collectives, ours (sparse windows) against a dense snapshot replicated to the peer node
+(Gemini-style), on 2 real nodes of the namespace cluster (cluster.py) at link rates set with `tc tbf`.
+
+`run(out, say) -> dict`, `markdown(res) -> list[str]`, `plot(res, path)` (the section interface of
+`bench.run_bench`); alone: `python -m torchmoe_harness.bench_peer [--out DIR]` (merged into DIR/bench.json).
+Where namespaces cannot be made (not root, no `ip`/`tc`), the section skips in one line.
+
+Method (docs/benchmarks.md, "Peer tier on a shared link"): the harness model `MODEL`, fp32, FSDP2 over 2 nodes x 1
+rank, so every step's all-gathers and reduce-scatters cross the throttled link. Per rate, one job each:
+  host     replicas = 0, W = 3: training and the host tier only (the base step, `t_iter`)
+  sparse   replicas = 1, W = 3: ours, each window pushed to the other node once committed
+  dense    replicas = 1, W = 1: every iteration a full snapshot (each slot holds the whole state), pushed to the
+           other node: a dense snapshot replicated every iteration (when the link is still busy with the last one,
+           the newest is sent and the ones in between are skipped: the effective interval is measured)
+and `host` once more after the other two (t_iter is the mean of both: the shared machine drifts between jobs), and
+one unlimited `host` job: the collectives' share of the step at a rate is 1 - t(unlimited) / t(rate).
+Overhead = median step / t_iter - 1 (the first `WARMUP` steps left out). The dense snapshot at its best interval
+k is priced from the dense job: each snapshot shipped costs its measured training time (overhead x t_iter x the
+effective interval), so at interval k the overhead is that / k; k maximises ETTR (ettr.best_interval).
+
+ETTR: one trace of node losses at the same wall-clock times for every system and rate (`TRACE`: Poisson, seeded),
+simulated by ettr.simulate from each system's measured profile. Restarts are treated alike: the same restart
+time `RESTART_S` for every system, plus what is system-specific and measured: pulling the lost node's copy
+over the link (its bytes / the link's measured rate), ours' replay of its window, and the replication lag (work
+after the newest copy on the peer is lost)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from torchmoe_harness.ettr import SystemProfile, best_interval, poisson_trace, simulate
+
+MODEL = {"dim": 64, "num_experts": 8, "expert_hidden": 128, "n_layers": 2, "n_heads": 2}
+RUN = {"model": MODEL, "steps": 20, "dtype": "fp32"}
+RATES = ("400mbit", "100mbit", "40mbit")
+WINDOW = 3
+WARMUP = 4
+RESTART_S = 30.0  # detect, relaunch, rejoin: the same for every system
+TRACE = {"mtbf_s": 600.0, "horizon_s": 4 * 3600.0, "seed": 0}
+HEADING = "## Peer tier on a shared link (2 namespace nodes, `tc tbf`)"
+SYSTEMS = ("sparse", "dense_k1", "dense_best")
+LABELS = {
+    "sparse": f"ours: sparse windows, W = {WINDOW}, replicas = 1",
+    "dense_k1": "dense snapshot replicated every iteration",
+    "dense_best": "dense snapshot replicated at its best interval (modelled from the one above)",
+}
+JOBS = {"host": (0, WINDOW), "sparse": (1, WINDOW), "dense": (1, 1)}  # job -> (replicas, W)
+JOBS_RUN = {**JOBS, "host_again": JOBS["host"]}
+
+
+def _spec(replicas: int, window: int, root: str, run_id: str) -> dict:
+    host = {"root": root, "run_id": run_id, "replicas": replicas}
+    return {"run": RUN, "checkpoint": {"window": window}, "resume": False, "host_tier": host, "timeout_s": 120}
+
+
+def _job(c, work: Path, rate: str | None, name: str) -> dict:
+    """One fault-free job on the cluster `c`, its links at `rate`; its measured figures (rank 0's report)."""
+    replicas, window = JOBS_RUN[name]
+    tag = f"{(rate or 'unlimited')}-{name}"
+    out = work / tag
+    out.mkdir(parents=True)
+    spec_path = out / "spec.json"
+    spec_path.write_text(json.dumps(_spec(replicas, window, "/dev/shm/tmoe", tag)))
+    program = ["-m", "torchmoe_harness.worker", "--spec", str(spec_path), "--out", str(out)]
+    t0 = time.perf_counter()
+    for n in c.nodes:
+        c.throttle(n, rate)
+    agents = [c.start(n, program, rdzv_id=tag) for n in c.nodes]
+    codes = c.wait(600, agents)
+    if codes != [0, 0]:
+        logs = "\n".join(n.log()[-2000:] for n in c.nodes)
+        raise RuntimeError(f"peer-tier bench job {tag}: exit codes {codes}\n{logs}")
+    rep = json.loads((out / "report.json").read_text())
+    steps = rep["step_seconds"][WARMUP:]
+    ck = rep["checkpoint"]
+    peers = ck.get("peers") or {}
+    sent = [link for link in peers.get("links", []) if link["direction"] == "to"]
+    shipped = peers.get("windows_replicated", 0)
+    return {
+        "rate": rate,
+        "job": name,
+        "replicas": replicas,
+        "window": window,
+        "step_s": statistics.median(steps),
+        "step_s_mean": statistics.mean(steps),
+        "steps": len(steps),
+        "dense_bytes": ck["dense_bytes"],  # one dense snapshot of this rank
+        "windows_committed": ck["windows_committed"],
+        "windows_replicated": shipped,
+        "windows_superseded": peers.get("windows_superseded", 0),
+        "bytes_sent": peers.get("bytes_sent", 0),
+        "window_bytes": peers.get("own_data_bytes", 0) / shipped if shipped else 0,  # slot data per shipped window
+        "link_bytes_per_s": statistics.mean(link["bytes_per_s"] for link in sent) if sent else None,
+        "replication_lag_s": statistics.mean(peers["replication_lag_s"]) if peers.get("replication_lag_s") else 0.0,
+        "lag_windows_max": peers.get("lag_windows_max", 0),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def _rate_bytes_per_s(rate: str) -> float:
+    from torchmoe_harness.cluster import _rate_bps
+
+    return _rate_bps(rate) / 8
+
+
+def profiles(point: dict) -> dict[str, SystemProfile]:
+    """The three systems' ETTR profiles from one rate's measured jobs."""
+    host, sp, dn = point["jobs"]["host"], point["jobs"]["sparse"], point["jobs"]["dense"]
+    t = host["step_s"]
+    link = sp["link_bytes_per_s"] or _rate_bytes_per_s(point["rate"])
+    pull_sparse = sp["window_bytes"] / link  # the lost node's newest window, pulled back over the link
+    pull_dense = dn["dense_bytes"] / (dn["link_bytes_per_s"] or link)
+    sparse = SystemProfile(
+        "sparse",
+        t,
+        interval=WINDOW,
+        per_iter_overhead_s=max(0.0, sp["step_s"] - t),
+        restart_s=RESTART_S + pull_sparse + sp["replication_lag_s"],
+        replay_iters=WINDOW,
+    )
+    k_eff = dn["windows_committed"] / max(dn["windows_replicated"], 1)  # iterations per snapshot shipped
+    per_snapshot = max(0.0, dn["step_s"] - t) * k_eff  # training time one shipped snapshot costs
+    dense_k1 = SystemProfile(
+        "dense_k1",
+        t,
+        interval=max(1, round(k_eff)),
+        per_iter_overhead_s=max(0.0, dn["step_s"] - t),
+        restart_s=RESTART_S + pull_dense + dn["replication_lag_s"],
+    )
+    base = SystemProfile(
+        "dense_best", t, interval=1, stall_s=per_snapshot, restart_s=RESTART_S + pull_dense + dn["replication_lag_s"]
+    )
+    k = max(best_interval(base, TRACE["mtbf_s"], max_interval=2000), max(1, round(k_eff)))
+    return {"sparse": sparse, "dense_k1": dense_k1, "dense_best": replace(base, interval=k)}
+
+
+def analyse(point: dict, unlimited: dict) -> dict:
+    t = point["jobs"]["host"]["step_s"]
+    trace = poisson_trace(TRACE["mtbf_s"], TRACE["horizon_s"], TRACE["seed"])
+    profs = profiles(point)
+    point["collective_share"] = max(0.0, 1 - unlimited["step_s"] / t)
+    point["systems"] = {}
+    for name, p in profs.items():
+        sim = simulate(p, horizon_s=TRACE["horizon_s"], trace=trace)
+        job = point["jobs"]["sparse" if name == "sparse" else "dense"]
+        point["systems"][name] = {
+            # measured: median step / t_iter - 1, signed (run-to-run noise on this shared machine shows as
+            # negative values); the ETTR profile takes it clamped at 0; dense_best's is modelled (module doc)
+            "overhead": job["step_s"] / t - 1 if name != "dense_best" else p.overhead_fraction(),
+            "overhead_in_ettr": p.overhead_fraction(),
+            "interval": p.interval,
+            "restart_s": p.restart_s,
+            "ettr": sim.ettr,
+            "failures": sim.failures,
+            "lost_iterations": sim.lost_iterations,
+            # link time per iteration the copies take: bytes shipped per iteration / the link's rate
+            "link_s_per_iter": _link_s_per_iter(point, name, p),
+        }
+    return point
+
+
+def _link_s_per_iter(point: dict, name: str, p: SystemProfile) -> float:
+    jobs = point["jobs"]
+    job = jobs["sparse"] if name == "sparse" else jobs["dense"]
+    rate = job["link_bytes_per_s"] or _rate_bytes_per_s(point["rate"])
+    per_copy = job["window_bytes"] if name == "sparse" else job["dense_bytes"]
+    return per_copy / rate / p.interval
+
+
+def run(out: Path, say, settings: dict | None = None) -> dict:
+    from torchmoe_harness.cluster import why_unavailable
+
+    reason = why_unavailable()
+    if reason:
+        say(f"peer-tier section skipped: no namespace cluster here ({reason})")
+        return {"skipped": reason}
+    from torchmoe_harness.cluster import Cluster
+
+    rates = tuple((settings or {}).get("rates", RATES))
+    work = Path(tempfile.mkdtemp(prefix="tmoe-bench-peer-"))
+    t0 = time.perf_counter()
+    points = []
+    with Cluster(nodes=2, out=work / "cluster") as c:  # one cluster, its links re-throttled per rate
+        say("peer tier: 2 namespace nodes, unlimited link (the collectives' reference)")
+        unlimited = _job(c, work, None, "host")
+        for rate in rates:
+            jobs = {}
+            for name in (*JOBS, "host_again"):  # the base measured before and after: the machine's drift
+                say(f"peer tier: link {rate}, job {name}")
+                jobs[name] = _job(c, work, rate, name)
+            first, again = jobs["host"], jobs.pop("host_again")
+            runs = [first["step_s"], again["step_s"]]
+            jobs["host"] = dict(first, step_s=statistics.mean(runs), step_s_runs=runs)
+            points.append(analyse({"rate": rate, "jobs": jobs}, unlimited))
+    return {
+        "model": MODEL,
+        "run": RUN,
+        "window": WINDOW,
+        "trace": TRACE,
+        "trace_failures": len(poisson_trace(TRACE["mtbf_s"], TRACE["horizon_s"], TRACE["seed"])),
+        "restart_s": RESTART_S,
+        "unlimited": unlimited,
+        "points": points,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def markdown(res: dict) -> list[str]:
+    lines = ["", HEADING, ""]
+    if "skipped" in res:
+        return [*lines, f"Skipped: {res['skipped']}."]
+    pts = res["points"]
+    if not pts:
+        return [*lines, "No rate measured."]
+    j = pts[0]["jobs"]
+    lines += [
+        f"Model {res['model']}, fp32, FSDP2 over 2 nodes x 1 rank; state per rank: dense snapshot "
+        f"{_mib(j['dense']['dense_bytes'])}, ours' window (W = {res['window']}) {_mib(j['sparse']['window_bytes'])} of "
+        f"slot data. ETTR: node losses at the same {res['trace_failures']} "
+        f"wall-clock times (Poisson, MTBF {res['trace']['mtbf_s']:.0f} s, {res['trace']['horizon_s'] / 3600:.0f} h), "
+        f"restart {res['restart_s']:.0f} s for every system plus its own pull, replay and replication lag.",
+        "",
+        "| link | step, no peer tier | collectives' share | system | overhead | interval | link s / iteration | ETTR |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in pts:
+        t = p["jobs"]["host"]["step_s"]
+        for name in SYSTEMS:
+            s = p["systems"][name]
+            lines.append(
+                f"| {p['rate']} | {t * 1e3:.0f} ms | {p['collective_share']:.0%} | {LABELS[name]} | "
+                f"{s['overhead']:+.1%} | {s['interval']} | {s['link_s_per_iter'] * 1e3:.0f} ms | {s['ettr']:.3f} |"
+            )
+    lines += ["", "Dense every iteration: windows skipped on the busy link (the newest sent) per rate: "]
+    lines[-1] += ", ".join(
+        f"{p['rate']} {p['jobs']['dense']['windows_superseded']} of {p['jobs']['dense']['windows_committed']}"
+        for p in pts
+    )
+    return lines
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if "skipped" in res or not res.get("points"):
+        return
+    pts = res["points"]
+    rates = [p["rate"] for p in pts]
+    x = list(range(len(rates)))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in SYSTEMS:
+        a.plot(x, [p["systems"][name]["overhead"] * 100 for p in pts], marker="o", label=LABELS[name])
+        b.plot(x, [p["systems"][name]["ettr"] for p in pts], marker="o", label=LABELS[name])
+    for ax, title in ((a, "per-iteration overhead (%)"), (b, "ETTR (same node-loss trace)")):
+        ax.set_xticks(x, rates)
+        ax.set_xlabel("link rate (tc tbf, both directions)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    fig.legend(*a.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    out = Path(sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "benchmarks/results")
+    out.mkdir(parents=True, exist_ok=True)
+    res = run(out, lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
+    bench = out / "bench.json"
+    full = json.loads(bench.read_text()) if bench.exists() else {}
+    full["peer_tier"] = res
+    full.setdefault("section_seconds", {})["peer_tier"] = res.get("seconds", 0.0)
+    bench.write_text(json.dumps(full, indent=1))
+    plot(res, out / "bench_peer_tier.png")
+    md = out / "bench.md"  # the whole bench's report: this section (the last one) replaced or added
+    head = md.read_text().split(HEADING)[0].rstrip("\n") if md.exists() else ""
+    md.write_text(head + "\n" + "\n".join(markdown(res)) + "\n")
+    print("\n".join(markdown(res)))
+
+
+if __name__ == "__main__":
+    main()
