@@ -131,7 +131,7 @@ def test_chunked_slot_copies_recover_exactly(tmp_path):
     ref = train(10)
     tiers = tmc.TierConfig(root=str(tmp_path), run_id="chunked")
     first = train(10, tiers=tiers, stop_after=7, chunk=64)
-    plan = next(iter(first[4].sparse.engine._sources.values()))[2]
+    plan = next(iter(first[4].sparse.engine._sources.values()))[2].copy
     assert plan.spacers > 0 and plan.chunks > len(plan.item_ends)  # really cut, really spaced
     got = train(10, init_seed=123, tiers=tiers, chunk=64)
     assert got[4].resumed.recovered_step == 6
