@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .capture.copy_phase import BackwardTrigger
+from .capture.device_staging import staging_need
 from .capture.host_memory import HostMemory
 from .capture.slot_alloc import make_slot_allocator
-from .capture.device_staging import staging_need
 from .capture.snapshot import SnapshotEngine, StateAccess
 from .config import SparseConfig
 from .core.errors import ConfigError

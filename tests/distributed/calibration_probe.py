@@ -27,7 +27,8 @@ model = _Net()
 ops = discover_operators(model)
 describe_optimizer_state(model, ops, torch.optim.AdamW(model.parameters()))
 agree = lambda v, op, g=None: reduce_float(v, op, g)  # noqa: E731
-pl = WindowPlanner(SparseConfig(bandwidth_bytes_per_s=1e12), ops, torch.float32, None, agree, False, rank, device_loss=True)
+cfg = SparseConfig(bandwidth_bytes_per_s=1e12)
+pl = WindowPlanner(cfg, ops, torch.float32, None, agree, False, rank, device_loss=True)
 zero = torch.zeros(LAYERS, EXPERTS, dtype=torch.float64)
 for _ in range(WARMUP_STEPS + CALIBRATION_STEPS):
     pl.observe_step(0.1, zero, zero, 0)

@@ -14,8 +14,13 @@ from test_capture import Net, assert_same, batch_for, train
 import torchmoe_ckpt as tmc
 from torchmoe_ckpt.capture.device_staging import HEADROOM, DeviceStaging, staging_fits
 from torchmoe_ckpt.capture.snapshot import StateAccess
-from torchmoe_ckpt.planning.calibration import CALIBRATION_STEPS, WARMUP_STEPS, DeviceLoss, cost_per_byte
-from torchmoe_ckpt.planning.calibration import overhead_budget
+from torchmoe_ckpt.planning.calibration import (
+    CALIBRATION_STEPS,
+    WARMUP_STEPS,
+    DeviceLoss,
+    cost_per_byte,
+    overhead_budget,
+)
 from torchmoe_ckpt.planning.schedule import choose_window
 from torchmoe_ckpt.runtime.deferred_reads import HostReads
 from torchmoe_ckpt.runtime.device_copy import CopyStream, host_copy
@@ -62,9 +67,8 @@ def test_records_and_counts_through_the_copy_stream_equal_the_training_stream_on
     for s in ra:
         for f in ("tokens", "grad_norm", "loss"):
             assert torch.equal(getattr(ra[s], f), getattr(rb[s], f)), (s, f)
-        assert ra[s].hyper == rb[s].hyper or all(
-            torch.equal(torch.as_tensor(x[k]), torch.as_tensor(y[k])) for x, y in zip(ra[s].hyper, rb[s].hyper) for k in x
-        )
+        pairs = [(x[k], y[k]) for x, y in zip(ra[s].hyper, rb[s].hyper) for k in x]
+        assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in pairs) and pairs
     assert torch.equal(on[4].sparse.planner.tracker.score, off[4].sparse.planner.tracker.score)
     assert on[4].final_stats["copy_path"]["reads"] > 0 and on[4].final_stats["copy_path"]["reads_on_copy_stream"]
 
@@ -134,10 +138,17 @@ def test_device_staging_refused_in_one_line_when_impossible_and_skipped_per_wind
     opt = torch.optim.AdamW(model.parameters())
     fb = lambda b: b  # noqa: E731
     # A limit below even the smallest slot: asked for and impossible, refused at construction with the fix.
-    with pytest.raises(tmc.ConfigError, match=r"device_staging=True needs a staging buffer of at least .*"
-                       r"set SparseConfig.device_staging = False or raise host_memory_limit"):
-        tmc.Checkpointer(model, opt, fb, config=tmc.CheckpointConfig(
-            window=tmc.SparseConfig(window=2, device_staging=True, host_memory_limit=4096))).resume()
+    with pytest.raises(
+        tmc.ConfigError,
+        match=r"device_staging=True needs a staging buffer of at least .*"
+        r"set SparseConfig.device_staging = False or raise host_memory_limit",
+    ):
+        tmc.Checkpointer(
+            model,
+            opt,
+            fb,
+            config=tmc.CheckpointConfig(window=tmc.SparseConfig(window=2, device_staging=True, host_memory_limit=4096)),
+        ).resume()
     # The CUDA rule on synthetic figures: what it holds plus what is free, with the headroom to spare.
     assert staging_fits(2 << 30, free=3 << 30, held=0, headroom=HEADROOM)
     assert not staging_fits(2 << 30, free=2 << 30, held=0, headroom=HEADROOM)
@@ -198,10 +209,8 @@ def test_the_rule_on_synthetic_measurements():
 
 
 def test_the_planner_picks_the_smallest_window_within_the_target_and_replans_on_drift():
-    from torchmoe_ckpt.planning.window_planner import WindowPlanner
-
-    ops = tmc.discover_operators(Net(0))
     from torchmoe_ckpt.model.optim_state import describe_optimizer_state
+    from torchmoe_ckpt.planning.window_planner import WindowPlanner
 
     model = Net(0)
     ops = tmc.discover_operators(model)
@@ -231,10 +240,12 @@ def test_the_planner_picks_the_smallest_window_within_the_target_and_replans_on_
     again, budget2 = pl.plan()
     assert math.isclose(budget2, budget / 3) and pl.device_loss.replans == 2  # past the target: re-priced
     assert again.window == choose_window(order, full, comp, budget2, w_before) >= w_before
+
     # the explicit overlap overrides the rule; a forced W has nothing to price
-    assert WindowPlanner(tmc.SparseConfig(overlap=0.5), ops, torch.float32, None, None, False, 0, cuda=True).device_loss is None
-    assert WindowPlanner(tmc.SparseConfig(window=2), ops, torch.float32, None, None, False, 0, cuda=True).device_loss is None
-    assert WindowPlanner(tmc.SparseConfig(), ops, torch.float32, None, None, False, 0, cuda=True).device_loss is not None
+    def on_cuda(**kw):
+        return WindowPlanner(tmc.SparseConfig(**kw), ops, torch.float32, None, None, False, 0, cuda=True).device_loss
+
+    assert on_cuda(overlap=0.5) is None and on_cuda(window=2) is None and on_cuda() is not None
 
 
 def test_the_checkpointer_calibrates_without_copies_then_checkpoints_every_iteration():

@@ -280,12 +280,8 @@ class SnapshotEngine:
         try:
             with torch.no_grad(), self.copier.context():
                 start = self.copier.begin(job.ready)
-                if job.stage is not None:  # device staging: device-to-device first (a kernel, the cast fused)
-                    if not self.skip_copies:
-                        torch._foreach_copy_(job.stage[1], job.stage[0], non_blocking=self.use_cuda)  # pyright: ignore[reportPrivateImportUsage]  (torch private)
-                    job.staged = self.copier.end()
-                    if not self.use_cuda:
-                        job.released.set()  # CPU: the sources are free once staged; the host copy follows
+                if job.stage is not None:
+                    self._stage(job)
                 # Two batched calls: each drops the GIL once for the batch (per-item calls contend for it).
                 half = job.tear_at
                 if half and not self.skip_copies:
@@ -310,16 +306,29 @@ class SnapshotEngine:
             slot.error = exc
         slot.copy_seconds = seconds if seconds is not None else time.perf_counter() - t0
         if slot.error is None:
-            if job.stage is not None and self.staging is not None:
-                self.staging.staged_copies += 1
-            last = (job.host_bytes, slot.copy_seconds, time.thread_time() - c0)
-            self.copy_totals["copies"] += 1
-            for k, v in zip(("bytes", "wall_s", "cpu_s"), last):
-                self.copy_totals[k] += v
-            self.last_copy = last
+            self._account(job, time.thread_time() - c0)
         job.keep.clear()
         slot.done.set()
         job.released.set()
+
+    def _stage(self, job: _Job) -> None:
+        """Device staging: the device-to-device copy first (one multi-tensor kernel on CUDA, the cast fused); the
+        next update waits for its end only (`staged`). In the copy stream's context."""
+        if not self.skip_copies and job.stage is not None:
+            torch._foreach_copy_(job.stage[1], job.stage[0], non_blocking=self.use_cuda)  # pyright: ignore[reportPrivateImportUsage]  (torch private)
+        job.staged = self.copier.end()
+        if not self.use_cuda:
+            job.released.set()  # CPU: the sources are free once staged; the host copy follows
+
+    def _account(self, job: _Job, cpu_s: float) -> None:
+        """A finished copy: its bytes, seconds and copy-thread CPU into the totals."""
+        if job.stage is not None and self.staging is not None:
+            self.staging.staged_copies += 1
+        last = (job.host_bytes, job.slot.copy_seconds, cpu_s)
+        self.copy_totals["copies"] += 1
+        for k, v in zip(("bytes", "wall_s", "cpu_s"), last):
+            self.copy_totals[k] += v
+        self.last_copy = last
 
     def wait(self) -> float:
         """Before the next update: block until the in-flight copy no longer needs its sources (CUDA: queued, the

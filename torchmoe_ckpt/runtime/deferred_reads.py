@@ -16,9 +16,10 @@ the clones are the host copies, equal to what the training-stream path returns.
 
 from __future__ import annotations
 
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .device_copy import CopyStream, host_copy
 
@@ -35,7 +36,7 @@ class HostReads:
         self.on_copy_stream = on_copy_stream
         self.reads = 0  # tensors read (stats)
 
-    def copy(self, tree, clone_cpu: bool = False):
+    def copy(self, tree: Any, clone_cpu: bool = False) -> Any:
         """Host copies of every tensor in `tree` (any pytree; other leaves as they are). `clone_cpu`: CPU tensors
         are cloned (the caller may reuse them); on the copy-stream path every tensor is cloned first anyway."""
         if tree is None:
@@ -56,7 +57,7 @@ class HostReads:
         if self.copier.cuda:  # CUDA only: the pinned copies on the side stream, after the clones
             ready = self.copier.mark_ready()
             with self.copier.context():
-                self.copier.stream.wait_event(ready)  # pyright: ignore[reportOptionalMemberAccess]
+                self.copier.stream.wait_event(ready)  # pyright: ignore[reportOptionalMemberAccess, reportArgumentType]  (CUDA: both exist)
                 outs = []
                 for c in clones:
                     if c.device.type == "cpu":
