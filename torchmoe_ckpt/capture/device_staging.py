@@ -1,8 +1,8 @@
 """An opt-in staging buffer on the device (`SparseConfig.device_staging`): the slot is copied device-to-device
 (the cast to the slot's dtype fused) right after the update, and the copy to the host runs from there.
 
-Why: the next update has to wait only for the device-to-device copy (about a millisecond of HBM time per GB,
-and a kernel: no copy engine), while the copy to the host, from a buffer nobody overwrites, may take the whole
+Why: the next update has to wait only for the device-to-device copy (about a millisecond of HBM time per GB; one
+`_foreach_copy_` call, multi-tensor kernels where torch's fast path applies: measured by the GPU check), while the copy to the host, from a buffer nobody overwrites, may take the whole
 next iteration; with `copy_chunk_bytes` it still yields the copy engine to the training stream's reads.
 
 What it costs: one buffer of the largest slot of the window (item offsets aligned to ALIGN bytes), allocated on

@@ -211,7 +211,9 @@ class SnapshotEngine:
         with self._defer_lock:
             job, self._deferred = self._deferred, None
         if job is not None:
-            job.slot.error = RuntimeError("the slot copy was deferred and the training state was lost before it")
+            job.slot.error = RuntimeError(
+                "the slot copy was deferred and never issued: the training state was lost or the engine stopped"
+            )
             job.slot.done.set()
             job.released.set()
 
@@ -257,11 +259,14 @@ class SnapshotEngine:
         return hit[2]
 
     def shutdown(self) -> None:
-        """Stop the copy thread (after a simulated crash, or at exit)."""
+        """Stop the copy thread (after a simulated crash, or at exit). A deferred copy is never issued now: its slot
+        is torn, so nothing (the persist thread) waits for it for ever."""
+        self.discard_deferred()
         self._jobs.put(None)
 
     def stop(self, timeout_s: float) -> None:
         """Finish the copy in flight, then stop the thread (at interpreter exit: background.py)."""
+        self.discard_deferred()
         self._jobs.put(None)
         self._thread.join(timeout_s)
 

@@ -7,8 +7,8 @@ the training stream queues after it waits too. On the copy stream the read waits
 for it: the values are read later (the records when their window is persisted, after the slot copies that follow
 them on the same stream; the counts at the next window start, after `landed`).
 
-How (CUDA): the sources are cloned on the training stream first, by a kernel (`_foreach_copy_` between device
-tensors: no copy engine), so that a caller reusing its buffers (a batch) or the allocator reusing freed ones cannot
+How (CUDA): the sources are cloned on the training stream first, device to device (`_foreach_copy_`: not a
+device-to-host copy, so not behind the slot's; whether a kernel or an engine runs it is the GPU check's to show), so that a caller reusing its buffers (a batch) or the allocator reusing freed ones cannot
 change what is read; the copy stream waits for an event recorded after the clones, copies them into pinned memory
 non-blocking, and holds the clones until then (`record_stream`). On a CPU the same calls run (streams are no-ops):
 the clones are the host copies, equal to what the training-stream path returns.
@@ -53,7 +53,7 @@ class HostReads:
         srcs = [leaves[i].detach() for i in pos]
         with torch.no_grad():
             clones = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in srcs]
-            torch._foreach_copy_(clones, srcs)  # pyright: ignore[reportPrivateImportUsage]  (a kernel on CUDA)
+            torch._foreach_copy_(clones, srcs)  # pyright: ignore[reportPrivateImportUsage]  (device to device on CUDA)
         if self.copier.cuda:  # CUDA only: the pinned copies on the side stream, after the clones
             ready = self.copier.mark_ready()
             with self.copier.context():
