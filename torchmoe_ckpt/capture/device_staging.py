@@ -2,8 +2,9 @@
 (the cast to the slot's dtype fused) right after the update, and the copy to the host runs from there.
 
 Why: the next update has to wait only for the device-to-device copy (about a millisecond of HBM time per GB; one
-`_foreach_copy_` call, multi-tensor kernels where torch's fast path applies: measured by the GPU check), while the copy to the host, from a buffer nobody overwrites, may take the whole
-next iteration; with `copy_chunk_bytes` it still yields the copy engine to the training stream's reads.
+`_foreach_copy_` call, multi-tensor kernels where torch's fast path applies: measured by the GPU check), while the
+copy to the host, from a buffer nobody overwrites, may take the whole next iteration; with `copy_chunk_bytes` it
+still yields the copy engine to the training stream's reads.
 
 What it costs: one buffer of the largest slot of the window (item offsets aligned to ALIGN bytes), allocated on
 the copy stream and reused. It is taken only when it fits: on CUDA in the device's free memory

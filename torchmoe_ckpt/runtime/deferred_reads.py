@@ -8,10 +8,11 @@ for it: the values are read later (the records when their window is persisted, a
 them on the same stream; the counts at the next window start, after `landed`).
 
 How (CUDA): the sources are cloned on the training stream first, device to device (`_foreach_copy_`: not a
-device-to-host copy, so not behind the slot's; whether a kernel or an engine runs it is the GPU check's to show), so that a caller reusing its buffers (a batch) or the allocator reusing freed ones cannot
-change what is read; the copy stream waits for an event recorded after the clones, copies them into pinned memory
-non-blocking, and holds the clones until then (`record_stream`). On a CPU the same calls run (streams are no-ops):
-the clones are the host copies, equal to what the training-stream path returns.
+device-to-host copy, so not behind the slot's; whether a kernel or an engine runs it is the GPU check's to show), so
+that a caller reusing its buffers (a batch) or the allocator reusing freed ones cannot change what is read; the copy
+stream waits for an event recorded after the clones, copies them into pinned memory non-blocking, and holds the
+clones until then (`record_stream`). On a CPU the same calls run (streams are no-ops): the clones are the host
+copies, equal to what the training-stream path returns.
 """
 
 from __future__ import annotations
