@@ -202,7 +202,9 @@ class SparseCheckpointer:
         try:
             if self.engine.staging is not None:  # on a CPU the staging buffer is host memory, under the limit
                 self.engine.staging.room = self.memory.room_for if limit is not None else None
-                self.engine.staging.check_possible(self.planner.floor_slot_bytes())
+                why = self.engine.staging.refusal(self.planner.floor_slot_bytes())
+                if self._agree(float(why is None), dist.ReduceOp.MIN) < 1:  # refused on one rank: on every rank
+                    raise ConfigError(why or "device_staging=True cannot stage on another rank (its message says why)")
             self.planner.cap_by_memory(self.memory, None if self.persist is None else self.persist.peers)
         except BaseException:  # refused (HostMemoryLimitError, device staging): no thread is left running
             self.stop()

@@ -11,7 +11,7 @@ the copy stream and reused. It is taken only when it fits: on CUDA in the device
 (`torch.cuda.mem_get_info`) with HEADROOM to spare; on a CPU the "device" is host memory, so it is counted in
 `stats()["host_memory"]` (part "device_staging") and against `host_memory_limit`. A window whose slot does not fit
 is copied without staging, counted and said once per change; when even the smallest slot any W gives cannot fit,
-the checkpointer is refused at construction in one line (`check_possible`).
+the checkpointer is refused at construction in one line (`refusal`, agreed over the ranks).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 import torch
 
-from ..core.errors import ConfigError
 from ..storage.run_status import human_bytes
 
 __all__ = ["ALIGN", "DeviceStaging", "HEADROOM", "staging_need", "staging_fits"]
@@ -78,17 +77,19 @@ class DeviceStaging:
         free, headroom = self.free_bytes()
         return staging_fits(need, free, self.held, headroom)
 
-    def check_possible(self, floor_bytes: int) -> None:
-        """Refuse (ConfigError, one line) when even the smallest slot any window gives (`floor_bytes`) cannot be
-        staged: device_staging was asked for and cannot happen."""
+    def refusal(self, floor_bytes: int) -> str | None:
+        """Why device staging, asked for, cannot happen here: even the smallest slot any window gives (`floor_bytes`)
+        does not fit (one line with the fix); None when it can. The caller agrees it over the ranks."""
         if self.fits(floor_bytes):
-            return
-        where = "free device memory" if self.cuda else "room under host_memory_limit"
-        have = self.free_bytes()[0] if self.cuda else "less"
-        raise ConfigError(
+            return None
+        if self.cuda:
+            free, headroom = self.free_bytes()
+            where = f"plus {human_bytes(headroom)} of headroom in free device memory, and {human_bytes(free)} is free"
+        else:
+            where = "within host_memory_limit, and there is less room under it"
+        return (
             f"device_staging=True needs a staging buffer of at least {human_bytes(floor_bytes)} (the smallest slot "
-            f"any window gives) plus {human_bytes(self.free_bytes()[1])} of headroom in {where}, and there is "
-            f"{have if isinstance(have, str) else human_bytes(have)}: set SparseConfig.device_staging = False"
+            f"any window gives) {where}: set SparseConfig.device_staging = False"
             + ("" if self.cuda else " or raise host_memory_limit")
         )
 
