@@ -78,17 +78,20 @@ class SimulatedCopyFault(TorchmoeError, RuntimeError):
 @dataclass
 class _Job:
     """One slot copy in flight. `released`: the sources may be overwritten once the training stream is ordered
-    after `end` (CUDA: as soon as the copies are queued; CPU: once they are done)."""
+    after `end` (CUDA: as soon as the copies are queued; CPU: once they are done). The lists below `kept` are
+    filled on the copy thread (`_prepare`), which also checks the cached views against the live storage: the
+    training thread's part of a capture is the buffers and an event."""
 
     slot: Slot
     step: int
-    srcs: list[torch.Tensor]
-    dsts: list[torch.Tensor]
     ready: object  # CopyStream.mark_ready()
     keep: list[torch.Tensor]  # device staging copies of buffers, alive until the copy is done
-    tear_at: int  # where the copy is split in two batches (the fault point), in srcs
-    tear_items: int  # the slot items copied before it (what the fault hook is told)
-    host_bytes: int  # what lands on the host (a chunked copy's spacers not counted)
+    kept: list[torch.Tensor]  # the host buffers `keep` goes into
+    srcs: list[torch.Tensor] = field(default_factory=list)
+    dsts: list[torch.Tensor] = field(default_factory=list)
+    tear_at: int = 0  # where the copy is split in two batches (the fault point), in srcs
+    tear_items: int = 0  # the slot items copied before it (what the fault hook is told)
+    host_bytes: int = 0  # what lands on the host (a chunked copy's spacers not counted)
     stage: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (sources, staging views): device staging
     end: object = None
     staged: object = None  # device staging: the end of the device-to-device copy (what the next update waits for)
@@ -166,8 +169,7 @@ class SnapshotEngine:
         self.wait()
         slot.done.clear()
         slot.error, slot.step = None, None
-        resolved = self._resolve(slot)
-        plan, buffer_items = resolved.copy, resolved.buffers
+        buffer_items = [it for it in slot.items if it.role == "buffer"]
         keep: list[torch.Tensor] = []
         with torch.no_grad():  # buffers may change in the next forward, before the update: copied or staged now
             for it in buffer_items:
@@ -175,16 +177,8 @@ class SnapshotEngine:
                     keep.append(self.access.source(it).clone())
                 else:
                     it.buffer.copy_(self.access.source(it))
-        srcs, dsts, host_bytes = plan.srcs, plan.dsts, plan.host_bytes
-        if keep:
-            kept = [it.buffer for it in buffer_items]
-            srcs, dsts = srcs + keep, dsts + kept
-            host_bytes += sum(d.numel() * d.element_size() for d in kept)
-        # The tear point: half-way through the items (a chunked item counts once), on CPU and CUDA alike.
-        n_plan = len(plan.item_ends)
-        half = (n_plan + len(keep)) // 2
-        tear_at = plan.split_at_item(half) if half <= n_plan else len(plan.srcs) + half - n_plan
-        job = _Job(slot, step, srcs, dsts, self.copier.mark_ready(), keep, tear_at, half, host_bytes, resolved.stage)
+        kept = [it.buffer for it in buffer_items] if keep else []
+        job = _Job(slot, step, self.copier.mark_ready(), keep, kept)
         self.inflight = self._last = job
         if self.defer:
             with self._defer_lock:
@@ -278,12 +272,29 @@ class SnapshotEngine:
                 return
             self._copy(job)
 
+    def _prepare(self, job: _Job) -> None:
+        """On the copy thread: the slot's copy lists (the cached ones once the live storage is checked unchanged:
+        nothing replaces a source between the capture and its copy, the next update waits for this one), the
+        buffers' staged clones appended, and the tear point."""
+        resolved = self._resolve(job.slot)
+        plan, keep = resolved.copy, job.keep
+        job.srcs, job.dsts, job.host_bytes, job.stage = plan.srcs, plan.dsts, plan.host_bytes, resolved.stage
+        if keep:
+            job.srcs, job.dsts = plan.srcs + keep, plan.dsts + job.kept
+            job.host_bytes += sum(d.numel() * d.element_size() for d in job.kept)
+        # The tear point: half-way through the items (a chunked item counts once), on CPU and CUDA alike.
+        n_plan = len(plan.item_ends)
+        job.tear_items = half = (n_plan + len(keep)) // 2
+        job.tear_at = plan.split_at_item(half) if half <= n_plan else len(plan.srcs) + half - n_plan
+
     def _copy(self, job: _Job) -> None:
-        slot, srcs, dsts = job.slot, job.srcs, job.dsts
+        slot = job.slot
         t0, c0 = time.perf_counter(), time.thread_time()
         seconds = None
         try:
             with torch.no_grad(), self.copier.context():
+                self._prepare(job)
+                srcs, dsts = job.srcs, job.dsts
                 start = self.copier.begin(job.ready)
                 if job.stage is not None:
                     self._stage(job)
