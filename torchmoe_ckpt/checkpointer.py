@@ -232,7 +232,12 @@ class Checkpointer:
         faults.point("forward")
         if replay is None:
             rng_state, device_rng = rng.capture()
-            logged = host_copy(batch, clone_cpu=True)  # the caller may reuse its batch buffers: keep our own copy
+            # the caller may reuse its batch buffers: keep our own copy (on the copy stream: reads_on_copy_stream)
+            logged = (
+                host_copy(batch, clone_cpu=True)
+                if self.sparse is None
+                else self.sparse.engine.reads.copy(batch, clone_cpu=True)
+            )
         else:
             logged, rng_state, device_rng = replay.tokens, replay.rng_state, replay.device_rng
             batch = tree_map(lambda x: x.to(self.device) if torch.is_tensor(x) else x, logged)  # where training had it

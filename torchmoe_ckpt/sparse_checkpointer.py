@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .capture.copy_phase import BackwardTrigger
+from .capture.device_staging import staging_need
 from .capture.host_memory import HostMemory
 from .capture.slot_alloc import make_slot_allocator
 from .capture.snapshot import SnapshotEngine, StateAccess
@@ -30,7 +32,7 @@ from .planning.window_planner import WindowPlanner
 from .recovery.recover import ResumeResult
 from .recovery.sparse_to_dense import RecoveryReport, replay_slots, sparse_to_dense
 from .runtime.agreement import reduce_float
-from .runtime.device_copy import host_copy
+from .runtime.deferred_reads import HostReads
 from .storage.host_tier import HostTier
 from .storage.manifest import plan_digest
 from .storage.persist_thread import PersistThread
@@ -163,12 +165,20 @@ class SparseCheckpointer:
         self._cur_slot_bytes: list[int] = []
         self._last_job: dict[int, int] = {}  # window id -> the persist thread's ticket after its commit job
         self.counters = Counters()
+        self._inflight_bytes = 0  # the bytes of the slot copy running during the next step (device-loss pricing)
         self._redo: _Redo | None = None  # after an in-memory recovery: until training is back where it was
         self.dense_bytes = sum(o.full_bytes() for o in self.ops)  # what one dense snapshot of this rank copies
         # Threads last: nothing above can leave one running.
         self.access = StateAccess(model, optimizer)
-        # On the model's device (a side stream on CUDA); in chunks: the copy engine serves the step's reads between.
-        self.engine = SnapshotEngine(self.access, chunk_bytes=self.cfg.copy_chunk_bytes)
+        # On the model's device (a side stream on CUDA); the copy path's switches (docs/gpu.md, "The fix switches").
+        self.engine = SnapshotEngine(
+            self.access,
+            chunk_bytes=self.cfg.copy_chunk_bytes,
+            defer=self.cfg.copy_phase == "backward",
+            staging=self.cfg.device_staging,
+            reads_on_copy_stream=self.cfg.reads_on_copy_stream,
+        )
+        self.trigger = BackwardTrigger(model, self.engine.issue_from_hook) if self.engine.defer else None
         self.persist = None
         if host_tier is not None and run.tiers is not None:
             self.persist = PersistThread(
@@ -186,13 +196,19 @@ class SparseCheckpointer:
             groups.sum_counts,
             self._rank,
             cuda=self.engine.use_cuda,
+            reads=self.engine.reads,
         )
         limit = self.cfg.host_memory_limit
         assert not isinstance(limit, str)  # SparseConfig parsed it into bytes
         self.memory = HostMemory(self, limit)  # reads this checkpointer's parts, now built
         try:
+            if self.engine.staging is not None:  # on a CPU the staging buffer is host memory, under the limit
+                self.engine.staging.room = self.memory.room_for if limit is not None else None
+                why = self.engine.staging.refusal(self.planner.floor_slot_bytes())
+                if self._agree(float(why is None), dist.ReduceOp.MIN) < 1:  # refused on one rank: on every rank
+                    raise ConfigError(why or "device_staging=True cannot stage on another rank (its message says why)")
             self.planner.cap_by_memory(self.memory, None if self.persist is None else self.persist.peers)
-        except BaseException:  # refused (HostMemoryLimitError): no thread is left running
+        except BaseException:  # refused (HostMemoryLimitError, device staging): no thread is left running
             self.stop()
             raise
 
@@ -213,23 +229,27 @@ class SparseCheckpointer:
             res: the iteration (`checkpointer.StepResult`, the harness's or TorchTitan's): step, seconds, loss,
                 gradient norm, LRs, batch, RNG states, routed-token counts and probabilities.
         """
-        self.planner.observe_step(res.seconds, res.expert_counts, res.expert_probs)
+        self.planner.observe_step(res.seconds, res.expert_counts, res.expert_probs, self._inflight_bytes)
         self._settle(done=False)
+        self._inflight_bytes = 0
         t = res.step
         if self._redo is not None and t >= self._redo.until:  # back where the failure found training
             self._redo.phases["redo"] = time.perf_counter() - self._redo.since
             self._redo = None
+        if self.current is None and self.planner.calibrating:  # the step without copies is being measured
+            return
         cur, record = self.current, None
         if cur is not None and cur.start_step < t < cur.start_step + cur.plan.window:
-            record = _record(res)
+            record = _record(res, self.engine.reads)
             cur.log.add(record)
         if cur is None or cur.captured >= cur.plan.window:
             cur = self._start_window(t)
             if cur.plan.sliding:  # a sliding recovery may start in the window before and replay this one's first
-                record = _record(res)
+                record = _record(res, self.engine.reads)
                 cur.log.add(record)
         slot = cur.slots[t - cur.start_step]
         self.engine.capture(slot, t)
+        self._inflight_bytes = self._cur_slot_bytes[t - cur.start_step]
         if self.persist is not None:
             self.persist.slot(
                 cur.id,
@@ -295,7 +315,11 @@ class SparseCheckpointer:
 
     def _end(self, end_writer) -> None:
         self._closed = True
+        if self.trigger is not None:
+            self.trigger.close()
         self.engine.shutdown()
+        if self.engine.staging is not None:
+            self.engine.staging.release()
         self.slots.close()
         if self.persist is not None:
             end_writer(self.persist)
@@ -324,6 +348,7 @@ class SparseCheckpointer:
         redo is added once training is back at the last iteration captured), or None when nothing is committed."""
         t0 = time.perf_counter()
         last = self.current.start_step + self.current.captured - 1 if self.current is not None else None
+        self.engine.discard_deferred()  # a copy not issued yet would read the lost state: its slot is torn
         with contextlib.suppress(Exception):  # its error is the failure's, already being handled
             self.engine.wait_done()  # a copy in flight when the state was lost is torn: its slot is not used below
         self._maybe_commit()  # a window whose last copy had finished is the newest recovery point
@@ -410,6 +435,8 @@ class SparseCheckpointer:
         self.slots.prepare(plan, self.memory.room_for)  # the next window's set, off this thread, if none is left
         win = Window(self._next_id, t, plan, slots)
         self._cur_slot_bytes = self.slots.slot_bytes(slots)
+        if self.engine.staging is not None:  # this window staged when its largest slot fits (device_staging.py)
+            self.engine.staging.admit(max(staging_need([it.buffer for it in s.items]) for s in slots), self._next_id)
         self._next_id += 1
         self.current = win
         self.counters.add_plan(time.perf_counter() - t0)
@@ -441,6 +468,9 @@ class SparseCheckpointer:
         self.planner.inherit(old.planner)
         return self
 
+    def _copy_path_stats(self) -> dict:
+        return _copy_path_stats(self)
+
     def stats(self) -> dict:
         c = self.counters
         waits, sb, cs = self.engine.waits, c.slot_bytes, c.copy_seconds
@@ -461,6 +491,7 @@ class SparseCheckpointer:
             "priced_bytes_per_s": self.planner.cost.bytes_per_s,
             "priced_t_iter": self.planner.cost.t_iter,
             "auto_window": self.planner.auto_w,
+            "copy_path": self._copy_path_stats(),
             "plan_seconds": {
                 "plans": c.plans,
                 "plan_s_total": c.plan_s_total,
@@ -477,6 +508,20 @@ class SparseCheckpointer:
             "peers": None if tw is None else tw.replication_stats(),
             "object_store": None if tw is None or tw.uploader is None else tw.uploader.stats(),
         }
+
+
+def _copy_path_stats(ck: SparseCheckpointer) -> dict:
+    """The copy path's switches and what they did (docs/gpu.md, "The fix switches")."""
+    e, cfg, dl = ck.engine, ck.cfg, ck.planner.device_loss
+    return {
+        "copy_chunk_bytes": cfg.copy_chunk_bytes,
+        "reads_on_copy_stream": cfg.reads_on_copy_stream,
+        "reads": e.reads.reads,
+        "copy_phase": cfg.copy_phase,
+        "issued_by_backward_hook": e.issued_by_hook,
+        "device_staging": None if e.staging is None else e.staging.stats(),
+        "device_loss": None if dl is None else dl.stats(),
+    }
 
 
 def _checked_host_tier(tiers: Tiers | None) -> HostTier | None:
@@ -503,16 +548,18 @@ def _first_window_id(resumed: ResumeResult | None, committed: Window | None) -> 
     return committed.id + 1 if committed is not None else 0
 
 
-def _record(res) -> IterationRecord:
-    """Iteration `res.step`'s replay record; host copies queued, not awaited (they land before its slot copy)."""
+def _record(res, reads: HostReads) -> IterationRecord:
+    """Iteration `res.step`'s replay record; host copies queued, not awaited (they land before its slot copy, on
+    the stream `reads` puts them on: the slot copy comes after them there, or after the update's event)."""
+    tokens, norm, loss, hyper = reads.copy((res.tokens, res.grad_norm, res.loss, getattr(res, "hyper", None) or None))
     return IterationRecord(
         res.step,
-        host_copy(res.tokens),
-        host_copy(res.grad_norm),
+        tokens,
+        norm,
         res.lr,
-        host_copy(res.loss),
+        loss,
         res.rng_state,
         lrs=getattr(res, "lrs", None),
         device_rng=getattr(res, "device_rng", None),
-        hyper=host_copy(getattr(res, "hyper", None) or None),
+        hyper=hyper,
     )

@@ -69,10 +69,10 @@ def batch_for(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(step))
 
 
-def train(steps: int, init_seed: int = 0, tiers=None, lam=None, stop_after: int | None = None, chunk=None):
+def train(steps: int, init_seed: int = 0, tiers=None, lam=None, stop_after: int | None = None, chunk=None, **sparse):
     """Train to `steps` (optionally stopping early, as if killed after `stop_after`); returns (model, opt,
     sched, losses, ckpt). `init_seed`: other initial weights for a restarted attempt; the run's seed (part of
-    its identity) is 0 either way."""
+    its identity) is 0 either way. `sparse`: more SparseConfig fields; `ckpt.final_stats`: stats() before close."""
     model = Net(init_seed)
     torch.manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -83,7 +83,7 @@ def train(steps: int, init_seed: int = 0, tiers=None, lam=None, stop_after: int 
         loss.backward()
         return loss
 
-    window = tmc.SparseConfig(window=3, copy_chunk_bytes=chunk)
+    window = tmc.SparseConfig(**{"window": 3, "copy_chunk_bytes": chunk, **sparse})
     cfg = tmc.CheckpointConfig(tiers=tiers, window=window, max_grad_norm=0.5, router_top_k=TOP_K)
     losses = {}
     ckpt = tmc.Checkpointer(model, opt, fb, sched, cfg)
@@ -91,6 +91,7 @@ def train(steps: int, init_seed: int = 0, tiers=None, lam=None, stop_after: int 
         losses[step] = ckpt.step(batch_for(step))
         if step == stop_after:
             break
+    ckpt.final_stats = ckpt.stats()  # pyright: ignore[reportAttributeAccessIssue]  (the test's own note)
     ckpt.close()
     return model, opt, sched, losses, ckpt
 
@@ -131,7 +132,7 @@ def test_chunked_slot_copies_recover_exactly(tmp_path):
     ref = train(10)
     tiers = tmc.TierConfig(root=str(tmp_path), run_id="chunked")
     first = train(10, tiers=tiers, stop_after=7, chunk=64)
-    plan = next(iter(first[4].sparse.engine._sources.values()))[2]
+    plan = next(iter(first[4].sparse.engine._sources.values()))[2].copy
     assert plan.spacers > 0 and plan.chunks > len(plan.item_ends)  # really cut, really spaced
     got = train(10, init_seed=123, tiers=tiers, chunk=64)
     assert got[4].resumed.recovered_step == 6

@@ -14,6 +14,7 @@ import time
 from ..core.config_values import parse_bytes  # noqa: F401 (re-exported: defined torch-free for config.py)
 from ..core.errors import ConfigError
 from ..storage.run_status import human_bytes
+from .device_staging import ALIGN as STAGING_ALIGN
 from .slot_pool import pageup
 
 log = logging.getLogger("torchmoe_ckpt.host_memory")
@@ -49,6 +50,9 @@ class HostMemory:
         parts["replay_logs"] = sum(r.nbytes() for w in wins.values() for r in w.log.records.values())
         inh = ck._inherited
         parts["inherited_window"] = 0 if inh is None else sum(s.nbytes for s in inh.slots)
+        stg = ck.engine.staging
+        if stg is not None and not stg.cuda:  # on a CPU the "device" staging buffer is host memory
+            parts["device_staging"] = stg.held
         total = sum(parts.values())
         self.peak = max(self.peak, total)
         return {
@@ -71,8 +75,12 @@ class HostMemory:
     def line(self) -> str:
         """For the status line: 'host memory 5.0 GiB of 8.0 GiB'."""
         a = self.account()
-        return f"host memory {human_bytes(a['total'])}" + (
-            f" of {human_bytes(self.limit)}" if self.limit is not None else ""
+        stg = self.ck.engine.staging
+        on_device = f", device staging {human_bytes(stg.held)}" if stg is not None and stg.cuda and stg.held else ""
+        return (
+            f"host memory {human_bytes(a['total'])}"
+            + (f" of {human_bytes(self.limit)}" if self.limit is not None else "")
+            + on_device
         )
 
     def plan_need(self, plan, senders: int = 0) -> dict:
@@ -110,6 +118,9 @@ class HostMemory:
         if store is not None and getattr(store, "in_memory", lambda: False)():  # a local store on tmpfs
             out["store_files"] = (store.keep + 1 + spare_w) * (F + small)  # kept, being uploaded, spares
         out["replay_logs"] = 2 * plan.window * REPLAY_RECORD  # RNG states and scalars of two windows
+        stg = ck.engine.staging
+        if stg is not None and not stg.cuda:  # the staging buffer (CPU: host memory): the largest slot, aligned
+            out["device_staging"] = plan.worst_slot_bytes + STAGING_ALIGN * max(pool.item_counts(plan), default=0)
         out["inherited_window"] = pool.set_need(plan, 1)  # after a restart, until the next window commits
         return out
 

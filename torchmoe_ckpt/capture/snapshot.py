@@ -17,14 +17,17 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..core.errors import TorchmoeError
 from ..core.slot import Slot, SlotItem
 from ..model.operators import local_tensor
 from ..runtime import faults
 from ..runtime.background import stop_at_exit
+from ..runtime.deferred_reads import HostReads
 from ..runtime.device_copy import CopyStream
 from .copy_chunks import ChunkedCopy, chunk_copy_lists
+from .device_staging import DeviceStaging, staging_need
 
 ROLES_FULL = ("master", "exp_avg", "exp_avg_sq")  # AdamW's full-state roles (other optimizers: their state keys)
 
@@ -37,6 +40,25 @@ class StateAccess:
         self.buffers = {n: b for n, b in model.named_buffers() if b is not None}
         self.buffers.update((n, p) for n, p in self.params.items() if not p.requires_grad)  # held by value
         self.optimizer = optimizer
+        self._param_list = list(self.params.values())
+        self._dtensors = any(isinstance(p, DTensor) for p in self._param_list)
+
+    def state_key(self) -> tuple:
+        """The storage of every live parameter and optimizer state tensor: cached views of them are valid while it
+        is unchanged. Checked at every capture (a reload or `.to()` must never leave a view on old storage), so it
+        is one flat comprehension, the DTensor unwrap only when there are DTensors (~3x the old generator's speed,
+        docs/gpu.md "Less Python per copy job")."""
+        st = self.optimizer.state.values()
+        T = torch.Tensor
+        if not self._dtensors:
+            return (
+                *[p.data_ptr() for p in self._param_list],
+                *[v.data_ptr() for s in st for v in s.values() if isinstance(v, T)],
+            )
+        return (
+            *[getattr(p, "_local_tensor", p).data_ptr() for p in self._param_list],
+            *[getattr(v, "_local_tensor", v).data_ptr() for s in st for v in s.values() if isinstance(v, T)],
+        )
 
     def source(self, item: SlotItem) -> torch.Tensor:
         piece = item.piece
@@ -56,19 +78,34 @@ class SimulatedCopyFault(TorchmoeError, RuntimeError):
 @dataclass
 class _Job:
     """One slot copy in flight. `released`: the sources may be overwritten once the training stream is ordered
-    after `end` (CUDA: as soon as the copies are queued; CPU: once they are done)."""
+    after `end` (CUDA: as soon as the copies are queued; CPU: once they are done). The lists below `kept` are
+    filled on the copy thread (`_prepare`), which also checks the cached views against the live storage: the
+    training thread's part of a capture is the buffers and an event."""
 
     slot: Slot
     step: int
-    srcs: list[torch.Tensor]
-    dsts: list[torch.Tensor]
     ready: object  # CopyStream.mark_ready()
     keep: list[torch.Tensor]  # device staging copies of buffers, alive until the copy is done
-    tear_at: int  # where the copy is split in two batches (the fault point), in srcs
-    tear_items: int  # the slot items copied before it (what the fault hook is told)
-    host_bytes: int  # what lands on the host (a chunked copy's spacers not counted)
+    kept: list[torch.Tensor]  # the host buffers `keep` goes into
+    srcs: list[torch.Tensor] = field(default_factory=list)
+    dsts: list[torch.Tensor] = field(default_factory=list)
+    tear_at: int = 0  # where the copy is split in two batches (the fault point), in srcs
+    tear_items: int = 0  # the slot items copied before it (what the fault hook is told)
+    host_bytes: int = 0  # what lands on the host (a chunked copy's spacers not counted)
+    stage: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (sources, staging views): device staging
     end: object = None
+    staged: object = None  # device staging: the end of the device-to-device copy (what the next update waits for)
     released: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _SlotCopy:
+    """One slot's copy as resolved (cached per slot): `copy` to the host (from the staging views when `stage`),
+    `stage` the device-to-device copy into the staging buffer (None: not staged), `buffers` its buffer items."""
+
+    copy: ChunkedCopy
+    stage: tuple[list[torch.Tensor], list[torch.Tensor]] | None
+    buffers: list[SlotItem]
 
 
 class SnapshotEngine:
@@ -76,10 +113,21 @@ class SnapshotEngine:
     how long training waits. On CUDA the next update waits on the device (`wait`); the host waits for a copy to be
     done only at a window commit (`wait_done`)."""
 
-    def __init__(self, access: StateAccess, device: torch.device | str | None = None, chunk_bytes: int | None = None):
+    def __init__(  # noqa: PLR0913  (the copy path's switches, each a SparseConfig field)
+        self,
+        access: StateAccess,
+        device: torch.device | str | None = None,
+        chunk_bytes: int | None = None,
+        defer: bool = False,
+        staging: bool = False,
+        reads_on_copy_stream: bool = False,
+    ):
         """`chunk_bytes` (`SparseConfig.copy_chunk_bytes`): copy same-dtype items in chunks of at most this many
         bytes with a spacer kernel between them, so the copy engine serves the training stream's own small reads
-        in between (copy_chunks.py); None: one copy per item."""
+        in between (copy_chunks.py); None: one copy per item. `defer` (`copy_phase="backward"`): a capture's copy
+        waits until `issue()` (the next backward, copy_phase.py) or until something needs it. `staging`
+        (`device_staging`): through a staging buffer on the device (device_staging.py). `reads_on_copy_stream`:
+        where `reads` (the checkpointer's own per-step reads) go (runtime/deferred_reads.py)."""
         if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)):
             raise ValueError(f"chunk_bytes must be an int or None, got {chunk_bytes!r}")
         self.access = access
@@ -88,6 +136,12 @@ class SnapshotEngine:
             device = next((local_tensor(p).device for p in access.params.values()), torch.device("cpu"))
         self.copier = CopyStream(device)
         self.use_cuda = self.copier.cuda
+        self.reads = HostReads(self.copier, reads_on_copy_stream)
+        self.staging = DeviceStaging(self.copier.device) if staging else None
+        self.defer = defer
+        self._deferred: _Job | None = None  # captured, not yet handed to the copy thread (defer)
+        self._defer_lock = threading.Lock()  # issue() may come from autograd's device thread
+        self.issued_by_hook = 0  # deferred copies issued from the backward hook (the rest: by a wait)
         self.inflight: _Job | None = None  # not yet released: the next update waits for it
         self._last: _Job | None = None  # the newest job, maybe not done
         self.wait_seconds_total = 0.0
@@ -95,7 +149,7 @@ class SnapshotEngine:
         # What copies cost under training: the last one (bytes, copy s, copy-thread CPU s) and totals.
         self.last_copy: tuple[int, float, float] | None = None
         self.copy_totals = {"copies": 0, "bytes": 0, "wall_s": 0.0, "cpu_s": 0.0}
-        self._sources: dict[int, tuple] = {}  # id(slot) -> (slot ref, state key, sources, buffers, buffer items)
+        self._sources: dict[int, tuple] = {}  # id(slot) -> (slot ref, cache key, _SlotCopy)
         self._views_key: tuple | None = None  # the state key the per-piece views below were resolved under
         self._views: dict[tuple, tuple] = {}  # (id(piece), role) -> (piece, live view)
         # One-shot hook called with (slot, items_copied); may raise SimulatedCopyFault to tear the copy.
@@ -115,7 +169,7 @@ class SnapshotEngine:
         self.wait()
         slot.done.clear()
         slot.error, slot.step = None, None
-        plan, buffer_items = self._resolve(slot)
+        buffer_items = [it for it in slot.items if it.role == "buffer"]
         keep: list[torch.Tensor] = []
         with torch.no_grad():  # buffers may change in the next forward, before the update: copied or staged now
             for it in buffer_items:
@@ -123,28 +177,49 @@ class SnapshotEngine:
                     keep.append(self.access.source(it).clone())
                 else:
                     it.buffer.copy_(self.access.source(it))
-        srcs, dsts, host_bytes = plan.srcs, plan.dsts, plan.host_bytes
-        if keep:
-            kept = [it.buffer for it in buffer_items]
-            srcs, dsts = srcs + keep, dsts + kept
-            host_bytes += sum(d.numel() * d.element_size() for d in kept)
-        # The tear point: half-way through the items (a chunked item counts once), on CPU and CUDA alike.
-        n_plan = len(plan.item_ends)
-        half = (n_plan + len(keep)) // 2
-        tear_at = plan.split_at_item(half) if half <= n_plan else len(plan.srcs) + half - n_plan
-        job = _Job(slot, step, srcs, dsts, self.copier.mark_ready(), keep, tear_at, half, host_bytes)
+        kept = [it.buffer for it in buffer_items] if keep else []
+        job = _Job(slot, step, self.copier.mark_ready(), keep, kept)
         self.inflight = self._last = job
-        self._jobs.put(job)
+        if self.defer:
+            with self._defer_lock:
+                self._deferred = job
+        else:
+            self._jobs.put(job)
 
-    def _resolve(self, slot: Slot) -> tuple[ChunkedCopy, list]:
-        """(the copy of the slot's sources into its host buffers, as issued; its buffer items), cached while the
-        live tensors keep their storage."""
-        acc = self.access
-        key = tuple(local_tensor(t).data_ptr() for t in acc.params.values()) + tuple(
-            local_tensor(v).data_ptr() for st in acc.optimizer.state.values() for v in st.values() if torch.is_tensor(v)
-        )
+    def issue(self, from_hook: bool = False) -> None:
+        """Hand a deferred copy to the copy thread (copy_phase="backward": from the next backward's first hook;
+        any thread). No-op when none is deferred."""
+        with self._defer_lock:
+            job, self._deferred = self._deferred, None
+        if job is not None:
+            self.issued_by_hook += from_hook
+            self._jobs.put(job)
+
+    def issue_from_hook(self) -> None:
+        """`issue`, counted as issued by the backward hook (copy_phase.BackwardTrigger)."""
+        self.issue(from_hook=True)
+
+    def discard_deferred(self) -> None:
+        """A deferred copy not issued yet when the training state was lost: its slot is torn, never filled from
+        the lost state (recover_in_memory)."""
+        with self._defer_lock:
+            job, self._deferred = self._deferred, None
+        if job is not None:
+            job.slot.error = RuntimeError(
+                "the slot copy was deferred and never issued: the training state was lost or the engine stopped"
+            )
+            job.slot.done.set()
+            job.released.set()
+
+    def _resolve(self, slot: Slot) -> _SlotCopy:
+        """The copy of the slot's sources into its host buffers, as issued, cached while the live tensors keep their
+        storage (and, staged, while the staging buffer stays): per capture one key check and one dict lookup."""
+        acc, stg = self.access, self.staging
+        key = acc.state_key()
+        staged = stg is not None and stg.target > 0
+        ckey = (key, stg.generation if staged and stg is not None else -1)
         hit = self._sources.get(id(slot))
-        if hit is None or hit[0]() is not slot or hit[1] != key:
+        if hit is None or hit[0]() is not slot or hit[1] != ckey:
             # A new plan's slots are made of the same pieces: views are cached per (piece, role) too.
             if self._views_key != key:
                 self._views_key, self._views = key, {}
@@ -160,19 +235,32 @@ class SnapshotEngine:
                     got = views[vk] = (it.piece, acc.source(it))
                 srcs.append(got[1])
                 dsts.append(it.buffer)
+            stage = None
+            if staged and stg is not None and staging_need(dsts) <= stg.target:
+                gen = stg.generation
+                with self.copier.context():  # the buffer's memory belongs to the copy stream, its only user
+                    stage = (srcs, stg.views(dsts))
+                if stg.generation != gen:  # a new buffer: views of the old one must not keep it alive
+                    for k in [k for k, v in self._sources.items() if v[2].stage is not None]:
+                        del self._sources[k]
+                ckey = (key, stg.generation)
+            copy = chunk_copy_lists(stage[1] if stage else srcs, dsts, self.chunk_bytes)
             # Weakly: a slot its allocator dropped takes its entry (and the buffers it holds) with it.
             ref = weakref.ref(slot, _forget_slot(self._sources, id(slot)))
-            self._sources[id(slot)] = hit = (ref, key, chunk_copy_lists(srcs, dsts, self.chunk_bytes), buffers)
+            self._sources[id(slot)] = hit = (ref, ckey, _SlotCopy(copy, stage, buffers))
             while len(self._sources) > 64:  # bounded, should slots outlive their use
                 self._sources.pop(next(iter(self._sources)))
-        return hit[2], hit[3]
+        return hit[2]
 
     def shutdown(self) -> None:
-        """Stop the copy thread (after a simulated crash, or at exit)."""
+        """Stop the copy thread (after a simulated crash, or at exit). A deferred copy is never issued now: its slot
+        is torn, so nothing (the persist thread) waits for it for ever."""
+        self.discard_deferred()
         self._jobs.put(None)
 
     def stop(self, timeout_s: float) -> None:
         """Finish the copy in flight, then stop the thread (at interpreter exit: background.py)."""
+        self.discard_deferred()
         self._jobs.put(None)
         self._thread.join(timeout_s)
 
@@ -184,13 +272,32 @@ class SnapshotEngine:
                 return
             self._copy(job)
 
+    def _prepare(self, job: _Job) -> None:
+        """On the copy thread: the slot's copy lists (the cached ones once the live storage is checked unchanged:
+        nothing replaces a source between the capture and its copy, the next update waits for this one), the
+        buffers' staged clones appended, and the tear point."""
+        resolved = self._resolve(job.slot)
+        plan, keep = resolved.copy, job.keep
+        job.srcs, job.dsts, job.host_bytes, job.stage = plan.srcs, plan.dsts, plan.host_bytes, resolved.stage
+        if keep:
+            job.srcs, job.dsts = plan.srcs + keep, plan.dsts + job.kept
+            job.host_bytes += sum(d.numel() * d.element_size() for d in job.kept)
+        # The tear point: half-way through the items (a chunked item counts once), on CPU and CUDA alike.
+        n_plan = len(plan.item_ends)
+        job.tear_items = half = (n_plan + len(keep)) // 2
+        job.tear_at = plan.split_at_item(half) if half <= n_plan else len(plan.srcs) + half - n_plan
+
     def _copy(self, job: _Job) -> None:
-        slot, srcs, dsts = job.slot, job.srcs, job.dsts
+        slot = job.slot
         t0, c0 = time.perf_counter(), time.thread_time()
         seconds = None
         try:
             with torch.no_grad(), self.copier.context():
+                self._prepare(job)
+                srcs, dsts = job.srcs, job.dsts
                 start = self.copier.begin(job.ready)
+                if job.stage is not None:
+                    self._stage(job)
                 # Two batched calls: each drops the GIL once for the batch (per-item calls contend for it).
                 half = job.tear_at
                 if half and not self.skip_copies:
@@ -215,14 +322,29 @@ class SnapshotEngine:
             slot.error = exc
         slot.copy_seconds = seconds if seconds is not None else time.perf_counter() - t0
         if slot.error is None:
-            last = (job.host_bytes, slot.copy_seconds, time.thread_time() - c0)
-            self.copy_totals["copies"] += 1
-            for k, v in zip(("bytes", "wall_s", "cpu_s"), last):
-                self.copy_totals[k] += v
-            self.last_copy = last
+            self._account(job, time.thread_time() - c0)
         job.keep.clear()
         slot.done.set()
         job.released.set()
+
+    def _stage(self, job: _Job) -> None:
+        """Device staging: the device-to-device copy first (one multi-tensor kernel on CUDA, the cast fused); the
+        next update waits for its end only (`staged`). In the copy stream's context."""
+        if not self.skip_copies and job.stage is not None:
+            torch._foreach_copy_(job.stage[1], job.stage[0], non_blocking=self.use_cuda)  # pyright: ignore[reportPrivateImportUsage]  (torch private)
+        job.staged = self.copier.end()
+        if not self.use_cuda:
+            job.released.set()  # CPU: the sources are free once staged; the host copy follows
+
+    def _account(self, job: _Job, cpu_s: float) -> None:
+        """A finished copy: its bytes, seconds and copy-thread CPU into the totals."""
+        if job.stage is not None and self.staging is not None:
+            self.staging.staged_copies += 1
+        last = (job.host_bytes, job.slot.copy_seconds, cpu_s)
+        self.copy_totals["copies"] += 1
+        for k, v in zip(("bytes", "wall_s", "cpu_s"), last):
+            self.copy_totals[k] += v
+        self.last_copy = last
 
     def wait(self) -> float:
         """Before the next update: block until the in-flight copy no longer needs its sources (CUDA: queued, the
@@ -230,12 +352,13 @@ class SnapshotEngine:
         job = self.inflight
         if job is None:
             return 0.0
+        self.issue()  # deferred and no backward issued it (an iteration without one): now
         waited = self._timed(job.released)
         self.inflight = None  # only now: a wait cut short must not let the next update overwrite its sources
         self.waits.append(waited)
         if job.slot.error is not None:
             raise job.slot.error
-        self.copier.order_after(job.end)
+        self.copier.order_after(job.staged if job.staged is not None else job.end)  # staged: the device copy only
         return waited
 
     def wait_done(self) -> float:

@@ -13,15 +13,26 @@ from typing import Literal, get_args
 from .config_values import is_kind, parse_bytes
 from .errors import ConfigError
 
-__all__ = ["SparseConfig", "Popularity", "HostBuffers", "POPULARITIES", "HOST_BUFFERS", "CUDA_OVERLAP"]
+__all__ = [
+    "SparseConfig",
+    "Popularity",
+    "HostBuffers",
+    "CopyPhase",
+    "POPULARITIES",
+    "HOST_BUFFERS",
+    "COPY_PHASES",
+    "CUDA_OVERLAP",
+]
 
-CUDA_OVERLAP = 0.4  # SparseConfig.overlap's default on CUDA: see there
+CUDA_OVERLAP = 0.4  # the first window's overlap on CUDA, until the device's loss is measured: see `overlap`
 
 # The choice fields' values, each written once: the Literal is the field's type, the tuple is what is checked.
 Popularity = Literal["hard", "soft", "decayed", "capacity"]
 HostBuffers = Literal["auto", "arena", "shm-registered"]
+CopyPhase = Literal["after_update", "backward"]
 POPULARITIES: tuple[str, ...] = get_args(Popularity)
 HOST_BUFFERS: tuple[str, ...] = get_args(HostBuffers)  # (capture/slot_alloc.py)
+COPY_PHASES: tuple[str, ...] = get_args(CopyPhase)  # (capture/copy_phase.py)
 _OPTIONAL = ("window", "overlap", "bandwidth_bytes_per_s")  # None is allowed (auto / measured)
 _SHARES = ("decay", "reorder_change", "reorder_fraction")  # in [0, 1]
 
@@ -35,9 +46,15 @@ class SparseConfig:
     at most W iterations. None: Algorithm 1 picks W from what one slot copy costs (priced as below)."""
 
     overlap: float | None = None
-    """The share of one iteration a slot's copy may take, hidden behind compute (W is sized so it fits).
-    None: 1.0 on a CPU (copies run beside the step), CUDA_OVERLAP (0.4) on CUDA: measured, a
-    side-stream copy slows the step it overlaps, so a slot may take less of it (docs/gpu.md)."""
+    """The share of one iteration a slot's copy may take, hidden behind compute (W is sized so it fits): a fixed
+    rule, the override. None: 1.0 on a CPU (copies run beside the step); on CUDA W is priced by what the device
+    loses, measured (`max_step_overhead`, planning/calibration.py; CUDA_OVERLAP only until it is measured)."""
+
+    max_step_overhead: float = 0.02
+    """CUDA, auto W, `overlap` None: the share of the step the copies may add on the device. The planner measures
+    the step time without copies (the first iterations) and with them, derives the device's cost per copied byte,
+    and picks the smallest W whose predicted added step time stays within this share; re-planned when the measured
+    overhead drifts past it (docs/sparse-checkpointing.md, "Auto W on a GPU"). In (0, 1]."""
 
     bandwidth_bytes_per_s: float | None = None
     """The copy bandwidth slots are priced with. None: what copies cost while training, measured in the first
@@ -80,6 +97,26 @@ class SparseConfig:
     (`.item()`, `.tolist()`) in between instead of queueing them behind the slot (capture/copy_chunks.py, the GPU
     check's phase 4 measures it). None: one copy per item. On a CPU the same code path runs, to no effect."""
 
+    reads_on_copy_stream: bool = True
+    """CUDA: the checkpointer's own device-to-host reads of each step (the replay record's batch, loss, gradient
+    norm and hyper-parameters; the routed-token counts at a window start) go into pinned memory on the copy stream,
+    after an event, from device-side clones, instead of on the training stream, where they would queue behind the
+    copy engine; they are read later (when the window is persisted, at the next window start). False: on the
+    training stream, non-blocking (runtime/deferred_reads.py). On a CPU the same path runs, to the same values."""
+
+    copy_phase: CopyPhase = "after_update"
+    """When a slot's copy is issued: "after_update" (at once, after the optimizer step of its iteration) or
+    "backward" (from the first backward hook of the next iteration, the part of the step with no host reads;
+    still the post-update state of its iteration, since the next update waits for the copy first). The copy is
+    issued at the latest when the next update, a commit or a flush needs it (capture/copy_phase.py)."""
+
+    device_staging: bool = False
+    """Opt-in: the slot is first copied device-to-device (cast fused) into a staging buffer right after the update,
+    which the next update waits for; the copy to the host then runs from the staging buffer over the next
+    iteration. Needs one slot of free device memory (on a CPU: host memory, counted against
+    `host_memory_limit`); refused in one line when even the smallest slot cannot fit, skipped (and counted) for
+    a window whose slot does not fit (capture/device_staging.py)."""
+
     host_buffers: HostBuffers = "auto"
     """Slot buffers (slot_alloc.py): "auto" (slot files on a CPU with a host tier, else "arena"), "arena" (one
     arena per slot set, pinned on CUDA), "shm-registered" (CUDA: slot files page-locked; opt-in, unmeasured)."""
@@ -92,8 +129,9 @@ class SparseConfig:
 
     def _check_types(self) -> None:
         """A wrong type ("3" from a job file) fails here with one clear line, not later in a comparison."""
-        if not isinstance(self.sliding, bool):
-            raise ConfigError(f"SparseConfig.sliding must be true or false, got {self.sliding!r}")
+        for name in ("sliding", "reads_on_copy_stream", "device_staging"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"SparseConfig.{name} must be true or false, got {getattr(self, name)!r}")
         for name in _OPTIONAL + _SHARES:
             v, kinds = getattr(self, name), (int,) if name == "window" else (int, float)
             if (v is not None or name not in _OPTIONAL) and not is_kind(v, kinds):
@@ -112,6 +150,10 @@ class SparseConfig:
                 "bandwidth_bytes_per_s must be a finite number > 0 or None (measured), got "
                 f"{self.bandwidth_bytes_per_s}"
             )
+        if not is_kind(self.max_step_overhead, (int, float)) or not 0 < self.max_step_overhead <= 1:
+            raise ConfigError(
+                f"SparseConfig.max_step_overhead must be a share of the step in (0, 1], got {self.max_step_overhead!r}"
+            )
         for name in _SHARES:
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(f"SparseConfig.{name} must be in [0, 1], got {getattr(self, name)}")
@@ -123,5 +165,7 @@ class SparseConfig:
             raise ConfigError(f"copy_chunk_bytes must be an integer >= 1 or None, got {self.copy_chunk_bytes!r}")
         if self.host_buffers not in HOST_BUFFERS:
             raise ConfigError(f"host_buffers {self.host_buffers!r} is not one of {', '.join(HOST_BUFFERS)}")
+        if self.copy_phase not in COPY_PHASES:
+            raise ConfigError(f"copy_phase {self.copy_phase!r} is not one of {', '.join(COPY_PHASES)}")
         if self.popularity not in POPULARITIES:
             raise ConfigError(f"popularity {self.popularity!r} is not one of {', '.join(POPULARITIES)}")

@@ -17,8 +17,10 @@ from ..core.operator import Operator
 from ..core.plan import WindowPlan
 from ..core.sparse_config import CUDA_OVERLAP, SparseConfig
 from ..model.operators import agreed_sizes, expert_grid
+from ..runtime.deferred_reads import HostReads
 from ..runtime.device_copy import host_copy
 from ..runtime.distributed import library_group
+from .calibration import DeviceLoss
 from .popularity import PopularityTracker, order_experts, reorder_needed
 from .schedule import CopyCost, choose_window, copy_budget, measure_copy_bandwidth, plan_window
 
@@ -28,8 +30,8 @@ _PROBED: dict[str, float] = {}  # the idle copy bandwidth, measured once per pro
 
 
 def _default_overlap(cuda: bool) -> float:
-    """SparseConfig.overlap's default: on a CPU copies run beside the step (a whole iteration); on CUDA a side-stream
-    copy slows the step it overlaps, so a slot may take less of it (docs/gpu.md)."""
+    """SparseConfig.overlap's default: on a CPU copies run beside the step (a whole iteration); on CUDA the prior
+    until the device's loss is measured (calibration.py): a side-stream copy slows the step it overlaps."""
     if cuda:
         return CUDA_OVERLAP
     return 1.0
@@ -46,7 +48,9 @@ class _Split:
 
 class WindowPlanner:
     """Plans the windows of one rank. `agree(value, op)`: a collective over the checkpointer's agree group;
-    `group`: the ranks that plan together; `sum_counts`: counts are this rank's own; `cuda`: the default overlap."""
+    `group`: the ranks that plan together; `sum_counts`: counts are this rank's own; `cuda`: the default overlap and
+    pricing; `reads`: where the routed-token counts are copied to the host (None: the training stream);
+    `device_loss`: price auto W by the measured device loss (calibration.py; None: on CUDA with `overlap` None)."""
 
     def __init__(  # noqa: PLR0913  (the planner's inputs, built in one place: SparseCheckpointer)
         self,
@@ -58,9 +62,15 @@ class WindowPlanner:
         sum_counts: bool,
         rank: int,
         cuda: bool = False,
+        reads: HostReads | None = None,
+        device_loss: bool | None = None,
     ):
         self.cfg, self.ops, self.compute_dtype, self.group = cfg, ops, compute_dtype, group
         self.overlap = _default_overlap(cuda) if cfg.overlap is None else cfg.overlap
+        self.reads = reads
+        measured = (cuda and cfg.overlap is None) if device_loss is None else device_loss
+        # Auto W only: a forced W has nothing to price.
+        self.device_loss = DeviceLoss(cfg.max_step_overhead) if measured and cfg.window is None else None
         self._agree, self.sum_counts, self._rank = agree, sum_counts, rank
         self.op_by_name = {o.name: o for o in ops}
         self.grid = expert_grid(ops)
@@ -86,10 +96,19 @@ class WindowPlanner:
         self._warned_unfit = False  # an impossible copy budget is reported once, not every window
         self._last_split: _Split | None = None  # the last split, reused while the order and W stay (_same_split)
 
-    def observe_step(self, seconds: float, counts: torch.Tensor, probs: torch.Tensor) -> None:
+    def observe_step(self, seconds: float, counts: torch.Tensor, probs: torch.Tensor, copy_bytes: int = 0) -> None:
+        """One iteration: its seconds, routed-token counts and probabilities, and the bytes of the slot copy that
+        ran during it (0: none; the device-loss pricing's sample)."""
         self.t_iter = seconds if self.t_iter is None else 0.7 * self.t_iter + 0.3 * seconds
         self.pending_counts.append((counts, probs))  # read at the next window start
         self.cost.observe_step(seconds)
+        if self.device_loss is not None:
+            self.device_loss.observe(seconds, copy_bytes)
+
+    @property
+    def calibrating(self) -> bool:
+        """The device-loss pricing still measures the step without copies: capture nothing yet (calibration.py)."""
+        return self.device_loss is not None and self.device_loss.calibrating
 
     def plan(self) -> tuple[WindowPlan, float]:
         """The next window's plan and the copy budget per slot it was priced with (bytes; inf when W is forced).
@@ -136,6 +155,16 @@ class WindowPlanner:
 
     def _copy_budget(self) -> float:
         """Bytes one slot may copy: priced by what copies cost under training, or by the given bandwidth."""
+        if self.device_loss is not None:  # what the device loses, measured (calibration.py)
+            measured = self.device_loss.budget()
+            bound = (
+                self.cost.budget_bytes(1.0)
+                if self.cfg.bandwidth_bytes_per_s is None
+                else copy_budget(self.t_iter, self.cfg.bandwidth_bytes_per_s, 1.0)  # pyright: ignore[reportArgumentType]
+            )  # a copy longer than the step would make the update wait, whatever the rule says
+            if measured is None:  # no copy measured yet: the prior share of the step
+                return bound * self.overlap
+            return min(measured, bound)
         if self.cfg.bandwidth_bytes_per_s is None:
             return self.cost.budget_bytes(self.overlap)
         return copy_budget(self.t_iter, self.cfg.bandwidth_bytes_per_s, self.overlap)  # pyright: ignore[reportArgumentType]  (after_step observes a step before any plan)
@@ -174,10 +203,13 @@ class WindowPlanner:
         ready, self._counts_in_flight = self._counts_in_flight, None
         if pending:
             stats = torch.stack([torch.stack([c.double(), p.double()]) for c, p in pending])  # [n, 2, L, E]
-            landed = torch.cuda.Event() if stats.is_cuda else None
-            self._counts_in_flight = (host_copy(stats), landed)  # CUDA: queued into pinned memory, no host sync
-            if landed is not None:
-                landed.record()
+            if self.reads is not None:  # the copy stream (reads_on_copy_stream) or the training stream
+                self._counts_in_flight = (self.reads.copy(stats), self.reads.landed() if stats.is_cuda else None)
+            else:
+                landed = torch.cuda.Event() if stats.is_cuda else None
+                self._counts_in_flight = (host_copy(stats), landed)  # CUDA: queued into pinned memory, no host sync
+                if landed is not None:
+                    landed.record()
         if ready is None:
             return
         stats, landed = ready
@@ -233,9 +265,20 @@ class WindowPlanner:
             senders=senders,
         )
 
+    def floor_slot_bytes(self) -> int:
+        """The largest slot of the largest W Algorithm 1 can choose: the least any window needs per slot (device
+        staging's possibility check). Collective the first time (agreed operator sizes)."""
+        order = [o.name for o in self.ops if o.kind == "expert"]
+        order += [o.name for o in self.ops if o.kind != "expert"]
+        full, comp = self.op_sizes()
+        w = choose_window(order, full, comp, 0.0)
+        return plan_window(order, full, comp, float("inf"), forced_window=w, warn=False).worst_slot_bytes
+
     def inherit(self, old: WindowPlanner) -> None:
         """What copies cost is learned once, not per restart."""
         self.cost, self.auto_w = old.cost, old.auto_w
+        if old.device_loss is not None and self.device_loss is not None:
+            self.device_loss = old.device_loss
         self._prior_known = self._prior_known or old._prior_known
         self.bandwidth = self.bandwidth or old.bandwidth
         self.reorders += old.reorders
