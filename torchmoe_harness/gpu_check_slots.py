@@ -36,6 +36,7 @@ class SlotRecord:
     stall: tuple | None = None  # (event before, event after) the training stream's wait on `end`
     host_wait_s: float | None = None  # the training thread's wait in engine.wait() for this copy
     lists: tuple | None = None  # the copy's (sources, destinations): its blocks are counted after the window
+    job: object = None  # the library's copy job: its lists and bytes are resolved on the copy thread, read after
 
     def timings(self, cuda: bool) -> dict:
         """Seconds, read after the device is synchronised (None: not measured for this copy)."""
@@ -45,6 +46,9 @@ class SlotRecord:
                 return None
             return a.elapsed_time(b) / 1e3 if cuda else b - a
 
+        if self.job is not None:  # the copy thread filled it in when it issued the copy
+            self.bytes, self.lists = int(self.job.host_bytes), (self.job.srcs, self.job.dsts)
+            self.job = None
         if self.lists is not None:  # counted here, not on the training thread during the window
             self.lead_bytes, self.longest_bytes = same_dtype_blocks(*self.lists)
             self.lists = None
@@ -147,7 +151,7 @@ class SlotTimer:
             job = engine._last
             rec = SlotRecord(slot.index, t.window_of(), step, ready=t.ready_mark)
             if job is not None:
-                rec.bytes, rec.lists = int(job.host_bytes), (job.srcs, job.dsts)
+                rec.job = job  # its bytes and lists exist once the copy thread has issued it
                 t.by_job[id(job)] = rec
             t.records.append(rec)
             t.waiting.append(rec)
