@@ -34,11 +34,24 @@ from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.trainer import Trainer
 
+from titan_integration import families
 from titan_integration.assets import TOKENIZER_VOCAB_SIZE, ensure_assets
 from titan_integration.cpu_mode import apply_cpu_config, cpu_mode_enabled
 from torchmoe_ckpt.runtime.distributed import key_rendezvous_by_attempt
 
-__all__ = ["deepseek_v3_tiny", "deepseek_v3_tiny_ep2", "TINY", "DEFAULT_CONFIG", "DATASET_NAME"]
+__all__ = [
+    "family_config",
+    "deepseek_v3_tiny",
+    "deepseek_v3_tiny_ep2",
+    "deepseek_v3_debug",
+    "qwen3_debug",
+    "gpt_oss_debug",
+    "kimi_k2_7_debug",
+    "qwen3_5_debug",
+    "TINY",
+    "DEFAULT_CONFIG",
+    "DATASET_NAME",
+]
 
 DEFAULT_CONFIG = "deepseek_v3_tiny"
 DATASET_NAME = "torchmoe_tiny"
@@ -148,10 +161,17 @@ _register()
 key_rendezvous_by_attempt()
 
 
-def deepseek_v3_tiny() -> Trainer.Config:
-    """Tiny DeepSeek-V3 MoE (3 layers, dim 64, 8 experts top-2, seq 64): sub-second steps on CPU."""
+def family_config(name: str, flavor: str | None = None) -> Trainer.Config:
+    """Any MoE family of TorchTitan 0.3.0 (:mod:`titan_integration.families`) on our offline assets: its own model
+    code at ``flavor`` (default: the family's CPU flavour, ``tiny`` for all but Qwen3.5), the decoder's
+    cross-entropy loss, our byte-level tokenizer and tiny text data set, AdamW, seq 64 x batch 4, seed 42.
+
+    The multimodal families (Kimi K2.5, Qwen3.5) train their text tower on text here; their vision tower is built,
+    sharded and checkpointed like any other module, and gets no gradient (text batches carry no pixels)."""
+    fam = families.family(name)
     assets = ensure_assets()
-    model_spec = _dsv3.model_registry(FLAVOR)
+    cpu = cpu_mode_enabled() or not torch.cuda.is_available()
+    model_spec = families.model_spec(name, flavor or fam.flavor, cpu=cpu)
     config = Trainer.Config(
         loss=ChunkedLossWrapper.Config(
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec)),
@@ -173,9 +193,41 @@ def deepseek_v3_tiny() -> Trainer.Config:
         # Fixed seed: identical initial weights and losses across runs (see tests).
         debug=DebugConfig(seed=42),
     )
-    if cpu_mode_enabled() or not torch.cuda.is_available():
+    if cpu:
         apply_cpu_config(config)
+        config.training.mixed_precision_param = fam.cpu_param_dtype
     return config
+
+
+def deepseek_v3_tiny() -> Trainer.Config:
+    """Tiny DeepSeek-V3 MoE (3 layers, dim 64, 8 experts top-2, seq 64): sub-second steps on CPU."""
+    return family_config("deepseek_v3")
+
+
+def deepseek_v3_debug() -> Trainer.Config:
+    """The same as ``deepseek_v3_tiny``: every family has a ``<family>_debug`` config."""
+    return family_config("deepseek_v3")
+
+
+def qwen3_debug() -> Trainer.Config:
+    """Qwen3-MoE (QK-norm GQA attention, 8 experts top-2, no shared expert), tiny: 2 layers, dim 64."""
+    return family_config("qwen3")
+
+
+def gpt_oss_debug() -> Trainer.Config:
+    """gpt-oss (attention sinks, sliding-window layers, expert and router biases), tiny: 2 layers, dim 64."""
+    return family_config("gpt_oss")
+
+
+def kimi_k2_7_debug() -> Trainer.Config:
+    """Kimi K2.5 (MLA, a dense first layer, 2 shared experts, a MoonViT vision tower), tiny: 3 layers, dim 64;
+    AdamW (its registry's DistMuon needs the spmd_types backend, which CPU mode cannot use)."""
+    return family_config("kimi_k2_7")
+
+
+def qwen3_5_debug() -> Trainer.Config:
+    """Qwen3.5 MoE at TorchTitan's ``debugmodel_moe`` (needs flash-linear-attention: GPU machines only)."""
+    return family_config("qwen3_5")
 
 
 def deepseek_v3_tiny_ep2() -> Trainer.Config:
