@@ -58,12 +58,15 @@ def write_job(
     extra: str = "",
     seed: int = 7,
     hang_timeout_s: float = 60,
+    family: str = "deepseek_v3",
 ) -> Path:
-    """A TorchTitan job file (our TOML loader) with sparse checkpointing on."""
+    """A TorchTitan job file (our TOML loader) with sparse checkpointing on, for one model ``family``
+    (titan_integration.families: its CPU flavour)."""
     d.mkdir(parents=True, exist_ok=True)
+    model = "" if family == "deepseek_v3" else f'[model]\nname = "{family}"\n'
     text = f"""
 dump_folder = "{d / "dump"}"
-[training]
+{model}[training]
 steps = {steps}
 [debug]
 seed = {seed}
