@@ -15,6 +15,7 @@ without it the family cannot even be imported, so it is refused in one line (:fu
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -22,7 +23,16 @@ from typing import Any
 from titan_integration.assets import TOKENIZER_VOCAB_SIZE
 from titan_integration.sparse_config import JobConfigError
 
-__all__ = ["Family", "FAMILIES", "family", "family_module", "flavors", "model_spec", "register_tiny_flavors"]
+__all__ = [
+    "Family",
+    "FAMILIES",
+    "family",
+    "missing",
+    "family_module",
+    "flavors",
+    "model_spec",
+    "register_tiny_flavors",
+]
 
 TINY = "tiny"
 
@@ -35,6 +45,7 @@ class Family:
     debug_flavor: str  # TorchTitan's own debug flavour of the MoE model
     cpu_kwargs: tuple[tuple[str, Any], ...] = ()  # model_registry keywords a CPU needs (an attention backend)
     needs: str = ""  # what the family needs that may be missing ("" = nothing beyond TorchTitan)
+    needs_module: str = ""  # the module that stands for it (checked without importing TorchTitan)
     # FSDP's compute dtype on a CPU (CPU mode's float32 is 7x faster there than bf16); gpt-oss's experts cast to
     # bfloat16 for their grouped GEMMs whatever the input, and TorchTitan's combine then scatters bf16 rows into a
     # float32 output ("scatter(): Expected self.dtype to be equal to src.dtype"): it trains in bf16, as on a GPU.
@@ -62,6 +73,7 @@ FAMILIES: dict[str, Family] = {
             "debugmodel_moe",
             "debugmodel_moe",
             needs="flash-linear-attention (the triton GPU kernels of its Gated DeltaNet layers)",
+            needs_module="fla",
         ),
     )
 }
@@ -73,6 +85,18 @@ def family(name: str) -> Family:
             f"[model] name = {name!r} is not a TorchTitan MoE family; fix: use one of {', '.join(FAMILIES)}"
         )
     return FAMILIES[name]
+
+
+def missing(name: str) -> str | None:
+    """What ``name`` needs that is not installed, as one refusal line; None: it can run here."""
+    fam = family(name)
+    if fam.needs_module and importlib.util.find_spec(fam.needs_module) is None:
+        return (
+            f"TorchTitan's {name} needs {fam.needs} (module {fam.needs_module!r} is not installed); "
+            f"fix: run it on a GPU machine with it installed, or pick one of "
+            f"{', '.join(n for n, f in FAMILIES.items() if not f.needs)}"
+        )
+    return None
 
 
 def family_module(name: str) -> ModuleType:

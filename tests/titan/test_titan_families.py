@@ -154,7 +154,8 @@ out = {}
 for fam, flavor, kw in [
     ("deepseek_v3", "debugmodel", {"num_mtp_layers": 1}), ("qwen3", "debugmodel_moe", {}),
     ("gpt_oss", "debugmodel", {}), ("kimi_k2_7", "debugmodel", {}), ("qwen3_5", "debugmodel_moe", {}),
-    ("deepseek_v3", "tiny", {"num_mtp_layers": 1}), ("qwen3", "tiny", {}), ("gpt_oss", "tiny", {}), ("kimi_k2_7", "tiny", {}),
+    ("deepseek_v3", "tiny", {"num_mtp_layers": 1}), ("qwen3", "tiny", {}), ("gpt_oss", "tiny", {}),
+    ("kimi_k2_7", "tiny", {}),
 ]:
     mod = families.family_module(fam)
     with torch.device("meta"):
@@ -224,9 +225,7 @@ def test_every_tensor_in_its_operator(discovered, fam, flavor):
 
 # ---- exactness per family: two kills, FSDP on 2 ranks ------------------------------------------------------
 def _run(d: Path, env: dict[str, str], fam: str, layout: str, faults: list[str]) -> str:
-    job = recovery_demo.write_job(
-        d, steps=STEPS, window=WINDOW, host_dir=d / "host", family=fam, extra=LAYOUTS[layout]
-    )
+    job = recovery_demo.write_job(d, steps=STEPS, window=WINDOW, host_dir=d / "host", family=fam, extra=LAYOUTS[layout])
     rc, out = recovery_demo.torchrun(
         d, env, job, nproc=2, fault=";".join(faults) or None, timeout=55, max_restarts=len(faults) + 1
     )
@@ -272,3 +271,28 @@ def test_two_kills_recover_bit_exact(tmp_path, tmp_path_factory, env, fam, layou
         # what was compared: parameters, AdamW's moments and steps, the expert_bias buffers, the LR
         state, _ = recovery_demo.load_rank(tmp_path / "run", r.rank)
         assert "lr" in state and any("expert_bias" in k for k in state) and any("exp_avg_sq" in k for k in state)
+
+
+# ---- cost per family ------------------------------------------------------------------------------------------
+def test_cost_per_family_flavour(env):
+    """Slot bytes over dense bytes and the auto W of each family (titan_integration/family_costs.py), from the
+    operators discovery finds on the meta-device model: a table docs/torchtitan.md quotes."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_integration.family_costs", "--json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=55,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert {(r["family"], r["flavor"]) for r in rows} == {
+        (f, v)
+        for f in ("deepseek_v3", "qwen3", "gpt_oss", "kimi_k2_7")
+        for v in ("tiny", "debugmodel" + ("_moe" if f == "qwen3" else ""))
+    }
+    for r in rows:
+        ratios = [r["forced"][w] for w in ("2", "4", "8")]
+        assert 1 > ratios[0] > ratios[1] > ratios[2] > 0, r  # more slots, smaller slots
+        assert r["auto_window"] >= 2 and 0 < r["auto_ratio"] < 1 and r["experts_per_layer"] >= 8, r
