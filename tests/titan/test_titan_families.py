@@ -167,6 +167,9 @@ for fam, flavor, kw in [
         for pc in o.pieces:
             owners[pc.fqn].append([o.kind, o.name, o.expert])
     out[f"{fam}:{flavor}"] = owners
+import dataclasses
+from titan_integration.family_costs import family_costs
+out["costs"] = [dataclasses.asdict(r) for r in family_costs()]  # the same models, priced (one process for both)
 print("RESULT " + json.dumps(out))
 """
 
@@ -274,19 +277,10 @@ def test_two_kills_recover_bit_exact(tmp_path, tmp_path_factory, env, fam, layou
 
 
 # ---- cost per family ------------------------------------------------------------------------------------------
-def test_cost_per_family_flavour(env):
+def test_cost_per_family_flavour(discovered):
     """Slot bytes over dense bytes and the auto W of each family (titan_integration/family_costs.py), from the
     operators discovery finds on the meta-device model: a table docs/torchtitan.md quotes."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "titan_integration.family_costs", "--json"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=55,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    rows = discovered["costs"]
     assert {(r["family"], r["flavor"]) for r in rows} == {
         (f, v)
         for f in ("deepseek_v3", "qwen3", "gpt_oss", "kimi_k2_7")
