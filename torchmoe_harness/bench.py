@@ -32,12 +32,18 @@ from pathlib import Path
 
 import torch
 
-from torchmoe_harness import bench_ettr, bench_moe, bench_restart, bench_tiers
+from torchmoe_harness import bench_ettr, bench_families, bench_moe, bench_restart, bench_tiers
 from torchmoe_harness.launch import run_torchrun
 
 # Sections after the per-model tables: modules with `run(out, say) -> dict`, `markdown(res) -> list[str]`
 # and optionally `plot(res, path)`; each result is stored under its key.
-SECTIONS = {"moe_regime": bench_moe, "ettr": bench_ettr, "tiers": bench_tiers, "restart": bench_restart}
+SECTIONS = {
+    "moe_regime": bench_moe,
+    "ettr": bench_ettr,
+    "tiers": bench_tiers,
+    "restart": bench_restart,
+    "families": bench_families,
+}
 
 MODELS = {
     # tiny: mixed precision (bf16 compute, fp32 master) as in the paper; cpu-large: fp32 (bf16 GEMMs are
