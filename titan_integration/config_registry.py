@@ -29,13 +29,11 @@ from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets import text_datasets as _text_datasets
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models import deepseek_v3 as _dsv3
-from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.config_utils import decoder_vocab_size
-from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.trainer import Trainer
 
 from titan_integration import families
-from titan_integration.assets import TOKENIZER_VOCAB_SIZE, ensure_assets
+from titan_integration.assets import ensure_assets
 from titan_integration.cpu_mode import apply_cpu_config, cpu_mode_enabled
 from torchmoe_ckpt.runtime.distributed import key_rendezvous_by_attempt
 
@@ -57,76 +55,7 @@ DEFAULT_CONFIG = "deepseek_v3_tiny"
 DATASET_NAME = "torchmoe_tiny"
 FLAVOR = "tiny"
 
-# Sizes of the tiny flavour (documented in docs/torchtitan-cpu-mode.md).
-TINY = dict(
-    dim=64,
-    n_layers=3,  # layer 0 dense FFN (as in DeepSeek-V3), layers 1-2 MoE
-    n_dense_layers=1,
-    n_heads=4,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=16,
-    v_head_dim=16,
-    dense_hidden_dim=128,
-    moe_hidden_dim=32,
-    num_experts=8,
-    num_shared_experts=1,
-    top_k=2,
-    vocab_size=TOKENIZER_VOCAB_SIZE,
-    seq_len=64,
-    local_batch_size=4,
-)
-
-
-def _tiny(
-    attn_backend: str,
-    moe_comm_backend: str,
-    non_blocking_capacity_factor: float | None = None,
-    num_mtp_layers: int = 0,
-) -> DeepSeekV3Model.Config:
-    """DeepSeek-V3 ``tiny`` flavour: ``_debugmodel`` from TorchTitan with every size shrunk."""
-    t = TINY
-    dim, vocab_size, rope_dim = t["dim"], t["vocab_size"], t["qk_rope_head_dim"]
-    layers = _dsv3._build_dsv3_layers(
-        n_layers=t["n_layers"],
-        n_dense_layers=t["n_dense_layers"],
-        dim=dim,
-        n_heads=t["n_heads"],
-        q_lora_rank=0,
-        kv_lora_rank=t["kv_lora_rank"],
-        qk_nope_head_dim=t["qk_nope_head_dim"],
-        qk_rope_head_dim=rope_dim,
-        v_head_dim=t["v_head_dim"],
-        mscale=0.70,
-        dense_hidden_dim=t["dense_hidden_dim"],
-        moe_hidden_dim=t["moe_hidden_dim"],
-        num_experts=t["num_experts"],
-        num_shared_experts=t["num_shared_experts"],
-        router_top_k=t["top_k"],
-        router_score_func="softmax",
-        attn_backend=attn_backend,
-        moe_comm_backend=moe_comm_backend,
-        non_blocking_capacity_factor=non_blocking_capacity_factor,
-        rope=ComplexRoPE.Config(
-            dim=rope_dim,
-            max_seq_len=4096,
-            theta=10000.0,
-            scaling="yarn",
-            rope_factor=40.0,
-            beta_fast=32.0,
-            beta_slow=1.0,
-            original_seq_len=4096,
-        ),
-    )
-    return DeepSeekV3Model.Config(
-        vocab_size=vocab_size,
-        dim=dim,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim, param_init=_dsv3._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init=_dsv3._NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=_dsv3._output_linear_init(dim)),
-        layers=layers,
-        mtp_layers=_dsv3._build_mtp_layers(layers[-1], dim=dim, num_mtp_layers=num_mtp_layers),
-    )
+TINY = families.DEEPSEEK_TINY  # the tiny DeepSeek-V3's sizes (docs/torchtitan-cpu-mode.md)
 
 
 def _load_tiny_dataset(path: str):
@@ -142,7 +71,7 @@ def _load_tiny_dataset(path: str):
 
 def _register() -> None:
     # Register the flavour in TorchTitan's own table so model_registry("tiny") and logs name it.
-    _dsv3.deepseekv3_configs.setdefault(FLAVOR, _tiny)
+    families.register_tiny_flavors("deepseek_v3", _dsv3)
     # Our own dataset entry; the path is filled in with an absolute path by the config function.
     _text_datasets.DATASETS.setdefault(
         DATASET_NAME,

@@ -3,9 +3,8 @@
 One :class:`Family` per model package of ``torchtitan.models`` that trains an MoE: its flavour table (what
 ``[model] flavor`` is checked against), the flavour our CPU tests and demo run, and the keyword arguments its
 ``model_registry`` needs on a CPU. Each family but Qwen3.5 gets a ``tiny`` flavour registered in TorchTitan's own
-table (like DeepSeek-V3's in :mod:`titan_integration.config_registry`): the family's real model code (its
-attention, router, shared experts, biases, sinks, vision tower) with every size shrunk, so that a training step
-on 2 CPU ranks takes a fraction of a second. Sizes follow each family's ``_debugmodel``; only widths, depths and
+table: the family's real model code (its attention, router, shared experts, biases, sinks, vision tower) with
+every size shrunk, so that a training step on 2 CPU ranks takes a fraction of a second. Sizes follow each family's ``_debugmodel``; only widths, depths and
 vocabulary shrink (the vocabulary to our offline tokenizer's, :data:`titan_integration.assets.TOKENIZER_VOCAB_SIZE`).
 
 Qwen3.5's Gated DeltaNet layers import ``fla`` (flash-linear-attention), whose kernels are triton GPU kernels:
@@ -24,6 +23,7 @@ from titan_integration.assets import TOKENIZER_VOCAB_SIZE
 from titan_integration.sparse_config import JobConfigError
 
 __all__ = [
+    "DEEPSEEK_TINY",
     "Family",
     "FAMILIES",
     "family",
@@ -132,6 +132,81 @@ def model_spec(name: str, flavor: str, *, cpu: bool):
 # ---- the tiny flavours -------------------------------------------------------------------------------------
 DIM, N_HEADS, HEAD_DIM, MOE_HIDDEN, EXPERTS, TOP_K = 64, 4, 16, 32, 8, 2
 VOCAB = TOKENIZER_VOCAB_SIZE
+
+
+# DeepSeek-V3's tiny sizes (documented in docs/torchtitan-cpu-mode.md; config_registry.TINY).
+DEEPSEEK_TINY = dict(
+    dim=64,
+    n_layers=3,  # layer 0 dense FFN (as in DeepSeek-V3), layers 1-2 MoE
+    n_dense_layers=1,
+    n_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    dense_hidden_dim=128,
+    moe_hidden_dim=32,
+    num_experts=8,
+    num_shared_experts=1,
+    top_k=2,
+    vocab_size=TOKENIZER_VOCAB_SIZE,
+    seq_len=64,
+    local_batch_size=4,
+)
+
+
+def _deepseek_v3_tiny(
+    attn_backend: str,
+    moe_comm_backend: str,
+    non_blocking_capacity_factor: float | None = None,
+    num_mtp_layers: int = 0,
+) -> Any:
+    """DeepSeek-V3 ``tiny`` flavour: ``_debugmodel`` from TorchTitan with every size shrunk."""
+    from torchtitan.models import deepseek_v3 as _dsv3
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+
+    t = DEEPSEEK_TINY
+    dim, vocab_size, rope_dim = t["dim"], t["vocab_size"], t["qk_rope_head_dim"]
+    layers = _dsv3._build_dsv3_layers(
+        n_layers=t["n_layers"],
+        n_dense_layers=t["n_dense_layers"],
+        dim=dim,
+        n_heads=t["n_heads"],
+        q_lora_rank=0,
+        kv_lora_rank=t["kv_lora_rank"],
+        qk_nope_head_dim=t["qk_nope_head_dim"],
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=t["v_head_dim"],
+        mscale=0.70,
+        dense_hidden_dim=t["dense_hidden_dim"],
+        moe_hidden_dim=t["moe_hidden_dim"],
+        num_experts=t["num_experts"],
+        num_shared_experts=t["num_shared_experts"],
+        router_top_k=t["top_k"],
+        router_score_func="softmax",
+        attn_backend=attn_backend,
+        moe_comm_backend=moe_comm_backend,
+        non_blocking_capacity_factor=non_blocking_capacity_factor,
+        rope=ComplexRoPE.Config(
+            dim=rope_dim,
+            max_seq_len=4096,
+            theta=10000.0,
+            scaling="yarn",
+            rope_factor=40.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            original_seq_len=4096,
+        ),
+    )
+    return _dsv3.DeepSeekV3Model.Config(
+        vocab_size=vocab_size,
+        dim=dim,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim, param_init=_dsv3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=_dsv3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=_dsv3._output_linear_init(dim)),
+        layers=layers,
+        mtp_layers=_dsv3._build_mtp_layers(layers[-1], dim=dim, num_mtp_layers=num_mtp_layers),
+    )
 
 
 def _qwen3_tiny(attn_backend: str = "flex", moe_comm_backend: str = "standard"):
@@ -265,13 +340,16 @@ def _kimi_tiny(attn_backend: str = "flex", moe_comm_backend: str = "standard", n
     )
 
 
-_TINY_BUILDERS = {"qwen3": _qwen3_tiny, "gpt_oss": _gpt_oss_tiny, "kimi_k2_7": _kimi_tiny}
+_TINY_BUILDERS = {
+    "deepseek_v3": _deepseek_v3_tiny,
+    "qwen3": _qwen3_tiny,
+    "gpt_oss": _gpt_oss_tiny,
+    "kimi_k2_7": _kimi_tiny,
+}
 
 
 def register_tiny_flavors(name: str, mod: ModuleType) -> None:
-    """Our ``tiny`` flavour in the family's own table (DeepSeek-V3's is registered by the config registry)."""
+    """Our ``tiny`` flavour in the family's own table, so that model_registry("tiny") and its logs name it."""
     builder = _TINY_BUILDERS.get(name)
     if builder is not None:
         getattr(mod, FAMILIES[name].table).setdefault(TINY, builder)
-    elif name == "deepseek_v3":
-        import titan_integration.config_registry  # noqa: F401  (registers deepseek_v3's tiny on import)
