@@ -276,6 +276,29 @@ def test_two_kills_recover_bit_exact(tmp_path, tmp_path_factory, env, fam, layou
         assert "lr" in state and any("expert_bias" in k for k in state) and any("exp_avg_sq" in k for k in state)
 
 
+@pytest.mark.matrix
+@pytest.mark.parametrize("fam", ["qwen3"])
+def test_module_config_route_recovers_bit_exact(tmp_path, tmp_path_factory, env, fam):
+    """The other route: ``--module titan_integration.config_registry --config <family>_debug`` on TorchTitan's
+    stock Trainer, sparse checkpointing by ``--override.imports``; the same two kills, the same end state as the
+    job file's never-failed run (both routes train identically)."""
+    reference = _reference(tmp_path_factory, env, fam, "fsdp2")
+    d = tmp_path / "run"
+    d.mkdir()
+    kwargs = {"window": WINDOW, "root": str(d / "host"), "run_id": "module"}
+    args = ["--module", "titan_integration.config_registry", "--config", f"{fam}_debug"]
+    args += ["--training.steps", str(STEPS), "--debug.seed", "7", "--debug.deterministic"]
+    args += ["--dump_folder", str(d / "dump"), "--override.imports"]
+    args += [f"titan_integration.overrides.sparse_checkpoint={json.dumps(kwargs)}"]
+    rc, out = recovery_demo.torchrun(
+        d, env, None, nproc=2, fault=";".join(KILLS), train_args=args, timeout=55, max_restarts=3
+    )
+    assert rc == 0, out[-6000:]
+    for r in recovery_demo.compare(reference, d, 2):
+        assert r.attempt == 2 and r.recovery["recovered_step"] == 4, r.recovery
+        assert not r.differing and r.losses_compared == [5, 6] and r.exact, r.differing[:4]
+
+
 # ---- cost per family ------------------------------------------------------------------------------------------
 def test_cost_per_family_flavour(discovered):
     """Slot bytes over dense bytes and the auto W of each family (titan_integration/family_costs.py), from the
