@@ -4,8 +4,11 @@ One :class:`Family` per model package of ``torchtitan.models`` that trains an Mo
 ``[model] flavor`` is checked against), the flavour our CPU tests and demo run, and the keyword arguments its
 ``model_registry`` needs on a CPU. Each family but Qwen3.5 gets a ``tiny`` flavour registered in TorchTitan's own
 table: the family's real model code (its attention, router, shared experts, biases, sinks, vision tower) with
-every size shrunk, so that a training step on 2 CPU ranks takes a fraction of a second. Sizes follow each family's ``_debugmodel``; only widths, depths and
-vocabulary shrink (the vocabulary to our offline tokenizer's, :data:`titan_integration.assets.TOKENIZER_VOCAB_SIZE`).
+every size shrunk, so that a training step on 2 CPU ranks takes a fraction of a second. Sizes follow each
+family's ``_debugmodel``; only widths, depths and vocabulary shrink (the vocabulary to our offline tokenizer's,
+:data:`titan_integration.assets.TOKENIZER_VOCAB_SIZE`). The gpt-oss tiny has 4 heads of 16 and a sliding window of
+16 tokens on its even layers (TorchTitan's builder fixes 64 heads of 64 and a window of 128, longer than our
+64-token sequences), the Kimi tiny a one-layer MoonViT.
 
 Qwen3.5's Gated DeltaNet layers import ``fla`` (flash-linear-attention), whose kernels are triton GPU kernels:
 without it the family cannot even be imported, so it is refused in one line (:func:`family_module`).
