@@ -29,91 +29,33 @@ from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets import text_datasets as _text_datasets
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models import deepseek_v3 as _dsv3
-from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.config_utils import decoder_vocab_size
-from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.trainer import Trainer
 
-from titan_integration.assets import TOKENIZER_VOCAB_SIZE, ensure_assets
+from titan_integration import families
+from titan_integration.assets import ensure_assets
 from titan_integration.cpu_mode import apply_cpu_config, cpu_mode_enabled
 from torchmoe_ckpt.runtime.distributed import key_rendezvous_by_attempt
 
-__all__ = ["deepseek_v3_tiny", "deepseek_v3_tiny_ep2", "TINY", "DEFAULT_CONFIG", "DATASET_NAME"]
+__all__ = [
+    "family_config",
+    "deepseek_v3_tiny",
+    "deepseek_v3_tiny_ep2",
+    "deepseek_v3_debug",
+    "qwen3_debug",
+    "gpt_oss_debug",
+    "kimi_k2_7_debug",
+    "qwen3_5_debug",
+    "TINY",
+    "DEFAULT_CONFIG",
+    "DATASET_NAME",
+]
 
 DEFAULT_CONFIG = "deepseek_v3_tiny"
 DATASET_NAME = "torchmoe_tiny"
 FLAVOR = "tiny"
 
-# Sizes of the tiny flavour (documented in docs/torchtitan-cpu-mode.md).
-TINY = dict(
-    dim=64,
-    n_layers=3,  # layer 0 dense FFN (as in DeepSeek-V3), layers 1-2 MoE
-    n_dense_layers=1,
-    n_heads=4,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=16,
-    v_head_dim=16,
-    dense_hidden_dim=128,
-    moe_hidden_dim=32,
-    num_experts=8,
-    num_shared_experts=1,
-    top_k=2,
-    vocab_size=TOKENIZER_VOCAB_SIZE,
-    seq_len=64,
-    local_batch_size=4,
-)
-
-
-def _tiny(
-    attn_backend: str,
-    moe_comm_backend: str,
-    non_blocking_capacity_factor: float | None = None,
-    num_mtp_layers: int = 0,
-) -> DeepSeekV3Model.Config:
-    """DeepSeek-V3 ``tiny`` flavour: ``_debugmodel`` from TorchTitan with every size shrunk."""
-    t = TINY
-    dim, vocab_size, rope_dim = t["dim"], t["vocab_size"], t["qk_rope_head_dim"]
-    layers = _dsv3._build_dsv3_layers(
-        n_layers=t["n_layers"],
-        n_dense_layers=t["n_dense_layers"],
-        dim=dim,
-        n_heads=t["n_heads"],
-        q_lora_rank=0,
-        kv_lora_rank=t["kv_lora_rank"],
-        qk_nope_head_dim=t["qk_nope_head_dim"],
-        qk_rope_head_dim=rope_dim,
-        v_head_dim=t["v_head_dim"],
-        mscale=0.70,
-        dense_hidden_dim=t["dense_hidden_dim"],
-        moe_hidden_dim=t["moe_hidden_dim"],
-        num_experts=t["num_experts"],
-        num_shared_experts=t["num_shared_experts"],
-        router_top_k=t["top_k"],
-        router_score_func="softmax",
-        attn_backend=attn_backend,
-        moe_comm_backend=moe_comm_backend,
-        non_blocking_capacity_factor=non_blocking_capacity_factor,
-        rope=ComplexRoPE.Config(
-            dim=rope_dim,
-            max_seq_len=4096,
-            theta=10000.0,
-            scaling="yarn",
-            rope_factor=40.0,
-            beta_fast=32.0,
-            beta_slow=1.0,
-            original_seq_len=4096,
-        ),
-    )
-    return DeepSeekV3Model.Config(
-        vocab_size=vocab_size,
-        dim=dim,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim, param_init=_dsv3._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init=_dsv3._NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=_dsv3._output_linear_init(dim)),
-        layers=layers,
-        mtp_layers=_dsv3._build_mtp_layers(layers[-1], dim=dim, num_mtp_layers=num_mtp_layers),
-    )
+TINY = families.DEEPSEEK_TINY  # the tiny DeepSeek-V3's sizes (docs/torchtitan-cpu-mode.md)
 
 
 def _load_tiny_dataset(path: str):
@@ -129,7 +71,7 @@ def _load_tiny_dataset(path: str):
 
 def _register() -> None:
     # Register the flavour in TorchTitan's own table so model_registry("tiny") and logs name it.
-    _dsv3.deepseekv3_configs.setdefault(FLAVOR, _tiny)
+    families.register_tiny_flavors("deepseek_v3", _dsv3)
     # Our own dataset entry; the path is filled in with an absolute path by the config function.
     _text_datasets.DATASETS.setdefault(
         DATASET_NAME,
@@ -148,10 +90,17 @@ _register()
 key_rendezvous_by_attempt()
 
 
-def deepseek_v3_tiny() -> Trainer.Config:
-    """Tiny DeepSeek-V3 MoE (3 layers, dim 64, 8 experts top-2, seq 64): sub-second steps on CPU."""
+def family_config(name: str, flavor: str | None = None) -> Trainer.Config:
+    """Any MoE family of TorchTitan 0.3.0 (:mod:`titan_integration.families`) on our offline assets: its own model
+    code at ``flavor`` (default: the family's CPU flavour, ``tiny`` for all but Qwen3.5), the decoder's
+    cross-entropy loss, our byte-level tokenizer and tiny text data set, AdamW, seq 64 x batch 4, seed 42.
+
+    The multimodal families (Kimi K2.5, Qwen3.5) train their text tower on text here; their vision tower is built,
+    sharded and checkpointed like any other module, and gets no gradient (text batches carry no pixels)."""
+    fam = families.family(name)
     assets = ensure_assets()
-    model_spec = _dsv3.model_registry(FLAVOR)
+    cpu = cpu_mode_enabled() or not torch.cuda.is_available()
+    model_spec = families.model_spec(name, flavor or fam.flavor, cpu=cpu)
     config = Trainer.Config(
         loss=ChunkedLossWrapper.Config(
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec)),
@@ -173,9 +122,41 @@ def deepseek_v3_tiny() -> Trainer.Config:
         # Fixed seed: identical initial weights and losses across runs (see tests).
         debug=DebugConfig(seed=42),
     )
-    if cpu_mode_enabled() or not torch.cuda.is_available():
+    if cpu:
         apply_cpu_config(config)
+        config.training.mixed_precision_param = fam.cpu_param_dtype
     return config
+
+
+def deepseek_v3_tiny() -> Trainer.Config:
+    """Tiny DeepSeek-V3 MoE (3 layers, dim 64, 8 experts top-2, seq 64): sub-second steps on CPU."""
+    return family_config("deepseek_v3")
+
+
+def deepseek_v3_debug() -> Trainer.Config:
+    """The same as ``deepseek_v3_tiny``: every family has a ``<family>_debug`` config."""
+    return family_config("deepseek_v3")
+
+
+def qwen3_debug() -> Trainer.Config:
+    """Qwen3-MoE (QK-norm GQA attention, 8 experts top-2, no shared expert), tiny: 2 layers, dim 64."""
+    return family_config("qwen3")
+
+
+def gpt_oss_debug() -> Trainer.Config:
+    """gpt-oss (attention sinks, sliding-window layers, expert and router biases), tiny: 2 layers, dim 64."""
+    return family_config("gpt_oss")
+
+
+def kimi_k2_7_debug() -> Trainer.Config:
+    """Kimi K2.5 (MLA, a dense first layer, 2 shared experts, a MoonViT vision tower), tiny: 3 layers, dim 64;
+    AdamW (its registry's DistMuon needs the spmd_types backend, which CPU mode cannot use)."""
+    return family_config("kimi_k2_7")
+
+
+def qwen3_5_debug() -> Trainer.Config:
+    """Qwen3.5 MoE at TorchTitan's ``debugmodel_moe`` (needs flash-linear-attention: GPU machines only)."""
+    return family_config("qwen3_5")
 
 
 def deepseek_v3_tiny_ep2() -> Trainer.Config:

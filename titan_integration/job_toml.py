@@ -1,11 +1,12 @@
 """``--config job.toml``: a TOML job file mapped onto TorchTitan 0.3.0's own config dataclasses.
 
 TorchTitan 0.3.0 dropped TOML (configs are Python functions). A job file here starts from our registry's
-``deepseek_v3_tiny`` and overrides fields section by section, by the names TorchTitan's dataclasses use
-(the same names the ``--section.option`` flags use)::
+config of its ``[model]`` family (``family_config``: every MoE family of :mod:`titan_integration.families`, the
+name and flavour checked against TorchTitan's own registry) and overrides fields section by section, by the names
+TorchTitan's dataclasses use (the same names the ``--section.option`` flags use)::
 
     dump_folder = "./outputs/job"          # or [job] dump_folder
-    [model]       name = "deepseek_v3"  flavor = "tiny"  hf_assets_path = "..."
+    [model]       name = "deepseek_v3" | "qwen3" | "gpt_oss" | "kimi_k2_7" | "qwen3_5"  flavor = "tiny"  hf_assets_path
     [training]    steps = 20  local_batch_size = 4  seq_len = 64  max_norm = 1.0 ...   (TrainingConfig)
     [parallelism] data_parallel_replicate_degree = 2  expert_parallel_degree = 2 ...   (ParallelismConfig)
     [checkpoint]  enable = false  interval = 500 ...        (CheckpointManager.Config, as SparseCheckpointManager's)
@@ -125,33 +126,26 @@ def _apply(obj: Any, table: dict[str, Any], where: str) -> None:
         setattr(obj, key, tuple(val) if isinstance(cur, tuple) else val)
 
 
-def _apply_model(config, table: dict[str, Any]) -> None:
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.models import deepseek_v3 as _dsv3
-    from torchtitan.models.common.config_utils import decoder_vocab_size
+def _model_table(job: dict[str, Any]) -> tuple[str, str | None]:
+    """The [model] family and flavour, checked against TorchTitan's own registry before anything is built."""
+    from titan_integration import families
 
+    table = job.get("model", {})
     for key in table:
         if key not in MODEL_KEYS:
             raise JobConfigError(f"[model] unknown key '{key}'; fix: use one of {', '.join(MODEL_KEYS)}")
     name = table.get("name", "deepseek_v3")
-    if name != "deepseek_v3":
-        raise JobConfigError(
-            f"[model] name = {name!r}: job files support the DeepSeek-V3 model family only; "
-            'fix: name = "deepseek_v3" (or use --module/--config for other models)'
-        )
-    if "flavor" in table:
-        flavors = sorted(_dsv3.deepseekv3_configs)
-        if table["flavor"] not in flavors:
+    if not isinstance(name, str):
+        raise JobConfigError(f'[model] name = {name!r}: expected a string; fix: e.g. name = "deepseek_v3"')
+    families.family(name)  # an unknown family: one line listing them
+    flavor = table.get("flavor")
+    if flavor is not None:
+        valid = families.flavors(name)  # imports the family (a missing dependency: one line)
+        if flavor not in valid:
             raise JobConfigError(
-                f"[model] flavor = {table['flavor']!r} is unknown; fix: use one of {', '.join(flavors)}"
+                f"[model] flavor = {flavor!r} is not a {name} flavour; fix: use one of {', '.join(valid)}"
             )
-        spec = _dsv3.model_registry(table["flavor"])
-        config.model_spec = spec
-        config.loss = ChunkedLossWrapper.Config(
-            loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))
-        )
-    if "hf_assets_path" in table:
-        config.hf_assets_path = table["hf_assets_path"]
+    return name, flavor
 
 
 def _apply_optimizer(config, table: dict[str, Any]) -> None:
@@ -192,13 +186,14 @@ def load_job(path: str | os.PathLike, job: dict[str, Any] | None = None):
     from torchtitan.config import derive
 
     from titan_integration.checkpoint_manager import SparseCheckpointManager
-    from titan_integration.config_registry import deepseek_v3_tiny
+    from titan_integration.config_registry import family_config
     from titan_integration.sparse_trainer import SparseTrainer
 
     job = read_job(path) if job is None else job
     check_sections(job)
     sparse = sparse_section(job)
-    base = deepseek_v3_tiny()
+    name, flavor = _model_table(job)
+    base = family_config(name, flavor)  # the family's loss, tokenizer, data set and CPU settings
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     fields["checkpoint"] = derive(base.checkpoint, SparseCheckpointManager.Config)  # TorchTitan's, plus ours
     config = SparseTrainer.Config(**fields, sparse_checkpoint=sparse)
@@ -213,8 +208,8 @@ def load_job(path: str | os.PathLike, job: dict[str, Any] | None = None):
                 raise JobConfigError(f"[job] unknown key '{key}'; fix: use one of {', '.join(JOB_KEYS)}")
         if "dump_folder" in job["job"]:
             config.dump_folder = job["job"]["dump_folder"]
-    if "model" in job:
-        _apply_model(config, job["model"])
+    if "hf_assets_path" in job.get("model", {}):
+        config.hf_assets_path = job["model"]["hf_assets_path"]
     if "optimizer" in job:
         _apply_optimizer(config, job["optimizer"])
     if "activation_checkpoint" in job:

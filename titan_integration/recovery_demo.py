@@ -2,8 +2,10 @@
 
     python -m titan_integration.recovery_demo          # = make demo: 2 ranks, 10 steps, W=3, ~1-2 min
     python -m titan_integration.recovery_demo --nproc 2 --steps 12 --window 4 --kill-step 9 --layout ep2
+    python -m titan_integration.recovery_demo --model qwen3     # = make demo DEMO_ARGS="--model qwen3"
 
-Two runs of the same job file (TorchTitan's deepseek_v3 tiny under ``torchrun``, CPU/gloo,
+Two runs of the same job file (TorchTitan's deepseek_v3 tiny, or ``--model FAMILY``'s CPU flavour: any MoE family
+of titan_integration/families.py, under ``torchrun``, CPU/gloo,
 ``[sparse_checkpoint] enable = true``):
 
 1. a fault-free reference run;
@@ -35,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from titan_integration.families import FAMILIES, missing  # torch-free: TorchTitan is imported by the runs only
+
 LAYOUTS = {  # name: (ranks, job-file lines)
     "fsdp2": (2, ""),
     "ep2": (2, "[parallelism]\nexpert_parallel_degree = 2"),
@@ -58,12 +62,15 @@ def write_job(
     extra: str = "",
     seed: int = 7,
     hang_timeout_s: float = 60,
+    family: str = "deepseek_v3",
 ) -> Path:
-    """A TorchTitan job file (our TOML loader) with sparse checkpointing on."""
+    """A TorchTitan job file (our TOML loader) with sparse checkpointing on, for one model ``family``
+    (titan_integration.families: its CPU flavour)."""
     d.mkdir(parents=True, exist_ok=True)
+    model = "" if family == "deepseek_v3" else f'[model]\nname = "{family}"\n'
     text = f"""
 dump_folder = "{d / "dump"}"
-[training]
+{model}[training]
 steps = {steps}
 [debug]
 seed = {seed}
@@ -227,6 +234,7 @@ def format_report(
     kill_step: int,
     wall_reference: float,
     wall_failure: float,
+    family: str = "deepseek_v3",
 ) -> str:
     r0 = ranks[0]
     rec = r0.recovery or {}
@@ -235,7 +243,7 @@ def format_report(
     lines = [
         "",
         "== recovery report " + "=" * 60,
-        f"job            TorchTitan deepseek_v3 tiny, {len(ranks)} ranks ({layout}), sparse window W={window}",
+        f"job            TorchTitan {family} tiny, {len(ranks)} ranks ({layout}), sparse window W={window}",
         f"failure        {fault}; torchrun restarted the workers (attempt {r0.attempt})",
     ]
     if "stages" in rec:  # pipeline parallelism: a plan and one role per stage
@@ -306,6 +314,7 @@ def _progress(prefix: str) -> Callable[[str], None]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m titan_integration.recovery_demo", description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=list(FAMILIES), default="deepseek_v3", help="TorchTitan MoE family")
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="fsdp2")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--window", type=int, default=3)
@@ -322,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    why = missing(args.model)
+    if why is not None:
+        print(f"error: --model {args.model}: {why}", file=sys.stderr)
+        return 2
     out = Path(args.out).absolute()
     host = Path(args.host_dir or f"/dev/shm/torchmoe-demo-{os.getuid()}")
     for d in (out, host):
@@ -330,14 +343,14 @@ def main(argv: list[str] | None = None) -> int:
     fault = f"kill:point=backward:rank={args.kill_rank}:step={args.kill_step}"
     fault_text = f"kill -9 of rank {args.kill_rank} in iteration {args.kill_step} (before its backward pass)"
     print(
-        f"[demo] TorchTitan deepseek_v3 tiny, {nproc} ranks ({args.layout}), {args.steps} iterations, "
+        f"[demo] TorchTitan {args.model} tiny, {nproc} ranks ({args.layout}), {args.steps} iterations, "
         f"sparse checkpoint every iteration over a window of {args.window}",
         flush=True,
     )
     runs = {}
     for name, f in (("reference", None), ("failure", fault)):
         d = out / name
-        job = write_job(d, steps=args.steps, window=args.window, host_dir=host / name, extra=extra)
+        job = write_job(d, steps=args.steps, window=args.window, host_dir=host / name, extra=extra, family=args.model)
         print(f"[demo] {name} run: " + ("no failure" if f is None else fault_text), flush=True)
         t0 = time.perf_counter()
         rc, text = torchrun(d, env, job, nproc=nproc, fault=f, echo=_progress(f"[{name}]"))
@@ -356,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             kill_step=args.kill_step,
             wall_reference=runs["reference"],
             wall_failure=runs["failure"],
+            family=args.model,
         )
     )
     shutil.rmtree(host, ignore_errors=True)

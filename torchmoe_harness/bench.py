@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from torchmoe_harness import bench_ettr, bench_moe, bench_peer, bench_restart, bench_tiers
+from torchmoe_harness import bench_ettr, bench_families, bench_moe, bench_peer, bench_restart, bench_tiers
 from torchmoe_harness.launch import run_torchrun
 
 # Sections after the per-model tables: modules with `run(out, say) -> dict`, `markdown(res) -> list[str]`
@@ -43,6 +43,7 @@ SECTIONS = {
     "tiers": bench_tiers,
     "restart": bench_restart,
     "peer_tier": bench_peer,  # 2 namespace nodes at tc tbf link rates; skips in one line without namespaces
+    "families": bench_families,
 }
 
 MODELS = {

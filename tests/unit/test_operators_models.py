@@ -248,6 +248,29 @@ def test_other_layouts_keep_layers_apart(moe, container):
         }
 
 
+class DeltaNetLike(nn.Module):
+    """Qwen3.5's Gated DeltaNet: depthwise q/k convs ([C, 1, k], 3-D) beside projections to C ([C, D], gate-like)."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_proj_q = nn.Linear(D, E * 2, bias=False)
+        self.in_proj_k = nn.Linear(D, E * 2, bias=False)
+        self.conv_q = nn.Conv1d(E * 2, E * 2, 4, groups=E * 2, bias=False)
+        self.conv_k = nn.Conv1d(E * 2, E * 2, 4, groups=E * 2, bias=False)
+        self.out = nn.Linear(E * 2, D)
+
+
+def test_convolutions_beside_a_projection_are_not_experts():
+    """Sibling convs with one 3-D weight each, and a [C, D] projection, are an attention block, not an MoE: no
+    expert or router operator, everything in the block's dense operator (they once became C 'experts')."""
+    model = nn.ModuleList([nn.ModuleDict({"attn": DeltaNetLike(), "moe": TitanStyleMoE()}) for _ in range(2)])
+    ops = discover_operators(model)
+    assert_covered_once(model, ops)
+    assert list(moe_layers(ops)) == ["0.moe", "1.moe"]
+    conv = {o.name for o in ops for pc in o.pieces if ".attn." in pc.fqn}
+    assert conv == {"0.dense", "1.dense"}, conv
+
+
 # ---- (c) OperatorSpec and the two error lines -------------------------------------------------------------
 
 

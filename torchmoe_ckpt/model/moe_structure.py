@@ -112,7 +112,9 @@ def _grouped_candidates(tree: _Tree) -> list[tuple[list[str], int]]:
     found: list[tuple[list[str], int]] = []
     singles: dict[tuple[str, int], list[str]] = {}
     for path in tree.modules:
-        if _shared(path):
+        # A convolution's weight is [out_channels, in/groups, k...]: 3-D by nature, its dim 0 never experts (the
+        # depthwise q/k convs of Qwen3.5's Gated DeltaNet sit beside an [out, dim] projection that looks like a gate).
+        if _shared(path) or isinstance(tree.modules[path], nn.modules.conv._ConvNd):
             continue
         own = [tree.tensors[f] for f in tree.direct.get(path, []) if tree.tensors[f].dim() >= 2]
         for e in sorted({t.shape[0] for t in own if t.dim() == 3 and t.shape[0] >= 2}):
