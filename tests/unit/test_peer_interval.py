@@ -62,3 +62,11 @@ def test_peer_interval_refuses_what_is_no_interval(bad):
         TierConfig(peer_interval=bad)
     with pytest.raises(ConfigError, match=r"peer_link_share must be a number in \(0, 1\]"):
         TierConfig(peer_interval="auto", peer_link_share=0)
+
+
+def test_training_pace_is_measured_from_the_commits_made_while_a_push_ran():
+    iv = PeerInterval("auto")
+    iv.newest_commit = (2, 13.0)  # windows 1 and 2 were committed while window 0 (committed at 10.0) was pushed
+    assert iv.window_seconds(0, 10.0) == 1.5  # so the first push is measured against training's pace already
+    iv.newest_commit = (5, 20.0)
+    assert iv.window_seconds(5, 20.0) == pytest.approx((20.0 - 10.0) / 5)  # else since the previous due window

@@ -44,6 +44,8 @@ class PeerInterval:
         self.next_due: int | None = None  # None: the first window committed is due
         self.first_committed: int | None = None  # the training thread's first commit (the schedule's anchor)
         self.wanted = 1  # this rank's own k from its newest measurement (auto)
+        self.newest_commit: tuple[int, float] | None = None  # (window, perf_counter) of training's newest commit
+        self._last_due: tuple[int, float] | None = None  # (window, commit time) of the previous due window
         self._lock = threading.Lock()
 
     @property
@@ -63,6 +65,18 @@ class PeerInterval:
             if self.next_due is None:
                 self.next_due = window_id
             return window_id >= self.next_due
+
+    def window_seconds(self, window_id: int, queued_at: float) -> float:
+        """Training's seconds per window, after the push of due `window_id` (committed at `queued_at`): from its
+        commit to the newest one (committed while it was pushed: known after the first push already), else from
+        the previous due window's commit. 0: not measured yet."""
+        prev, self._last_due = self._last_due, (window_id, queued_at)
+        newest = self.newest_commit
+        if newest is not None and newest[0] > window_id:
+            return (newest[1] - queued_at) / (newest[0] - window_id)
+        if prev is None or window_id <= prev[0]:
+            return 0.0
+        return (queued_at - prev[1]) / (window_id - prev[0])
 
     def measured(self, push_s: float, window_s: float) -> None:
         """This rank's newest push (seconds its links took for one window) and training's seconds per window."""

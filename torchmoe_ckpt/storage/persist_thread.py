@@ -113,7 +113,6 @@ class PersistThread:
         # which windows are pushed (every k-th), and the lag in pushes missed
         self.interval = PeerInterval(tier.options.peer_interval, tier.options.peer_link_share)
         self.peer_lag = PeerLag(tier.options.peer_max_lag_windows, self.status.peer_lag_changed, self.interval)
-        self._last_commit: tuple[int, float] | None = None  # (window, queued_at) of the newest commit processed
         if peers is not None and pl is not None:
             self.status.peer_text = self._peer_text
         self.lease = lease
@@ -191,7 +190,9 @@ class PersistThread:
     def commit(self, window: Window, extra: dict, keep_from: int) -> None:
         """Commit `window` once its slots are written, push it to the peers, hand it to the store, and collect
         windows older than `keep_from` (the training thread; returns at once)."""
-        self._put(CommitJob(window, extra, keep_from))
+        job = CommitJob(window, extra, keep_from)
+        self._put(job)
+        self.interval.newest_commit = (window.id, job.queued_at)  # one assignment: training's pace (auto)
         if self.peers is not None and self.peers.pairs:
             self.peer_lag.committed(window.id)  # counters only: the warning is said when the lag crosses its bound
 
@@ -299,7 +300,6 @@ class PersistThread:
         if man is None:
             return c0
         self.lag_seconds.append(time.perf_counter() - job.queued_at)
-        window_s = self._window_seconds(win.id, job.queued_at)
         if self.peers is not None and self.interval.due(win.id):  # the same windows are due on every rank
             c1 = time.thread_time()
             self.cpu_s["host"] += c1 - c0
@@ -307,7 +307,7 @@ class PersistThread:
             newer = self._newer_commit_queued(win.id + self.interval.k)
             sent0 = self._seconds_sent()
             self.peers.push(win.id, man, superseded_by=newer)
-            self.interval.measured(self._seconds_sent() - sent0, window_s)
+            self.interval.measured(self._seconds_sent() - sent0, self.interval.window_seconds(win.id, job.queued_at))
             # "auto": every rank is here for the same due window, so the agreement is a collective on all of them
             self.interval.advance(win.id, self._agree_interval if self.peers.pairs else None)
             c0 = time.thread_time()
@@ -337,13 +337,6 @@ class PersistThread:
         with self.jobs.mutex:
             ids = [j.window.id for j in self.jobs.queue if isinstance(j, CommitJob) and j.window.id >= next_due]
         return max(ids, default=None)
-
-    def _window_seconds(self, window_id: int, queued_at: float) -> float:
-        """Training's seconds per window: between the commits of the previous window processed and this one."""
-        prev, self._last_commit = self._last_commit, (window_id, queued_at)
-        if prev is None or window_id <= prev[0]:
-            return 0.0
-        return (queued_at - prev[1]) / (window_id - prev[0])
 
     def _seconds_sent(self) -> float:
         """Seconds this rank's outgoing peer links spent sending, so far."""
