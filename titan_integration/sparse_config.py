@@ -165,7 +165,9 @@ class SparseCheckpointSection:
     upload_backlog: int = core("upload_backlog")  # TierConfig.upload_backlog
     spare_windows: int = core("spare_windows")  # TierConfig.spare_windows
     peer_max_lag_windows: int = core("peer_max_lag_windows")  # TierConfig.peer_max_lag_windows
-    peer_interval: int | str = core("peer_interval")  # TierConfig.peer_interval: every k-th window, or "auto"
+    peer_interval: int | Literal["auto"] = core(
+        "peer_interval"
+    )  # TierConfig.peer_interval: every k-th window, or "auto"
     peer_link_share: float = core("peer_link_share")  # TierConfig.peer_link_share
     object_store: dict[str, Any] = core("object_store")  # TierConfig.object_store: ObjectStoreConfig's keys
     storage_options: dict[str, Any] = field(default_factory=dict)
