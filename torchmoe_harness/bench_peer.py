@@ -337,8 +337,8 @@ def plot(res: dict, path: Path) -> None:
         ax.set_xlabel("link rate (tc tbf, both directions)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    fig.legend(*a.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.legend(*a.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=8)
+    fig.tight_layout(rect=(0, 0.13, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
