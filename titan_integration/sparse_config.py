@@ -73,7 +73,7 @@ STORE_KEYS = tuple(f.name for f in fields(ObjectStoreConfig))  # the object_stor
 CORE_KEYS: dict[str, type] = {
     **dict.fromkeys(("window", "popularity", "sliding", "host_memory_limit", "max_window"), SparseConfig),
     **dict.fromkeys(("root", "run_id", "replicas", "upload_backlog", "spare_windows"), TierConfig),
-    **dict.fromkeys(("peer_max_lag_windows", "object_store"), TierConfig),
+    **dict.fromkeys(("peer_max_lag_windows", "peer_interval", "peer_link_share", "object_store"), TierConfig),
     **dict.fromkeys(("hang_timeout_s", "on_unusable_checkpoint", "replay_check", "replay_tolerance"), CheckpointConfig),
 }
 # TOML has no null: how a key spells the core's None (the first spelling is the one the section's default uses).
@@ -165,6 +165,10 @@ class SparseCheckpointSection:
     upload_backlog: int = core("upload_backlog")  # TierConfig.upload_backlog
     spare_windows: int = core("spare_windows")  # TierConfig.spare_windows
     peer_max_lag_windows: int = core("peer_max_lag_windows")  # TierConfig.peer_max_lag_windows
+    peer_interval: int | Literal["auto"] = core(
+        "peer_interval"
+    )  # TierConfig.peer_interval: every k-th window, or "auto"
+    peer_link_share: float = core("peer_link_share")  # TierConfig.peer_link_share
     object_store: dict[str, Any] = core("object_store")  # TierConfig.object_store: ObjectStoreConfig's keys
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options of the dense export, and of the object store when its table has none."""
@@ -422,7 +426,8 @@ class SparseCheckpointSection:
         cfg: dict[str, Any] = {"root": self.root, "run_id": self.resolved_run_id(), "replicas": self.replicas}
         if ranks_per_node:
             cfg["ranks_per_node"] = ranks_per_node
-        for key in ("upload_backlog", "spare_windows", "peer_max_lag_windows"):  # only when changed
+        changeable = ("upload_backlog", "spare_windows", "peer_max_lag_windows", "peer_interval", "peer_link_share")
+        for key in changeable:  # only when changed
             if getattr(self, key) != core_default(key):
                 cfg[key] = getattr(self, key)
         if self.store_uri:

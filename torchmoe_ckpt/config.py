@@ -134,7 +134,20 @@ class TierConfig:
     peer_max_lag_windows: int = 4
     """How many windows the peer copy may be behind the newest window committed in memory (>= 1) before it counts
     as not durable: a warning once per crossing, `stats()['peers']['peer_durable']` False and `peers behind` in
-    the status lines until it catches up. A window superseded while the link was busy is skipped, not queued."""
+    the status lines until it catches up. A window superseded while the link was busy is skipped, not queued.
+    With `peer_interval` k it counts pushes missed (due windows not on the peers), not windows: the peer copy may
+    be up to k * (peer_max_lag_windows + 1) - 1 windows old before it counts as not durable."""
+
+    peer_interval: int | Literal["auto"] = 1
+    """Push every k-th committed window to the peers (>= 1); the others are not pushed at all (the peer copy is
+    the newest pushed window, so a node loss replays or loses up to k - 1 windows more). 1: every window.
+    "auto": k from the measured seconds one push takes on the peer links against training's seconds per window,
+    so that pushing occupies at most `peer_link_share` of the link's time; re-chosen after every push and agreed
+    across ranks (the slowest link decides), at most 8. The host tier keeps the windows from the newest pushed one
+    on (up to k more windows in host memory), so a node loss can still combine it with the peers' copies."""
+
+    peer_link_share: float = 0.05
+    """peer_interval="auto": the largest share of the peer links' time the pushes may take (0 < share <= 1)."""
 
     def __post_init__(self):
         if isinstance(self.object_store, dict):
@@ -152,6 +165,7 @@ class TierConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (windows kept in host memory), got {getattr(self, name)}")
         _check_lag_bound(self.peer_max_lag_windows)
+        _check_interval(self.peer_interval, self.peer_link_share)
         _whole("ranks_per_node", self.ranks_per_node, none_ok=True)
         if self.replicas < 0:
             raise ConfigError(f"replicas must be >= 0 (peers holding a copy of each window), got {self.replicas}")
@@ -324,6 +338,16 @@ def _check_lag_bound(value) -> None:
     _whole("peer_max_lag_windows", value)
     if value < 1:
         raise ConfigError(f"peer_max_lag_windows must be >= 1 (windows the peer copy may be behind), got {value}")
+
+
+def _check_interval(value, share) -> None:
+    if value != "auto" and (not is_kind(value, int) or value < 1):
+        raise ConfigError(
+            f"peer_interval must be an integer >= 1 (push every k-th window) or 'auto' (chosen from the measured "
+            f"link time), got {value!r}"
+        )
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ConfigError(f"peer_link_share must be a number in (0, 1] (a share of the link's time), got {share!r}")
 
 
 def _whole(name: str, value, none_ok: bool = False) -> None:

@@ -410,6 +410,7 @@ class SparseCheckpointer:
             return
         # Keep every window from the newest one *all* ranks persisted: the only one they can all recover from.
         mine = max(self.persist.persisted, default=-1)
+        mine = self.persist.peer_floor(mine)  # peer_interval k > 1: from the newest window on the peers
         floor = int(self._agree(float(mine), dist.ReduceOp.MIN))
         self.persist.commit(cur, {"dtype": str(self.compute_dtype), "identity": self._identity_dict}, keep_from=floor)
         self._last_job[cur.id] = self.persist.ticket()  # its buffers are read until this job is done

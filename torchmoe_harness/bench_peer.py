@@ -10,6 +10,9 @@ Method (docs/benchmarks.md, "Peer tier on a shared link"): the harness model `MO
 rank, so every step's all-gathers and reduce-scatters cross the throttled link. Per rate, one job each:
   host     replicas = 0, W = 3: training and the host tier only (the base step, `t_iter`)
   sparse   replicas = 1, W = 3: ours, each window pushed to the other node once committed
+  sparse_auto  replicas = 1, W = 3, peer_interval "auto": ours, every k-th window pushed, k chosen so that the pushes
+           take at most 5 % of the link's time (storage/peer_interval.py); its overhead is from the MEAN step
+           (a median hides a push every k windows), and its ETTR interval is W x the measured windows per push
   dense    replicas = 1, W = 1: every iteration a full snapshot (each slot holds the whole state), pushed to the
            other node: a dense snapshot replicated every iteration (when the link is still busy with the last one,
            the newest is sent and the ones in between are skipped: the effective interval is measured)
@@ -45,18 +48,20 @@ WARMUP = 4
 RESTART_S = 30.0  # detect, relaunch, rejoin: the same for every system
 TRACE = {"mtbf_s": 600.0, "horizon_s": 4 * 3600.0, "seed": 0}
 HEADING = "## Peer tier on a shared link (2 namespace nodes, `tc tbf`)"
-SYSTEMS = ("sparse", "dense_k1", "dense_best")
+SYSTEMS = ("sparse", "sparse_auto", "dense_k1", "dense_best")
 LABELS = {
     "sparse": f"ours: sparse windows, W = {WINDOW}, replicas = 1",
+    "sparse_auto": f"ours, peer_interval auto (W = {WINDOW}, every k-th window pushed)",
     "dense_k1": "dense snapshot replicated every iteration",
     "dense_best": "dense snapshot replicated at its best interval (modelled from the one above)",
 }
-JOBS = {"host": (0, WINDOW), "sparse": (1, WINDOW), "dense": (1, 1)}  # job -> (replicas, W)
+JOBS = {"host": (0, WINDOW), "sparse": (1, WINDOW), "sparse_auto": (1, WINDOW), "dense": (1, 1)}  # (replicas, W)
 JOBS_RUN = {**JOBS, "host_again": JOBS["host"]}
+INTERVAL = {"sparse_auto": "auto"}  # job -> TierConfig.peer_interval (1 where not named)
 
 
-def _spec(replicas: int, window: int, root: str, run_id: str) -> dict:
-    host = {"root": root, "run_id": run_id, "replicas": replicas}
+def _spec(replicas: int, window: int, root: str, run_id: str, interval: int | str = 1) -> dict:
+    host = {"root": root, "run_id": run_id, "replicas": replicas, "peer_interval": interval}
     return {"run": RUN, "checkpoint": {"window": window}, "resume": False, "host_tier": host, "timeout_s": 120}
 
 
@@ -67,7 +72,7 @@ def _job(c, work: Path, rate: str | None, name: str) -> dict:
     out = work / tag
     out.mkdir(parents=True)
     spec_path = out / "spec.json"
-    spec_path.write_text(json.dumps(_spec(replicas, window, "/dev/shm/tmoe", tag)))
+    spec_path.write_text(json.dumps(_spec(replicas, window, "/dev/shm/tmoe", tag, INTERVAL.get(name, 1))))
     program = ["-m", "torchmoe_harness.worker", "--spec", str(spec_path), "--out", str(out)]
     t0 = time.perf_counter()
     for n in c.nodes:
@@ -100,6 +105,7 @@ def _job(c, work: Path, rate: str | None, name: str) -> dict:
         "link_bytes_per_s": statistics.mean(link["bytes_per_s"] for link in sent) if sent else None,
         "replication_lag_s": statistics.mean(peers["replication_lag_s"]) if peers.get("replication_lag_s") else 0.0,
         "lag_windows_max": peers.get("lag_windows_max", 0),
+        "peer_interval": peers.get("peer_interval", 1),  # the k in use at the end ("auto": the agreed one)
         "wall_s": round(time.perf_counter() - t0, 1),
     }
 
@@ -138,7 +144,20 @@ def profiles(point: dict) -> dict[str, SystemProfile]:
         "dense_best", t, interval=1, stall_s=per_snapshot, restart_s=RESTART_S + pull_dense + dn["replication_lag_s"]
     )
     k = max(best_interval(base, TRACE["mtbf_s"], max_interval=2000), max(1, round(k_eff)))
-    return {"sparse": sparse, "dense_k1": dense_k1, "dense_best": replace(base, interval=k)}
+    out = {"sparse": sparse, "dense_k1": dense_k1, "dense_best": replace(base, interval=k)}
+    au = point["jobs"].get("sparse_auto")
+    if au is not None:  # older results have no such job
+        t_au = au.get("base_step_s_mean", point["jobs"]["host"].get("step_s_mean", t))
+        pushes = au["windows_committed"] / max(au["windows_replicated"], 1)  # windows per push, measured
+        out["sparse_auto"] = SystemProfile(
+            "sparse_auto",
+            t,
+            interval=max(1, round(WINDOW * max(pushes, au["peer_interval"]))),  # the newest pushed window is older
+            per_iter_overhead_s=max(0.0, au["step_s_mean"] / t_au - 1) * t,
+            restart_s=RESTART_S + pull_sparse + au["replication_lag_s"],
+            replay_iters=WINDOW,
+        )
+    return out
 
 
 def analyse(point: dict, unlimited: dict) -> dict:
@@ -149,11 +168,15 @@ def analyse(point: dict, unlimited: dict) -> dict:
     point["systems"] = {}
     for name, p in profs.items():
         sim = simulate(p, horizon_s=TRACE["horizon_s"], trace=trace)
-        job = point["jobs"]["sparse" if name == "sparse" else "dense"]
+        job = point["jobs"][name if name.startswith("sparse") else "dense"]
+        overhead = job["step_s"] / t - 1 if name != "dense_best" else p.overhead_fraction()
+        if name == "sparse_auto":  # the mean step against the mean base step of its own session
+            base = job.get("base_step_s_mean", point["jobs"]["host"].get("step_s_mean", t))
+            overhead = job["step_s_mean"] / base - 1
         point["systems"][name] = {
             # measured: median step / t_iter - 1, signed (run-to-run noise on this shared machine shows as
             # negative values); the ETTR profile takes it clamped at 0; dense_best's is modelled (module doc)
-            "overhead": job["step_s"] / t - 1 if name != "dense_best" else p.overhead_fraction(),
+            "overhead": overhead,
             "overhead_in_ettr": p.overhead_fraction(),
             "interval": p.interval,
             "restart_s": p.restart_s,
@@ -168,9 +191,9 @@ def analyse(point: dict, unlimited: dict) -> dict:
 
 def _link_s_per_iter(point: dict, name: str, p: SystemProfile) -> float:
     jobs = point["jobs"]
-    job = jobs["sparse"] if name == "sparse" else jobs["dense"]
+    job = jobs[name] if name.startswith("sparse") else jobs["dense"]
     rate = job["link_bytes_per_s"] or _rate_bytes_per_s(point["rate"])
-    per_copy = job["window_bytes"] if name == "sparse" else job["dense_bytes"]
+    per_copy = job["window_bytes"] if name.startswith("sparse") else job["dense_bytes"]
     return per_copy / rate / p.interval
 
 
@@ -196,8 +219,7 @@ def run(out: Path, say, settings: dict | None = None) -> dict:
                 say(f"peer tier: link {rate}, job {name}")
                 jobs[name] = _job(c, work, rate, name)
             first, again = jobs["host"], jobs.pop("host_again")
-            runs = [first["step_s"], again["step_s"]]
-            jobs["host"] = dict(first, step_s=statistics.mean(runs), step_s_runs=runs)
+            jobs["host"] = _base(first, again)
             points.append(analyse({"rate": rate, "jobs": jobs}, unlimited))
     return {
         "model": MODEL,
@@ -210,6 +232,40 @@ def run(out: Path, say, settings: dict | None = None) -> dict:
         "points": points,
         "seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+def _base(first: dict, again: dict) -> dict:
+    """The base job measured before and after the others: the mean of both (median and mean step)."""
+    runs = [first["step_s"], again["step_s"]]
+    means = [first["step_s_mean"], again["step_s_mean"]]
+    return dict(first, step_s=statistics.mean(runs), step_s_runs=runs, step_s_mean=statistics.mean(means))
+
+
+def rerun(res: dict, rates: list[str], names: list[str], say) -> dict:
+    """Measure only the jobs `names` at `rates` (each between two base jobs of its own: the machine drifts between
+    sessions) into the stored results `res`, and analyse those rates again; the rest stays as measured."""
+    from torchmoe_harness.cluster import Cluster, why_unavailable
+
+    reason = why_unavailable()
+    if reason:
+        raise SystemExit(f"peer-tier rerun: no namespace cluster here ({reason})")
+    by_rate = {p["rate"]: p for p in res["points"]}
+    work = Path(tempfile.mkdtemp(prefix="tmoe-bench-peer-"))
+    t0 = time.perf_counter()
+    with Cluster(nodes=2, out=work / "cluster") as c:
+        for rate in rates:
+            got = {}
+            for name in ("host", *names, "host_again"):
+                say(f"peer tier rerun: link {rate}, job {name}")
+                got[name] = _job(c, work, rate, name)
+            base = _base(got["host"], got["host_again"])
+            for name in names:  # priced against its own session's base step
+                by_rate[rate]["jobs"][name] = dict(
+                    got[name], base_step_s=base["step_s"], base_step_s_mean=base["step_s_mean"]
+                )
+            analyse(by_rate[rate], res["unlimited"])
+    res.setdefault("reruns", []).append({"rates": rates, "jobs": names, "seconds": round(time.perf_counter() - t0, 1)})
+    return res
 
 
 def _mib(n: float) -> str:
@@ -236,12 +292,20 @@ def markdown(res: dict) -> list[str]:
     ]
     for p in pts:
         t = p["jobs"]["host"]["step_s"]
-        for name in SYSTEMS:
+        for name in (n for n in SYSTEMS if n in p["systems"]):
             s = p["systems"][name]
             lines.append(
                 f"| {p['rate']} | {t * 1e3:.0f} ms | {p['collective_share']:.0%} | {LABELS[name]} | "
                 f"{s['overhead']:+.1%} | {s['interval']} | {s['link_s_per_iter'] * 1e3:.0f} ms | {s['ettr']:.3f} |"
             )
+    auto = [p for p in pts if "sparse_auto" in p["jobs"]]
+    if auto:
+        lines += ["", "Ours with peer_interval auto (share 5 %): windows pushed of committed, the k agreed at the end "]
+        lines[-1] += "(overhead: the mean step against its own session's base): " + ", ".join(
+            f"{p['rate']} {p['jobs']['sparse_auto']['windows_replicated']} of "
+            f"{p['jobs']['sparse_auto']['windows_committed']}, k = {p['jobs']['sparse_auto']['peer_interval']}"
+            for p in auto
+        )
     lines += ["", "Dense every iteration: windows skipped on the busy link (the newest sent) per rate: "]
     lines[-1] += ", ".join(
         f"{p['rate']} {p['jobs']['dense']['windows_superseded']} of {p['jobs']['dense']['windows_committed']}"
@@ -263,25 +327,39 @@ def plot(res: dict, path: Path) -> None:
     x = list(range(len(rates)))
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for name in SYSTEMS:
-        a.plot(x, [p["systems"][name]["overhead"] * 100 for p in pts], marker="o", label=LABELS[name])
-        b.plot(x, [p["systems"][name]["ettr"] for p in pts], marker="o", label=LABELS[name])
+        xs = [i for i, p in zip(x, pts) if name in p["systems"]]  # a row measured at some rates only
+        if not xs:
+            continue
+        a.plot(xs, [pts[i]["systems"][name]["overhead"] * 100 for i in xs], marker="o", label=LABELS[name])
+        b.plot(xs, [pts[i]["systems"][name]["ettr"] for i in xs], marker="o", label=LABELS[name])
     for ax, title in ((a, "per-iteration overhead (%)"), (b, "ETTR (same node-loss trace)")):
         ax.set_xticks(x, rates)
         ax.set_xlabel("link rate (tc tbf, both directions)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    fig.legend(*a.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.legend(*a.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=8)
+    fig.tight_layout(rect=(0, 0.13, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def _arg(name: str) -> str | None:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
+
+
 def main() -> None:
-    out = Path(sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "benchmarks/results")
+    """`--out DIR`; `--rerun JOB[,JOB] --rates RATE[,RATE]`: only those jobs at those rates, into DIR's results."""
+    out = Path(_arg("--out") or "benchmarks/results")
     out.mkdir(parents=True, exist_ok=True)
-    res = run(out, lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
+    say = lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True)  # noqa: E731
     bench = out / "bench.json"
     full = json.loads(bench.read_text()) if bench.exists() else {}
+    again = _arg("--rerun")
+    if again:
+        rates = (_arg("--rates") or ",".join(RATES)).split(",")
+        res = rerun(full["peer_tier"], rates, again.split(","), say)
+    else:
+        res = run(out, say)
     full["peer_tier"] = res
     full.setdefault("section_seconds", {})["peer_tier"] = res.get("seconds", 0.0)
     bench.write_text(json.dumps(full, indent=1))

@@ -33,11 +33,14 @@ CASES = (
 )
 
 
-def _spec(root: Path, replicas: int, store: str | None, freeze_rank: int | None) -> dict:
-    host = {"root": str(root), "run_id": "t", "replicas": replicas}
+def _spec(root: Path, replicas: int, store: str | None, freeze_rank: int | None, extra: dict | None = None) -> dict:
+    """`extra`: more host-tier settings, and "window" (W, default 3)."""
+    extra = dict(extra or {})
+    window = extra.pop("window", 3)
+    host = {"root": str(root), "run_id": "t", "replicas": replicas, **extra}
     if store:
         host["object_store"] = {"uri": store}
-    spec = {"run": RUN, "checkpoint": {"window": 3}, "resume": True, "host_tier": host, "timeout_s": 60}
+    spec = {"run": RUN, "checkpoint": {"window": window}, "resume": True, "host_tier": host, "timeout_s": 60}
     if freeze_rank is not None:  # settled: its windows on the peers first (replication is asynchronous)
         spec["failures"] = [{"step": 8, "phase": "freeze", "rank": freeze_rank, "settled": replicas > 0}]
     return spec
@@ -74,13 +77,21 @@ def window_files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("window-*/**/*")) if p.is_file()}
 
 
-def run_replacement(tmp: Path, lost_rank: int, replicas: int, store: str | None, env: dict, new_restarts: int = 1):
+def run_replacement(
+    tmp: Path,
+    lost_rank: int,
+    replicas: int,
+    store: str | None,
+    env: dict,
+    new_restarts: int = 1,
+    extra: dict | None = None,
+):
     """Two hosts train; the host of `lost_rank` freezes in iteration 8 and is killed whole; a new host with an
-    empty directory joins (torchrun --max-restarts `new_restarts`)."""
+    empty directory joins (torchrun --max-restarts `new_restarts`). `extra`: more settings (`_spec`)."""
     out = tmp / "run"
     with Cluster(out, nnodes=2, env=env) as cluster:
         hosts = [
-            cluster.start(i, _program(out, f"host{i}", _spec(tmp / f"host{i}", replicas, store, lost_rank)), 1)
+            cluster.start(i, _program(out, f"host{i}", _spec(tmp / f"host{i}", replicas, store, lost_rank, extra)), 1)
             for i in (0, 1)
         ]
         found: list = []
@@ -97,7 +108,8 @@ def run_replacement(tmp: Path, lost_rank: int, replicas: int, store: str | None,
         survivor.wait_for(lambda: all(process_state(p) in (None, "Z") for p in first), 60, "its worker's exit")
         root = tmp / f"host{hosts.index(survivor)}"
         before = window_files(root)  # the new attempt only reads until it has recovered (or refused)
-        new = cluster.start(2, _program(out, "new-host", _spec(tmp / "new-host", replicas, store, None)), new_restarts)
+        spec = _spec(tmp / "new-host", replicas, store, None, extra)
+        new = cluster.start(2, _program(out, "new-host", spec), new_restarts)
         codes = survivor.wait(120), new.wait(60)
         logs = [n.log() for n in cluster.nodes]
     return Replacement(codes, logs, out, root, before)

@@ -64,3 +64,16 @@ def test_analyse_uses_one_trace_and_the_report_names_rate_and_state_size():
     text = "\n".join(bench_peer.markdown(res))
     assert "| 40mbit | 500 ms | 50% |" in text and "dense snapshot 2.00 MiB" in text and "3.00 MiB" in text
     assert bench_peer.markdown({"skipped": "not root"})[-1] == "Skipped: not root."
+
+
+def test_interval_row_is_priced_from_its_mean_step_and_the_windows_it_pushed():
+    """peer_interval auto: 6 windows committed, 2 pushed (k = 3 at the end); its overhead is its mean step against
+    its own session's base, and a node loss goes back to the newest pushed window: W x 3 iterations apart."""
+    point = _point()
+    auto = dict(_job("sparse_auto", 0.5, 6, 2, window_bytes=3 << 20), step_s_mean=0.55, peer_interval=3)
+    point["jobs"]["sparse_auto"] = dict(auto, base_step_s_mean=0.5)
+    p = bench_peer.profiles(point)["sparse_auto"]
+    assert p.interval == 3 * bench_peer.WINDOW and p.replay_iters == bench_peer.WINDOW
+    assert p.overhead_fraction() == pytest.approx(0.1)
+    s = bench_peer.analyse(point, {"step_s": 0.25})["systems"]["sparse_auto"]
+    assert s["overhead"] == pytest.approx(0.1) and s["link_s_per_iter"] == pytest.approx((3 << 20) / 5e6 / 9)

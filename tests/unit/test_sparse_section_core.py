@@ -77,8 +77,12 @@ def test_a_core_keys_choices_are_the_cores(key):
     assert section_choices == core_choices, key
     for choice in core_choices:  # each one accepted, and a value outside them refused with the core's list
         assert getattr(SparseCheckpointSection.from_table({key: choice}), key) == choice
-    if core_choices:
+    hint = typing.get_type_hints(CORE_KEYS[key])[key]
+    if core_choices and typing.get_origin(hint) is typing.Literal:
         with pytest.raises(JobConfigError, match=f"; fix: use one of {', '.join(core_choices)}$"):
+            SparseCheckpointSection.from_table({key: "not-a-choice"})
+    elif core_choices:  # an integer or a choice (peer_interval): the core's message, which names both
+        with pytest.raises(JobConfigError, match=f"or '{core_choices[0]}'.*got 'not-a-choice'; fix: e.g. {key} = "):
             SparseCheckpointSection.from_table({key: "not-a-choice"})
 
 

@@ -99,15 +99,20 @@ class HostMemory:
         tw = ck.persist
         backlog = 0 if tw is None or tw.uploader is None else tw.upload_backlog
         spare_w = 0 if tw is None else getattr(tw.tier, "spare_windows", 1)
+        # peer_interval k > 1: the windows from the newest pushed one on stay (persist_thread.peer_floor)
+        interval = getattr(tw, "interval", None)
+        peer_k = 0 if interval is None or tw is None or tw.peers is None or interval.bound <= 1 else interval.bound
         out: dict[str, int] = {}
         if alloc.kind == "shm-files":  # the sets are the window files: current, committed, previous, backlog
-            out["slot_sets"] = (3 + backlog) * B
-            out["window_files"] = (3 + backlog) * small
+            out["slot_sets"] = (3 + backlog + peer_k) * B
+            out["window_files"] = (3 + backlog + peer_k) * small
         else:
             out["slot_sets"] = 2 * B  # the window being captured and the committed one
             if tw is not None:  # the tier's copies: previous, committed, the one being written; backlog; spares
                 out["window_files"] = 3 * (F + small)
                 out["upload_backlog"] = backlog * (F + small)
+                if peer_k:
+                    out["peer_interval"] = peer_k * (F + small)
                 out["spares"] = spare_w * F
         if senders:  # per sender: two copies held, and the arriving one or the collected one's spares
             out["peer_copies"] = senders * (2 + max(1, spare_w)) * (F + small)

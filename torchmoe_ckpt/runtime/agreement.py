@@ -31,6 +31,7 @@ __all__ = [
     "failure_reason",
     "gather_failures",
     "reduce_float",
+    "reduce_float_on",
     "run_everywhere",
 ]
 
@@ -55,6 +56,17 @@ def reduce_float(value: float, op: dist.ReduceOp.RedOpType, group: dist.ProcessG
         return value
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=op, group=library_group(group))
+    return float(t.item())
+
+
+def reduce_float_on(value: float, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None) -> float:
+    """`value` reduced with `op` over exactly `group`, a gloo group its caller owns (the peer tier's, used from the
+    persist thread: the library's shared gloo group belongs to the training thread, and two threads' collectives
+    on one group would interleave). `value` itself without a process group or without `group`. Collective."""
+    if not dist.is_initialized() or group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=op, group=group)
     return float(t.item())
 
 

@@ -34,6 +34,7 @@ from .window_tier import FilesWindowTier, PartialWindow, mapped, mapped_items
 
 if TYPE_CHECKING:
     from .orphans import OrphanCopies
+    from .peer_interval import Interval
 
 # Each writer deliberately saves its own pieces without collectives (no_dist=True); DCP warns about that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -52,6 +53,8 @@ class HostTierOptions:
     upload_backlog: int = 4  # TierConfig.upload_backlog: windows kept for a slow or unreachable object store
     spare_windows: int = 1  # TierConfig.spare_windows: collected windows whose data files are written over
     peer_max_lag_windows: int = 4  # TierConfig.peer_max_lag_windows: the peer copy's lag bound (peer_lag.py)
+    peer_interval: Interval = 1  # TierConfig.peer_interval: push every k-th window, or "auto" (peer_interval.py)
+    peer_link_share: float = 0.05  # TierConfig.peer_link_share: "auto"'s share of the link's time
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""How far the peer copy is behind, and how fast each peer link carries it: the replication lag (windows committed in
-memory since the newest one that reached every peer), bytes/s per link, and the lag bound
+"""How far the peer copy is behind, and how fast each peer link carries it: the replication lag (pushes missed: windows
+due to be pushed (peer_interval.py) that were committed in memory after the newest one that reached every peer, and
+not pushed yet or skipped), bytes/s per link, and the lag bound
 (`TierConfig.peer_max_lag_windows`). Past the bound the peer copy is reported as not durable: one warning when it
 crosses, one line when it is back within (run_status.py speaks them), and `stats()['peers']['peer_durable']`.
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from .peer_interval import PeerInterval
 
 
 @dataclass
@@ -47,13 +50,17 @@ class LinkStats:
 
 
 class PeerLag:
-    """The peer copy's lag in windows against `max_lag` (>= 1); `say(text, warn)` speaks a crossing (RunStatus)."""
+    """The peer copy's lag in pushes missed against `max_lag` (>= 1); `say(text, warn)` speaks a crossing
+    (RunStatus). A window the interval does not push is no lag: the durable peer copy is the newest pushed one."""
 
-    def __init__(self, max_lag: int, say: Callable[[str, bool], None] | None = None):
+    def __init__(
+        self, max_lag: int, say: Callable[[str, bool], None] | None = None, interval: PeerInterval | None = None
+    ):
         self.max_lag, self.say = max_lag, say
+        self.interval = interval if interval is not None else PeerInterval(1)
         self.newest_committed: int | None = None  # newest window committed in memory (the training thread's)
         self.newest_replicated: int | None = None  # newest window whose copy reached every peer
-        self.commits_since = 0  # windows committed since `newest_replicated` (or since the start)
+        self.missed = 0  # due windows skipped (superseded) since `newest_replicated`
         self.lag_max = 0  # the largest lag seen
         self.superseded = 0  # windows skipped on the link: a newer one was committed before it was sent
         self.behind_count = 0  # times the lag crossed the bound
@@ -61,8 +68,12 @@ class PeerLag:
         self._lock = threading.Lock()
 
     @property
+    def commits_since(self) -> int:
+        """Due windows committed in memory that the peers do not have (0: the newest due one is on every peer)."""
+        return self.missed + self.interval.pending(self.newest_committed)
+
+    @property
     def lag(self) -> int:
-        """Windows committed in memory that the peers do not have yet (0: the newest is on every peer)."""
         return self.commits_since
 
     @property
@@ -73,21 +84,21 @@ class PeerLag:
         """The training thread committed `window_id` in memory (handed to the persist thread)."""
         with self._lock:
             self.newest_committed = window_id
-            self.commits_since += 1
+            self.interval.committed(window_id)
             self._check()
 
     def replicated(self, window_id: int) -> None:
         """`window_id` reached every peer."""
         with self._lock:
-            self.newest_replicated = window_id
-            newest = window_id if self.newest_committed is None else self.newest_committed
-            self.commits_since = max(0, newest - window_id)
+            self.newest_replicated, self.missed = window_id, 0
+            self.interval.passed(window_id)  # used alone (no persist thread): the schedule moves past it
             self._check()
 
     def skipped(self) -> None:
-        """A window was not sent: a newer committed window replaces it."""
+        """A due window was not sent: a newer committed due window replaces it (a push missed)."""
         with self._lock:
             self.superseded += 1
+            self.missed += 1
 
     def _check(self) -> None:
         lag = self.commits_since
@@ -96,8 +107,9 @@ class PeerLag:
             self.behind, self.behind_count = True, self.behind_count + 1
             on = "none yet" if self.newest_replicated is None else f"window {self.newest_replicated}"
             self._say(
-                f"peer copy behind: {lag} window(s) behind window {self.newest_committed} committed in memory "
-                f"(on the peers: {on}), more than peer_max_lag_windows = {self.max_lag}; the peer copy is not "
+                f"peer copy behind: {lag} push(es) missed up to window {self.newest_committed} committed in memory "
+                f"(on the peers: {on}; pushing {self.interval.text()}), more than peer_max_lag_windows = "
+                f"{self.max_lag}; the peer copy is not "
                 "durable until it catches up (the peer links are slower than training makes windows: "
                 f"{self.superseded} window(s) skipped so far, host memory is not queued)",
                 True,
@@ -118,7 +130,8 @@ class PeerLag:
     def stats(self) -> dict:
         with self._lock:
             return {
-                "lag_windows": self.commits_since,
+                "lag_windows": self.commits_since,  # pushes missed (due windows), not windows
+                **self.interval.stats(),
                 "lag_windows_max": self.lag_max,
                 "peer_max_lag_windows": self.max_lag,
                 "peer_durable": not self.behind,

@@ -11,11 +11,15 @@ from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch.distributed as dist
+
 from ..core.slot import Slot
 from ..core.window import Window
+from ..runtime.agreement import reduce_float_on
 from ..runtime.background import stop_at_exit
 from .host_tier import HostTier
 from .manifest import record_digest
+from .peer_interval import PeerInterval
 from .peer_lag import PeerLag
 from .run_status import RunStatus, human_bytes
 from .tier_health import TierHealth
@@ -106,7 +110,9 @@ class PersistThread:
         if self.uploader is not None:
             self.uploader.catch_up()
         self.peers = peers  # pushes each committed window to this writer's peers
-        self.peer_lag = PeerLag(tier.options.peer_max_lag_windows, self.status.peer_lag_changed)
+        # which windows are pushed (every k-th), and the lag in pushes missed
+        self.interval = PeerInterval(tier.options.peer_interval, tier.options.peer_link_share)
+        self.peer_lag = PeerLag(tier.options.peer_max_lag_windows, self.status.peer_lag_changed, self.interval)
         if peers is not None and pl is not None:
             self.status.peer_text = self._peer_text
         self.lease = lease
@@ -184,7 +190,9 @@ class PersistThread:
     def commit(self, window: Window, extra: dict, keep_from: int) -> None:
         """Commit `window` once its slots are written, push it to the peers, hand it to the store, and collect
         windows older than `keep_from` (the training thread; returns at once)."""
-        self._put(CommitJob(window, extra, keep_from))
+        job = CommitJob(window, extra, keep_from)
+        self._put(job)
+        self.interval.newest_commit = (window.id, job.queued_at)  # one assignment: training's pace (auto)
         if self.peers is not None and self.peers.pairs:
             self.peer_lag.committed(window.id)  # counters only: the warning is said when the lag crosses its bound
 
@@ -292,11 +300,16 @@ class PersistThread:
         if man is None:
             return c0
         self.lag_seconds.append(time.perf_counter() - job.queued_at)
-        if self.peers is not None:
+        if self.peers is not None and self.interval.due(win.id):  # the same windows are due on every rank
             c1 = time.thread_time()
             self.cpu_s["host"] += c1 - c0
-            newer = self._newer_commit_queued()  # the link is behind: send the newest, not a queue of windows
+            # the link is behind: send the newest due window, not a queue of windows
+            newer = self._newer_commit_queued(win.id + self.interval.k)
+            sent0 = self._seconds_sent()
             self.peers.push(win.id, man, superseded_by=newer)
+            self.interval.measured(self._seconds_sent() - sent0, self.interval.window_seconds(win.id, job.queued_at))
+            # "auto": every rank is here for the same due window, so the agreement is a collective on all of them
+            self.interval.advance(win.id, self._agree_interval if self.peers.pairs else None)
             c0 = time.thread_time()
             self.cpu_s["peers"] += c0 - c1
             if newer is not None:
@@ -317,12 +330,32 @@ class PersistThread:
         self.tier.collect(keep)
         return c0
 
-    def _newer_commit_queued(self) -> int | None:
-        """The newest window whose commit is queued behind the one in hand (None: none): it supersedes this one
-        on the peer links. Every rank still runs the push (only the header travels), so the pair order holds."""
+    def _newer_commit_queued(self, next_due: int) -> int | None:
+        """The newest window from `next_due` on whose commit is queued behind the one in hand (None: none): it
+        supersedes this one on the peer links. Every rank still runs the push (only the header travels: this
+        test is local), so the pair order holds."""
         with self.jobs.mutex:
-            ids = [j.window.id for j in self.jobs.queue if isinstance(j, CommitJob)]
+            ids = [j.window.id for j in self.jobs.queue if isinstance(j, CommitJob) and j.window.id >= next_due]
         return max(ids, default=None)
+
+    def _seconds_sent(self) -> float:
+        """Seconds this rank's outgoing peer links spent sending, so far."""
+        links = self.peers.links.values() if self.peers is not None else ()
+        return sum(k.seconds for k in links if k.direction == "to")
+
+    def _agree_interval(self, wanted: int) -> int:
+        """The largest k any rank wants (its link is the slowest). Collective on the peer tier's own gloo group."""
+        group = self.peers.group if self.peers is not None else None
+        return int(reduce_float_on(float(wanted), dist.ReduceOp.MAX, group))
+
+    def peer_floor(self, floor: int) -> int:
+        """The retention floor lowered to the newest window pushed to the peers (at most `interval.bound` windows
+        lower): a node loss combines the survivors' host copies of that window with the peers' copies of the lost
+        node's. k = 1 keeps today's floor."""
+        rep = self.peer_lag.newest_replicated
+        if self.peers is None or not self.peers.pairs or self.interval.bound <= 1 or rep is None:
+            return floor
+        return max(min(floor, rep), floor - self.interval.bound)
 
     def _peer_text(self) -> str:
         """The status lines' peer part: the lag, and each outgoing link's newest rate."""

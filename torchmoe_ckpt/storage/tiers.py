@@ -86,6 +86,8 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
         upload_backlog=cfg.upload_backlog,  # host memory (host_memory.py)
         spare_windows=cfg.spare_windows,
         peer_max_lag_windows=cfg.peer_max_lag_windows,  # read by its PersistThread (peer_lag.py)
+        peer_interval=cfg.peer_interval,  # read by its PersistThread (peer_interval.py)
+        peer_link_share=cfg.peer_link_share,
     )
     tier = HostTier(node_dir, run_id, rank, world, options)
     store, lease = None, None
