@@ -26,6 +26,7 @@ attempts (2 kills) per test, 6 steps with W = 2; its reference is an item of its
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -118,6 +119,20 @@ def test_model_section_is_checked_against_torchtitans_registry(env):
         assert (name, flavor, loss) == (want, "tiny", "ChunkedLossWrapper.Config"), jobs[fam]
         assert dtype == ("bfloat16" if fam == "gpt_oss" else "float32") and tokenizer.endswith("tokenizer")
     assert r["configs"] == {f: "tiny" for f in ("deepseek_v3", "qwen3", "gpt_oss", "kimi_k2_7", "qwen3_5")}
+
+
+def test_qwen3_5_refused_only_with_cuda_and_without_fla(monkeypatch):
+    """CPU mode runs Qwen3.5 on titan_integration.fla_cpu's ops; where the launcher would run on CUDA
+    (``TORCHMOE_TITAN_CPU=0``) without flash-linear-attention installed, the family is one line naming the fix."""
+    from titan_integration.families import missing
+
+    monkeypatch.setenv("TORCHMOE_TITAN_CPU", "1")
+    assert missing("qwen3_5") is None and missing("qwen3") is None
+    monkeypatch.setenv("TORCHMOE_TITAN_CPU", "0")
+    if importlib.util.find_spec("fla") is not None:  # a GPU machine with fla: nothing to refuse
+        assert missing("qwen3_5") is None
+    else:
+        _one_line(missing("qwen3_5"), "flash-linear-attention", "pip install flash-linear-attention", "has CUDA")
 
 
 def test_bad_flavor_is_one_line_from_the_launcher(tmp_path, env):
