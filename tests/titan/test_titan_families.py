@@ -328,8 +328,8 @@ def test_cost_per_family_flavour(discovered):
     rows = discovered["costs"]
     assert {(r["family"], r["flavor"]) for r in rows} == {
         (f, v)
-        for f in ("deepseek_v3", "qwen3", "gpt_oss", "kimi_k2_7")
-        for v in ("tiny", "debugmodel" + ("_moe" if f == "qwen3" else ""))
+        for f in ("deepseek_v3", "qwen3", "gpt_oss", "kimi_k2_7", "qwen3_5")
+        for v in ("tiny", "debugmodel" + ("_moe" if f in ("qwen3", "qwen3_5") else ""))
     }
     for r in rows:
         ratios = [r["forced"][w] for w in ("2", "4", "8")]
