@@ -7,7 +7,8 @@ exactly the names that file imports into ``sys.modules``, implemented with plain
 
 * the gated delta rule follows fla 0.5.2's own reference, ``fla/ops/gated_delta_rule/naive.py``
   (``naive_recurrent_gated_delta_rule``): per step ``h = h * exp(g_t)``, ``v'_t = beta_t * (v_t - k_t h)``,
-  ``h = h + k_t^T v'_t``, ``o_t = (scale * q_t) h``, in float32, with ``scale`` defaulting to ``K ** -0.5``; plus
+  ``h = h + k_t^T v'_t``, ``o_t = (scale * q_t) h``, in float32, with ``scale`` defaulting to ``K ** -0.5``
+  (computed in its closed form per document, :func:`_recurrence`, which a token loop would cost seconds for); plus
   what the kernel entry point (``fla/ops/gated_delta_rule/chunk.py``) adds around it: ``use_qk_l2norm_in_kernel``
   (``x / sqrt(sum(x^2) + 1e-6)`` in float32, as ``fla/modules/l2norm.py``), grouped value heads (HV a multiple of
   H), ``initial_state``/``output_final_state`` of shape ``[N, HV, K, V]`` (float32), varlen ``cu_seqlens`` (the
@@ -47,16 +48,27 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def _recurrence(q, k, v, beta, g, scale: float, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """naive_recurrent_gated_delta_rule on one sequence: q, k [T, H, K]; v [T, H, V]; beta, g [T, H]; h [H, K, V]."""
-    q = q.float() * scale
-    k, v, beta, g = k.float(), v.float(), beta.float(), g.float()
-    outs = []
-    for t in range(q.shape[0]):
-        h = h * g[t].exp()[:, None, None]
-        v_t = (v[t] - (h * k[t][:, :, None]).sum(-2)) * beta[t][:, None]
-        h = h + k[t][:, :, None] * v_t[:, None, :]
-        outs.append(torch.einsum("hk,hkv->hv", q[t], h))
-    return torch.stack(outs), h
+    """naive_recurrent_gated_delta_rule on one sequence, solved in closed form rather than token by token (a
+    Python loop over tokens costs seconds per step on a CPU): q, k [T, H, K]; v [T, H, V]; beta, g [T, H];
+    h [H, K, V]. With G = cumsum(g), the recurrence unrolls to h_t = e^{G_t} h_0 + sum_{s<=t} e^{G_t - G_s} k_s u_s^T
+    where u_t = beta_t (v_t - k_t^T e^{g_t} h_{t-1}); so (I + A) U = beta (V - e^G K h_0) with A strictly lower,
+    A_ts = beta_t e^{G_t - G_s} k_t.k_s (a unit-triangular solve), and o_t = scale q_t^T h_t. The same WY form
+    fla's chunked kernels use, over a whole document instead of chunks of 64; tests/unit/test_fla_cpu.py checks it
+    against the token-by-token recurrence."""
+    q, k, v = (x.float().transpose(0, 1) for x in (q, k, v))  # [H, T, *]
+    beta, G = beta.float().t(), g.float().t().cumsum(-1)  # [H, T]
+    T = q.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    decay = (G[:, :, None] - G[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # [H, t, s]: e^{G_t - G_s}
+    eG = G.exp()[:, :, None]
+    A = (beta[:, :, None] * decay * (k @ k.transpose(-1, -2))).tril(-1)
+    rhs = beta[:, :, None] * (v - eG * (k @ h))
+    eye = torch.eye(T, dtype=A.dtype, device=A.device)
+    U = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)  # [H, T, V]
+    q = q * scale
+    o = eG * (q @ h) + (decay * (q @ k.transpose(-1, -2))) @ U
+    h_final = eG[:, -1:] * h + (k * decay[:, -1, :, None]).transpose(-1, -2) @ U
+    return o.transpose(0, 1), h_final
 
 
 def _gated_delta_rule(

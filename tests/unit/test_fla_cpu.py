@@ -1,8 +1,9 @@
 """titan_integration.fla_cpu: the plain-torch stand-ins for flash-linear-attention's Gated DeltaNet ops that Qwen3.5
-trains with in CPU mode. fla itself is not installed here (its kernels are triton, GPU only), so the reference is
-the delta rule's defining properties rather than fla's code: what a step writes is read back, the gate decays the
-state, documents do not see each other, grouped value heads are repeated key heads, and the autograd Functions
-TorchTitan registers compute what the plain functions compute, gradients included."""
+trains with in CPU mode. fla itself is not installed here (its kernels are triton, GPU only): the closed form is
+checked against fla 0.5.2's token-by-token reference (``naive_recurrent_gated_delta_rule``, transcribed below),
+values and gradients, and against the delta rule's defining properties: what a step writes is read back, the gate
+decays the state, documents do not see each other, grouped value heads are repeated key heads, and the autograd
+Functions TorchTitan registers compute what the plain functions compute, gradients included."""
 
 from __future__ import annotations
 
@@ -21,6 +22,33 @@ def _inputs(B=2, T=9, H=2, K=4, V=3, seed=0):
     gate = F.logsigmoid(torch.randn(B, T, H, generator=g))
     beta = torch.rand(B, T, H, generator=g)
     return q, k, v, gate, beta
+
+
+def _naive_recurrent(q, k, v, beta, g, scale, h):
+    """fla/ops/gated_delta_rule/naive.py's naive_recurrent_gated_delta_rule (fla 0.5.2), one token at a time."""
+    q, k, v, beta, g = (x.transpose(1, 2).float() for x in (q, k, v, beta, g))
+    outs = []
+    for i in range(q.shape[2]):
+        h = h * g[:, :, i].exp()[..., None, None]
+        b_v = (v[:, :, i] - (h * k[:, :, i][..., None]).sum(-2)) * beta[:, :, i][..., None]
+        h = h + k[:, :, i].unsqueeze(-1) * b_v.unsqueeze(-2)
+        outs.append(torch.einsum("bhd,bhdm->bhm", q[:, :, i] * scale, h))
+    return torch.stack(outs, 2).transpose(1, 2), h
+
+
+def test_closed_form_matches_fla_naive_recurrence_values_and_gradients():
+    q, k, v, g, beta = _inputs(B=1, T=70, H=2, K=8, V=5, seed=3)
+    h0 = torch.randn(1, 2, 8, 5, generator=torch.Generator().manual_seed(4))
+    xs = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+    ys = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+    o, ht = fla_cpu.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True)
+    o_ref, ht_ref = _naive_recurrent(ys[0], ys[1], ys[2], ys[4], ys[3], 8**-0.5, ys[5])
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ht, ht_ref, rtol=1e-4, atol=1e-4)
+    (o.square().sum() + ht.sum()).backward()
+    (o_ref.square().sum() + ht_ref.sum()).backward()
+    for a, b in zip(xs, ys):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-3, atol=1e-3)
 
 
 def test_delta_rule_reads_back_what_it_wrote():
