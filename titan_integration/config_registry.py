@@ -92,7 +92,7 @@ key_rendezvous_by_attempt()
 
 def family_config(name: str, flavor: str | None = None) -> Trainer.Config:
     """Any MoE family of TorchTitan 0.3.0 (:mod:`titan_integration.families`) on our offline assets: its own model
-    code at ``flavor`` (default: the family's CPU flavour, ``tiny`` for all but Qwen3.5), the decoder's
+    code at ``flavor`` (default: the family's CPU flavour, ``tiny``), the decoder's
     cross-entropy loss, our byte-level tokenizer and tiny text data set, AdamW, seq 64 x batch 4, seed 42.
 
     The multimodal families (Kimi K2.5, Qwen3.5) train their text tower on text here; their vision tower is built,
@@ -155,7 +155,8 @@ def kimi_k2_7_debug() -> Trainer.Config:
 
 
 def qwen3_5_debug() -> Trainer.Config:
-    """Qwen3.5 MoE at TorchTitan's ``debugmodel_moe`` (needs flash-linear-attention: GPU machines only)."""
+    """Qwen3.5 MoE (Gated DeltaNet and gated attention layers, 8 experts top-2 with a shared expert, a vision
+    tower), tiny: 2 layers, dim 64. On a CPU its Gated DeltaNet ops are titan_integration.fla_cpu's references."""
     return family_config("qwen3_5")
 
 

@@ -237,6 +237,12 @@ def enable_cpu_mode() -> None:
     # Failure "No module named 'triton'" (import chain trainer -> ... -> minimal_async_ep/kernels.py).
     _install_triton_shim()
 
+    # Qwen3.5's model.py imports flash-linear-attention's triton (CUDA) kernels at module level: plain-torch
+    # reference implementations under fla's names (titan_integration.fla_cpu; docs/torchtitan.md).
+    from titan_integration import fla_cpu
+
+    fla_cpu.install()
+
     # Failure 1 "torch._C has no attribute '_cuda_setDevice'": tools/utils.py falls back to "cuda".
     torch._utils._get_available_device_type = lambda: "cpu"
     _patch_already_imported_device_globals()

@@ -2,22 +2,25 @@
 
 One :class:`Family` per model package of ``torchtitan.models`` that trains an MoE: its flavour table (what
 ``[model] flavor`` is checked against), the flavour our CPU tests and demo run, and the keyword arguments its
-``model_registry`` needs on a CPU. Each family but Qwen3.5 gets a ``tiny`` flavour registered in TorchTitan's own
+``model_registry`` needs on a CPU. Each family gets a ``tiny`` flavour registered in TorchTitan's own
 table: the family's real model code (its attention, router, shared experts, biases, sinks, vision tower) with
 every size shrunk, so that a training step on 2 CPU ranks takes a fraction of a second. Sizes follow each
 family's ``_debugmodel``; only widths, depths and vocabulary shrink (the vocabulary to our offline tokenizer's,
 :data:`titan_integration.assets.TOKENIZER_VOCAB_SIZE`). The gpt-oss tiny has 4 heads of 16 and a sliding window of
 16 tokens on its even layers (TorchTitan's builder fixes 64 heads of 64 and a window of 128, longer than our
-64-token sequences), the Kimi tiny a one-layer MoonViT.
+64-token sequences), the Kimi tiny a one-layer MoonViT, the Qwen3.5 tiny one Gated DeltaNet layer then one gated
+attention layer (TorchTitan's pattern with a full-attention interval of 2 instead of 4) and a one-layer vision tower.
 
-Qwen3.5's Gated DeltaNet layers import ``fla`` (flash-linear-attention), whose kernels are triton GPU kernels:
-without it the family cannot even be imported, so it is refused in one line (:func:`family_module`).
+Qwen3.5's Gated DeltaNet layers import ``fla`` (flash-linear-attention), whose kernels are triton GPU kernels. CPU
+mode puts plain-torch reference implementations under fla's names (:mod:`titan_integration.fla_cpu`); only a
+machine that has CUDA but no ``fla`` refuses the family, in one line (:func:`missing`, :func:`family_module`).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -49,6 +52,7 @@ class Family:
     cpu_kwargs: tuple[tuple[str, Any], ...] = ()  # model_registry keywords a CPU needs (an attention backend)
     needs: str = ""  # what the family needs that may be missing ("" = nothing beyond TorchTitan)
     needs_module: str = ""  # the module that stands for it (checked without importing TorchTitan)
+    cpu_stand_in: bool = False  # CPU mode replaces ``needs_module`` (titan_integration.fla_cpu): no GPU, no need
     # FSDP's compute dtype on a CPU (CPU mode's float32 is 7x faster there than bf16); gpt-oss's experts cast to
     # bfloat16 for their grouped GEMMs whatever the input, and TorchTitan's combine then scatters bf16 rows into a
     # float32 output ("scatter(): Expected self.dtype to be equal to src.dtype"): it trains in bf16, as on a GPU.
@@ -73,10 +77,11 @@ FAMILIES: dict[str, Family] = {
         Family(
             "qwen3_5",
             "qwen3_5_configs",
-            "debugmodel_moe",
+            TINY,
             "debugmodel_moe",
             needs="flash-linear-attention (the triton GPU kernels of its Gated DeltaNet layers)",
             needs_module="fla",
+            cpu_stand_in=True,
         ),
     )
 }
@@ -90,16 +95,33 @@ def family(name: str) -> Family:
     return FAMILIES[name]
 
 
+def _runs_on_cpu() -> bool:
+    """Whether our launcher runs TorchTitan in CPU mode here (titan_integration.train.want_cpu_mode's rule)."""
+    from titan_integration.cpu_mode import cpu_mode_enabled
+
+    env = os.environ.get("TORCHMOE_TITAN_CPU")
+    if env is not None:
+        return env not in ("0", "false", "no", "")
+    if cpu_mode_enabled():
+        return True
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def missing(name: str) -> str | None:
-    """What ``name`` needs that is not installed, as one refusal line; None: it can run here."""
+    """What ``name`` needs that is not installed, as one refusal line; None: it can run here (on a CPU, a family
+    with a ``cpu_stand_in`` runs on it instead)."""
     fam = family(name)
-    if fam.needs_module and importlib.util.find_spec(fam.needs_module) is None:
-        return (
-            f"TorchTitan's {name} needs {fam.needs} (module {fam.needs_module!r} is not installed); "
-            f"fix: run it on a GPU machine with it installed, or pick one of "
-            f"{', '.join(n for n, f in FAMILIES.items() if not f.needs)}"
-        )
-    return None
+    if not fam.needs_module or importlib.util.find_spec(fam.needs_module) is not None:
+        return None
+    if fam.cpu_stand_in and _runs_on_cpu():
+        return None
+    return (
+        f"TorchTitan's {name} needs {fam.needs} (module {fam.needs_module!r} is not installed, and this machine "
+        f"has CUDA, so CPU mode's reference implementation does not apply); fix: pip install "
+        f"flash-linear-attention, or pick one of {', '.join(n for n, f in FAMILIES.items() if not f.needs)}"
+    )
 
 
 def family_module(name: str) -> ModuleType:
@@ -343,12 +365,81 @@ def _kimi_tiny(attn_backend: str = "flex", moe_comm_backend: str = "standard", n
     )
 
 
+def _qwen3_5_tiny(attn_backend: str = "flex", moe_comm_backend: str = "standard"):
+    """Qwen3.5 MoE: a Gated DeltaNet layer (q/k/v convolutions, 2 key heads, 4 value heads), a gated attention
+    layer (partial multimodal RoPE), 8 experts top-2 with a shared expert in both, a one-layer vision tower."""
+    from torchtitan.models import qwen3_5 as q
+    from torchtitan.models.common import Embedding, Linear
+
+    return q.Qwen35Model.Config(
+        vocab_size=VOCAB,
+        dim=DIM,
+        norm=q._offset_norm(DIM),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=q._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=q._output_linear_init(DIM)),
+        layers=q._build_qwen35_moe_layers(
+            # mrope_section sums to rotary_dim / 2, as in the debug flavours
+            rope=q.MRoPE.Config(dim=16, max_seq_len=4096, theta=10_000_000.0, mrope_section=[3, 3, 2]),
+            attn_backend=attn_backend,
+            n_layers=2,
+            full_attention_interval=2,
+            dim=DIM,
+            n_heads=N_HEADS,
+            n_kv_heads=2,
+            head_dim=32,
+            rotary_dim=16,
+            moe_hidden_dim=MOE_HIDDEN,
+            num_experts=EXPERTS,
+            top_k=TOP_K,
+            shared_expert_hidden_dim=MOE_HIDDEN,
+            n_key_heads=2,
+            n_value_heads=4,
+            key_head_dim=HEAD_DIM,
+            value_head_dim=HEAD_DIM,
+            moe_comm_backend=moe_comm_backend,
+            fla_backend="fla_chunked",
+        ),
+        vision_encoder=q._qwen35_vision_encoder_config(
+            dim=32,
+            ffn_dim=64,
+            num_layers=1,
+            num_heads=2,
+            patch_size=16,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            out_hidden_size=DIM,
+            num_position_embeddings=64,
+        ),
+    )
+
+
 _TINY_BUILDERS = {
     "deepseek_v3": _deepseek_v3_tiny,
     "qwen3": _qwen3_tiny,
     "gpt_oss": _gpt_oss_tiny,
     "kimi_k2_7": _kimi_tiny,
+    "qwen3_5": _qwen3_5_tiny,
 }
+
+
+def _qwen3_5_text_batches(mod: ModuleType) -> None:
+    """Let Qwen3.5 train on text batches. TorchTitan 0.3.0's ``Qwen35Model._prepare_multimodal_embeds`` reads
+    ``special_tokens["image_id"]`` before it looks for pixels, and only its multimodal collator passes
+    ``special_tokens``: a text data loader's batch fails with "'NoneType' object is not subscriptable". The ids
+    are only used to place vision embeddings, so a batch without pixels gets ids that match no token (Kimi K2.5's
+    model already takes ``special_tokens=None`` for text-only batches)."""
+    cls = mod.Qwen35Model
+    if getattr(cls, "_torchmoe_text_batches", False):
+        return
+    original = cls._prepare_multimodal_embeds
+
+    def prepare(self, tokens, *, special_tokens=None, **kwargs):
+        if special_tokens is None and kwargs.get("pixel_values") is None and kwargs.get("pixel_values_videos") is None:
+            special_tokens = {"image_id": -1, "video_id": -1}  # no token id is negative: nothing to place
+        return original(self, tokens, special_tokens=special_tokens, **kwargs)
+
+    cls._prepare_multimodal_embeds = prepare
+    cls._torchmoe_text_batches = True
 
 
 def register_tiny_flavors(name: str, mod: ModuleType) -> None:
@@ -356,3 +447,5 @@ def register_tiny_flavors(name: str, mod: ModuleType) -> None:
     builder = _TINY_BUILDERS.get(name)
     if builder is not None:
         getattr(mod, FAMILIES[name].table).setdefault(TINY, builder)
+    if name == "qwen3_5":
+        _qwen3_5_text_batches(mod)

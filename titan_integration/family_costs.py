@@ -22,10 +22,12 @@ FLAVORS = (
     ("qwen3", "debugmodel_moe"),
     ("gpt_oss", "debugmodel"),
     ("kimi_k2_7", "debugmodel"),
+    ("qwen3_5", "debugmodel_moe"),
     ("deepseek_v3", "tiny"),
     ("qwen3", "tiny"),
     ("gpt_oss", "tiny"),
     ("kimi_k2_7", "tiny"),
+    ("qwen3_5", "tiny"),
 )
 
 

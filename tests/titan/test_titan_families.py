@@ -1,8 +1,8 @@
 """Every TorchTitan 0.3.0 MoE family through the job file (issue 38).
 
 * ``[model] name``/``flavor`` are checked against TorchTitan's own registry: a wrong one is one line listing the
-  valid ones; every job file of ``titan_integration/jobs/`` loads (Qwen3.5: refused in one line where
-  flash-linear-attention is missing, as on this CPU machine);
+  valid ones; every job file of ``titan_integration/jobs/`` loads (Qwen3.5 too: flash-linear-attention is missing
+  on this CPU machine, and CPU mode puts titan_integration.fla_cpu's plain-torch reference ops in its place);
 * operator discovery on each family's own debug flavour (TorchTitan's sizes, built on the meta device) and on our
   tiny one: every parameter and persistent buffer in exactly one operator (per expert slice), and each family's
   particular state where it belongs: shared experts dense, router gate (and bias) with the ``expert_bias``
@@ -12,7 +12,8 @@
 * exactness per family under the entry point docs/torchtitan.md tells users to type (``torchrun -m
   titan_integration.train --config job.toml``), FSDP on 2 ranks: ``kill -9`` of a rank mid-window, again after the
   first recovery, and ``torch.equal`` on every model, optimizer and scheduler tensor and every loss after the last
-  recovery, against a run that never failed. DeepSeek-V3's is tests/titan/test_titan_restarts.py (3 kills); expert
+  recovery, against a run that never failed (Qwen3.5's with fla_cpu's Gated DeltaNet ops in both runs: this checks
+  the checkpointing, not fla's kernels). DeepSeek-V3's is tests/titan/test_titan_restarts.py (3 kills); expert
   parallelism on 2 ranks (``matrix``) for the others.
 
 Time: a TorchTitan restart costs 5-25 s of imports on this shared 2-core machine (18-22 s per restart measured
@@ -25,6 +26,7 @@ attempts (2 kills) per test, 6 steps with W = 2; its reference is an item of its
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -38,7 +40,8 @@ pytest.importorskip("torchtitan")
 from titan_integration import recovery_demo  # noqa: E402  (cheap: does not import torchtitan)
 
 REPO = Path(__file__).resolve().parents[2]
-RUNNABLE = ("qwen3", "gpt_oss", "kimi_k2_7")  # deepseek_v3: test_titan_restarts.py; qwen3_5: needs fla (GPU)
+# deepseek_v3: test_titan_restarts.py; qwen3_5 with titan_integration.fla_cpu's Gated DeltaNet ops in place of fla's
+RUNNABLE = ("qwen3", "gpt_oss", "kimi_k2_7", "qwen3_5")
 STEPS, WINDOW = 6, 2
 # Window 0 (iterations 1-2) commits during iteration 3, window 1 (3-4) during iteration 5.
 KILLS = [
@@ -74,7 +77,11 @@ for path in sorted(__import__("glob").glob("titan_integration/jobs/*.toml")):
     except JobConfigError as e:
         out["jobs"][path] = str(e)
 import titan_integration.config_registry as reg
-out["configs"] = {f: reg.__dict__[f"{f}_debug"]().model_spec.flavor for f in families.FAMILIES if f != "qwen3_5"}
+out["configs"] = {f: reg.__dict__[f"{f}_debug"]().model_spec.flavor for f in families.FAMILIES}
+from titan_integration import fla_cpu
+from torchtitan.models.qwen3_5 import model as q35
+out["fla_cpu"] = [fla_cpu.installed(), q35._fla_chunk_gated_delta_rule is fla_cpu.chunk_gated_delta_rule,
+                  families.missing("qwen3_5")]
 print("RESULT " + json.dumps(out))
 """
 
@@ -101,17 +108,31 @@ def test_model_section_is_checked_against_torchtitans_registry(env):
     _one_line(fl["qwen3"], "30B-A3B", "debugmodel_moe", "tiny")
     _one_line(fl["gpt_oss"], "120b", "20b", "debugmodel", "tiny")
     _one_line(fl["kimi_k2_7"], "moonlight-16B-A3B", "Kimi-K2.5", "debugmodel", "tiny")
-    # No flash-linear-attention here (its kernels are triton, GPU only): refused before anything is built.
-    _one_line(fl["qwen3_5"], "TorchTitan's qwen3_5 cannot be imported here", "flash-linear-attention")
+    # No flash-linear-attention here (its kernels are triton, GPU only): CPU mode's reference ops stand in.
+    _one_line(fl["qwen3_5"], "'nope' is not a qwen3_5 flavour", "35B-A3B", "debugmodel_moe", "tiny")
+    assert r["fla_cpu"] == [True, True, None]  # TorchTitan's Qwen3.5 calls titan_integration.fla_cpu's ops
     jobs = {Path(p).stem: v for p, v in r["jobs"].items()}
     assert set(jobs) == {"deepseek_v3", "qwen3", "gpt_oss", "kimi_k2_7", "qwen3_5", "tiny_sparse"}, jobs
-    for fam in ("deepseek_v3", "qwen3", "gpt_oss", "kimi_k2_7"):
+    for fam in ("deepseek_v3", "qwen3", "gpt_oss", "kimi_k2_7", "qwen3_5"):
         name, flavor, loss, dtype, tokenizer = jobs[fam]
         want = "kimi_k2_5" if fam == "kimi_k2_7" else fam  # the package's ModelSpec keeps K2.5's name
         assert (name, flavor, loss) == (want, "tiny", "ChunkedLossWrapper.Config"), jobs[fam]
         assert dtype == ("bfloat16" if fam == "gpt_oss" else "float32") and tokenizer.endswith("tokenizer")
-    _one_line(jobs["qwen3_5"], "flash-linear-attention")
-    assert r["configs"] == {"deepseek_v3": "tiny", "qwen3": "tiny", "gpt_oss": "tiny", "kimi_k2_7": "tiny"}
+    assert r["configs"] == {f: "tiny" for f in ("deepseek_v3", "qwen3", "gpt_oss", "kimi_k2_7", "qwen3_5")}
+
+
+def test_qwen3_5_refused_only_with_cuda_and_without_fla(monkeypatch):
+    """CPU mode runs Qwen3.5 on titan_integration.fla_cpu's ops; where the launcher would run on CUDA
+    (``TORCHMOE_TITAN_CPU=0``) without flash-linear-attention installed, the family is one line naming the fix."""
+    from titan_integration.families import missing
+
+    monkeypatch.setenv("TORCHMOE_TITAN_CPU", "1")
+    assert missing("qwen3_5") is None and missing("qwen3") is None
+    monkeypatch.setenv("TORCHMOE_TITAN_CPU", "0")
+    if importlib.util.find_spec("fla") is not None:  # a GPU machine with fla: nothing to refuse
+        assert missing("qwen3_5") is None
+    else:
+        _one_line(missing("qwen3_5"), "flash-linear-attention", "pip install flash-linear-attention", "has CUDA")
 
 
 def test_bad_flavor_is_one_line_from_the_launcher(tmp_path, env):
@@ -132,22 +153,8 @@ def test_bad_flavor_is_one_line_from_the_launcher(tmp_path, env):
 
 # ---- operator discovery per family ----------------------------------------------------------------------------
 DISCOVER = r"""
-import importlib.util, json, sys, types
-from titan_integration.cpu_mode import enable_cpu_mode; enable_cpu_mode()
-if importlib.util.find_spec("fla") is None:
-    # Qwen3.5 imports flash-linear-attention's triton kernels at module level; building the model on the meta
-    # device never calls them, so these names only have to exist for its module tree to be built here.
-    for name, attrs in {
-        "fla": [], "fla.modules": [], "fla.modules.conv": [], "fla.modules.conv.triton": [],
-        "fla.modules.conv.triton.ops": ["CausalConv1dFunction"], "fla.modules.conv.causal_conv1d": ["causal_conv1d"],
-        "fla.ops": [], "fla.ops.gated_delta_rule": ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"],
-        "fla.ops.gated_delta_rule.chunk": ["ChunkGatedDeltaRuleFunction"],
-        "fla.ops.gated_delta_rule.fused_recurrent": ["FusedRecurrentFunction"],
-    }.items():
-        m = types.ModuleType(name); m.__path__ = []
-        for a in attrs:
-            setattr(m, a, None)
-        sys.modules[name] = m
+import json
+from titan_integration.cpu_mode import enable_cpu_mode; enable_cpu_mode()  # with fla_cpu's stand-ins for Qwen3.5
 import torch
 from titan_integration import families
 from torchmoe_ckpt.model.coverage import check_coverage
@@ -159,7 +166,7 @@ for fam, flavor, kw in [
     ("deepseek_v3", "debugmodel", {"num_mtp_layers": 1}), ("qwen3", "debugmodel_moe", {}),
     ("gpt_oss", "debugmodel", {}), ("kimi_k2_7", "debugmodel", {}), ("qwen3_5", "debugmodel_moe", {}),
     ("deepseek_v3", "tiny", {"num_mtp_layers": 1}), ("qwen3", "tiny", {}), ("gpt_oss", "tiny", {}),
-    ("kimi_k2_7", "tiny", {}),
+    ("kimi_k2_7", "tiny", {}), ("qwen3_5", "tiny", {}),
 ]:
     mod = families.family_module(fam)
     with torch.device("meta"):
@@ -193,6 +200,7 @@ FLAVORS = [
     ("qwen3", "tiny"),
     ("gpt_oss", "tiny"),
     ("kimi_k2_7", "tiny"),
+    ("qwen3_5", "tiny"),
 ]
 # Each family's particular state, and the kind of operator it must land in (at least one tensor must match).
 PARTICULAR = {
@@ -320,8 +328,8 @@ def test_cost_per_family_flavour(discovered):
     rows = discovered["costs"]
     assert {(r["family"], r["flavor"]) for r in rows} == {
         (f, v)
-        for f in ("deepseek_v3", "qwen3", "gpt_oss", "kimi_k2_7")
-        for v in ("tiny", "debugmodel" + ("_moe" if f == "qwen3" else ""))
+        for f in ("deepseek_v3", "qwen3", "gpt_oss", "kimi_k2_7", "qwen3_5")
+        for v in ("tiny", "debugmodel" + ("_moe" if f in ("qwen3", "qwen3_5") else ""))
     }
     for r in rows:
         ratios = [r["forced"][w] for w in ("2", "4", "8")]
