@@ -6,6 +6,16 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m "not matrix"` deselects
+def pytest_collection_modifyitems(items):
+    """The cases tests/matrix_moves.py lists (a kind the default suite covers) get the `matrix` marker."""
+    from matrix_moves import moved  # tests/ is on sys.path for its conftest (rootdir-less import mode)
+
+    for item in items:
+        if moved(item.nodeid):
+            item.add_marker(pytest.mark.matrix)
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """Fault-free reference runs, cached per (world size, run spec) for the whole session: every recovery
