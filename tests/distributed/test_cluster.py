@@ -221,7 +221,8 @@ def test_short_blackhole_the_job_goes_on_exactly(tmp_path, cluster, reference, f
     assert report["recoveries"] == [] or not any(r.get("attempt") for r in report["recoveries"]), report
 
 
-@pytest.mark.matrix  # two jobs, a timeout and a relaunch: 40-112 s on the 2-core machine, by its load
+# two jobs, a timeout and a relaunch: 26 s on the quiet 2-core machine with the reference cached (36 s alone),
+# 96 s when the machine ran 4 other suites
 def test_long_blackhole_ends_the_job_and_a_relaunch_is_exact(tmp_path, cluster, reference, fault_summary):
     """Node B's bridge port stays down past the process-group timeout (8 s): the job ends within its timeouts
     (no hang); after healing, a relaunch on the same run id (new agents, the nodes' /dev/shm kept) takes the
