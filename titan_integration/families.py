@@ -180,6 +180,22 @@ DEEPSEEK_TINY = dict(
 )
 
 
+def _yarn_rope(dim: int, max_seq_len: int):
+    """The YaRN rotary embedding DeepSeek-V3 and Kimi K2.5 share in TorchTitan's flavours (4096 trained, 40x)."""
+    from torchtitan.models.common import ComplexRoPE
+
+    return ComplexRoPE.Config(
+        dim=dim,
+        max_seq_len=max_seq_len,
+        theta=10000.0,
+        scaling="yarn",
+        rope_factor=40.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        original_seq_len=4096,
+    )
+
+
 def _deepseek_v3_tiny(
     attn_backend: str,
     moe_comm_backend: str,
@@ -188,7 +204,7 @@ def _deepseek_v3_tiny(
 ) -> Any:
     """DeepSeek-V3 ``tiny`` flavour: ``_debugmodel`` from TorchTitan with every size shrunk."""
     from torchtitan.models import deepseek_v3 as _dsv3
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
 
     t = DEEPSEEK_TINY
     dim, vocab_size, rope_dim = t["dim"], t["vocab_size"], t["qk_rope_head_dim"]
@@ -212,16 +228,7 @@ def _deepseek_v3_tiny(
         attn_backend=attn_backend,
         moe_comm_backend=moe_comm_backend,
         non_blocking_capacity_factor=non_blocking_capacity_factor,
-        rope=ComplexRoPE.Config(
-            dim=rope_dim,
-            max_seq_len=4096,
-            theta=10000.0,
-            scaling="yarn",
-            rope_factor=40.0,
-            beta_fast=32.0,
-            beta_slow=1.0,
-            original_seq_len=4096,
-        ),
+        rope=_yarn_rope(rope_dim, max_seq_len=4096),
     )
     return _dsv3.DeepSeekV3Model.Config(
         vocab_size=vocab_size,
@@ -312,7 +319,7 @@ def _gpt_oss_tiny(moe_comm_backend: str = "standard", attn_backend: str = "flex"
 def _kimi_tiny(attn_backend: str = "flex", moe_comm_backend: str = "standard", non_blocking_capacity_factor=None):
     """Kimi K2.5's MLA/MoE text tower (a dense first layer, 2 shared experts) and its MoonViT vision tower."""
     from torchtitan.models import kimi_k2_7 as k
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
 
     layers = k._build_kimi_layers(
         n_layers=3,
@@ -334,16 +341,7 @@ def _kimi_tiny(attn_backend: str = "flex", moe_comm_backend: str = "standard", n
         attn_backend=attn_backend,
         moe_comm_backend=moe_comm_backend,
         non_blocking_capacity_factor=non_blocking_capacity_factor,
-        rope=ComplexRoPE.Config(
-            dim=HEAD_DIM,
-            max_seq_len=4096 * 4,
-            theta=10000.0,
-            scaling="yarn",
-            rope_factor=40.0,
-            beta_fast=32.0,
-            beta_slow=1.0,
-            original_seq_len=4096,
-        ),
+        rope=_yarn_rope(HEAD_DIM, max_seq_len=4096 * 4),
     )
     return k.KimiK25Model.Config(
         vocab_size=VOCAB,

@@ -38,6 +38,7 @@ import pytest
 pytest.importorskip("torchtitan")
 
 from titan_integration import recovery_demo  # noqa: E402  (cheap: does not import torchtitan)
+from titan_integration.family_costs import FLAVORS  # noqa: E402  (every family flavour the cost table prices)
 
 REPO = Path(__file__).resolve().parents[2]
 # deepseek_v3: test_titan_restarts.py; qwen3_5 with titan_integration.fla_cpu's Gated DeltaNet ops in place of fla's
@@ -190,18 +191,6 @@ def discovered(env) -> dict:
     return _script(DISCOVER, env)
 
 
-FLAVORS = [
-    ("deepseek_v3", "debugmodel"),  # both DeepSeek-V3 flavours with one MTP layer
-    ("qwen3", "debugmodel_moe"),
-    ("gpt_oss", "debugmodel"),
-    ("kimi_k2_7", "debugmodel"),
-    ("qwen3_5", "debugmodel_moe"),
-    ("deepseek_v3", "tiny"),
-    ("qwen3", "tiny"),
-    ("gpt_oss", "tiny"),
-    ("kimi_k2_7", "tiny"),
-    ("qwen3_5", "tiny"),
-]
 # Each family's particular state, and the kind of operator it must land in (at least one tensor must match).
 PARTICULAR = {
     "deepseek_v3": [(r"\.shared_experts\.", "dense"), (r"^mtp_layers\.0\.moe\.routed_experts\.", "expert")],

@@ -14,6 +14,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from test_optimizers import CFG  # tests/unit is on sys.path under pytest
 from torch import nn
 from transformers import GptOssConfig, GptOssForCausalLM, MixtralConfig, MixtralForCausalLM
 
@@ -26,17 +27,7 @@ from torchmoe_ckpt.planning.schedule import plan_window
 from torchmoe_ckpt.planning.window_planner import WindowPlanner
 from torchmoe_harness.optimizers import build_optimizers
 
-SMALL = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=24,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    max_position_embeddings=32,
-)
+SMALL = CFG  # the tiny Mixtral test_optimizers trains (its fields fit GptOssConfig too)
 LAYER_EXPERTS = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
 
 
