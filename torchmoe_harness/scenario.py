@@ -9,14 +9,16 @@ What survives is what would survive in host memory: the newest committed window.
   "kill"   - a real `kill -9` of rank `rank` in iteration f (first attempt only); torchrun
              (--max-restarts) restarts every worker, and with "resume" they recover from the host tier;
   "freeze" - rank `rank` sends itself SIGSTOP in iteration f (first attempt only, once: a rank let go with
-             SIGCONT trains on, the cluster tests' pause point): a hung, not dead, peer.
-             `at`: "update" (default; after backward, before the optimizer step) or "forward" (start of
-             the step). `settled`: true waits first until this rank's host tier has written, and its peers
-             received, every window committed so far (a host lost after its copies were replicated: the
-             replication is asynchronous, and under load it may still be behind otherwise). The others
+             SIGCONT trains on, the cluster tests' pause point): a hung, not dead, peer. The others
              block in a collective until the watchdog (spec "watchdog_timeout_s") ends them; torchrun then
              restarts every worker (the watchdog's stop guard SIGKILLs the stopped one on torchrun's SIGTERM,
              which a stopped process never acts on).
+  For "kill" and "freeze": `at`: "update" (default; after backward, before the optimizer step) or "forward"
+  (start of the step). `settled`: true waits first until this rank's host tier has written, and its peers
+  received, every window committed so far (a host lost after its copies were replicated: the replication is
+  asynchronous, and under load it may still be behind otherwise). At "update" the window whose last copy
+  finished in iteration f-1 has just been committed and handed to the persist thread, which races the
+  signal. A test that asserts the recovered step uses "forward" with `settled`, where that step is known.
 
 Spec "replay_check" ("exact", the default, or "tolerant") and "replay_tolerance": how recovery checks its replay
 (torchmoe_ckpt.recovery.replay_check; "exact" on a GPU refuses to start without deterministic kernels).
@@ -331,15 +333,14 @@ def run_with_checkpointing(trainer: Trainer, spec: dict, losses: dict[int, torch
                 pending.remove(fail)
                 if fail.get("phase", "update") == "update":
                     trainer.before_update.append(_crash)
-                elif fail["phase"] == "kill" and attempt == 0 and trainer.rank == fail.get("rank", 0):
-                    trainer.before_update.append(_kill_self)
-                elif fail["phase"] == "freeze" and attempt == 0 and trainer.rank == fail.get("rank", 0):
+                elif fail["phase"] in ("kill", "freeze") and attempt == 0 and trainer.rank == fail.get("rank", 0):
                     if fail.get("settled"):
                         ck.flush(commit=False)  # no collective: the peers go on into the next step
+                    act = _kill_self if fail["phase"] == "kill" else _freeze_self
                     if fail.get("at", "update") == "update":
-                        trainer.before_update.append(_once(trainer, _freeze_self))
+                        trainer.before_update.append(_once(trainer, act))
                     else:
-                        _freeze_self()
+                        act()
             t0, c0 = time.perf_counter(), time.process_time()
             if jit is not None:
                 jit.begin(nxt)

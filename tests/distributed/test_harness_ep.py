@@ -55,7 +55,7 @@ def test_ep_kill_9_under_torchrun_resumes_from_the_host_tier_bit_exactly(tmp_pat
     s = {
         "run": ep("bf16"),
         "checkpoint": {"window": 3},
-        "failures": [{"step": 10, "phase": "kill", "rank": 1}],
+        "failures": [{"step": 10, "phase": "kill", "rank": 1, "at": "forward", "settled": True}],
         "host_tier": {"root": str(tmp_path / "shm"), "run_id": "ep"},
         "resume": True,
         "timeout_s": 20,

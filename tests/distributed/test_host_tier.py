@@ -100,7 +100,7 @@ def test_kill_9_under_torchrun_restarts_and_recovers_from_the_host_tier(tmp_path
     """A real SIGKILL of rank 1 mid-iteration; torchrun restarts all workers; they agree on the newest window
     in the host tier, convert it to dense and finish training exactly like the run that never failed."""
     ref = reference(2, {"steps": 14, "dtype": "bf16"})
-    s = spec(tmp_path / "shm", [{"step": 10, "phase": "kill", "rank": 1}])
+    s = spec(tmp_path / "shm", [{"step": 10, "phase": "kill", "rank": 1, "at": "forward", "settled": True}])
     s["resume"] = True
     s["timeout_s"] = 20  # a restart whose rendezvous goes wrong fails fast and torchrun tries again
     run = run_torchrun(2, s, tmp_path / "run", max_restarts=2, timeout=55)

@@ -187,17 +187,21 @@ def _state(pid: int) -> str | None:
 
 
 def test_frozen_peer_under_torchrun_is_detected_restarted_and_recovered(tmp_path, reference):
-    """A real SIGSTOP of rank 1 before the optimizer step of iteration 10. Rank 0 blocks in the expert-bias
-    all_reduce; its watchdog (3 s; gloo's timeout 30 s) logs the hang and exits 124; torchrun stops the
-    stopped rank (SIGTERM is fatal to it) and restarts both; they resume from the host tier and finish
-    exactly like the run that never failed."""
+    """A real SIGSTOP of rank 1 at the start of iteration 10, after its host tier has written every window
+    committed so far. Rank 0 blocks in the step's first collective; its watchdog (3 s; gloo's timeout 30 s)
+    logs the hang and exits 124; torchrun stops the stopped rank (SIGTERM is fatal to it) and restarts both;
+    they resume from the host tier and finish exactly like the run that never failed.
+
+    Why "forward" and "settled": frozen before the optimizer step instead, rank 1 has just committed window
+    7..9 and its persist thread races the SIGSTOP (CI once saw it win: recovered step 9, not 6). Here no rank
+    commits window 7..9, and window 4..6 is on both ranks' host tiers: the recovery point is known."""
     ref = reference(2, {"steps": 14, "dtype": "bf16"})
     timeout = 3.0
     out = tmp_path / "run"
     s = {
         "run": {"steps": 14, "hsdp": 1, "dtype": "bf16"},
         "checkpoint": {"window": 3},
-        "failures": [{"step": 10, "phase": "freeze", "rank": 1}],
+        "failures": [{"step": 10, "phase": "freeze", "rank": 1, "at": "forward", "settled": True}],
         "host_tier": {"root": str(tmp_path / "shm"), "run_id": "t"},
         "resume": True,
         "timeout_s": 30,
