@@ -373,8 +373,11 @@ def report_markdown(res: dict) -> str:
         ]
     for key, section in SECTIONS.items():
         if res.get(key):
-            lines += section.markdown(res[key])
-    return "\n".join(lines)
+            lines += ["", *section.markdown(res[key])]
+    text = "\n".join(lines)
+    while "\n\n\n" in text:  # sections end with or without a blank line: one between each
+        text = text.replace("\n\n\n", "\n\n")
+    return text.rstrip("\n") + "\n"
 
 
 def formats_markdown(res: dict) -> list[str]:
@@ -516,6 +519,50 @@ def bench_pipeline(work: Path, say) -> dict:
         "global_s_all": b["global_s_all"],
         "exact": b["localized_exact"] and b["global_exact"],
     }
+
+
+def merge_section(out: Path, key: str, res: dict, seconds: float) -> dict:
+    """Put one section's result into `out`/bench.json beside the others, then write the whole report anew
+    (bench.md from every stored result, this section's plot). Returns the merged results."""
+    bench = out / "bench.json"
+    full = json.loads(bench.read_text()) if bench.exists() else {}
+    if "models" not in full:
+        raise SystemExit(f"{bench}: no full bench results to merge into; fix: run `make bench` once first")
+    full[key] = res
+    full.setdefault("section_seconds", {})[key] = seconds
+    bench.write_text(json.dumps(full, indent=1))
+    (out / "bench.md").write_text(report_markdown(full))
+    section = SECTIONS[key]
+    if hasattr(section, "plot"):
+        try:
+            section.plot(res, out / f"bench_{key}.png")
+        except ImportError:
+            pass  # matplotlib missing: the report has the figures, no plot
+    return full
+
+
+def run_sections(out_dir: str, keys: list[str], verbose: bool = True) -> dict:
+    """Run only the sections `keys` (of `SECTIONS`) and merge each into `out_dir`'s results: a section redone
+    after a change without the whole bench's ~25 minutes. The other sections' figures stay as they were
+    measured (their run is named in bench.json's `section_seconds`)."""
+    unknown = [k for k in keys if k not in SECTIONS]
+    if unknown:
+        raise SystemExit(f"unknown bench section(s) {unknown}; fix: choose from {sorted(SECTIONS)}")
+    out = Path(out_dir)
+    work = Path(tempfile.mkdtemp(prefix="tmoe-bench-"))
+
+    def say(msg: str) -> None:
+        if verbose:
+            print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+    full: dict = {}
+    for key in keys:
+        ts = time.perf_counter()
+        res = SECTIONS[key].run(work, say)
+        full = merge_section(out, key, res, time.perf_counter() - ts)
+        say(f"{key}: merged into {out / 'bench.json'}, {out / 'bench.md'}")
+    shutil.rmtree(work, ignore_errors=True)
+    return full
 
 
 def run_bench(

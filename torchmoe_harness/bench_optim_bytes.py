@@ -132,10 +132,13 @@ def markdown(res: dict) -> list[str]:
             "|---|---|---|---|---|" + "---|" * len(ws) + "---|---|",
         ]
         for kind, r in rows.items():
-            forced = " | ".join(f"{r['forced'][w]['mean']:.3f} ({r['forced'][w]['worst']:.3f})" for w in ws)
+            by_w = {int(w): v for w, v in r["forced"].items()}  # read back from bench.json the keys are strings
+            forced = " | ".join(f"{by_w[w]['mean']:.3f} ({by_w[w]['worst']:.3f})" for w in ws)
+            # results measured before these two columns existed read back as "-"
+            largest = f"{r['largest_operator']:.3f}" if "largest_operator" in r else "-"
             lines.append(
-                f"| {LABELS[kind]} | {r['bytes_per_param']:.2f} | {r['dense_bytes'] / 1e6:.1f} | {r['operators']} | "
-                f"{r['largest_operator']:.3f} | {forced} | "
+                f"| {LABELS[kind]} | {r['bytes_per_param']:.2f} | {r['dense_bytes'] / 1e6:.1f} | "
+                f"{r.get('operators', '-')} | {largest} | {forced} | "
                 f"{r['auto']['W']} | {r['auto']['mean']:.3f} |"
             )
         lines.append("")

@@ -352,21 +352,16 @@ def main() -> None:
     out = Path(_arg("--out") or "benchmarks/results")
     out.mkdir(parents=True, exist_ok=True)
     say = lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True)  # noqa: E731
-    bench = out / "bench.json"
-    full = json.loads(bench.read_text()) if bench.exists() else {}
     again = _arg("--rerun")
     if again:
+        full = json.loads((out / "bench.json").read_text())
         rates = (_arg("--rates") or ",".join(RATES)).split(",")
         res = rerun(full["peer_tier"], rates, again.split(","), say)
     else:
         res = run(out, say)
-    full["peer_tier"] = res
-    full.setdefault("section_seconds", {})["peer_tier"] = res.get("seconds", 0.0)
-    bench.write_text(json.dumps(full, indent=1))
-    plot(res, out / "bench_peer_tier.png")
-    md = out / "bench.md"  # the whole bench's report: this section (the last one) replaced or added
-    head = md.read_text().split(HEADING)[0].rstrip("\n") if md.exists() else ""
-    md.write_text(head + "\n" + "\n".join(markdown(res)) + "\n")
+    from torchmoe_harness.bench import merge_section  # bench imports this module: late, no cycle at import
+
+    merge_section(out, "peer_tier", res, res.get("seconds", 0.0))
     print("\n".join(markdown(res)))
 
 

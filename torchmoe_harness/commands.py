@@ -101,9 +101,12 @@ def _selftest(a) -> int:
 
 
 def _bench(a) -> int:
-    from torchmoe_harness.bench import report_markdown, run_bench
+    from torchmoe_harness.bench import report_markdown, run_bench, run_sections
 
-    res = run_bench(a.out, tuple(a.models.split(",")), a.nproc, a.overlap, verbose=not a.quiet)
+    if a.sections:
+        res = run_sections(a.out, a.sections.split(","), verbose=not a.quiet)
+    else:
+        res = run_bench(a.out, tuple(a.models.split(",")), a.nproc, a.overlap, verbose=not a.quiet)
     print(json.dumps(res, indent=1) if a.json else report_markdown(res))
     return 0
 
@@ -155,6 +158,12 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         type=bounded(float, 0.0, 1.0, low_open=True),
         default=0.05,
         help="share of an iteration one slot copy may take, in (0, 1]",
+    )
+    b.add_argument(
+        "--sections",
+        default=None,
+        help="only these report sections (comma-separated: moe_regime, ettr, tiers, restart, peer_tier, families), "
+        "merged into OUT/bench.json and bench.md beside the results already there",
     )
     b.add_argument("--json", action="store_true")
     b.add_argument("--quiet", action="store_true")
