@@ -45,6 +45,7 @@ from torchmoe_ckpt.config import (
     STORE_FORMATS,
     CheckpointConfig,
     ConfigError,
+    CopyPhase,
     ObjectStoreConfig,
     OnUnusable,
     Popularity,
@@ -72,6 +73,9 @@ STORE_KEYS = tuple(f.name for f in fields(ObjectStoreConfig))  # the object_stor
 # The section's keys that are core fields, and the core dataclass each belongs to.
 CORE_KEYS: dict[str, type] = {
     **dict.fromkeys(("window", "popularity", "sliding", "host_memory_limit", "max_window"), SparseConfig),
+    # the GPU copy path (docs/gpu.md): the auto-W target and the switches the GPU check measures
+    **dict.fromkeys(("max_step_overhead", "copy_phase", "copy_chunk_bytes", "reads_on_copy_stream"), SparseConfig),
+    **dict.fromkeys(("device_staging",), SparseConfig),
     **dict.fromkeys(("root", "run_id", "replicas", "upload_backlog", "spare_windows"), TierConfig),
     **dict.fromkeys(("peer_max_lag_windows", "peer_interval", "peer_link_share", "object_store"), TierConfig),
     **dict.fromkeys(("hang_timeout_s", "on_unusable_checkpoint", "replay_check", "replay_tolerance"), CheckpointConfig),
@@ -81,6 +85,7 @@ TOML_NONE: dict[str, tuple[Any, ...]] = {
     "window": ("auto",),
     "host_memory_limit": ("", 0),
     "max_window": (0,),
+    "copy_chunk_bytes": (0,),  # one copy per item
     "run_id": ("",),  # torchrun's run id (TierConfig.run_id)
     "hang_timeout_s": (0.0,),  # off
     "object_store": ({},),  # no object store
@@ -159,6 +164,11 @@ class SparseCheckpointSection:
     sliding: bool = core("sliding")  # SparseConfig.sliding
     host_memory_limit: int | str = core("host_memory_limit")  # SparseConfig.host_memory_limit
     max_window: int = core("max_window")  # SparseConfig.max_window
+    max_step_overhead: float = core("max_step_overhead")  # SparseConfig.max_step_overhead (CUDA, auto W)
+    copy_phase: CopyPhase = core("copy_phase")  # SparseConfig.copy_phase
+    copy_chunk_bytes: int = core("copy_chunk_bytes")  # SparseConfig.copy_chunk_bytes
+    reads_on_copy_stream: bool = core("reads_on_copy_stream")  # SparseConfig.reads_on_copy_stream
+    device_staging: bool = core("device_staging")  # SparseConfig.device_staging
     root: str = core("root")  # TierConfig.root
     run_id: str = core("run_id")  # TierConfig.run_id (resolved once per worker: resolved_run_id)
     replicas: int = core("replicas")  # TierConfig.replicas

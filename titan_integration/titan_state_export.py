@@ -25,6 +25,7 @@ CHECKPOINT_KEYS = (
     "copy_seconds_mean",
     "windows",
     "host_tier",
+    "copy_path",  # the GPU copy-path switches and what they did (docs/gpu.md)
 )
 
 

@@ -22,9 +22,11 @@ from .core.config_values import (
 )
 from .core.errors import ConfigError
 from .core.sparse_config import (  # noqa: F401 (re-exported: SparseConfig lives in core/, below its readers)
+    COPY_PHASES,
     CUDA_OVERLAP,
     HOST_BUFFERS,
     POPULARITIES,
+    CopyPhase,
     HostBuffers,
     Popularity,
     SparseConfig,

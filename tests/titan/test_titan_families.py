@@ -228,8 +228,10 @@ def test_every_tensor_in_its_operator(discovered, fam, flavor):
 
 
 # ---- exactness per family: two kills, FSDP on 2 ranks ------------------------------------------------------
-def _run(d: Path, env: dict[str, str], fam: str, layout: str, faults: list[str]) -> str:
-    job = recovery_demo.write_job(d, steps=STEPS, window=WINDOW, host_dir=d / "host", family=fam, extra=LAYOUTS[layout])
+def _run(d: Path, env: dict[str, str], fam: str, layout: str, faults: list[str], sparse: str = "") -> str:
+    job = recovery_demo.write_job(
+        d, steps=STEPS, window=WINDOW, host_dir=d / "host", family=fam, extra=LAYOUTS[layout], extra_sparse=sparse
+    )
     if faults:
         env = dict(env, TORCHMOE_STANDBY="1")  # restarts without imports (module docstring)
     rc, out = recovery_demo.torchrun(
@@ -278,6 +280,32 @@ def test_two_kills_recover_bit_exact(tmp_path, tmp_path_factory, env, fam, layou
         # what was compared: parameters, AdamW's moments and steps, the expert_bias buffers, the LR
         state, _ = recovery_demo.load_rank(tmp_path / "run", r.rank)
         assert "lr" in state and any("expert_bias" in k for k in state) and any("exp_avg_sq" in k for k in state)
+
+
+# every switch of the GPU copy path away from its default, in the job file; 4 KiB chunks so that items split
+SWITCHES = """copy_phase = "backward"
+copy_chunk_bytes = 4096
+reads_on_copy_stream = true
+device_staging = true
+max_step_overhead = 0.05"""
+
+
+def test_gpu_copy_switches_from_the_job_file_recover_bit_exact(tmp_path, tmp_path_factory, env):
+    """The ``[sparse_checkpoint]`` keys of the GPU copy path (docs/gpu.md) reach the checkpointer of a TorchTitan
+    job and change nothing it recovers: the copy issued from the backward of TorchTitan's FSDP2 model, staged,
+    in 4 KiB chunks; the same two kills, the same end state as the default job's never-failed run. (On a CPU the
+    switches run their code paths to no effect on timing: tests/distributed/test_copy_switches.py.)"""
+    reference = _reference(tmp_path_factory, env, "qwen3", "fsdp2")
+    _run(tmp_path / "run", env, "qwen3", "fsdp2", KILLS, sparse=SWITCHES)
+    for r in recovery_demo.compare(reference, tmp_path / "run", 2):
+        assert r.attempt == 2 and r.recovery["recovered_step"] in (2, 4), r.recovery
+        assert not r.differing and r.losses_compared[-1] == STEPS and r.exact, r.differing[:4]
+        _, run = recovery_demo.load_rank(tmp_path / "run", r.rank)
+        path = run["checkpoint"]["copy_path"]
+        assert path["copy_phase"] == "backward" and path["copy_chunk_bytes"] == 4096, path
+        # copies of the last attempt were issued by the next iteration's backward, and staged first
+        assert path["issued_by_backward_hook"] >= 1, path
+        assert path["device_staging"] is not None and path["device_staging"]["staged_copies"] >= 1, path
 
 
 @pytest.mark.matrix
