@@ -36,10 +36,11 @@ $(STAMP): pyproject.toml constraints.txt
 demo: setup
 	$(BIN)/python -m titan_integration.recovery_demo $(DEMO_ARGS)
 
+# pyright -p .: this checkout's config, never a pyrightconfig.json found in a directory above it
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pyright
+	$(BIN)/pyright -p .
 
 test: setup lint
 	$(BIN)/python -m pytest -q tests
