@@ -28,6 +28,12 @@ def main(argv: list[str] | None = None, mesh=None):
     ap.add_argument("--run-id", default=None, help="default: torchrun's run id (one per launch)")
     ap.add_argument("--host-dir", default="/dev/shm/torchmoe-ckpt")
     ap.add_argument("--window", type=int, default=3)
+    ap.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="peers on other nodes that hold a copy of each window (1+: a lost node recovers from them)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="initialisation and data order (part of the run identity)")
     ap.add_argument(
         "--on-unusable-checkpoint",
@@ -91,7 +97,7 @@ def main(argv: list[str] | None = None, mesh=None):
 
     losses = {}
     config = tmc.CheckpointConfig(
-        tiers=tmc.TierConfig(root=args.host_dir, run_id=args.run_id),  # ckpt
+        tiers=tmc.TierConfig(root=args.host_dir, run_id=args.run_id, replicas=args.replicas),  # ckpt
         window=tmc.SparseConfig(window=args.window),
         max_grad_norm=1.0,  # ckpt
         on_unusable_checkpoint=args.on_unusable_checkpoint,

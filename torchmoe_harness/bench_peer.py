@@ -60,19 +60,29 @@ JOBS_RUN = {**JOBS, "host_again": JOBS["host"]}
 INTERVAL = {"sparse_auto": "auto"}  # job -> TierConfig.peer_interval (1 where not named)
 
 
-def _spec(replicas: int, window: int, root: str, run_id: str, interval: int | str = 1) -> dict:
+# The steady state of peer_interval "auto" (`steady`): longer jobs, priced from the iteration on which the rule has
+# its measurements (the first pushes, at k = 1-2, fall in the 20-step job's measured steps: its start-up).
+STEADY_STEPS = 60
+STEADY_FROM = 16  # the steps before (5 windows of 3) are left out of the steady-state means
+
+
+def _spec(
+    replicas: int, window: int, root: str, run_id: str, interval: int | str = 1, steps: int | None = None
+) -> dict:
     host = {"root": root, "run_id": run_id, "replicas": replicas, "peer_interval": interval}
-    return {"run": RUN, "checkpoint": {"window": window}, "resume": False, "host_tier": host, "timeout_s": 120}
+    run = dict(RUN, steps=steps or RUN["steps"])
+    return {"run": run, "checkpoint": {"window": window}, "resume": False, "host_tier": host, "timeout_s": 120}
 
 
-def _job(c, work: Path, rate: str | None, name: str) -> dict:
-    """One fault-free job on the cluster `c`, its links at `rate`; its measured figures (rank 0's report)."""
+def _job(c, work: Path, rate: str | None, name: str, steps: int | None = None, tag_suffix: str = "") -> dict:
+    """One fault-free job on the cluster `c`, its links at `rate`; its measured figures (rank 0's report).
+    `steps`: the job's length (RUN's otherwise); every step's wall and CPU seconds are kept then."""
     replicas, window = JOBS_RUN[name]
-    tag = f"{(rate or 'unlimited')}-{name}"
+    tag = f"{(rate or 'unlimited')}-{name}{tag_suffix}"
     out = work / tag
     out.mkdir(parents=True)
     spec_path = out / "spec.json"
-    spec_path.write_text(json.dumps(_spec(replicas, window, "/dev/shm/tmoe", tag, INTERVAL.get(name, 1))))
+    spec_path.write_text(json.dumps(_spec(replicas, window, "/dev/shm/tmoe", tag, INTERVAL.get(name, 1), steps)))
     program = ["-m", "torchmoe_harness.worker", "--spec", str(spec_path), "--out", str(out)]
     t0 = time.perf_counter()
     for n in c.nodes:
@@ -107,6 +117,7 @@ def _job(c, work: Path, rate: str | None, name: str) -> dict:
         "lag_windows_max": peers.get("lag_windows_max", 0),
         "peer_interval": peers.get("peer_interval", 1),  # the k in use at the end ("auto": the agreed one)
         "wall_s": round(time.perf_counter() - t0, 1),
+        **({"step_seconds": rep["step_seconds"], "step_cpu_s": rep.get("step_cpu_s", [])} if steps else {}),
     }
 
 
@@ -221,7 +232,9 @@ def run(out: Path, say, settings: dict | None = None) -> dict:
             first, again = jobs["host"], jobs.pop("host_again")
             jobs["host"] = _base(first, again)
             points.append(analyse({"rate": rate, "jobs": jobs}, unlimited))
+    steady_auto = steady(rates, say)
     return {
+        "steady_auto": steady_auto,
         "model": MODEL,
         "run": RUN,
         "window": WINDOW,
@@ -268,6 +281,86 @@ def rerun(res: dict, rates: list[str], names: list[str], say) -> dict:
     return res
 
 
+def steady(rates, say, steps: int = STEADY_STEPS, start: int = STEADY_FROM, repeats: int = 2) -> dict:
+    """peer_interval "auto" in its steady state: per rate, `repeats` rounds of (host, sparse_auto), then host once
+    more, each `steps` long; the mean step from iteration `start + 1` on. Overhead: auto's mean over the mean of the
+    host jobs around it; the noise: the host jobs' spread (max / min - 1) in the same session."""
+    from torchmoe_harness.cluster import Cluster, why_unavailable
+
+    reason = why_unavailable()
+    if reason:
+        return {"skipped": reason}
+    work = Path(tempfile.mkdtemp(prefix="tmoe-bench-peer-steady-"))
+    t0 = time.perf_counter()
+    points = []
+    with Cluster(nodes=2, out=work / "cluster") as c:
+        for rate in rates:
+            hosts, autos = [], []
+            order = [name for _ in range(repeats) for name in ("host", "sparse_auto")] + ["host"]
+            for i, name in enumerate(order):
+                say(f"peer tier steady state: link {rate}, job {name} ({steps} steps, {i + 1} of {len(order)})")
+                job = _job(c, work, rate, name, steps=steps, tag_suffix=f"-steady{i}")
+                (hosts if name == "host" else autos).append(job)
+            points.append(_steady_point(rate, hosts, autos, start))
+    return {
+        "steps": steps,
+        "from": start,
+        "repeats": repeats,
+        "points": points,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def _steady_point(rate: str, hosts: list[dict], autos: list[dict], start: int) -> dict:
+    def mean_from(job: dict, key: str) -> float:
+        return statistics.mean(job[key][start:])
+
+    base = [mean_from(j, "step_seconds") for j in hosts]
+    auto = [mean_from(j, "step_seconds") for j in autos]
+    base_cpu = [mean_from(j, "step_cpu_s") for j in hosts]
+    auto_cpu = [mean_from(j, "step_cpu_s") for j in autos]
+    # each auto job against the mean of the host jobs just before and after it (the machine drifts)
+    overheads = [a / statistics.mean(base[i : i + 2]) - 1 for i, a in enumerate(auto)]
+    return {
+        "rate": rate,
+        "base_step_s": base,
+        "auto_step_s": auto,
+        "overheads": overheads,
+        "overhead": statistics.mean(overheads),
+        "noise": max(base) / min(base) - 1,  # the same host job, measured len(base) times
+        "base_cpu_s": base_cpu,
+        "auto_cpu_s": auto_cpu,
+        "cpu_overhead": statistics.mean(auto_cpu) / statistics.mean(base_cpu) - 1,
+        "windows": [(j["windows_replicated"], j["windows_committed"], j["peer_interval"]) for j in autos],
+        "link_s_per_iter": statistics.mean(
+            j["bytes_sent"] / (j["link_bytes_per_s"] or _rate_bytes_per_s(rate)) / len(j["step_seconds"]) for j in autos
+        ),
+    }
+
+
+def steady_markdown(st: dict) -> list[str]:
+    if "skipped" in st:
+        return ["", f"Steady state of peer_interval auto: skipped ({st['skipped']})."]
+    lines = [
+        "",
+        f"### peer_interval auto in its steady state ({st['steps']}-step jobs, means from iteration {st['from'] + 1}; "
+        f"{st['repeats']} auto jobs per rate, each against the host jobs just before and after it)",
+        "",
+        "| link | base step (host jobs) | auto step | overhead (each job) | host jobs' spread | CPU per step vs base | "
+        "windows pushed / committed, k at the end | link s / iteration |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in st["points"]:
+        ms = lambda xs: " / ".join(f"{x * 1e3:.0f}" for x in xs)  # noqa: E731
+        pushed = ", ".join(f"{a} / {b}, k = {k}" for a, b, k in p["windows"])
+        lines.append(
+            f"| {p['rate']} | {ms(p['base_step_s'])} ms | {ms(p['auto_step_s'])} ms | {p['overhead']:+.1%} "
+            f"({', '.join(f'{o:+.1%}' for o in p['overheads'])}) | {p['noise']:.1%} | {p['cpu_overhead']:+.1%} | "
+            f"{pushed} | {p['link_s_per_iter'] * 1e3:.0f} ms |"
+        )
+    return lines
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
@@ -311,6 +404,8 @@ def markdown(res: dict) -> list[str]:
         f"{p['rate']} {p['jobs']['dense']['windows_superseded']} of {p['jobs']['dense']['windows_committed']}"
         for p in pts
     )
+    if res.get("steady_auto"):
+        lines += steady_markdown(res["steady_auto"])
     return lines
 
 
@@ -348,15 +443,19 @@ def _arg(name: str) -> str | None:
 
 
 def main() -> None:
-    """`--out DIR`; `--rerun JOB[,JOB] --rates RATE[,RATE]`: only those jobs at those rates, into DIR's results."""
+    """`--out DIR`; `--rerun JOB[,JOB] --rates RATE[,RATE]`: only those jobs at those rates, into DIR's results;
+    `--steady [--steps N] [--rates ...]`: only peer_interval auto's steady state (`steady`), into DIR's results."""
     out = Path(_arg("--out") or "benchmarks/results")
     out.mkdir(parents=True, exist_ok=True)
     say = lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True)  # noqa: E731
     again = _arg("--rerun")
-    if again:
-        full = json.loads((out / "bench.json").read_text())
-        rates = (_arg("--rates") or ",".join(RATES)).split(",")
-        res = rerun(full["peer_tier"], rates, again.split(","), say)
+    rates = (_arg("--rates") or ",".join(RATES)).split(",")
+    if again or "--steady" in sys.argv:
+        res = json.loads((out / "bench.json").read_text())["peer_tier"]
+        if again:
+            res = rerun(res, rates, again.split(","), say)
+        if "--steady" in sys.argv:
+            res["steady_auto"] = steady(rates, say, steps=int(_arg("--steps") or STEADY_STEPS))
     else:
         res = run(out, say)
     from torchmoe_harness.bench import merge_section  # bench imports this module: late, no cycle at import

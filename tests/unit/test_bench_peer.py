@@ -77,3 +77,30 @@ def test_interval_row_is_priced_from_its_mean_step_and_the_windows_it_pushed():
     assert p.overhead_fraction() == pytest.approx(0.1)
     s = bench_peer.analyse(point, {"step_s": 0.25})["systems"]["sparse_auto"]
     assert s["overhead"] == pytest.approx(0.1) and s["link_s_per_iter"] == pytest.approx((3 << 20) / 5e6 / 9)
+
+
+def test_steady_state_prices_each_auto_job_against_the_host_jobs_around_it():
+    """Host, auto, host, auto, host: each auto job's mean step (from iteration start + 1) over the mean of the two
+    host jobs beside it; the host jobs' spread is the noise the result is read against; CPU per step likewise."""
+
+    def job(steps, cpu, replicated=0, k=1):
+        return {
+            "step_seconds": [9.0] * 4 + steps,  # the first 4 (start-up) are left out
+            "step_cpu_s": [9.0] * 4 + cpu,
+            "windows_replicated": replicated,
+            "windows_committed": 8,
+            "peer_interval": k,
+            "bytes_sent": 6e6 if replicated else 0,
+            "link_bytes_per_s": 5e6 if replicated else None,
+        }
+
+    hosts = [job([1.0, 1.0], [0.5, 0.5]), job([1.2, 1.2], [0.5, 0.5]), job([1.0, 1.0], [0.5, 0.5])]
+    autos = [job([1.21, 1.21], [0.6, 0.6], 2, 7), job([1.1, 1.1], [0.6, 0.6], 2, 7)]
+    p = bench_peer._steady_point("40mbit", hosts, autos, 4)
+    assert p["overheads"] == pytest.approx([1.21 / 1.1 - 1, 0.0])
+    assert p["noise"] == pytest.approx(0.2) and p["cpu_overhead"] == pytest.approx(0.2)
+    assert p["link_s_per_iter"] == pytest.approx(6e6 / 5e6 / 6)
+    st = {"steps": 6, "from": 4, "repeats": 2, "points": [p]}
+    row = bench_peer.steady_markdown(st)[-1]
+    assert row.startswith("| 40mbit | 1000 / 1200 / 1000 ms | 1210 / 1100 ms | +5.0% (+10.0%, +0.0%) | 20.0% |")
+    assert "2 / 8, k = 7" in row
