@@ -51,7 +51,7 @@ HEADING = "## Peer tier on a shared link (2 namespace nodes, `tc tbf`)"
 SYSTEMS = ("sparse", "sparse_auto", "dense_k1", "dense_best")
 LABELS = {
     "sparse": f"ours: sparse windows, W = {WINDOW}, replicas = 1",
-    "sparse_auto": f"ours, peer_interval auto (W = {WINDOW}, every k-th window pushed)",
+    "sparse_auto": f"ours, peer_interval auto (W = {WINDOW}, every k-th window pushed; 20-step job: its start-up)",
     "dense_k1": "dense snapshot replicated every iteration",
     "dense_best": "dense snapshot replicated at its best interval (modelled from the one above)",
 }
@@ -232,9 +232,7 @@ def run(out: Path, say, settings: dict | None = None) -> dict:
             first, again = jobs["host"], jobs.pop("host_again")
             jobs["host"] = _base(first, again)
             points.append(analyse({"rate": rate, "jobs": jobs}, unlimited))
-    steady_auto = steady(rates, say)
-    return {
-        "steady_auto": steady_auto,
+    res = {
         "model": MODEL,
         "run": RUN,
         "window": WINDOW,
@@ -243,8 +241,11 @@ def run(out: Path, say, settings: dict | None = None) -> dict:
         "restart_s": RESTART_S,
         "unlimited": unlimited,
         "points": points,
-        "seconds": round(time.perf_counter() - t0, 1),
     }
+    res["steady_auto"] = steady(rates, say)
+    price_steady(res)
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    return res
 
 
 def _base(first: dict, again: dict) -> dict:
@@ -338,6 +339,24 @@ def _steady_point(rate: str, hosts: list[dict], autos: list[dict], start: int) -
     }
 
 
+def price_steady(res: dict) -> None:
+    """The steady-state auto rows' ETTR: the 20-step auto job's profile (pull, replay, replication lag) with the
+    steady state's overhead and push interval (W x the k the rule settled on: a node loss goes back to the newest
+    pushed window), on the same trace."""
+    st = res.get("steady_auto") or {}
+    by_rate = {p["rate"]: p for p in res.get("points", []) if "sparse_auto" in p["jobs"]}
+    trace = poisson_trace(TRACE["mtbf_s"], TRACE["horizon_s"], TRACE["seed"])
+    for sp in st.get("points", []):
+        point = by_rate.get(sp["rate"])
+        if point is None:
+            continue
+        start_up = profiles(point)["sparse_auto"]
+        interval = max(1, round(WINDOW * statistics.mean(k for _, _, k in sp["windows"])))
+        prof = replace(start_up, interval=interval, per_iter_overhead_s=max(0.0, sp["overhead"]) * start_up.t_iter)
+        sp["interval"] = interval
+        sp["ettr"] = simulate(prof, horizon_s=TRACE["horizon_s"], trace=trace).ettr
+
+
 def steady_markdown(st: dict) -> list[str]:
     if "skipped" in st:
         return ["", f"Steady state of peer_interval auto: skipped ({st['skipped']})."]
@@ -347,8 +366,8 @@ def steady_markdown(st: dict) -> list[str]:
         f"{st['repeats']} auto jobs per rate, each against the host jobs just before and after it)",
         "",
         "| link | base step (host jobs) | auto step | overhead (each job) | host jobs' spread | CPU per step vs base | "
-        "windows pushed / committed, k at the end | link s / iteration |",
-        "|---|---|---|---|---|---|---|---|",
+        "windows pushed / committed, k at the end | link s / iteration | interval | ETTR |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in st["points"]:
         ms = lambda xs: " / ".join(f"{x * 1e3:.0f}" for x in xs)  # noqa: E731
@@ -356,7 +375,8 @@ def steady_markdown(st: dict) -> list[str]:
         lines.append(
             f"| {p['rate']} | {ms(p['base_step_s'])} ms | {ms(p['auto_step_s'])} ms | {p['overhead']:+.1%} "
             f"({', '.join(f'{o:+.1%}' for o in p['overheads'])}) | {p['noise']:.1%} | {p['cpu_overhead']:+.1%} | "
-            f"{pushed} | {p['link_s_per_iter'] * 1e3:.0f} ms |"
+            f"{pushed} | {p['link_s_per_iter'] * 1e3:.0f} ms | {p.get('interval', '-')} | "
+            + (f"{p['ettr']:.3f} |" if "ettr" in p else "- |")
         )
     return lines
 
@@ -427,6 +447,12 @@ def plot(res: dict, path: Path) -> None:
             continue
         a.plot(xs, [pts[i]["systems"][name]["overhead"] * 100 for i in xs], marker="o", label=LABELS[name])
         b.plot(xs, [pts[i]["systems"][name]["ettr"] for i in xs], marker="o", label=LABELS[name])
+    steady_pts = {p["rate"]: p for p in (res.get("steady_auto") or {}).get("points", []) if "ettr" in p}
+    xs = [i for i, r in zip(x, rates) if r in steady_pts]
+    if xs:
+        label = "ours, peer_interval auto, steady state (60-step jobs)"
+        a.plot(xs, [steady_pts[rates[i]]["overhead"] * 100 for i in xs], marker="s", ls="--", label=label)
+        b.plot(xs, [steady_pts[rates[i]]["ettr"] for i in xs], marker="s", ls="--", label=label)
     for ax, title in ((a, "per-iteration overhead (%)"), (b, "ETTR (same node-loss trace)")):
         ax.set_xticks(x, rates)
         ax.set_xlabel("link rate (tc tbf, both directions)")
@@ -456,6 +482,7 @@ def main() -> None:
             res = rerun(res, rates, again.split(","), say)
         if "--steady" in sys.argv:
             res["steady_auto"] = steady(rates, say, steps=int(_arg("--steps") or STEADY_STEPS))
+        price_steady(res)
     else:
         res = run(out, say)
     from torchmoe_harness.bench import merge_section  # bench imports this module: late, no cycle at import
