@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -305,3 +307,60 @@ def test_object_store_cut_off_from_one_node_catches_up_and_recovery_never_mixes(
     report = _exact(again, reference, fault_summary, "cluster: recovery from the store after the cut", _logs(c))
     rec = report["recoveries"][0]
     assert rec.get("source") == "object store", rec
+
+
+def test_the_command_line_tool_rehearses_a_node_loss(tmp_path, reference, fault_summary):
+    """What docs/failure-recovery.md tells users to type: `python -m torchmoe_harness.cluster up ... -- program` in
+    one shell; `status`, `lose N` and `add` from another. Rank 1 stops itself at the start of iteration 9 (a fault
+    fired once per job: TORCHMOE_FAULT_STATE), its node is lost whole, a replacement joins at a new address and
+    runs the same program; `up` exits 0 when the job ends, the result is exact and nothing of the run is left."""
+    reference(2, RUN)
+    out = tmp_path / "run"
+    out.mkdir()
+    program = _program(out, "job", _spec(1))
+    env = dict(
+        os.environ, TORCHMOE_FAULT="freeze:point=forward:rank=1:step=9", TORCHMOE_FAULT_STATE=str(tmp_path / "faults")
+    )
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "torchmoe_harness.cluster", *args], capture_output=True, text=True, timeout=30
+        )
+
+    up = subprocess.Popen(
+        [sys.executable, "-m", "torchmoe_harness.cluster", "up", "--nodes", "2", "--max-restarts", "2", "--", *program],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    tag = d = None
+    try:
+        first = up.stdout.readline()  # "cluster <tag>: 2 node(s) on ..., dir <dir>"
+        assert first.startswith("cluster "), first
+        tag, d = first.split()[1].rstrip(":"), first.rsplit("dir ", 1)[1].strip()
+        end = time.monotonic() + 40
+        while not (stopped := [p for p in processes_mentioning(str(out)) if process_state(p) in ("T", "t")]):
+            assert up.poll() is None and time.monotonic() < end, "no worker stopped itself"
+            time.sleep(0.1)
+        ns = subprocess.run(["ip", "netns", "identify", str(stopped[0])], capture_output=True, text=True).stdout
+        node = int(ns.strip().rsplit("node", 1)[1])  # the node of the stopped rank: c10d's choice
+        status = cli("status", "--dir", d)
+        assert status.returncode == 0 and status.stdout.count("agent running") == 2, status
+        lost = cli("lose", str(node), "--dir", d)
+        assert lost.returncode == 0 and f"node {node}" in lost.stdout and "lost" in lost.stdout, lost
+        added = cli("add", "--dir", d)
+        assert added.returncode == 0 and "added at" in added.stdout, added
+        rest, _ = up.communicate(timeout=40)  # within the test's 60 s: the finally below still tears it down
+    finally:
+        if up.poll() is None:
+            up.terminate()  # SIGTERM: `up` tears the cluster down
+            up.wait(30)
+    assert d is not None
+    log = "\n".join(p.read_text() for p in sorted(Path(d).glob("node*-agent*.log")))
+    shutil.rmtree(d, ignore_errors=True)  # the tool keeps its logs for users; the test has read them
+    ended = "job ended: agent exit codes [0, 0]" in rest and "torn down" in rest
+    assert up.returncode == 0 and ended, rest + log[-3000:]
+    assert netns_of_run(tag) == [] and not processes_mentioning(str(out))
+    report = _exact(out, reference, fault_summary, "cluster CLI: node lost, replacement added", log)
+    assert any(r.get("pulled_from_peers") for r in report["recoveries"]), report["recoveries"]
