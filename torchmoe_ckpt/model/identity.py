@@ -178,12 +178,39 @@ def _short(v) -> str:
 
 def _diff(found: dict, want: dict) -> str | None:
     """The first difference between two identities' parts, in words (found != expected): the parts a user can
-    name first (world size, dtype, ...), then experts, tensors, operators, optimizer hyper-parameters, the rest."""
-    for differ in (_diff_simple, _diff_experts, _diff_tensors, _diff_operators, _diff_hyper, _diff_rest):
-        why = differ(found, want)
-        if why is not None:
-            return why
+    name first (world size, dtype, ...), then experts, tensors, operators, optimizer hyper-parameters, the rest;
+    then the names of the other parts that differ too, so that another model altogether says so ("...; also:
+    model tensors, operators") where its first difference alone (a dtype) would read like a setting to change."""
+    differs = (
+        (_diff_simple, None),
+        (_diff_experts, "experts"),
+        (_diff_tensors, "tensors"),
+        (_diff_operators, "operators"),
+        (_diff_hyper, "optimizer_hyper"),
+        (_diff_rest, None),
+    )
+    for differ, part in differs:
+        first = differ(found, want)
+        if first is None:
+            continue
+        if part is None:  # a simple part or the rest: the part the message names
+            named = [k for k in found.keys() | want.keys() if first.startswith(_part_name(k) + " ")]
+            part = max(named, key=lambda k: len(_part_name(k)), default=None)  # "optimizer state ..." > "optimizer"
+        also = [_part_name(k) for k in _differing_parts(found, want) if k != part]
+        return first + (f"; also: {', '.join(dict.fromkeys(also))}" if also else "")
     return None
+
+
+def _part_name(key: str) -> str:
+    """What a message calls an identity part."""
+    return dict(_SIMPLE_PARTS).get(key) or _OTHER_PART_NAMES.get(key, key)
+
+
+def _differing_parts(found: dict, want: dict) -> list[str]:
+    """Every identity part that differs, in `_diff`'s order."""
+    order = [k for k, _ in _SIMPLE_PARTS] + list(_OTHER_PART_NAMES)
+    keys = order + sorted(k for k in found.keys() | want.keys() if k not in order)
+    return [k for k in keys if found.get(k) != want.get(k)]
 
 
 _SIMPLE_PARTS = (  # (key, what the message calls it), in the order they are reported
@@ -195,6 +222,14 @@ _SIMPLE_PARTS = (  # (key, what the message calls it), in the order they are rep
     ("optimizer", "optimizer"),
     ("optimizer_state", "optimizer state (key, dtype)"),
 )
+
+
+_OTHER_PART_NAMES = {
+    "experts": "expert count",
+    "tensors": "model tensors",
+    "operators": "operators",
+    "optimizer_hyper": "optimizer hyper-parameters",
+}
 
 
 def _diff_simple(found: dict, want: dict) -> str | None:
