@@ -74,8 +74,8 @@ STORE_KEYS = tuple(f.name for f in fields(ObjectStoreConfig))  # the object_stor
 CORE_KEYS: dict[str, type] = {
     **dict.fromkeys(("window", "popularity", "sliding", "host_memory_limit", "max_window"), SparseConfig),
     # the GPU copy path (docs/gpu.md): the auto-W target and the switches the GPU check measures
-    **dict.fromkeys(("max_step_overhead", "copy_phase", "copy_chunk_bytes", "reads_on_copy_stream"), SparseConfig),
-    **dict.fromkeys(("device_staging",), SparseConfig),
+    **dict.fromkeys(("max_step_overhead", "copy_phase", "copy_chunk_bytes"), SparseConfig),
+    **dict.fromkeys(("reads_on_copy_stream", "device_staging"), SparseConfig),
     **dict.fromkeys(("root", "run_id", "replicas", "upload_backlog", "spare_windows"), TierConfig),
     **dict.fromkeys(("peer_max_lag_windows", "peer_interval", "peer_link_share", "object_store"), TierConfig),
     **dict.fromkeys(("hang_timeout_s", "on_unusable_checkpoint", "replay_check", "replay_tolerance"), CheckpointConfig),

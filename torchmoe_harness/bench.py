@@ -550,19 +550,27 @@ def run_sections(out_dir: str, keys: list[str], verbose: bool = True) -> dict:
         raise SystemExit(f"unknown bench section(s) {unknown}; fix: choose from {sorted(SECTIONS)}")
     out = Path(out_dir)
     work = Path(tempfile.mkdtemp(prefix="tmoe-bench-"))
+    say = _progress(verbose)
+    full: dict = {}
+    try:
+        for key in keys:
+            ts = time.perf_counter()
+            res = SECTIONS[key].run(work, say)
+            full = merge_section(out, key, res, time.perf_counter() - ts)
+            say(f"{key}: merged into {out / 'bench.json'}, {out / 'bench.md'}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return full
+
+
+def _progress(verbose: bool):
+    """The bench's progress lines, on stderr (`verbose` False: none)."""
 
     def say(msg: str) -> None:
         if verbose:
             print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
-    full: dict = {}
-    for key in keys:
-        ts = time.perf_counter()
-        res = SECTIONS[key].run(work, say)
-        full = merge_section(out, key, res, time.perf_counter() - ts)
-        say(f"{key}: merged into {out / 'bench.json'}, {out / 'bench.md'}")
-    shutil.rmtree(work, ignore_errors=True)
-    return full
+    return say
 
 
 def run_bench(
@@ -578,11 +586,7 @@ def run_bench(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tmoe-bench-"))
-
-    def say(msg: str) -> None:
-        if verbose:
-            print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
+    say = _progress(verbose)
     t0 = time.perf_counter()
     res = {
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, {platform.processor() or 'cpu'}, "
