@@ -232,6 +232,7 @@ def run(out: Path, say, settings: dict | None = None) -> dict:
             first, again = jobs["host"], jobs.pop("host_again")
             jobs["host"] = _base(first, again)
             points.append(analyse({"rate": rate, "jobs": jobs}, unlimited))
+        steady_auto = measure_steady(c, work, rates, say)
     res = {
         "model": MODEL,
         "run": RUN,
@@ -241,8 +242,8 @@ def run(out: Path, say, settings: dict | None = None) -> dict:
         "restart_s": RESTART_S,
         "unlimited": unlimited,
         "points": points,
+        "steady_auto": steady_auto,
     }
-    res["steady_auto"] = steady(rates, say)
     price_steady(res)
     res["seconds"] = round(time.perf_counter() - t0, 1)
     return res
@@ -282,27 +283,35 @@ def rerun(res: dict, rates: list[str], names: list[str], say) -> dict:
     return res
 
 
-def steady(rates, say, steps: int = STEADY_STEPS, start: int = STEADY_FROM, repeats: int = 2) -> dict:
-    """peer_interval "auto" in its steady state: per rate, `repeats` rounds of (host, sparse_auto), then host once
-    more, each `steps` long; the mean step from iteration `start + 1` on. Overhead: auto's mean over the mean of the
-    host jobs around it; the noise: the host jobs' spread (max / min - 1) in the same session."""
+def steady(rates, say, steps: int = STEADY_STEPS) -> dict:
+    """`measure_steady` on a cluster of its own (`--steady`, without the rest of the section)."""
     from torchmoe_harness.cluster import Cluster, why_unavailable
 
     reason = why_unavailable()
     if reason:
         return {"skipped": reason}
     work = Path(tempfile.mkdtemp(prefix="tmoe-bench-peer-steady-"))
+    with Cluster(nodes=2, out=work / "cluster") as c:
+        return measure_steady(c, work, rates, say, steps)
+
+
+def measure_steady(
+    c, work: Path, rates, say, steps: int = STEADY_STEPS, start: int = STEADY_FROM, repeats: int = 2
+) -> dict:
+    """peer_interval "auto" in its steady state on the cluster `c`: per rate, `repeats` rounds of (host,
+    sparse_auto), then host once more, each `steps` long; the mean step from iteration `start + 1` on. Overhead:
+    auto's mean over the mean of the host jobs around it; the noise: the host jobs' spread (max / min - 1) in the
+    same session."""
     t0 = time.perf_counter()
     points = []
-    with Cluster(nodes=2, out=work / "cluster") as c:
-        for rate in rates:
-            hosts, autos = [], []
-            order = [name for _ in range(repeats) for name in ("host", "sparse_auto")] + ["host"]
-            for i, name in enumerate(order):
-                say(f"peer tier steady state: link {rate}, job {name} ({steps} steps, {i + 1} of {len(order)})")
-                job = _job(c, work, rate, name, steps=steps, tag_suffix=f"-steady{i}")
-                (hosts if name == "host" else autos).append(job)
-            points.append(_steady_point(rate, hosts, autos, start))
+    for rate in rates:
+        hosts, autos = [], []
+        order = [name for _ in range(repeats) for name in ("host", "sparse_auto")] + ["host"]
+        for i, name in enumerate(order):
+            say(f"peer tier steady state: link {rate}, job {name} ({steps} steps, {i + 1} of {len(order)})")
+            job = _job(c, work, rate, name, steps=steps, tag_suffix=f"-steady{i}")
+            (hosts if name == "host" else autos).append(job)
+        points.append(_steady_point(rate, hosts, autos, start))
     return {
         "steps": steps,
         "from": start,

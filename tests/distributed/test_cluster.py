@@ -309,6 +309,20 @@ def test_object_store_cut_off_from_one_node_catches_up_and_recovery_never_mixes(
     assert rec.get("source") == "object store", rec
 
 
+def _node_of_stopped_worker(out: Path, up: subprocess.Popen, timeout: float = 40) -> int:
+    """The index of the node whose worker (of the job writing to `out`) stopped itself, found from outside the
+    tool (which node runs a rank is c10d's choice): the worker's network namespace is `<run>-node<i>`."""
+    end = time.monotonic() + timeout
+    while True:
+        stopped = [p for p in processes_mentioning(str(out)) if process_state(p) in ("T", "t")]
+        if stopped:
+            break
+        assert up.poll() is None and time.monotonic() < end, "no worker stopped itself"
+        time.sleep(0.1)
+    ns = subprocess.run(["ip", "netns", "identify", str(stopped[0])], capture_output=True, text=True).stdout
+    return int(ns.strip().rsplit("node", 1)[1])
+
+
 def test_the_command_line_tool_rehearses_a_node_loss(tmp_path, reference, fault_summary):
     """What docs/failure-recovery.md tells users to type: `python -m torchmoe_harness.cluster up ... -- program` in
     one shell; `status`, `lose N` and `add` from another. Rank 1 stops itself at the start of iteration 9 (a fault
@@ -339,12 +353,7 @@ def test_the_command_line_tool_rehearses_a_node_loss(tmp_path, reference, fault_
         first = up.stdout.readline()  # "cluster <tag>: 2 node(s) on ..., dir <dir>"
         assert first.startswith("cluster "), first
         tag, d = first.split()[1].rstrip(":"), first.rsplit("dir ", 1)[1].strip()
-        end = time.monotonic() + 40
-        while not (stopped := [p for p in processes_mentioning(str(out)) if process_state(p) in ("T", "t")]):
-            assert up.poll() is None and time.monotonic() < end, "no worker stopped itself"
-            time.sleep(0.1)
-        ns = subprocess.run(["ip", "netns", "identify", str(stopped[0])], capture_output=True, text=True).stdout
-        node = int(ns.strip().rsplit("node", 1)[1])  # the node of the stopped rank: c10d's choice
+        node = _node_of_stopped_worker(out, up)
         status = cli("status", "--dir", d)
         assert status.returncode == 0 and status.stdout.count("agent running") == 2, status
         lost = cli("lose", str(node), "--dir", d)

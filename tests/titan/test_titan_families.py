@@ -282,7 +282,8 @@ def test_two_kills_recover_bit_exact(tmp_path, tmp_path_factory, env, fam, layou
         assert "lr" in state and any("expert_bias" in k for k in state) and any("exp_avg_sq" in k for k in state)
 
 
-# every switch of the GPU copy path away from its default, in the job file; 4 KiB chunks so that items split
+# every switch of the GPU copy path on (reads_on_copy_stream is on by default; the others are not), in the job
+# file; 4 KiB chunks so that items split
 SWITCHES = """copy_phase = "backward"
 copy_chunk_bytes = 4096
 reads_on_copy_stream = true
