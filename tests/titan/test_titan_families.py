@@ -13,8 +13,8 @@
   titan_integration.train --config job.toml``), FSDP on 2 ranks: ``kill -9`` of a rank mid-window, again after the
   first recovery, and ``torch.equal`` on every model, optimizer and scheduler tensor and every loss after the last
   recovery, against a run that never failed (Qwen3.5's with fla_cpu's Gated DeltaNet ops in both runs: this checks
-  the checkpointing, not fla's kernels). DeepSeek-V3's is tests/titan/test_titan_restarts.py (3 kills); expert
-  parallelism on 2 ranks (``matrix``) for the others.
+  the checkpointing, not fla's kernels). DeepSeek-V3's is tests/titan/test_titan_restarts.py (2 kills; 3 in
+  ``matrix``); expert parallelism on 2 ranks (``matrix``) for the others.
 
 Time: a TorchTitan restart costs 5-25 s of imports on this shared 2-core machine (18-22 s per restart measured
 while other suites ran: 80 s for a 2-kill job), so each kill job runs with the launcher's pre-imported standby
@@ -289,6 +289,23 @@ copy_chunk_bytes = 4096
 reads_on_copy_stream = true
 device_staging = true
 max_step_overhead = 0.05"""
+
+
+def test_gpu_copy_switches_in_the_job_file_reach_the_core_config():
+    """The GPU copy path's keys, as the job file above writes them, become the core SparseConfig the trainer hands
+    to the checkpointer (copy_chunk_bytes = 0 spells one copy per item, the core's None); a wrong value is one
+    line. In process: the whole job with two kills is the `matrix` case below."""
+    import tomllib
+
+    from titan_integration.sparse_config import JobConfigError, SparseCheckpointSection
+
+    core = SparseCheckpointSection.from_table(tomllib.loads(SWITCHES)).core_config()
+    assert (core.copy_phase, core.copy_chunk_bytes, core.max_step_overhead) == ("backward", 4096, 0.05)
+    assert core.reads_on_copy_stream is True and core.device_staging is True
+    assert SparseCheckpointSection.from_table({"copy_chunk_bytes": 0}).core_config().copy_chunk_bytes is None
+    with pytest.raises(JobConfigError, match="copy_phase") as exc:
+        SparseCheckpointSection.from_table({"copy_phase": "forward"})
+    assert "\n" not in str(exc.value)
 
 
 def test_gpu_copy_switches_from_the_job_file_recover_bit_exact(tmp_path, tmp_path_factory, env):
