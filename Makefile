@@ -46,9 +46,10 @@ lint: $(STAMP)
 # start would compile the library again (0.2 s of CPU each, some 300 processes per run).
 BYTECODE := $(BIN)/python -m compileall -q torchmoe_ckpt titan_integration torchmoe_harness
 
+# --durations: CI's log names the slowest tests (each must stay well inside the 60 s per-test limit)
 test: setup lint
 	$(BYTECODE)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 # tests/unit: in-process, no torchrun, no servers (tests/distributed and tests/titan start real processes)
 test-fast: $(STAMP)

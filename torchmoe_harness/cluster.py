@@ -15,7 +15,7 @@ S3 object store (moto) runs in another. Links are rate-limited with `tc tbf` (`n
         c.start(new, ["train.py", "--steps", "100"])
         c.blackhole(c.nodes[0], 5)          # its bridge port down for 5 s: packets dropped, no reset
         c.throttle(c.nodes[0], "4mbit")     # its link, both directions
-        c.cut_store(c.nodes[0])             # this node cannot reach the object store (restore_store to undo)
+        c.cut_store(c.nodes[0])             # no route to the object store, its connections aborted (restore_store)
         c.wait(120)
 
 CLI (the same, from a shell; `up` holds the cluster, the fault commands talk to it over a unix socket):
@@ -88,7 +88,7 @@ def why_unavailable() -> str | None:
         return f"network namespaces need Linux (this is {sys.platform})"
     if os.geteuid() != 0:
         return f"network namespaces, veths and bridges need root (running as uid {os.geteuid()})"
-    missing = [t for t in ("ip", "tc", "unshare", "nsenter", "mount") if shutil.which(t) is None]
+    missing = [t for t in ("ip", "tc", "ss", "unshare", "nsenter", "mount") if shutil.which(t) is None]
     if missing:
         return f"missing tool(s) {', '.join(missing)} (iproute2, util-linux)"
     name = f"{PREFIX}-{os.getpid()}-probe-x"
@@ -473,12 +473,19 @@ class Cluster:
             )
 
     def cut_store(self, node: int | ClusterNode, seconds: float | None = None) -> None:
-        """The node loses its route to the object store (a blackhole route in its namespace: packets dropped);
-        training traffic is untouched. `restore_store(node)` (or `seconds`) brings the route back."""
+        """The node loses its route to the object store (a blackhole route in its namespace: new connections fail,
+        packets dropped) and its open connections to the store are aborted (`ss -K`); training traffic is
+        untouched. `restore_store(node)` (or `seconds`) brings the route back.
+
+        Why abort: an S3 client keeps idle connections open, and a request on one whose route is gone only
+        stalls (TCP retransmits, then success once the route is back: no error under botocore's 60 s read
+        timeout). Whether an upload found such a connection or opened a new one was chance, so a short cut
+        sometimes failed uploads and sometimes only delayed them; aborted, every upload during the cut fails."""
         node = self.node(node)
         if self.s3_ip is None:
             raise RuntimeError("this cluster has no object store (Cluster(object_store=True))")
         _ip("-n", node.netns, "route", "replace", "blackhole", f"{self.s3_ip}/32")
+        _ip("netns", "exec", node.netns, "ss", "-K", "dst", self.s3_ip)
         if seconds is not None:
             t = threading.Timer(seconds, self.restore_store, (node,))
             t.daemon = True
