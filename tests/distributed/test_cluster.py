@@ -276,9 +276,11 @@ def test_object_store_cut_off_from_one_node_catches_up_and_recovery_never_mixes(
     tmp_path, cluster, reference, fault_summary, then_recover
 ):
     """S3 (moto) in its own namespace; replicas = 0. Node B loses its route to the store for 4 s from iteration
-    5 (its uploads fail and retry, node A's go on). The job ends exact and B's windows catch up before it exits.
-    Matrix: then both nodes die (all host memory gone) and two new nodes recover from the store alone: a complete window
-    of one step on every rank, exact (a durable copy of one rank never meets a stale one of the other)."""
+    5, its open connections to the store aborted (cut_store: an upload in flight would otherwise stall and
+    succeed, as one did in a CI run); its uploads fail and retry, node A's go on. The job ends exact and B's
+    windows catch up before it exits. Matrix: then both nodes die (all host memory gone) and two new nodes recover
+    from the store alone: a complete window of one step on every rank, exact (a durable copy of one rank never
+    meets a stale one of the other)."""
     reference(2, RUN)
     out = tmp_path / "run"
     out.mkdir()

@@ -162,21 +162,33 @@ def test_unseeded_run_resumes_after_kill(tmp_path, fault_summary):
     fault_summary("user order: unseeded run, kill -9", 1, "recovered exactly")
 
 
-def test_jobs_one_after_the_other_on_one_store_prefix(tmp_path, fault_summary):
-    store = f"file://{tmp_path / 'store'}"
-    ref, _ = launch(tmp_path / "a", tmp_path / "a-shm", "--steps", "9", "--store-uri", store)  # job A: seed 0
-    listed = sorted(p.name for p in (tmp_path / "store" / RUN).iterdir())
+@pytest.fixture(scope="module")
+def store_job_a(tmp_path_factory) -> tuple[list[dict], Path]:
+    """Job A (seed 0, 9 iterations) with a file:// object store: its final state and the store. Shared by the two
+    tests below, run in this order (one test did all three jobs: 22-31 s, too close to the limit on a slow CI)."""
+    base = tmp_path_factory.mktemp("store-a")
+    ref, _ = launch(base / "a", base / "a-shm", "--steps", "9", "--store-uri", f"file://{base / 'store'}")
+    listed = sorted(p.name for p in (base / "store" / RUN).iterdir())
     assert "window-000002" in listed, listed
+    return ref, base / "store"
 
-    # Job B, seed 1, on a fresh node (empty host memory): the store holds only A's windows.
-    before = digest(tmp_path / "store")
-    log = refused(tmp_path / "b", tmp_path / "b-shm", "--steps", "9", "--seed", "1", "--store-uri", store)
+
+def test_a_second_job_on_the_same_store_prefix_is_refused(tmp_path, store_job_a, fault_summary):
+    """Job B, seed 1, on a fresh node (empty host memory): the store holds only A's windows; refused in one line,
+    A's windows byte for byte what they were."""
+    _, store = store_job_a
+    before = digest(store)
+    log = refused(tmp_path / "b", tmp_path / "b-shm", "--steps", "9", "--seed", "1", "--store-uri", f"file://{store}")
     one_line_refusal(log, "seed 0 != 1")
-    assert digest(tmp_path / "store") == before, "B changed A's windows"
+    assert digest(store) == before, "B changed A's windows"
     fault_summary("user order: second job on a shared store prefix, another seed", 1, "refused with one line")
 
-    # Job A again, its host memory gone: its own newest window from the store, exactly.
-    got, log = launch(tmp_path / "a2", tmp_path / "a2-shm", "--steps", "9", "--store-uri", store)
+
+def test_the_first_job_comes_back_from_the_shared_store_prefix(tmp_path, store_job_a, fault_summary):
+    """Job A again (after B's refusal above, in file order), its host memory gone: its own newest window from the
+    store, exactly."""
+    ref, store = store_job_a
+    got, log = launch(tmp_path / "a2", tmp_path / "a2-shm", "--steps", "9", "--store-uri", f"file://{store}")
     assert re.search(r"event=recovered run=\S+ window=2 source=object store", log), log[-3000:]
     assert_exact(ref, got)
     fault_summary("user order: first job back from the shared store prefix", 1, "recovered exactly")

@@ -13,8 +13,9 @@
   titan_integration.train --config job.toml``), FSDP on 2 ranks: ``kill -9`` of a rank mid-window, again after the
   first recovery, and ``torch.equal`` on every model, optimizer and scheduler tensor and every loss after the last
   recovery, against a run that never failed (Qwen3.5's with fla_cpu's Gated DeltaNet ops in both runs: this checks
-  the checkpointing, not fla's kernels). DeepSeek-V3's is tests/titan/test_titan_restarts.py (2 kills; 3 in
-  ``matrix``); expert parallelism on 2 ranks (``matrix``) for the others.
+  the checkpointing, not fla's kernels). DeepSeek-V3's: a kill under EP 2 in tests/titan/test_titan_sparse.py, 2
+  and 3 kills without the standby in tests/titan/test_titan_restarts.py (``matrix``); expert parallelism on 2 ranks
+  (``matrix``) for the others.
 
 Time: a TorchTitan restart costs 5-25 s of imports on this shared 2-core machine (18-22 s per restart measured
 while other suites ran: 80 s for a 2-kill job), so each kill job runs with the launcher's pre-imported standby
@@ -280,6 +281,13 @@ def test_two_kills_recover_bit_exact(tmp_path, tmp_path_factory, env, fam, layou
         # what was compared: parameters, AdamW's moments and steps, the expert_bias buffers, the LR
         state, _ = recovery_demo.load_rank(tmp_path / "run", r.rank)
         assert "lr" in state and any("expert_bias" in k for k in state) and any("exp_avg_sq" in k for k in state)
+        # the last restart's breakdown (titan_integration/restart_timing.py), trained in the standby's child
+        timing = json.loads((tmp_path / "run" / "export" / f"restart-timing-rank-{r.rank}-attempt-2.json").read_text())
+        phases = ("imports", "process_group", "model_build", "recovery", "first_step")
+        assert timing["standby"]["in_standby"] and all(timing[p] is not None and timing[p] >= 0 for p in phases), timing
+        if r.rank == 0:  # rank 0 reads the kill's time: the total runs from the kill
+            assert timing["from"] == "kill" and timing["total"] >= sum(timing[p] for p in phases), timing
+    assert "event=restart_timing attempt=2 " in out, out[-3000:]
 
 
 # every switch of the GPU copy path on (reads_on_copy_stream is on by default; the others are not), in the job
