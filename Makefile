@@ -55,7 +55,7 @@ test: setup lint
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
-# the default suite plus the `matrix` cases (more of each kind; ~7 minutes more)
+# the default suite plus the `matrix` cases (more of each kind; ~20 minutes more)
 test-all: setup
 	$(BYTECODE)
 	$(BIN)/python -m pytest -q -m "" tests

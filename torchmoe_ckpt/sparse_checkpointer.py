@@ -313,6 +313,11 @@ class SparseCheckpointer:
         store gets up to `upload_wait_s` for windows already handed to it. Unusable afterwards."""
         self._end(lambda tw: tw.abandon(upload_wait_s))
 
+    def wait_abandoned(self, timeout_s: float) -> bool:
+        """After `abandon`: wait up to `timeout_s` for the persist thread's job in flight to finish (see
+        PersistThread.wait_stopped); whether it ended (True without a persist thread)."""
+        return self.persist is None or self.persist.wait_stopped(timeout_s)
+
     def _end(self, end_writer) -> None:
         self._closed = True
         if self.trigger is not None:

@@ -163,7 +163,12 @@ def restart(
     cfg = trainer.cfg
     rep: dict = {}
     fail = fail or {}
-    # Nodes are lost before the restarted job opens its tiers (and takes the run lock), as in reality.
+    # Nodes are lost before the restarted job opens its tiers (and takes the run lock), as in reality. A real death
+    # stops the writer with the process; the abandoned one first finishes its job in flight (bounded: it may wait on
+    # a peer that dropped the same job), or it writes a torn window into the wiped directory and hands it to the
+    # store (seen once: "local copy of window 2 does not verify").
+    if host and (fail.get("lose_node") is not None or fail.get("lose_all_hosts")):
+        ck.wait_abandoned(10.0)
     if host and fail.get("lose_node") is not None:
         rep["lost"] = _lose_node(_node_dir(trainer, host), fail["lose_node"])
     if host and fail.get("lose_all_hosts"):

@@ -258,6 +258,13 @@ class PersistThread:
             self.shutdown()
             self._thread.join(timeout_s)
 
+    def wait_stopped(self, timeout_s: float) -> bool:
+        """After `abandon`: wait up to `timeout_s` for the job that was in flight to finish and the thread to end;
+        whether it ended. An emulated death that then wipes the node's directory waits for it first (a real death
+        stops the process and its writer at once; the abandoned writer would write into the wiped directory)."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def abandon(self, upload_wait_s: float = 0.0) -> None:
         """Emulate this process dying: drop the queued jobs (a job already running finishes) and stop; the store
         gets up to `upload_wait_s` for the windows already handed to it, then the upload thread stops too."""
