@@ -359,7 +359,7 @@ class SparseCheckpointSection:
                 f"{key}: the tensorstore package is not installed; fix: pip install "
                 f"'torchmoe-ckpt[tensorstore]' or {fmt} = \"dcp\""
             )
-        from torchmoe_ckpt.storage.tensorstore_spec import NoTensorstoreDriver, kvstore_spec
+        from torchmoe_ckpt.storage_format.tensorstore_spec import NoTensorstoreDriver, kvstore_spec
 
         try:
             kvstore_spec(self.store_uri)  # no storage options: nothing but the scheme is looked at
@@ -369,7 +369,7 @@ class SparseCheckpointSection:
     def check_store(self, probe: bool = True) -> None:
         """Open (and by default probe-write) the object store and the dense-export location once; raises
         JobConfigError naming the fix (with the key as the file wrote it)."""
-        from torchmoe_ckpt.storage.store_open import StoreConfigError, open_store
+        from torchmoe_ckpt.storage_format.store_open import StoreConfigError, open_store
 
         for key, uri, options in (
             (self._name("object_store.uri"), self.store_uri, self.store_options),
@@ -431,7 +431,7 @@ class SparseCheckpointSection:
         return rid
 
     def tiers_config(self, ranks_per_node: int | None = None) -> dict:
-        """The dict torchmoe_ckpt.storage.tiers.build_tiers takes: the keys set away from the core's defaults
+        """The dict torchmoe_ckpt.persist.tiers.build_tiers takes: the keys set away from the core's defaults
         (root, run_id and replicas always), the object store in full."""
         cfg: dict[str, Any] = {"root": self.root, "run_id": self.resolved_run_id(), "replicas": self.replicas}
         if ranks_per_node:

@@ -47,9 +47,9 @@ _EXPORTS = _by_module(
         "model.routing": "RouterCounter",
         "sparse_checkpointer": "SparseCheckpointer",
         "recovery.sparse_to_dense": "RecoveryReport Replayable ReplayDivergence sparse_to_dense",
-        "storage.run_lock": "RunLockedError",
-        "storage.tier_health": "CheckpointStallError",
-        "storage.tiers": "Tiers build_tiers",
+        "ownership.run_lock": "RunLockedError",
+        "persist.tier_health": "CheckpointStallError",
+        "persist.tiers": "Tiers build_tiers",
         "core.window": "Window",
     }
 )
@@ -60,7 +60,7 @@ _DCP_EXPORTS = _by_module(
         "dcp.tier_storage": "HostWriter HostReader StoreWriter StoreReader TieredWriter TieredReader",
         "dcp.peer_storage": "PeerWriter PeerReader held_copies",
         "dcp.raw_storage": "RawWriter RawReader has_checkpoint committed_windows",
-        "storage.slot_format": "CorruptCopyError",
+        "storage_format.slot_format": "CorruptCopyError",
         "dcp": "CorruptItemError",
     }
 )
@@ -79,6 +79,9 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they come
     from .model.operators import OperatorDiscoveryError, OperatorSpec, discover_operators
     from .model.optim_state import Optimizers, UpdateRule, optimizer_list, register_update_rule
     from .model.routing import RouterCounter
+    from .ownership.run_lock import RunLockedError
+    from .persist.tier_health import CheckpointStallError
+    from .persist.tiers import Tiers, build_tiers
     from .planning.placement import Placement, Topology, place_replicas
     from .recovery.recover import ResumeResult, recover
     from .recovery.replay_check import ReplayPolicy
@@ -86,9 +89,6 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they come
     from .recovery.sparse_to_dense import RecoveryReport, Replayable, ReplayDivergence, sparse_to_dense
     from .runtime.distributed import init_process_group, restart_attempt
     from .sparse_checkpointer import SparseCheckpointer
-    from .storage.run_lock import RunLockedError
-    from .storage.tier_health import CheckpointStallError
-    from .storage.tiers import Tiers, build_tiers
 
 
 def __getattr__(name: str):

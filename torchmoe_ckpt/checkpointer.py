@@ -27,6 +27,7 @@ from .model.identity import RunIdentity, TorchSeed, torch_seed
 from .model.operators import discover_operators, local_tensor
 from .model.optim_state import as_optimizers, check_optimizer_state, check_optimizers, describe_optimizer_state
 from .model.routing import RouterCounter
+from .persist.tiers import Tiers
 from .recovery import rng
 from .recovery.recover import RecoveryOptions, ResumeResult
 from .recovery.replay_check import check_replay_check
@@ -37,7 +38,6 @@ from .runtime.device_copy import host_copy
 from .runtime.watchdog import CollectiveWatchdog
 from .sparse_checkpointer import PlanningGroups, SparseCheckpointer
 from .startup import IdentityParts, start
-from .storage.tiers import Tiers
 
 log = logging.getLogger("torchmoe_ckpt.checkpointer")
 

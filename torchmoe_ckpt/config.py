@@ -32,7 +32,7 @@ from .core.sparse_config import (  # noqa: F401 (re-exported: SparseConfig lives
     SparseConfig,
 )
 from .runtime.watchdog import check_timeout
-from .storage.store_open import StoreConfigError, check_uri
+from .storage_format.store_open import StoreConfigError, check_uri
 
 __all__ = ["ConfigError", "SparseConfig", "ObjectStoreConfig", "TierConfig", "CheckpointConfig", "DEFAULT_HOST_ROOT"]
 
@@ -67,7 +67,7 @@ class ObjectStoreConfig:
     """At exit, the longest wait for pending uploads; what is left is uploaded by the next run (>= 0)."""
 
     lease_s: float = 30.0
-    """The writing job's lease on <uri>/<run_id> (storage/store_lease.py), renewed every lease_s/3: a second job
+    """The writing job's lease on <uri>/<run_id> (ownership/store_lease.py), renewed every lease_s/3: a second job
     writing the same run is refused while the lease is fresh, and takes over once it has expired."""
 
     def __post_init__(self):

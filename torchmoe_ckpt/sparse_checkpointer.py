@@ -28,16 +28,16 @@ from .core.window import Window, sliding_suffix
 from .model.identity import RunIdentity, build_identity
 from .model.operators import discover_operators, merged_operators
 from .model.optim_state import describe_optimizer_state
+from .persist.persist_thread import PersistThread
+from .persist.tiers import Tiers
 from .planning.window_planner import WindowPlanner
 from .recovery.recover import ResumeResult
 from .recovery.sparse_to_dense import RecoveryReport, replay_slots, sparse_to_dense
 from .runtime.agreement import reduce_float
 from .runtime.deferred_reads import HostReads
-from .storage.host_tier import HostTier
-from .storage.manifest import plan_digest
-from .storage.persist_thread import PersistThread
-from .storage.tiers import Tiers
-from .storage.window_tier import PartialWindow
+from .storage_format.manifest import plan_digest
+from .tiers.host_tier import HostTier
+from .tiers.window_tier import PartialWindow
 
 log = logging.getLogger("torchmoe_ckpt")
 
@@ -261,7 +261,7 @@ class SparseCheckpointer:
                     "window_size": cur.plan.window,
                     "plan": plan_digest(cur.plan.to_dict()),
                     "run": self._identity_dict["fingerprint"],
-                    "record": record,  # the persist thread writes its digest (storage.manifest.record_digest)
+                    "record": record,  # the persist thread writes its digest (storage_format.manifest.record_digest)
                 },
                 # sliding plans: how far the window got, so that a restart can use it before it commits
                 PartialWindow(cur.start_step, cur.plan, list(cur.log.records.values())) if cur.plan.sliding else None,

@@ -21,11 +21,11 @@ from .core.operator import Operator
 from .model.identity import RunIdentity, TorchSeed, build_identity, given_seed, mesh_replicate
 from .model.operators import discover_operators
 from .ops.status import log_recovery
+from .persist.tiers import Tiers, build_tiers
 from .recovery.recover import RecoveryOptions, ResumeResult, recover
 from .recovery.sparse_to_dense import Replayable
 from .runtime.agreement import all_gather_objects
 from .sparse_checkpointer import PlanningGroups, RunContext, SparseCheckpointer
-from .storage.tiers import Tiers, build_tiers
 
 log = logging.getLogger("torchmoe_ckpt.startup")
 

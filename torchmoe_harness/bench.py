@@ -240,7 +240,7 @@ def bench_formats(shm: Path, run_id: str, nproc: int) -> dict:
     """Both on-store formats for the same window (rank 0's newest, from the tiers run), on file:// and on S3
     (a moto server started here): bytes and objects written per window, upload time, bytes read to
     recover the rank and to fetch 2 of its experts."""
-    from torchmoe_ckpt.storage.host_tier import HostTier
+    from torchmoe_ckpt.tiers.host_tier import HostTier
     from torchmoe_harness.format_compare import compare_formats
     from torchmoe_harness.servers import create_bucket, moto_server
 

@@ -11,7 +11,7 @@ rank, so every step's all-gathers and reduce-scatters cross the throttled link. 
   host     replicas = 0, W = 3: training and the host tier only (the base step, `t_iter`)
   sparse   replicas = 1, W = 3: ours, each window pushed to the other node once committed
   sparse_auto  replicas = 1, W = 3, peer_interval "auto": ours, every k-th window pushed, k chosen so that the pushes
-           take at most 5 % of the link's time (storage/peer_interval.py); its overhead is from the MEAN step
+           take at most 5 % of the link's time (tiers/peer_interval.py); its overhead is from the MEAN step
            (a median hides a push every k windows), and its ETTR interval is W x the measured windows per push
   dense    replicas = 1, W = 1: every iteration a full snapshot (each slot holds the whole state), pushed to the
            other node: a dense snapshot replicated every iteration (when the link is still busy with the last one,

@@ -28,8 +28,8 @@ import torch
 from torchmoe_ckpt.core.slot import build_slot
 from torchmoe_ckpt.model.operators import discover_operators
 from torchmoe_ckpt.planning.schedule import plan_window
-from torchmoe_ckpt.storage.checksums import tensor_block_sums
-from torchmoe_ckpt.storage.host_tier import HostTier
+from torchmoe_ckpt.storage_format.checksums import tensor_block_sums
+from torchmoe_ckpt.tiers.host_tier import HostTier
 from torchmoe_harness.launch import run_torchrun
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
 

@@ -22,8 +22,8 @@ from torchmoe_ckpt.core.operator import Piece
 from torchmoe_ckpt.core.plan import SlotPlan, WindowPlan
 from torchmoe_ckpt.core.records import IterationRecord, ReplayLog
 from torchmoe_ckpt.core.slot import Slot, SlotItem
-from torchmoe_ckpt.storage.host_tier import HostTier
-from torchmoe_ckpt.storage.layout import store_writer_prefix, window_dirname, writer_name
+from torchmoe_ckpt.storage_format.layout import store_writer_prefix, window_dirname, writer_name
+from torchmoe_ckpt.tiers.host_tier import HostTier
 
 
 def _item(key, role, fqn, gshape, offset, shape, t) -> SlotItem:
@@ -116,10 +116,10 @@ def compare_formats(
     """Upload `tier`'s committed window with both formats to `uri` and measure, per format: bytes and
     objects written for the window, upload seconds, bytes read to recover this rank (download into a fresh
     host tier), and bytes read to fetch `experts_to_read` of this rank's experts of one grouped expert tensor."""
-    from torchmoe_ckpt.storage.object_tier import make_store
-    from torchmoe_ckpt.storage.store_open import open_store
-    from torchmoe_ckpt.storage.tensorstore_read import read_pieces
-    from torchmoe_ckpt.storage.tensorstore_spec import io_counters
+    from torchmoe_ckpt.storage_format.store_open import open_store
+    from torchmoe_ckpt.storage_format.tensorstore_spec import io_counters
+    from torchmoe_ckpt.tiers.object_tier import make_store
+    from torchmoe_ckpt.tiers.tensorstore_read import read_pieces
 
     run_id = run_id or f"cmp-{time.monotonic_ns()}"
     fs, root = open_store(uri, storage_options, probe=False)
@@ -180,7 +180,7 @@ def compare_formats(
 
 
 def _expert_key(store, window_id: int):
-    from torchmoe_ckpt.storage.tensorstore_spec import is_expert_key
+    from torchmoe_ckpt.storage_format.tensorstore_spec import is_expert_key
 
     items = store._read_meta(window_id)["slots"][0]["items"]
     for e in items:

@@ -42,9 +42,9 @@ from pathlib import Path
 import torch
 
 from torchmoe_ckpt.config import SparseConfig
+from torchmoe_ckpt.persist.tiers import build_tiers
 from torchmoe_ckpt.planning.schedule import measure_copy_bandwidth
 from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
-from torchmoe_ckpt.storage.tiers import build_tiers
 from torchmoe_harness.baselines import make_system
 from torchmoe_harness.baselines.ours import Ours
 from torchmoe_harness.bench_moe_worker import MAX_INTERVAL, _detach, _engine

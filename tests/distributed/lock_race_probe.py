@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from torchmoe_ckpt.storage import run_lock
+from torchmoe_ckpt.ownership import run_lock
 
 
 def racer(root: Path, trials: int, barrier, wins) -> None:

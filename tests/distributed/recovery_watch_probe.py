@@ -13,10 +13,10 @@ import torch
 
 from torchmoe_ckpt.config import SparseConfig
 from torchmoe_ckpt.model.operators import discover_operators
+from torchmoe_ckpt.persist.tiers import build_tiers
 from torchmoe_ckpt.recovery.recover import RecoveryOptions, recover
 from torchmoe_ckpt.runtime.watchdog import CollectiveWatchdog
 from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
-from torchmoe_ckpt.storage.tiers import build_tiers
 from torchmoe_harness.trainer import RunConfig, Trainer
 from torchmoe_harness.worker import leave, start, write_report
 

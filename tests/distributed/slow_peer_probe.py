@@ -21,7 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import MixtralConfig, MixtralForCausalLM
 
 import torchmoe_ckpt as tmc
-from torchmoe_ckpt.storage.peer_transport import GlooTransport
+from torchmoe_ckpt.tiers.peer_transport import GlooTransport
 
 
 class SleepyTransport(GlooTransport):

@@ -137,7 +137,7 @@ def test_throttled_link_fault_free_is_exact(tmp_path, cluster, reference, fault_
     report = _exact(out, reference, fault_summary, f"cluster: link {rate or 'unlimited'}", log)
     peers = report["checkpoint"]["peers"]
     assert peers["windows_replicated"] >= 3, peers
-    # the replication lag and each link's rate, in stats() and in the status lines (storage/peer_lag.py)
+    # the replication lag and each link's rate, in stats() and in the status lines (tiers/peer_lag.py)
     assert peers["lag_windows"] <= peers["lag_windows_max"] and "peer_durable" in peers, peers
     sent = [link for link in peers["links"] if link["direction"] == "to"]
     assert sent and all(link["bytes"] > 0 and link["bytes_per_s"] > 0 for link in sent), peers["links"]

@@ -1,5 +1,5 @@
-"""The host tier's direct persist (storage/slot_files.py): on CPU a slot's buffers ARE its shared-memory data file,
-so the snapshot copy is the persist. A committed window is never overwritten by a later one (the pool hands out
+"""The host tier's direct persist (storage_format/slot_files.py): on CPU a slot's buffers ARE its shared-memory data
+file, so the snapshot copy is the persist. A committed window is never overwritten by a later one (the pool hands out
 a set only once no window links its files), a failure while the next window is half-written recovers the
 previous one bit-exactly, and after a process restart the files are read back (also by stock dcp.load)."""
 
@@ -14,12 +14,12 @@ import torch.distributed.checkpoint as dcp
 from torchmoe_ckpt.config import SparseConfig
 from torchmoe_ckpt.dcp.raw_storage import RawReader, RawWriter
 from torchmoe_ckpt.dcp.slot_planner import SlotSavePlanner
+from torchmoe_ckpt.persist.persist_thread import FlushJob
+from torchmoe_ckpt.persist.tiers import Tiers
 from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
-from torchmoe_ckpt.storage.host_tier import HostTier
-from torchmoe_ckpt.storage.layout import DATA_FILE
-from torchmoe_ckpt.storage.persist_thread import FlushJob
-from torchmoe_ckpt.storage.slot_files import backing
-from torchmoe_ckpt.storage.tiers import Tiers
+from torchmoe_ckpt.storage_format.layout import DATA_FILE
+from torchmoe_ckpt.storage_format.slot_files import backing
+from torchmoe_ckpt.tiers.host_tier import HostTier
 from torchmoe_harness.trainer import RunConfig, Trainer
 
 
@@ -152,8 +152,8 @@ import os, sys, torch
 from torchmoe_ckpt import init_process_group
 from torchmoe_ckpt.config import SparseConfig
 from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
-from torchmoe_ckpt.storage.host_tier import HostTier
-from torchmoe_ckpt.storage.tiers import Tiers
+from torchmoe_ckpt.tiers.host_tier import HostTier
+from torchmoe_ckpt.persist.tiers import Tiers
 from torchmoe_harness.trainer import RunConfig, Trainer
 init_process_group("gloo")
 t = Trainer(RunConfig(steps=8))

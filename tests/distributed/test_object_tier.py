@@ -7,12 +7,12 @@ import os
 
 import pytest
 
-from torchmoe_ckpt.storage.checksums import FileEntry, crc32_bytes
-from torchmoe_ckpt.storage.host_tier import HostTier
-from torchmoe_ckpt.storage.layout import manifest_name, writer_name
-from torchmoe_ckpt.storage.manifest import WindowManifest
-from torchmoe_ckpt.storage.object_tier import ObjectTier, StoreConfigError
-from torchmoe_ckpt.storage.uploader import Uploader
+from torchmoe_ckpt.persist.uploader import Uploader
+from torchmoe_ckpt.storage_format.checksums import FileEntry, crc32_bytes
+from torchmoe_ckpt.storage_format.layout import manifest_name, writer_name
+from torchmoe_ckpt.storage_format.manifest import WindowManifest
+from torchmoe_ckpt.tiers.host_tier import HostTier
+from torchmoe_ckpt.tiers.object_tier import ObjectTier, StoreConfigError
 from torchmoe_harness.launch import compare, run_torchrun
 
 
@@ -36,7 +36,7 @@ def _cli_verifies_the_store(uri: str, opts: dict, window_id: int) -> None:
     """`torchmoe-ckpt verify URI` exits 0 while every byte in the store verifies, 1 after one byte flips."""
     from torchmoe_ckpt.ops.cli import main
     from torchmoe_ckpt.ops.inspection import inspect_location
-    from torchmoe_ckpt.storage.store_open import open_store
+    from torchmoe_ckpt.storage_format.store_open import open_store
 
     assert main(["verify", uri, "--storage-options", json.dumps(opts)]) == 0
     info = inspect_location(uri, opts)
@@ -151,7 +151,7 @@ def test_bad_store_settings_fail_at_start_with_one_clear_message(tmp_path, moto)
 def test_a_scheme_without_slashes_is_refused_naming_the_uri_meant(tmp_path, monkeypatch, uri, meant):
     """fsspec reads "s3:/bucket" as the local directory ./s3:/bucket: uploads would "succeed" into it."""
     import torchmoe_ckpt as tmc
-    from torchmoe_ckpt.storage.object_tier import make_store
+    from torchmoe_ckpt.tiers.object_tier import make_store
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(tmc.ConfigError, match=f"did you mean '{meant}'"):
@@ -164,7 +164,7 @@ def test_a_scheme_without_slashes_is_refused_naming_the_uri_meant(tmp_path, monk
 
 
 def test_error_explanations_do_not_read_port_numbers_as_http_status():
-    from torchmoe_ckpt.storage.store_open import explain as _explain
+    from torchmoe_ckpt.storage_format.store_open import explain as _explain
 
     class EndpointConnectionError(Exception):  # botocore's name; only the text and name are read
         pass
@@ -245,7 +245,7 @@ def test_status_lines_say_each_window_once_and_store_changes_once(caplog):
     import logging
 
     from torchmoe_ckpt.ops.status import recovery_line
-    from torchmoe_ckpt.storage.run_status import RunStatus
+    from torchmoe_ckpt.persist.run_status import RunStatus
 
     st = RunStatus(0, peers=1, store="s3://b/x")
     with caplog.at_level(logging.INFO, logger="torchmoe_ckpt"):
@@ -279,7 +279,7 @@ def test_status_lines_say_each_window_once_and_store_changes_once(caplog):
 def test_exit_with_no_window_committed_is_a_warning_that_says_why(caplog):
     import logging
 
-    from torchmoe_ckpt.storage.run_status import RunStatus
+    from torchmoe_ckpt.persist.run_status import RunStatus
 
     with caplog.at_level(logging.INFO, logger="torchmoe_ckpt"):
         RunStatus(0).exit_summary(0.0, 30.0, "/dev/shm/x")
@@ -292,7 +292,7 @@ def test_exit_with_no_window_committed_is_a_warning_that_says_why(caplog):
 _HOLDER = """
 import sys, time
 from torchmoe_ckpt.config import TierConfig
-from torchmoe_ckpt.storage.tiers import build_tiers
+from torchmoe_ckpt.persist.tiers import build_tiers
 store = {"uri": sys.argv[2], "lease_s": 2.0}
 if len(sys.argv) > 3:
     import json
@@ -312,8 +312,8 @@ def test_a_second_job_on_the_same_store_prefix_is_refused(tmp_path, monkeypatch,
     import sys
 
     from torchmoe_ckpt.config import TierConfig
-    from torchmoe_ckpt.storage.store_lease import StoreLeasedError
-    from torchmoe_ckpt.storage.tiers import build_tiers
+    from torchmoe_ckpt.ownership.store_lease import StoreLeasedError
+    from torchmoe_ckpt.persist.tiers import build_tiers
 
     if kind == "file":
         store, opts = {"uri": f"file://{tmp_path / 'store'}"}, None

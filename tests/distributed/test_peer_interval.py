@@ -1,4 +1,4 @@
-"""`TierConfig.peer_interval`: only every k-th committed window is pushed to the peers (storage/peer_interval.py).
+"""`TierConfig.peer_interval`: only every k-th committed window is pushed to the peers (tiers/peer_interval.py).
 A node loss then recovers from the newest window the peers hold, older than the survivors' newest host window,
 and still exactly: the survivors keep their host copies from the newest pushed window on, and recovery takes one
 window id for every rank (never a mix). The rule and the lag: tests/unit/test_peer_interval_rule.py."""

@@ -1,4 +1,4 @@
-"""Replication lag made visible (storage/peer_lag.py): a peer link slower than training makes windows shows as a lag
+"""Replication lag made visible (tiers/peer_lag.py): a peer link slower than training makes windows shows as a lag
 in windows in `stats()['peers']` and the status lines, one warning when it crosses `peer_max_lag_windows` (not
 one per step) and the peer copy reported as not durable until it catches up; windows superseded while the link
 was busy are skipped (counted), so host memory stays within its cap instead of queueing them."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import transformers  # noqa: F401  (make setup installs it: a missing one fails here, not skips)
 
-from torchmoe_ckpt.storage.peer_lag import PeerLag
+from torchmoe_ckpt.tiers.peer_lag import PeerLag
 from torchmoe_harness.launch import torchrun
 
 PROBE = Path(__file__).resolve().parent / "slow_peer_probe.py"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from torchmoe_ckpt.storage import run_lock
+from torchmoe_ckpt.ownership import run_lock
 from torchmoe_harness.launch import processes_mentioning, torchrun
 
 PROBE = str(Path(__file__).with_name("run_lock_probe.py"))

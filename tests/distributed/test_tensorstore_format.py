@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from torchmoe_ckpt.ops.inspection import verify_location
-from torchmoe_ckpt.storage.host_tier import HostTier
-from torchmoe_ckpt.storage.object_tier import ObjectTier, make_store
-from torchmoe_ckpt.storage.tensorstore_read import read_global, read_pieces
-from torchmoe_ckpt.storage.tensorstore_spec import io_counters, slot_from_dcp
-from torchmoe_ckpt.storage.tensorstore_tier import TensorstoreTier
+from torchmoe_ckpt.storage_format.tensorstore_spec import io_counters, slot_from_dcp
+from torchmoe_ckpt.tiers.host_tier import HostTier
+from torchmoe_ckpt.tiers.object_tier import ObjectTier, make_store
+from torchmoe_ckpt.tiers.tensorstore_read import read_global, read_pieces
+from torchmoe_ckpt.tiers.tensorstore_tier import TensorstoreTier
 from torchmoe_harness.format_compare import compare_formats, synthetic_window
 from torchmoe_harness.launch import compare, run_torchrun
 
@@ -126,7 +126,7 @@ CRASH = textwrap.dedent("""
     import os, signal, sys, threading, time
     from pathlib import Path
     from torchmoe_ckpt.runtime import faults
-    from torchmoe_ckpt.storage.tensorstore_tier import TensorstoreTier
+    from torchmoe_ckpt.tiers.tensorstore_tier import TensorstoreTier
     from torchmoe_harness.format_compare import synthetic_window
     tmp, how = Path(sys.argv[1]), sys.argv[2]
     tiers = synthetic_window(tmp / "host", world=1, window_id=2, experts=8, ffn=256, dim=256)  # 14 MiB

@@ -22,12 +22,12 @@ import torchmoe_ckpt as tmc
 from torchmoe_ckpt.checkpointer import _Replay
 from torchmoe_ckpt.model.identity import IdentityMismatch, build_identity
 from torchmoe_ckpt.ops.inspection import verify_location
+from torchmoe_ckpt.persist.tiers import build_tiers
 from torchmoe_ckpt.recovery.recover import recover
-from torchmoe_ckpt.storage.checksums import crc32_bytes
-from torchmoe_ckpt.storage.host_tier import HostTier
-from torchmoe_ckpt.storage.manifest import content_checksum, record_digest
-from torchmoe_ckpt.storage.slot_format import PLANNER_KEY
-from torchmoe_ckpt.storage.tiers import build_tiers
+from torchmoe_ckpt.storage_format.checksums import crc32_bytes
+from torchmoe_ckpt.storage_format.manifest import content_checksum, record_digest
+from torchmoe_ckpt.storage_format.slot_format import PLANNER_KEY
+from torchmoe_ckpt.tiers.host_tier import HostTier
 from torchmoe_harness.launch import run_torchrun
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
 

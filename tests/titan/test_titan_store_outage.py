@@ -35,10 +35,10 @@ def _rank0(lines: list[str], needle: str) -> list[int]:
 
 def test_store_outage_mid_run_warns_summarises_exits_in_time_and_catches_up(tmp_path):
     from torchmoe_ckpt.ops.cli import main as cli
-    from torchmoe_ckpt.storage.host_tier import HostTier
-    from torchmoe_ckpt.storage.object_tier import ObjectTier
-    from torchmoe_ckpt.storage.store_open import open_store
-    from torchmoe_ckpt.storage.uploader import Uploader
+    from torchmoe_ckpt.persist.uploader import Uploader
+    from torchmoe_ckpt.storage_format.store_open import open_store
+    from torchmoe_ckpt.tiers.host_tier import HostTier
+    from torchmoe_ckpt.tiers.object_tier import ObjectTier
 
     with moto_server() as moto:
         create_bucket(moto.storage_options, "outage")

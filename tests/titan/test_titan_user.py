@@ -60,7 +60,7 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
 def test_object_store_format_maps_onto_the_library_config(tmp_path):
     from torchmoe_ckpt.config import STORE_FORMATS as LIB_FORMATS
     from torchmoe_ckpt.config import TierConfig
-    from torchmoe_ckpt.storage.tiers import build_tiers
+    from torchmoe_ckpt.persist.tiers import build_tiers
 
     assert STORE_FORMATS == LIB_FORMATS
     sec = SparseCheckpointSection.from_table(
@@ -242,8 +242,8 @@ def test_bad_host_dir_fails_at_launch_before_torchtitan(tmp_path, env, how):
 
 # ---- 4. quiet store clients --------------------------------------------------------------------------------
 def test_store_client_loggers_are_quiet_unless_configured(azurite):
-    from torchmoe_ckpt.storage.object_tier import make_store
-    from torchmoe_ckpt.storage.store_open import QUIET_LOGGERS
+    from torchmoe_ckpt.storage_format.store_open import QUIET_LOGGERS
+    from torchmoe_ckpt.tiers.object_tier import make_store
 
     saved = {n: logging.getLogger(n).level for n in [*QUIET_LOGGERS, ""]}
     try:

@@ -11,10 +11,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchmoe_ckpt.dcp import CorruptItemError, RawReader, RawWriter
-from torchmoe_ckpt.storage import checksums
-from torchmoe_ckpt.storage.checksums import BLOCK, SUM64, FileEntry, block_sums, digest, file_entry, tensor_block_sums
-from torchmoe_ckpt.storage.manifest import WindowManifest
-from torchmoe_ckpt.storage.mapped_files import MappedFiles
+from torchmoe_ckpt.storage_format import checksums
+from torchmoe_ckpt.storage_format.checksums import (
+    BLOCK,
+    SUM64,
+    FileEntry,
+    block_sums,
+    digest,
+    file_entry,
+    tensor_block_sums,
+)
+from torchmoe_ckpt.storage_format.manifest import WindowManifest
+from torchmoe_ckpt.storage_format.mapped_files import MappedFiles
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

@@ -45,30 +45,33 @@ LAYERS = (
     (1, "runtime", "process services: process groups, fault points, exit, watchdog, device copies"),
     (2, "model", "what is checkpointed: operators, MoE structure, optimizer state, routing, run identity"),
     (3, "planning", "Algorithm 1, the window planner, popularity, peer placement"),
-    (4, "storage", "the tiers behind one contract, layout, manifests, checksums, persist thread, status lines"),
-    (5, "dcp", "DCP planners and StorageWriter/Reader adapters over the tiers"),
-    (6, "capture", "the copy engine, slot pools and their allocators, host memory"),
-    (7, "recovery", "recover, sparse-to-dense, replay checks and records, RNG, JIT checkpoint"),
-    (8, "pipeline", "stage-boundary logs and localized recovery"),
-    (8, "ops", "the recovery line, the command line, inspect/verify"),
+    (4, "storage_format", "the bytes on disk and in the store: layout, manifests, slot format, checksums, files"),
+    (5, "ownership", "who may write a run: the run lock (local) and the store lease (object store)"),
+    (6, "tiers", "the tiers behind one contract: host memory, peers, the object store (DCP and tensorstore)"),
+    (7, "persist", "what runs the tiers: building them, the persist thread, uploader, health, status lines"),
+    (8, "dcp", "DCP planners and StorageWriter/Reader adapters over the tiers"),
+    (9, "capture", "the copy engine, slot pools and their allocators, host memory"),
+    (10, "recovery", "recover, sparse-to-dense, replay checks and records, RNG, JIT checkpoint"),
+    (11, "pipeline", "stage-boundary logs and localized recovery"),
+    (11, "ops", "the recovery line, the command line, inspect/verify"),
 )
 # Modules at the package root: the front door (what a user imports, the start-up sequence). It may import any layer.
 FRONT_DOOR = ("__init__", "checkpointer", "config", "startup", "sparse_checkpointer")
 # Imports against the order that this re-layout left, each with its reason: (importing module, imported module).
 ALLOWED_UPWARD = {
-    # config.py holds TierConfig, whose checks need the storage layer (storage.store_open.check_uri: a URI that
+    # config.py holds TierConfig, whose checks need the storage format (storage_format.store_open.check_uri: a URI that
     # would silently be a local directory is refused at construction); SparseConfig and the torch-free constants
     # live in core/ (core/sparse_config.py, core/config_values.py). These two read a TierConfig from the front door.
-    ("storage.tiers", "config"): "TierConfig, DEFAULT_HOST_ROOT: build_tiers builds the tiers from the config",
+    ("persist.tiers", "config"): "TierConfig, DEFAULT_HOST_ROOT: build_tiers builds the tiers from the config",
     ("recovery.jit", "config"): "TierConfig: the JIT checkpoint writes where the tiers are configured",
 }
 
 
 @dataclass(frozen=True)
 class Import:
-    source: str  # importing module, e.g. torchmoe_ckpt.storage.host_tier
-    target: str  # absolute name as written or resolved, e.g. torchmoe_ckpt.storage.manifest.file_entry
-    module: str  # the part that must be a module: torchmoe_ckpt.storage.manifest (the target may be one too)
+    source: str  # importing module, e.g. torchmoe_ckpt.tiers.host_tier
+    target: str  # absolute name as written or resolved, e.g. torchmoe_ckpt.storage_format.manifest.file_entry
+    module: str  # the part that must be a module: torchmoe_ckpt.storage_format.manifest (the target may be one too)
     line: int
     local: bool  # inside a function or method
 

@@ -1,13 +1,13 @@
-"""The peer push interval's rule (storage/peer_interval.py) and the lag in pushes missed with an interval
-(storage/peer_lag.py); the node-loss case is tests/distributed/test_peer_interval.py."""
+"""The peer push interval's rule (tiers/peer_interval.py) and the lag in pushes missed with an interval
+(tiers/peer_lag.py); the node-loss case is tests/distributed/test_peer_interval.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from torchmoe_ckpt.config import ConfigError, TierConfig
-from torchmoe_ckpt.storage.peer_interval import AUTO_MAX, PeerInterval, interval_for
-from torchmoe_ckpt.storage.peer_lag import PeerLag
+from torchmoe_ckpt.tiers.peer_interval import AUTO_MAX, PeerInterval, interval_for
+from torchmoe_ckpt.tiers.peer_lag import PeerLag
 
 
 def test_auto_rule_keeps_the_push_within_its_share_of_link_time():

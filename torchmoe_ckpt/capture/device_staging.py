@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..storage.run_status import human_bytes
+from ..persist.run_status import human_bytes
 
 __all__ = ["ALIGN", "DeviceStaging", "HEADROOM", "staging_need", "staging_fits"]
 

@@ -1,5 +1,5 @@
-"""The slot allocator over the shared-memory slot files of storage/slot_files.py: a set is one file per slot, reused
-once the persist thread is past it and no window links its files (CPU with the host tier; opt-in on CUDA,
+"""The slot allocator over the shared-memory slot files of storage_format/slot_files.py: a set is one file per slot,
+reused once the persist thread is past it and no window links its files (CPU with the host tier; opt-in on CUDA,
 `host_buffers="shm-registered"`: docs/gpu.md)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 
 from ..core.plan import WindowPlan
 from ..core.slot import Slot
-from ..storage.checksums import BLOCK
-from ..storage.slot_files import Backing, SlotFiles, backing
+from ..storage_format.checksums import BLOCK
+from ..storage_format.slot_files import Backing, SlotFiles, backing
 from .slot_pool import ArenaSlotPool, SlotPoolBase, signature
 
 log = logging.getLogger("torchmoe_ckpt.slot_files")

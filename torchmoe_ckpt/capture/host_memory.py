@@ -13,7 +13,7 @@ import time
 
 from ..core.config_values import parse_bytes  # noqa: F401 (re-exported: defined torch-free for config.py)
 from ..core.errors import ConfigError
-from ..storage.run_status import human_bytes
+from ..persist.run_status import human_bytes
 from .device_staging import ALIGN as STAGING_ALIGN
 from .slot_pool import pageup
 
@@ -86,7 +86,7 @@ class HostMemory:
     def plan_need(self, plan, senders: int = 0) -> dict:
         """Worst-case host bytes with windows of `plan`, as {part: bytes} (docs/storage-tiers.md). Copies held for
         `senders` peers are priced at this rank's window; logged batches are counted at run time only."""
-        from ..storage.checksums import BLOCK
+        from ..storage_format.checksums import BLOCK
 
         ck, alloc = self.ck, self.ck.slots
         pool = getattr(alloc, "fallback", alloc)  # the arena pool knows the items' sizes
@@ -116,7 +116,7 @@ class HostMemory:
                 out["spares"] = spare_w * F
         if senders:  # per sender: two copies held, and the arriving one or the collected one's spares
             out["peer_copies"] = senders * (2 + max(1, spare_w)) * (F + small)
-            from ..storage.peer_tier import CHUNK  # each of the peer tier's two transfer buffers at most
+            from ..tiers.peer_tier import CHUNK  # each of the peer tier's two transfer buffers at most
 
             out["peer_buffers"] = 2 * min(CHUNK, F)
         store = None if tw is None or tw.uploader is None else tw.uploader.store

@@ -1,6 +1,6 @@
 """The torch-free values the configuration is made of: byte sizes, the operator patterns, the replay policy.
 
-`torchmoe_ckpt.config` imports only this, `errors`, `storage.store_open` and `watchdog` (none of them torch), so a
+`torchmoe_ckpt.config` imports only this, `errors`, `storage_format.store_open` and `watchdog` (no torch), so a
 launcher can build and check every config before torch loads (TorchTitan's `[sparse_checkpoint]` section does).
 The modules that use these values (host_memory, moe_structure/operators, replay_check) re-export them.
 """

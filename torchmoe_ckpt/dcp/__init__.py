@@ -1,7 +1,7 @@
 """DCP only: the sparse planners a DCP user passes to `dcp.save` / `dcp.load` on a standard state dict, the thin
 StorageWriter/StorageReader adapters over the storage tiers (torchmoe_ckpt.storage), and the dense export."""
 
-from ..storage.slot_format import CorruptCopyError
+from ..storage_format.slot_format import CorruptCopyError
 from .peer_storage import PeerReader, PeerWriter, held_copies
 from .raw_storage import RawReader, RawWriter, committed_windows, has_checkpoint
 from .sparse_planner import SparseLoadPlanner, SparseSavePlanner, SparseSchedule, load_sparse_window

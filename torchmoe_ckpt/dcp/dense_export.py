@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from ..model.optim_state import init_optimizer_state, optimizer_list
 from ..runtime.distributed import library_new_group
-from ..storage.layout import METADATA
-from ..storage.layout import dense_step_dirname as step_dirname
-from ..storage.store_open import open_store
+from ..storage_format.layout import METADATA
+from ..storage_format.layout import dense_step_dirname as step_dirname
+from ..storage_format.store_open import open_store
 
 log = logging.getLogger("torchmoe_ckpt.dense_export")
 TRAIN_STATE = "torchmoe_train_state"  # not TorchTitan's "train_state", which has other fields

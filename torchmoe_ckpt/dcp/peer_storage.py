@@ -1,4 +1,4 @@
-"""The peer tier as a DCP StorageWriter/StorageReader over storage.peer_tier.PeerTier: PeerWriter pushes a committed
+"""The peer tier as a DCP StorageWriter/StorageReader over tiers.peer_tier.PeerTier: PeerWriter pushes a committed
 window to the placed peers, PeerReader first pulls what its node lost from a holder. DCP's `finish` runs on the
 coordinator only, so the transfers run in `write_data` / `prepare_local_plan` on every rank (use a gloo group).
 Under HSDP DCP writes a replicated item once, so every placed peer gets the data (`replicas_hold_data=False`).
@@ -16,10 +16,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..planning.placement import Placement
-from ..storage.host_tier import HostTier
-from ..storage.layout import METADATA, parse_slot_path, rank_of_writer, slot_dirname, writer_name, writer_rank
-from ..storage.peer_tier import PeerTier
-from ..storage.slot_format import load_metadata, merge_metadata
+from ..storage_format.layout import METADATA, parse_slot_path, rank_of_writer, slot_dirname, writer_name, writer_rank
+from ..storage_format.slot_format import load_metadata, merge_metadata
+from ..tiers.host_tier import HostTier
+from ..tiers.peer_tier import PeerTier
 from .raw_storage import RawWriter, run_tier
 from .tier_storage import HostReader, HostWriter
 

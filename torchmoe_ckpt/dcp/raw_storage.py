@@ -18,14 +18,14 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..storage.checksums import SUM64
-from ..storage.files import open_files
-from ..storage.host_tier import HostTier
-from ..storage.layout import DATA_FILE, METADATA, parse_slot_path, writer_name
-from ..storage.manifest import WindowManifest
-from ..storage.object_tier import ObjectTier
-from ..storage.slot_format import ItemSource, SlotLayout, chunk_sizes, load_item, nbytes_of, read_slot_metadata
-from ..storage.window_tier import FilesWindowTier, UncommittableWindow, data_writer, write_slot_dir
+from ..storage_format.checksums import SUM64
+from ..storage_format.files import open_files
+from ..storage_format.layout import DATA_FILE, METADATA, parse_slot_path, writer_name
+from ..storage_format.manifest import WindowManifest
+from ..storage_format.slot_format import ItemSource, SlotLayout, chunk_sizes, load_item, nbytes_of, read_slot_metadata
+from ..tiers.host_tier import HostTier
+from ..tiers.object_tier import ObjectTier
+from ..tiers.window_tier import FilesWindowTier, UncommittableWindow, data_writer, write_slot_dir
 
 log = logging.getLogger("torchmoe_ckpt.dcp")
 MAX_TIERS = 8  # tier objects kept for the run directories DCP users save into (each keeps its planned layouts)

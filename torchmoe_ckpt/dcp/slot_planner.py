@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from ..core.slot import Slot
-from ..storage.checksums import crc32_tensor
-from ..storage.slot_format import PLANNER_KEY, checksum_name, write_item
+from ..storage_format.checksums import crc32_tensor
+from ..storage_format.slot_format import PLANNER_KEY, checksum_name, write_item
 
 
 def partial_global_plan(

@@ -33,10 +33,10 @@ from ..core.window import Window
 from ..model.operators import agreed_sizes, discover_operators, local_tensor
 from ..model.optim_state import describe_optimizer_state
 from ..planning.schedule import plan_window
-from ..storage.layout import slot_name
-from ..storage.manifest import plan_digest
-from ..storage.slot_format import INFO_KEYS, PLANNER_KEY, planner_info
-from ..storage.window_tier import saved
+from ..storage_format.layout import slot_name
+from ..storage_format.manifest import plan_digest
+from ..storage_format.slot_format import INFO_KEYS, PLANNER_KEY, planner_info
+from ..tiers.window_tier import saved
 from .slot_planner import partial_global_plan
 
 # DCP's state-dict helpers drop these wrapper names from FQNs (torch.compile, activation checkpointing).

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..storage.slot_format import CorruptCopyError
+from ..storage_format.slot_format import CorruptCopyError
 from .raw_storage import NoPlanning, RawReader, RawWriter, done
 
 log = logging.getLogger("torchmoe_ckpt.tier_storage")

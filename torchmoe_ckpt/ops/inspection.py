@@ -1,18 +1,18 @@
 """`torchmoe-ckpt inspect` and `verify`: what a checkpoint location holds, and whether every byte verifies.
 
-A location is a run directory in the tiers' layout (storage/layout.py), a directory above several runs, or an
+A location is a run directory in the tiers' layout (storage_format/layout.py), a directory above several runs, or an
 object store in the tensorstore format, read through fsspec; each writer's copy is checked by the tiers' own
-code (storage/window_tier.py). Dense exports (`step-N` directories with DCP's `.metadata`) are listed too."""
+code (tiers/window_tier.py). Dense exports (`step-N` directories with DCP's `.metadata`) are listed too."""
 
 from __future__ import annotations
 
 import re
 
-from ..storage.files import StoreFiles
-from ..storage.layout import METADATA, is_internal, parse_manifest_name, parse_window_dirname, writer_rank
-from ..storage.manifest import WindowManifest, check_window, slot_metadata_file
-from ..storage.store_open import explain, open_store
-from ..storage.window_tier import FilesWindowTier
+from ..storage_format.files import StoreFiles
+from ..storage_format.layout import METADATA, is_internal, parse_manifest_name, parse_window_dirname, writer_rank
+from ..storage_format.manifest import WindowManifest, check_window, slot_metadata_file
+from ..storage_format.store_open import explain, open_store
+from ..tiers.window_tier import FilesWindowTier
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -180,7 +180,7 @@ def _find_copies(location: str, storage_options: dict | None, fs, root: str, fil
             tier = FilesWindowTier(StoreFiles(fs, "/".join([root, *parts[:j]]), location), rank, 0)  # pyright: ignore[reportArgumentType]  (a manifest's writer has a rank)
             copies.append((wid, tier.rank, "dcp", lambda t=tier, w=wid: _dcp_copy(t, w)))
         elif parts[-1] == "manifest.ocdbt" and len(parts) == j + 2 and j >= 1:  # tensorstore: <run>/<writer>/window-N
-            from ..storage.tensorstore_tier import TensorstoreTier
+            from ..tiers.tensorstore_tier import TensorstoreTier
 
             ts = TensorstoreTier(location, _run_of(parts[:j]), writer_rank(parts[j - 1]), storage_options, probe=False)
             copies.append((wid, ts.rank, "tensorstore", lambda t=ts, w=wid: t.inspect(w)))

@@ -35,12 +35,12 @@ from ..config import TierConfig
 from ..model.operators import local_tensor as _local
 from ..runtime.agreement import all_gather_objects, all_ok
 from ..runtime.watchdog import write_all  # os.write on fd 2: this may run while another thread holds a stream lock
-from ..storage.checksums import crc32_bytes
-from ..storage.commit import write_last
-from ..storage.files import StoreFiles
-from ..storage.layout import jit_step_dirname as step_dirname
-from ..storage.layout import writer_name as rank_dirname
-from ..storage.store_open import open_store
+from ..storage_format.checksums import crc32_bytes
+from ..storage_format.commit import write_last
+from ..storage_format.files import StoreFiles
+from ..storage_format.layout import jit_step_dirname as step_dirname
+from ..storage_format.layout import writer_name as rank_dirname
+from ..storage_format.store_open import open_store
 from .sparse_to_dense import init_optimizer_state
 
 log = logging.getLogger("torchmoe_ckpt.jit")

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..runtime import faults
-from . import usage
-from .files import LocalFiles
-from .layout import (
+from ..storage_format import usage
+from ..storage_format.files import LocalFiles
+from ..storage_format.layout import (
     REPLICA_VERIFIED,
     held_copies_dir,
     is_data_file,
@@ -32,10 +32,10 @@ from .layout import (
     window_dirname,
     writer_name,
 )
-from .manifest import WindowManifest
+from ..storage_format.manifest import WindowManifest
+from ..storage_format.spare_files import place_new_file, pwrite_all
 from .peer_lag import LinkStats
 from .peer_transport import CHUNK, GlooTransport
-from .spare_files import place_new_file, pwrite_all
 from .window_tier import FilesWindowTier
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ import time
 import uuid
 
 from ..core.errors import ConfigError
-from .store_open import open_store
+from ..storage_format.store_open import open_store
 
 log = logging.getLogger("torchmoe_ckpt.store_lease")
 LEASE_NAME = "LEASE.json"

@@ -17,20 +17,20 @@ from ..core.slot import Slot
 from ..core.window import Window
 from ..runtime.agreement import reduce_float_on
 from ..runtime.background import stop_at_exit
-from .host_tier import HostTier
-from .manifest import record_digest
-from .peer_interval import PeerInterval
-from .peer_lag import PeerLag
+from ..storage_format.manifest import record_digest
+from ..tiers.host_tier import HostTier
+from ..tiers.peer_interval import PeerInterval
+from ..tiers.peer_lag import PeerLag
+from ..tiers.window_tier import PartialWindow
 from .run_status import RunStatus, human_bytes
 from .tier_health import TierHealth
 from .uploader import Uploader
-from .window_tier import PartialWindow
 
 if TYPE_CHECKING:
-    from .manifest import WindowManifest
-    from .peer_tier import PeerTier
-    from .store_lease import StoreLease
-    from .tier import ObjectStore
+    from ..ownership.store_lease import StoreLease
+    from ..storage_format.manifest import WindowManifest
+    from ..tiers.peer_tier import PeerTier
+    from ..tiers.tier import ObjectStore
 
 log = logging.getLogger("torchmoe_ckpt.host_tier")
 

@@ -22,14 +22,14 @@ from ..core.slot import Slot, build_slot
 from ..core.window import Window
 from ..model.identity import RunIdentity
 from ..runtime import faults
-from . import usage
-from .checksums import tensor_block_sums
-from .files import LocalFiles
-from .layout import partial_file, replay_file, slot_writer_dir, slots_dir, window_dirname
-from .manifest import plan_digest, record_digest, slot_metadata_file, slot_record
-from .mapped_files import MappedFiles
-from .slot_files import Backing, SlotFiles, backing
-from .slot_format import CorruptCopyError, SlotLayout, read_slot, slot_items
+from ..storage_format import usage
+from ..storage_format.checksums import tensor_block_sums
+from ..storage_format.files import LocalFiles
+from ..storage_format.layout import partial_file, replay_file, slot_writer_dir, slots_dir, window_dirname
+from ..storage_format.manifest import plan_digest, record_digest, slot_metadata_file, slot_record
+from ..storage_format.mapped_files import MappedFiles
+from ..storage_format.slot_files import Backing, SlotFiles, backing
+from ..storage_format.slot_format import CorruptCopyError, SlotLayout, read_slot, slot_items
 from .window_tier import FilesWindowTier, PartialWindow, mapped, mapped_items
 
 if TYPE_CHECKING:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from .layout import writer_rank
-from .tensorstore_spec import context, kvstore_spec, region, sub_spec, ts_module
+from ..storage_format.layout import writer_rank
+from ..storage_format.tensorstore_spec import context, kvstore_spec, region, sub_spec, ts_module
 from .tensorstore_tier import TensorstoreTier
 
 

@@ -208,8 +208,8 @@ class RunStatus:
 
 def _committed_on_host(host_dir: str | None, rank: int) -> list[int]:
     """Windows this rank has committed in `host_dir` (its manifest is there), whichever attempt wrote them."""
-    from .files import LocalFiles
-    from .window_tier import FilesWindowTier
+    from ..storage_format.files import LocalFiles
+    from ..tiers.window_tier import FilesWindowTier
 
     try:
         return FilesWindowTier(LocalFiles(host_dir), rank, 0).window_ids() if host_dir else []

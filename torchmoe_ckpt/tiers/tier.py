@@ -62,13 +62,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from .retry import retry
+from ..storage_format.retry import retry
 
 if TYPE_CHECKING:
     from ..core.plan import WindowPlan
     from ..core.records import ReplayLog
     from ..model.identity import RunIdentity
-    from .manifest import WindowManifest
+    from ..storage_format.manifest import WindowManifest
 
 
 class WindowTier(Protocol):

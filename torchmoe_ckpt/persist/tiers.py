@@ -13,17 +13,17 @@ import torch.distributed as dist
 
 from ..config import DEFAULT_HOST_ROOT, TierConfig
 from ..core.errors import ConfigError
+from ..ownership import run_lock
+from ..ownership.store_lease import StoreLease, StoreLeasedError, local_job_key
 from ..planning.placement import Topology, place_replicas
 from ..runtime.background import stop_at_exit
 from ..runtime.distributed import library_group, library_new_group
-from . import run_lock
-from .host_tier import HostTier, HostTierOptions
-from .layout import node_dirname
-from .object_tier import make_store
-from .orphans import OrphanCopies
-from .peer_tier import PeerTier
-from .store_lease import StoreLease, StoreLeasedError, local_job_key
-from .tier import ObjectStore
+from ..storage_format.layout import node_dirname
+from ..tiers.host_tier import HostTier, HostTierOptions
+from ..tiers.object_tier import make_store
+from ..tiers.orphans import OrphanCopies
+from ..tiers.peer_tier import PeerTier
+from ..tiers.tier import ObjectStore
 
 log = logging.getLogger("torchmoe_ckpt.tiers")
 

@@ -14,9 +14,9 @@ import os
 import shutil
 from pathlib import Path
 
-from . import run_lock
-from .files import LocalFiles
-from .layout import (
+from ..ownership import run_lock
+from ..storage_format.files import LocalFiles
+from ..storage_format.layout import (
     PEERS_DIR,
     REPLICA_VERIFIED,  # the marker of a data-less replica copy (not usable alone)
     manifest_name,

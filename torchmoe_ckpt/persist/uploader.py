@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .tier import CopyTier
+from ..tiers.tier import CopyTier
 from .tier_health import TierHealth
 
 CATCH_UP = "catch-up"  # a queue entry: list the store and queue what it lacks

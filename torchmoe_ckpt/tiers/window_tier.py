@@ -24,8 +24,8 @@ from ..core.plan import WindowPlan
 from ..core.records import ReplayLog
 from ..model.identity import RunIdentity, identity_mismatch
 from ..runtime import faults
-from .checksums import SUM64, FileEntry, crc32_bytes, tensor_block_sums
-from .layout import (
+from ..storage_format.checksums import SUM64, FileEntry, crc32_bytes, tensor_block_sums
+from ..storage_format.layout import (
     DATA_FILE,
     METADATA,
     belongs_to,
@@ -39,9 +39,9 @@ from .layout import (
     window_dirname,
     writer_name,
 )
-from .manifest import WindowManifest, check_window, plan_digest, slot_record
-from .slot_format import SlotLayout, as_source, nbytes_of, pack, planner_info
-from .spare_files import keep_spares, spares
+from ..storage_format.manifest import WindowManifest, check_window, plan_digest, slot_record
+from ..storage_format.slot_format import SlotLayout, as_source, nbytes_of, pack, planner_info
+from ..storage_format.spare_files import keep_spares, spares
 
 MAX_LAYOUTS = 64  # slot layouts kept per tier (a plan change brings new ones; old plans' are dropped)
 

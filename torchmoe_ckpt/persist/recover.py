@@ -16,8 +16,8 @@ import torch
 from ..core.window import Window
 from ..model.identity import RunIdentity
 from ..runtime.agreement import all_gather_objects, failure_reason, run_everywhere
-from .host_tier import HostTier
-from .slot_format import CorruptCopyError
+from ..storage_format.slot_format import CorruptCopyError
+from ..tiers.host_tier import HostTier
 from .tiers import Tiers
 
 log = logging.getLogger("torchmoe_ckpt.tiers")

@@ -16,8 +16,8 @@ import torch
 
 from ..core.slot import Slot
 from ..runtime import faults
-from .checksums import FileEntry, crc32_bytes, crc32_tensor
-from .layout import (
+from ..storage_format.checksums import FileEntry, crc32_bytes, crc32_tensor
+from ..storage_format.layout import (
     manifest_name,
     parse_window_dirname,
     replay_file,
@@ -26,9 +26,9 @@ from .layout import (
     window_dirname,
     writer_name,
 )
-from .manifest import WindowManifest
-from .store_open import StoreConfigError, explain
-from .tensorstore_spec import (
+from ..storage_format.manifest import WindowManifest
+from ..storage_format.store_open import StoreConfigError, explain
+from ..storage_format.tensorstore_spec import (
     DTYPES,
     META_FORMAT,
     META_KEY,

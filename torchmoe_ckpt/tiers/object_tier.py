@@ -11,14 +11,14 @@ import os
 from pathlib import Path
 
 from ..runtime import faults
-from . import usage
-from .checksums import CHUNK, Digester, FileEntry
-from .files import StoreFiles
-from .layout import METADATA, is_data_file, manifest_name, window_dirname
-from .manifest import WindowManifest
-from .spare_files import place_new_file, pwrite_all
-from .store_open import StoreConfigError, check_uri, open_store, quiet_third_party_loggers
-from .tensorstore_spec import NoTensorstoreDriver
+from ..storage_format import usage
+from ..storage_format.checksums import CHUNK, Digester, FileEntry
+from ..storage_format.files import StoreFiles
+from ..storage_format.layout import METADATA, is_data_file, manifest_name, window_dirname
+from ..storage_format.manifest import WindowManifest
+from ..storage_format.spare_files import place_new_file, pwrite_all
+from ..storage_format.store_open import StoreConfigError, check_uri, open_store, quiet_third_party_loggers
+from ..storage_format.tensorstore_spec import NoTensorstoreDriver
 from .tensorstore_tier import TensorstoreTier
 from .tier import StoreTier
 from .window_tier import FilesWindowTier

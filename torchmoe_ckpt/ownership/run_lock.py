@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..core.errors import ConfigError
-from .commit import write_last
-from .layout import LOCK_NAME
+from ..storage_format.commit import write_last
+from ..storage_format.layout import LOCK_NAME
 
 MUTEX_NAME = ".LOCK.mutex"  # flock'ed while the lock is judged and written (never replaced)
 
