@@ -431,7 +431,7 @@ class SparseCheckpointSection:
         return rid
 
     def tiers_config(self, ranks_per_node: int | None = None) -> dict:
-        """The dict torchmoe_ckpt.persist.tiers.build_tiers takes: the keys set away from the core's defaults
+        """The dict torchmoe_ckpt.persist.build_tiers.build_tiers takes: the keys set away from the core's defaults
         (root, run_id and replicas always), the object store in full."""
         cfg: dict[str, Any] = {"root": self.root, "run_id": self.resolved_run_id(), "replicas": self.replicas}
         if ranks_per_node:

@@ -62,9 +62,9 @@ from titan_integration.titan_state_export import state_tensors, write_export
 from titan_integration.upstream_pin import UPSTREAM_TRAIN_STEP
 from torchmoe_ckpt.model.coverage import position_lambda_lr
 from torchmoe_ckpt.recovery import rng
-from torchmoe_ckpt.recovery.recover import RecoveryOptions, ResumeResult
 from torchmoe_ckpt.recovery.replay_check import check_replay_check
 from torchmoe_ckpt.recovery.replay_log import group_hyper
+from torchmoe_ckpt.recovery.resume import RecoveryOptions, ResumeResult
 from torchmoe_ckpt.recovery.sparse_to_dense import ReplayDivergence
 from torchmoe_ckpt.runtime import faults
 from torchmoe_ckpt.runtime.distributed import key_rendezvous_by_attempt

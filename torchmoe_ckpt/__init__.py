@@ -40,7 +40,7 @@ _EXPORTS = _by_module(
         "model.operators": "OperatorDiscoveryError OperatorSpec discover_operators",
         "model.optim_state": "Optimizers UpdateRule optimizer_list register_update_rule",
         "planning.placement": "Placement Topology place_replicas",
-        "recovery.recover": "ResumeResult recover",
+        "recovery.resume": "ResumeResult recover",
         "recovery.replay_check": "ReplayPolicy",
         "core.records": "IterationRecord",
         "recovery.replay_log": "Replay",
@@ -49,7 +49,7 @@ _EXPORTS = _by_module(
         "recovery.sparse_to_dense": "RecoveryReport Replayable ReplayDivergence sparse_to_dense",
         "ownership.run_lock": "RunLockedError",
         "persist.tier_health": "CheckpointStallError",
-        "persist.tiers": "Tiers build_tiers",
+        "persist.build_tiers": "Tiers build_tiers",
         "core.window": "Window",
     }
 )
@@ -80,12 +80,12 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they come
     from .model.optim_state import Optimizers, UpdateRule, optimizer_list, register_update_rule
     from .model.routing import RouterCounter
     from .ownership.run_lock import RunLockedError
+    from .persist.build_tiers import Tiers, build_tiers
     from .persist.tier_health import CheckpointStallError
-    from .persist.tiers import Tiers, build_tiers
     from .planning.placement import Placement, Topology, place_replicas
-    from .recovery.recover import ResumeResult, recover
     from .recovery.replay_check import ReplayPolicy
     from .recovery.replay_log import Replay
+    from .recovery.resume import ResumeResult, recover
     from .recovery.sparse_to_dense import RecoveryReport, Replayable, ReplayDivergence, sparse_to_dense
     from .runtime.distributed import init_process_group, restart_attempt
     from .sparse_checkpointer import SparseCheckpointer

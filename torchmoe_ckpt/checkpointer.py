@@ -27,11 +27,11 @@ from .model.identity import RunIdentity, TorchSeed, torch_seed
 from .model.operators import discover_operators, local_tensor
 from .model.optim_state import as_optimizers, check_optimizer_state, check_optimizers, describe_optimizer_state
 from .model.routing import RouterCounter
-from .persist.tiers import Tiers
+from .persist.build_tiers import Tiers
 from .recovery import rng
-from .recovery.recover import RecoveryOptions, ResumeResult
 from .recovery.replay_check import check_replay_check
 from .recovery.replay_log import Replay, group_hyper
+from .recovery.resume import RecoveryOptions, ResumeResult
 from .recovery.sparse_to_dense import ReplayDivergence, init_optimizer_state
 from .runtime import faults
 from .runtime.device_copy import host_copy

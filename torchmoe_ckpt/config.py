@@ -42,7 +42,7 @@ OnStall = Literal["warn", "fail"]
 OnUnusable = Literal["fail", "restart"]
 STORE_FORMATS: tuple[str, ...] = get_args(StoreFormat)
 STALL_POLICIES: tuple[str, ...] = get_args(OnStall)
-UNUSABLE_POLICIES: tuple[str, ...] = get_args(OnUnusable)  # (recovery.recover's on_unusable)
+UNUSABLE_POLICIES: tuple[str, ...] = get_args(OnUnusable)  # (recovery.resume's on_unusable)
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 

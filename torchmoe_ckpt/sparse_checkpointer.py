@@ -28,10 +28,10 @@ from .core.window import Window, sliding_suffix
 from .model.identity import RunIdentity, build_identity
 from .model.operators import discover_operators, merged_operators
 from .model.optim_state import describe_optimizer_state
+from .persist.build_tiers import Tiers
 from .persist.persist_thread import PersistThread
-from .persist.tiers import Tiers
 from .planning.window_planner import WindowPlanner
-from .recovery.recover import ResumeResult
+from .recovery.resume import ResumeResult
 from .recovery.sparse_to_dense import RecoveryReport, replay_slots, sparse_to_dense
 from .runtime.agreement import reduce_float
 from .runtime.deferred_reads import HostReads

@@ -1,6 +1,6 @@
 """The start-up sequence, written once for every entry point (own loop, TorchTitan, harness): who this run is,
 its storage tiers, the recovery, the checkpointer. What differs is passed as a few option groups: the identity
-parts (`IdentityParts`: data, seed, steps, HSDP replicas), the recovery (`recovery.recover.RecoveryOptions`), the
+parts (`IdentityParts`: data, seed, steps, HSDP replicas), the recovery (`recovery.resume.RecoveryOptions`), the
 checkpointer's process groups (`sparse_checkpointer.PlanningGroups`) and three hooks (`StartupHooks`: `on_tiers`,
 the harness damages copies; `recover_with`, a recovery of another kind; `cold_start`, the trainer to start over
 with when nothing was recovered). Collective.
@@ -21,8 +21,8 @@ from .core.operator import Operator
 from .model.identity import RunIdentity, TorchSeed, build_identity, given_seed, mesh_replicate
 from .model.operators import discover_operators
 from .ops.status import log_recovery
-from .persist.tiers import Tiers, build_tiers
-from .recovery.recover import RecoveryOptions, ResumeResult, recover
+from .persist.build_tiers import Tiers, build_tiers
+from .recovery.resume import RecoveryOptions, ResumeResult, recover
 from .recovery.sparse_to_dense import Replayable
 from .runtime.agreement import all_gather_objects
 from .sparse_checkpointer import PlanningGroups, RunContext, SparseCheckpointer
@@ -102,7 +102,7 @@ def start(  # noqa: PLR0913 (the front door: four positional essentials, then on
         resumed.
 
     Raises:
-        IdentityMismatch, UnusableCheckpointError: from `recovery.recover` (the store lease is released first).
+        IdentityMismatch, UnusableCheckpointError: from `recovery.resume` (the store lease is released first).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1

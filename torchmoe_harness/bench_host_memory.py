@@ -23,7 +23,7 @@ import torch
 
 from torchmoe_ckpt import init_process_group
 from torchmoe_ckpt.config import SparseConfig
-from torchmoe_ckpt.persist.tiers import build_tiers
+from torchmoe_ckpt.persist.build_tiers import build_tiers
 from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_harness.scenario import run_identity
 from torchmoe_harness.trainer import RunConfig, Trainer

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from torchmoe_ckpt.config import SparseConfig
-from torchmoe_ckpt.persist.tiers import build_tiers
+from torchmoe_ckpt.persist.build_tiers import build_tiers
 from torchmoe_ckpt.planning.schedule import measure_copy_bandwidth
 from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_harness.baselines import make_system

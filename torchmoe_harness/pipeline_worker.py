@@ -31,10 +31,10 @@ import torch.distributed as dist
 
 from torchmoe_ckpt.config import SparseConfig, TierConfig
 from torchmoe_ckpt.model.operators import discover_operators
-from torchmoe_ckpt.persist.tiers import Tiers
+from torchmoe_ckpt.persist.build_tiers import Tiers
 from torchmoe_ckpt.pipeline.boundary_log import BoundaryLog, LogReader
 from torchmoe_ckpt.pipeline.recovery import StageStatus, plan_recovery, recover_global, recover_in_segment
-from torchmoe_ckpt.recovery.recover import ResumeResult
+from torchmoe_ckpt.recovery.resume import ResumeResult
 from torchmoe_ckpt.recovery.sparse_to_dense import ReplayDivergence
 from torchmoe_ckpt.sparse_checkpointer import PlanningGroups, RunContext, SparseCheckpointer
 from torchmoe_ckpt.tiers.host_tier import HostTier

@@ -44,9 +44,9 @@ from torchmoe_ckpt.config import SparseConfig, TierConfig
 from torchmoe_ckpt.core.errors import UnusableCheckpointError
 from torchmoe_ckpt.model.identity import IdentityMismatch, RunIdentity, build_identity
 from torchmoe_ckpt.model.operators import discover_operators
-from torchmoe_ckpt.persist.tiers import Tiers, node_of
-from torchmoe_ckpt.recovery.recover import RecoveryOptions, ResumeResult
+from torchmoe_ckpt.persist.build_tiers import Tiers, node_of
 from torchmoe_ckpt.recovery.replay_check import DEFAULT_TOLERANCE, ReplayPolicy, check_replay_check
+from torchmoe_ckpt.recovery.resume import RecoveryOptions, ResumeResult
 from torchmoe_ckpt.recovery.sparse_to_dense import sparse_to_dense
 from torchmoe_ckpt.runtime.watchdog import CollectiveWatchdog, read_events
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer

@@ -13,8 +13,8 @@ import torch
 
 from torchmoe_ckpt.config import SparseConfig
 from torchmoe_ckpt.model.operators import discover_operators
-from torchmoe_ckpt.persist.tiers import build_tiers
-from torchmoe_ckpt.recovery.recover import RecoveryOptions, recover
+from torchmoe_ckpt.persist.build_tiers import build_tiers
+from torchmoe_ckpt.recovery.resume import RecoveryOptions, recover
 from torchmoe_ckpt.runtime.watchdog import CollectiveWatchdog
 from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_harness.trainer import RunConfig, Trainer

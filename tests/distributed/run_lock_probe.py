@@ -12,7 +12,7 @@ import sys
 import time
 
 from torchmoe_ckpt.config import TierConfig
-from torchmoe_ckpt.persist.tiers import build_tiers
+from torchmoe_ckpt.persist.build_tiers import build_tiers
 
 
 def main() -> None:

@@ -113,7 +113,7 @@ def _two_rank_run(root: Path, run_id: str = "run", node_ranks=None, **run):
     """A run of 2 ranks (each a 1-process checkpointer writing as rank r of 2) with windows 0 and 1.
     `node_ranks`: the ranks the host tier says write into this node directory (build_tiers sets them)."""
     from torchmoe_ckpt.config import SparseConfig
-    from torchmoe_ckpt.persist.tiers import Tiers
+    from torchmoe_ckpt.persist.build_tiers import Tiers
     from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
     from torchmoe_ckpt.tiers.host_tier import HostTier
     from torchmoe_harness.trainer import RunConfig, Trainer

@@ -14,8 +14,8 @@ import torch.distributed.checkpoint as dcp
 from torchmoe_ckpt.config import SparseConfig
 from torchmoe_ckpt.dcp.raw_storage import RawReader, RawWriter
 from torchmoe_ckpt.dcp.slot_planner import SlotSavePlanner
+from torchmoe_ckpt.persist.build_tiers import Tiers
 from torchmoe_ckpt.persist.persist_thread import FlushJob
-from torchmoe_ckpt.persist.tiers import Tiers
 from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_ckpt.storage_format.layout import DATA_FILE
 from torchmoe_ckpt.storage_format.slot_files import backing
@@ -153,7 +153,7 @@ from torchmoe_ckpt import init_process_group
 from torchmoe_ckpt.config import SparseConfig
 from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_ckpt.tiers.host_tier import HostTier
-from torchmoe_ckpt.persist.tiers import Tiers
+from torchmoe_ckpt.persist.build_tiers import Tiers
 from torchmoe_harness.trainer import RunConfig, Trainer
 init_process_group("gloo")
 t = Trainer(RunConfig(steps=8))

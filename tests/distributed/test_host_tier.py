@@ -55,7 +55,7 @@ def test_corrupt_or_torn_copy_is_reported_and_never_loaded(tmp_path, how, refere
 def test_stock_dcp_load_reads_a_slot(tmp_path, one_rank_group):
     from torchmoe_ckpt.config import SparseConfig
     from torchmoe_ckpt.dcp.raw_storage import RawReader
-    from torchmoe_ckpt.persist.tiers import Tiers
+    from torchmoe_ckpt.persist.build_tiers import Tiers
     from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
     from torchmoe_ckpt.tiers.host_tier import HostTier
     from torchmoe_harness.trainer import RunConfig, Trainer

@@ -292,7 +292,7 @@ def test_exit_with_no_window_committed_is_a_warning_that_says_why(caplog):
 _HOLDER = """
 import sys, time
 from torchmoe_ckpt.config import TierConfig
-from torchmoe_ckpt.persist.tiers import build_tiers
+from torchmoe_ckpt.persist.build_tiers import build_tiers
 store = {"uri": sys.argv[2], "lease_s": 2.0}
 if len(sys.argv) > 3:
     import json
@@ -313,7 +313,7 @@ def test_a_second_job_on_the_same_store_prefix_is_refused(tmp_path, monkeypatch,
 
     from torchmoe_ckpt.config import TierConfig
     from torchmoe_ckpt.ownership.store_lease import StoreLeasedError
-    from torchmoe_ckpt.persist.tiers import build_tiers
+    from torchmoe_ckpt.persist.build_tiers import build_tiers
 
     if kind == "file":
         store, opts = {"uri": f"file://{tmp_path / 'store'}"}, None

@@ -15,8 +15,8 @@ import pytest
 
 from torchmoe_ckpt.config import ConfigError, SparseConfig, TierConfig
 from torchmoe_ckpt.model.operators import discover_operators
+from torchmoe_ckpt.persist.build_tiers import Tiers, build_tiers
 from torchmoe_ckpt.persist.tier_health import CheckpointStallError
-from torchmoe_ckpt.persist.tiers import Tiers, build_tiers
 from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_ckpt.storage_format.layout import manifest_name, writer_name
 from torchmoe_harness.trainer import RunConfig, Trainer
@@ -176,7 +176,7 @@ import torch.distributed as dist
 from torchmoe_ckpt import init_process_group
 from torchmoe_ckpt.config import SparseConfig, TierConfig
 from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
-from torchmoe_ckpt.persist.tiers import build_tiers
+from torchmoe_ckpt.persist.build_tiers import build_tiers
 from torchmoe_harness.trainer import RunConfig, Trainer
 init_process_group("gloo")
 t = Trainer(RunConfig(steps=60))
@@ -194,7 +194,7 @@ assert tiers.host.window_ids() == [0, 1], tiers.host.window_ids()
 def test_unwritable_host_root_holding_a_run_recovers_and_trains_on(tmpfs, one_rank_group, caplog, how):
     """A read-only remount or a full tmpfs under a committed run: no traceback from the lock file; the
     committed window is recovered, training goes on with the tier unhealthy, and the stall policy applies."""
-    from torchmoe_ckpt.persist.recover import recover_from_tiers
+    from torchmoe_ckpt.recovery.agreed_window import recover_from_tiers
 
     # The first attempt commits windows 0 and 1, in a process of its own: a remount needs its files closed.
     first = subprocess.run([sys.executable, "-c", _FIRST_ATTEMPT, str(tmpfs)], capture_output=True, text=True)

@@ -22,8 +22,8 @@ import torchmoe_ckpt as tmc
 from torchmoe_ckpt.checkpointer import _Replay
 from torchmoe_ckpt.model.identity import IdentityMismatch, build_identity
 from torchmoe_ckpt.ops.inspection import verify_location
-from torchmoe_ckpt.persist.tiers import build_tiers
-from torchmoe_ckpt.recovery.recover import recover
+from torchmoe_ckpt.persist.build_tiers import build_tiers
+from torchmoe_ckpt.recovery.resume import recover
 from torchmoe_ckpt.storage_format.checksums import crc32_bytes
 from torchmoe_ckpt.storage_format.manifest import content_checksum, record_digest
 from torchmoe_ckpt.storage_format.slot_format import PLANNER_KEY
@@ -473,7 +473,7 @@ def test_second_job_other_seed_same_run_id_is_refused(tmp_path, fault_summary):
     )
     assert refused, str(exc.value)[-2000:]
     assert "data/seed identity seed=0 != seed=1" in refused[0] and "new run id" in refused[0], refused[0]
-    assert "torchmoe_ckpt/recovery/recover.py" not in log  # one line, no traceback of ours
+    assert "torchmoe_ckpt/recovery/resume.py" not in log  # one line, no traceback of ours
 
 
 def test_jobs_without_a_run_id_never_share_one(tmp_path, fault_summary):

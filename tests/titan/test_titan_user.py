@@ -60,7 +60,7 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
 def test_object_store_format_maps_onto_the_library_config(tmp_path):
     from torchmoe_ckpt.config import STORE_FORMATS as LIB_FORMATS
     from torchmoe_ckpt.config import TierConfig
-    from torchmoe_ckpt.persist.tiers import build_tiers
+    from torchmoe_ckpt.persist.build_tiers import build_tiers
 
     assert STORE_FORMATS == LIB_FORMATS
     sec = SparseCheckpointSection.from_table(

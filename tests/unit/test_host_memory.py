@@ -22,8 +22,8 @@ from test_capture import TOP_K, Net, batch_for  # pytest puts tests/unit on sys.
 import torchmoe_ckpt as tmc
 from torchmoe_ckpt.capture.host_memory import HostMemoryLimitError, parse_bytes
 from torchmoe_ckpt.config import CheckpointConfig, ConfigError, SparseConfig, TierConfig
-from torchmoe_ckpt.persist.tiers import Tiers
-from torchmoe_ckpt.recovery.recover import ResumeResult
+from torchmoe_ckpt.persist.build_tiers import Tiers
+from torchmoe_ckpt.recovery.resume import ResumeResult
 from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
 from torchmoe_ckpt.tiers.host_tier import HostTier
 from torchmoe_harness.trainer import RunConfig, Trainer

@@ -62,7 +62,7 @@ ALLOWED_UPWARD = {
     # config.py holds TierConfig, whose checks need the storage format (storage_format.store_open.check_uri: a URI that
     # would silently be a local directory is refused at construction); SparseConfig and the torch-free constants
     # live in core/ (core/sparse_config.py, core/config_values.py). These two read a TierConfig from the front door.
-    ("persist.tiers", "config"): "TierConfig, DEFAULT_HOST_ROOT: build_tiers builds the tiers from the config",
+    ("persist.build_tiers", "config"): "TierConfig, DEFAULT_HOST_ROOT: build_tiers builds the tiers from the config",
     ("recovery.jit", "config"): "TierConfig: the JIT checkpoint writes where the tiers are configured",
 }
 

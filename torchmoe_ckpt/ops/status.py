@@ -31,7 +31,7 @@ def phases_text(phases: dict) -> str:
 def recovery_line(report: dict) -> str:
     """The line a user reads after a recovery: which window, where the copy came from, how the replay compared
     with the original run (replay_check.replay_verdict) and where the time went."""
-    src = str(report.get("source") or "?")  # "host", "peer N" or "object store" (persist/recover.py)
+    src = str(report.get("source") or "?")  # "host", "peer N" or "object store" (recovery/agreed_window.py)
     where = "this node's host memory" if src == "host" else src
     if src.startswith("peer "):
         where = f"the host memory of rank {src.split()[1]}"

@@ -1,5 +1,6 @@
 """The persist thread: persists captured slots on the host tier, commits windows there in order, then hands each
-committed window to the peers and the object store (tier.py: the call order of a save). Training only enqueues."""
+committed window to the peers and the object store (tiers/contracts.py: the call order of a save). Training only
+enqueues."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ from .uploader import Uploader
 if TYPE_CHECKING:
     from ..ownership.store_lease import StoreLease
     from ..storage_format.manifest import WindowManifest
+    from ..tiers.contracts import ObjectStore
     from ..tiers.peer_tier import PeerTier
-    from ..tiers.tier import ObjectStore
 
 log = logging.getLogger("torchmoe_ckpt.host_tier")
 
@@ -74,8 +75,9 @@ Job = SlotJob | CommitJob | FlushJob | StopJob
 class PersistThread:
     """Background thread that persists captured slots and commits windows on the host tier, in order.
 
-    Call order (tier.py has the whole save): the training thread calls `slot` for each captured slot and `commit`
-    once a window is complete, `flush` / `finish` at a checkpoint or the end; only this thread writes the tiers.
+    Call order (tiers/contracts.py has the whole save): the training thread calls `slot` for each captured slot and
+    `commit` once a window is complete, `flush` / `finish` at a checkpoint or the end; only this thread writes the
+    tiers.
     """
 
     def __init__(

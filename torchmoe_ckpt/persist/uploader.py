@@ -1,4 +1,4 @@
-"""Background uploads of committed host-tier windows to an object store (any copy tier, tier.py), off the
+"""Background uploads of committed host-tier windows to an object store (any copy tier, tiers/contracts.py), off the
 training path: a store that is down is retried with capped backoff, whole windows at a time; `catch_up()` queues
 what a previous run left behind; every outcome goes to the `status.RunStatus` the user reads."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from ..tiers.tier import CopyTier
+from ..tiers.contracts import CopyTier
 from .tier_health import TierHealth
 
 CATCH_UP = "catch-up"  # a queue entry: list the store and queue what it lacks

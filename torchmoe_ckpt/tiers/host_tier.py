@@ -67,7 +67,7 @@ class _SlotLayoutCache:
 
 
 class HostTier(FilesWindowTier):
-    """This writer's windows in a node-local directory `<root>/<run_id>` (tier.py: the `WindowTier` contract)."""
+    """This writer's windows in a node-local directory `<root>/<run_id>` (contracts.py: the `WindowTier` contract)."""
 
     def __init__(
         self, root: str | Path, run_id: str, rank: int, world_size: int, options: HostTierOptions | None = None

@@ -19,8 +19,8 @@ from ..storage_format.manifest import WindowManifest
 from ..storage_format.spare_files import place_new_file, pwrite_all
 from ..storage_format.store_open import StoreConfigError, check_uri, open_store, quiet_third_party_loggers
 from ..storage_format.tensorstore_spec import NoTensorstoreDriver
+from .contracts import StoreTier
 from .tensorstore_tier import TensorstoreTier
-from .tier import StoreTier
 from .window_tier import FilesWindowTier
 
 log = logging.getLogger("torchmoe_ckpt.object_tier")

@@ -3,9 +3,9 @@ hosts anew, a surviving host's ranks write `<root>/node-M/<run>` while their cop
 others) sit in `<root>/node-N/<run>`. They are found by writer names, not by today's rank or node number.
 
 A node directory is an orphan of this agent when no rank of the agent maps to it and its run lock is this job's
-own or stale (another live agent's is never touched). Its local rank 0 reads them; recovery (recover.py) counts
-their verified copies like peer copies. After a successful recovery they are removed: a newer leftover must never
-be mixed with the windows the new numbering writes under the same ids."""
+own or stale (another live agent's is never touched). Its local rank 0 reads them; recovery
+(recovery/agreed_window.py) counts their verified copies like peer copies. After a successful recovery they are
+removed: a newer leftover must never be mixed with the windows the new numbering writes under the same ids."""
 
 from __future__ import annotations
 

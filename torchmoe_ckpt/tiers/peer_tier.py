@@ -39,8 +39,8 @@ from .peer_transport import CHUNK, GlooTransport
 from .window_tier import FilesWindowTier
 
 if TYPE_CHECKING:
+    from .contracts import PeerTransport
     from .host_tier import HostTier
-    from .tier import PeerTransport
 
 log = logging.getLogger("torchmoe_ckpt.peer_tier")
 __all__ = ["CHUNK", "REPLICA_VERIFIED", "PeerTier"]  # CHUNK: each transfer buffer's bound (host_memory.py)
@@ -48,7 +48,7 @@ __all__ = ["CHUNK", "REPLICA_VERIFIED", "PeerTier"]  # CHUNK: each transfer buff
 
 class PeerTier:
     """The peer policy: which windows go to which peers, where received copies live, which copies are usable
-    (tier.py: the `PeerTier` steps of a save and a recovery). The bytes travel through a `PeerTransport`."""
+    (contracts.py: the `PeerTier` steps of a save and a recovery). The bytes travel through a `PeerTransport`."""
 
     def __init__(self, tier: HostTier, placement=None, group=None, replicas_hold_data: bool = True):
         """Args:

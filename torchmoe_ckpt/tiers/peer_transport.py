@@ -1,5 +1,5 @@
 """The peer tier's byte transport: named files sent from one rank to another over a gloo group, in messages of at
-most CHUNK bytes through one reused buffer (tier.py: the `PeerTransport` contract). What to send to whom, and
+most CHUNK bytes through one reused buffer (contracts.py: the `PeerTransport` contract). What to send to whom, and
 where a received copy goes, is the peer tier's policy (peer_tier.py), as torchft splits its CheckpointTransport
 from its Manager."""
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from .tier import FileWriter
+    from .contracts import FileWriter
 
 log = logging.getLogger("torchmoe_ckpt.peer_tier")
 CHUNK = 64 << 20  # bytes per gloo message: the two transfer buffers stay this small whatever the slot files' size

@@ -1,7 +1,7 @@
 """Tensorstore format for the object-store tier: one OCDBT database per (writer, window), zarr3 arrays in global
 shape chunked one expert per chunk, a window's every write in ONE atomic transaction whose OCDBT manifest, written
 last, makes it visible (a writer killed mid-commit leaves an invisible database without `meta.json`). A copy tier
-(tier.py) like `ObjectTier`; selected by `{"format": "tensorstore"}` (`object_tier.make_store`); no Azure driver.
+(contracts.py) like `ObjectTier`; selected by `{"format": "tensorstore"}` (`object_tier.make_store`); no Azure driver.
 Layout and reads: docs/tensorstore-format.md, tensorstore_read.py."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from ..storage_format.tensorstore_spec import (
     to_torch,
     ts_module,
 )
-from .tier import StoreTier
+from .contracts import StoreTier
 
 NOT_COMMITTED = "window not committed in the store (no meta.json)"
 

@@ -1,6 +1,6 @@
 """What the host tier and the object store (DCP format) share: one writer's windows as files in the layout
 (layout.py), written slot by slot, committed by a manifest written last, on a local directory or any fsspec store
-(files.py). `FilesWindowTier` implements tier.py's `WindowTier` contract (its call order is there).
+(files.py). `FilesWindowTier` implements contracts.py's `WindowTier` contract (its call order is there).
 
     FilesWindowTier    one writer's windows on one Files backend (a held peer copy, an orphan, inspection)
       HostTier         host_tier.py: node-local, slot files linked in, loads windows back for recovery
@@ -120,7 +120,7 @@ def mapped(maps, files, lay: SlotLayout, items: list, take_spare=None):
 
 
 class FilesWindowTier:
-    """One writer's windows on one Files backend (tier.py's `WindowTier` contract)."""
+    """One writer's windows on one Files backend (contracts.py's `WindowTier` contract)."""
 
     def __init__(self, files, rank: int, world_size: int, node_ranks: list[int] | None = None):
         """`files`: the backend (files.py). `rank`: the writer whose windows these are. `world_size`: recorded

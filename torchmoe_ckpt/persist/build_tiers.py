@@ -1,5 +1,5 @@
-"""Build the storage tiers of one rank from a `TierConfig` (recover.py finds and fetches the window to recover).
-Each node (`ranks_per_node`, default LOCAL_WORLD_SIZE) gets its own host directory `<root>/node-N/`: on one
+"""Build the storage tiers of one rank from a `TierConfig` (recovery/agreed_window.py finds and fetches the window
+to recover). Each node (`ranks_per_node`, default LOCAL_WORLD_SIZE) gets its own host directory `<root>/node-N/`: on one
 machine this emulates separate nodes. `replicas` is r, the number of peers that hold a copy of each window."""
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from ..planning.placement import Topology, place_replicas
 from ..runtime.background import stop_at_exit
 from ..runtime.distributed import library_group, library_new_group
 from ..storage_format.layout import node_dirname
+from ..tiers.contracts import ObjectStore
 from ..tiers.host_tier import HostTier, HostTierOptions
 from ..tiers.object_tier import make_store
 from ..tiers.orphans import OrphanCopies
 from ..tiers.peer_tier import PeerTier
-from ..tiers.tier import ObjectStore
 
 log = logging.getLogger("torchmoe_ckpt.tiers")
 
@@ -33,7 +33,7 @@ def node_of(rank: int, ranks_per_node: int) -> int:
 
 
 class Tiers(NamedTuple):
-    """One rank's storage tiers: host memory (always), peers and object store (optional; tier.py: the contracts)."""
+    """One rank's storage tiers: host memory (always), peers and object store (optional; tiers/contracts.py)."""
 
     host: HostTier
     peers: PeerTier | None  # the peer tier: each committed window also on r peers

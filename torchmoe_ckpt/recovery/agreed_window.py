@@ -15,10 +15,10 @@ import torch
 
 from ..core.window import Window
 from ..model.identity import RunIdentity
+from ..persist.build_tiers import Tiers
 from ..runtime.agreement import all_gather_objects, failure_reason, run_everywhere
 from ..storage_format.slot_format import CorruptCopyError
 from ..tiers.host_tier import HostTier
-from .tiers import Tiers
 
 log = logging.getLogger("torchmoe_ckpt.tiers")
 

@@ -19,11 +19,11 @@ from ..core.operator import Operator
 from ..core.window import Window, sliding_suffix
 from ..model.identity import IdentityMismatch, RunIdentity, allowed_changes, build_identity, refusal
 from ..model.optim_state import describe_optimizer_state
-from ..persist.recover import TierOutcome, recover_from_tiers
-from ..persist.tiers import Tiers
+from ..persist.build_tiers import Tiers
 from ..runtime.agreement import all_gather_objects, gather_failures, run_everywhere
 from ..runtime.watchdog import CollectiveWatchdog
 from ..tiers.host_tier import HostTier
+from .agreed_window import TierOutcome, recover_from_tiers
 from .replay_check import ReplayPolicy, replay_verdict
 from .sparse_to_dense import RecoveryReport, Replayable, replay_slots, sparse_to_dense
 
@@ -94,7 +94,7 @@ def recover(
 
     Args:
         trainer: what is recovered into; untouched when nothing is recovered.
-        tiers: the opened tiers (`persist.tiers.build_tiers`).
+        tiers: the opened tiers (`persist.build_tiers.build_tiers`).
         ops: the operators by name.
         compute_dtype: the dtype the slots were captured in.
         identity: what a window must have been written by (default: built from the trainer).
@@ -274,7 +274,7 @@ def _no_window(found: TierOutcome, tiers: Tiers, identity: RunIdentity, rank: in
     refusing = gather_failures(all_foreign)
     if refusing:
         raise IdentityMismatch(refusal(identity.run_id, foreign[-1] if foreign else next(iter(refusing.values()))))
-    # "no usable window" is the same on every rank (tiers.py gathers every rank's damaged copies): agreed.
+    # "no usable window" is the same on every rank (agreed_window.py gathers every rank's damaged copies): agreed.
     if found.outcome == "no usable window":
         windows = _rejected_windows(found)
         if on_unusable != "restart":

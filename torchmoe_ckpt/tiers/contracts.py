@@ -50,7 +50,7 @@ A recovery (recover.recover_from_tiers, collective)
     PeerTier.holdings(), all-gather       the newest window every rank can get (own copy or a peer's)
     PeerTier.pull(w, transfers)           ranks without a usable copy get theirs from a holder
     HostTier.load_window(w) -> agree -> replay -> agree    a failure on any rank excludes w; the next newest
-        (sliding plans: HostTier.load_partial(w + 1) too, the newest covering suffix replayed -- recovery/recover.py)
+        (sliding plans: HostTier.load_partial(w + 1) too, the newest covering suffix replayed -- recovery/resume.py)
     store.window_ids() -> store.download(w, host) -> HostTier.load_window(w)    the last tier, same agreement
 
 A DCP user's `dcp.load` reads a slot through the same format (dcp/raw_storage.RawReader), merged over its writers.
