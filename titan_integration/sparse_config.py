@@ -369,7 +369,8 @@ class SparseCheckpointSection:
     def check_store(self, probe: bool = True) -> None:
         """Open (and by default probe-write) the object store and the dense-export location once; raises
         JobConfigError naming the fix (with the key as the file wrote it)."""
-        from torchmoe_ckpt.storage_format.store_open import StoreConfigError, open_store
+        from torchmoe_ckpt.core.errors import StoreConfigError
+        from torchmoe_ckpt.storage_format.store_open import open_store
 
         for key, uri, options in (
             (self._name("object_store.uri"), self.store_uri, self.store_options),

@@ -5,9 +5,7 @@ be seen without touching storage raises `ConfigError` with one line naming the f
 from __future__ import annotations
 
 import math
-import os
-import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 # Torch-free, every one of them (tests/unit/test_config_torch_free.py): a launcher checks a config before torch loads.
@@ -17,6 +15,9 @@ from .core.config_values import (
     OperatorSpec,
     ReplayCheck,
     ReplayPolicy,
+    check_timeout,
+    check_whole,
+    config_from_dict,
     is_kind,
     parse_bytes,
 )
@@ -31,176 +32,21 @@ from .core.sparse_config import (  # noqa: F401 (re-exported: SparseConfig lives
     Popularity,
     SparseConfig,
 )
-from .runtime.watchdog import check_timeout
-from .storage_format.store_open import StoreConfigError, check_uri
+from .core.tier_config import (  # noqa: F401 (re-exported: TierConfig lives in core/, below its readers)
+    STALL_POLICIES,
+    STORE_FORMATS,
+    ObjectStoreConfig,
+    OnStall,
+    StoreFormat,
+    TierConfig,
+    default_run_id,
+)
 
 __all__ = ["ConfigError", "SparseConfig", "ObjectStoreConfig", "TierConfig", "CheckpointConfig", "DEFAULT_HOST_ROOT"]
 
 # The choice fields' values, each written once: the Literal is the field's type, the tuple is what is checked.
-StoreFormat = Literal["dcp", "tensorstore"]
-OnStall = Literal["warn", "fail"]
 OnUnusable = Literal["fail", "restart"]
-STORE_FORMATS: tuple[str, ...] = get_args(StoreFormat)
-STALL_POLICIES: tuple[str, ...] = get_args(OnStall)
 UNUSABLE_POLICIES: tuple[str, ...] = get_args(OnUnusable)  # (recovery.resume's on_unusable)
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-@dataclass
-class ObjectStoreConfig:
-    """Where committed windows are uploaded in the background (file://, s3://, az://, abfs://, memory://)."""
-
-    uri: str
-    """The store's root: file://, s3://, az://, abfs://, memory:// (a scheme without '//' is refused)."""
-
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    """Passed to fsspec: credentials, endpoint_url, connection_string, ..."""
-
-    keep: int = 2
-    """Committed windows kept in the store (>= 1); older ones are deleted once a newer one is complete."""
-
-    format: StoreFormat = "dcp"
-    """"dcp": standard DCP files (readable by torch.distributed.checkpoint); "tensorstore": zarr3 + OCDBT, one
-    expert per chunk (needs the tensorstore extra and a kvstore driver for the scheme)."""
-
-    exit_wait_s: float = 30.0
-    """At exit, the longest wait for pending uploads; what is left is uploaded by the next run (>= 0)."""
-
-    lease_s: float = 30.0
-    """The writing job's lease on <uri>/<run_id> (ownership/store_lease.py), renewed every lease_s/3: a second job
-    writing the same run is refused while the lease is fresh, and takes over once it has expired."""
-
-    def __post_init__(self):
-        if not isinstance(self.uri, str) or not self.uri:
-            raise ConfigError("object_store.uri is empty: give a URI such as s3://bucket/prefix or file:///path")
-        try:
-            check_uri(self.uri)  # "s3:/bucket" would be a local directory: said now, not after a run of "uploads"
-        except StoreConfigError as exc:
-            raise ConfigError(f"object_store.uri: {exc}") from None
-        _whole("object_store.keep", self.keep)
-        if self.keep < 1:
-            raise ConfigError(f"object_store.keep must be >= 1 (windows kept in the store), got {self.keep}")
-        if self.format not in STORE_FORMATS:
-            raise ConfigError(f"object_store.format {self.format!r} is not one of {', '.join(STORE_FORMATS)}")
-        if not is_kind(self.exit_wait_s, (int, float)) or not 0 <= self.exit_wait_s < math.inf:
-            raise ConfigError(
-                f"object_store.exit_wait_s must be a number of seconds >= 0 (finite: the bounded wait for "
-                f"pending uploads at exit), got {self.exit_wait_s!r}"
-            )
-        check_timeout("object_store.lease_s", self.lease_s, ConfigError)
-        if self.lease_s is None:
-            raise ConfigError("object_store.lease_s must be a finite number of seconds > 0, got None")
-        if not isinstance(self.storage_options, dict):
-            raise ConfigError(
-                "object_store.storage_options must be a dict of fsspec options, got "
-                f"{type(self.storage_options).__name__}"
-            )
-
-
-@dataclass
-class TierConfig:
-    """Host memory of this node, r peers, and optionally an object store."""
-
-    root: str = DEFAULT_HOST_ROOT
-    """The node-local directory windows are written to; shared memory (/dev/shm) survives a worker restart."""
-
-    run_id: str | None = None
-    """Names this training run: windows live under <root>/node-N/<run_id> (and <uri>/<run_id> in the store), and
-    resume() reads only this run's. 1-128 letters, digits, '.', '_', '-'. None: torchrun's run id
-    (TORCHELASTIC_RUN_ID), the same in every restart of one launch and new for every launch; to resume across
-    launches, give a name. Two unrelated jobs must never share one: their windows would mix."""
-
-    ranks_per_node: int | None = None
-    """Ranks per failure domain (peers are placed on other nodes). None: LOCAL_WORLD_SIZE (one node per
-    torchrun agent)."""
-
-    replicas: int = 0
-    """r: peers that hold a copy of each window (HSDP replicas first); 0: this node only."""
-
-    object_store: ObjectStoreConfig | None = None
-    """Where committed windows are also uploaded, in the background (a dict is read as ObjectStoreConfig)."""
-
-    stall_iterations: int | None = 50
-    """Iterations without a new durable window before the checkpoint counts as stalled (>= 1, keep it above
-    2 x W). None: no check."""
-
-    on_stall: OnStall = "warn"
-    """A stall: "warn" logs it once per stall; "fail" raises CheckpointStallError in the training thread."""
-
-    upload_backlog: int = 4
-    """Windows kept in host memory beyond retention while the object store lags or is down (>= 0)."""
-
-    spare_windows: int = 1
-    """Collected windows whose data files are kept to be written over (no new allocation); 0: deleted at once."""
-
-    peer_max_lag_windows: int = 4
-    """How many windows the peer copy may be behind the newest window committed in memory (>= 1) before it counts
-    as not durable: a warning once per crossing, `stats()['peers']['peer_durable']` False and `peers behind` in
-    the status lines until it catches up. A window superseded while the link was busy is skipped, not queued.
-    With `peer_interval` k it counts pushes missed (due windows not on the peers), not windows: the peer copy may
-    be up to k * (peer_max_lag_windows + 1) - 1 windows old before it counts as not durable."""
-
-    peer_interval: int | Literal["auto"] = 1
-    """Push every k-th committed window to the peers (>= 1); the others are not pushed at all (the peer copy is
-    the newest pushed window, so a node loss replays or loses up to k - 1 windows more). 1: every window.
-    "auto": k from the measured seconds one push takes on the peer links against training's seconds per window,
-    so that pushing occupies at most `peer_link_share` of the link's time; re-chosen after every push and agreed
-    across ranks (the slowest link decides), at most 8. The host tier keeps the windows from the newest pushed one
-    on (up to k more windows in host memory), so a node loss can still combine it with the peers' copies."""
-
-    peer_link_share: float = 0.05
-    """peer_interval="auto": the largest share of the peer links' time the pushes may take (0 < share <= 1)."""
-
-    def __post_init__(self):
-        if isinstance(self.object_store, dict):
-            self.object_store = _from_dict(ObjectStoreConfig, self.object_store, "object_store")
-        if self.run_id is not None and (not isinstance(self.run_id, str) or not _RUN_ID.match(self.run_id)):
-            raise ConfigError(
-                f"run_id {self.run_id!r} must be 1-128 characters of letters, digits, '.', '_' "
-                "or '-' (it names a directory)"
-            )
-        if not isinstance(self.root, (str, os.PathLike)) or not str(self.root):
-            raise ConfigError(f"root is empty: give a node-local directory, e.g. {DEFAULT_HOST_ROOT}")
-        _whole("replicas", self.replicas)
-        for name in ("upload_backlog", "spare_windows"):
-            _whole(name, getattr(self, name))
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0 (windows kept in host memory), got {getattr(self, name)}")
-        _check_lag_bound(self.peer_max_lag_windows)
-        _check_interval(self.peer_interval, self.peer_link_share)
-        _whole("ranks_per_node", self.ranks_per_node, none_ok=True)
-        if self.replicas < 0:
-            raise ConfigError(f"replicas must be >= 0 (peers holding a copy of each window), got {self.replicas}")
-        if self.ranks_per_node is not None and self.ranks_per_node < 1:
-            raise ConfigError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
-        if self.stall_iterations is not None and (not is_kind(self.stall_iterations, int) or self.stall_iterations < 1):
-            raise ConfigError(
-                f"stall_iterations must be an integer >= 1 (iterations without a durable window "
-                f"before on_stall applies) or None (no check), got {self.stall_iterations!r}"
-            )
-        if self.on_stall not in STALL_POLICIES:
-            raise ConfigError(f"on_stall {self.on_stall!r} must be 'warn' (log it) or 'fail' (end the job)")
-
-    def resolved_run_id(self) -> str:
-        """The explicit run id, else torchrun's; a run id shared by unrelated jobs would mix their windows."""
-        rid = self.run_id or default_run_id()
-        if rid is None:
-            raise ConfigError(
-                "run_id is not set and there is no torchrun run id (TORCHELASTIC_RUN_ID) to derive "
-                "one from: set TierConfig(run_id=...) to a name unique to this training run"
-            )
-        return rid
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TierConfig:
-        """The dict form used by job specs: {"root":..., "run_id":..., "object_store": {"uri": ...}}."""
-        return _from_dict(cls, d, "host_tier")
-
-
-def default_run_id() -> str | None:
-    """torchrun's run id: the same in every attempt of one launch, different between launches."""
-    rid = os.environ.get("TORCHELASTIC_RUN_ID")
-    return re.sub(r"[^A-Za-z0-9._-]", "-", rid)[:128] if rid and rid != "none" else None
 
 
 @dataclass
@@ -261,7 +107,7 @@ class CheckpointConfig:
         if isinstance(self.tiers, dict):
             self.tiers = TierConfig.from_dict(self.tiers)
         if isinstance(self.window, dict):
-            self.window = _from_dict(SparseConfig, self.window, "window")
+            self.window = config_from_dict(SparseConfig, self.window, "window")
         if not isinstance(self.window, SparseConfig):
             raise ConfigError(
                 f"window must be a SparseConfig (e.g. SparseConfig(window=3)) or a dict, got {self.window!r}"
@@ -269,7 +115,7 @@ class CheckpointConfig:
         self._merge_host_memory_limit()
         if self.tiers is not None and not isinstance(self.tiers, TierConfig):
             raise ConfigError(f"tiers must be a TierConfig, a dict or None, got {type(self.tiers).__name__}")
-        _whole("router_top_k", self.router_top_k, none_ok=True)
+        check_whole("router_top_k", self.router_top_k, none_ok=True)
         if self.max_grad_norm is not None and not is_kind(self.max_grad_norm, (int, float)):
             raise ConfigError(f"max_grad_norm must be a number > 0 or None (no clipping), got {self.max_grad_norm!r}")
         if self.router_top_k is not None and self.router_top_k < 1:
@@ -334,43 +180,3 @@ def compute_dtype_of(value):
             f"such as 'bf16'), or None (inferred from the model), got {value!r}"
         )
     return value
-
-
-def _check_lag_bound(value) -> None:
-    _whole("peer_max_lag_windows", value)
-    if value < 1:
-        raise ConfigError(f"peer_max_lag_windows must be >= 1 (windows the peer copy may be behind), got {value}")
-
-
-def _check_interval(value, share) -> None:
-    if value != "auto" and (not is_kind(value, int) or value < 1):
-        raise ConfigError(
-            f"peer_interval must be an integer >= 1 (push every k-th window) or 'auto' (chosen from the measured "
-            f"link time), got {value!r}"
-        )
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-        raise ConfigError(f"peer_link_share must be a number in (0, 1] (a share of the link's time), got {share!r}")
-
-
-def _whole(name: str, value, none_ok: bool = False) -> None:
-    """An integer field given as "2" or 2.0 fails here with its name, not as a TypeError in a comparison."""
-    if (value is None and none_ok) or is_kind(value, int):
-        return
-    raise ConfigError(
-        f"{name} must be an integer{' or None' if none_ok else ''}, got {value!r} ({type(value).__name__})"
-    )
-
-
-def _from_dict(cls, d: dict, where: str):
-    if not isinstance(d, dict):
-        raise ConfigError(f"{where} must be a table/dict, got {type(d).__name__}")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in {where}: known keys are {sorted(known)}")
-    try:
-        return cls(**d)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None

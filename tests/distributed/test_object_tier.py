@@ -7,12 +7,13 @@ import os
 
 import pytest
 
+from torchmoe_ckpt.core.errors import StoreConfigError
 from torchmoe_ckpt.persist.uploader import Uploader
 from torchmoe_ckpt.storage_format.checksums import FileEntry, crc32_bytes
 from torchmoe_ckpt.storage_format.layout import manifest_name, writer_name
 from torchmoe_ckpt.storage_format.manifest import WindowManifest
 from torchmoe_ckpt.tiers.host_tier import HostTier
-from torchmoe_ckpt.tiers.object_tier import ObjectTier, StoreConfigError
+from torchmoe_ckpt.tiers.object_tier import ObjectTier
 from torchmoe_harness.launch import compare, run_torchrun
 
 

@@ -39,7 +39,7 @@ LAYERS = (
     (
         0,
         "core",
-        "shared data, no threads: errors, torch-free config values, operator pieces, window plans, slots, "
+        "shared data, no threads: errors, torch-free configs and their checks, operator pieces, window plans, slots, "
         "windows, replay records",
     ),
     (1, "runtime", "process services: process groups, fault points, exit, watchdog, device copies"),
@@ -57,14 +57,10 @@ LAYERS = (
 )
 # Modules at the package root: the front door (what a user imports, the start-up sequence). It may import any layer.
 FRONT_DOOR = ("__init__", "checkpointer", "config", "startup", "sparse_checkpointer")
-# Imports against the order that this re-layout left, each with its reason: (importing module, imported module).
-ALLOWED_UPWARD = {
-    # config.py holds TierConfig, whose checks need the storage format (storage_format.store_open.check_uri: a URI that
-    # would silently be a local directory is refused at construction); SparseConfig and the torch-free constants
-    # live in core/ (core/sparse_config.py, core/config_values.py). These two read a TierConfig from the front door.
-    ("persist.build_tiers", "config"): "TierConfig, DEFAULT_HOST_ROOT: build_tiers builds the tiers from the config",
-    ("recovery.jit", "config"): "TierConfig: the JIT checkpoint writes where the tiers are configured",
-}
+# Imports against the order, each with its reason: (importing module, imported module). Empty: TierConfig,
+# ObjectStoreConfig and the checks they need (check_uri, check_timeout) live in core/ (core/tier_config.py,
+# core/config_values.py), so the tiers and the JIT checkpoint read them from below; keep it empty.
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..persist.run_status import human_bytes
+from ..core.config_values import human_bytes
 
 __all__ = ["ALIGN", "DeviceStaging", "HEADROOM", "staging_need", "staging_fits"]
 

@@ -11,9 +11,11 @@ import json
 import logging
 import time
 
-from ..core.config_values import parse_bytes  # noqa: F401 (re-exported: defined torch-free for config.py)
+from ..core.config_values import (
+    human_bytes,
+    parse_bytes,  # noqa: F401 (re-exported: defined torch-free for config.py)
+)
 from ..core.errors import ConfigError
-from ..persist.run_status import human_bytes
 from .device_staging import ALIGN as STAGING_ALIGN
 from .slot_pool import pageup
 

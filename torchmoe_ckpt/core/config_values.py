@@ -1,22 +1,29 @@
-"""The torch-free values the configuration is made of: byte sizes, the operator patterns, the replay policy.
+"""The torch-free values the configuration is made of, and their checks: byte sizes (parsed and printed), whole
+numbers, timeouts, store URIs, the operator patterns, the replay policy.
 
-`torchmoe_ckpt.config` imports only this, `errors`, `storage_format.store_open` and `watchdog` (no torch), so a
+`torchmoe_ckpt.config` imports only core/ (this, `errors`, `sparse_config`, `tier_config`: no torch), so a
 launcher can build and check every config before torch loads (TorchTitan's `[sparse_checkpoint]` section does).
 The modules that use these values (host_memory, moe_structure/operators, replay_check) re-export them.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
-from .errors import ConfigError
+from .errors import ConfigError, StoreConfigError
 
 __all__ = [
     "DEFAULT_HOST_ROOT",
     "is_kind",
+    "check_whole",
+    "check_timeout",
+    "check_uri",
+    "config_from_dict",
     "parse_bytes",
+    "human_bytes",
     "OperatorSpec",
     "ReplayCheck",
     "REPLAY_CHECKS",
@@ -33,6 +40,58 @@ def is_kind(value, kinds) -> bool:
     return isinstance(value, kinds) and not isinstance(value, bool)
 
 
+def check_whole(name: str, value, none_ok: bool = False) -> None:
+    """An integer field given as "2" or 2.0 fails here with its name, not as a TypeError in a comparison."""
+    if (value is None and none_ok) or is_kind(value, int):
+        return
+    raise ConfigError(
+        f"{name} must be an integer{' or None' if none_ok else ''}, got {value!r} ({type(value).__name__})"
+    )
+
+
+def check_timeout(name: str, value, error=ValueError) -> None:
+    """A timeout in seconds: a finite number > 0, or None (off). inf, nan, True and "60" are refused."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise error(f"{name} must be a finite number of seconds > 0, or None (off), got {value!r}")
+
+
+_SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)(.*)$")
+
+
+def check_uri(uri: str) -> None:
+    """A scheme without '//' ("s3:/bucket") is a typo that fsspec reads as a local path (./s3:/bucket), so uploads
+    would "succeed" into the working dir: refused, naming the URI meant (one letter before ':' is a drive)."""
+    m = _SCHEME_WITHOUT_SLASHES.match(uri) if isinstance(uri, str) else None
+    if m is None:
+        return
+    scheme, rest = m.group(1), m.group(2).lstrip("/")
+    meant = f"{scheme}:///{rest}" if scheme.lower() == "file" else f"{scheme}://{rest}"
+    raise StoreConfigError(
+        f"object-store URI {uri!r} has a scheme ({scheme}:) but no '//' after it, so it would "
+        f"be read as a local directory named {uri!r}: did you mean {meant!r}? (a local "
+        "directory: give its path, or file:///absolute/path)"
+    )
+
+
+def config_from_dict(cls, d: dict, where: str):
+    """A config dataclass from its dict (TOML table) form: an unknown key, or a value its constructor refuses,
+    raises ConfigError naming `where`."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where} must be a table/dict, got {type(d).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in {where}: known keys are {sorted(known)}")
+    try:
+        return cls(**d)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
 def parse_bytes(value, field: str = "host_memory_limit") -> int | None:
     """A byte count: an int, or a string like "64 GiB", "512M", "1.5 TiB" (binary units; "GB" is read as GiB)."""
     if value is None:
@@ -47,6 +106,15 @@ def parse_bytes(value, field: str = "host_memory_limit") -> int | None:
     if value <= 0:
         raise ConfigError(f"{field} must be > 0 bytes (or None: no limit), got {value!r}")
     return int(value)
+
+
+def human_bytes(n: float) -> str:
+    """A byte count as people read it ("1.5 MiB"): the status lines, host-memory and staging messages."""
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 @dataclass(frozen=True)

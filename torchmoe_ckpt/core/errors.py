@@ -9,6 +9,7 @@ __all__ = [
     "ConfigError",
     "UncapturedStateError",
     "UnusableCheckpointError",
+    "StoreConfigError",
     "is_collective_failure",
 ]
 
@@ -19,6 +20,10 @@ class TorchmoeError(Exception):
 
 class ConfigError(TorchmoeError, ValueError):
     """A configuration value that cannot work; the message names the field and the fix."""
+
+
+class StoreConfigError(TorchmoeError, ValueError):
+    """The object-store URI or its options cannot work; the message names the fix."""
 
 
 class UncapturedStateError(TorchmoeError, ValueError):

@@ -11,8 +11,9 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from ..config import DEFAULT_HOST_ROOT, TierConfig
+from ..core.config_values import DEFAULT_HOST_ROOT
 from ..core.errors import ConfigError
+from ..core.tier_config import TierConfig
 from ..ownership import run_lock
 from ..ownership.store_lease import StoreLease, StoreLeasedError, local_job_key
 from ..planning.placement import Topology, place_replicas

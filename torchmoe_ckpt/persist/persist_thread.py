@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from ..core.config_values import human_bytes
 from ..core.slot import Slot
 from ..core.window import Window
 from ..runtime.agreement import reduce_float_on
@@ -23,7 +24,7 @@ from ..tiers.host_tier import HostTier
 from ..tiers.peer_interval import PeerInterval
 from ..tiers.peer_lag import PeerLag
 from ..tiers.window_tier import PartialWindow
-from .run_status import RunStatus, human_bytes
+from .run_status import RunStatus
 from .tier_health import TierHealth
 from .uploader import Uploader
 

@@ -14,15 +14,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from ..core.config_values import human_bytes
+
 log = logging.getLogger("torchmoe_ckpt")
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def _ids(ids) -> str:

@@ -31,7 +31,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from ..config import TierConfig
+from ..core.tier_config import TierConfig
 from ..model.operators import local_tensor as _local
 from ..runtime.agreement import all_gather_objects, all_ok
 from ..runtime.watchdog import write_all  # os.write on fd 2: this may run while another thread holds a stream lock

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import math
 import os
 import select
 import subprocess
@@ -31,6 +30,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
+from ..core.config_values import check_timeout
 from ..core.errors import is_collective_failure
 
 EXIT_HANG = 124  # like coreutils' timeout(1): "the command timed out"
@@ -267,14 +267,6 @@ class CollectiveWatchdog:
         t.join(ABORT_WAIT_S)
         write_all(2, f"event=exit rank={rank} abort={result[0] if result else 'timed_out'} exit_code={code}\n")
         os._exit(code)
-
-
-def check_timeout(name: str, value, error=ValueError) -> None:
-    """A timeout in seconds: a finite number > 0, or None (off). inf, nan, True and "60" are refused."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise error(f"{name} must be a finite number of seconds > 0, or None (off), got {value!r}")
 
 
 def write_all(fd: int, text: str) -> None:

@@ -9,12 +9,8 @@ import logging
 import re
 import uuid
 
-from ..core.errors import TorchmoeError
-
-
-class StoreConfigError(TorchmoeError, ValueError):
-    """The object-store URI or its options cannot work; the message names the fix."""
-
+from ..core.config_values import check_uri
+from ..core.errors import StoreConfigError
 
 _S3, _AZURE = "s3fs (pip install 'torchmoe-ckpt[s3]')", "adlfs (pip install 'torchmoe-ckpt[azure]')"
 KNOWN = {"file": None, "memory": None, "s3": _S3, "s3a": _S3, "az": _AZURE, "abfs": _AZURE, "abfss": _AZURE}
@@ -41,24 +37,6 @@ def quiet_third_party_loggers() -> None:
             configured, lg = lg.level != logging.NOTSET, lg.parent
         if not configured:
             logging.getLogger(name).setLevel(logging.WARNING)
-
-
-_SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)(.*)$")
-
-
-def check_uri(uri: str) -> None:
-    """A scheme without '//' ("s3:/bucket") is a typo that fsspec reads as a local path (./s3:/bucket), so uploads
-    would "succeed" into the working dir: refused, naming the URI meant (one letter before ':' is a drive)."""
-    m = _SCHEME_WITHOUT_SLASHES.match(uri) if isinstance(uri, str) else None
-    if m is None:
-        return
-    scheme, rest = m.group(1), m.group(2).lstrip("/")
-    meant = f"{scheme}:///{rest}" if scheme.lower() == "file" else f"{scheme}://{rest}"
-    raise StoreConfigError(
-        f"object-store URI {uri!r} has a scheme ({scheme}:) but no '//' after it, so it would "
-        f"be read as a local directory named {uri!r}: did you mean {meant!r}? (a local "
-        "directory: give its path, or file:///absolute/path)"
-    )
 
 
 def open_store(uri: str, storage_options: dict | None = None, probe: bool = True):

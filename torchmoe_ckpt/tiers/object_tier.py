@@ -10,6 +10,8 @@ import logging
 import os
 from pathlib import Path
 
+from ..core.config_values import check_uri
+from ..core.errors import StoreConfigError
 from ..runtime import faults
 from ..storage_format import usage
 from ..storage_format.checksums import CHUNK, Digester, FileEntry
@@ -17,7 +19,7 @@ from ..storage_format.files import StoreFiles
 from ..storage_format.layout import METADATA, is_data_file, manifest_name, window_dirname
 from ..storage_format.manifest import WindowManifest
 from ..storage_format.spare_files import place_new_file, pwrite_all
-from ..storage_format.store_open import StoreConfigError, check_uri, open_store, quiet_third_party_loggers
+from ..storage_format.store_open import open_store, quiet_third_party_loggers
 from ..storage_format.tensorstore_spec import NoTensorstoreDriver
 from .contracts import StoreTier
 from .tensorstore_tier import TensorstoreTier

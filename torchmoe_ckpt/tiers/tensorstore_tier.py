@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..core.errors import StoreConfigError
 from ..core.slot import Slot
 from ..runtime import faults
 from ..storage_format.checksums import FileEntry, crc32_bytes, crc32_tensor
@@ -27,7 +28,7 @@ from ..storage_format.layout import (
     writer_name,
 )
 from ..storage_format.manifest import WindowManifest
-from ..storage_format.store_open import StoreConfigError, explain
+from ..storage_format.store_open import explain
 from ..storage_format.tensorstore_spec import (
     DTYPES,
     META_FORMAT,
