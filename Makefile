@@ -1,6 +1,6 @@
 # make setup: .venv with everything (idempotent; quick when nothing changed)
 # make demo:  setup, then the main job          make test: setup, lint, then the tests (make test-all: and the matrix)
-# make lint:  ruff check + ruff format --check + pyright (library)   make test-fast: the unit tests alone (in-process, under a minute)
+# make lint:  ruff check + ruff format --check + pyright (library)   make test-fast: the in-process tests alone (under a minute)
 # make bench: setup, then the benchmark suite (JSON + report in benchmarks/results/)
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
@@ -51,9 +51,9 @@ test: setup lint
 	$(BYTECODE)
 	$(BIN)/python -m pytest -q --durations=15 tests
 
-# tests/unit: in-process, no torchrun, no servers (tests/distributed and tests/titan start real processes)
+# in-process tests only, by marker: `torchrun` tests start torchrun/gloo processes or servers, `titan` ones TorchTitan
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q -m "not torchrun and not titan and not matrix" tests
 
 # the default suite plus the `matrix` cases (more of each kind; ~20 minutes more)
 test-all: setup

@@ -53,8 +53,8 @@ def _recurrence(q, k, v, beta, g, scale: float, h: torch.Tensor) -> tuple[torch.
     h [H, K, V]. With G = cumsum(g), the recurrence unrolls to h_t = e^{G_t} h_0 + sum_{s<=t} e^{G_t - G_s} k_s u_s^T
     where u_t = beta_t (v_t - k_t^T e^{g_t} h_{t-1}); so (I + A) U = beta (V - e^G K h_0) with A strictly lower,
     A_ts = beta_t e^{G_t - G_s} k_t.k_s (a unit-triangular solve), and o_t = scale q_t^T h_t. The same WY form
-    fla's chunked kernels use, over a whole document instead of chunks of 64; tests/unit/test_fla_cpu.py checks it
-    against the token-by-token recurrence."""
+    fla's chunked kernels use, over a whole document instead of chunks of 64;
+    tests/titan_glue/test_fla_cpu.py checks it against the token-by-token recurrence."""
     q, k, v = (x.float().transpose(0, 1) for x in (q, k, v))  # [H, T, *]
     beta, G = beta.float().t(), g.float().t().cumsum(-1)  # [H, T]
     T = q.shape[1]

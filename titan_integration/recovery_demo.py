@@ -20,7 +20,7 @@ every loss after the recovery are compared with ``torch.equal`` against the refe
 says which window was used, where the copy came from, how many iterations were replayed, how long recovery
 took and whether the result is bit-exact. Exit status 0 only if it is.
 
-The test suite (tests/titan/test_titan_sparse.py) runs the same functions.
+The test suite (tests/titan_glue/test_titan_sparse.py) runs the same functions.
 """
 
 from __future__ import annotations

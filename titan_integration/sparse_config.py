@@ -2,8 +2,8 @@
 
 Its keys are the core configuration's own field names (torchmoe_ckpt.config: `SparseConfig`, `TierConfig`,
 `ObjectStoreConfig`, `CheckpointConfig`), with their defaults, their choices (the same `Literal` types) and their
-checks: the core's, never restated here (tests/unit/test_sparse_section_core.py). A core field is declared here with
-`core(...)`, which reads its default from the core dataclass. What TOML changes:
+checks: the core's, never restated here (tests/titan_glue/test_sparse_section_core.py). A core field is
+declared here with `core(...)`, which reads its default from the core dataclass. What TOML changes:
 
 * TOML has no null, so the core's ``None`` is written as ``TOML_NONE`` spells it: ``window = "auto"``,
   ``host_memory_limit = ""``, ``max_window = 0``, ``run_id = ""``, ``hang_timeout_s = 0``, ``object_store = {}``;

@@ -206,8 +206,8 @@ class SparseTrainer(Trainer):
         a logged iteration (batch, RNG state and grad norm from the log). Returns the step's record.
 
         A copy of ``Trainer.train_step`` as of ``UPSTREAM_TRAIN_STEP`` (torchtitan 0.3.0, with its source digest):
-        tests/unit/test_upstream_pin.py fails when the installed TorchTitan's differs (titan_integration/upstream_pin.py
-        says what to re-check here)."""
+        tests/titan_glue/test_upstream_pin.py fails when the installed TorchTitan's differs
+        (titan_integration/upstream_pin.py says what to re-check here)."""
         t_start = time.perf_counter()
         faults.set_iteration(self.step)
         faults.point("forward")

@@ -1,5 +1,5 @@
 """The TorchTitan code this package copies, pinned by a digest of its source, so an upgrade that changes it fails a
-test (tests/unit/test_upstream_pin.py) instead of silently diverging from the copy.
+test (tests/titan_glue/test_upstream_pin.py) instead of silently diverging from the copy.
 
 `SparseTrainer.sparse_step` (sparse_trainer.py) is TorchTitan's `Trainer.train_step` with four additions (there is
 no hook between clipping and `optimizers.step()`); its metric block is `_log_metrics`. `_clip_with_norm` splits

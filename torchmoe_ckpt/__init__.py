@@ -53,7 +53,7 @@ _EXPORTS = _by_module(
         "core.window": "Window",
     }
 )
-# The DCP users' names: dcp.__all__ (tests/unit/test_layering.py keeps them equal), imported on first use too
+# The DCP users' names: dcp.__all__ (tests/api/test_layering.py keeps them equal), imported on first use too
 _DCP_EXPORTS = _by_module(
     {
         "dcp.sparse_planner": "SparseSchedule SparseSavePlanner SparseLoadPlanner load_sparse_window",

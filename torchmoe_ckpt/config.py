@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-# Torch-free, every one of them (tests/unit/test_config_torch_free.py): a launcher checks a config before torch loads.
+# Torch-free, every one of them (tests/api/test_config_torch_free.py): a launcher checks a config before torch loads.
 from .core.config_values import (
     DEFAULT_HOST_ROOT,
     DEFAULT_TOLERANCE,

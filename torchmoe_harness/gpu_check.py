@@ -2,7 +2,7 @@
 
     torchmoe-ckpt gpu-check --out DIR                 # installed
     python3 -m torchmoe_harness.gpu_check --out DIR   # from a source tree (scripts/gpu_check.sh sets it up)
-    ... --device cpu --tiny                           # the same phases on a CPU, small (tests/distributed)
+    ... --device cpu --tiny                           # the same phases on a CPU, small (tests/harness)
 
 Phases, each under its own time limit; DIR/gpu_check.json and DIR/gpu_check.md are rewritten after every phase, so
 a run cut short still leaves what it found (and DIR/bench_raw.json: every turn of phase 3):

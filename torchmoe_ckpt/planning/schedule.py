@@ -119,7 +119,7 @@ def plan_window(  # noqa: PLR0913  (Algorithm 1's inputs, and its mode options w
         names = ", ".join(worst.active[:3]) + (", ..." if len(worst.active) > 3 else "")
         forced = forced_window is not None and auto_window is None
         fix = "a larger forced window or auto (None)" if forced else "set a forced window to accept the wait"
-        # "do not fit the copy budget" is matched by tests/distributed/test_recovery.py: keep the phrase.
+        # "do not fit the copy budget" is matched by tests/recovery/test_recovery.py: keep the phrase.
         log.warning(
             f"sparse checkpoint slots do not fit the copy budget: slot {i} of W={len(slots)} (active: "
             f"{names}) copies {worst.bytes} bytes, over the budget of {budget_bytes:.0f} bytes per iteration, "
