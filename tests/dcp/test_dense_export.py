@@ -111,6 +111,7 @@ def _printed_losses(out: str) -> dict[int, str]:
     return {int(s): loss for s, loss in re.findall(r"\[default0\].*step:\s+(\d+)\s+loss:\s+([-\d.]+)", plain)}
 
 
+@pytest.mark.titan  # TorchTitan's own Trainer writes the export
 def test_torchtitan_dense_export_holds_every_entry_torchtitan_saves(tmp_path_factory):
     """train_state, dataloader (each rank's dp_rank_N) and lr_scheduler beside the model and optimizer: what
     TorchTitan's CheckpointManager saves and a full resume loads."""
@@ -132,6 +133,7 @@ def test_torchtitan_dense_export_holds_every_entry_torchtitan_saves(tmp_path_fac
     assert any(k.startswith("optimizer.state.") for k in keys)
 
 
+@pytest.mark.titan  # TorchTitan's own Trainer writes the export
 def test_torchtitan_full_resume_from_a_dense_export_with_its_own_flags(tmp_path, tmp_path_factory):
     """Stock TorchTitan resumes from the export with its own flags (`--checkpoint.initial_load_path DIR
     --checkpoint.no-initial_load_model_only`, no exclusions) -- model, optimizer, LR schedule, step and
