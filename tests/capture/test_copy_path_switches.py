@@ -48,11 +48,13 @@ def test_config_defaults_and_one_line_refusals():
 def test_reads_on_the_copy_stream_equal_the_training_stream_path_and_are_own_copies():
     tree = {"tokens": torch.arange(12).view(3, 4), "x": (torch.tensor(2.5), 3, None), "h": [{"m": torch.ones(2)}]}
     on, off = HostReads(CopyStream("cpu"), True), HostReads(CopyStream("cpu"), False)
-    got, ref = on.copy(tree), off.copy(tree)
+    got, ref = on.copy(tree, clone_cpu=True), off.copy(tree, clone_cpu=True)
     assert torch.equal(got["tokens"], ref["tokens"]) and torch.equal(got["x"][0], ref["x"][0])
     assert got["x"][1:] == (3, None) and torch.equal(got["h"][0]["m"], host_copy(tree)["h"][0]["m"])
-    tree["tokens"].add_(100)  # the caller reuses its buffer: the copy-stream read is a copy of its own
-    assert int(got["tokens"].max()) == 11 and on.landed() is None and on.reads == off.reads == 3
+    passed = on.copy(tree)  # without clone_cpu a host tensor is passed on as it is, as host_copy does
+    assert passed["tokens"] is not tree["tokens"] and passed["tokens"].data_ptr() == tree["tokens"].data_ptr()
+    tree["tokens"].add_(100)  # the caller reuses its buffer: the clone_cpu read is a copy of its own
+    assert int(got["tokens"].max()) == 11 and on.landed() is None and on.reads == off.reads + 3 == 6
     assert on.copy(None) is None and on.copy((1, "a")) == (1, "a")
 
 

@@ -2,7 +2,7 @@
 (the cast to the slot's dtype fused) right after the update, and the copy to the host runs from there.
 
 Why: the next update has to wait only for the device-to-device copy (about a millisecond of HBM time per GB; one
-`_foreach_copy_` call, multi-tensor kernels where torch's fast path applies: measured by the GPU check), while the
+`_foreach_copy_` per (source, staging) dtype pair, each a multi-tensor kernel: measured by the GPU check), while the
 copy to the host, from a buffer nobody overwrites, may take the whole next iteration; with `copy_chunk_bytes` it
 still yields the copy engine to the training stream's reads.
 

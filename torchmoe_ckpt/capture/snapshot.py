@@ -25,7 +25,7 @@ from ..model.operators import local_tensor
 from ..runtime import faults
 from ..runtime.background import stop_at_exit
 from ..runtime.deferred_reads import HostReads
-from ..runtime.device_copy import CopyStream
+from ..runtime.device_copy import CopyStream, copy_by_dtype
 from .copy_chunks import ChunkedCopy, chunk_copy_lists
 from .device_staging import DeviceStaging, staging_need
 
@@ -328,10 +328,11 @@ class SnapshotEngine:
         job.released.set()
 
     def _stage(self, job: _Job) -> None:
-        """Device staging: the device-to-device copy first (one multi-tensor kernel on CUDA, the cast fused); the
-        next update waits for its end only (`staged`). In the copy stream's context."""
+        """Device staging: the device-to-device copy first (on CUDA one multi-tensor kernel per (source, staging)
+        dtype pair, the cast fused: copy_by_dtype says why never one mixed call); the next update waits for its end
+        only (`staged`). In the copy stream's context."""
         if not self.skip_copies and job.stage is not None:
-            torch._foreach_copy_(job.stage[1], job.stage[0], non_blocking=self.use_cuda)  # pyright: ignore[reportPrivateImportUsage]  (torch private)
+            copy_by_dtype(job.stage[1], job.stage[0], non_blocking=self.use_cuda)
         job.staged = self.copier.end()
         if not self.use_cuda:
             job.released.set()  # CPU: the sources are free once staged; the host copy follows

@@ -7,12 +7,12 @@ the training stream queues after it waits too. On the copy stream the read waits
 for it: the values are read later (the records when their window is persisted, after the slot copies that follow
 them on the same stream; the counts at the next window start, after `landed`).
 
-How (CUDA): the sources are cloned on the training stream first, device to device (`_foreach_copy_`: not a
-device-to-host copy, so not behind the slot's; whether a kernel or an engine runs it is the GPU check's to show), so
-that a caller reusing its buffers (a batch) or the allocator reusing freed ones cannot change what is read; the copy
-stream waits for an event recorded after the clones, copies them into pinned memory non-blocking, and holds the
-clones until then (`record_stream`). On a CPU the same calls run (streams are no-ops): the clones are the host
-copies, equal to what the training-stream path returns.
+How (CUDA): the device sources are cloned on the training stream first, by kernel (`_foreach_copy_`, one call per
+dtype: a multi-tensor kernel, not a device-to-device memcpy that would share the copy engine), so that a caller
+reusing its buffers (a batch) or the allocator reusing freed ones cannot change what is read; the copy stream waits
+for an event recorded after the clones, copies them into pinned memory non-blocking, and holds the clones until then
+(`CopyStream.to_host_after`). Host tensors are passed on as they are (cloned only with `clone_cpu`): one may be a
+pinned copy still landing. On a CPU the same calls run (streams are no-ops), equal to the training-stream path.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .device_copy import CopyStream, host_copy
+from .device_copy import CopyStream, copy_by_dtype, host_copy
 
 __all__ = ["HostReads"]
 
@@ -38,8 +38,12 @@ class HostReads:
         self.reads = 0  # tensors read (stats)
 
     def copy(self, tree: Any, clone_cpu: bool = False) -> Any:
-        """Host copies of every tensor in `tree` (any pytree; other leaves as they are). `clone_cpu`: CPU tensors
-        are cloned (the caller may reuse them); on the copy-stream path every tensor is cloned first anyway."""
+        """Host copies of every tensor in `tree` (any pytree; other leaves as they are). Host tensors are returned
+        as they are, or cloned with `clone_cpu` (the caller may reuse them), as `host_copy` does.
+
+        A host tensor is never read here unless `clone_cpu`: it may be one of our own pinned copies whose
+        device-to-host copy is still queued on the copy stream (a replay record's batch), and reading it now would
+        read it before it lands. Passed on, it is read where every read of this stream is, after `landed()`."""
         if tree is None:
             return None
         if not self.on_copy_stream:
@@ -51,26 +55,21 @@ class HostReads:
         if not pos:
             return tree
         self.reads += len(pos)
-        srcs = [leaves[i].detach() for i in pos]
-        with torch.no_grad():
-            clones = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in srcs]
-            torch._foreach_copy_(clones, srcs)  # pyright: ignore[reportPrivateImportUsage]  (device to device on CUDA)
-        if self.copier.cuda:  # CUDA only: the pinned copies on the side stream, after the clones
-            ready = self.copier.mark_ready()
-            with self.copier.context():
-                self.copier.stream.wait_event(ready)  # pyright: ignore[reportOptionalMemberAccess, reportArgumentType]  (CUDA: both exist)
-                outs = []
-                for c in clones:
-                    if c.device.type == "cpu":
-                        outs.append(c)
-                        continue
-                    c.record_stream(self.copier.stream)  # pyright: ignore[reportArgumentType]  (held until copied)
-                    o = torch.empty(c.shape, dtype=c.dtype, device="cpu", pin_memory=True)
-                    o.copy_(c, non_blocking=True)
-                    outs.append(o)
-            clones = outs
-        for i, c in zip(pos, clones):
-            leaves[i] = c
+        on_device = []
+        for i in pos:
+            if self.copier.on_host(leaves[i]):
+                leaves[i] = leaves[i].detach().clone() if clone_cpu else leaves[i].detach()
+            else:
+                on_device.append(i)
+        if on_device:
+            srcs = [leaves[i].detach() for i in on_device]
+            with torch.no_grad():
+                # Cloned by kernel on the training stream, one per dtype (not a device-to-device memcpy, which
+                # would share the copy engine with the slot copy): a reused buffer cannot change what is read.
+                clones = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in srcs]
+                copy_by_dtype(clones, srcs)
+            for i, host in zip(on_device, self.copier.to_host_after(clones), strict=True):
+                leaves[i] = host
         return tree_unflatten(leaves, spec)
 
     def landed(self):

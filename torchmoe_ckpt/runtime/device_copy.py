@@ -14,7 +14,7 @@ from contextlib import nullcontext
 import torch
 from torch.utils._pytree import tree_map
 
-__all__ = ["CopyStream", "host_copy"]
+__all__ = ["CopyStream", "copy_by_dtype", "host_copy"]
 
 
 def _to_host(t: torch.Tensor, clone_cpu: bool) -> torch.Tensor:
@@ -32,6 +32,24 @@ def host_copy(tree, clone_cpu: bool = False):
     return tree_map(lambda x: _to_host(x, clone_cpu) if torch.is_tensor(x) else x, tree)
 
 
+def copy_by_dtype(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool = False) -> int:
+    """`dst.copy_(src)` for each pair, as one `_foreach_copy_` per (source dtype, destination dtype) group, in the
+    pairs' order within a group; returns the number of calls.
+
+    Why grouped: until pytorch#173531 (Jan 2026) the CUDA fast path of `_foreach_copy_` checked only that the
+    sources share a dtype and then dispatched on the first destination's, so fp32 written into bf16 destinations
+    overran them, silently. With the fix a mixed call takes the slow path, one launch per pair. One dtype pair per
+    call is a single multi-tensor kernel on every version."""
+    groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for d, s in zip(dsts, srcs, strict=True):
+        ds, ss = groups.setdefault((s.dtype, d.dtype), ([], []))
+        ds.append(d)
+        ss.append(s)
+    for ds, ss in groups.values():
+        torch._foreach_copy_(ds, ss, non_blocking=non_blocking)  # pyright: ignore[reportPrivateImportUsage]  (torch private)
+    return len(groups)
+
+
 class CopyStream:
     """Ordering and timing of the slot copies, for `device` (a CUDA device: side stream + events; else CPU)."""
 
@@ -40,6 +58,28 @@ class CopyStream:
         self.cuda = self.device.type == "cuda"
         # CUDA only: created on the model's device, not on whichever device is current.
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+
+    def on_host(self, t: torch.Tensor) -> bool:
+        """Whether `t` is in host memory already (no device-to-host copy needed). A seam: a test's stand-in for a
+        CUDA copy stream treats a CPU tensor as a device one."""
+        return t.device.type == "cpu"
+
+    def to_host_after(self, clones: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Pinned host copies of `clones` (device tensors), queued on the side stream after an event recorded now
+        on the training stream, each clone held until it is copied; the copies are filled once an event recorded
+        after them on the side stream is complete. On CPU there is nothing to copy: `clones` as they are."""
+        if not self.cuda:
+            return clones
+        ready = self.mark_ready()
+        outs = []
+        with self.context():
+            self.stream.wait_event(ready)  # pyright: ignore[reportOptionalMemberAccess, reportArgumentType]  (CUDA: both exist)
+            for c in clones:
+                c.record_stream(self.stream)  # pyright: ignore[reportArgumentType]  (held until copied)
+                o = torch.empty(c.shape, dtype=c.dtype, device="cpu", pin_memory=True)
+                o.copy_(c, non_blocking=True)
+                outs.append(o)
+        return outs
 
     def mark_ready(self):
         """Right after the optimizer step: a point the copy must come after (a CUDA event; None on CPU)."""
