@@ -111,7 +111,15 @@ def environment(device: str, work: Path) -> dict:
     return out
 
 
-def _phase(n: int, device: str, tiny: bool, work: Path, budget: float, turns: list[str] | None = None) -> dict:
+def _phase(  # noqa: PLR0913  (phase 3's selection rides along)
+    n: int,
+    device: str,
+    tiny: bool,
+    work: Path,
+    budget: float,
+    turns: list[str] | None = None,
+    regimes: list[str] | None = None,
+) -> dict:
     if n == 0:
         return environment(device, work)
     if n == 1:
@@ -128,7 +136,7 @@ def _phase(n: int, device: str, tiny: bool, work: Path, budget: float, turns: li
         return run(device, tiny)
     from torchmoe_harness.gpu_check_bench import run_bench
 
-    return run_bench(device, tiny, work, budget, turns)
+    return run_bench(device, tiny, work, budget, turns, regimes)
 
 
 def run_check(
@@ -139,6 +147,7 @@ def run_check(
     work: Path | None = None,
     say=print,
     turns: list[str] | None = None,
+    regimes: list[str] | None = None,
 ) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     own_work = work is None
@@ -163,7 +172,7 @@ def run_check(
             t0 = time.perf_counter()
             entry: dict = {"budget_s": budget}
             try:
-                res = _phase(n, device, tiny, work, budget, turns)
+                res = _phase(n, device, tiny, work, budget, turns, regimes)
                 entry.update(status="passed" if res.get("ok") else "failed", result=res)
             except Exception as exc:  # one phase's error does not stop the others
                 entry.update(status="error", error=f"{type(exc).__name__}: {exc}"[:3000])
@@ -210,7 +219,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--turns",
         default=None,
-        help="phase 3: only these turns (with `none`), e.g. ours_W4,ours_W4_chunked (a rerun of a part; default all)",
+        help="phase 3: only these turns (with `none`), e.g. ours_W4,ours_W4_chunked (a rerun of a part; default: "
+        "every turn but the optional ones, gpu_check_bench.OPTIONAL_SYSTEMS and dcp_async_best)",
+    )
+    p.add_argument(
+        "--regimes",
+        default=None,
+        help="phase 3: only these regimes, stress and/or representative (default both, in that order)",
     )
 
 
@@ -227,14 +242,18 @@ def from_args(a: argparse.Namespace) -> int:
     if not phases or any(n not in range(len(PHASES)) for n in phases):
         raise ValueError(f"--phases {a.phases!r}: use numbers 0-4 separated by commas, e.g. 0,4,1,2,3 or 3")
     turns = [t.strip() for t in a.turns.split(",") if t.strip()] if a.turns else None
-    if turns:
-        from torchmoe_harness.gpu_check_bench import PERIODIC, SYSTEMS
+    from torchmoe_harness.gpu_check_bench import PERIODIC, REGIMES, all_turns
 
-        unknown = [t for t in turns if t not in {"none", *SYSTEMS, *PERIODIC}]
+    if turns:
+        unknown = [t for t in turns if t not in {"none", *all_turns(), *PERIODIC}]
         if unknown:
-            names = ", ".join([*SYSTEMS, *PERIODIC])
+            names = ", ".join([*all_turns(), *PERIODIC])
             raise ValueError(f"--turns {','.join(unknown)}: not a turn of phase 3; the turns: {names}")
-    report = run_check(Path(a.out), device, a.tiny, phases, Path(a.work) if a.work else None, turns=turns)
+    regimes = [r.strip() for r in a.regimes.split(",") if r.strip()] if a.regimes else None
+    if regimes is not None and (not regimes or any(r not in REGIMES for r in regimes)):
+        raise ValueError(f"--regimes {a.regimes!r}: use {' and/or '.join(REGIMES)}, separated by a comma")
+    work = Path(a.work) if a.work else None
+    report = run_check(Path(a.out), device, a.tiny, phases, work, turns=turns, regimes=regimes)
     print(
         f"[gpu-check] {'PASSED' if report['ok'] else 'FAILED'} in {report['seconds']} s: {Path(a.out) / 'gpu_check.md'}"
     )

@@ -23,15 +23,22 @@ than 40% of the host's memory is available. Each turn prints one line with RSS a
 auto W learned carries over to the next turn's instance, as `SparseCheckpointer.inherit_counters` carries it over a
 restart. A turn whose fix switch this library lacks is skipped with one line (gpu_check_bench.missing_switch).
 
+Regimes: the same model and process, one regime after the other (`spec["regimes"]`, gpu_check_bench.REGIMES): each
+sets the accumulated micro-batches per step (given, or enough for a step of `min_step_s`) and runs its own turns'
+repetitions under its own deadline. partial.json is rewritten after every turn (what a killed worker leaves).
+
 Spec: {"run": RunConfig fields, "systems": {name: {"kind": ..., params}}, "periodic": {name: {"kind": ...,
-"probe_every": k, "params": {...}}}, "reps", "warmup", "measure", "windows", "mtbf_iterations", "workdir",
-"deadline_s", "profile": {"systems": [...], "steps": n} or None}. A periodic system runs at `probe_every` in the first
-repetition, then at the ETTR-optimal interval its measured stall gives. Kinds: those of `baselines.make_system`, and
-"ours_host" (ours with the host tier under workdir). rank 0 writes report.json."""
+"probe_every": k, "params": {...}}}, "regimes": [{"name", "systems": [names] or None, "periodic": [names],
+"micro_batches" or "min_step_s", "reps", "measure", "deadline_s"}], "reps", "warmup", "measure", "windows",
+"mtbf_iterations", "workdir", "profile": {"systems": [...], "steps": n, "start_by_s"} or None}. A periodic system
+runs at `probe_every` in the first repetition, then at the ETTR-optimal interval its measured stall gives. Kinds:
+those of `baselines.make_system`, and "ours_host" (ours with the host tier under workdir). rank 0 writes
+report.json."""
 
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import shutil
@@ -295,6 +302,39 @@ def _probe_interval(probe: dict, base: list[dict], every: int, mtbf_iterations: 
     return max(1, min(MAX_INTERVAL, best_interval(p, mtbf_iterations * t, max_interval=4 * MAX_INTERVAL)))
 
 
+def _micro_batches(trainer: Trainer, regime: dict) -> int:
+    """The regime's accumulated micro-batches: as given, or (`min_step_s`) enough for a step of at least that long,
+    from the median of 3 timed steps with one micro-batch (device synchronised around each)."""
+    if regime.get("min_step_s") is None:
+        return int(regime.get("micro_batches") or 1)
+    trainer.set_micro_batches(1)
+    cuda = trainer.device.type == "cuda"
+    times = []
+    for _ in range(3):
+        if cuda:
+            torch.cuda.synchronize(trainer.device)
+        t0 = time.perf_counter()
+        trainer.train_step()
+        if cuda:
+            torch.cuda.synchronize(trainer.device)
+        times.append(time.perf_counter() - t0)
+    step = statistics.median(times)
+    return max(1, min(regime.get("max_micro_batches", 64), math.ceil(regime["min_step_s"] / max(step, 1e-6))))
+
+
+class _Partial:
+    """partial.json beside report.json, replaced whole after every turn: what a worker killed mid-phase (out of
+    memory, a time limit) leaves for the parent (gpu_check_bench.run_bench reads it when torchrun fails)."""
+
+    def __init__(self, out: Path, head: dict):
+        self.path, self.head = out / "partial.json", head
+
+    def write(self, regimes: dict) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dict(self.head, regimes=regimes, partial=True), default=str))
+        tmp.replace(self.path)
+
+
 def run(spec: dict, out: Path) -> dict:
     t_begin = time.perf_counter()
     cfg = RunConfig(**spec["run"])
@@ -305,20 +345,78 @@ def run(spec: dict, out: Path) -> dict:
     dense = sum(p.numel() * 12 for p in trainer.model.parameters())  # fp32 master + two AdamW moments
     peak = pinned_copy_peak(trainer.device, min(dense, 1 << 30))
     release(trainer.device, empty_host=True)  # the peak's own pinned buffer goes back
-    workdir, deadline = Path(spec["workdir"]), spec.get("deadline_s") or math.inf
-    specs = {"none": None, **spec["systems"]}
+    workdir = Path(spec["workdir"])
+    head = {
+        "device": str(trainer.device),
+        "device_name": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else "cpu",
+        "params": params,
+        "dense_bytes": dense,
+        "pinned_copy_peak_bytes_per_s": peak,
+        "setup_s": time.perf_counter() - t_begin,
+    }
+    partial = _Partial(out, head)
+    regimes: dict[str, dict] = {}
+    specs_all = {"none": None, **spec["systems"]}
+    for regime in spec["regimes"]:
+        name = regime["name"]
+        trainer.set_micro_batches(_micro_batches(trainer, regime))
+        print(f"[bench] regime {name}: {trainer.cfg.micro_batches} micro-batch(es) per step", flush=True)
+        res = regimes[name] = {"micro_batches": trainer.cfg.micro_batches}
+        wanted = regime.get("systems")
+        specs = {n: sp for n, sp in specs_all.items() if wanted is None or n == "none" or n in wanted}
+        periodic = {n: p for n, p in spec.get("periodic", {}).items() if n in regime.get("periodic", ())}
+        res.update(_repetitions(trainer, spec, regime, specs, periodic, workdir, t_begin, partial, regimes))
+        partial.write(regimes)
+    trainer.set_micro_batches(1)
+    profile, skipped = None, []
+    prof_spec = spec.get("profile")
+    if prof_spec and time.perf_counter() - t_begin <= prof_spec.get("start_by_s", math.inf):
+        from torchmoe_harness.gpu_check_profile import profile_systems
+
+        skipped_turns = {n for r in regimes.values() for n in r["skipped_turns"]}
+        systems = {n: specs_all[n] for n in prof_spec["systems"] if n in specs_all and n not in skipped_turns}
+        profile = profile_systems(trainer, systems, prof_spec["steps"], spec["warmup"], workdir, build)
+        release(trainer.device, empty_host=True)
+    elif prof_spec:
+        skipped.append("the profiler window: the deadline would pass")
+    return dict(
+        head,
+        regimes=regimes,
+        skipped=skipped,
+        profile=profile,
+        steps=trainer.step,
+        seconds=time.perf_counter() - t_begin,
+    )
+
+
+def _repetitions(  # noqa: PLR0913  (one regime's repetitions: what run() hands each)
+    trainer: Trainer,
+    spec: dict,
+    regime: dict,
+    specs: dict,
+    periodic: dict,
+    workdir: Path,
+    t_begin: float,
+    partial: _Partial,
+    regimes: dict,
+) -> dict:
+    """One regime: its turns taking turns, the order rotated each repetition, until `regime["reps"]` or its
+    deadline (no repetition starts that would end past it); partial.json rewritten after every turn."""
+    deadline = regime.get("deadline_s") or math.inf
+    reps, measure = regime.get("reps", spec["reps"]), regime.get("measure", spec["measure"])
+    specs = dict(specs)
     skipped_turns = {n: why for n, sp in specs.items() if sp is not None and (why := missing_switch(sp))}
     for name, why in skipped_turns.items():
         print(f"[bench] {name}: skipped, {why}", flush=True)
-    periodic = spec.get("periodic", {})
     for name, p in periodic.items():
         specs[name] = {"kind": p["kind"], "every": p["probe_every"], **p.get("params", {})}
     order = [n for n in specs if n not in skipped_turns]
     turns: dict[str, list] = {name: [] for name in order}
     learned: dict[str, tuple] = {}  # ours: what auto W learned (copy cost, W), for the next turn's instance
     intervals, skipped, rep_s = {}, [], []
-    setup_s = time.perf_counter() - t_begin
-    for rep in range(spec["reps"]):
+    mine_now = regimes[regime["name"]]
+    mine_now.update(turns=turns, intervals=intervals, skipped=skipped, skipped_turns=skipped_turns, rep_s=rep_s)
+    for rep in range(reps):
         t_rep = time.perf_counter()
         if rep_s and time.perf_counter() - t_begin + max(rep_s) > deadline:
             skipped.append(f"repetition {rep} and later: the deadline ({deadline:.0f} s) would pass")
@@ -340,7 +438,7 @@ def run(spec: dict, out: Path) -> dict:
             if hasattr(system, "ck") and name in learned:
                 system.ck.planner.cost, system.ck.planner.auto_w = learned[name]
             built_s = time.perf_counter() - t0
-            res = turn(trainer, system, spec["warmup"], spec["measure"], every, spec.get("windows", 1))
+            res = turn(trainer, system, spec["warmup"], measure, every, spec.get("windows", 1))
             if system is not None:
                 if hasattr(system, "ck"):
                     learned[name] = (system.ck.planner.cost, system.ck.planner.auto_w)
@@ -357,36 +455,12 @@ def run(spec: dict, out: Path) -> dict:
             res.update(rep=rep, every=every, build_s=built_s, total_s=time.perf_counter() - t0)
             turns[name].append(res)
             print(memory_line(rep, name, res["total_s"], mem), flush=True)
+            partial.write(regimes)
         rep_s.append(time.perf_counter() - t_rep)
     for name, p in periodic.items():  # only the turns at the interval chosen count (the probe's if it is the same)
         intervals.setdefault(name, p["probe_every"])
         turns[name] = [t for t in turns[name] if t["every"] == intervals[name]]
-    profile = None
-    prof_spec = spec.get("profile")
-    if prof_spec and time.perf_counter() - t_begin <= prof_spec.get("start_by_s", math.inf):
-        from torchmoe_harness.gpu_check_profile import profile_systems
-
-        systems = {n: specs[n] for n in prof_spec["systems"] if n in specs and n not in skipped_turns}
-        profile = profile_systems(trainer, systems, prof_spec["steps"], spec["warmup"], workdir, build)
-        release(trainer.device, empty_host=True)
-    elif prof_spec:
-        skipped.append("the profiler window: the deadline would pass")
-    return {
-        "device": str(trainer.device),
-        "device_name": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else "cpu",
-        "params": params,
-        "dense_bytes": dense,
-        "pinned_copy_peak_bytes_per_s": peak,
-        "setup_s": setup_s,
-        "rep_s": rep_s,
-        "skipped": skipped,
-        "skipped_turns": skipped_turns,
-        "intervals": intervals,
-        "turns": turns,
-        "profile": profile,
-        "steps": trainer.step,
-        "seconds": time.perf_counter() - t_begin,
-    }
+    return mine_now
 
 
 def main() -> None:

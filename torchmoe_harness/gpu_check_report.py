@@ -134,7 +134,23 @@ def _bench(r: dict) -> list[str]:
     from torchmoe_harness.gpu_check_profile import markdown as profile_summary
     from torchmoe_harness.gpu_check_slots import markdown as slot_table
 
-    return bench_table(r) + [""] + ablations(r) + slot_table(r.get("slots") or {}) + profile_summary(r.get("profile"))
+    lines = []
+    if r.get("partial"):
+        lines += [f"**Partial**: the worker did not finish ({r['partial']}); the turns it finished are below.", ""]
+    for name, row in (r.get("regimes") or {"stress": r}).items():
+        one = {**r, **row}
+        none = row["systems"].get("none", {}).get("step_s_device")
+        ratio = one["dense_bytes"] / (none * one["pinned_copy_peak_bytes_per_s"]) if none else float("nan")
+        auto = {n: max(x["windows_W"]) for n, x in row["systems"].items() if x.get("windows_W") and "auto" in n}
+        lines += [
+            f"### Regime {name}: {row.get('micro_batches', 1)} micro-batch(es) per step, `none` step "
+            f"{(none or 0) * 1e3:.1f} ms; dense state / (step x copy peak) = {ratio:.2f}",
+            "",
+            "Auto W chose: " + (", ".join(f"{n} W = {w}" for n, w in auto.items()) or "-") + ".",
+            "",
+        ]
+        lines += bench_table(one) + [""] + ablations(one) + slot_table(one.get("slots") or {})
+    return lines + profile_summary(r.get("profile"))
 
 
 def markdown(report: dict) -> list[str]:

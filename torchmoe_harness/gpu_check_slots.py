@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,7 @@ class SlotRecord:
     ready: object = None
     start: object = None
     end: object = None
+    ends: list = field(default_factory=list)  # every end event the copy recorded: a staged copy's `staged` first
     stall: tuple | None = None  # (event before, event after) the training stream's wait on `end`
     host_wait_s: float | None = None  # the training thread's wait in engine.wait() for this copy
     lists: tuple | None = None  # the copy's (sources, destinations): its blocks are counted after the window
@@ -116,6 +117,7 @@ class _TimedCopier:
         end = self._inner.end()
         if self._timer.copying is not None:
             self._timer.copying.end = end
+            self._timer.copying.ends.append(end)
         return end
 
     def order_after(self, end) -> None:
@@ -123,7 +125,7 @@ class _TimedCopier:
             return self._inner.order_after(end)
         before = self._event()
         self._inner.order_after(end)
-        rec = next((r for r in reversed(self._timer.records) if r.end is end), None)
+        rec = self._timer.record_for(end)
         if rec is not None:
             rec.stall = (before, self._event())
 
@@ -170,6 +172,11 @@ class SlotTimer:
         t._copier = engine.copier
         engine.copier = _TimedCopier(engine.copier, t)
         return t
+
+    def record_for(self, end) -> SlotRecord | None:
+        """The copy whose end event `end` is: the update waits on `end` or, staged, on `staged` (the device copy's
+        end, recorded before the host copy's), so every end a copy recorded counts, not only its last."""
+        return next((r for r in reversed(self.records) if any(e is end for e in r.ends)), None)
 
     def uninstall(self) -> None:
         """Stop recording (the library's own methods back); the records stay for `collect`."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,9 @@ class RunConfig:
     # gradients only). The replay check then compares the losses only: the replayed gradient norm lacks the
     # skipped slices, so it is not reported for those iterations.
     replay_skips_frozen: bool = False
+    # Accumulated micro-batches per step, each of `batch_size` rows (the step's batch is micro_batches x batch_size
+    # rows): a longer step on the same model, the GPU check's representative regime (docs/gpu.md).
+    micro_batches: int = 1
 
     def __post_init__(self):
         if isinstance(self.model, dict):
@@ -76,6 +79,8 @@ class RunConfig:
                 "(adamw-bf16 needs torch's CUDA AdamW: on CPU it steps one dtype, fp32 parameters with bf16 states "
                 "fail in its kernels)"
             )
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be a whole number >= 1, got {self.micro_batches!r}")
         if self.expert_parallel and self.hsdp != 1:
             raise ValueError(f"expert_parallel supports plain FSDP2 only (hsdp = 1), not hsdp = {self.hsdp}")
         if self.device not in (None, "cpu", "cuda"):
@@ -136,13 +141,41 @@ class Trainer:
             )
             self.optimizer = opts[0] if len(opts) == 1 else Optimizers(opts)  # several: stepped as one
         self.scheduler = self.schedulers[0]
-        self.stream = TokenStream(cfg.model.vocab_size, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
+        self.stream = self._stream()
         self.step = 0  # iterations completed
         # Called after clipping and before anything mutates the training state (bias update, optimizer step):
         # the snapshot copy of the previous iteration must be finished by then.
         self.before_update: list[Callable[[], None]] = []
         self.update_lock = threading.Lock()  # held while the state mutates (see train_step)
         self._expert_of: dict | None = None  # replay: operator name -> (GroupedExperts, expert index)
+
+    def _stream(self) -> TokenStream:
+        cfg = self.cfg
+        return TokenStream(cfg.model.vocab_size, cfg.seq_len, cfg.batch_size * cfg.micro_batches, seed=cfg.seed)
+
+    def set_micro_batches(self, n: int) -> None:
+        """From the next step on, `n` accumulated micro-batches per step (the GPU check's regimes share one model)."""
+        self.cfg = replace(self.cfg, micro_batches=n)
+        self.stream = self._stream()
+
+    def _forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The step's loss, its gradients accumulated: one pass, or the mean over `micro_batches` passes."""
+        n = self.cfg.micro_batches
+        if n == 1:
+            logits = self.model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            faults.point("backward")  # as backward starts: the peers are about to block in its reduce-scatter
+            loss.backward()
+            return loss
+        total = None
+        for part in tokens.chunk(n):
+            logits = self.model(part[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), part[:, 1:].reshape(-1)) / n
+            faults.point("backward")
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None
+        return total
 
     def _lr_factor(self, it: int) -> float:
         warm = max(1, self.cfg.warmup)
@@ -165,10 +198,7 @@ class Trainer:
         skip = replay.frozen if replay is not None and self.cfg.replay_skips_frozen else frozenset()
         frozen = self._freeze_experts(skip)
         try:
-            logits = self.model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-            faults.point("backward")  # as backward starts: the peers are about to block in its reduce-scatter
-            loss.backward()
+            loss = self._forward_backward(tokens)
         finally:
             for experts in frozen:
                 experts.frozen = frozenset()

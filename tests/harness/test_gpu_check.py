@@ -7,26 +7,46 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from torchmoe_harness.gpu_check import PHASES
-from torchmoe_harness.gpu_check_bench import CHUNK_BYTES, PERIODIC, SYSTEMS, W, missing_switch
+from torchmoe_harness.gpu_check_bench import (
+    CHUNK_BYTES,
+    OPTIONAL_SYSTEMS,
+    PERIODIC,
+    REGIMES,
+    REPRESENTATIVE_CPU_MICRO_BATCHES,
+    SYSTEMS,
+    W,
+    all_turns,
+    missing_switch,
+)
 
 pytestmark = pytest.mark.torchrun  # starts torchrun/gloo processes or servers: not in make test-fast
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_check(tmp_path, phases: str, turns: str | None = None) -> tuple[dict, Path]:
+def check_command(tmp_path, phases: str, turns: str | None = None, regimes: str | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "torchmoe_harness.gpu_check", "--out", str(tmp_path / "out"), "--device", "cpu"]
+    cmd += ["--tiny", "--work", str(tmp_path / "work"), "--phases", phases] + (["--turns", turns] if turns else [])
+    return cmd + (["--regimes", regimes] if regimes else [])
+
+
+ENV = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+
+
+def run_check(tmp_path, phases: str, turns: str | None = None, regimes: str | None = None) -> tuple[dict, Path]:
     """`gpu-check --device cpu --tiny --phases ...` as the device machine runs it: its report, checked whole."""
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torchmoe_harness.gpu_check", "--out", str(out), "--device", "cpu", "--tiny"]
-    cmd += ["--work", str(tmp_path / "work"), "--phases", phases] + (["--turns", turns] if turns else [])
+    env = ENV
+    cmd = check_command(tmp_path, phases, turns, regimes)
     # timeout: a hang guard only, above the suite's per-test limit
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=280, cwd=ROOT)
     report = json.loads((out / "gpu_check.json").read_text())
@@ -66,8 +86,16 @@ def test_gpu_check_refuses_an_inexact_replay_on_a_cpu(tmp_path):
     assert 0 < max(tol["max_loss_deviation"], tol["max_grad_norm_deviation"]) <= tol["replay_tolerance"]
 
 
-ABLATIONS = ("ours_W4", "ours_W4_chunked", "ours_W4_nocopy", "ours_W4_reads")
-SYSTEMS_B = ("ours_auto", "ours_auto_target", "ours_auto_fixed", "ours_host", "gemini_k1", *PERIODIC)
+ABLATIONS = ("ours_W4", "ours_W4_chunked", "ours_W4_nocopy")  # with the per-slot table and the profile
+ABLATIONS_B = tuple(n for n in all_turns() if n.startswith("ours_W4") and n not in ABLATIONS)
+SYSTEMS_B = (*(n for n in all_turns() if not n.startswith("ours_W4") and n != "gemini_k1"), *PERIODIC)
+BOTH_REGIMES = ("ours_W4", "gemini_k1")
+
+
+def test_every_turn_runs_in_make_test():
+    """The benchmark tests below between them run every turn `--turns` may name, and both regimes."""
+    named = {*ABLATIONS, *ABLATIONS_B, *SYSTEMS_B, *BOTH_REGIMES}
+    assert named == {*SYSTEMS, *OPTIONAL_SYSTEMS, *PERIODIC} and set(REGIMES) == {"stress", "representative"}
 
 
 def _turns_ran(bench: dict, wanted: tuple[str, ...]) -> list[str]:
@@ -75,7 +103,8 @@ def _turns_ran(bench: dict, wanted: tuple[str, ...]) -> list[str]:
     skipped = bench["skipped_turns"]
     ran = [n for n in ("none", *wanted) if n not in skipped]
     assert set(bench["systems"]) == set(ran), (bench["systems"].keys(), skipped)
-    assert skipped == {n: why for n in wanted if n in SYSTEMS and (why := missing_switch(SYSTEMS[n]))}
+    turns = all_turns()
+    assert skipped == {n: why for n in wanted if n in turns and (why := missing_switch(turns[n]))}
     assert all(why.startswith("switch ") and why.endswith(" not in this tree") for why in skipped.values())
     for name in ran[1:]:
         row = bench["systems"][name]
@@ -88,8 +117,9 @@ def _turns_ran(bench: dict, wanted: tuple[str, ...]) -> list[str]:
 
 
 def test_gpu_check_ablation_turns_per_slot_and_profile_on_a_cpu(tmp_path):
-    phases, out = run_check(tmp_path, "3", ",".join(ABLATIONS))
+    phases, out = run_check(tmp_path, "3", ",".join(ABLATIONS), "stress")
     bench = phases["3_bench"]["result"]
+    assert list(bench["regimes"]) == ["stress"] and bench["partial"] is None
     ran = _turns_ran(bench, ABLATIONS)
     assert {"ours_W4", "ours_W4_chunked", "ours_W4_nocopy"} <= set(ran)
     md = (out / "gpu_check.md").read_text()
@@ -118,25 +148,96 @@ def test_gpu_check_ablation_turns_per_slot_and_profile_on_a_cpu(tmp_path):
     assert calls["tmoe.after_step"]["mean_us"] > 0 and calls["tmoe.step"]["calls_per_step"] == 1
     assert "tmoe.after_step" not in prof["systems"]["none"]["cpu_calls"]
     assert "Profiler window" in md and "Per slot index" in md and "Host memory after each turn" in md
-    raw = json.loads((out / "bench_raw.json").read_text())
+    raw = json.loads((out / "bench_raw.json").read_text())["stress"]
     assert set(raw) == set(ran)
     for name, ts in raw.items():  # every turn released and measured what it left; rotated repetitions
         assert [t["rep"] for t in ts] == [0, 1] and all(t["after_release"]["rss_bytes"] > 0 for t in ts), name
 
 
 def test_gpu_check_benchmark_systems_on_a_cpu(tmp_path):
-    phases, out = run_check(tmp_path, "3", ",".join(SYSTEMS_B))
+    phases, out = run_check(tmp_path, "3", ",".join(SYSTEMS_B), "stress")
     bench = phases["3_bench"]["result"]
     ran = _turns_ran(bench, SYSTEMS_B)
-    assert {"ours_auto", "ours_auto_fixed", "ours_host", "gemini_k1", "dcp_async_best"} <= set(ran)
+    assert {"ours_auto", "ours_auto_target", "ours_auto_fixed", "ours_host", "dcp_async_best"} <= set(ran)
     assert bench["intervals"]["dcp_async_best"] >= 1 and bench["profile"] is None  # no ours_W4 turn to profile
     assert "copy_chunk_bytes" in bench["switches"]["ours_auto_fixed"]  # every fix this tree has
-    raw = json.loads((out / "bench_raw.json").read_text())
+    raw = json.loads((out / "bench_raw.json").read_text())["stress"]
     assert set(raw) == set(ran)
     assert all(t["every"] == bench["intervals"]["dcp_async_best"] for t in raw["dcp_async_best"])
-    gemini = raw["gemini_k1"][-1]  # its own host-byte account: the two snapshot buffers
-    assert gemini["own_host_bytes"] == 2 * gemini["stats"]["bytes_per_checkpoint"] > 0
     for name in ("ours_auto", "ours_host"):  # ours: stats()["host_memory"], every part from its owner
         turn = raw[name][-1]
         assert turn["own_host_bytes"] == sum(turn["own_host_parts"].values()) > 0, (name, turn["own_host_parts"])
     assert raw["ours_host"][-1]["own_host_parts"]["slot_sets"] > 0  # the host tier's slot files
+
+
+def test_gpu_check_other_ablations_on_a_cpu(tmp_path):
+    """The switches not above, each a turn of its own: the reads on the copy stream, the copy in the backward,
+    device staging with and without chunking."""
+    phases, _ = run_check(tmp_path, "3", ",".join(ABLATIONS_B), "stress")
+    bench = phases["3_bench"]["result"]
+    ran = _turns_ran(bench, ABLATIONS_B)
+    assert set(ABLATIONS_B) <= set(ran)
+    sw = bench["switches"]
+    assert sw["ours_W4_reads"] == {"reads_on_copy_stream": True}
+    assert sw["ours_W4_staging_chunked"] == {
+        "reads_on_copy_stream": False,
+        "device_staging": True,
+        "copy_chunk_bytes": CHUNK_BYTES,
+    }
+    for name in ("ours_W4_staging", "ours_W4_staging_chunked"):  # every staged copy timed, slot by slot
+        assert sorted(int(i) for i in bench["slots"][name]) == list(range(W)), name
+
+
+def test_gpu_check_runs_both_regimes_in_one_call_with_the_simulators_etr_for_each(tmp_path):
+    """The default regimes, stress then representative, in one worker: the second with accumulated micro-batches
+    (a longer step, the same model), its own turns, and the simulator's ETTR table of its own."""
+    phases, out = run_check(tmp_path, "3", ",".join(BOTH_REGIMES))
+    bench = phases["3_bench"]["result"]
+    assert list(bench["regimes"]) == ["stress", "representative"]
+    stress, rep = bench["regimes"]["stress"], bench["regimes"]["representative"]
+    assert stress["micro_batches"] == 1 and rep["micro_batches"] == REPRESENTATIVE_CPU_MICRO_BATCHES
+    assert set(rep["systems"]) == set(stress["systems"]) == {"none", *BOTH_REGIMES}
+    for row in (stress, rep):
+        assert row["systems"]["none"]["step_s_device"] > 0 and "overhead_s_device" in row["systems"]["gemini_k1"]
+    raw = json.loads((out / "bench_raw.json").read_text())
+    assert set(raw) == {"stress", "representative"}
+    gemini = raw["stress"]["gemini_k1"][-1]  # its own host-byte account: the two snapshot buffers
+    assert gemini["own_host_bytes"] == 2 * gemini["stats"]["bytes_per_checkpoint"] > 0
+    md = (out / "gpu_check.md").read_text()
+    assert "### Regime stress: 1 micro-batch(es)" in md and "### Regime representative: 2 micro-batch(es)" in md
+    assert md.count("ETTR from these costs") == 2  # the simulator's table per regime
+
+
+def test_a_killed_benchmark_worker_still_reports_every_turn_it_finished(tmp_path):
+    """kill -9 of phase 3's worker once two turns are done (as an out-of-memory kill or a time limit would):
+    the phase fails, says so in one line, and reports the turns from the partial report written after each."""
+    cmd = check_command(tmp_path, "3", "ours_W4,gemini_k1", "stress")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=ROOT)
+    partial = tmp_path / "work" / "bench" / "partial.json"
+    deadline = time.monotonic() + 150
+    try:
+        while time.monotonic() < deadline:
+            if partial.is_file():
+                done = json.loads(partial.read_text())["regimes"].get("stress", {}).get("turns", {})
+                if sum(len(v) for v in done.values()) >= 2:
+                    break
+            time.sleep(0.05)
+        else:
+            pytest.fail("no partial report with two turns")
+        spec = str(tmp_path / "work" / "bench" / "spec.json")
+        workers = subprocess.run(["pgrep", "-f", f"gpu_check_bench_worker.*{spec}"], capture_output=True, text=True)
+        pids = [int(p) for p in workers.stdout.split()]
+        assert pids, "the worker process was not found"
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        log, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, log[-2000:]
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    entry = report["phases"]["3_bench"]
+    bench = entry["result"]
+    assert entry["status"] == "failed" and bench["partial"] and not bench["ok"]
+    assert "none" in bench["systems"] and len(bench["systems"]) >= 2
+    assert "the worker did not finish" in log and "**Partial**" in (tmp_path / "out" / "gpu_check.md").read_text()

@@ -8,9 +8,19 @@ import pytest
 import torch
 
 from torchmoe_ckpt.capture.copy_chunks import chunk_copy_lists
-from torchmoe_harness.gpu_check_bench import FIXES, SYSTEMS, missing_switch, pin_class, resolved, sparse_fields
+from torchmoe_harness.gpu_check_bench import (
+    FIXES,
+    PERIODIC,
+    SYSTEMS,
+    all_turns,
+    effective,
+    missing_switch,
+    pin_class,
+    resolved,
+    sparse_fields,
+)
 from torchmoe_harness.gpu_check_profile import GAP_US, summarise
-from torchmoe_harness.gpu_check_slots import same_dtype_blocks
+from torchmoe_harness.gpu_check_slots import SlotRecord, SlotTimer, same_dtype_blocks
 
 
 def test_a_turn_whose_switch_this_tree_lacks_says_so_in_one_line():
@@ -28,6 +38,38 @@ def test_a_turn_whose_switch_this_tree_lacks_says_so_in_one_line():
     # the W = 4 ablations share one pinned footprint (their blocks reused); none holds none
     assert pin_class(SYSTEMS["ours_W4"]) == pin_class(SYSTEMS["ours_W4_nocopy"]) != pin_class(SYSTEMS["gemini_k1"])
     assert pin_class(None) is None
+
+
+def test_no_two_turns_measure_the_same_thing_on_cuda():
+    """Every default applied (SparseConfig's, and auto W's device-loss pricing on CUDA when `overlap` is None), each
+    turn runs a configuration no other turn runs: the review found `ours_W4` = `ours_W4_reads` and `ours_auto` =
+    `ours_auto_target` once the defaults changed under them."""
+    turns = all_turns()
+    seen: dict[tuple, str] = {}
+    for name, sp in turns.items():
+        key = effective(sp, "cuda")
+        assert key not in seen, f"{name} runs what {seen[key]} runs"
+        seen[key] = name
+    # run 1's path is a turn of its own: the checkpointer's reads on the training stream
+    assert dict(effective(SYSTEMS["ours_W4"])[-1])["reads_on_copy_stream"] == "False"
+    assert dict(effective(SYSTEMS["ours_W4_reads"])[-1])["reads_on_copy_stream"] == "True"
+    assert effective(SYSTEMS["ours_auto"])[3] is False and effective(SYSTEMS["ours_auto_target"])[3] is True
+    staged = dict(effective(SYSTEMS["ours_W4_staging_chunked"])[-1])
+    assert staged["device_staging"] == "True" and staged["copy_chunk_bytes"] != "None"
+    assert not set(PERIODIC) & set(SYSTEMS)  # DCP async at its best interval: only when --turns names it
+
+
+def test_the_per_slot_timer_finds_a_staged_copy_by_its_staged_event():
+    """The update waits on a staged copy's `staged` event (the device copy), recorded before its host copy's end:
+    the stall belongs to that copy (the match on the last end alone lost it)."""
+    timer = SlotTimer.__new__(SlotTimer)
+    staged, end, other = object(), object(), object()
+    a, b = SlotRecord(0, 1, 5), SlotRecord(1, 1, 6)
+    a.ends, b.ends = [other], [staged, end]
+    b.end = end
+    timer.records = [a, b]
+    assert timer.record_for(staged) is b and timer.record_for(end) is b and timer.record_for(other) is a
+    assert timer.record_for(object()) is None
 
 
 def test_leading_and_longest_same_dtype_blocks_of_a_slot_copy():
