@@ -35,10 +35,13 @@ import traceback
 from pathlib import Path
 
 PHASES = ("environment", "exact_recovery", "nondeterministic", "bench", "copy_engine")
-# Seconds per phase at most on a GPU, torchrun starts and model builds included (the whole check ~6 minutes expected
-# on an H200, estimated from run 1's timings: gpu_check_budget.py; a phase stops starting work that would pass its
-# limit); on a CPU the tiny phases take well under theirs.
-BUDGET_S = {"cuda": (30, 80, 60, 330, 40), "cpu": (60, 240, 240, 240, 30)}
+# Seconds per phase at most on a GPU, torchrun starts and model builds included (the default check ~8 minutes expected
+# on an H200, estimated from run 1's and run 2's timings: gpu_check_budget.py; a phase stops starting work that would
+# pass its limit); on a CPU the tiny phases take well under theirs.
+BUDGET_S = {"cuda": (30, 80, 60, 460, 40), "cpu": (60, 240, 240, 240, 30)}
+# Phase 2 is left out of the default run: it passed in run 2 and in four repeats (benchmarks/results/gpu), and its
+# 24 s buy phase 3 its third repetition (gpu_check_budget.py).
+DEFAULT_PHASES = "0,4,1,3"
 # Packages the harness may use that a machine need not have: an import failing for one of these is reported, not a
 # failure (TorchTitan's glue, the S3 and Azure stores and their test servers).
 OPTIONAL = {"torchtitan", "titan_integration", "tyro", "s3fs", "moto", "adlfs", "azure", "boto3", "botocore"}
@@ -213,7 +216,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available, else cpu")
     p.add_argument("--tiny", action="store_true", help="a small model in the benchmark (what `make test` runs)")
     p.add_argument(
-        "--phases", default="0,4,1,2,3", help="which phases, in this order, e.g. 3 or 4,3 (a rerun of a part)"
+        "--phases",
+        default=DEFAULT_PHASES,
+        help=f"which phases, in this order (default {DEFAULT_PHASES}; 2 on request), e.g. 3 or 4,3 (a rerun of a part)",
     )
     p.add_argument("--work", default=None, help="scratch directory (default: a new one under /dev/shm, removed)")
     p.add_argument(

@@ -302,6 +302,21 @@ def _probe_interval(probe: dict, base: list[dict], every: int, mtbf_iterations: 
     return max(1, min(MAX_INTERVAL, best_interval(p, mtbf_iterations * t, max_interval=4 * MAX_INTERVAL)))
 
 
+def rotation(order: list[str], classes: dict, rep: int) -> list[str]:
+    """Repetition `rep`'s order: the runs of same-footprint turns (`classes`: gpu_check_bench.pin_class) rotated,
+    and the turns inside each run rotated too, so that every turn moves and each footprint is still pinned once
+    per repetition (rotating turn by turn split one run in two: a second pin of its sets, ~13 s on an H200)."""
+    groups: list[list[str]] = []
+    for name in order:
+        if groups and classes[name] is not None and classes[groups[-1][0]] == classes[name]:
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+    k = rep % len(groups)
+    groups = groups[k:] + groups[:k]
+    return [n for g in groups for n in g[rep % len(g) :] + g[: rep % len(g)]]
+
+
 def _micro_batches(trainer: Trainer, regime: dict) -> int:
     """The regime's accumulated micro-batches: as given, or (`min_step_s`) enough for a step of at least that long,
     from the median of 3 timed steps with one micro-batch (device synchronised around each)."""
@@ -427,8 +442,7 @@ def _repetitions(  # noqa: PLR0913  (one regime's repetitions: what run() hands 
                     turns[name][0], turns["none"], p["probe_every"], spec["mtbf_iterations"]
                 )
                 specs[name] = dict(specs[name], every=intervals[name])
-        k = rep % len(order)
-        rotated = order[k:] + order[:k]
+        rotated = rotation(order, {n: pin_class(specs[n]) for n in order}, rep)
         for i, name in enumerate(rotated):
             sp = dict(specs[name] or {"kind": "none"})
             every = sp.get("every", 1)  # whole intervals are measured: the mean covers one checkpoint each
@@ -438,7 +452,7 @@ def _repetitions(  # noqa: PLR0913  (one regime's repetitions: what run() hands 
             if hasattr(system, "ck") and name in learned:
                 system.ck.planner.cost, system.ck.planner.auto_w = learned[name]
             built_s = time.perf_counter() - t0
-            res = turn(trainer, system, spec["warmup"], measure, every, spec.get("windows", 1))
+            res = turn(trainer, system, spec["warmup"], measure, every, regime.get("windows", spec.get("windows", 1)))
             if system is not None:
                 if hasattr(system, "ck"):
                     learned[name] = (system.ck.planner.cost, system.ck.planner.auto_w)
