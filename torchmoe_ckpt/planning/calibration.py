@@ -2,11 +2,19 @@
 
 The rule (docs/sparse-checkpointing.md, "Auto W on a GPU"):
 
-1. Calibration: the first CALIBRATION_STEPS iterations after WARMUP_STEPS run without a copy; their mean step time
-   is the base step time T0 (the first window starts after them).
+1. Calibration: the first CALIBRATION_STEPS iterations after WARMUP_STEPS run without a copy; their median step
+   time is the base step time T0 (the first window starts after them). The step seconds are the caller's host
+   timing of `train_step` (trainer.py, TorchTitan's loop): the checkpointer sees the step only after it, so CUDA
+   events around it would need a hook at the step's start, and reading them a host sync or a step of lag. Host
+   timing of an 80 ms step spreads by +-4 ms (the H200 run's `none` steps: 71-90 ms); with 8 steps the median's
+   error is ~1-2 ms and one slow step (a GC pause, a stray allocation) does not move it, where the mean of 3 was
+   good to +-4 ms against a 1.6 ms (2%) target.
 2. Every later step is a sample (step seconds, bytes of the slot copy that ran during it). At each window start
    the last window's samples give the device's cost per copied byte, c = max(0, mean(T) - T0) / mean(bytes),
-   smoothed over windows (an EWMA), and the measured overhead, (mean(T) - T0) / T0.
+   smoothed over windows (an EWMA), and the measured overhead, (mean(T) - T0) / T0. The window's mean, not its
+   median: a copy's cost may land in a few of its steps, and the overhead is their average. A window faster than
+   T0 is noise (or a T0 too high): its c is clipped at 0, which biases c upwards, so every clip is counted
+   (`clipped_windows` in stats) and said in a log line.
 3. The copy budget of a slot is then `max_step_overhead * T0 / c` bytes, and Algorithm 1 picks the smallest W whose
    slots all fit it (schedule.choose_window, with its hysteresis): the smallest W whose predicted added step time
    `c * worst_slot_bytes` stays within `max_step_overhead` of T0. Until a copy has been measured (the first window),
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -37,7 +46,7 @@ __all__ = [
 log = logging.getLogger("torchmoe_ckpt")
 
 WARMUP_STEPS = 1  # the first step (allocations, autotuning) is not a sample
-CALIBRATION_STEPS = 3  # steps without a copy that measure the base step time
+CALIBRATION_STEPS = 8  # steps without a copy that measure the base step time (their median: rule 1 above)
 ALPHA = 0.5  # weight of the newest window's cost per byte
 
 
@@ -72,10 +81,12 @@ class DeviceLoss:
     s_per_byte: float | None = None
     overhead: float | None = None  # the last window's measured added share of the step
     replans: int = 0  # windows whose measured overhead was past the target (W re-priced up)
+    clipped_windows: int = 0  # windows faster than the base step: their cost per byte clipped at 0 (rule 2)
     steps: int = 0
     _base: list[float] = field(default_factory=list)
     _window: list[tuple[float, int]] = field(default_factory=list)
     _over: bool = False
+    _clipped: bool = False  # the last window was clipped (the log line is said once per run of clipped windows)
 
     @property
     def calibrating(self) -> bool:
@@ -90,7 +101,7 @@ class DeviceLoss:
             if copy_bytes == 0:
                 self._base.append(seconds)
             if len(self._base) >= self.calibration:
-                self.base_s = sum(self._base) / len(self._base)
+                self.base_s = statistics.median(self._base)
             return
         self._window.append((seconds, copy_bytes))
 
@@ -105,6 +116,16 @@ class DeviceLoss:
             copied = [s for s, b in samples if b > 0]
             self.overhead = (sum(copied) / len(copied) - self.base_s) / self.base_s
             self.s_per_byte = c if self.s_per_byte is None else (1 - ALPHA) * self.s_per_byte + ALPHA * c
+            clipped = self.overhead < 0
+            if clipped:
+                self.clipped_windows += 1
+                if not self._clipped:
+                    log.info(
+                        f"torchmoe: copies measured {self.overhead:.1%} of the base step {self.base_s * 1e3:.2f} ms "
+                        f"(faster than without copies: noise): cost per byte clipped at 0 "
+                        f"({self.clipped_windows} window(s) clipped so far, stats' clipped_windows)"
+                    )
+            self._clipped = clipped
             over = self.overhead > self.target
             if over:
                 self.replans += 1
@@ -112,6 +133,7 @@ class DeviceLoss:
                 log.info(
                     f"torchmoe: copies add {self.overhead:.1%} to the step (max_step_overhead {self.target:.1%}): "
                     + ("W re-priced up" if over else "back within the target")
+                    + f" ({self.clipped_windows} window(s) clipped at 0 so far)"
                 )
             self._over = over
         if self.s_per_byte is None:
@@ -125,4 +147,6 @@ class DeviceLoss:
             "measured_overhead": self.overhead,
             "target": self.target,
             "replans": self.replans,
+            "clipped_windows": self.clipped_windows,
+            "calibration_steps": self.calibration,
         }
