@@ -56,8 +56,8 @@ SYSTEMS: dict[str, dict] = {
     "gemini_k1": {"kind": "gemini", "every": 1},
 }
 # Turns a `--turns` list may name, left out of the default run: their answer is settled or belongs to a later run
-# (docs/gpu.md, "The GPU check"): the fixed-overlap rule, staging without chunking (the worst case for head-of-line blocking: the whole
-# slot back to back during the next forward), the host tier (~13 s of pinning and ~35 GB of /dev/shm flushed).
+# (docs/gpu.md, "The GPU check"): the fixed-overlap rule, staging without chunking (the worst case for head-of-line
+# blocking: the whole slot back to back during the next forward), the host tier (~13 s of pinning, ~35 GB of shm).
 OPTIONAL_SYSTEMS: dict[str, dict] = {
     # the fixed-overlap rule: on this benchmark it gives W = 9 as the device-loss rule does (run 2's log, review 7)
     "ours_auto": {"kind": "ours", "window": None, "overlap": FIXED_OVERLAP},
@@ -377,7 +377,7 @@ def analyse_regimes(rep: dict) -> dict:
     return res
 
 
-PROFILE_RESERVE_S = 35.0  # the profiler window after the repetitions (3 systems, pinning, a window each, summaries)
+PROFILE_RESERVE_S = 25.0  # the profiler window after the repetitions (2 systems, pinning, a window each, summaries)
 
 
 def _mean(xs: list[float]) -> float:

@@ -56,7 +56,7 @@ def test_no_two_turns_measure_the_same_thing_on_cuda():
     # run 1's path is a turn of its own: the checkpointer's reads on the training stream
     assert dict(effective(SYSTEMS["ours_W4"])[-1])["reads_on_copy_stream"] == "False"
     assert dict(effective(SYSTEMS["ours_W4_reads"])[-1])["reads_on_copy_stream"] == "True"
-    assert effective(SYSTEMS["ours_auto"])[3] is False and effective(SYSTEMS["ours_auto_target"])[3] is True
+    assert effective(turns["ours_auto"])[3] is False and effective(SYSTEMS["ours_auto_target"])[3] is True
     staged = dict(effective(SYSTEMS["ours_W4_staging_chunked"])[-1])
     assert staged["device_staging"] == "True" and staged["copy_chunk_bytes"] != "None"
     assert not set(PERIODIC) & set(SYSTEMS)  # DCP async at its best interval: only when --turns names it
