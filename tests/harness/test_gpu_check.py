@@ -127,7 +127,7 @@ def test_gpu_check_ablation_turns_per_slot_and_profile_on_a_cpu(tmp_path):
     for name in ("ours_W4", "ours_W4_chunked", "ours_W4_nocopy"):  # 2 repetitions, whole windows each
         row = bench["systems"][name]
         assert row["turns"] == 2 and len(row["overhead_s_device_per_rep"]) == 2 and row["steps_per_turn"] == [W, W]
-    assert bench["switches"]["ours_W4_chunked"] == {"copy_chunk_bytes": CHUNK_BYTES}
+    assert bench["switches"]["ours_W4_chunked"] == {"reads_on_copy_stream": False, "copy_chunk_bytes": CHUNK_BYTES}
     # per slot index: every slot of the window, its bytes (a chunked copy's runs bounded by the chunk)
     slots = bench["slots"]
     assert sorted(int(i) for i in slots["ours_W4"]) == list(range(W))  # (JSON keys)
