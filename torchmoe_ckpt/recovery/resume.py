@@ -226,7 +226,7 @@ def _replay_tail(trainer, source: _Source, window: Window, replay_check: ReplayP
             source.compute_dtype,
             source.identity.fingerprint,
         )
-    except Exception as exc:  # noqa: BLE001  (an unreadable partial copy is one that does not count)
+    except Exception as exc:  # an unreadable partial copy is one that does not count
         log.info("event=partial_window_unusable window=%d: %s", window.id + 1, exc)
     captured = nxt.captured if nxt is not None else 0
     k = min(all_gather_objects(captured))
