@@ -160,9 +160,8 @@ PRIVATE_NAMES: dict[str, Private] = {
     # ---- pipeline parallelism (pipeline/stock.py, a PipelineStage subclass) ----------------------------------
     "torch.distributed.pipelining._utils": Private(
         "InferenceMode: whether a stage's shapes are static, so the warm-up vote can be decided locally; imported "
-        "in a try (torch < 2.13 has no warm-up vote)",
+        "in a try (torch < 2.13 has no warm-up vote: the module is there, InferenceMode is not)",
         required=False,
-        absent_in=("2.11",),
     ),
     "torch.distributed.pipelining.PipelineStage._warmup_forward_vote": Private(
         "overridden to decide the warm-up vote locally when every stage has static shapes (no collective while a "
