@@ -55,7 +55,7 @@ MOVED: dict[str, str] = {
     "tests/dcp/test_dcp_user.py::test_stopped_job_resumes_from_the_tier_bit_exactly": (
         "test_dcp_user.py::test_sigkill_then_dcp_load_and_sparse_to_dense_is_bit_exact"
     ),
-    "tests/dcp/test_dcp_user.py::test_sigkill_and_wiped_host_memory_then_dcp_load_reads_the_peer_copy_bit_exactly": (  # noqa: E501
+    "tests/dcp/test_dcp_user.py::test_sigkill_and_wiped_host_memory_then_dcp_load_reads_the_peer_copy_bit_exactly": (
         "test_dcp_user.py::test_sigkill_then_dcp_load_and_sparse_to_dense_is_bit_exact"
     ),
     # frozen ranks: in recovery test_user_order's, in training TorchTitan's frozen-rank test
@@ -126,7 +126,7 @@ MOVED: dict[str, str] = {
         "tests/titan_glue/test_titan_sparse.py::test_kill9_rank1_recovers_bit_exact[ep2], "
         "tests/runtime/test_rendezvous.py (a store of its own per rendezvous round, on a real TCPStore)"
     ),
-    "tests/titan_glue/test_titan_restarts.py::test_fault_free_reference_run": "(the reference of the case above)",  # noqa: E501
+    "tests/titan_glue/test_titan_restarts.py::test_fault_free_reference_run": "(the reference of the case above)",
     "tests/titan_glue/test_titan_sparse.py::test_kill9_rank1_recovers_bit_exact[fsdp2]": (
         "tests/titan_glue/test_titan_families.py::test_two_kills_recover_bit_exact, "
         "test_titan_sparse.py::test_kill9_rank1_recovers_bit_exact[ep2]"
@@ -174,7 +174,7 @@ MOVED: dict[str, str] = {
         "tests/planning/test_schedule.py (a changed schedule), tests/titan_glue/test_titan_families.py"
     ),
     "tests/titan_glue/test_titan_user.py::test_extension_reference_run": "(the reference of the case above)",
-    "tests/titan_glue/test_titan_restarts_frozen.py::test_frozen_rank_in_training_and_in_recovery_ends_the_attempt": (  # noqa: E501
+    "tests/titan_glue/test_titan_restarts_frozen.py::test_frozen_rank_in_training_and_in_recovery_ends_the_attempt": (
         "test_watchdog.py::test_frozen_peer_under_torchrun_is_detected_restarted_and_recovered, "
         "test_user_order.py::test_frozen_rank_in_recovery_ends_within_the_process_group_timeout"
     ),

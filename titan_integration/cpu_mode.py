@@ -130,7 +130,7 @@ def _dense_mask(block_mask: Any, L: int, S: int, device: Any) -> Any:
         with TransformGetItemToIndex():
             mask = block_mask.mask_mod(b, h, q, kv)
         mask = torch.as_tensor(mask, device=device).to(torch.bool).expand(B, H, L, S)
-    except Exception:  # noqa: BLE001 - any non-broadcastable mask_mod: use the reference path
+    except Exception:  # any non-broadcastable mask_mod: use the reference path
         mask = create_mask(block_mask.mask_mod, B, H, L, S, device=device)
     try:
         block_mask._torchmoe_cpu_dense_mask = mask

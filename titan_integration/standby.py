@@ -147,7 +147,7 @@ def _fork() -> int | None:
         code = 0
         try:
             _serve(agent)
-        except BaseException:  # noqa: BLE001  (a standby never reports: the worker starts the ordinary way)
+        except BaseException:  # a standby never reports: the worker starts the ordinary way
             code = 1
         os._exit(code)
     _forked = pid
@@ -255,7 +255,7 @@ def _become(request: dict, fds: list[int], conn: socket.socket) -> None:
         code = _entry(sys.argv[1:]) or 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         import traceback
 
         traceback.print_exc()

@@ -33,6 +33,7 @@ _EXPORTS = _by_module(
         "checkpointer": "Checkpointer StepResult",
         "config": "CheckpointConfig ObjectStoreConfig SparseConfig TierConfig",
         "runtime.distributed": "init_process_group restart_attempt",
+        "runtime.watchdog": "CollectiveWatchdog",
         "core.errors": "ConfigError UncapturedStateError UnusableCheckpointError",
         "capture.host_memory": "HostMemoryLimitError",
         "model.identity": "IdentityMismatch RunIdentity",
@@ -40,7 +41,8 @@ _EXPORTS = _by_module(
         "model.operators": "OperatorDiscoveryError OperatorSpec discover_operators",
         "model.optim_state": "Optimizers UpdateRule optimizer_list register_update_rule",
         "planning.placement": "Placement Topology place_replicas",
-        "recovery.resume": "ResumeResult recover",
+        "recovery.resume": "RecoveryOptions ResumeResult recover",
+        "recovery.rng": "track_generator untrack_generator",
         "recovery.replay_check": "ReplayPolicy",
         "core.records": "IterationRecord",
         "recovery.replay_log": "Replay",
@@ -85,16 +87,18 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they come
     from .planning.placement import Placement, Topology, place_replicas
     from .recovery.replay_check import ReplayPolicy
     from .recovery.replay_log import Replay
-    from .recovery.resume import ResumeResult, recover
+    from .recovery.resume import RecoveryOptions, ResumeResult, recover
+    from .recovery.rng import track_generator, untrack_generator
     from .recovery.sparse_to_dense import RecoveryReport, Replayable, ReplayDivergence, sparse_to_dense
     from .runtime.distributed import init_process_group, restart_attempt
+    from .runtime.watchdog import CollectiveWatchdog
     from .sparse_checkpointer import SparseCheckpointer
 
 
 def __getattr__(name: str):
     module = _EXPORTS.get(name) or _DCP_EXPORTS.get(name)
     if module is None:
-        if name in ("dcp", "storage"):  # the subpackages, as `torchmoe_ckpt.dcp` after `import torchmoe_ckpt`
+        if name == "dcp":  # the DCP users' subpackage, as `torchmoe_ckpt.dcp` after `import torchmoe_ckpt`
             return importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)

@@ -25,7 +25,7 @@ from .core.errors import ConfigError
 from .model.coverage import SchedulerPosition, check_coverage, infer_compute_dtype
 from .model.identity import RunIdentity, TorchSeed, torch_seed
 from .model.operators import discover_operators, local_tensor
-from .model.optim_state import as_optimizers, check_optimizer_state, check_optimizers, describe_optimizer_state
+from .model.optim_state import as_optimizers, attach_optimizer_state, check_optimizer_state, check_optimizers
 from .model.routing import RouterCounter
 from .persist.build_tiers import Tiers
 from .recovery import rng
@@ -115,7 +115,7 @@ class Checkpointer:
         self.ops = discover_operators(model, self.config.operators, optim)  # as fine as the optimizer allows
         self.op_by_name = {o.name: o for o in self.ops}
         check_coverage(model, self.ops)
-        describe_optimizer_state(model, self.ops, optim)  # what slots hold of each operator's optimizer state
+        attach_optimizer_state(model, self.ops, optim)  # what slots hold of each operator's optimizer state
         self.params = list(model.parameters())
         self.device = local_tensor(self.params[0]).device if self.params else torch.device("cpu")
         check_replay_check(self.config.replay_check, self.device)  # "exact" on CUDA needs deterministic kernels

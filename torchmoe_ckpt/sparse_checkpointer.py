@@ -27,7 +27,7 @@ from .core.records import IterationRecord
 from .core.window import Window, sliding_suffix
 from .model.identity import RunIdentity, build_identity
 from .model.operators import discover_operators, merged_operators
-from .model.optim_state import describe_optimizer_state
+from .model.optim_state import attach_optimizer_state
 from .persist.build_tiers import Tiers
 from .persist.persist_thread import PersistThread
 from .planning.window_planner import WindowPlanner
@@ -148,7 +148,7 @@ class SparseCheckpointer:
         self.agree_group = groups.group if groups.agree_group is SAME_GROUP else groups.agree_group
         self.compute_dtype = compute_dtype
         self.ops: list[Operator] = run.ops if run.ops is not None else discover_operators(model, optimizer=optimizer)
-        describe_optimizer_state(model, self.ops, optimizer)  # slot layout and sizes from the real optimizer state
+        attach_optimizer_state(model, self.ops, optimizer)  # slot layout and sizes from the real optimizer state
         self.op_by_name = {o.name: o for o in self.ops}
         self.identity = run.identity or _default_identity(model, optimizer, compute_dtype, self.ops, host_tier)
         self._identity_dict = self.identity.to_dict()

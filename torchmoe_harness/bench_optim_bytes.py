@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from torchmoe_ckpt.model.operators import discover_operators
-from torchmoe_ckpt.model.optim_state import describe_optimizer_state
+from torchmoe_ckpt.model.optim_state import attach_optimizer_state
 from torchmoe_ckpt.model.update_rules import UpdateRule, register_update_rule
 from torchmoe_ckpt.planning.schedule import choose_window, plan_window
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
@@ -79,7 +79,7 @@ def byte_ratios(model_cfg: dict, windows=(2, 4, 8), budget_fraction: float = 0.3
     for kind in KINDS:
         opts = _optimizers(kind, model)
         ops = {o.name: o for o in discover_operators(model, optimizer=opts)}  # as fine as the optimizer allows
-        describe_optimizer_state(model, ops, opts)
+        attach_optimizer_state(model, ops, opts)
         sizes[kind] = ops
     budget = None
     for compute in (torch.float32, torch.bfloat16):

@@ -638,7 +638,7 @@ class _Control:
             with conn:
                 try:
                     reply = {"ok": True, "message": self.handle(json.loads(conn.makefile().readline()))}
-                except Exception as exc:  # noqa: BLE001 - the reply says what failed; `up` goes on
+                except Exception as exc:  # the reply says what failed; `up` goes on
                     reply = {"ok": False, "message": f"{type(exc).__name__}: {exc}"}
                 conn.sendall(json.dumps(reply).encode() + b"\n")
 

@@ -45,7 +45,7 @@ class Node:
 
     def __init__(self, index: int, proc: subprocess.Popen, log_path: Path):
         self.index, self.proc, self.log_path = index, proc, log_path
-        self._log = open(log_path, "rb")  # noqa: SIM115 - read incrementally while the agent writes it
+        self._log = open(log_path, "rb")  # read incrementally while the agent writes it
 
     def workers(self) -> list[int]:
         """Pids of the worker processes this agent runs now (its direct children)."""

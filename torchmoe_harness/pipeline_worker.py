@@ -184,7 +184,7 @@ def run(spec: dict, out: Path) -> dict:
             faults.set_iteration(trainer.step)
             faults.point("recovery")  # a healthy stage waiting for its neighbours' recovery
         dist.barrier()  # recovery complete everywhere: only now does a recovered stage count as healthy
-    except Exception as exc:  # noqa: BLE001 - a failure during recovery: widen / restart it next attempt
+    except Exception as exc:  # a failure during recovery: widen / restart it next attempt
         if not recovering:
             trainer.reset_iteration()
             blog.flush()

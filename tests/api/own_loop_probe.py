@@ -12,7 +12,7 @@ import torch
 from torchmoe_harness.hf_worker import flat_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from own_loop import main  # noqa: E402
+from own_loop import main
 
 if __name__ == "__main__":
     model, optimizer, scheduler, losses = main(sys.argv[1:])

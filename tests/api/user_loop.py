@@ -21,16 +21,16 @@ import torch
 if os.environ.get("USER_LOOP_SEED_FIRST"):  # a user who seeds before importing anything else
     torch.manual_seed(int(os.environ["USER_LOOP_SEED_FIRST"]))
 
-import argparse  # noqa: E402
-import logging  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import logging
+import sys
+from pathlib import Path
 
-import torch.nn.functional as F  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
-from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from transformers import MixtralConfig, MixtralForCausalLM
 
-import torchmoe_ckpt as tmc  # noqa: E402
+import torchmoe_ckpt as tmc
 
 
 def main(argv: list[str]) -> None:

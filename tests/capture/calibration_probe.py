@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torchmoe_ckpt import init_process_group
 from torchmoe_ckpt.config import SparseConfig
 from torchmoe_ckpt.model.operators import discover_operators
-from torchmoe_ckpt.model.optim_state import describe_optimizer_state
+from torchmoe_ckpt.model.optim_state import attach_optimizer_state
 from torchmoe_ckpt.planning.calibration import CALIBRATION_STEPS, WARMUP_STEPS
 from torchmoe_ckpt.planning.schedule import choose_window
 from torchmoe_ckpt.planning.window_planner import WindowPlanner
@@ -25,7 +25,7 @@ init_process_group("gloo")
 rank = dist.get_rank()
 model = _Net()
 ops = discover_operators(model)
-describe_optimizer_state(model, ops, torch.optim.AdamW(model.parameters()))
+attach_optimizer_state(model, ops, torch.optim.AdamW(model.parameters()))
 agree = lambda v, op, g=None: reduce_float(v, op, g)  # noqa: E731
 cfg = SparseConfig(bandwidth_bytes_per_s=1e12)
 pl = WindowPlanner(cfg, ops, torch.float32, None, agree, False, rank, device_loss=True)

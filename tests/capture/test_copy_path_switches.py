@@ -229,12 +229,12 @@ def test_a_window_faster_than_the_base_step_is_clipped_and_said(caplog):
 
 
 def test_the_planner_picks_the_smallest_window_within_the_target_and_replans_on_drift():
-    from torchmoe_ckpt.model.optim_state import describe_optimizer_state
+    from torchmoe_ckpt.model.optim_state import attach_optimizer_state
     from torchmoe_ckpt.planning.window_planner import WindowPlanner
 
     model = Net(0)
     ops = tmc.discover_operators(model)
-    describe_optimizer_state(model, ops, torch.optim.AdamW(model.parameters()))
+    attach_optimizer_state(model, ops, torch.optim.AdamW(model.parameters()))
     cfg = tmc.SparseConfig(bandwidth_bytes_per_s=1e12)  # the bandwidth bound far away: the rule decides
     pl = WindowPlanner(cfg, ops, torch.float32, None, lambda v, op, g=None: v, False, 0, device_loss=True)
     assert pl.device_loss is not None and pl.calibrating

@@ -17,9 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import test_cluster as cl  # noqa: E402 - the tests' spec and program helpers
+import test_cluster as cl  # the tests' spec and program helpers
 
-from torchmoe_harness.cluster import Cluster  # noqa: E402
+from torchmoe_harness.cluster import Cluster
 
 
 def main(steps: int, rates: list[str]) -> None:

@@ -14,7 +14,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 import torchmoe_ckpt as tmc
 from torchmoe_ckpt.core.slot import full_specs
 from torchmoe_ckpt.model.operators import discover_operators
-from torchmoe_ckpt.model.optim_state import describe_optimizer_state, init_optimizer_state
+from torchmoe_ckpt.model.optim_state import attach_optimizer_state, init_optimizer_state
 from torchmoe_harness.optimizers import build_optimizers, needs_bf16_params
 
 CFG = dict(
@@ -207,7 +207,7 @@ def test_slot_bytes_are_the_real_state_bytes():
         model = mixtral(0)  # fp32 masters; with bf16 states: TorchTitan's layout (8 B/param)
         opts, _ = build_optimizers(kind, model, lr=1e-3)
         ops = {o.name: o for o in discover_operators(model)}
-        describe_optimizer_state(model, ops, opts)
+        attach_optimizer_state(model, ops, opts)
         e1 = ops["model.layers.0.mlp.experts.1"]
         items, scalars = full_specs(e1)
         assert sum(it[2].numel * it[4].itemsize for it in items) + sum(
@@ -247,7 +247,7 @@ def test_factored_state_is_cut_along_the_dims_it_keeps():
     model = mixtral(0)
     opt = RowScaled(model.parameters(), lr=0.1)
     ops = {o.name: o for o in discover_operators(model)}
-    describe_optimizer_state(model, ops, opt)
+    attach_optimizer_state(model, ops, opt)
     (row,) = [s for s in ops["model.layers.1.mlp.experts.2"].state["model.layers.1.mlp.experts.down_proj"]]
     assert (
         row.piece.global_shape == (4, 16, 1) and row.piece.global_offset == (2, 0, 0) and row.piece.shape == (1, 16, 1)
@@ -259,7 +259,7 @@ def test_factored_state_is_cut_along_the_dims_it_keeps():
     register_update_rule(RowScaled, UpdateRule("element", init_cols))
     other = mixtral(0)
     with pytest.raises(tmc.UncapturedStateError, match=r"reduces dim 0, along which .*experts.0 is cut") as exc:
-        describe_optimizer_state(other, discover_operators(other), RowScaled(other.parameters(), lr=0.1))
+        attach_optimizer_state(other, discover_operators(other), RowScaled(other.parameters(), lr=0.1))
     assert "\n" not in str(exc.value)
 
 
@@ -302,7 +302,7 @@ def test_refusals_are_one_line_each():
         r"discover_operators\(model, optimizer=...\)",
     ) as exc:
         ops = discover_operators(grouped2d)
-        describe_optimizer_state(grouped2d, ops, [torch.optim.Muon(two_d), torch.optim.AdamW(rest)])
+        attach_optimizer_state(grouped2d, ops, [torch.optim.Muon(two_d), torch.optim.AdamW(rest)])
     assert "\n" not in str(exc.value)
     # state that is not a tensor, or that changes after the first step
     opt = torch.optim.AdamW(params)

@@ -53,7 +53,7 @@ class NoisyNet(Net):
 def noisy_run(steps, gen_seed, tracked, tiers=None, stop_after=None, seed=0):
     gen = torch.Generator().manual_seed(gen_seed)
     if tracked:
-        rng.track("noise", gen)
+        tmc.track_generator("noise", gen)
     try:
         model = NoisyNet(seed, gen)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -74,7 +74,7 @@ def noisy_run(steps, gen_seed, tracked, tiers=None, stop_after=None, seed=0):
         ckpt.close()
         return model, losses, ckpt
     finally:
-        rng.untrack("noise")
+        tmc.untrack_generator("noise")
 
 
 def test_a_generator_outside_torchs_cpu_one_is_logged_through_the_host_tier_and_replayed_exactly(tmp_path):

@@ -24,7 +24,7 @@ from torchmoe_ckpt.runtime.distributed import key_rendezvous_by_attempt, library
 from torchmoe_harness.hf_worker import flat_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from own_loop import main  # noqa: E402
+from own_loop import main
 
 
 def default_group_refuses_cpu() -> bool:

@@ -39,7 +39,7 @@ def _ranks(agent_port: int, seqs: list[int], restart_counts: list[int], delays: 
             os.environ["TORCHELASTIC_RESTART_COUNT"] = str(restart_counts[rank])  # per agent, and ignored
             agent = dist.TCPStore("127.0.0.1", agent_port, is_master=False, timeout=T)  # one client per process
             out[rank] = round_store(agent, "127.0.0.1", rank, len(seqs), T, seqs[rank])
-        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+        except BaseException as exc:  # reported by the test thread
             errors.append(exc)
 
     threads = [threading.Thread(target=one, args=(r,)) for r in range(len(seqs))]

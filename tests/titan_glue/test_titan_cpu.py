@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from titan_integration import demo  # noqa: E402  (cheap: does not import torchtitan)
+from titan_integration import demo  # cheap: does not import torchtitan
 
 pytestmark = pytest.mark.titan  # starts TorchTitan: not in make test-fast
 

@@ -39,8 +39,8 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from titan_integration import recovery_demo  # noqa: E402  (cheap: does not import torchtitan)
-from titan_integration.family_costs import FLAVORS  # noqa: E402  (every family flavour the cost table prices)
+from titan_integration import recovery_demo  # cheap: does not import torchtitan
+from titan_integration.family_costs import FLAVORS  # every family flavour the cost table prices
 
 pytestmark = pytest.mark.titan  # starts TorchTitan: not in make test-fast
 

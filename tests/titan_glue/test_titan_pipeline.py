@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from titan_integration import recovery_demo  # noqa: E402
+from titan_integration import recovery_demo
 
 pytestmark = pytest.mark.titan  # starts TorchTitan: not in make test-fast
 

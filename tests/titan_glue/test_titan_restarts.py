@@ -31,7 +31,7 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from titan_integration import recovery_demo  # noqa: E402  (cheap: does not import torchtitan)
+from titan_integration import recovery_demo  # cheap: does not import torchtitan
 
 pytestmark = pytest.mark.titan  # starts TorchTitan: not in make test-fast
 

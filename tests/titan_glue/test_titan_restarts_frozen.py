@@ -21,9 +21,9 @@ import pytest
 pytest.importorskip("torchtitan")
 
 # Its fault-free run (shared, computed once per session) and its `env` fixture.
-from test_titan_restarts import STEPS, WINDOW, _reference, env  # noqa: E402, F401
+from test_titan_restarts import STEPS, WINDOW, _reference, env  # noqa: F401
 
-from titan_integration import recovery_demo  # noqa: E402
+from titan_integration import recovery_demo
 
 pytestmark = pytest.mark.titan  # starts TorchTitan: not in make test-fast
 

@@ -21,9 +21,9 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from titan_integration import recovery_demo  # noqa: E402  (cheap: neither imports torchtitan)
-from titan_integration.recovery_demo import LAYOUTS  # noqa: E402
-from titan_integration.sparse_config import JobConfigError, SparseCheckpointSection  # noqa: E402
+from titan_integration import recovery_demo  # cheap: neither imports torchtitan
+from titan_integration.recovery_demo import LAYOUTS
+from titan_integration.sparse_config import JobConfigError, SparseCheckpointSection
 
 pytestmark = pytest.mark.titan  # starts TorchTitan: not in make test-fast
 

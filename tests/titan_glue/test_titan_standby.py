@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from titan_integration import recovery_demo  # noqa: E402  (cheap: neither imports torchtitan)
+from titan_integration import recovery_demo  # cheap: neither imports torchtitan
 
 pytestmark = pytest.mark.titan  # starts TorchTitan: not in make test-fast
 

@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from titan_integration import recovery_demo  # noqa: E402
-from torchmoe_harness.servers import create_bucket, moto_server  # noqa: E402
+from titan_integration import recovery_demo
+from torchmoe_harness.servers import create_bucket, moto_server
 
 pytestmark = pytest.mark.titan  # starts TorchTitan: not in make test-fast
 

@@ -18,10 +18,10 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from titan_integration import recovery_demo  # noqa: E402  (cheap: does not import torchtitan)
-from titan_integration.job_toml import sparse_section  # noqa: E402
-from titan_integration.sparse_cli import OVERRIDE_TARGET, SPARSE_ENV, merge_into_override, override_section, split_args  # noqa: E402
-from titan_integration.sparse_config import STORE_FORMATS, JobConfigError, SparseCheckpointSection  # noqa: E402
+from titan_integration import recovery_demo  # cheap: does not import torchtitan
+from titan_integration.job_toml import sparse_section
+from titan_integration.sparse_cli import OVERRIDE_TARGET, SPARSE_ENV, merge_into_override, override_section, split_args
+from titan_integration.sparse_config import STORE_FORMATS, JobConfigError, SparseCheckpointSection
 
 pytestmark = pytest.mark.titan  # starts TorchTitan: not in make test-fast
 

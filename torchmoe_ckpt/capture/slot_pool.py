@@ -263,7 +263,7 @@ class ArenaSlotPool(SlotPoolBase):
     def _allocate_spare(self, need: int) -> None:
         try:
             arena = self._alloc(need, "helper")
-        except Exception:  # noqa: BLE001  (out of pinned memory: the window start allocates, and reports it)
+        except Exception:  # out of pinned memory: the window start allocates, and reports it
             arena = None
         with self.lock:
             if arena is not None:

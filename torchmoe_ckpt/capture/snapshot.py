@@ -113,7 +113,7 @@ class SnapshotEngine:
     how long training waits. On CUDA the next update waits on the device (`wait`); the host waits for a copy to be
     done only at a window commit (`wait_done`)."""
 
-    def __init__(  # noqa: PLR0913  (the copy path's switches, each a SparseConfig field)
+    def __init__(
         self,
         access: StateAccess,
         device: torch.device | str | None = None,

@@ -59,7 +59,7 @@ class Operator:
     experts: tuple[int, ...] = ()
     # Why its layer's experts are one operator (model/granularity.py: the optimizer couples across the cut); "": not.
     merged: str = ""
-    # Optimizer state per parameter fqn (optim_state.describe_optimizer_state); None: the AdamW layout.
+    # Optimizer state per parameter fqn (optim_state.attach_optimizer_state); None: the AdamW layout.
     state: dict[str, tuple[StatePiece, ...]] | None = None
 
     def __post_init__(self) -> None:

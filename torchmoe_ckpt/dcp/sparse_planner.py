@@ -31,7 +31,7 @@ from ..core.records import IterationRecord, ReplayLog
 from ..core.slot import Slot, SlotItem, build_slot
 from ..core.window import Window
 from ..model.operators import agreed_sizes, discover_operators, local_tensor
-from ..model.optim_state import describe_optimizer_state
+from ..model.optim_state import attach_optimizer_state
 from ..planning.schedule import plan_window
 from ..storage_format.layout import slot_name
 from ..storage_format.manifest import plan_digest
@@ -82,7 +82,7 @@ class SparseSchedule:
         """
         ops = ops if ops is not None else discover_operators(model, optimizer=optimizer)
         if optimizer is not None:
-            describe_optimizer_state(model, ops, optimizer)
+            attach_optimizer_state(model, ops, optimizer)
         self.ops = {o.name: o for o in ops}
         self.compute_dtype, self.first_step = compute_dtype, first_step
         kind = {"expert": 0, "router": 1, "dense": 2}

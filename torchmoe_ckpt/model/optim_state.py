@@ -26,7 +26,6 @@ __all__ = [
     "check_optimizers",
     "init_optimizer_state",
     "attach_optimizer_state",
-    "describe_optimizer_state",
     "check_optimizer_state",
     "rule_of",
 ]
@@ -181,10 +180,6 @@ def attach_optimizer_state(model: nn.Module, ops, optimizer) -> None:
     _check_cuts(model, ops, opts)
     _check_global(model, ops, opts)
     _assign_state(model, ops, Optimizers(opts).state)
-
-
-# The old name of attach_optimizer_state (call sites in the front door, recovery and dcp still use it).
-describe_optimizer_state = attach_optimizer_state
 
 
 def _check_cuts(model: nn.Module, ops: list, opts: list) -> None:

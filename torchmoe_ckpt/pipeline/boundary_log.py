@@ -148,7 +148,7 @@ class BoundaryLog:
                 tmp = self.dir / (name + ".tmp")
                 torch.save({"payload": obj, "nbytes": n}, tmp)  # the copy into host memory
                 tmp.rename(self.dir / name)
-            except Exception as exc:  # noqa: BLE001 - a log that cannot be written is a gap, not a crash
+            except Exception as exc:  # a log that cannot be written is a gap, not a crash
                 self.errors.append(f"{name}: {exc}")
                 log.warning("event=pp_log_write_failed entry=%s error=%s", name, exc)
             self.write_seconds += time.perf_counter() - t0
@@ -193,5 +193,5 @@ def _file_payload(p: Path) -> int:
     """Logged bytes an entry file accounts for (its tensor bytes, not the file's container overhead)."""
     try:
         return int(torch.load(p, weights_only=True)["nbytes"])
-    except Exception:  # noqa: BLE001 - unreadable leftovers count by size
+    except Exception:  # unreadable leftovers count by size
         return p.stat().st_size if p.exists() else 0

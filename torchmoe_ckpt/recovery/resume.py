@@ -18,7 +18,7 @@ from ..core.errors import UnusableCheckpointError
 from ..core.operator import Operator
 from ..core.window import Window, sliding_suffix
 from ..model.identity import IdentityMismatch, RunIdentity, allowed_changes, build_identity, refusal
-from ..model.optim_state import describe_optimizer_state
+from ..model.optim_state import attach_optimizer_state
 from ..persist.build_tiers import Tiers
 from ..runtime.agreement import all_gather_objects, gather_failures, run_everywhere
 from ..runtime.watchdog import CollectiveWatchdog
@@ -114,7 +114,7 @@ def recover(
 
 def _recover(trainer, tiers: Tiers, ops, compute_dtype, identity: RunIdentity | None, opts: RecoveryOptions):
     t0 = time.perf_counter()
-    describe_optimizer_state(trainer.model, ops, trainer.optimizer)  # the slots' layout of the optimizer state
+    attach_optimizer_state(trainer.model, ops, trainer.optimizer)  # the slots' layout of the optimizer state
     if identity is None:
         identity = _identity_of(trainer, tiers, ops, compute_dtype)
     replay = _ReplayEachWindow(trainer, _Source(tiers.host, ops, compute_dtype, identity), opts, t0)
@@ -226,7 +226,7 @@ def _replay_tail(trainer, source: _Source, window: Window, replay_check: ReplayP
             source.compute_dtype,
             source.identity.fingerprint,
         )
-    except Exception as exc:  # noqa: BLE001  (an unreadable partial copy is one that does not count)
+    except Exception as exc:  # an unreadable partial copy is one that does not count
         log.info("event=partial_window_unusable window=%d: %s", window.id + 1, exc)
     captured = nxt.captured if nxt is not None else 0
     k = min(all_gather_objects(captured))

@@ -1,7 +1,8 @@
 """The random state an iteration starts from, logged so that its replay draws the same numbers.
 
 Logged: torch's CPU generator; with CUDA, the current device's default generator; DTensor's tracker states where
-this torch keeps its own; generators the model `track`s. Reading or setting them does not synchronise the device.
+this torch keeps its own; generators the model tracks (`track_generator`). Reading or setting them does not
+synchronise the device.
 """
 
 from __future__ import annotations
@@ -12,31 +13,34 @@ import torch
 
 from ..core.errors import TorchmoeError
 
-__all__ = ["RngMismatch", "capture", "device_generators", "restore", "track", "untrack"]
+__all__ = ["RngMismatch", "capture", "device_generators", "restore", "track_generator", "untrack_generator"]
 
 DTENSOR_PREFIX = "dtensor."
-_tracked: dict[str, torch.Generator] = {}  # generators of the model's own (track)
+_tracked: dict[str, torch.Generator] = {}  # generators of the model's own (track_generator)
 
 
 class RngMismatch(TorchmoeError, RuntimeError):
     """The window logged a generator this process does not have (e.g. a GPU run recovered on a CPU-only one)."""
 
 
-def track(name: str, generator: torch.Generator) -> None:
+def track_generator(name: str, generator: torch.Generator) -> None:
     """Log and restore a generator the model draws from with every iteration. Call before training, in every
     process, with the same names."""
     if name == "cuda" or name.startswith(DTENSOR_PREFIX) or not isinstance(generator, torch.Generator):
-        raise ValueError("track(name, generator) takes a torch.Generator and a name other than 'cuda'/'dtensor.*'")
+        raise ValueError(
+            "track_generator(name, generator) takes a torch.Generator and a name other than 'cuda'/'dtensor.*'"
+        )
     _tracked[name] = generator
 
 
-def untrack(name: str) -> None:
-    """Stop logging a generator `track` added (its windows then no longer recover in this process)."""
+def untrack_generator(name: str) -> None:
+    """Stop logging a generator `track_generator` added (its windows then no longer recover in this process)."""
     _tracked.pop(name, None)
 
 
 def device_generators() -> dict[str, torch.Generator]:
-    """The generators besides the CPU one: the CUDA device's default (once initialised) and `track`ed ones."""
+    """The generators besides the CPU one: the CUDA device's default (once initialised) and the tracked ones
+    (`track_generator`)."""
     out = dict(_tracked)
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # CUDA only
         out["cuda"] = torch.cuda.default_generators[torch.cuda.current_device()]
