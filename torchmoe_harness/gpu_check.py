@@ -114,7 +114,7 @@ def environment(device: str, work: Path) -> dict:
     return out
 
 
-def _phase(  # noqa: PLR0913  (phase 3's selection rides along)
+def _phase(
     n: int,
     device: str,
     tiny: bool,

@@ -404,7 +404,7 @@ def run(spec: dict, out: Path) -> dict:
     )
 
 
-def _repetitions(  # noqa: PLR0913  (one regime's repetitions: what run() hands each)
+def _repetitions(
     trainer: Trainer,
     spec: dict,
     regime: dict,
