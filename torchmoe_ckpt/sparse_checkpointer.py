@@ -438,7 +438,10 @@ class SparseCheckpointer:
         plan, budget = self.planner.plan()
         self.memory.before_window(plan, self._next_id)  # within host_memory_limit, or refused
         slots = self.slots.slots_for(plan)
-        self.slots.prepare(plan, self.memory.room_for)  # the next window's set, off this thread, if none is left
+        # The next window's set, off this thread, if none is left; for the next window's plan when its W grows
+        # (a new arena: pinning takes seconds, and the training thread must not do it at the next window start).
+        ahead = self.planner.next_plan(plan) or plan
+        self.slots.prepare(ahead, self.memory.room_for)
         win = Window(self._next_id, t, plan, slots)
         self._cur_slot_bytes = self.slots.slot_bytes(slots)
         if self.engine.staging is not None:  # this window staged when its largest slot fits (device_staging.py)

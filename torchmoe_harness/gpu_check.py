@@ -48,6 +48,49 @@ OPTIONAL = {"torchtitan", "titan_integration", "tyro", "s3fs", "moto", "adlfs", 
 PACKAGES = ("numpy", "fsspec", "tensorstore", "transformers", "matplotlib", "psutil", "pytest", "hypothesis", "tyro")
 
 
+def foreach_copy_probe(device: str) -> dict:
+    """A mixed-dtype `torch._foreach_copy_` (fp32 sources into fp32 and bf16 destinations, the first one fp32) against
+    per-item copies, byte for byte (torch.equal) over the whole buffer the destinations are views of, as device
+    staging's are. Until pytorch#173531 the CUDA fast path dispatched on the first destination's dtype: fp32
+    written into the bf16 views, past their ends, silently. (The library groups its calls by dtype pair since;
+    this says whether the torch on the machine still has the bug.) {"result": "ok" | "wrong values" | "error",
+    "detail": ...}; on a CPU the call takes the per-item path: ok."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+        g = torch.Generator().manual_seed(0)
+        # (elements, destination dtype): fp32 first (what the fast path dispatched on), odd sizes, a large bf16
+        items = [(1000, torch.float32), (4097, torch.bfloat16), (777, torch.float32), (65539, torch.bfloat16)]
+        srcs = [torch.randn(n, generator=g).to(dev) for n, _ in items]
+        offs, total = [], 0
+        for n, _dt in items:  # 64-byte aligned views of one buffer, each with room for n fp32s: an fp32 write
+            offs.append(total)  # into a bf16 view (the bug) lands in the buffer's own guard bytes, not in another
+            total += (n * 4 + 64 + 63) // 64 * 64  # tensor of the process (a clean "wrong values", no corruption)
+        bufs = [torch.full((total,), 0xAB, dtype=torch.uint8, device=dev) for _ in range(2)]
+
+        def views(buf):
+            return [buf[o : o + n * dt.itemsize].view(dt) for o, (n, dt) in zip(offs, items)]
+
+        fused, ref = views(bufs[0]), views(bufs[1])
+        torch._foreach_copy_(fused, srcs)
+        for d, src in zip(ref, srcs):
+            d.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        same = torch.equal(bufs[0].cpu(), bufs[1].cpu())
+        values = all(torch.equal(d.cpu(), src.to(d.dtype).cpu()) for d, src in zip(fused, srcs))
+    except Exception as exc:  # noqa: BLE001  (a torch that refuses the call: reported, the phase goes on)
+        return {"result": "error", "detail": f"{type(exc).__name__}: {exc}"}
+    if same and values:
+        return {"result": "ok", "detail": "torch.equal to per-item copies, buffer and values"}
+    bad = [i for i, (d, r) in enumerate(zip(fused, ref)) if not torch.equal(d.cpu(), r.cpu())]
+    return {
+        "result": "wrong values",
+        "detail": f"items {bad} differ from per-item copies" + ("" if bad else "; bytes outside the views differ"),
+    }
+
+
 def environment(device: str, work: Path) -> dict:
     import importlib
     import importlib.metadata as md
@@ -110,6 +153,7 @@ def environment(device: str, work: Path) -> dict:
             except Exception as exc:  # an import that breaks on this torch: the finding this phase exists for
                 failed[mod.name] = f"{type(exc).__name__}: {exc}"
     out["imports"] = {"imported": imported, "optional_missing": optional, "failed": failed}
+    out["foreach_copy_mixed_dtype"] = foreach_copy_probe(device)
     out["ok"] = not failed and (device != "cuda" or torch.cuda.is_available())
     return out
 

@@ -160,6 +160,28 @@ def test_no_allocation_at_a_window_start_in_steady_state(one_rank_group, monkeyp
     stop(ck)
 
 
+def test_a_growing_window_is_pinned_ahead_off_the_training_thread(one_rank_group):
+    """W grows (here: the copy bandwidth drops to nothing): the next window's larger set is allocated a window
+    ahead on the pool's helper thread (WindowPlanner.next_plan, slot_pool.prepare), never by the training thread at
+    the window start (on CUDA that is seconds of pinning and a device-wide sync). Auto W with the bandwidth given,
+    plain arenas, W = 1 first: a window start every step."""
+    import dataclasses
+
+    t, ck = checkpointer(None, window=None, bandwidth_bytes_per_s=1e15)
+    ws = []
+    for step in range(1, 8):
+        if step == 3:  # a real config change: every later budget is 1 byte, so W goes as high as the rule allows
+            ck.planner.cfg = dataclasses.replace(ck.planner.cfg, bandwidth_bytes_per_s=1.0)
+        ck.after_step(t.train_step())
+        if ck.current is not None and ck.current.start_step == step:
+            ws.append(ck.current.plan.window)
+    assert ws[:2] == [1, 1] and max(ws) > 1, ws  # W grew (one window after the change: agreed a window ahead)
+    counts = ck.memory.account()["alloc_count"]
+    # the first window start allocates its arena; every later set (the W = 1 spare, the grown ones) on the helper
+    assert counts["training_thread"] == 1 and counts["helper"] >= 2, counts
+    stop(ck)
+
+
 def test_a_long_run_stays_flat(shm, one_rank_group):
     """45 windows with popularity reorders: unlimited, at most four slot sets (current, committed, the previous one
     retention keeps, one whose collect is pending at a window start); limited to the figure less the restart

@@ -65,6 +65,7 @@ def test_gpu_check_environment_and_exact_recovery_on_a_cpu(tmp_path):
     assert "needs CUDA" in phases["4_copy_engine"]["result"]["skipped"]
     env_ = phases["0_environment"]["result"]
     assert env_["imports"]["imported"] > 50 and not env_["imports"]["failed"]
+    assert env_["foreach_copy_mixed_dtype"]["result"] == "ok"  # the probe ran (on a CPU: per-item, trivially)
 
     exact = phases["1_exact_recovery"]["result"]
     assert exact["bit_exact"] and not exact["mismatches"]

@@ -70,3 +70,12 @@ def test_gpu_check_is_a_subcommand_and_refuses_unknown_phases():
     assert a.tiny and a.device == "cpu"
     with pytest.raises(ValueError, match="--phases '1,7': use numbers 0-4"):
         a.fn(a)
+
+
+def test_phase0_probes_a_mixed_dtype_foreach_copy_against_per_item_copies():
+    """On a CPU the call takes the per-item path: ok (on CUDA before pytorch#173531: "wrong values")."""
+    from torchmoe_harness.gpu_check import foreach_copy_probe
+
+    got = foreach_copy_probe("cpu")
+    assert got["result"] == "ok", got
+    assert foreach_copy_probe("no-such-device")["result"] == "error"  # a refused call is reported, not raised

@@ -8,7 +8,10 @@ GPU idles: the leading hypothesis for the 19% of the first H200 run (docs/gpu.md
 memcpys lets the engine serve the other stream; chunking alone does not (torchrec's `chunked_copy_`, the GPU
 check's phase 4 measures both). So each same-dtype item is cut into flat chunks of at most `chunk_bytes`, and
 between two consecutive memcpys goes a spacer: a 1-element device-to-device cast, a kernel. Items whose copy
-casts (fp32 -> bf16 compute weights) launch their own kernel and need none.
+casts (fp32 -> bf16 compute weights) are cut too, into chunks of at most `chunk_bytes` of the destination: a
+device-to-host cast is a cast kernel into a device temporary, then its memcpy (Copy.cu), so a whole 64 MiB bf16
+embedding would be one ~1.2 ms block on the engine; each cast chunk launches its own kernel before its memcpy
+and needs no spacer.
 
 The chunks and spacers are plain (source, destination) pairs in the same two lists `torch._foreach_copy_` takes,
 so the copy thread still issues the whole slot from C++ with the GIL released. On a CPU the same lists are built
@@ -28,7 +31,8 @@ __all__ = ["ChunkedCopy", "chunk_copy_lists"]
 class ChunkedCopy:
     """One slot's copy as issued: `srcs[i]` goes into `dsts[i]`; `item_ends[k]` is where item k's pairs end (the
     tear point of a fault test is counted in items); `host_bytes` what lands on the host (the spacers not
-    counted); `chunks` the memcpys, `spacers` the kernels put between them."""
+    counted); `chunks` the same-dtype memcpys, `cast_chunks` the pieces of cast items (each a kernel, then its
+    memcpy), `spacers` the kernels put between memcpys."""
 
     srcs: list[torch.Tensor]
     dsts: list[torch.Tensor]
@@ -36,6 +40,7 @@ class ChunkedCopy:
     host_bytes: int
     chunks: int
     spacers: int
+    cast_chunks: int = 0
 
     def split_at_item(self, k: int) -> int:
         """The position in `srcs` after the first `k` items."""
@@ -48,23 +53,23 @@ def _spacer(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def chunk_copy_lists(srcs: list[torch.Tensor], dsts: list[torch.Tensor], chunk_bytes: int | None) -> ChunkedCopy:
-    """The copy of `srcs` into `dsts` as chunks of at most `chunk_bytes` with a spacer between consecutive memcpys;
-    `chunk_bytes=None`: the items as they are (one memcpy each, back to back)."""
+    """The copy of `srcs` into `dsts` as chunks of at most `chunk_bytes` (of the destination) with a spacer between
+    consecutive memcpys; `chunk_bytes=None`: the items as they are (one copy each, back to back)."""
     if chunk_bytes is not None and chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive number of bytes or None, got {chunk_bytes}")
     out_s: list[torch.Tensor] = []
     out_d: list[torch.Tensor] = []
     ends: list[int] = []
-    host_bytes = chunks = spacers = 0
+    host_bytes = chunks = spacers = cast_chunks = 0
     spacer: tuple[torch.Tensor, torch.Tensor] | None = None
     last_was_memcpy = False
     for src, dst in zip(srcs, dsts):
         host_bytes += dst.numel() * dst.element_size()
         memcpy = src.dtype == dst.dtype
-        if chunk_bytes is None or not memcpy or not (src.is_contiguous() and dst.is_contiguous()):
+        if chunk_bytes is None or not (src.is_contiguous() and dst.is_contiguous()):
             pieces = [(src, dst)]
-        else:
-            step = max(1, chunk_bytes // max(1, src.element_size()))
+        else:  # the destination's bytes: a cast item's host (bf16) size, what the engine moves
+            step = max(1, chunk_bytes // max(1, dst.element_size()))
             flat_s, flat_d = src.reshape(-1), dst.reshape(-1)
             pieces = [(flat_s[i : i + step], flat_d[i : i + step]) for i in range(0, flat_s.numel(), step)] or [
                 (src, dst)
@@ -79,6 +84,7 @@ def chunk_copy_lists(srcs: list[torch.Tensor], dsts: list[torch.Tensor], chunk_b
             out_s.append(s)
             out_d.append(d)
             chunks += memcpy
+            cast_chunks += not memcpy
             last_was_memcpy = memcpy
         ends.append(len(out_s))
-    return ChunkedCopy(out_s, out_d, ends, host_bytes, chunks, spacers)
+    return ChunkedCopy(out_s, out_d, ends, host_bytes, chunks, spacers, cast_chunks)

@@ -80,6 +80,7 @@ class FileSlotPool(SlotPoolBase):
                         self.sets.remove(f)
             if self.slot_files.created != before[0]:
                 self.allocations += 1
+                self.alloc_count["training_thread"] += 1  # slot files are built at the window start
                 self.allocated_bytes += self.slot_files.created_bytes - before[1]
             self.sets.append(_FileSet(slots, sig, [sl.nbytes for sl in slots]))
             while len(self.sets) > self.max_sets:  # the oldest released set goes (a window linking it keeps it)

@@ -66,6 +66,7 @@ class HostMemory:
             "allocations": ck.slots.allocations,
             "prepared": ck.slots.prepared,
             "alloc_seconds": {k: round(v, 6) for k, v in ck.slots.alloc_seconds.items()},
+            "alloc_count": dict(ck.slots.alloc_count),
             "drain_waits": self.drain_waits,
             "drain_wait_s": round(self.drain_wait_s, 6),
             "need": self.need,

@@ -4,7 +4,11 @@ the allocators share (`SlotPoolBase`) and the arena allocator (`ArenaSlotPool`).
 A *set* (one window's W slots) is ONE allocation (an arena, pinned on CUDA) carved into *groups*: an operator's
 items for one slot, or one tensor's 0-dim states. A new plan re-assembles a free set from its own groups, carving
 only missing ones. Pinning is slow (~3 s for 8 GiB), so `prepare` allocates the next window's set on a helper
-thread, and a pinned set larger than a new plan needs is kept (freeing it would synchronise the device).
+thread, and a pinned set larger than a new plan needs is kept (freeing it would synchronise the device). When W
+grows (a larger set), the checkpointer prepares for the next window's plan (`WindowPlanner.next_plan`: its W is
+proposed a window ahead), so the new arena is pinned on the helper a window early, not on the training thread at
+the window start (which would also hand the old arena back: `_host_emptyCache`, a device-wide sync).
+`alloc_count` says which thread allocated.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ class SlotAllocator(Protocol):
     4. (T, when the checkpointer drops a window) `release(slots, ticket)`: the persist thread still reads them
        until it is past `ticket` (None: every job queued so far); only then is the set free for step 2.
     5. (M, at any time) `host_bytes()`, `files()` and the counters (`kind`, `allocations`, `prepared`,
-       `alloc_seconds`): what the allocator holds, for host_memory.py.
+       `alloc_seconds`, `alloc_count`): what the allocator holds, for host_memory.py.
     6. (T, once, at the end) `close()`: the helper joined, the sets let go.
     """
 
@@ -63,6 +67,7 @@ class SlotAllocator(Protocol):
     allocations: int  # new memory allocated (arenas, or slot files): 0 per window in steady state
     prepared: int  # sets allocated ahead by `prepare`, off the training thread
     alloc_seconds: dict[str, float]  # time spent allocating, by thread ("training_thread", "helper")
+    alloc_count: dict[str, int]  # allocations by thread: the helper's when W grows (prepared a window ahead)
 
     def slots_for(self, plan: WindowPlan) -> list[Slot]:
         """The slots of a new window with this plan."""
@@ -126,6 +131,7 @@ class SlotPoolBase:
         self.allocated_bytes = 0
         self.prepared = 0  # sets allocated ahead by `prepare`, off the training thread
         self.alloc_seconds = {"training_thread": 0.0, "helper": 0.0}  # time spent allocating, by thread
+        self.alloc_count = {"training_thread": 0, "helper": 0}  # allocations (arenas, slot files), by thread
 
     def slot_bytes(self, slots: list[Slot]) -> list[int]:
         """This rank's bytes per slot (what each copy moves)."""
@@ -360,6 +366,7 @@ class ArenaSlotPool(SlotPoolBase):
             self.allocations += 1
             self.allocated_bytes += a.capacity
             self.alloc_seconds[thread] += time.perf_counter() - t0
+            self.alloc_count[thread] += 1
         return a
 
     def _new_arena(self, s: _Set, need: int) -> None:

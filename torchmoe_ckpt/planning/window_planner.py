@@ -91,6 +91,7 @@ class WindowPlanner:
         self._prior_known = self.bandwidth is not None or "bytes_per_s" in _PROBED
         self.t_iter: float | None = None
         self.auto_w: int | None = None
+        self.next_w: int | None = None  # this rank's proposal for the next window's W (`_agreed_w`, `next_plan`)
         self._w_pending: tuple | None = None  # (async all-reduce, tensor): the next window's agreed W
         self.w_cap: int | None = None  # the largest W under the host-memory limit (None: no limit, or W forced)
         self._warned_unfit = False  # an impossible copy budget is reported once, not every window
@@ -194,7 +195,26 @@ class WindowPlanner:
         )
         self._w_pending = (work, nxt)
         self.auto_w = auto_w
+        self.next_w = proposal
         return auto_w
+
+    def next_plan(self, plan: WindowPlan) -> WindowPlan | None:
+        """The plan the next window will likely take when its W grows past `plan`'s: the same order and budget,
+        split with the W this rank just proposed for it (`_agreed_w`: agreed as the MAX over ranks, so at least
+        this one; on one rank exactly it). None: W forced, or not growing. What the slot allocator pins ahead, a
+        window early and off the training thread (slot_pool.prepare), instead of at the next window start."""
+        if self.cfg.window is not None or self.next_w is None or self.next_w <= plan.window:
+            return None
+        full, comp = self.op_sizes()
+        return plan_window(
+            list(plan.order),
+            full,
+            comp,
+            plan.budget_bytes,
+            auto_window=self.next_w,
+            warn=False,
+            sliding=self.cfg.sliding,
+        )
 
     def _update_popularity(self) -> None:
         """Queue the last window's counts for the host (no sync) and apply the ones queued a window ago (summed over
