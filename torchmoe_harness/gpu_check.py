@@ -80,7 +80,7 @@ def foreach_copy_probe(device: str) -> dict:
             torch.cuda.synchronize()
         same = torch.equal(bufs[0].cpu(), bufs[1].cpu())
         values = all(torch.equal(d.cpu(), src.to(d.dtype).cpu()) for d, src in zip(fused, srcs))
-    except Exception as exc:  # noqa: BLE001  (a torch that refuses the call: reported, the phase goes on)
+    except Exception as exc:  # a torch that refuses the call: reported, the phase goes on
         return {"result": "error", "detail": f"{type(exc).__name__}: {exc}"}
     if same and values:
         return {"result": "ok", "detail": "torch.equal to per-item copies, buffer and values"}
