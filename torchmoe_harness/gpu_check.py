@@ -13,11 +13,12 @@ a run cut short still leaves what it found (and DIR/bench_raw.json: every turn o
      and without the checkpointer (gpu_check_recovery.py);
   2  non-deterministic kernels: replay_check="exact" refuses in one line, "tolerant" recovers and reports its
      deviation (gpu_check_recovery.py);
-  3  the benchmark: ours (auto W, W = 4, with the host tier), the dense pinned snapshot and DCP async_save with
-     pinned staging (every iteration, best interval), interleaved on a model sized to the card (gpu_check_bench.py);
+  3  the benchmark: ours (the W = 4 ablations, auto W) and the dense pinned snapshot interleaved on a model sized to
+     the card, at two regimes (stress: the step as it is; representative: micro-batches for a >= 1 s step), a
+     partial report after every turn (gpu_check_bench.py);
   4  the copy-engine microbenchmark, independent of the library: how long a small read on the training stream waits
-     while a side stream copies back-to-back, in chunks with a spacer kernel, in one piece, with casts and
-     device-to-device (gpu_copy_engine.py; on a CPU it says it needs CUDA and measures nothing).
+     (timed alone) while a side stream copies back-to-back, in chunks with a spacer kernel, in one piece, with casts,
+     by a device-to-device memcpy and by a cast kernel (gpu_copy_engine.py; on a CPU it says it needs CUDA).
 
 Exit status 0 when every phase that ran passed."""
 
@@ -180,7 +181,7 @@ def _phase(
     if n == 4:
         from torchmoe_harness.gpu_copy_engine import run
 
-        return run(device, tiny)
+        return run(device, tiny, time_limit_s=budget)
     from torchmoe_harness.gpu_check_bench import run_bench
 
     return run_bench(device, tiny, work, budget, turns, regimes)
