@@ -35,6 +35,7 @@ from .recovery.resume import RecoveryOptions, ResumeResult
 from .recovery.sparse_to_dense import ReplayDivergence, init_optimizer_state
 from .runtime import faults
 from .runtime.device_copy import host_copy
+from .runtime.distributed import refusal_notes_restarts
 from .runtime.watchdog import CollectiveWatchdog
 from .sparse_checkpointer import PlanningGroups, SparseCheckpointer
 from .startup import IdentityParts, start
@@ -67,6 +68,7 @@ class Checkpointer:
     """Owns the sparse checkpointer, its storage tiers and the training step. Use `with Checkpointer(...)` or
     call `close()` at the end (flushes the host tier and uploads, stops the threads)."""
 
+    @refusal_notes_restarts  # under torchrun a refusal repeats --max-restarts times: it says so
     def __init__(  # noqa: PLR0913 (the public signature of tmc.Checkpointer, as README and docs/api.md show it)
         self,
         model: nn.Module,

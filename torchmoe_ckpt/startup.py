@@ -25,6 +25,7 @@ from .persist.build_tiers import Tiers, build_tiers
 from .recovery.resume import RecoveryOptions, ResumeResult, recover
 from .recovery.sparse_to_dense import Replayable
 from .runtime.agreement import all_gather_objects
+from .runtime.distributed import refusal_notes_restarts
 from .sparse_checkpointer import PlanningGroups, RunContext, SparseCheckpointer
 
 log = logging.getLogger("torchmoe_ckpt.startup")
@@ -70,6 +71,7 @@ class Started:
         return self.resumed is not None and self.resumed.recovered_step is not None
 
 
+@refusal_notes_restarts  # under torchrun a refusal repeats --max-restarts times: it says so
 def start(  # noqa: PLR0913 (the front door: four positional essentials, then one keyword per option group)
     trainer: Replayable,
     compute_dtype: torch.dtype,
