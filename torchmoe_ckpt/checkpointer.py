@@ -35,6 +35,7 @@ from .recovery.resume import RecoveryOptions, ResumeResult
 from .recovery.sparse_to_dense import ReplayDivergence, init_optimizer_state
 from .runtime import faults
 from .runtime.device_copy import host_copy
+from .runtime.distributed import refusal_notes_restarts
 from .runtime.watchdog import CollectiveWatchdog
 from .sparse_checkpointer import PlanningGroups, SparseCheckpointer
 from .startup import IdentityParts, start
@@ -67,6 +68,7 @@ class Checkpointer:
     """Owns the sparse checkpointer, its storage tiers and the training step. Use `with Checkpointer(...)` or
     call `close()` at the end (flushes the host tier and uploads, stops the threads)."""
 
+    @refusal_notes_restarts  # under torchrun a refusal repeats --max-restarts times: it says so
     def __init__(  # noqa: PLR0913 (the public signature of tmc.Checkpointer, as README and docs/api.md show it)
         self,
         model: nn.Module,
@@ -246,6 +248,8 @@ class Checkpointer:
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise TypeError(f"forward_backward must return the loss as a one-element tensor, got {type(loss).__name__}")
         faults.point("backward")  # here after backward (it runs inside forward_backward), before the norm's collective
+        if replay is None and not self._checked_state:
+            _check_gradients(self.params)  # the first step: a step function without backward would train nothing
         replayed_norm = self._grad_norm(None) if replay is not None and self.config.max_grad_norm else None
         norm = self._grad_norm(replay)
         if self.config.max_grad_norm is not None:
@@ -290,6 +294,17 @@ class Checkpointer:
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _check_gradients(params: list[nn.Parameter]) -> None:
+    """Refuse a step function that never called `loss.backward()`: the optimizer would step on no gradient, every
+    iteration, and the run would train nothing without a word. Read on the first step only (attributes, no sync)."""
+    trained = [p for p in params if p.requires_grad]
+    if trained and all(p.grad is None for p in trained):
+        raise ConfigError(
+            "forward_backward(batch) returned its loss but no gradient reached any parameter: call loss.backward() "
+            "inside it before returning the loss (the checkpointer steps the optimizer; it does not call backward)"
+        )
 
 
 class _Replay:

@@ -25,6 +25,7 @@ from .persist.build_tiers import Tiers, build_tiers
 from .recovery.resume import RecoveryOptions, ResumeResult, recover
 from .recovery.sparse_to_dense import Replayable
 from .runtime.agreement import all_gather_objects
+from .runtime.distributed import refusal_notes_restarts
 from .sparse_checkpointer import PlanningGroups, RunContext, SparseCheckpointer
 
 log = logging.getLogger("torchmoe_ckpt.startup")
@@ -70,6 +71,7 @@ class Started:
         return self.resumed is not None and self.resumed.recovered_step is not None
 
 
+@refusal_notes_restarts  # under torchrun a refusal repeats --max-restarts times: it says so
 def start(  # noqa: PLR0913 (the front door: four positional essentials, then one keyword per option group)
     trainer: Replayable,
     compute_dtype: torch.dtype,
@@ -102,7 +104,8 @@ def start(  # noqa: PLR0913 (the front door: four positional essentials, then on
         resumed.
 
     Raises:
-        IdentityMismatch, UnusableCheckpointError: from `recovery.resume` (the store lease is released first).
+        IdentityMismatch, UnusableCheckpointError: from `recovery.resume`; HostMemoryLimitError, ConfigError: the
+            checkpointer refused (in each case the store lease is released first).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -118,28 +121,30 @@ def start(  # noqa: PLR0913 (the front door: four positional essentials, then on
         model, trainer.optimizer, compute_dtype, ops, run_id, world, hsdp, data=parts.data, steps=parts.steps, seed=seed
     )
     opened = build_tiers(cfg, rank, world, hsdp) if cfg is not None else None
-    if opened is not None and hooks.on_tiers is not None:
-        hooks.on_tiers(opened)
-    resumed = None
-    if resume:
-        with _lease_released_on_error(opened):
+    # Everything from here to a running checkpointer may refuse (recovery, host memory, device staging): the store
+    # lease taken by build_tiers is released then, or the corrected relaunch would wait out `lease_s`.
+    with _lease_released_on_error(opened):
+        if opened is not None and hooks.on_tiers is not None:
+            hooks.on_tiers(opened)
+        resumed = None
+        if resume:
             got = hooks.recover_with(opened, ident) if hooks.recover_with is not None else None
             if got is not None:
                 resumed, trainer = got
             elif opened is not None:
                 resumed = _recover_from_tiers(trainer, compute_dtype, ops, opened, ident, recovery)
-    if hooks.cold_start is not None and (resumed is None or resumed.recovered_step is None):
-        trainer = hooks.cold_start()  # nothing recovered: the trainer recovery was tried on is not the one to train
-    if trainer.model is not model:  # a hook handed over another trainer: its state is the one checkpointed
-        ops = discover_operators(trainer.model, optimizer=trainer.optimizer)
-    ck = SparseCheckpointer(
-        trainer.model,
-        trainer.optimizer,
-        compute_dtype,
-        config,
-        RunContext(tiers=opened, resumed=resumed, identity=ident, ops=ops),
-        groups,
-    )
+        if hooks.cold_start is not None and (resumed is None or resumed.recovered_step is None):
+            trainer = hooks.cold_start()  # nothing recovered: the trainer recovery was tried on is not the one to use
+        if trainer.model is not model:  # a hook handed over another trainer: its state is the one checkpointed
+            ops = discover_operators(trainer.model, optimizer=trainer.optimizer)
+        ck = SparseCheckpointer(
+            trainer.model,
+            trainer.optimizer,
+            compute_dtype,
+            config,
+            RunContext(tiers=opened, resumed=resumed, identity=ident, ops=ops),
+            groups,
+        )
     return Started(ck, trainer, ident, opened, resumed)
 
 

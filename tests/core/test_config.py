@@ -55,3 +55,29 @@ def test_bad_value_is_one_line_naming_the_field(cls, kw, words):
 def test_store_exit_wait_is_finite(wait):
     with pytest.raises(tmc.ConfigError, match="exit_wait_s must be a number of seconds >= 0"):
         tmc.ObjectStoreConfig(uri="file:///tmp/x", exit_wait_s=wait)
+
+
+def test_replicas_above_the_documented_bound_is_refused():
+    from torchmoe_ckpt.core.tier_config import MAX_REPLICAS
+
+    assert tmc.TierConfig(replicas=MAX_REPLICAS).replicas == MAX_REPLICAS
+    for bad in (MAX_REPLICAS + 1, 10**12, -1):
+        with pytest.raises(tmc.ConfigError) as exc:
+            tmc.TierConfig(replicas=bad)
+        assert "\n" not in str(exc.value) and str(MAX_REPLICAS) in str(exc.value), exc.value
+
+
+@pytest.mark.parametrize(
+    "uri,what,good",
+    [
+        ("s3://", "bucket", "s3://b"),
+        ("s3:///ckpt", "bucket", "s3://b/ckpt"),
+        ("s3a://", "bucket", "s3a://b"),
+        ("az:///x", "container", "az://c/x"),
+    ],
+)
+def test_a_store_uri_without_a_bucket_is_refused_naming_it(uri, what, good):
+    assert tmc.ObjectStoreConfig(uri=good).uri == good  # with one: accepted (the store is probed at start)
+    with pytest.raises(tmc.ConfigError) as exc:
+        tmc.ObjectStoreConfig(uri=uri)
+    assert "\n" not in str(exc.value) and f"names no {what}" in str(exc.value), exc.value

@@ -113,8 +113,11 @@ def test_s3_without_credentials_is_one_line(moto):
 
 def _two_rank_run(root: Path, run_id: str = "run", node_ranks=None, **run):
     """A run of 2 ranks (each a 1-process checkpointer writing as rank r of 2) with windows 0 and 1.
-    `node_ranks`: the ranks the host tier says write into this node directory (build_tiers sets them)."""
+    `node_ranks`: the ranks the host tier says write into this node directory (build_tiers sets them). The identity
+    says world size 2, as a 2-rank job's would (verify checks the manifests against it, as recovery does)."""
     from torchmoe_ckpt.config import SparseConfig
+    from torchmoe_ckpt.model.identity import build_identity
+    from torchmoe_ckpt.model.operators import discover_operators
     from torchmoe_ckpt.persist.build_tiers import Tiers
     from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
     from torchmoe_ckpt.tiers.host_tier import HostTier
@@ -124,9 +127,10 @@ def _two_rank_run(root: Path, run_id: str = "run", node_ranks=None, **run):
         t = Trainer(RunConfig(steps=6, **run))
         tier = HostTier(root, run_id, rank, 2)
         tier.node_ranks = node_ranks
-        ck = SparseCheckpointer(
-            t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), RunContext(tiers=Tiers(tier, None, None))
-        )
+        ops = discover_operators(t.model, optimizer=t.optimizer)
+        ident = build_identity(t.model, t.optimizer, t.compute_dtype, ops, run_id, 2)
+        ctx = RunContext(tiers=Tiers(tier, None, None), identity=ident, ops=ops)
+        ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=3), ctx)
         ck.attach(t)
         for _ in range(7):
             ck.after_step(t.train_step())

@@ -200,6 +200,30 @@ def test_forged_replay_record_is_rejected_not_replayed(written, tmp_path, what, 
     assert exact
 
 
+# ---- (c3) `torchmoe-ckpt verify` runs recovery's checks: what resume() rejects, verify reports ---------------
+def _resign_world_size(wdir: Path) -> None:
+    resign(wdir, lambda d: d.update(world_size=d["world_size"] + 1))  # the run's identity still says 1
+
+
+FORGED = {
+    "manifest_resigned_world_size": _resign_world_size,
+    "replay_record_forged": lambda w: _forge_record(w, "lr_x10"),
+}
+
+
+@pytest.mark.parametrize("forgery", list(FORGED))
+def test_verify_reports_what_recovery_rejects(written, tmp_path, forgery):
+    root = copy_run(written, tmp_path)
+    FORGED[forgery](run_dir(root) / "window-000002")
+    ok, info = verify_location(str(run_dir(root)))
+    rep, start, exact = resume_and_finish(root, written[1])
+    assert start == 6 and rep["window_id"] == 1 and exact, rep  # recovery rejected window 2
+    recovery_says = rep["unusable_copies"].get(2) or json.dumps(rep["rejected"].get(2))
+    assert not ok and [w["window_id"] for w in info["windows"] if w["problems"]] == [2], info["problems"]
+    verify_says = next(w for w in info["windows"] if w["window_id"] == 2)["problems"][0]  # rank 0's
+    assert any(p in recovery_says for p in verify_says), (verify_says, recovery_says)  # the same check's words
+
+
 # ---- (d) a slot write that fails (ENOSPC) -----------------------------------------------------------------
 def test_failed_slot_write_never_commits_its_window(written, tmp_path, monkeypatch, fault_summary):
     real = HostTier.write_slot

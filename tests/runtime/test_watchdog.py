@@ -39,6 +39,7 @@ GLOO = textwrap.dedent("""
     import torch, torch.distributed as dist
     from torchmoe_ckpt.runtime.watchdog import CollectiveWatchdog
     rank, gloo_s, wd_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+    region_s = float(sys.argv[4]) if len(sys.argv) > 4 else None  # step 2's own bound (None: the watchdog's)
     # rendezvous with a long timeout (the two interpreters may start seconds apart on a loaded machine),
     # then the collectives on a group with the timeout under test
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
@@ -49,7 +50,7 @@ GLOO = textwrap.dedent("""
         dist.all_reduce(t, group=group)
     if rank == 1:
         os.kill(os.getpid(), 19)  # SIGSTOP: never joins the next all_reduce
-    with wd.watch("all_reduce step 2"):
+    with wd.watch("all_reduce step 2", region_s):
         dist.all_reduce(t, group=group)
     sys.exit(0)
 """)
@@ -146,25 +147,27 @@ def test_stop_guard_turns_torchruns_sigterm_into_sigkill_for_a_stopped_worker(gu
         assert _state(guard_pid) in (None, "Z")
 
 
-@pytest.mark.parametrize("who", ["watchdog", "gloo"])
+@pytest.mark.parametrize("who", ["watchdog", "gloo", "gloo_region_bound"])
 def test_real_gloo_collective_with_a_stopped_peer(who):
     """Rank 1 SIGSTOPs itself; rank 0 blocks in all_reduce. With the watchdog shorter than gloo's timeout
     the watchdog ends it (EXIT_HANG); with gloo's shorter, gloo raises and the watched region turns the
-    exception into EXIT_COLLECTIVE_ERROR. Either way rank 0 exits non-zero: torchrun would restart."""
+    exception into EXIT_COLLECTIVE_ERROR. Either way rank 0 exits non-zero: torchrun would restart.
+    gloo_region_bound: the region has its own bound (as `resume` has 300 s against 100 s): the line says it."""
     gloo_s, wd_s = (60, 1.5) if who == "watchdog" else (1.5, 60)
+    region = ["300"] if who == "gloo_region_bound" else []
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     peer = subprocess.Popen(
-        [sys.executable, "-c", GLOO, "1", str(gloo_s), str(wd_s)],
+        [sys.executable, "-c", GLOO, "1", str(gloo_s), str(wd_s), *region],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        r = _py(GLOO, 0, gloo_s, wd_s, env=env, timeout=45)
+        r = _py(GLOO, 0, gloo_s, wd_s, *region, env=env, timeout=45)
         assert _state(peer.pid) == "T"  # the peer really is stopped, not dead
     finally:
         peer.kill()  # SIGKILL ends a stopped process too
@@ -179,6 +182,7 @@ def test_real_gloo_collective_with_a_stopped_peer(who):
         assert r.returncode == EXIT_COLLECTIVE_ERROR, (r.returncode, r.stderr[-2000:])
         ev = _event(r.stderr, "collective_error")
         assert ev["op"] == "all_reduce step 2" and "Timed out" in ev["error"], ev
+        assert float(ev["timeout_s"]) == (300.0 if region else wd_s), ev  # the bound the region had
 
 
 def _state(pid: int) -> str | None:

@@ -63,6 +63,7 @@ _SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)(.*)$")
 def check_uri(uri: str) -> None:
     """A scheme without '//' ("s3:/bucket") is a typo that fsspec reads as a local path (./s3:/bucket), so uploads
     would "succeed" into the working dir: refused, naming the URI meant (one letter before ':' is a drive)."""
+    _check_bucket(uri)
     m = _SCHEME_WITHOUT_SLASHES.match(uri) if isinstance(uri, str) else None
     if m is None:
         return
@@ -73,6 +74,23 @@ def check_uri(uri: str) -> None:
         f"be read as a local directory named {uri!r}: did you mean {meant!r}? (a local "
         "directory: give its path, or file:///absolute/path)"
     )
+
+
+# The schemes whose URI starts with a bucket (S3) or container (Azure) the store must already have.
+_BUCKET_SCHEMES = {"s3": "bucket", "s3a": "bucket", "az": "container", "abfs": "container", "abfss": "container"}
+
+
+def _check_bucket(uri) -> None:
+    """ "s3://" or "s3:///prefix" names no bucket: fsspec's error for it says nothing of a bucket, so say it here."""
+    if not isinstance(uri, str) or "://" not in uri:
+        return
+    scheme, rest = uri.split("://", 1)
+    what = _BUCKET_SCHEMES.get(scheme.lower())
+    if what is not None and not rest.split("/", 1)[0].strip():
+        raise StoreConfigError(
+            f"object-store URI {uri!r} names no {what}: give {scheme}://<{what}>/<prefix>, e.g. "
+            f"{scheme}://my-{what}/checkpoints (the {what} must exist; the prefix is created)"
+        )
 
 
 def config_from_dict(cls, d: dict, where: str):

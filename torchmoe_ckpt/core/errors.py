@@ -17,6 +17,10 @@ __all__ = [
 class TorchmoeError(Exception):
     """Base of every error this library raises on purpose: `except TorchmoeError` catches them all."""
 
+    # A start refused under torchrun: how many more times torchrun starts the job (each start refuses the same way
+    # unless the cause goes away); None elsewhere (runtime/distributed.py, `note_restarts`).
+    restarts_left: int | None = None
+
 
 class ConfigError(TorchmoeError, ValueError):
     """A configuration value that cannot work; the message names the field and the fix."""

@@ -21,6 +21,7 @@ __all__ = [
     "OnStall",
     "STORE_FORMATS",
     "STALL_POLICIES",
+    "MAX_REPLICAS",
     "default_run_id",
 ]
 
@@ -30,6 +31,9 @@ OnStall = Literal["warn", "fail"]
 STORE_FORMATS: tuple[str, ...] = get_args(StoreFormat)
 STALL_POLICIES: tuple[str, ...] = get_args(OnStall)
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# The most peer copies of each window (TierConfig.replicas): 1 survives a node loss, 2 two at once; a value above
+# this is a typo (10**12 would plan copies no job has the nodes or host memory for).
+MAX_REPLICAS = 16
 
 
 @dataclass
@@ -101,7 +105,8 @@ class TierConfig:
     torchrun agent)."""
 
     replicas: int = 0
-    """r: peers that hold a copy of each window (HSDP replicas first); 0: this node only."""
+    """r: peers that hold a copy of each window (HSDP replicas first); 0: this node only. At most MAX_REPLICAS
+    (each copy is a window of host memory on another node; fewer nodes than r: a warning, the copies missing)."""
 
     object_store: ObjectStoreConfig | None = None
     """Where committed windows are also uploaded, in the background (a dict is read as ObjectStoreConfig)."""
@@ -155,8 +160,11 @@ class TierConfig:
         _check_lag_bound(self.peer_max_lag_windows)
         _check_interval(self.peer_interval, self.peer_link_share)
         check_whole("ranks_per_node", self.ranks_per_node, none_ok=True)
-        if self.replicas < 0:
-            raise ConfigError(f"replicas must be >= 0 (peers holding a copy of each window), got {self.replicas}")
+        if not 0 <= self.replicas <= MAX_REPLICAS:
+            raise ConfigError(
+                f"replicas must be 0..{MAX_REPLICAS} (peers holding a copy of each window, each a window of host "
+                f"memory on another node; 1 survives one node loss), got {self.replicas}"
+            )
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ConfigError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
         if self.stall_iterations is not None and (not is_kind(self.stall_iterations, int) or self.stall_iterations < 1):

@@ -10,7 +10,7 @@ import re
 
 from ..storage_format.files import StoreFiles
 from ..storage_format.layout import METADATA, is_internal, parse_manifest_name, parse_window_dirname, writer_rank
-from ..storage_format.manifest import WindowManifest, check_window, slot_metadata_file
+from ..storage_format.manifest import WindowManifest, slot_metadata_file, written_world_size
 from ..storage_format.store_open import explain, open_store
 from ..tiers.window_tier import FilesWindowTier
 
@@ -98,9 +98,10 @@ def _slots(man: WindowManifest, infos: list[dict]) -> list[dict]:
 def _dcp_copy(tier: FilesWindowTier, window_id: int):
     """(manifest, problems, per slot planner info, bytes) of one writer's copy in the DCP layout."""
     man = tier.manifest(window_id)
-    problems = tier.verify_files(window_id, man) or check_window(
-        man, window_id, tier.rank, None, lambda rel: tier.slot_info(window_id, rel)
-    )
+    # Recovery's own checks (window_tier.py). No job to compare the world size with: the one the writing run recorded
+    # in its identity (none recorded, a DCP user's window: the manifest's own, nothing to compare)
+    world = written_world_size(man) or man.world_size
+    problems = tier.check(window_id, world_size=world) or tier.record_problems(window_id, man)
     rels = [slot_metadata_file(man, i) for i in range(len(man.plan["slots"]))] if not problems else []
     return man, problems, [tier.slot_info(window_id, r) if r else {} for r in rels], man.total_bytes
 

@@ -12,6 +12,7 @@ joins (torch 2.13): `init_process_group` says so once on multi-host jobs.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import logging
@@ -19,13 +20,16 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import suppress
 from datetime import timedelta
-from typing import cast
+from typing import ParamSpec, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from ..core.errors import TorchmoeError
 
 # The C++ stores, which torch.distributed re-exports without naming them in its __all__.
 Store = dist.Store  # pyright: ignore[reportPrivateImportUsage]
@@ -41,6 +45,8 @@ log = logging.getLogger("torchmoe_ckpt.distributed")
 __all__ = [
     "init_process_group",
     "restart_attempt",
+    "note_restarts",
+    "refusal_notes_restarts",
     "key_rendezvous_by_attempt",
     "key_groups_by_attempt",
     "default_group_keyed",
@@ -59,6 +65,54 @@ def restart_attempt() -> int:
     """How often this host's torchrun agent restarted its workers (0: the first launch, or not under torchrun).
     Per agent: a host that joined later counts from 0."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def note_restarts(exc: BaseException, rank: int) -> None:
+    """A refused start under torchrun: torchrun restarts a failed worker `--max-restarts` times, so the same
+    refusal would appear that many times more in one log, each looking like a new failure. Say it in the refusal
+    itself (its message, and `exc.restarts_left`) and in one `event=start_refused` line. A worker cannot end the
+    job instead: every non-zero exit is a failure torchrun restarts, and some refusals do go away (another job's
+    store lease expires). Not under torchrun, or already noted: nothing."""
+    max_restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+    if not isinstance(exc, TorchmoeError) or exc.restarts_left is not None or not (max_restarts or "").isdigit():
+        return
+    attempt = restart_attempt()
+    left = max(0, int(max_restarts or 0) - attempt)
+    exc.restarts_left = left
+    said = (
+        f"torchrun (--max-restarts {max_restarts}) will start this job {left} more time(s) and, unless the cause "
+        "goes away by itself, each start refuses the same way: fix it and relaunch, or stop the job now"
+        if left
+        else f"torchrun's restarts are used up (--max-restarts {max_restarts}): the job ends here"
+    )
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}; {said}", *exc.args[1:])
+    log.error(
+        "event=start_refused rank=%d attempt=%d restarts_left=%d error=%s",
+        rank,
+        attempt,
+        left,
+        type(exc).__name__,
+    )
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def refusal_notes_restarts(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """`fn` (a start: `Checkpointer(...)`, `startup.start`) refusing with a TorchmoeError says that torchrun will
+    repeat the refusal (`note_restarts`)."""
+
+    @functools.wraps(fn)
+    def noted(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return fn(*args, **kwargs)
+        except TorchmoeError as exc:
+            note_restarts(exc, dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0")))
+            raise
+
+    return noted
 
 
 def _shared_agent_store() -> bool:

@@ -163,10 +163,11 @@ class CollectiveWatchdog:
             return
         self._ensure_thread()
         start = time.monotonic()
+        bound = self.timeout_s if timeout_s is None else timeout_s  # the region's own bound (resume: 300 s)
         with self._cv:
             token = self._next
             self._next += 1
-            self._open[token] = (op, start, self.timeout_s if timeout_s is None else timeout_s)
+            self._open[token] = (op, start, bound)
             self._cv.notify()  # the thread may be sleeping until a later deadline
         try:
             yield
@@ -174,7 +175,7 @@ class CollectiveWatchdog:
             if self.exit_on_dist_error and is_collective_failure(exc):
                 write_all(2, "".join(traceback.format_exception(exc)))  # os._exit below skips Python's report
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-                self._fail("collective_error", op, time.monotonic() - start, error=error)
+                self._fail("collective_error", op, time.monotonic() - start, error=error, limit=bound)
             raise
         finally:
             with self._cv:

@@ -187,6 +187,13 @@ def _differs(got: dict, want: dict) -> list[str]:
     return [k for k, v in want.items() if ((got.get(k) or None) if k == "run" else got.get(k)) != v]
 
 
+def written_world_size(man: WindowManifest) -> int | None:
+    """The world size of the run that wrote `man`, from its run identity (None: it records none, e.g. a DCP user's
+    window). `verify` has no job to compare a copy with: it checks the manifest's `world_size` against this."""
+    ws = ((man.identity or {}).get("parts") or {}).get("world_size")
+    return ws if isinstance(ws, int) and not isinstance(ws, bool) else None
+
+
 def slot_metadata_file(man: WindowManifest, slot: int) -> str | None:
     """The DCP metadata file of one slot among a manifest's files."""
     return next((r for r in sorted(man.files) if slot_of(r) == slot and r.endswith(f"/{METADATA}")), None)

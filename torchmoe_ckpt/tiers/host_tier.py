@@ -26,7 +26,7 @@ from ..storage_format import usage
 from ..storage_format.checksums import tensor_block_sums
 from ..storage_format.files import LocalFiles
 from ..storage_format.layout import partial_file, replay_file, slot_writer_dir, slots_dir, window_dirname
-from ..storage_format.manifest import plan_digest, record_digest, slot_metadata_file, slot_record
+from ..storage_format.manifest import plan_digest, record_digest, slot_record
 from ..storage_format.mapped_files import MappedFiles
 from ..storage_format.slot_files import Backing, SlotFiles, backing
 from ..storage_format.slot_format import CorruptCopyError, SlotLayout, read_slot, slot_items
@@ -185,8 +185,9 @@ class HostTier(FilesWindowTier):
             slots.append(slot)
         rel = self.window_dir(window_id) / replay_file(self.writer)
         records = torch.load(rel, weights_only=True, map_location="cpu")
-        for d in records:
-            self._check_record(window_id, man, d)
+        forged = self.record_problems(window_id, man, records)  # what `verify` checks too
+        if forged:
+            raise CorruptCopyError(forged[0])
         win = Window(window_id, man.start_step, plan, slots, _replay_log(records), captured=plan.window)
         if not win.committed:
             raise CorruptCopyError(
@@ -236,18 +237,6 @@ class HostTier(FilesWindowTier):
     def _read_slot(self, window_id: int, slot: Slot) -> dict:
         """This writer's piece of a slot of a window into `slot`'s buffers, every item checked; its planner info."""
         return read_slot(self.files, f"{window_dirname(window_id)}/{slot_writer_dir(slot.index, self.writer)}", slot)
-
-    def _check_record(self, window_id: int, man, record: dict) -> None:
-        """A replay record must be the one its slot was written with (the digest in the slot's DCP metadata):
-        an edited record whose CRC and manifest checksum were recomputed is refused, never replayed."""
-        slot = record.get("step", -1) - man.start_step
-        rel = slot_metadata_file(man, slot) if 0 < slot < man.window else None
-        want = self.slot_info(window_id, rel).get("record") if rel is not None else None
-        if want is not None and record_digest(record) != want:
-            raise CorruptCopyError(
-                f"window {window_id}: the replay record of step {record.get('step')} is not the one slot {slot} "
-                "was written with (its digest differs: an edited or swapped record); it is not replayed"
-            )
 
 
 def _replay_log(records: list[dict]) -> ReplayLog:

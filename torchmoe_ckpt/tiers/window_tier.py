@@ -39,7 +39,14 @@ from ..storage_format.layout import (
     window_dirname,
     writer_name,
 )
-from ..storage_format.manifest import WindowManifest, check_window, plan_digest, slot_record
+from ..storage_format.manifest import (
+    WindowManifest,
+    check_window,
+    plan_digest,
+    record_digest,
+    slot_metadata_file,
+    slot_record,
+)
 from ..storage_format.slot_format import SlotLayout, as_source, nbytes_of, pack, planner_info
 from ..storage_format.spare_files import keep_spares, spares
 
@@ -247,9 +254,16 @@ class FilesWindowTier:
                 problems.append(why)
         return problems
 
-    def check(self, window_id: int, identity: RunIdentity | None = None, rank: int | None = None) -> list[str]:
+    def check(
+        self,
+        window_id: int,
+        identity: RunIdentity | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> list[str]:
         """What recovery checks before loading a writer's copy: `verify`, where the manifest and every slot file sit
-        (window/slot/step/run), and, given `identity`, that this run wrote it."""
+        (window/slot/step/run, and the world size: `world_size`, default this tier's), and, given `identity`, that
+        this run wrote it. `torchmoe-ckpt verify` calls it too (ops/inspection.py), then `record_problems`."""
         problems = self.verify(window_id, rank)
         if problems:
             return problems
@@ -257,7 +271,36 @@ class FilesWindowTier:
         man = self.manifest(window_id, rank)
         if identity is not None and (why := identity_mismatch(man.identity, identity)):
             return [f"identity: {why}"]
-        return check_window(man, window_id, rank, self.world_size, lambda rel: self.slot_info(window_id, rel))
+        world = self.world_size if world_size is None else world_size
+        return check_window(man, window_id, rank, world, lambda rel: self.slot_info(window_id, rel))
+
+    def record_problems(
+        self, window_id: int, man: WindowManifest, records: list[dict] | None = None, rank: int | None = None
+    ) -> list[str]:
+        """Replay records that are not the ones their slots were written with (each slot's DCP metadata holds its
+        record's digest): an edited record whose CRC and manifest checksum were recomputed is refused, never
+        replayed. `records`: as loaded (None: read from the writer's replay file, if the manifest lists one).
+        Recovery checks this at load (HostTier.load_window), `torchmoe-ckpt verify` with the same function."""
+        if records is None:
+            rel = replay_file(self.writer_of(rank))
+            if rel not in man.files:
+                return []  # a DCP user's window: its records are items of the slots
+            try:
+                data = bytes(self.files.read(f"{window_dirname(window_id)}/{rel}"))
+                records = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+            except Exception as exc:  # a file whose CRC was recomputed over bytes that are not records
+                return [f"{rel}: replay records unreadable ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"]
+        out = []
+        for record in records or []:
+            slot = record.get("step", -1) - man.start_step
+            meta = slot_metadata_file(man, slot) if 0 < slot < man.window else None
+            want = self.slot_info(window_id, meta).get("record") if meta is not None else None
+            if want is not None and record_digest(record) != want:
+                out.append(
+                    f"window {window_id}: the replay record of step {record.get('step')} is not the one slot {slot} "
+                    "was written with (its digest differs: an edited or swapped record); it is not replayed"
+                )
+        return out
 
     def slot_info(self, window_id: int, rel: str) -> dict:
         """The planner info (window, slot, step, run, plan, checksums) of a slot's `.metadata` in a window."""
