@@ -1,22 +1,28 @@
 """DTensor placements at start (issue 44): Shard and Replicate on any mesh are captured, a strided shard or a
-pending reduction is one line naming the fix from operator discovery, before any step; and the per-step reads
+pending reduction on a mesh dimension wider than 1 is one line naming the fix from operator discovery, before any
+step (on a 1-wide one it is the whole tensor: TorchTitan's TP alone keeps a 1-wide FSDP dimension with a strided
+shard); and the per-step reads
 take a DTensor (the loss under TorchTitan's tensor parallelism) as this rank's local tensor, on both read paths
 (the first iteration under TP 2 died in `_foreach_copy_` with mixed Tensor and DTensor before)."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchmoe_ckpt.model.identity import mesh_replicate
 from torchmoe_ckpt.model.operators import discover_operators
-from torchmoe_ckpt.model.placements import PlacementError
 from torchmoe_ckpt.runtime.deferred_reads import HostReads
 from torchmoe_ckpt.runtime.device_copy import CopyStream
+from torchmoe_harness.launch import torchrun
+
+PROBE = Path(__file__).with_name("placements_probe.py")
 
 
 @pytest.fixture
@@ -39,24 +45,26 @@ def test_shard_and_replicate_on_a_2d_mesh_are_captured(mesh):
     assert mesh_replicate(_model(mesh, (Shard(0), Shard(1)))) == 1  # the FSDP dimension is no HSDP replica
 
 
-@pytest.mark.parametrize(
-    "placements,why,fix",
-    [
-        (
-            (_StridedShard(0, split_factor=2), Shard(0)),
-            "strided shard",
-            "shard each tensor dimension on one mesh dimension only",
-        ),
-        ((Shard(0), Partial()), "pending reduction", "reduce it before training"),
-    ],
-    ids=["strided-shard", "partial"],
-)
-def test_an_unhandled_placement_is_one_line_at_discovery(mesh, placements, why, fix):
-    with pytest.raises(PlacementError) as exc:
-        discover_operators(_model(mesh, placements))
-    msg = str(exc.value)
-    assert "\n" not in msg and msg.startswith("weight: DTensor placement") and why in msg, msg
-    assert f"fix: {fix}" in msg, msg
+@pytest.mark.torchrun
+def test_an_unhandled_placement_is_one_line_at_discovery(tmp_path):
+    """2 ranks: a strided shard or a Partial refused on the 2-wide mesh dimension only."""
+    log = torchrun(2, [str(PROBE)], tmp_path / "torchrun.log", 55.0)
+    got = dict(re.findall(r"placement=(\S+) result=(.*)", log))
+    assert got.keys() == {
+        "shard-shard",
+        "strided-on-1-wide",
+        "strided-on-2-wide",
+        "partial-on-1-wide",
+        "partial-on-2-wide",
+    }, log[-3000:]
+    assert got["shard-shard"] == got["strided-on-1-wide"] == got["partial-on-1-wide"] == "ok replicate=1", got
+    for case, why, fix in [
+        ("strided-on-2-wide", "a strided shard", "shard each tensor dimension on one mesh dimension only"),
+        ("partial-on-2-wide", "a pending reduction", "reduce it before training"),
+    ]:
+        msg = got[case]
+        assert msg.startswith("weight: DTensor placement") and "mesh dimension 'fsdp'" in msg and why in msg, msg
+        assert f"fix: {fix}" in msg, msg
 
 
 @pytest.mark.parametrize("on_copy_stream", [True, False], ids=["copy-stream", "training-stream"])

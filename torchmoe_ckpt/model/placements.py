@@ -6,7 +6,7 @@ expert parallelism). Each rank captures its local shard, and the window records 
 (model/operators.py `local_offset`). A replicated dimension (an HSDP replica, a TP-replicated norm) holds the same
 values on every rank of that dimension; each rank keeps its own copy.
 
-Refused:
+Refused, on a mesh dimension wider than 1:
 - `_StridedShard` (what FSDP2 puts on a dimension that tensor parallelism shards too): its local shard is not one
   block of the global tensor. The windows' global offsets (the DCP items, the dense export, the tensorstore
   format's global arrays) would place it wrongly.
@@ -37,8 +37,10 @@ def check_placements(model: nn.Module) -> None:
         if not isinstance(t, DTensor):
             continue
         names = t.device_mesh.mesh_dim_names or tuple(str(i) for i in range(t.device_mesh.ndim))
-        for dim, p in zip(names, t.placements):
-            if type(p) in HANDLED:
+        for i, (dim, p) in enumerate(zip(names, t.placements)):
+            # on a mesh dimension of size 1 every placement is the whole tensor (TorchTitan's TP alone keeps a
+            # 1-wide FSDP dimension with a strided shard on it)
+            if type(p) in HANDLED or t.device_mesh.size(i) == 1:
                 continue
             kind = type(p).__name__
             if kind == "_StridedShard":
