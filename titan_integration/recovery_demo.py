@@ -42,6 +42,7 @@ from titan_integration.families import FAMILIES, missing  # torch-free: TorchTit
 LAYOUTS = {  # name: (ranks, job-file lines)
     "fsdp2": (2, ""),
     "ep2": (2, "[parallelism]\nexpert_parallel_degree = 2"),
+    "tp2": (2, "[parallelism]\ntensor_parallel_degree = 2"),  # TP alone (titan_integration/tensor_parallel.py)
     "hsdp2x2": (4, "[parallelism]\ndata_parallel_replicate_degree = 2\ndata_parallel_shard_degree = 2"),
     "pp2": (
         2,

@@ -54,7 +54,8 @@ from torchtitan.trainer import Trainer
 
 from titan_integration import pipeline_compat, restart_timing
 from titan_integration.checkpoint_manager import SparseCheckpointManager
-from titan_integration.sparse_config import SparseCheckpointSection
+from titan_integration.sparse_config import JobConfigError, SparseCheckpointSection
+from titan_integration.tensor_parallel import check_tensor_parallel_job
 from titan_integration.titan_optimizers import init_titan_optimizer_state, register_titan_optimizers
 from titan_integration.titan_pipeline_recovery import TitanPipeline
 from titan_integration.titan_replay import OptimizerView, TitanReplayable, TitanStepResult, pack_batches, unpack_batches
@@ -397,6 +398,10 @@ class SparseTrainer(Trainer):
         Under pipeline parallelism the recovery is the pipeline's (titan_pipeline_recovery): windows are planned
         per stage, retention and bandwidth agreed over the whole pipeline."""
         sc, c = self.sc, self.config
+        try:  # the override path (a stock Trainer) skips the launcher's check
+            check_tensor_parallel_job(c, sc, torch.distributed.get_world_size())
+        except JobConfigError as exc:
+            raise ValueError(str(exc)) from None
         if self.parallel_dims.pp_enabled:
             self._pp = TitanPipeline(self)
             if self._watchdog is not None:  # a peer's death is the pipeline's business (live state, then exit);

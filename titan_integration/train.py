@@ -166,9 +166,12 @@ def validate(args: list[str]) -> None:
         try:
             ensure_assets()
             config = load_job(os.environ[JOB_ENV])  # unknown keys in TorchTitan's sections, model flavour, ...
+            from titan_integration.tensor_parallel import check_tensor_parallel_job
             from titan_integration.titan_pipeline_recovery import check_pipeline_job
 
-            check_pipeline_job(config, config.sparse_checkpoint, int(os.environ.get("WORLD_SIZE", "1")))
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            check_pipeline_job(config, config.sparse_checkpoint, world)
+            check_tensor_parallel_job(config, config.sparse_checkpoint, world)
         except (AssetError, JobConfigError) as e:
             raise UsageError(str(e)) from e
         finally:

@@ -197,6 +197,29 @@ def test_host_replaced_without_any_copy_is_refused_and_the_survivors_windows_unt
     assert got.before and after == got.before, sorted(set(after) ^ set(got.before))[:10]
 
 
+def test_rank0_host_lost_without_any_copy_renumbered_survivor_refuses_like_its_mirror(tmp_path, fault_summary):
+    """replicas = 0, no object store, the host of rank 0 lost: torchrun renumbers the survivor as rank 0 (node 0),
+    while its windows sit in its node-1 directory as rank 1's part. Rank 0's part is gone with its host, so this
+    is the mirror of the case above and gets the same answer: every rank refuses in one line, naming rank 0 this
+    time; never a new run (the outside trial: "nothing to recover, a new run starts", then training from step 0
+    over its own windows). The survivor's windows are byte for byte what they were."""
+    got = run_replacement(tmp_path, 0, replicas=0, store=None, env={}, new_restarts=0)
+    log = "\n".join(got.logs)
+    refused = [ln for ln in log.splitlines() if "event=refused" in ln]
+    after = window_files(got.survivor_root)
+    ok = bool(refused) and got.before and after == got.before and not (got.out / "rank0.pt").exists()
+    fault_summary(
+        "rank-0 host lost, no copy anywhere, survivor renumbered", 1, "refused with one line" if ok else "data lost"
+    )
+    assert any(k.startswith("node-1/") for k in got.before), sorted(got.before)[:5]  # the survivor was node 1
+    assert got.codes[0] != 0 and got.codes[1] != 0, got.codes
+    assert refused and "cannot resume" in refused[0] and "rank(s) 0 have no copy" in refused[0], log[-3000:]
+    assert "rank(s) 1 have their part only on another host, under an older node numbering" in refused[0], refused[0]
+    fresh = [ln for ln in log.splitlines() if "event=cold_start" in ln or "event=no_window" in ln]
+    assert all("attempt=0" in ln for ln in fresh) and "event=cold_start" not in got.logs[-1], fresh  # only the first
+    assert got.before and after == got.before, sorted(set(after) ^ set(got.before))[:10]
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_processes(tmp_path):
     yield

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from ..core.errors import ConfigError
 from .optim_state import init_optimizer_state, optimizer_list
@@ -98,10 +98,18 @@ def _canonical(obj) -> str:
 
 
 def mesh_replicate(model: nn.Module) -> int:
-    """The replicate degree of an HSDP mesh (1 for FSDP2 or no sharding)."""
+    """The replicate degree of an HSDP mesh (1 for FSDP2 or no sharding): TorchTitan's `dp_replicate` mesh
+    dimension where the mesh names it, else the first dimension of a 2-D mesh that replicates the parameters. Not
+    any 2-D mesh's first dimension: under FSDP x TP that is the FSDP shard (issue 44), and replica peers that are
+    taken to hold the same data would hold none of each other's."""
     for p in model.parameters():
-        if isinstance(p, DTensor) and p.device_mesh.ndim == 2:
-            return p.device_mesh.size(0)
+        if isinstance(p, DTensor) and p.device_mesh.ndim >= 2:
+            names = p.device_mesh.mesh_dim_names or ()
+            if "dp_replicate" in names:
+                return p.device_mesh.size(names.index("dp_replicate"))
+            if p.device_mesh.ndim == 2 and isinstance(p.placements[0], Replicate):
+                return p.device_mesh.size(0)
+            return 1
     return 1
 
 

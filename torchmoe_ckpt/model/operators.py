@@ -22,6 +22,7 @@ from ..core.operator import Operator, Piece, StatePiece
 from ..runtime.distributed import library_group
 from .granularity import coupled_experts
 from .moe_structure import OperatorDiscoveryError, OperatorSpec, ancestors, find_moe_blocks
+from .placements import check_placements
 
 __all__ = [
     "Piece",
@@ -89,9 +90,11 @@ def discover_operators(model: nn.Module, spec: OperatorSpec | None = None, optim
         exactly one of them, as this rank's pieces.
 
     Raises:
+        PlacementError: a DTensor placement the capture cannot handle (model/placements.py).
         OperatorDiscoveryError: MoE-looking modules match no experts, or a pattern of `spec` matches nothing.
         UncapturedStateError: an optimizer whose update rule is unknown (optim_state.rule_of).
     """
+    check_placements(model)  # a placement the capture cannot take: one line now, not a traceback in a step
     moes, blocks, tensors = find_moe_blocks(model, spec)
     # A parameter that never trains has no optimizer state: it is held like a buffer, by value.
     params = {n for n, p in model.named_parameters() if p.requires_grad}

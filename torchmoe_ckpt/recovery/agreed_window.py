@@ -22,7 +22,9 @@ from ..tiers.host_tier import HostTier
 
 log = logging.getLogger("torchmoe_ckpt.tiers")
 
-__all__ = ["TierOutcome", "recover_from_tiers"]
+__all__ = ["OLDER", "TierOutcome", "recover_from_tiers"]
+
+OLDER = "under an older node numbering"  # marks the reason of a part only another host holds (resume.py reads it)
 
 
 @dataclass
@@ -76,6 +78,9 @@ class RankView(NamedTuple):
     local: list[int]  # windows of its own it can load (host tier, or its host's older numbering)
     held: dict[int, list[int]]  # rank -> windows this rank can send it (peer tier, orphans)
     unusable: dict[int, str] | None  # its damaged copies (first round only)
+    # rank -> windows of it on this host's orphans that no peer tier can send (replicas = 0): they still exist, so
+    # the run is refused rather than started over (first round only)
+    stranded: dict[int, list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -121,12 +126,14 @@ def recover_from_tiers(
     orphans = tier.orphans  # copies under an older node numbering (orphans.py): this rank's own part, others'
     adopted = orphans.holdings() if orphans is not None else {}
     seen: list[set[int]] = []  # per rank: every window it could get in the first round (host, peers)
+    stranded: dict[int, dict[int, int]] = {}  # rank -> {window: the rank whose host holds it, unsendable}
     for i in itertools.count():
         views = _gather_views(tier, peers, adopted, excluded, found.unusable_copies, first=i == 0)
         avail = _available(views, excluded)
         if i == 0:
             found.unusable_by_rank = {r: v.unusable for r, v in enumerate(views) if v.unusable}
             seen = [set(a) for a in avail]
+            stranded = _stranded(views)
         common = set.intersection(*avail)
         if not common:
             break
@@ -142,7 +149,7 @@ def recover_from_tiers(
         excluded.add(wid)
     window, listed = _from_store(load, tiers.store, found, use, excluded)
     if window is None:
-        _not_every_rank(found, seen, listed)
+        _not_every_rank(found, seen, listed, stranded)
     else:
         _retire(orphans, found)
     return window, found.settle()
@@ -176,7 +183,20 @@ def _gather_views(tier: HostTier, peers, adopted: dict, excluded: set[int], unus
     held = peers.holdings() if peers is not None else {}
     if peers is not None:  # others' parts can be sent from the orphans over the peer tier
         held.update({s: sorted({*held.get(s, ()), *ws}) for s, ws in adopted.items() if s != tier.rank})
-    return all_gather_objects(RankView(local, held, unusable if first else None))
+    # Without a peer tier others' parts on the orphans cannot be sent; said, so a renumbered survivor whose only
+    # copies are another rank's part refuses like its mirror instead of finding "no window" (issue 44).
+    stranded = {s: ws for s, ws in adopted.items() if s != tier.rank} if peers is None and first else None
+    return all_gather_objects(RankView(local, held, unusable if first else None, stranded or None))
+
+
+def _stranded(views: list[RankView]) -> dict[int, dict[int, int]]:
+    """rank -> {window: the lowest rank whose host holds its part but cannot send it}."""
+    out: dict[int, dict[int, int]] = {}
+    for holder, v in enumerate(views):
+        for r, ws in (v.stranded or {}).items():
+            for w in ws:
+                out.setdefault(r, {}).setdefault(w, holder)
+    return out
 
 
 def _available(views: list[RankView], excluded: set[int]) -> list[set[int]]:
@@ -204,18 +224,30 @@ def _retire(orphans, found: TierOutcome) -> None:
         orphans.retire()
 
 
-def _not_every_rank(found: TierOutcome, seen: list[set[int]], listed: list[set[int]] | None) -> None:
-    """Windows some rank can get but another cannot, from any tier: never "no window" (a new run would overwrite
-    the copies left). Each is rejected with the ranks that have no copy (recovery refuses unless the user opted
-    into restarts); the same on every rank (`seen` and the store listing are gathered)."""
+def _not_every_rank(
+    found: TierOutcome, seen: list[set[int]], listed: list[set[int]] | None, stranded: dict[int, dict[int, int]]
+) -> None:
+    """Windows some rank can get but another cannot, from any tier, or that sit on a host under an older node
+    numbering with no peer tier to send them: never "no window" (a new run would overwrite the copies left). Each
+    is rejected with the ranks that have no copy they can get (recovery refuses unless the user opted into
+    restarts); the same on every rank (`seen`, `stranded` and the store listing are gathered)."""
     have = [a | b for a, b in zip(seen, listed or [set()] * len(seen))]  # seen: every rank's, from the first round
-    for wid in sorted(set().union(*have) - set(found.rejected), reverse=True):
-        missing = [r for r, h in enumerate(have) if wid not in h]
-        found.rejected[wid] = {
-            str(r): f"no copy: rank {r}'s part of window {wid} is on no tier (its host copy is gone and no peer "
-            "or object store holds it)"
-            for r in missing
-        }
+    exists = set().union(*have, *(set(ws) for ws in stranded.values()))
+    for wid in sorted(exists - set(found.rejected), reverse=True):
+        found.rejected[wid] = {str(r): _no_copy(r, wid, stranded) for r, h in enumerate(have) if wid not in h}
+
+
+def _no_copy(rank: int, wid: int, stranded: dict[int, dict[int, int]]) -> str:
+    holder = stranded.get(rank, {}).get(wid)
+    if holder is not None:
+        return (
+            f"no copy: rank {rank}'s part of window {wid} is only on the host of rank {holder} ({OLDER}) and no peer "
+            "tier (replicas = 0) can send it"
+        )
+    return (
+        f"no copy: rank {rank}'s part of window {wid} is on no tier (its host copy is gone and no peer or object "
+        "store holds it)"
+    )
 
 
 def _pull_and_load(load: _Load, peers, wid: int, needers: dict):

@@ -23,7 +23,7 @@ from ..persist.build_tiers import Tiers
 from ..runtime.agreement import all_gather_objects, gather_failures, run_everywhere
 from ..runtime.watchdog import CollectiveWatchdog
 from ..tiers.host_tier import HostTier
-from .agreed_window import TierOutcome, recover_from_tiers
+from .agreed_window import OLDER, TierOutcome, recover_from_tiers
 from .replay_check import ReplayPolicy, replay_verdict
 from .sparse_to_dense import RecoveryReport, Replayable, replay_slots, sparse_to_dense
 
@@ -356,13 +356,31 @@ def unusable_message(run_id: str | None, run_dir, windows: dict[int, dict[str, l
 
 def _lost_part_message(run_id: str | None, run_dir, windows: dict[int, dict[str, list]]) -> str:
     """One line: windows some ranks still hold, that other ranks have no copy of on any tier."""
-    lost = sorted({r for whys in windows.values() for ranks in whys.values() for r in ranks}, key=str)
+
+    def ranks(stranded: bool) -> str:
+        got = {r for whys in windows.values() for why, rs in whys.items() if (OLDER in why) == stranded for r in rs}
+        return ", ".join(map(str, sorted(got, key=str)))
+
+    ids = ", ".join(map(str, sorted(windows, reverse=True)))
+    lost, stranded = ranks(False), ranks(True)
+    # parts on another host under an older node numbering (a renumbered survivor, replicas = 0): they exist but
+    # cannot be sent; said apart from the parts that are gone, with the setting that would have sent them
+    where = (
+        f"rank(s) {lost} have no copy of their part on any tier (their host's copies are gone; no peer (replicas) "
+        "or object store holds them)"
+        if lost
+        else ""
+    )
+    if stranded:
+        where += (
+            f"{'; and ' if lost else ''}rank(s) {stranded} have their part only on another host, under an older node "
+            "numbering, and no peer tier (replicas = 0) can send it (replicas >= 1 or an object store would)"
+        )
     return (
-        f"run id {run_id!r} cannot resume: window(s) {', '.join(map(str, sorted(windows, reverse=True)))} are "
-        f"still held by some ranks, but rank(s) {', '.join(map(str, lost))} have no copy of their part on any "
-        "tier (their host's copies are gone; no peer (replicas) or object store holds them); refusing to start "
-        "over, which would overwrite the copies that are left (nothing was deleted or overwritten); fix: start "
-        "this job with a new run id, or set on_unusable_checkpoint='restart' to start from step 0 deliberately"
+        f"run id {run_id!r} cannot resume: window(s) {ids} are still held by some ranks, but {where}; refusing to "
+        "start over, which would overwrite the copies that are left (nothing was deleted or overwritten); fix: "
+        "start this job with a new run id, or set on_unusable_checkpoint='restart' to start from step 0 "
+        "deliberately"
     )
 
 

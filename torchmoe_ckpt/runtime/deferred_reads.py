@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from .device_copy import CopyStream, copy_by_dtype, host_copy
 
@@ -47,7 +48,7 @@ class HostReads:
         if tree is None:
             return None
         if not self.on_copy_stream:
-            out = host_copy(tree, clone_cpu)
+            out = host_copy(tree_map_only(DTensor, _local, tree), clone_cpu)
             self.reads += sum(torch.is_tensor(x) for x in tree_flatten(tree)[0])
             return out
         leaves, spec = tree_flatten(tree)
@@ -55,6 +56,10 @@ class HostReads:
         if not pos:
             return tree
         self.reads += len(pos)
+        # A DTensor (the loss under TorchTitan's tensor parallelism) is read as this rank's local tensor, as
+        # TorchTitan reduces it: the record is this rank's, and a foreach copy cannot mix it with plain tensors.
+        for i in pos:
+            leaves[i] = _local(leaves[i])
         on_device = []
         for i in pos:
             if self.copier.on_host(leaves[i]):
@@ -80,3 +85,7 @@ class HostReads:
         stream = self.copier.stream if self.on_copy_stream else torch.cuda.current_stream(self.copier.device)
         ev.record(stream)  # CUDA only
         return ev
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
