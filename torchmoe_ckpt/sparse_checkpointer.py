@@ -174,7 +174,6 @@ class SparseCheckpointer:
         self._inflight_bytes = 0  # the bytes of the slot copy running during the next step (device-loss pricing)
         self._redo: _Redo | None = None  # after an in-memory recovery: until training is back where it was
         self.dense_bytes = sum(o.full_bytes() for o in self.ops)  # what one dense snapshot of this rank copies
-        self._policy_setup(run)
         # Threads last: nothing above can leave one running.
         self.access = StateAccess(model, optimizer)
         # On the model's device (a side stream on CUDA); the copy path's switches (docs/gpu.md, "The fix switches").
@@ -191,8 +190,7 @@ class SparseCheckpointer:
             self.persist = PersistThread(
                 host_tier, run.tiers.peers, run.tiers.store, run.tiers.lease, memory_line=lambda: self.memory.line()
             )
-        if self.persist is not None:  # the status line of each committed window says the policy in force
-            self.persist.status.policy_text = lambda: None if self.decision is None else self.decision.line()
+        self._policy_setup(run)
         self.slots = make_slot_allocator(
             self.op_by_name, compute_dtype, self.engine.use_cuda, host_tier, self.persist, self.cfg.host_buffers
         )
@@ -465,6 +463,8 @@ class SparseCheckpointer:
         measured = report.get("seconds") if isinstance(report, dict) else None
         self.restart_s = float(measured) if isinstance(measured, (int, float)) and measured > 0 else DEFAULT_RESTART_S
         self.restart_measured = measured is not None
+        if self.persist is not None:  # the status line of each committed window says the policy in force
+            self.persist.status.policy_text = lambda: None if self.decision is None else self.decision.line()
 
     @property
     def _policy_calibrating(self) -> bool:

@@ -26,6 +26,7 @@ def run_example(
     timeout: float = 55.0,
     host: Path | None = None,
     extra: tuple = (),
+    window: tuple = ("--window", "3"),
 ) -> tuple[list[dict], str]:
     out.mkdir(parents=True, exist_ok=True)
     env = {"OWN_LOOP_OUT": str(out), "TORCHMOE_FAULT": fault or ""}
@@ -39,8 +40,7 @@ def run_example(
             run_id,
             "--host-dir",
             str(host or out / "shm"),
-            "--window",
-            "3",
+            *window,
             *extra,
         ],
         out / "torchrun.log",
@@ -75,6 +75,27 @@ def test_own_loop_kill9_recovers_bit_exact(tmp_path):
         for s in after:
             assert torch.equal(ref[r]["losses"][s], got[r]["losses"][s]), f"rank {r}: loss at step {s}"
     assert compared > 40
+
+
+def test_own_loop_kill9_under_the_dense_policy_recovers_bit_exact(tmp_path):
+    """policy="dense", a snapshot every 3 iterations (steps 1, 4, 7): killed in iteration 9, the restart loads the
+    snapshot of 7 (a W = 1 window: nothing replayed) and the loop trains 8 and 9 again, exactly."""
+    dense = ("--policy", "dense", "--dense-interval", "3")
+    ref, _ = run_example(tmp_path / "ref", 9, "ref", window=dense)
+    got, log = run_example(
+        tmp_path / "kill", 9, "kill", fault="kill:point=optimizer:rank=1:step=9", max_restarts=1, window=dense
+    )
+    assert "event=fault_injected" in log and "event=recovered" in log, log[-3000:]
+    assert "policy dense k=3" in log, log[-3000:]  # the status line of each committed snapshot
+    for r in range(2):
+        a, b = ref[r]["state"], got[r]["state"]
+        assert a.keys() == b.keys() and any(k.startswith("['optim']['state']") for k in a)
+        bad = [k for k in a if not (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))]
+        assert not bad, f"rank {r}: {bad[:5]}"
+        after = sorted(got[r]["losses"])
+        assert after == [8, 9], after  # recovered at the snapshot of 7: 8 and 9 trained again
+        for s in after:
+            assert torch.equal(ref[r]["losses"][s], got[r]["losses"][s]), f"rank {r}: loss at step {s}"
 
 
 def _flip(data: Path) -> None:

@@ -131,12 +131,12 @@ class SparseConfig:
     a window whose slot does not fit (capture/device_staging.py)."""
 
     policy: Policy = "auto"
-    """What a recovery point is (docs/sparse-checkpointing.md, "Policy"): "sparse" (windows of W slots, every iteration),
-    "dense" (a dense snapshot, the full state of every operator, every `dense_interval` iterations: a W = 1 window
-    taken only every k iterations; recovery loads it and training re-runs the iterations since), "auto" (whichever
-    planning/policy.py predicts to keep more useful training time (ETTR) from the measured step time, copy cost and
-    restart time and `mtbf`; decided after the first calibration steps, re-decided at window boundaries with
-    hysteresis). A forced `window` under "auto" means "sparse", a forced `dense_interval` means "dense"."""
+    """What a recovery point is (docs/sparse-checkpointing.md, "Policy"): "sparse" (windows of W slots, every
+    iteration), "dense" (a dense snapshot, the full state of every operator, every `dense_interval` iterations: a
+    W = 1 window taken only every k iterations; recovery loads it and training re-runs the iterations since),
+    "auto" (whichever planning/policy.py predicts to keep more useful training time (ETTR) from the measured step
+    time, copy cost, restart time and `mtbf`; decided after the first calibration steps, re-decided at window
+    boundaries with hysteresis). Under "auto" a forced `window` means "sparse", a forced `dense_interval` "dense"."""
 
     dense_interval: int | None = None
     """"dense": iterations between dense snapshots, >= 1. None: the interval with the best predicted ETTR."""
