@@ -33,6 +33,7 @@ from .persist.persist_thread import PersistThread
 from .planning.calibration import CALIBRATION_STEPS, WARMUP_STEPS, cost_per_byte
 from .planning.policy import DEFAULT_RESTART_S, PolicyChooser, PolicyDecision, PolicyInputs, resolved_mtbf_s
 from .planning.window_planner import WindowPlanner
+from .recovery import rng
 from .recovery.resume import ResumeResult
 from .recovery.sparse_to_dense import RecoveryReport, replay_slots, sparse_to_dense
 from .runtime.agreement import reduce_float
@@ -254,6 +255,8 @@ class SparseCheckpointer:
             if not self._boundary(t):  # dense: no snapshot at this iteration
                 return
             cur = self._start_window(t)
+            if cur.plan.window == 1:  # a dense snapshot: nothing is replayed, so its RNG comes back from here
+                cur.log.add(_resume_record(res))
             if cur.plan.sliding:  # a sliding recovery may start in the window before and replay this one's first
                 record = _record(res, self.engine.reads)
                 cur.log.add(record)
@@ -703,6 +706,16 @@ def _first_window_id(resumed: ResumeResult | None, committed: Window | None) -> 
     if resumed is not None and resumed.next_window_id is not None:
         return resumed.next_window_id
     return committed.id + 1 if committed is not None else 0
+
+
+def _resume_record(res) -> IterationRecord:
+    """A W = 1 window (a dense snapshot) replays nothing, so recovery cannot leave the random state where
+    iteration `res.step` left it, as a replay's last iteration does: this record of iteration `res.step` + 1 holds
+    the random state now, after the step, where the loop goes on (sparse_to_dense restores it). Nothing else in
+    it is used: no batch, norm or loss."""
+    cpu, device = rng.capture()
+    zero = torch.zeros((), dtype=torch.float32)
+    return IterationRecord(res.step + 1, None, zero, float(res.lr), zero, cpu, device_rng=device)
 
 
 def _record(res, reads: HostReads) -> IterationRecord:

@@ -16,17 +16,19 @@ from torchmoe_harness.trainer import RunConfig, Trainer
 RUN = {"steps": 14, "model": {"num_experts": 4}}
 
 
-def _train(trainer, ck, upto: int, losses: dict) -> None:
+def _train(trainer, ck, upto: int, losses: dict, draws: dict | None = None) -> None:
     while trainer.step < upto:
+        if draws is not None:  # the loop draws from torch's generator before each step (a user's dropout mask)
+            draws[trainer.step + 1] = torch.rand(())
         res = trainer.train_step()
         losses[res.step] = res.loss
         if ck is not None:
             ck.after_step(res)
 
 
-def _reference(steps: int) -> tuple[dict, dict]:
+def _reference(steps: int, draws: dict | None = None) -> tuple[dict, dict]:
     ref, losses = Trainer(RunConfig(**RUN)), {}
-    _train(ref, None, steps, losses)
+    _train(ref, None, steps, losses, draws)
     return ref.export_state(), losses
 
 
@@ -48,15 +50,21 @@ def _assert_same(tr, ref_state, losses, ref_losses, steps: int) -> None:
 
 
 def test_dense_policy_recovers_from_its_snapshot_exactly(one_rank_group):
-    ref_state, ref_losses = _reference(12)
+    """Also the random state: nothing is replayed after a dense snapshot, so the generator comes back as iteration 7
+    left it (the snapshot's record), and the loop's draws before 8.. are the never-failed run's."""
+    ref_draws: dict = {}
+    ref_state, ref_losses = _reference(12, ref_draws)
     tr = Trainer(RunConfig(**RUN))
     ck = SparseCheckpointer(tr.model, tr.optimizer, tr.compute_dtype, SparseConfig(policy="dense", dense_interval=3))
     ck.attach(tr)
     losses: dict = {}
-    _train(tr, ck, 8, losses)  # snapshots after 1, 4, 7
+    draws: dict = {}
+    _train(tr, ck, 8, losses, draws)  # snapshots after 1, 4, 7
     _fail(ck, tr, 7, 0)
-    _train(tr, ck, 12, losses)
+    draws = {}
+    _train(tr, ck, 12, losses, draws)
     ck.close()
+    assert sorted(draws) == [8, 9, 10, 11, 12] and all(torch.equal(draws[s], ref_draws[s]) for s in draws)
     assert [(w["start"], w["W"]) for w in ck.counters.windows] == [(1, 1), (4, 1), (7, 1), (10, 1)]
     pol = ck.stats()["policy"]
     assert pol["policy"] == "dense" and pol["interval_or_W"] == 3 and pol["forced"]
