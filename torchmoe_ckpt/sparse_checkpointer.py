@@ -463,7 +463,8 @@ class SparseCheckpointer:
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.mtbf_s = resolved_mtbf_s(cfg.mtbf, world)  # pyright: ignore[reportArgumentType]  (parsed to seconds)
         report = run.resumed.report if run.resumed is not None else {}
-        measured = report.get("seconds") if isinstance(report, dict) else None
+        # The recovery's own seconds (a restart also re-forms the group and starts the process: a floor)
+        measured = report.get("total_seconds", report.get("seconds")) if isinstance(report, dict) else None
         self.restart_s = float(measured) if isinstance(measured, (int, float)) and measured > 0 else DEFAULT_RESTART_S
         self.restart_measured = measured is not None
         if self.persist is not None:  # the status line of each committed window says the policy in force
