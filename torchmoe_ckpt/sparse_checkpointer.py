@@ -31,7 +31,15 @@ from .model.optim_state import describe_optimizer_state
 from .persist.build_tiers import Tiers
 from .persist.persist_thread import PersistThread
 from .planning.calibration import CALIBRATION_STEPS, WARMUP_STEPS, cost_per_byte
-from .planning.policy import DEFAULT_RESTART_S, PolicyChooser, PolicyDecision, PolicyInputs, resolved_mtbf_s
+from .planning.policy import (
+    DEFAULT_RESTART_S,
+    PolicyChooser,
+    PolicyDecision,
+    PolicyInputs,
+    PolicyStatus,
+    PolicySwitch,
+    resolved_mtbf_s,
+)
 from .planning.window_planner import WindowPlanner
 from .recovery import rng
 from .recovery.resume import ResumeResult
@@ -84,7 +92,7 @@ class Counters:
     copy_seconds: list[float] = field(default_factory=list)
     windows: list[dict] = field(default_factory=list)  # per window started: id, start, W, fits, slot bytes
     recoveries: list[RecoveryReport] = field(default_factory=list)  # per in-memory recovery, with its phases
-    policy_switches: list[dict] = field(default_factory=list)  # per switch: step, from, to
+    policy_switches: list[PolicySwitch] = field(default_factory=list)  # per switch: step, from, to
 
     def add_plan(self, seconds: float) -> None:
         self.plans += 1
@@ -514,7 +522,7 @@ class SparseCheckpointer:
         d = self.chooser.decide(self._policy_inputs())
         self.decision, self._decided_at = d, t
         if old is not None and old.policy != d.policy:
-            self.counters.policy_switches.append({"step": t, "from": old.label, "to": d.label})
+            self.counters.policy_switches.append(PolicySwitch(t, old.label, d.label))
             self._next_dense = None  # a new dense run starts its snapshots here
         if old is None or old.label != d.label:
             log.log(self._level, f"torchmoe: {d.line()} at iteration {t}")
@@ -534,7 +542,7 @@ class SparseCheckpointer:
         self._needs_base = False
         self.decision = PolicyDecision(policy, k, {}, "forced", (), None, forced=True)  # pyright: ignore[reportArgumentType]
         if old is not None and old.policy != policy:
-            self.counters.policy_switches.append({"step": None, "from": old.label, "to": self.decision.label})
+            self.counters.policy_switches.append(PolicySwitch(None, old.label, self.decision.label))
             self._next_dense = None
 
     def _policy_inputs(self) -> PolicyInputs:
@@ -611,22 +619,22 @@ class SparseCheckpointer:
         self._added_s_per_byte = self._added_s_per_byte or old._added_s_per_byte
         return self
 
-    def policy_stats(self) -> dict:
+    def policy_status(self) -> PolicyStatus:
         """The policy in force, each candidate's predicted ETTR, why, and the switches (`stats()["policy"]`)."""
         d = self.decision
-        return {
-            "policy": self.policy,
-            "interval_or_W": None if d is None else d.interval_or_W,
-            "predicted_ettr": {} if d is None else dict(d.predicted_ettr),
-            "reason": "not decided yet (calibrating)" if d is None else d.reason,
-            "forced": self.chooser.fixed is not None,
-            "mtbf_s": self.mtbf_s,
-            "restart_s": self.restart_s,
-            "restart_measured": self.restart_measured,
-            "base_step_s": self.base_step_s,
-            "inputs": None if d is None or d.inputs is None else d.to_dict()["inputs"],
-            "switches": list(self.counters.policy_switches),
-        }
+        return PolicyStatus(
+            policy=self.policy,
+            interval_or_W=None if d is None else d.interval_or_W,
+            predicted_ettr={} if d is None else dict(d.predicted_ettr),
+            reason="not decided yet (calibrating)" if d is None else d.reason,
+            forced=self.chooser.fixed is not None,
+            mtbf_s=self.mtbf_s,
+            restart_s=self.restart_s,
+            restart_measured=self.restart_measured,
+            base_step_s=self.base_step_s,
+            inputs=None if d is None else d.inputs,
+            switches=tuple(self.counters.policy_switches),
+        )
 
     def _copy_path_stats(self) -> dict:
         return _copy_path_stats(self)
@@ -658,7 +666,7 @@ class SparseCheckpointer:
                 "plan_s_max": c.plan_s_max,
                 "median_recent": statistics.median(c.plan_s_recent or [0.0]),
             },
-            "policy": self.policy_stats(),
+            "policy": self.policy_status().to_dict(),
             "windows": c.windows[-5:],
             "recoveries": [
                 dict(r.phases, recovered_step=r.recovered_step, replayed=r.replayed_iterations, bytes=r.bytes_loaded)

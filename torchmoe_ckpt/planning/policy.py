@@ -37,6 +37,8 @@ __all__ = [
     "PolicyChooser",
     "PolicyDecision",
     "PolicyInputs",
+    "PolicyStatus",
+    "PolicySwitch",
     "ettr",
     "resolved_mtbf_s",
 ]
@@ -150,6 +152,36 @@ class PolicyDecision:
     def line(self) -> str:
         """What the status line says: the policy, its predicted ETTR against the other candidate, why."""
         return f"policy {self.label} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class PolicySwitch:
+    step: int | None  # the iteration whose boundary took it (None: forced between boundaries)
+    from_label: str  # "sparse W=4"
+    to_label: str  # "dense k=12"
+
+
+@dataclass(frozen=True)
+class PolicyStatus:
+    """What `stats()["policy"]` shows (its `to_dict()`): the policy in force, its W or k, each candidate's
+    predicted ETTR, why, what it was decided on, and the switches so far."""
+
+    policy: str
+    interval_or_W: int | None  # noqa: N815
+    predicted_ettr: dict[str, float]
+    reason: str
+    forced: bool
+    mtbf_s: float
+    restart_s: float
+    restart_measured: bool
+    base_step_s: float | None
+    inputs: PolicyInputs | None
+    switches: tuple[PolicySwitch, ...] = ()
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["switches"] = [{"step": w.step, "from": w.from_label, "to": w.to_label} for w in self.switches]
+        return d
 
 
 def sparse_candidate(x: PolicyInputs) -> Candidate:
