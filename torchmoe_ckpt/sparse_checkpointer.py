@@ -457,12 +457,17 @@ class SparseCheckpointer:
     # ---- the policy (planning/policy.py) --------------------------------------------------------------------
     def _policy_setup(self, run: RunContext) -> None:
         cfg = self.cfg
-        self.chooser = PolicyChooser(cfg.fixed_policy, cfg.window, cfg.dense_interval)
+        fixed, why = cfg.fixed_policy, ""
+        if fixed is None and self.agree_group is not self.group:
+            # Pipeline stages (agreement wider than planning): localized replay from neighbours' boundary logs is
+            # built and tested on windows only; "dense" there is the user's explicit choice.
+            fixed, why = "sparse", "pipeline stages: auto keeps windows (localized replay is tested on them)"
+        self.chooser = PolicyChooser(fixed, cfg.window, cfg.dense_interval, why)
         self.decision: PolicyDecision | None = None
         self._decided_at: int | None = None  # the iteration of the last decision
         self._next_dense: int | None = None  # dense: the iteration of the next snapshot
         # Auto (or a dense interval to choose) needs the step without copies: the first steps capture nothing.
-        self._needs_base = cfg.fixed_policy is None or (cfg.fixed_policy == "dense" and cfg.dense_interval is None)
+        self._needs_base = fixed is None or (fixed == "dense" and cfg.dense_interval is None)
         self._steps_seen = 0
         self._base: list[float] = []
         self.base_step_s: float | None = None

@@ -214,8 +214,9 @@ class PolicyChooser:
     forced W or k (None: chosen). `decide(inputs)` at a window boundary returns the decision in force (the current
     one again unless another candidate beats it by HYSTERESIS)."""
 
-    def __init__(self, fixed: str | None, window: int | None, dense_interval: int | None):
+    def __init__(self, fixed: str | None, window: int | None, dense_interval: int | None, why: str = ""):
         self.fixed, self.window, self.dense_interval = fixed, window, dense_interval
+        self.why = why or "set in the config"  # why the policy is fixed
         self.current: PolicyDecision | None = None
         self.switches = 0
 
@@ -226,7 +227,7 @@ class PolicyChooser:
         pred = {f"{c.policy} {'W' if c.policy == 'sparse' else 'k'}={c.interval}": c.predicted_ettr for c in cands}
         if self.fixed is not None:
             pick = sp if self.fixed == "sparse" else de
-            d = PolicyDecision(pick.policy, pick.interval, pred, "set in the config", cands, x, forced=True)
+            d = PolicyDecision(pick.policy, pick.interval, pred, self.why, cands, x, forced=True)
             self.current = d
             return d
         best = max(cands, key=lambda c: (c.predicted_ettr, c.policy == "dense"))  # a tie: the simpler policy
