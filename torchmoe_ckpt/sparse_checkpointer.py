@@ -124,6 +124,7 @@ class _Redo:
 
 
 RECENT_PLANS = 64  # plans whose median `stats()` reports
+FOLD_EVERY = 16  # dense: iterations between folds of the routed-token counts, between snapshots
 REDECIDE_EVERY = 16  # auto: the policy is re-decided at the first window boundary this many iterations after the last
 
 
@@ -502,7 +503,7 @@ class SparseCheckpointer:
             if len(self._base) >= CALIBRATION_STEPS:
                 self.base_step_s = sum(self._base) / len(self._base)
             return
-        if seconds > 0:
+        if seconds > 0 and self.chooser.fixed is None:  # drained at each decision (a fixed policy takes none)
             self._samples.append((seconds, copy_bytes))
 
     def _boundary(self, t: int) -> bool:
@@ -517,6 +518,8 @@ class SparseCheckpointer:
         if self.policy != "dense":
             return True
         if self._next_dense is not None and t < self._next_dense:
+            if t % FOLD_EVERY == 0:  # a long interval: the queued counts into the popularity (bounded memory)
+                self.planner.fold_counts()
             return False
         assert self.decision is not None
         self._next_dense = t + self.decision.interval_or_W

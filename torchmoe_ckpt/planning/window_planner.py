@@ -145,11 +145,18 @@ class WindowPlanner:
         to windows orders them as if windows had run."""
         order = self.operator_order()
         full, comp = self.op_sizes()
+        if self.device_loss is not None:  # fold the steps since into the cost per byte (bounded, still learned)
+            self.device_loss.budget()
         plan = self._same_split(order, 1, float("inf"))
         if plan is None:
             plan = plan_window(order, full, comp, float("inf"), forced_window=1, warn=False)
             self._last_split = _Split(order, 1, plan)
         return plan, float("inf")
+
+    def fold_counts(self) -> None:
+        """Between dense snapshots: the routed-token counts queued so far into the popularity (bounded memory over
+        a long interval). Collective with `sum_counts`: call at the same iteration on every rank."""
+        self._update_popularity()
 
     def sparse_estimate(self) -> tuple[int, float]:
         """(W, mean slot bytes) the next auto window would take, from what is known now, without side effects (no
