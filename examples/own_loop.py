@@ -27,7 +27,14 @@ def main(argv: list[str] | None = None, mesh=None):
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--run-id", default=None, help="default: torchrun's run id (one per launch)")
     ap.add_argument("--host-dir", default="/dev/shm/torchmoe-ckpt")
-    ap.add_argument("--window", type=int, default=3)
+    ap.add_argument("--window", type=int, default=3, help="W of the sparse windows (policy auto or sparse)")
+    ap.add_argument(
+        "--policy",
+        choices=("auto", "sparse", "dense"),
+        default="auto",
+        help="dense: a dense snapshot every --dense-interval iterations instead of windows (auto: --window -> sparse)",
+    )
+    ap.add_argument("--dense-interval", type=int, default=None, help="dense: iterations between snapshots (auto)")
     ap.add_argument(
         "--replicas",
         type=int,
@@ -98,7 +105,11 @@ def main(argv: list[str] | None = None, mesh=None):
     losses = {}
     config = tmc.CheckpointConfig(
         tiers=tmc.TierConfig(root=args.host_dir, run_id=args.run_id, replicas=args.replicas),  # ckpt
-        window=tmc.SparseConfig(window=args.window),
+        window=tmc.SparseConfig(
+            window=None if args.policy == "dense" else args.window,
+            policy=args.policy,
+            dense_interval=args.dense_interval,
+        ),
         max_grad_norm=1.0,  # ckpt
         on_unusable_checkpoint=args.on_unusable_checkpoint,
         hang_timeout_s=args.hang_timeout_s,

@@ -60,7 +60,7 @@ def _kind(key: str) -> str:
     key = DEPRECATED.get(key, key)
     if key.startswith("object_store."):
         return _STORE_KINDS[key.split(".", 1)[1]]
-    if key == "window":  # "auto" or an int
+    if key in ("window", "dense_interval"):  # "auto" or an int
         return "window"
     f = _DEFAULTS[key]
     default = f.default_factory() if f.default_factory is not MISSING else f.default

@@ -48,6 +48,7 @@ from torchmoe_ckpt.config import (
     CopyPhase,
     ObjectStoreConfig,
     OnUnusable,
+    Policy,
     Popularity,
     SparseConfig,
     TierConfig,
@@ -76,6 +77,8 @@ CORE_KEYS: dict[str, type] = {
     # the GPU copy path (docs/gpu.md): the auto-W target and the switches the GPU check measures
     **dict.fromkeys(("max_step_overhead", "copy_phase", "copy_chunk_bytes"), SparseConfig),
     **dict.fromkeys(("reads_on_copy_stream", "device_staging"), SparseConfig),
+    # the checkpoint policy (planning/policy.py): sparse windows or a dense snapshot every k iterations
+    **dict.fromkeys(("policy", "dense_interval", "mtbf"), SparseConfig),
     **dict.fromkeys(("root", "run_id", "replicas", "upload_backlog", "spare_windows"), TierConfig),
     **dict.fromkeys(("peer_max_lag_windows", "peer_interval", "peer_link_share", "object_store"), TierConfig),
     **dict.fromkeys(("hang_timeout_s", "on_unusable_checkpoint", "replay_check", "replay_tolerance"), CheckpointConfig),
@@ -83,6 +86,8 @@ CORE_KEYS: dict[str, type] = {
 # TOML has no null: how a key spells the core's None (the first spelling is the one the section's default uses).
 TOML_NONE: dict[str, tuple[Any, ...]] = {
     "window": ("auto",),
+    "dense_interval": ("auto",),  # the interval with the best predicted ETTR
+    "mtbf": ("",),  # ~3 h at 16,384 GPUs, scaled to the job (SparseConfig.mtbf)
     "host_memory_limit": ("", 0),
     "max_window": (0,),
     "copy_chunk_bytes": (0,),  # one copy per item
@@ -169,6 +174,9 @@ class SparseCheckpointSection:
     copy_chunk_bytes: int = core("copy_chunk_bytes")  # SparseConfig.copy_chunk_bytes
     reads_on_copy_stream: bool = core("reads_on_copy_stream")  # SparseConfig.reads_on_copy_stream
     device_staging: bool = core("device_staging")  # SparseConfig.device_staging
+    policy: Policy = core("policy")  # SparseConfig.policy: "auto", "sparse" or "dense"
+    dense_interval: int | Literal["auto"] = core("dense_interval")  # SparseConfig.dense_interval
+    mtbf: float | str = core("mtbf")  # SparseConfig.mtbf: seconds or "3h"; "": the default
     root: str = core("root")  # TierConfig.root
     run_id: str = core("run_id")  # TierConfig.run_id (resolved once per worker: resolved_run_id)
     replicas: int = core("replicas")  # TierConfig.replicas

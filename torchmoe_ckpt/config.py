@@ -26,9 +26,11 @@ from .core.sparse_config import (  # noqa: F401 (re-exported: SparseConfig lives
     COPY_PHASES,
     CUDA_OVERLAP,
     HOST_BUFFERS,
+    POLICIES,
     POPULARITIES,
     CopyPhase,
     HostBuffers,
+    Policy,
     Popularity,
     SparseConfig,
 )

@@ -30,11 +30,23 @@ from .model.operators import discover_operators, merged_operators
 from .model.optim_state import attach_optimizer_state
 from .persist.build_tiers import Tiers
 from .persist.persist_thread import PersistThread
+from .planning.calibration import CALIBRATION_STEPS, WARMUP_STEPS, cost_per_byte
+from .planning.policy import (
+    DEFAULT_RESTART_S,
+    PolicyChooser,
+    PolicyDecision,
+    PolicyInputs,
+    PolicyStatus,
+    PolicySwitch,
+    resolved_mtbf_s,
+)
 from .planning.window_planner import WindowPlanner
+from .recovery import rng
 from .recovery.resume import ResumeResult
 from .recovery.sparse_to_dense import RecoveryReport, replay_slots, sparse_to_dense
 from .runtime.agreement import reduce_float
 from .runtime.deferred_reads import HostReads
+from .runtime.distributed import library_group
 from .storage_format.manifest import plan_digest
 from .tiers.host_tier import HostTier
 from .tiers.window_tier import PartialWindow
@@ -80,6 +92,7 @@ class Counters:
     copy_seconds: list[float] = field(default_factory=list)
     windows: list[dict] = field(default_factory=list)  # per window started: id, start, W, fits, slot bytes
     recoveries: list[RecoveryReport] = field(default_factory=list)  # per in-memory recovery, with its phases
+    policy_switches: list[PolicySwitch] = field(default_factory=list)  # per switch: step, from, to
 
     def add_plan(self, seconds: float) -> None:
         self.plans += 1
@@ -97,6 +110,7 @@ class Counters:
         self.copy_seconds = old.copy_seconds + self.copy_seconds
         self.windows = old.windows + self.windows
         self.recoveries = old.recoveries + self.recoveries
+        self.policy_switches = old.policy_switches + self.policy_switches
 
 
 @dataclass
@@ -110,6 +124,8 @@ class _Redo:
 
 
 RECENT_PLANS = 64  # plans whose median `stats()` reports
+FOLD_EVERY = 16  # dense: iterations between folds of the routed-token counts, between snapshots
+REDECIDE_EVERY = 16  # auto: the policy is re-decided at the first window boundary this many iterations after the last
 
 
 class SparseCheckpointer:
@@ -184,6 +200,7 @@ class SparseCheckpointer:
             self.persist = PersistThread(
                 host_tier, run.tiers.peers, run.tiers.store, run.tiers.lease, memory_line=lambda: self.memory.line()
             )
+        self._policy_setup(run)
         self.slots = make_slot_allocator(
             self.op_by_name, compute_dtype, self.engine.use_cuda, host_tier, self.persist, self.cfg.host_buffers
         )
@@ -230,20 +247,25 @@ class SparseCheckpointer:
                 gradient norm, LRs, batch, RNG states, routed-token counts and probabilities.
         """
         self.planner.observe_step(res.seconds, res.expert_counts, res.expert_probs, self._inflight_bytes)
+        self._observe_policy_step(res.seconds, self._inflight_bytes)
         self._settle(done=False)
         self._inflight_bytes = 0
         t = res.step
         if self._redo is not None and t >= self._redo.until:  # back where the failure found training
             self._redo.phases["redo"] = time.perf_counter() - self._redo.since
             self._redo = None
-        if self.current is None and self.planner.calibrating:  # the step without copies is being measured
-            return
+        if self.current is None and (self.planner.calibrating or self._policy_calibrating):
+            return  # the step without copies is being measured
         cur, record = self.current, None
         if cur is not None and cur.start_step < t < cur.start_step + cur.plan.window:
             record = _record(res, self.engine.reads)
             cur.log.add(record)
         if cur is None or cur.captured >= cur.plan.window:
+            if not self._boundary(t):  # dense: no snapshot at this iteration
+                return
             cur = self._start_window(t)
+            if cur.plan.window == 1:  # a dense snapshot: nothing is replayed, so its RNG comes back from here
+                cur.log.add(_resume_record(res))
             if cur.plan.sliding:  # a sliding recovery may start in the window before and replay this one's first
                 record = _record(res, self.engine.reads)
                 cur.log.add(record)
@@ -433,9 +455,137 @@ class SparseCheckpointer:
         """`value` reduced with `op` over `agree_group` (or `group`). Collective."""
         return reduce_float(value, op, self.agree_group if group is SAME_GROUP else group)  # pyright: ignore[reportArgumentType]  (SAME_GROUP is resolved here)
 
+    # ---- the policy (planning/policy.py) --------------------------------------------------------------------
+    def _policy_setup(self, run: RunContext) -> None:
+        cfg = self.cfg
+        fixed, why = cfg.fixed_policy, ""
+        if fixed is None and self.agree_group is not self.group:
+            # Pipeline stages (agreement wider than planning): localized replay from neighbours' boundary logs is
+            # built and tested on windows only; "dense" there is the user's explicit choice.
+            fixed, why = "sparse", "pipeline stages: auto keeps windows (localized replay is tested on them)"
+        self.chooser = PolicyChooser(fixed, cfg.window, cfg.dense_interval, why)
+        self.decision: PolicyDecision | None = None
+        self._decided_at: int | None = None  # the iteration of the last decision
+        self._next_dense: int | None = None  # dense: the iteration of the next snapshot
+        # Auto (or a dense interval to choose) needs the step without copies: the first steps capture nothing.
+        self._needs_base = fixed is None or (fixed == "dense" and cfg.dense_interval is None)
+        self._steps_seen = 0
+        self._base: list[float] = []
+        self.base_step_s: float | None = None
+        self._samples: list[tuple[float, int]] = []  # (step seconds, bytes copied during it) since the last decision
+        self._added_s_per_byte: float | None = None
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.mtbf_s = resolved_mtbf_s(cfg.mtbf, world)  # pyright: ignore[reportArgumentType]  (parsed to seconds)
+        report = run.resumed.report if run.resumed is not None else {}
+        # The recovery's own seconds (a restart also re-forms the group and starts the process: a floor)
+        measured = report.get("total_seconds", report.get("seconds")) if isinstance(report, dict) else None
+        self.restart_s = float(measured) if isinstance(measured, (int, float)) and measured > 0 else DEFAULT_RESTART_S
+        self.restart_measured = measured is not None
+        if self.persist is not None:  # the status line of each committed window says the policy in force
+            self.persist.status.policy_text = lambda: None if self.decision is None else self.decision.line()
+
+    @property
+    def _policy_calibrating(self) -> bool:
+        return self._needs_base and self.base_step_s is None
+
+    @property
+    def policy(self) -> str:
+        """The policy in force ("sparse" or "dense"; before the first decision, the one the config fixes)."""
+        if self.decision is not None:
+            return self.decision.policy
+        return self.cfg.fixed_policy or "sparse"
+
+    def _observe_policy_step(self, seconds: float, copy_bytes: int) -> None:
+        self._steps_seen += 1
+        if self.base_step_s is None and self._needs_base:
+            if self._steps_seen > WARMUP_STEPS and copy_bytes == 0 and seconds > 0:
+                self._base.append(seconds)
+            if len(self._base) >= CALIBRATION_STEPS:
+                self.base_step_s = sum(self._base) / len(self._base)
+            return
+        if seconds > 0 and self.chooser.fixed is None:  # drained at each decision (a fixed policy takes none)
+            self._samples.append((seconds, copy_bytes))
+
+    def _boundary(self, t: int) -> bool:
+        """A window boundary at iteration `t`: (re-)decide the policy when due, then whether a window or a dense
+        snapshot starts here (False: dense, and its next snapshot is later). Collective when deciding (every rank
+        reaches the same boundaries at the same iterations)."""
+        due = self.decision is None or (
+            not self.chooser.fixed and self._decided_at is not None and t - self._decided_at >= REDECIDE_EVERY
+        )
+        if due and (self.policy != "dense" or self._next_dense is None or t >= self._next_dense):
+            self._decide(t)
+        if self.policy != "dense":
+            return True
+        if self._next_dense is not None and t < self._next_dense:
+            if t % FOLD_EVERY == 0:  # a long interval: the queued counts into the popularity (bounded memory)
+                self.planner.fold_counts()
+            return False
+        assert self.decision is not None
+        self._next_dense = t + self.decision.interval_or_W
+        return True
+
+    def _decide(self, t: int) -> None:
+        old = self.decision
+        d = self.chooser.decide(self._policy_inputs())
+        self.decision, self._decided_at = d, t
+        if old is not None and old.policy != d.policy:
+            self.counters.policy_switches.append(PolicySwitch(t, old.label, d.label))
+            self._next_dense = None  # a new dense run starts its snapshots here
+        if old is None or old.label != d.label:
+            log.log(self._level, f"torchmoe: {d.line()} at iteration {t}")
+
+    def force_policy(self, policy: str, interval: int | None = None) -> None:
+        """From the next window boundary on: `policy` ("sparse": windows as the config sizes them; "dense": a
+        snapshot every `interval` iterations), kept (a forced switch: tests, the bench). The window being filled
+        completes first, and the last committed one stays the recovery point until the first of the new policy
+        commits."""
+        if policy == "dense" and (interval is None or interval < 1) or policy not in ("sparse", "dense"):
+            raise ConfigError(
+                f"force_policy takes 'sparse', or 'dense' and an interval >= 1; got {policy!r}, {interval}"
+            )
+        old = self.decision
+        k = interval if policy == "dense" else self.planner.sparse_estimate()[0]
+        self.chooser = PolicyChooser(policy, None, interval if policy == "dense" else None)
+        self._needs_base = False
+        self.decision = PolicyDecision(policy, k, {}, "forced", (), None, forced=True)  # pyright: ignore[reportArgumentType]
+        if old is not None and old.policy != policy:
+            self.counters.policy_switches.append(PolicySwitch(None, old.label, self.decision.label))
+            self._next_dense = None
+
+    def _policy_inputs(self) -> PolicyInputs:
+        """This rank's measurements, agreed over the ranks (collective)."""
+        self.planner.probe_prior()  # the copy cost's prior (collective the first time)
+        base = self.base_step_s or self.planner.t_iter or 1e-3
+        c = cost_per_byte(base, self._samples)
+        self._samples = []
+        if c is not None:
+            self._added_s_per_byte = c if self._added_s_per_byte is None else 0.5 * self._added_s_per_byte + 0.5 * c
+        w, slot_bytes = self.planner.sparse_estimate()
+        x = PolicyInputs(
+            step_s=base,
+            copy_s_per_byte=1.0 / self.planner.cost.bytes_per_s,
+            added_s_per_byte=self._added_s_per_byte or 0.0,
+            dense_bytes=self.dense_bytes,
+            sparse_window=w,
+            sparse_slot_bytes=slot_bytes,
+            restart_s=self.restart_s,
+            mtbf_s=self.mtbf_s,
+            overlap=self.planner.overlap,
+        )
+        return x.agreed(self._agree_max)
+
+    def _agree_max(self, values: list[float]) -> list[float]:
+        if not dist.is_initialized():
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64)
+        group = self.agree_group if self.agree_group is not SAME_GROUP else self.group
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=library_group(group))  # pyright: ignore[reportArgumentType]
+        return [float(v) for v in t.tolist()]
+
     def _start_window(self, t: int) -> Window:
         t0 = time.perf_counter()
-        plan, budget = self.planner.plan()
+        plan, budget = self.planner.dense_plan() if self.policy == "dense" else self.planner.plan()
         self.memory.before_window(plan, self._next_id)  # within host_memory_limit, or refused
         slots = self.slots.slots_for(plan)
         # The next window's set, off this thread, if none is left; for the next window's plan when its W grows
@@ -475,7 +625,27 @@ class SparseCheckpointer:
         for k, v in old.engine.copy_totals.items():
             self.engine.copy_totals[k] += v
         self.planner.inherit(old.planner)
+        if self.base_step_s is None and old.base_step_s is not None:  # the step without copies, measured once
+            self.base_step_s = old.base_step_s
+        self._added_s_per_byte = self._added_s_per_byte or old._added_s_per_byte
         return self
+
+    def policy_status(self) -> PolicyStatus:
+        """The policy in force, each candidate's predicted ETTR, why, and the switches (`stats()["policy"]`)."""
+        d = self.decision
+        return PolicyStatus(
+            policy=self.policy,
+            interval_or_W=None if d is None else d.interval_or_W,
+            predicted_ettr={} if d is None else dict(d.predicted_ettr),
+            reason="not decided yet (calibrating)" if d is None else d.reason,
+            forced=self.chooser.fixed is not None,
+            mtbf_s=self.mtbf_s,
+            restart_s=self.restart_s,
+            restart_measured=self.restart_measured,
+            base_step_s=self.base_step_s,
+            inputs=None if d is None else d.inputs,
+            switches=tuple(self.counters.policy_switches),
+        )
 
     def _copy_path_stats(self) -> dict:
         return _copy_path_stats(self)
@@ -507,6 +677,7 @@ class SparseCheckpointer:
                 "plan_s_max": c.plan_s_max,
                 "median_recent": statistics.median(c.plan_s_recent or [0.0]),
             },
+            "policy": self.policy_status().to_dict(),
             "windows": c.windows[-5:],
             "recoveries": [
                 dict(r.phases, recovered_step=r.recovered_step, replayed=r.replayed_iterations, bytes=r.bytes_loaded)
@@ -555,6 +726,16 @@ def _first_window_id(resumed: ResumeResult | None, committed: Window | None) -> 
     if resumed is not None and resumed.next_window_id is not None:
         return resumed.next_window_id
     return committed.id + 1 if committed is not None else 0
+
+
+def _resume_record(res) -> IterationRecord:
+    """A W = 1 window (a dense snapshot) replays nothing, so recovery cannot leave the random state where
+    iteration `res.step` left it, as a replay's last iteration does: this record of iteration `res.step` + 1 holds
+    the random state now, after the step, where the loop goes on (sparse_to_dense restores it). Nothing else in
+    it is used: no batch, norm or loss."""
+    cpu, device = rng.capture()
+    zero = torch.zeros((), dtype=torch.float32)
+    return IterationRecord(res.step + 1, None, zero, float(res.lr), zero, cpu, device_rng=device)
 
 
 def _record(res, reads: HostReads) -> IterationRecord:

@@ -23,6 +23,8 @@ import math
 import random
 from dataclasses import asdict, dataclass, field, replace
 
+from torchmoe_ckpt.planning.policy import ettr
+
 
 @dataclass
 class LossyModel:
@@ -97,13 +99,9 @@ def ettr_paper(p: SystemProfile, mtbf_s: float) -> float:
 
 
 def ettr_exact(p: SystemProfile, mtbf_s: float) -> float:
-    """Expected ETTR under the simulator's model (static K), for an infinite horizon."""
-    tau, r = p.segment_s(), p.recovery_s()
-    try:
-        expected = mtbf_s * math.exp(r / mtbf_s) * math.expm1(tau / mtbf_s)
-    except OverflowError:
-        return 0.0
-    return p.interval * p.t_iter / expected
+    """Expected ETTR under the simulator's model (static K), for an infinite horizon: the library's formula
+    (torchmoe_ckpt.planning.policy.ettr, what `policy="auto"` decides on)."""
+    return ettr(p.interval, p.t_iter, mtbf_s, p.per_iter_overhead_s, p.stall(), p.recovery_s())
 
 
 def best_interval(p: SystemProfile, mtbf_s: float, max_interval: int = 5000) -> int:

@@ -26,6 +26,7 @@ def run_example(
     timeout: float = 55.0,
     host: Path | None = None,
     extra: tuple = (),
+    window: tuple = ("--window", "3"),
 ) -> tuple[list[dict], str]:
     out.mkdir(parents=True, exist_ok=True)
     env = {"OWN_LOOP_OUT": str(out), "TORCHMOE_FAULT": fault or ""}
@@ -39,8 +40,7 @@ def run_example(
             run_id,
             "--host-dir",
             str(host or out / "shm"),
-            "--window",
-            "3",
+            *window,
             *extra,
         ],
         out / "torchrun.log",
@@ -56,8 +56,24 @@ def test_example_checkpointing_code_is_at_most_15_lines():
     assert 0 < len(lines) <= 15, lines
 
 
-def test_own_loop_kill9_recovers_bit_exact(tmp_path):
-    ref, _ = run_example(tmp_path / "ref", 12, "ref")
+_REFERENCES: dict[int, list[dict]] = {}  # steps -> the never-failed run (checkpointing leaves training untouched)
+
+
+def reference(tmp_path_factory, steps: int = 12) -> list[dict]:
+    """The never-failed run of `steps`, run once per session: the kill tests of every policy compare with it."""
+    if steps not in _REFERENCES:
+        _REFERENCES[steps], _ = run_example(tmp_path_factory.mktemp("ref"), steps, "ref")
+    return _REFERENCES[steps]
+
+
+def test_never_failed_reference_run(tmp_path_factory):
+    """Its own item, so that no kill test below runs two torchrun jobs (each stays within the 60 s per test)."""
+    ref = reference(tmp_path_factory)
+    assert all(sorted(r["losses"]) == list(range(1, 13)) for r in ref)
+
+
+def test_own_loop_kill9_recovers_bit_exact(tmp_path, tmp_path_factory):
+    ref = reference(tmp_path_factory)
     got, log = run_example(tmp_path / "kill", 12, "kill", fault="kill:point=optimizer:rank=1:step=8", max_restarts=1)
     assert "event=fault_injected" in log and "event=recovered" in log, log[-3000:]
     assert "every replayed loss matched the original run bit for bit" in log
@@ -75,6 +91,28 @@ def test_own_loop_kill9_recovers_bit_exact(tmp_path):
         for s in after:
             assert torch.equal(ref[r]["losses"][s], got[r]["losses"][s]), f"rank {r}: loss at step {s}"
     assert compared > 40
+
+
+def test_own_loop_kill9_under_the_dense_policy_recovers_bit_exact(tmp_path, tmp_path_factory):
+    """policy="dense", a snapshot every 3 iterations (steps 1, 4, 7, 10): killed in iteration 9, the restart loads
+    the snapshot of 7 (a W = 1 window: nothing replayed) and the loop trains 8.. again, exactly. The reference is
+    the test above's (training does not depend on the policy): one torchrun job here."""
+    ref = reference(tmp_path_factory)
+    dense = ("--policy", "dense", "--dense-interval", "3")
+    got, log = run_example(
+        tmp_path / "kill", 12, "kill", fault="kill:point=optimizer:rank=1:step=9", max_restarts=1, window=dense
+    )
+    assert "event=fault_injected" in log and "event=recovered" in log, log[-3000:]
+    assert "policy dense k=3" in log, log[-3000:]  # the status line of each committed snapshot
+    for r in range(2):
+        a, b = ref[r]["state"], got[r]["state"]
+        assert a.keys() == b.keys() and any(k.startswith("['optim']['state']") for k in a)
+        bad = [k for k in a if not (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))]
+        assert not bad, f"rank {r}: {bad[:5]}"
+        after = sorted(got[r]["losses"])
+        assert after == list(range(8, 13)), after  # recovered at the snapshot of 7: 8.. trained again
+        for s in after:
+            assert torch.equal(ref[r]["losses"][s], got[r]["losses"][s]), f"rank {r}: loss at step {s}"
 
 
 def _flip(data: Path) -> None:

@@ -250,16 +250,19 @@ def test_limit_refuses_an_over_budget_plan_with_the_figure(shm, one_rank_group):
 
 
 def test_limit_caps_auto_window(shm, one_rank_group):
-    t, free = checkpointer(None, window=None, bandwidth_bytes_per_s=1.0)  # a copy budget that wants the largest W
+    # policy "sparse": auto W of windows (under "auto" the policy itself may choose dense snapshots)
+    t, free = checkpointer(
+        None, window=None, bandwidth_bytes_per_s=1.0, policy="sparse"
+    )  # a copy budget that wants the largest W
     for _ in range(3):
         free.after_step(t.train_step())
     big = free.counters.windows[-1]["W"]
     stop(free)
     assert big >= 3
-    t, probe = checkpointer(None, window=None, bandwidth_bytes_per_s=1.0, host_memory_limit=1 << 40)
+    t, probe = checkpointer(None, window=None, bandwidth_bytes_per_s=1.0, host_memory_limit=1 << 40, policy="sparse")
     need2 = sum(probe.memory.plan_need(plan_for(probe, 2)).values())
     stop(probe)
-    t, ck = checkpointer(None, window=None, bandwidth_bytes_per_s=1.0, host_memory_limit=need2)
+    t, ck = checkpointer(None, window=None, bandwidth_bytes_per_s=1.0, host_memory_limit=need2, policy="sparse")
     assert ck.planner.w_cap == 2 and ck.memory.need["window"] == 2
     for _ in range(8):
         ck.after_step(t.train_step())

@@ -65,7 +65,7 @@ def test_checkpointing_does_not_change_training_and_auto_window(tmp_path, refere
         spec(
             1,
             "fp32",
-            {"window": None, "overlap": 2e-5, "bandwidth_bytes_per_s": 2.5e10},
+            {"window": None, "policy": "sparse", "overlap": 2e-5, "bandwidth_bytes_per_s": 2.5e10},
             [{"step": 35, "phase": "update"}],
             steps=36,
         ),
@@ -84,7 +84,9 @@ def test_failure_before_first_window_cold_starts_exactly_and_impossible_budget_r
     ref = reference(2, spec(1, "fp32", steps=8)["run"])
     run = run_torchrun(
         2,
-        spec(1, "fp32", {"window": None, "overlap": 1e-12}, [{"step": 3, "phase": "update"}], steps=8),
+        spec(
+            1, "fp32", {"window": None, "policy": "sparse", "overlap": 1e-12}, [{"step": 3, "phase": "update"}], steps=8
+        ),
         tmp_path / "cold",
     )
     assert run.report["recoveries"][0]["cold_start"] == "the initialisation"

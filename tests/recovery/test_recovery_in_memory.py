@@ -119,8 +119,14 @@ def test_bandwidth_probe_once_per_process_and_never_when_given(one_rank_group, m
     monkeypatch.setattr(wp, "_PROBED", {})
     t = Trainer(RunConfig(**RUN))
     forced = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=2)).attach(t)
-    given = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(bandwidth_bytes_per_s=1e9))
-    auto = [SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=None)) for _ in range(2)]
+    # policy "sparse": auto W (under policy "auto" the first steps calibrate the policy, capturing nothing)
+    given = SparseCheckpointer(
+        t.model, t.optimizer, t.compute_dtype, SparseConfig(bandwidth_bytes_per_s=1e9, policy="sparse")
+    )
+    auto = [
+        SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=None, policy="sparse"))
+        for _ in range(2)
+    ]
     assert not calls  # nothing at construction: a restart's set-up costs no probe
     res = t.train_step()
     for ck in (forced, given, *auto):

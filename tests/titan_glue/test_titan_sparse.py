@@ -239,6 +239,28 @@ def test_kill9_rank1_recovers_bit_exact(tmp_path, tmp_path_factory, env, layout)
     assert "BIT-EXACT" in report and "copy from      host tier" in report
 
 
+def test_kill9_under_the_dense_policy_recovers_bit_exact(tmp_path, tmp_path_factory, env):
+    """policy = "dense" in [sparse_checkpoint], a snapshot every 2 iterations (after 1, 3, 5): the kill in iteration
+    6's backward comes before the snapshot of 5 commits (at 6's update, when its copy is waited for), so the restart
+    loads the snapshot of 3 (a W = 1 window, nothing replayed) and 4.. train again, torch.equal to the fault-free
+    run (checkpointing leaves training untouched: the sparse layout's reference serves)."""
+    reference = _reference(tmp_path_factory, env, "fsdp2")
+    d = tmp_path / "dense"
+    job = recovery_demo.write_job(
+        d, steps=STEPS, window='"auto"', host_dir=d / "host", extra_sparse='policy = "dense"\ndense_interval = 2'
+    )
+    fault = f"kill:point=backward:rank=1:step={KILL_STEP}"
+    rc, out = recovery_demo.torchrun(d, env, job, nproc=2, fault=fault, timeout=55)
+    assert rc == 0, out[-5000:]
+    assert "policy dense k=2" in out, out[-3000:]
+    for r in recovery_demo.compare(reference, d, 2):
+        rec = r.recovery
+        assert r.attempt == 1 and rec is not None and rec["source"] == "host", rec
+        assert (rec["recovered_step"], rec["replayed_iterations"]) == (KILL_STEP - 3, 0), rec
+        assert not r.differing, f"rank {r.rank}: {len(r.differing)} tensors differ, e.g. {r.differing[:4]}"
+        assert r.losses_compared == list(range(KILL_STEP - 2, STEPS + 1)) and r.losses_equal and r.exact
+
+
 def test_comparison_catches_one_changed_value(tmp_path, tmp_path_factory, env):
     """compare() is what says "bit-exact": one flipped mantissa bit in one tensor, or one loss, must show."""
     import shutil

@@ -22,6 +22,11 @@ __all__ = [
     "HOST_BUFFERS",
     "COPY_PHASES",
     "CUDA_OVERLAP",
+    "Policy",
+    "POLICIES",
+    "DEFAULT_MTBF_S",
+    "MTBF_REFERENCE_GPUS",
+    "parse_duration",
 ]
 
 CUDA_OVERLAP = 0.4  # the first window's overlap on CUDA, until the device's loss is measured: see `overlap`
@@ -30,9 +35,17 @@ CUDA_OVERLAP = 0.4  # the first window's overlap on CUDA, until the device's los
 Popularity = Literal["hard", "soft", "decayed", "capacity"]
 HostBuffers = Literal["auto", "arena", "shm-registered"]
 CopyPhase = Literal["after_update", "backward"]
+Policy = Literal["auto", "sparse", "dense"]
+POLICIES: tuple[str, ...] = get_args(Policy)  # (planning/policy.py)
 POPULARITIES: tuple[str, ...] = get_args(Popularity)
 HOST_BUFFERS: tuple[str, ...] = get_args(HostBuffers)  # (capture/slot_alloc.py)
 COPY_PHASES: tuple[str, ...] = get_args(CopyPhase)  # (capture/copy_phase.py)
+# The default expected time between failures: Llama 3's report (419 unexpected interruptions in 54 days of
+# pre-training on 16,384 H100s, about one every 3 h) scaled to the run's size, failures being per GPU:
+# DEFAULT_MTBF_S x MTBF_REFERENCE_GPUS / ranks (planning/policy.py, `resolved_mtbf_s`).
+DEFAULT_MTBF_S = 3 * 3600.0
+MTBF_REFERENCE_GPUS = 16384
+_UNITS = {"s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _OPTIONAL = ("window", "overlap", "bandwidth_bytes_per_s")  # None is allowed (auto / measured)
 _SHARES = ("decay", "reorder_change", "reorder_fraction")  # in [0, 1]
 
@@ -117,6 +130,22 @@ class SparseConfig:
     `host_memory_limit`); refused in one line when even the smallest slot cannot fit, skipped (and counted) for
     a window whose slot does not fit (capture/device_staging.py)."""
 
+    policy: Policy = "auto"
+    """What a recovery point is (docs/sparse-checkpointing.md, "Policy"): "sparse" (windows of W slots, every
+    iteration), "dense" (a dense snapshot, the full state of every operator, every `dense_interval` iterations: a
+    W = 1 window taken only every k iterations; recovery loads it and training re-runs the iterations since),
+    "auto" (whichever planning/policy.py predicts to keep more useful training time (ETTR) from the measured step
+    time, copy cost, restart time and `mtbf`; decided after the first calibration steps, re-decided at window
+    boundaries with hysteresis). Under "auto" a forced `window` means "sparse", a forced `dense_interval` "dense"."""
+
+    dense_interval: int | None = None
+    """"dense": iterations between dense snapshots, >= 1. None: the interval with the best predicted ETTR."""
+
+    mtbf: float | str | None = None
+    """The expected time between failures of the whole job: seconds (> 0) or a duration such as "3h", "90m", "2d".
+    None: ~3 h at 16,384 GPUs, scaled to this job's ranks (Llama 3's pre-training report: 419 unexpected
+    interruptions in 54 days on 16,384 GPUs; failures are per GPU, so fewer GPUs fail less often)."""
+
     host_buffers: HostBuffers = "auto"
     """Slot buffers (slot_alloc.py): "auto" (slot files on a CPU with a host tier, else "arena"), "arena" (one
     arena per slot set, pinned on CUDA), "shm-registered" (CUDA: slot files page-locked; opt-in, unmeasured)."""
@@ -126,6 +155,47 @@ class SparseConfig:
         self._check_ranges()
         self.host_memory_limit = parse_bytes(self.host_memory_limit, "host_memory_limit")
         self._check_choices()
+        self._check_policy()
+
+    def _check_policy(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(
+                f'SparseConfig.policy {self.policy!r} is not one of {", ".join(POLICIES)}: use "auto" (chosen from '
+                'measured costs), "sparse" (windows) or "dense" (a dense snapshot every dense_interval iterations)'
+            )
+        if self.dense_interval is not None and (not is_kind(self.dense_interval, int) or self.dense_interval < 1):
+            raise ConfigError(
+                f"SparseConfig.dense_interval must be an integer >= 1 (iterations between dense snapshots) or None "
+                f"(auto), got {self.dense_interval!r}"
+            )
+        if self.policy == "sparse" and self.dense_interval is not None:
+            raise ConfigError(
+                f'SparseConfig.dense_interval={self.dense_interval} is for policy "dense": drop it or set '
+                'policy="dense" (or "auto")'
+            )
+        if self.policy == "dense" and self.window is not None:
+            raise ConfigError(
+                f'SparseConfig.window={self.window} is for policy "sparse": drop it or set policy="sparse" (or "auto")'
+            )
+        if self.policy == "auto" and self.window is not None and self.dense_interval is not None:
+            raise ConfigError(
+                'SparseConfig sets both window (sparse) and dense_interval (dense) under policy "auto": set one, or '
+                "name the policy"
+            )
+        if self.sliding and self.policy == "dense":
+            raise ConfigError('SparseConfig.sliding is a sparse-window option: drop it or set policy="sparse"')
+        self.mtbf = parse_duration(self.mtbf, "SparseConfig.mtbf")
+
+    @property
+    def fixed_policy(self) -> str | None:
+        """The policy the config fixes ("sparse" or "dense"), or None when "auto" is left to choose."""
+        if self.policy != "auto":
+            return self.policy
+        if self.window is not None or self.sliding:
+            return "sparse"  # W forced (or sliding windows asked for): the user chose windows
+        if self.dense_interval is not None:
+            return "dense"
+        return None
 
     def _check_types(self) -> None:
         """A wrong type ("3" from a job file) fails here with one clear line, not later in a comparison."""
@@ -169,3 +239,25 @@ class SparseConfig:
             raise ConfigError(f"copy_phase {self.copy_phase!r} is not one of {', '.join(COPY_PHASES)}")
         if self.popularity not in POPULARITIES:
             raise ConfigError(f"popularity {self.popularity!r} is not one of {', '.join(POPULARITIES)}")
+
+
+def parse_duration(value: float | str | None, name: str) -> float | None:
+    """Seconds from a number (> 0) or a duration string ("3h", "90m", "45 min", "2d", "600s", "600"); None stays."""
+    if value is None:
+        return None
+    fix = f'{name} must be seconds > 0 or a duration such as "3h", "90m", "2d" (None: the default), got {value!r}'
+    if isinstance(value, str):
+        text = value.strip().lower()
+        num = text.rstrip("abcdefghijklmnopqrstuvwxyz").strip()
+        unit = text[len(num) :].strip() or "s"
+        try:
+            seconds = float(num) * _UNITS[unit]
+        except (ValueError, KeyError):
+            raise ConfigError(fix) from None
+    elif is_kind(value, (int, float)):
+        seconds = float(value)
+    else:
+        raise ConfigError(fix)
+    if not 0 < seconds < math.inf:
+        raise ConfigError(fix)
+    return seconds

@@ -49,6 +49,8 @@ class RunStatus:
         self.memory: Callable[[], str] | None = None
         # () -> "lag 1" / "behind (lag 6 > 4, not durable)" and each link's rate (peer_lag.py): set with a peer tier
         self.peer_text: Callable[[], str] | None = None
+        # () -> "policy dense k=12 (predicted ETTR ...)" (planning/policy.py): set by the checkpointer
+        self.policy_text: Callable[[], str | None] | None = None
 
     def say(self, text: str, level: int | None = None) -> None:
         self.lines.append(text)
@@ -79,6 +81,8 @@ class RunStatus:
             ok = self.peers if self._peers_ok is None else self._peers_ok
             text += f" peers {ok}/{self.peers}" + (f" {self.peer_text()}" if self.peer_text is not None else "")
         text += f" store {store}" if store is not None else ""
+        policy = self.policy_text() if self.policy_text is not None else None
+        text += f"; {policy}" if policy else ""
         return text + (f"; {self.memory()}" if self.memory is not None else "")
 
     def peer_lag_changed(self, text: str, warn: bool) -> None:

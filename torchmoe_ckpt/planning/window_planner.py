@@ -140,6 +140,42 @@ class WindowPlanner:
         self._warned_unfit = self._warned_unfit or not plan.fits
         return plan, budget
 
+    def dense_plan(self) -> tuple[WindowPlan, float]:
+        """A dense snapshot's plan: one slot holding the full state of every operator (a W = 1 window). The
+        popularity keeps being folded in (the counts of the iterations between snapshots), so that a switch back
+        to windows orders them as if windows had run."""
+        order = self.operator_order()
+        full, comp = self.op_sizes()
+        if self.device_loss is not None:  # fold the steps since into the cost per byte (bounded, still learned)
+            self.device_loss.budget()
+        plan = self._same_split(order, 1, float("inf"))
+        if plan is None:
+            plan = plan_window(order, full, comp, float("inf"), forced_window=1, warn=False)
+            self._last_split = _Split(order, 1, plan)
+        return plan, float("inf")
+
+    def fold_counts(self) -> None:
+        """Between dense snapshots: the routed-token counts queued so far into the popularity (bounded memory over
+        a long interval). Collective with `sum_counts`: call at the same iteration on every rank."""
+        self._update_popularity()
+
+    def sparse_estimate(self) -> tuple[int, float]:
+        """(W, mean slot bytes) the next auto window would take, from what is known now, without side effects (no
+        collective, no samples folded): the policy's input. A forced W: that W."""
+        order = self._order or [o.name for o in self.ops]
+        full, comp = self.op_sizes()
+        w = self.cfg.window or self.auto_w
+        if w is None:
+            budget = self.cost.budget_bytes(self.overlap) if self.cost.t_iter else float("inf")
+            w = choose_window(order, full, comp, budget, sliding=self.cfg.sliding)
+        w = min(w, len(order), self.w_cap or len(order))
+        plan = plan_window(order, full, comp, float("inf"), forced_window=w, warn=False, sliding=self.cfg.sliding)
+        return w, sum(sl.bytes for sl in plan.slots) / plan.window
+
+    def probe_prior(self) -> None:
+        """The idle copy bandwidth as the copy cost's prior (`_probe_prior`); collective the first time."""
+        self._probe_prior()
+
     def _probe_prior(self) -> None:
         """Measure the idle copy bandwidth, the copy cost's prior until copies under training are seen, once per
         process: the probe copies real bytes and takes a while, and a restart in the same process (a new

@@ -24,6 +24,7 @@ from ..core.records import IterationRecord
 from ..core.slot import Slot
 from ..model.optim_state import init_optimizer_state  # also imported from here by callers
 from ..runtime import faults
+from . import rng
 from .replay_check import ReplayComparison, ReplayDivergence, ReplayPolicy
 from .replay_log import Replay
 
@@ -88,7 +89,11 @@ def sparse_to_dense(trainer: Replayable, window, replay_check: ReplayPolicy | No
     if not window.committed:
         raise ValueError(f"window {window.id} is not committed (slots missing or torn); use an older one")
     seq = list(zip(window.slots, window.plan.slots))
-    return replay_slots(trainer, seq, window.start_step, window.log.get, window.id, f"window {window.id}", replay_check)
+    rep = replay_slots(trainer, seq, window.start_step, window.log.get, window.id, f"window {window.id}", replay_check)
+    after = window.log.records.get(window.start_step + 1) if window.plan.window == 1 else None
+    if after is not None:  # a dense snapshot (W = 1): the random state after its iteration (no replay restored it)
+        rng.restore(after.rng_state, after.device_rng)
+    return rep
 
 
 def replay_slots(  # noqa: PLR0913 (a run of slots: a window and a sliding suffix hand their own parts)
