@@ -39,14 +39,19 @@ FAILURES = 5  # per run, at the same iterations for every system
 FRACTIONS = (1.0, 2.0)  # emulated dense copy / step, those above the machine's own (~0.3)
 REPS = 2  # repetitions of every cell (interleaved, systems rotated): the spread is the noise
 W1_REPS, W1_STEPS = 4, 30  # the W = 1 cost pair
+# A check that the section runs end to end within a test's time (tests/harness/test_bench_policy.py), not its
+# figures: a model a tenth of the MoE-regime one's bytes, 1 failure per run, no DCP (its exports take seconds).
 QUICK = {
-    "mtbfs": {"frequent": 6, "rare": 10},
-    "failures": 2,
+    "mtbfs": {"frequent": 3, "rare": 5},
+    "failures": 1,
     "fractions": (),
     "reps": 2,
     "w1_reps": 2,
-    "w1_steps": 8,
-    "model": {"num_experts": 8},
+    "w1_steps": 5,
+    "calibration_steps": 6,
+    "base_steps": 2,
+    "systems": ("ours_auto", "ours_sparse", "dense_k1", "dense_best"),
+    "model": {"dim": 32, "n_layers": 1, "num_experts": 4, "expert_hidden": 64},
 }
 SYSTEMS = ("ours_auto", "ours_sparse", "dense_k1", "dense_best", "dcp_async_best")
 BASELINES = ("dense_k1", "dense_best", "dcp_async_best")
@@ -84,8 +89,9 @@ def _spec(st: dict, shm: Path) -> dict:
         "reps": st["reps"],
         "w1_reps": st["w1_reps"],
         "w1_steps": st["w1_steps"],
-        "calibration_steps": 8,
-        "base_steps": 5,
+        "systems": list(st.get("systems", SYSTEMS)),
+        "calibration_steps": st.get("calibration_steps", 8),
+        "base_steps": st.get("base_steps", 5),
         "max_interval": 32,
         "shm": str(shm),
         "timeout_s": 300,

@@ -28,8 +28,6 @@ from torchmoe_ckpt.planning.schedule import measure_copy_bandwidth
 from torchmoe_harness.bench_ettr_worker import _agreed, _best, _mean_recovery, _phase, _steady
 from torchmoe_harness.worker import serve
 
-SYSTEMS = ("ours_auto", "ours_sparse", "dense_k1", "dense_best", "dcp_async_best")
-
 
 def _iter_s(rep: dict) -> float:
     """The loop's time per executed iteration, failures' lost partial iterations and recoveries left out."""
@@ -65,7 +63,12 @@ def run(spec: dict, out: Path) -> dict:
         },
     )
     clean("cal_dense")
-    cal_dcp = _phase(out, "cal_dcp", {"run": dict(run_cfg, steps=4), "system": {"kind": "dcp_async", "every": 1}})
+    with_dcp = "dcp_async_best" in spec["systems"]
+    cal_dcp = (
+        _phase(out, "cal_dcp", {"run": dict(run_cfg, steps=4), "system": {"kind": "dcp_async", "every": 1}})
+        if with_dcp
+        else cal_none
+    )
     bw = torch.tensor([measure_copy_bandwidth()], dtype=torch.float64)
     dist.all_reduce(bw, op=dist.ReduceOp.MIN)
     t_none = _agreed(_steady(cal_none["step_seconds"]))
@@ -119,7 +122,7 @@ def run(spec: dict, out: Path) -> dict:
         if cell["name"] == "natural":  # the copy throttle stands for a slower host link of the snapshot engine
             kd = _agreed(_best(t_none, t_none + dcp_stall, 2 * t_none, spec["mtbfs"][mtbf], spec["max_interval"]))
             out_["dcp_async_best"] = {"kind": "dcp_async", "every": kd}
-        return out_
+        return {k: v for k, v in out_.items() if k in spec["systems"]}
 
     for rep_i in range(spec["reps"]):
         for cell in cells_f:
@@ -130,7 +133,7 @@ def run(spec: dict, out: Path) -> dict:
                 if ck in best_k:  # rotated after rep 0 (rep 0 needs the k = 1 run before the best interval)
                     shift = rep_i % len(names)
                     names = names[shift:] + names[:shift]
-                else:
+                elif "dense_k1" in names:
                     names.remove("dense_k1")
                     names.insert(0, "dense_k1")
                 for name in names:
