@@ -35,7 +35,7 @@ from torchmoe_harness.launch import launch
 
 KEY = "policy_sweep"  # bench.SECTIONS key
 MTBFS = {"frequent": 20, "rare": 50}  # mean iterations between failures
-FAILURES = 5  # per run, at the same iterations for every system
+FAILURES = 4  # per run, at the same iterations for every system
 FRACTIONS = (1.0, 2.0)  # emulated dense copy / step, those above the machine's own (~0.3)
 REPS = 2  # repetitions of every cell (interleaved, systems rotated): the spread is the noise
 W1_REPS, W1_STEPS = 4, 30  # the W = 1 cost pair
