@@ -160,8 +160,13 @@ def analyse(rep: dict, spec: dict) -> dict:
         c["fraction"] = fractions[c["cell"]]
         c["ettr"] = {n: _stats([x["ettr"] for x in xs]) for n, xs in c["systems"].items()}
         auto = c["systems"].get("ours_auto", [])
+        # the policy each repetition ended in (and how often it switched on the way: re-decided every 16 iterations)
         c["auto_chose"] = sorted(
-            {f"{x['policy']} {'W' if x['policy'] == 'sparse' else 'k'}={x['interval']}" for x in auto}
+            {
+                f"{x['policy']} {'W' if x['policy'] == 'sparse' else 'k'}={x['interval']}"
+                + (f" ({len(sw)} switches)" if (sw := (x["decision"] or {}).get("switches")) else "")
+                for x in auto
+            }
         )
         base = [n for n in BASELINES if n in c["ettr"]]
         best = max(base, key=lambda n: c["ettr"][n]["mean"]) if base else None
