@@ -106,6 +106,8 @@ def _interval(rep: dict) -> tuple[str, int]:
     ck = rep.get("checkpoint") or {}
     pol = ck.get("policy")
     if rep["system"] == "ours" and pol:
+        if pol.get("interval_or_W") is None and not pol.get("forced"):
+            return "undecided", 0  # the run ended (or restarted from scratch) before its calibration did
         ws = ck.get("windows_W") or [1]
         if pol["policy"] == "dense":
             return "dense", int(pol.get("interval_or_W") or 1)
@@ -163,7 +165,11 @@ def analyse(rep: dict, spec: dict) -> dict:
         # the policy each repetition ended in (and how often it switched on the way: re-decided every 16 iterations)
         c["auto_chose"] = sorted(
             {
-                f"{x['policy']} {'W' if x['policy'] == 'sparse' else 'k'}={x['interval']}"
+                (
+                    f"{x['policy']} {'W' if x['policy'] == 'sparse' else 'k'}={x['interval']}"
+                    if x["policy"] != "undecided"
+                    else "undecided (calibrating)"
+                )
                 + (f" ({len(sw)} switches)" if (sw := (x["decision"] or {}).get("switches")) else "")
                 for x in auto
             }
@@ -187,7 +193,8 @@ def _mean_row(rows: dict, cell: str, mtbf: str, name: str) -> dict | None:
         return None
     keys = ("t_ref", "iter_s", "recovery_s", "failed_s", "ettr")
     out = {k: statistics.fmean(x[k] for x in xs) for k in keys}
-    out.update(steps=xs[0]["steps"], policy=xs[0]["policy"], interval=statistics.mode(x["interval"] for x in xs))
+    pol = "undecided" if any(x["policy"] == "undecided" for x in xs) else xs[0]["policy"]
+    out.update(steps=xs[0]["steps"], policy=pol, interval=statistics.mode(x["interval"] for x in xs))
     return out
 
 
@@ -215,8 +222,8 @@ def _predictions(rows: dict, spec: dict) -> dict:
             for src in (x for x in labels if x != dst):
                 for name in SYSTEMS:
                     want, have = _mean_row(rows, cell, dst, name), _mean_row(rows, cell, src, name)
-                    if want is None or have is None:
-                        continue
+                    if want is None or have is None or want["policy"] == "undecided":
+                        continue  # (undecided: no recovery point was ever taken, nothing for the model to price)
                     m = spec["mtbfs"][dst]
                     pred = predict(m, want, have["recovery_s"])
                     own = predict(m, want, want["recovery_s"])
@@ -433,7 +440,7 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cells = list(res["cells"].values())
-    fig, ax = plt.subplots(figsize=(max(6, 1.9 * len(cells)), 4.2))
+    fig, ax = plt.subplots(figsize=(max(6, 1.9 * len(cells)) + 3, 4.2))
     width = 0.8 / len(SYSTEMS)
     colors = dict(zip(SYSTEMS, ("tab:green", "tab:olive", "tab:red", "tab:orange", "tab:blue")))
     for j, n in enumerate(SYSTEMS):
@@ -456,7 +463,7 @@ def plot(res: dict, path: Path) -> None:
     ax.set_ylabel("ETTR (bars: mean, whiskers: min-max over repetitions)")
     ax.set_ylim(0, 1.05)
     ax.set_title("policy sweep: the same failure iterations for every system, every system durable", fontsize=9)
-    ax.legend(fontsize=6, loc="lower left")
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
