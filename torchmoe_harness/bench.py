@@ -32,7 +32,15 @@ from pathlib import Path
 
 import torch
 
-from torchmoe_harness import bench_ettr, bench_families, bench_moe, bench_peer, bench_restart, bench_tiers
+from torchmoe_harness import (
+    bench_ettr,
+    bench_families,
+    bench_moe,
+    bench_peer,
+    bench_policy,
+    bench_restart,
+    bench_tiers,
+)
 from torchmoe_harness.launch import run_torchrun
 
 # Sections after the per-model tables: modules with `run(out, say) -> dict`, `markdown(res) -> list[str]`
@@ -44,6 +52,7 @@ SECTIONS = {
     "restart": bench_restart,
     "peer_tier": bench_peer,  # 2 namespace nodes at tc tbf link rates; skips in one line without namespaces
     "families": bench_families,
+    "policy_sweep": bench_policy,  # what policy="auto" chooses per regime against the dense alternatives (~20 min)
 }
 
 MODELS = {

@@ -162,7 +162,8 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument(
         "--sections",
         default=None,
-        help="only these report sections (comma-separated: moe_regime, ettr, tiers, restart, peer_tier, families), "
+        help="only these report sections (comma-separated: moe_regime, ettr, tiers, restart, peer_tier, families, "
+        "policy_sweep), "
         "merged into OUT/bench.json and bench.md beside the results already there",
     )
     b.add_argument("--json", action="store_true")

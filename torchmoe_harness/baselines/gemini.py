@@ -22,19 +22,67 @@ from torchmoe_ckpt.model.operators import discover_operators
 from torchmoe_ckpt.recovery.sparse_to_dense import init_optimizer_state
 from torchmoe_harness.baselines.common import HostCopyBaseline, Timer, restore_rng, restore_slots, rng_state
 
+_ALIGN = 64
+
+
+def _file_alloc(shm_dir: str, index: int, names: tuple, by_name: dict, trainer):
+    """An allocator for `build_slot` whose tensors are views of one file `<shm_dir>/snapshot-<rank>-<index>` mapped
+    shared (torch.from_file): the snapshot copy writes the file's pages, which outlive the process."""
+    import os
+
+    import torch
+
+    sizes: list[int] = []
+
+    def measure(shape, dtype):
+        t = torch.empty(shape, dtype=dtype, device="meta")
+        sizes.append(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN)
+        return t
+
+    build_slot(index, names, (), by_name, trainer.compute_dtype, alloc=measure)  # sizes only (meta tensors)
+    rank = trainer.rank
+    os.makedirs(shm_dir, exist_ok=True)
+    path = os.path.join(shm_dir, f"snapshot-{rank}-{index}")
+    total = max(_ALIGN, sum(sizes))
+    with open(path, "wb") as f:
+        f.truncate(total)
+    mem = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+    offset = [0]
+
+    def alloc(shape, dtype):
+        t = torch.empty(shape, dtype=dtype, device="meta")
+        n = t.numel() * t.element_size()
+        view = mem[offset[0] : offset[0] + n].view(dtype).view(shape)
+        offset[0] += -(-n // _ALIGN) * _ALIGN
+        return view
+
+    return alloc
+
 
 class HostDense(HostCopyBaseline):
     exact = True
 
-    def __init__(self, trainer, every: int = 1, throttle_bytes_per_s: float | None = None):
+    def __init__(self, trainer, every: int = 1, throttle_bytes_per_s: float | None = None, shm_dir: str | None = None):
+        """`shm_dir`: each snapshot buffer is a file there (/dev/shm: the copy writes where a kill -9 leaves it, the
+        durability ours has with its host tier); None: process memory, which a kill -9 takes with it (Gemini's own
+        design, not durable against a process loss)."""
         self.every = every
+        self.shm_dir = shm_dir
         self.throttle = throttle_bytes_per_s  # an emulated slower host link (SnapshotEngine.throttle_bytes_per_s)
         ops = discover_operators(trainer.model)
         names = tuple(o.name for o in ops)
         self.engine = self._engine(trainer)  # on the model's device
         pin = self.engine.use_cuda  # pinned host buffers on a GPU, as our slots: the same copy path, a fair price
         by_name = {o.name: o for o in ops}
-        self.buffers = [build_slot(i, names, (), by_name, trainer.compute_dtype, pin_memory=pin) for i in (0, 1)]
+        if shm_dir is None:
+            self.buffers = [build_slot(i, names, (), by_name, trainer.compute_dtype, pin_memory=pin) for i in (0, 1)]
+        else:
+            self.buffers = [
+                build_slot(
+                    i, names, (), by_name, trainer.compute_dtype, alloc=_file_alloc(shm_dir, i, names, by_name, trainer)
+                )
+                for i in (0, 1)
+            ]
         self.taken: list[tuple | None] = [None, None]  # per buffer: (step, RNG state) of the snapshot queued into it
         self.pending = None  # HostCopyBaseline's: no snapshot is promoted on the training thread
         self.wait = Timer()
@@ -109,4 +157,5 @@ class HostDense(HostCopyBaseline):
             "bytes_per_checkpoint": self.buffers[0].nbytes,
             "host_bytes": sum(b.nbytes for b in self.buffers),  # the two snapshot buffers (pinned on a GPU)
             "copy": dict(self.engine.copy_totals),  # this engine's copies (since its last rebuild)
+            "durable": self.shm_dir is not None,  # written where a kill -9 leaves it
         }

@@ -22,9 +22,15 @@ class Ours:
         sliding: bool = False,
         config: dict | None = None,
         skip_copies: bool = False,
+        host_root: str | None = None,
+        restart_s: float | None = None,
     ):
-        """`config`: more SparseConfig fields (the GPU check's ablations switch one fix on at a time);
-        `skip_copies`: the copy path runs without copying (SnapshotEngine.skip_copies: isolates its Python)."""
+        """`config`: more SparseConfig fields (the GPU check's ablations switch one fix on at a time; the policy
+        sweep's `policy`, `mtbf`); `skip_copies`: the copy path runs without copying (SnapshotEngine.skip_copies:
+        isolates its Python); `host_root`: the host tier under this directory (/dev/shm: slot files a kill -9
+        leaves, as in a real run; None: slots in this process only); `restart_s`: what a restart costs here (the
+        policy's input, which a real run measures at its restart: an in-place recovery is the emulated restart, so
+        each one's measured seconds replace it)."""
         self.cfg = SparseConfig(
             window=window,
             overlap=overlap,
@@ -34,12 +40,27 @@ class Ours:
         )
         self.throttle = throttle_bytes_per_s  # an emulated slower host link (SnapshotEngine.throttle_bytes_per_s)
         self.skip_copies = skip_copies
+        self.host_root, self.restart_s = host_root, restart_s
+        self.tiers = None
+        if host_root is not None:
+            import torch.distributed as dist
+
+            from torchmoe_ckpt.persist.build_tiers import build_tiers
+
+            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+            self.tiers = build_tiers({"root": host_root, "run_id": "ours", "ranks_per_node": world}, rank, world)
         self.ck = self._checkpointer(trainer)
         self._attached = None
 
     def _checkpointer(self, trainer) -> SparseCheckpointer:
-        ck = SparseCheckpointer(trainer.model, trainer.optimizer, trainer.compute_dtype, self.cfg)
+        from torchmoe_ckpt.sparse_checkpointer import RunContext
+
+        ck = SparseCheckpointer(
+            trainer.model, trainer.optimizer, trainer.compute_dtype, self.cfg, RunContext(tiers=self.tiers)
+        )
         ck.engine.throttle_bytes_per_s = self.throttle
+        if self.restart_s is not None:
+            ck.restart_s = self.restart_s
         if self.skip_copies:
             ck.engine.skip_copies = True
         return ck
@@ -59,6 +80,8 @@ class Ours:
         yet, a new trainer from the deterministic initialisation and a new checkpointer."""
         t0 = time.perf_counter()
         rep = self.ck.recover_in_memory(trainer)
+        if rep is not None and self.restart_s is not None:
+            self.restart_s = self.ck.restart_s = rep.seconds  # this restart's measured cost, as a restart reports it
         if rep is None:
             from torchmoe_harness.baselines.dense_dcp import fresh_trainer_plain
 
@@ -99,4 +122,6 @@ class Ours:
             "dense_bytes": s["dense_bytes"],
             # a whole window's mean slot (what an iteration copies in steady state), as planned
             "planned_mean_slot_bytes": s["windows"][-1]["mean_slot_bytes"] if s["windows"] else None,
+            "policy": s.get("policy"),  # the policy in force, its W or k, each candidate's predicted ETTR, why
+            "host_tier": s.get("host_tier"),
         }
