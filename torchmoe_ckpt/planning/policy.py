@@ -128,7 +128,7 @@ class PolicyDecision:
     """The policy in force and why (`stats()["policy"]`, the status lines)."""
 
     policy: str  # "sparse" or "dense"
-    interval_or_W: int  # noqa: N815 (W, the window's name everywhere)
+    interval_or_W: int
     predicted_ettr: dict[str, float]  # per candidate, "sparse W=4" / "dense k=12"
     reason: str
     candidates: tuple[Candidate, ...] = ()
@@ -167,7 +167,7 @@ class PolicyStatus:
     predicted ETTR, why, what it was decided on, and the switches so far."""
 
     policy: str
-    interval_or_W: int | None  # noqa: N815
+    interval_or_W: int | None
     predicted_ettr: dict[str, float]
     reason: str
     forced: bool
