@@ -69,7 +69,7 @@ class OursHostTier(Ours):
 
     def __init__(self, trainer, root: str, window: int | None = None, overlap: float | None = None):
         host = {"root": root, "run_id": Path(root).name}
-        self.cfg = SparseConfig(window=window, overlap=overlap)
+        self.cfg = SparseConfig(window=window, overlap=overlap, policy="sparse")
         self.ck = SparseCheckpointer(
             trainer.model,
             trainer.optimizer,

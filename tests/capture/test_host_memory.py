@@ -167,7 +167,7 @@ def test_a_growing_window_is_pinned_ahead_off_the_training_thread(one_rank_group
     plain arenas, W = 1 first: a window start every step."""
     import dataclasses
 
-    t, ck = checkpointer(None, window=None, bandwidth_bytes_per_s=1e15)
+    t, ck = checkpointer(None, window=None, bandwidth_bytes_per_s=1e15, policy="sparse")  # its subject is W
     ws = []
     for step in range(1, 8):
         if step == 3:  # a real config change: every later budget is 1 byte, so W goes as high as the rule allows

@@ -37,7 +37,7 @@ def test_a_turn_whose_switch_this_tree_lacks_says_so_in_one_line():
         keys = set((sp.get("config") or {}).keys())
         assert (missing_switch(sp) is None) == keys.issubset(have), name
     every = resolved(SYSTEMS)["ours_auto_fixed"]["config"]  # "every fix": the switches this tree has, no other
-    assert set(every) <= have and "copy_chunk_bytes" in every and set(every) <= set(FIXES) | {"max_step_overhead"}
+    assert set(every) <= have and "copy_chunk_bytes" in every and set(every) <= {*FIXES, "max_step_overhead", "policy"}
     # the W = 4 ablations share one pinned footprint (their blocks reused); none holds none
     assert pin_class(SYSTEMS["ours_W4"]) == pin_class(SYSTEMS["ours_W4_nocopy"]) != pin_class(SYSTEMS["gemini_k1"])
     assert pin_class(None) is None

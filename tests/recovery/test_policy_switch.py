@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from torchmoe_ckpt.config import SparseConfig
+from torchmoe_ckpt.planning.calibration import CALIBRATION_STEPS, WARMUP_STEPS
 from torchmoe_ckpt.sparse_checkpointer import SparseCheckpointer
 from torchmoe_harness.baselines.common import lose_state
 from torchmoe_harness.trainer import RunConfig, Trainer
@@ -118,27 +119,31 @@ def test_dense_to_sparse_switch_recovers_on_each_side(one_rank_group):
     _assert_same(tr, ref_state, losses, ref_losses, 14)
 
 
+END = WARMUP_STEPS + CALIBRATION_STEPS + 8
+
+
 def test_auto_decides_after_calibration_and_says_why(one_rank_group):
     """policy "auto" (the default): the first steps capture nothing (the step without copies is measured), then
     the policy is decided and shown in stats() with each candidate's predicted ETTR and the reason; a failure
     after that recovers exactly from whichever it chose."""
-    ref_state, ref_losses = _reference(12)
+    ref_state, ref_losses = _reference(END)
     tr = Trainer(RunConfig(**RUN))
     ck = SparseCheckpointer(tr.model, tr.optimizer, tr.compute_dtype, SparseConfig()).attach(tr)
     losses: dict = {}
     _train(tr, ck, 3, losses)
     pol = ck.stats()["policy"]
     assert pol["reason"] == "not decided yet (calibrating)" and not ck.counters.windows
-    _train(tr, ck, 10, losses)
+    _train(tr, ck, WARMUP_STEPS + CALIBRATION_STEPS + 6, losses)
     pol = ck.stats()["policy"]
     assert pol["policy"] in ("sparse", "dense") and not pol["forced"] and pol["base_step_s"] > 0
     assert {k.split()[0] for k in pol["predicted_ettr"]} == {"sparse", "dense"}, pol
     assert pol["reason"].startswith("predicted ETTR") and pol["inputs"]["dense_bytes"] == ck.dense_bytes
-    assert ck.counters.windows[0]["start"] == 4  # 1 warm-up and 3 calibration steps: decided after the 4th
+    # the warm-up and calibration steps capture nothing: the policy is decided after them
+    assert ck.counters.windows[0]["start"] == WARMUP_STEPS + CALIBRATION_STEPS
     ck.before_update()
     lose_state(tr)
     rep = ck.recover_in_memory(tr)
-    assert rep is not None and rep.recovered_step >= 4
-    _train(tr, ck, 12, losses)
+    assert rep is not None and rep.recovered_step >= WARMUP_STEPS + CALIBRATION_STEPS
+    _train(tr, ck, END, losses)
     ck.close()
-    _assert_same(tr, ref_state, losses, ref_losses, 12)
+    _assert_same(tr, ref_state, losses, ref_losses, END)
