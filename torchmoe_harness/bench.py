@@ -383,6 +383,13 @@ def report_markdown(res: dict) -> str:
     for key, section in SECTIONS.items():
         if res.get(key):
             lines += ["", *section.markdown(res[key])]
+        elif key in res.get("not_measured", {}):  # a section built after these results, named with the reason
+            lines += [
+                "",
+                f"## Section `{key}`: not measured in these results",
+                "",
+                f"{res['not_measured'][key]} Run it: `torchmoe-ckpt bench --sections {key} --out benchmarks/results`.",
+            ]
     text = "\n".join(lines)
     while "\n\n\n" in text:  # sections end with or without a blank line: one between each
         text = text.replace("\n\n\n", "\n\n")
