@@ -376,11 +376,11 @@ def run(spec: dict, out: Path) -> dict:
         name = regime["name"]
         trainer.set_micro_batches(_micro_batches(trainer, regime))
         print(f"[bench] regime {name}: {trainer.cfg.micro_batches} micro-batch(es) per step", flush=True)
-        res = regimes[name] = {"micro_batches": trainer.cfg.micro_batches}
+        regimes[name] = {"micro_batches": trainer.cfg.micro_batches}
         wanted = regime.get("systems")
         specs = {n: sp for n, sp in specs_all.items() if wanted is None or n == "none" or n in wanted}
         periodic = {n: p for n, p in spec.get("periodic", {}).items() if n in regime.get("periodic", ())}
-        res.update(_repetitions(trainer, spec, regime, specs, periodic, workdir, t_begin, partial, regimes))
+        _repetitions(trainer, spec, regime, specs, periodic, workdir, t_begin, partial, regimes)
         partial.write(regimes)
     trainer.set_micro_batches(1)
     profile, skipped = None, []
@@ -414,9 +414,10 @@ def _repetitions(
     t_begin: float,
     partial: _Partial,
     regimes: dict,
-) -> dict:
+) -> None:
     """One regime: its turns taking turns, the order rotated each repetition, until `regime["reps"]` or its
-    deadline (no repetition starts that would end past it); partial.json rewritten after every turn."""
+    deadline (no repetition starts that would end past it). Its turns, intervals and skips go into
+    `regimes[regime["name"]]` as they come, so that partial.json, rewritten after every turn, has them."""
     deadline = regime.get("deadline_s") or math.inf
     reps, measure = regime.get("reps", spec["reps"]), regime.get("measure", spec["measure"])
     specs = dict(specs)
@@ -429,8 +430,8 @@ def _repetitions(
     turns: dict[str, list] = {name: [] for name in order}
     learned: dict[str, tuple] = {}  # ours: what auto W learned (copy cost, W), for the next turn's instance
     intervals, skipped, rep_s = {}, [], []
-    mine_now = regimes[regime["name"]]
-    mine_now.update(turns=turns, intervals=intervals, skipped=skipped, skipped_turns=skipped_turns, rep_s=rep_s)
+    record = regimes[regime["name"]]
+    record.update(turns=turns, intervals=intervals, skipped=skipped, skipped_turns=skipped_turns, rep_s=rep_s)
     for rep in range(reps):
         t_rep = time.perf_counter()
         if rep_s and time.perf_counter() - t_begin + max(rep_s) > deadline:
@@ -474,7 +475,6 @@ def _repetitions(
     for name, p in periodic.items():  # only the turns at the interval chosen count (the probe's if it is the same)
         intervals.setdefault(name, p["probe_every"])
         turns[name] = [t for t in turns[name] if t["every"] == intervals[name]]
-    return mine_now
 
 
 def main() -> None:
