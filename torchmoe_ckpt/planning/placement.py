@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from bisect import insort
 from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 
@@ -144,7 +145,7 @@ def place_replicas(topo: Topology, r: int = 2) -> Placement:
     n_other = len(set(node)) - 1
     load, sends = _least_loaded_sends(n, node, n_other, ok, replicas, r)
     _rebalance(n, cands, sends, load)
-    _spread(n, node, group, n_other, cands, replicas, sends, load)
+    _NodeSpreader(n, node, group, n_other, cands, replicas, sends, load).run()
 
     peers = tuple(tuple(sorted(replicas[o] + sends[o])) for o in range(n))
     replica_peers, send_peers = (tuple(tuple(sorted(x)) for x in xs) for xs in (replicas, sends))
@@ -238,74 +239,140 @@ def _rebalance(n, cands, sends, load) -> None:
             step = prev[u]
 
 
-def _spread(n, node, group, n_other, cands, replicas, sends, load) -> None:  # noqa: C901, PLR0913  (Step 4 of Algorithm 2 in one place: the chain search, the walk back and the acceptance test share the invariants that make the loop end)
-    """Step 4: rank o has two copies on one node (one at v) and none on another: move v's copy there, to u.
-    If u is at the max load, a chain of owners passes one copy on (each keeping its own node count) until a
-    receiver below the max, or v itself, takes it. A chain is kept only if the result adds a node to o, takes
-    none from any other owner, duplicates nothing and keeps the max: so the loop terminates."""
-    top, holders = max(load, default=0), [set() for _ in range(n)]
-    for o, s in enumerate(sends):
-        for p in s:
-            holders[p].add(o)
-    spread = [Counter(node[q] for q in replicas[o] + sends[o]) for o in range(n)]  # nodes holding o's copies
+@dataclass(frozen=True)
+class _Move:
+    """One copy moving: `owner`'s copy held by receiver `src` goes to receiver `dst`."""
 
-    def steps(o: int, a: int, live: dict):  # (owner x, node, receiver b): x's copy at `a` may move to b
-        for x in sorted(holders[a] - {o}):
-            c = spread[x]
-            for nd in [nd for nd in live if nd != node[x] and (nd == node[a] or c[node[a]] > 1 or c[nd] == 0)]:
-                yield from ((x, nd, b) for b in [b for b in live[nd] if b not in sends[x] and group[b] != group[x]])
+    owner: int
+    src: int
+    dst: int
 
-    def improve(o: int) -> bool:  # noqa: C901  (one chain search for owner o: see _spread's docstring)
-        count = spread[o]
-        for v in [v for v in sends[o] if count[node[v]] >= 2] if len(count) < n_other else ():
-            prev = {u: (v, o) for u in sorted(cands(o), key=lambda u: (load[u], u)) if count[node[u]] == 0}
-            end = next((u for u in prev if load[u] < top), None)
-            queue, live = deque(prev), {}
-            for b in range(n):  # unvisited receivers by node: a node a move may not use costs O(1)
-                if b not in prev:
-                    live.setdefault(node[b], {})[b] = None
-            while queue and end is None:  # BFS over receivers holding one copy too many
-                a = queue.popleft()
-                for x, nd, b in steps(o, a, live):
-                    del live[nd][b]
-                    prev[b] = (a, x)
-                    if load[b] < top or b == v:
-                        end = b
-                        break
-                    queue.append(b)
-            if end is None:
-                continue
-            moves, b = [], end
-            while not moves or moves[-1][0] != o:  # walk back to o's own move
-                a, x = prev[b]
-                moves.append((x, a, b))
-                b = a
-            before = {x: (list(sends[x]), spread[x]) for x, _, _ in moves}
-            for x, a, b in moves:
-                sends[x][sends[x].index(a)] = b
-                load[a], load[b] = load[a] - 1, load[b] + 1
-            for x in before:
-                spread[x] = Counter(node[q] for q in replicas[x] + sends[x])
-            if (
-                len(spread[o]) > len(count)
-                and max(load) <= top
-                and all(
-                    len(set(sends[x])) == len(sends[x]) and len(spread[x]) >= len(c) for x, (_, c) in before.items()
-                )
-            ):
-                for x, a, b in moves:
-                    holders[a].discard(x)
-                    holders[b].add(x)
+
+class _NodeSpreader:
+    """Step 4: give owners' copies more distinct nodes, without raising the max receive load.
+
+    The situation it repairs: owner o holds two copies on one node (one of them at receiver v) while another node
+    holds none of o's copies. Moving v's copy to a receiver u on the empty node adds a failure domain to o. When
+    every such u is already at the max load, u passes one of the copies it holds on to another receiver (its owner
+    x keeping or gaining nodes), and so on: a chain of moves found breadth-first, ending at a receiver below the
+    max load (or at v, whose load the first move lowered). A chain is kept only if o gains a node, no owner on the
+    chain loses one, no owner ends with two copies on one receiver, and the max load is unchanged. Each kept chain
+    adds a node to some owner and takes none away, so the loop ends.
+    """
+
+    def __init__(  # noqa: PLR0913  (Steps 1-3's results, handed on)
+        self,
+        n: int,
+        node: tuple[int, ...],  # per rank: its node (failure domain)
+        group: tuple[int, ...],  # per rank: its HSDP shard group
+        n_other: int,  # nodes other than any rank's own: the most distinct nodes an owner's copies can reach
+        cands: Callable[[int], Iterable[int]],  # owner -> receivers eligible for a sent copy of it
+        replicas: list[list[int]],  # Step 1: per owner, its replica peers (never moved)
+        sends: list[list[int]],  # Steps 2-3: per owner, the receivers sent its copies (moved here, in place)
+        load: list[int],  # per receiver: sent copies it holds (updated in place)
+    ) -> None:
+        self.n, self.node, self.group, self.n_other, self.cands = n, node, group, n_other, cands
+        self.replicas, self.sends, self.load = replicas, sends, load
+        self.top = max(load, default=0)  # the max load that Step 3 reached: never exceeded here
+        self.holders: list[set[int]] = [set() for _ in range(n)]  # per receiver: owners whose copy it holds
+        for owner, receivers in enumerate(sends):
+            for receiver in receivers:
+                self.holders[receiver].add(owner)
+        self.spread = [self._nodes_of(owner) for owner in range(n)]  # per owner: copies per node
+
+    def run(self) -> None:
+        changed = True
+        while changed:
+            changed = False
+            for owner in range(self.n):
+                while self._improve(owner):
+                    changed = True
+
+    def _nodes_of(self, owner: int) -> Counter:
+        return Counter(self.node[q] for q in self.replicas[owner] + self.sends[owner])
+
+    def _improve(self, owner: int) -> bool:
+        """One kept chain that adds a node to `owner`'s copies; False when none exists."""
+        count = self.spread[owner]
+        if len(count) >= self.n_other:
+            return False  # already a copy on every other node
+        for doubled in [v for v in self.sends[owner] if count[self.node[v]] >= 2]:
+            chain = self._find_chain(owner, doubled, count)
+            if chain is not None and self._apply_if_kept(owner, count, chain):
                 return True
-            for _x, a, b in moves:  # rejected (an owner repeated on the chain): undo
-                load[a], load[b] = load[a] + 1, load[b] - 1
-            for x, (old, c) in before.items():
-                sends[x], spread[x] = old, c
         return False
 
-    changed = True
-    while changed:
-        changed = False
-        for o in range(n):
-            while improve(o):
-                changed = True
+    def _find_chain(self, owner: int, doubled: int, count: Counter) -> list[_Move] | None:
+        """Breadth-first over receivers: the first moves go from `doubled` to a receiver on a node without
+        `owner`'s copies; each further move takes one copy off a receiver reached by the previous one."""
+        # came_from[b] = (receiver a, owner x): x's copy moved from a to b
+        came_from = {
+            u: (doubled, owner)
+            for u in sorted(self.cands(owner), key=lambda u: (self.load[u], u))
+            if count[self.node[u]] == 0
+        }
+        end = next((u for u in came_from if self.load[u] < self.top), None)
+        queue = deque(came_from)
+        unvisited: dict[int, dict[int, None]] = {}  # per node, the receivers no move has reached (ordered)
+        for b in range(self.n):
+            if b not in came_from:
+                unvisited.setdefault(self.node[b], {})[b] = None
+        while queue and end is None:
+            a = queue.popleft()
+            for move in self._moves_off(owner, a, unvisited):
+                del unvisited[self.node[move.dst]][move.dst]
+                came_from[move.dst] = (a, move.owner)
+                if self.load[move.dst] < self.top or move.dst == doubled:
+                    end = move.dst
+                    break
+                queue.append(move.dst)
+        if end is None:
+            return None
+        moves: list[_Move] = []
+        b = end
+        while not moves or moves[-1].owner != owner:  # walk back to owner's own move, the chain's first
+            a, x = came_from[b]
+            moves.append(_Move(x, a, b))
+            b = a
+        return moves
+
+    def _moves_off(self, owner: int, a: int, unvisited: dict[int, dict[int, None]]) -> Iterator[_Move]:
+        """Copies receiver `a` holds (other owners' than `owner`) that may move to an unvisited receiver without
+        costing their owner a node: to the same node, off a node holding two of its copies, or onto a node
+        holding none; never to the owner's own node, to a receiver already holding its copy, or to a replica."""
+        for x in sorted(self.holders[a] - {owner}):
+            copies_of_x = self.spread[x]
+            for nd in [
+                nd
+                for nd in unvisited
+                if nd != self.node[x] and (nd == self.node[a] or copies_of_x[self.node[a]] > 1 or copies_of_x[nd] == 0)
+            ]:
+                for b in [b for b in unvisited[nd] if b not in self.sends[x] and self.group[b] != self.group[x]]:
+                    yield _Move(x, a, b)
+
+    def _apply_if_kept(self, owner: int, count: Counter, moves: list[_Move]) -> bool:
+        """Apply the chain; keep it if the acceptance test holds (the class docstring), else undo it."""
+        before = {m.owner: (list(self.sends[m.owner]), self.spread[m.owner]) for m in moves}
+        for m in moves:
+            self.sends[m.owner][self.sends[m.owner].index(m.src)] = m.dst
+            self.load[m.src], self.load[m.dst] = self.load[m.src] - 1, self.load[m.dst] + 1
+        for x in before:
+            self.spread[x] = self._nodes_of(x)
+        kept = (
+            len(self.spread[owner]) > len(count)
+            and max(self.load) <= self.top
+            and all(
+                len(set(self.sends[x])) == len(self.sends[x]) and len(self.spread[x]) >= len(old_count)
+                for x, (_, old_count) in before.items()
+            )
+        )
+        if kept:
+            for m in moves:
+                self.holders[m.src].discard(m.owner)
+                self.holders[m.dst].add(m.owner)
+            return True
+        for m in moves:  # rejected (an owner repeated on the chain): undo
+            self.load[m.src], self.load[m.dst] = self.load[m.src] + 1, self.load[m.dst] - 1
+        for x, (old_sends, old_count) in before.items():
+            self.sends[x], self.spread[x] = old_sends, old_count
+        return False
