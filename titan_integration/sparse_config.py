@@ -81,6 +81,7 @@ CORE_KEYS: dict[str, type] = {
     **dict.fromkeys(("policy", "dense_interval", "mtbf"), SparseConfig),
     **dict.fromkeys(("root", "run_id", "replicas", "upload_backlog", "spare_windows"), TierConfig),
     **dict.fromkeys(("peer_max_lag_windows", "peer_interval", "peer_link_share", "object_store"), TierConfig),
+    **dict.fromkeys(("peer_timeout_s",), TierConfig),
     **dict.fromkeys(("hang_timeout_s", "on_unusable_checkpoint", "replay_check", "replay_tolerance"), CheckpointConfig),
 }
 # TOML has no null: how a key spells the core's None (the first spelling is the one the section's default uses).
@@ -187,6 +188,7 @@ class SparseCheckpointSection:
         "peer_interval"
     )  # TierConfig.peer_interval: every k-th window, or "auto"
     peer_link_share: float = core("peer_link_share")  # TierConfig.peer_link_share
+    peer_timeout_s: float = core("peer_timeout_s")  # TierConfig.peer_timeout_s: one peer message's longest wait
     object_store: dict[str, Any] = core("object_store")  # TierConfig.object_store: ObjectStoreConfig's keys
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options of the dense export, and of the object store when its table has none."""
@@ -445,7 +447,14 @@ class SparseCheckpointSection:
         cfg: dict[str, Any] = {"root": self.root, "run_id": self.resolved_run_id(), "replicas": self.replicas}
         if ranks_per_node:
             cfg["ranks_per_node"] = ranks_per_node
-        changeable = ("upload_backlog", "spare_windows", "peer_max_lag_windows", "peer_interval", "peer_link_share")
+        changeable = (
+            "upload_backlog",
+            "spare_windows",
+            "peer_max_lag_windows",
+            "peer_interval",
+            "peer_link_share",
+            "peer_timeout_s",
+        )
         for key in changeable:  # only when changed
             if getattr(self, key) != core_default(key):
                 cfg[key] = getattr(self, key)

@@ -10,6 +10,7 @@ __all__ = [
     "UncapturedStateError",
     "UnusableCheckpointError",
     "StoreConfigError",
+    "PeerTimeoutError",
     "is_collective_failure",
 ]
 
@@ -39,6 +40,12 @@ class UnusableCheckpointError(TorchmoeError, RuntimeError):
     refused on every rank rather than starting over and overwriting them; the message lists each and the fixes."""
 
 
+class PeerTimeoutError(TorchmoeError, TimeoutError):
+    """A peer-tier transfer got no answer from its partner rank within `TierConfig.peer_timeout_s`. gloo closes
+    the pair on a timeout, so the peer tier stops for the rest of this process (its copies count as not durable);
+    a restart builds the group again."""
+
+
 # gloo raises a plain RuntimeError ("[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms
 # for recv operation to complete", "[.../pair.cc:553] Connection closed by peer"), not dist.DistError.
 _COLLECTIVE_MARKERS = ("gloo", "nccl", "timed out", "connection closed", "connection reset", "broken pipe")
@@ -48,6 +55,8 @@ def is_collective_failure(exc: BaseException) -> bool:
     """Whether `exc` is a collective that failed (a peer gone or frozen past the process group's timeout): the
     job cannot go on, so recovery does not treat it as a bad window and the watchdog ends the process. Never
     imports torch (the watchdog's exit path calls it)."""
+    if isinstance(exc, PeerTimeoutError):  # a peer transfer past peer_timeout_s: the pair is closed
+        return True
     dist = sys.modules.get("torch.distributed")
     if dist is not None and isinstance(exc, getattr(dist, "DistError", ())):
         return True

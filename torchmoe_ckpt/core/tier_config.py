@@ -142,6 +142,12 @@ class TierConfig:
     peer_link_share: float = 0.05
     """peer_interval="auto": the largest share of the peer links' time the pushes may take (0 < share <= 1)."""
 
+    peer_timeout_s: float | None = 300.0
+    """The longest one peer message may wait for its partner rank (a header, or one chunk of at most 64 MiB:
+    13 s at 40 Mbit/s), in seconds; None: the library group's own timeout. A peer that does not answer within it
+    stops the peer tier for the rest of the process, with one warning: its copies count as not durable and the
+    training goes on (the host tier and the object store still commit)."""
+
     def __post_init__(self):
         if isinstance(self.object_store, dict):
             self.object_store = config_from_dict(ObjectStoreConfig, self.object_store, "object_store")
@@ -159,6 +165,7 @@ class TierConfig:
                 raise ConfigError(f"{name} must be >= 0 (windows kept in host memory), got {getattr(self, name)}")
         _check_lag_bound(self.peer_max_lag_windows)
         _check_interval(self.peer_interval, self.peer_link_share)
+        check_timeout("peer_timeout_s", self.peer_timeout_s, ConfigError)
         check_whole("ranks_per_node", self.ranks_per_node, none_ok=True)
         if not 0 <= self.replicas <= MAX_REPLICAS:
             raise ConfigError(

@@ -100,7 +100,7 @@ def build_tiers(cfg: TierConfig | dict, rank: int, world: int, hsdp_replicate: i
         return Tiers(tier, None, store, lease)
     placement = place_replicas(Topology.from_mesh_shape(world, hsdp_replicate, rpn), cfg.replicas)
     group = library_new_group() if dist.is_initialized() else None
-    return Tiers(tier, PeerTier(tier, placement, group), store, lease)
+    return Tiers(tier, PeerTier(tier, placement, group, timeout_s=cfg.peer_timeout_s), store, lease)
 
 
 def job_key() -> str:

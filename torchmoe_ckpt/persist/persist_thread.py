@@ -169,6 +169,7 @@ class PersistThread:
             "replicas": 0 if rep.placement is None else max((len(p) for p in rep.placement.peers), default=0),
             "replica_verified": rep.replica_verified,
             "replica_mismatch": rep.replica_mismatch,
+            "stopped": rep.stopped,  # why the peer tier stopped (a partner past peer_timeout_s), or None
             "windows_replicated": len(self.replicated),
             **self.peer_lag.stats(),  # lag in windows, its bound, peer_durable, windows superseded on the link
             "links": rep.link_stats(),  # bytes/s per peer link
@@ -319,10 +320,13 @@ class PersistThread:
             self.peers.push(win.id, man, superseded_by=newer)
             self.interval.measured(self._seconds_sent() - sent0, self.interval.window_seconds(win.id, job.queued_at))
             # "auto": every rank is here for the same due window, so the agreement is a collective on all of them
-            self.interval.advance(win.id, self._agree_interval if self.peers.pairs else None)
+            agree = self._agree_interval if self.peers.pairs and self.peers.stopped is None else None
+            self.interval.advance(win.id, agree)
             c0 = time.thread_time()
             self.cpu_s["peers"] += c0 - c1
-            if newer is not None:
+            if self.peers.stopped is not None:
+                pass  # not on the peers: the lag grows until peer_durable says so (peer_lag.py)
+            elif newer is not None:
                 self.peer_lag.skipped()
             elif self.peers.pairs:
                 self.replicated.add(win.id)

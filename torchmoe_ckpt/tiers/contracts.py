@@ -158,6 +158,8 @@ class PeerTransport(Protocol):
     Call order: the persist thread (push) or the training thread at recovery (pull) of both ranks of a pair, in
     the peer tier's one global pair order (no deadlock): `send` on the sender while the receiver runs `recv`.
     One transfer is a header (file names and sizes, the sender's `meta`), then every file's bytes in order.
+    A transport bounds every message's wait for its partner (its `timeout_s`, given when the peer tier makes it)
+    and raises core.errors.PeerTimeoutError past it; the peer tier then stops (`PeerTier.stopped`).
     """
 
     def send(self, files: list[tuple[str, Path]], dst: int, group, meta: dict) -> int:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..core.errors import PeerTimeoutError
 from ..runtime import faults
 from ..storage_format import usage
 from ..storage_format.files import LocalFiles
@@ -50,14 +52,30 @@ class PeerTier:
     """The peer policy: which windows go to which peers, where received copies live, which copies are usable
     (contracts.py: the `PeerTier` steps of a save and a recovery). The bytes travel through a `PeerTransport`."""
 
-    def __init__(self, tier: HostTier, placement=None, group=None, replicas_hold_data: bool = True):
+    def __init__(
+        self,
+        tier: HostTier,
+        placement=None,
+        group=None,
+        replicas_hold_data: bool = True,
+        *,
+        timeout_s: float | None = None,
+        transport: Callable[[float | None], PeerTransport] = GlooTransport,
+    ):
         """Args:
         tier: this writer's HostTier (what it pushes; where held copies live).
         placement: where pushes go (placement.py; None: pull only, a DCP user's reader).
         group: the gloo group the transfers run over (None: the default group).
         replicas_hold_data: replica peers hold the sender's slot data (see the module docstring).
+        timeout_s: the longest one message waits for its partner (TierConfig.peer_timeout_s; None: the group's).
+        transport: makes a byte transport from `timeout_s` (contracts.PeerTransport; GlooTransport by default,
+            a test's or another wire's otherwise): one receives, one sends, and a pull makes its own.
         """
         self.tier, self.placement, self.group = tier, placement, group
+        self.timeout_s, self._transport = timeout_s, transport
+        # Why the peer tier stopped (a partner rank that did not answer in time: gloo closed the pair), or None.
+        # Once set, pushes do nothing for the rest of the process: the pair order cannot be resumed on this group.
+        self.stopped: str | None = None
         # (sender, receiver, whether the receiver is an HSDP replica holding the data) in one global order
         self.pairs: list[tuple[int, int, bool]] = []
         if placement is not None:
@@ -70,8 +88,8 @@ class PeerTier:
         self.data_bytes_sent = 0  # of which slot data (0 when every peer is an HSDP replica)
         self.own_data_bytes = 0  # slot data of the windows this rank pushed (sent r times without replicas)
         self.replica_verified = self.replica_mismatch = 0
-        self.inbox: PeerTransport = GlooTransport()  # receives (push and pull)
-        self.outbox: PeerTransport = GlooTransport()  # sends (push)
+        self.inbox: PeerTransport = transport(timeout_s)  # receives (push and pull)
+        self.outbox: PeerTransport = transport(timeout_s)  # sends (push)
         self._window_files: dict[int, int] = {}  # sender -> data files of its newest copy held here
         self._received = 0  # bytes of the transfer being received (its link's rate)
         self.links: dict[tuple[str, int], LinkStats] = {}  # (direction, peer) -> what crossed that link, how fast
@@ -106,7 +124,18 @@ class PeerTier:
     def push(self, window_id: int, manifest: WindowManifest | None, superseded_by: int | None = None) -> None:
         """Send this writer's committed window to its peers and store what peers send (collective; `manifest`
         None: nothing committed to send). `superseded_by`: a newer window is already committed here, so only the
-        header travels (the pair order stays the same on every rank) and the peers keep their older copy."""
+        header travels (the pair order stays the same on every rank) and the peers keep their older copy.
+        A partner that does not answer within `timeout_s` stops the peer tier (`stopped`, one warning); a stopped
+        tier's push returns at once (its partners then time out too, and stop)."""
+        if self.stopped is not None:
+            return
+        try:
+            self._push(window_id, manifest, superseded_by)
+        except PeerTimeoutError as exc:
+            self.stopped = str(exc)
+            log.warning("%s", exc)
+
+    def _push(self, window_id: int, manifest: WindowManifest | None, superseded_by: int | None) -> None:
         me = self.tier.rank
         files = {} if manifest is None or superseded_by is not None else manifest.files
         data_bytes = sum(f.bytes for r, f in files.items() if is_data_file(r))
@@ -247,6 +276,6 @@ class PeerTier:
             if me == holder:
                 man, path = self._source(window_id, src)
                 files = [(rel, path(rel)) for rel in sorted(man.files)]
-                GlooTransport().send(files, needer, self.group, {"manifest": man.to_json()})  # once, at a restart
+                self._transport(self.timeout_s).send(files, needer, self.group, {"manifest": man.to_json()})
             elif me == needer:
                 self._receive(holder, self.tier if src == me else self.held(src), window_id)

@@ -9,11 +9,14 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from ..core.errors import PeerTimeoutError
 
 if TYPE_CHECKING:
     from .contracts import FileWriter
@@ -23,12 +26,37 @@ CHUNK = 64 << 20  # bytes per gloo message: the two transfer buffers stay this s
 
 
 class GlooTransport:
-    """Point-to-point file transfer over a gloo group (`dist.send`/`dist.recv`; collective per pair: the sender's
+    """Point-to-point file transfer over a gloo group (`dist.isend`/`dist.irecv`; collective per pair: the sender's
     `send` and the receiver's `recv` run at the same point of both ranks' pair order). One uint8 tensor is reused
-    for every chunk sent or received, grown to the largest (at most CHUNK bytes)."""
+    for every chunk sent or received, grown to the largest (at most CHUNK bytes).
 
-    def __init__(self):
+    Every message waits at most `timeout_s` for its partner (None: the group's own timeout), then raises
+    PeerTimeoutError; gloo has closed the pair by then, so the caller stops using this group."""
+
+    def __init__(self, timeout_s: float | None = None):
         self.t = torch.empty(0, dtype=torch.uint8)
+        self.timeout_s = timeout_s
+
+    def _wait(self, work, op: str, peer: int, nbytes: int) -> None:
+        if self.timeout_s is None:
+            work.wait()
+            return
+        try:
+            work.wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:  # gloo: "Timed out waiting ...ms for recv operation to complete"
+            if "timed out" not in str(exc).lower():
+                raise
+            raise PeerTimeoutError(
+                f"peer tier: rank {peer} did not answer within peer_timeout_s={self.timeout_s:g} s ({op} of "
+                f"{nbytes} bytes); the peer copies stop until the job restarts (fix: a slower link needs a larger "
+                f"TierConfig.peer_timeout_s, a frozen peer a restart)"
+            ) from None
+
+    def _send(self, t: torch.Tensor, dst: int, group) -> None:
+        self._wait(dist.isend(t, dst, group=group), "send", dst, t.numel() * t.element_size())
+
+    def _recv(self, t: torch.Tensor, src: int, group) -> None:
+        self._wait(dist.irecv(t, src, group=group), "receive", src, t.numel() * t.element_size())
 
     def view(self, n: int) -> memoryview:
         if n > self.t.numel():
@@ -40,8 +68,8 @@ class GlooTransport:
         at most CHUNK bytes read into this buffer (cheaper per byte than mapping the file). Returns the bytes sent."""
         sizes = [os.stat(path).st_size for _, path in files]
         header = json.dumps({"meta": meta, "files": [[rel, n] for (rel, _), n in zip(files, sizes)]}).encode()
-        dist.send(torch.tensor([len(header)], dtype=torch.int64), dst, group=group)
-        dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group)
+        self._send(torch.tensor([len(header)], dtype=torch.int64), dst, group)
+        self._send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group)
         short = []
         for (_rel, path), n in zip(files, sizes):
             if not n:
@@ -51,7 +79,7 @@ class GlooTransport:
                 for off in range(0, n, CHUNK):
                     m = min(CHUNK, n - off)
                     got += f.readinto(self.view(m)) or 0
-                    dist.send(self.t[:m], dst, group=group)
+                    self._send(self.t[:m], dst, group)
             if got != n:  # shrank since the header: still send n bytes, the receiver (and the pair order) waits
                 short.append(f"{path}: {got} bytes read, {n} announced")
         if short:  # not raised: the rest of the exchange must go on; the copy fails verification where it is used
@@ -66,9 +94,9 @@ class GlooTransport:
         """Receive one `send` transfer; `write(rel, size, chunks)` stores each file from its (offset, view)
         chunks (a view is valid until the next one). Returns the sender's `meta`."""
         n = torch.zeros(1, dtype=torch.int64)
-        dist.recv(n, src, group=group)
+        self._recv(n, src, group)
         header = torch.empty(int(n.item()), dtype=torch.uint8)
-        dist.recv(header, src, group=group)
+        self._recv(header, src, group)
         header = json.loads(header.numpy().tobytes())
         for rel, size in header["files"]:
             write(rel, size, self._chunks(src, group, size))
@@ -78,5 +106,5 @@ class GlooTransport:
         for off in range(0, size, CHUNK):
             m = min(CHUNK, size - off)
             view = self.view(m)
-            dist.recv(self.t[:m], src, group=group)
+            self._recv(self.t[:m], src, group)
             yield off, view
