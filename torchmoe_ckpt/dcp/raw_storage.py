@@ -29,7 +29,7 @@ from ..tiers.window_tier import FilesWindowTier, UncommittableWindow, data_write
 
 log = logging.getLogger("torchmoe_ckpt.dcp")
 MAX_TIERS = 8  # tier objects kept for the run directories DCP users save into (each keeps its planned layouts)
-_TIERS: OrderedDict[tuple, HostTier | ObjectTier] = OrderedDict()
+_TIERS: OrderedDict[tuple, FilesWindowTier] = OrderedDict()
 
 
 class NoPlanning:
@@ -55,7 +55,7 @@ def done(value=None) -> Future:
 
 def run_tier(
     run: str, rank: int, world: int, storage_options: dict | None = None, store: bool | None = None
-) -> HostTier | ObjectTier:
+) -> FilesWindowTier:
     """The tier object of a run directory for one writer (HostTier for a local path, ObjectTier for a URI), kept
     across saves: its planned layouts, its record of which slots of a window this process wrote."""
     store = "://" in run if store is None else store
@@ -88,7 +88,7 @@ class RawWriter(NoPlanning, StorageWriter):
         self.written: dict[str, int] = {}  # data file (relative to path) -> bytes, this writer's
         self.file_checksum: dict[str, tuple[str, int]] = {}  # data file -> (algo, 32-bit digest)
         # a window save: its tier, window id and slot
-        self.tier: HostTier | ObjectTier | None = None
+        self.tier: FilesWindowTier | None = None
         self.window: int | None = None
         self.slot: int | None = None
         self.slot_files: dict = {}  # a window save: the files of this writer's piece (relative to the window)

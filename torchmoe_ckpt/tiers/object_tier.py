@@ -21,7 +21,7 @@ from ..storage_format.manifest import WindowManifest
 from ..storage_format.spare_files import place_new_file, pwrite_all
 from ..storage_format.store_open import open_store, quiet_third_party_loggers
 from ..storage_format.tensorstore_spec import NoTensorstoreDriver
-from .contracts import StoreTier
+from .contracts import ObjectStore, StoreTier
 from .tensorstore_tier import TensorstoreTier
 from .window_tier import FilesWindowTier
 
@@ -53,7 +53,7 @@ def make_store(
     return ObjectTier(uri, run_id, rank, storage_options, keep_windows=keep_windows, **kw)
 
 
-class ObjectTier(FilesWindowTier, StoreTier):
+class ObjectTier(FilesWindowTier, StoreTier, ObjectStore):
     format = "dcp"
 
     def __init__(self, *args, world_size: int = 1, **kw):

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.errors import PeerTimeoutError
+from .contracts import PeerTransport
 
 if TYPE_CHECKING:
     from .contracts import FileWriter
@@ -25,7 +26,7 @@ log = logging.getLogger("torchmoe_ckpt.peer_tier")
 CHUNK = 64 << 20  # bytes per gloo message: the two transfer buffers stay this small whatever the slot files' size
 
 
-class GlooTransport:
+class GlooTransport(PeerTransport):
     """Point-to-point file transfer over a gloo group (`dist.isend`/`dist.irecv`; collective per pair: the sender's
     `send` and the receiver's `recv` run at the same point of both ranks' pair order). One uint8 tensor is reused
     for every chunk sent or received, grown to the largest (at most CHUNK bytes).

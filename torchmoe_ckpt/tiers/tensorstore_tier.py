@@ -48,12 +48,12 @@ from ..storage_format.tensorstore_spec import (
     to_torch,
     ts_module,
 )
-from .contracts import StoreTier
+from .contracts import ObjectStore, StoreTier
 
 NOT_COMMITTED = "window not committed in the store (no meta.json)"
 
 
-class TensorstoreTier(StoreTier):
+class TensorstoreTier(StoreTier, ObjectStore):
     """Object-store tier in the tensorstore format (see the module docstring). One instance per rank."""
 
     format = "tensorstore"

@@ -49,6 +49,7 @@ from ..storage_format.manifest import (
 )
 from ..storage_format.slot_format import SlotLayout, as_source, nbytes_of, pack, planner_info
 from ..storage_format.spare_files import keep_spares, spares
+from .contracts import WindowTier
 
 MAX_LAYOUTS = 64  # slot layouts kept per tier (a plan change brings new ones; old plans' are dropped)
 
@@ -126,8 +127,9 @@ def mapped(maps, files, lay: SlotLayout, items: list, take_spare=None):
     return write
 
 
-class FilesWindowTier:
-    """One writer's windows on one Files backend (contracts.py's `WindowTier` contract)."""
+class FilesWindowTier(WindowTier):
+    """One writer's windows on one Files backend (declares contracts.py's `WindowTier`: pyright checks every member
+    against it)."""
 
     def __init__(self, files, rank: int, world_size: int, node_ranks: list[int] | None = None):
         """`files`: the backend (files.py). `rank`: the writer whose windows these are. `world_size`: recorded
