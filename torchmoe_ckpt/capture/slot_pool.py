@@ -116,7 +116,7 @@ class SlotAllocator(Protocol):
         ...
 
 
-class SlotPoolBase:
+class SlotPoolBase(SlotAllocator):
     """What every `SlotAllocator` shares: the defaults of the optional steps (`prepare`, `preparing`, `files`,
     `close`), the counters, and the reuse bookkeeping (a released set is reusable once the writer is past its
     ticket; a lock for readers on other threads). Subclasses add `slots_for`, `release`, `set_bytes`, `has_free`,
