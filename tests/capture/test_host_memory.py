@@ -155,7 +155,7 @@ def test_no_allocation_at_a_window_start_in_steady_state(one_rank_group, monkeyp
     # the first window start allocates its arena (one call); the second set is allocated ahead, on the pool's
     # helper thread (pinning is slow on CUDA); then nothing, reorders included
     assert per_start[0] == 1 and per_start[1:] == [0] * (len(per_start) - 1), per_start
-    assert ck.slots.allocations == 2 and ck.slots.prepared == 1 and ck.planner.reorders >= 0
+    assert ck.slots.allocations == 2 and ck.slots.prepared == 1
     assert ck.memory.account()["alloc_seconds"]["helper"] > 0
     stop(ck)
 

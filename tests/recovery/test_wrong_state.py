@@ -6,11 +6,11 @@ job is refused at start with one line naming the mismatch and the fix."""
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import pickle
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -27,7 +27,6 @@ from torchmoe_ckpt.recovery.resume import recover
 from torchmoe_ckpt.storage_format.checksums import crc32_bytes
 from torchmoe_ckpt.storage_format.manifest import content_checksum, record_digest
 from torchmoe_ckpt.storage_format.slot_format import PLANNER_KEY
-from torchmoe_ckpt.tiers.host_tier import HostTier
 from torchmoe_harness.launch import run_torchrun
 from torchmoe_harness.model import TinyMoE, TinyMoEConfig
 
@@ -84,9 +83,11 @@ def train(
     data: int | None = 0,
     seed: int = 0,
     states: dict | None = None,
+    after_step=None,
     **build_kw,
 ):
-    """One attempt of a run: resume what the tiers hold, train to `steps`. Returns (Checkpointer, resumed step)."""
+    """One attempt of a run: resume what the tiers hold, train to `steps`. Returns (Checkpointer, resumed step).
+    `after_step(step, ck)`: called after each step (a test's fault at a chosen moment)."""
     model, opt, sched, fb = build(seed, **build_kw)
     ident = None if data is None else f"data={data}"  # None: the caller names no data (the seed still counts)
     with tmc.Checkpointer(model, opt, fb, sched, config(root, run_id), data_identity=ident) as ck:
@@ -97,6 +98,8 @@ def train(
             ck.step(batch(step, data or 0))
             if states is not None:
                 states[step] = state_of(model, opt, sched)
+            if after_step is not None:
+                after_step(step, ck)
     return ck, start
 
 
@@ -225,23 +228,35 @@ def test_verify_reports_what_recovery_rejects(written, tmp_path, forgery):
 
 
 # ---- (d) a slot write that fails (ENOSPC) -----------------------------------------------------------------
-def test_failed_slot_write_never_commits_its_window(written, tmp_path, monkeypatch, fault_summary):
-    real = HostTier.write_slot
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A real 16 MiB tmpfs (root only): a full disk is a full disk, not a mock."""
+    d = tmp_path / "mnt"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", str(d)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], capture_output=True)
 
-    def full_disk(self, window_id, slot, info, partial=None):
-        if window_id == 2 and slot.index == 1:
-            real(self, window_id, slot, info, partial)  # the bytes land, then the disk is full: a truncated file
-            data = next((self.window_dir(2) / "slot-01" / "rank-00000").glob("*.distcp"))
-            data.write_bytes(data.read_bytes()[:100])
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, window_id, slot, info, partial)
 
-    monkeypatch.setattr(HostTier, "write_slot", full_disk)
-    root = tmp_path / "root"
-    ck, _ = train(root)
-    monkeypatch.setattr(HostTier, "write_slot", real)
-    assert not (run_dir(root) / "window-000002" / "MANIFEST.rank-00000.json").exists()
+def test_failed_slot_write_never_commits_its_window(written, tmp_path, tmpfs, fault_summary):
+    """The host tier's tmpfs is full while window 2's second slot is written: that write fails with a real
+    ENOSPC (part of its bytes on the disk). The space comes back before the third slot and the commit, so only
+    the failed write can keep window 2 from committing (the tier, unhealthy, removes the half-written window), and
+    it must; the restart resumes exactly from window 1."""
+    filler = tmpfs / "filler"
+
+    def disk_full_for_slot_1_of_window_2(step: int, ck) -> None:
+        ck.sparse.persist.flush()  # each slot's write done before the disk changes
+        if step == 7:  # window 2's slot 0 is on the disk: fill it
+            subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=4k"], capture_output=True)
+        elif step == 8:  # slot 1's write failed: room again for slot 2 and the commit
+            filler.unlink()
+
+    root = tmpfs / "root"
+    ck, _ = train(root, after_step=disk_full_for_slot_1_of_window_2)
     assert any("No space left" in e for e in ck.sparse.persist.errors), ck.sparse.persist.errors
+    assert not (run_dir(root) / "window-000002" / "MANIFEST.rank-00000.json").exists()
     rep, start, exact = resume_and_finish(root, written[1])
     fault_summary("slot_write_failed_enospc", 1, outcome(exact))
     assert start == 6 and rep["window_id"] == 1, rep
