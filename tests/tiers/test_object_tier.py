@@ -271,7 +271,14 @@ def test_status_lines_say_each_window_once_and_store_changes_once(caplog):
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 3  # failing, back, exit with pending windows
     assert recovery_line(
-        {"recovered_step": 6, "window_id": 1, "source": "peer 1", "replayed_iterations": 2, "seconds": 0.5}
+        {
+            "recovered_step": 6,
+            "window_id": 1,
+            "source": "peer 1",
+            "source_peer": 1,
+            "replayed_iterations": 2,
+            "seconds": 0.5,
+        }
     ) == (
         "recovered step 6 from window 1 (copy from the host memory of rank 1), "
         "replayed 2 iteration(s) in 0.50 s; every replayed loss matched the "

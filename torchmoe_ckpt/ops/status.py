@@ -33,8 +33,8 @@ def recovery_line(report: dict) -> str:
     with the original run (replay_check.replay_verdict) and where the time went."""
     src = str(report.get("source") or "?")  # "host", "peer N" or "object store" (recovery/agreed_window.py)
     where = "this node's host memory" if src == "host" else src
-    if src.startswith("peer "):
-        where = f"the host memory of rank {src.split()[1]}"
+    if report.get("source_peer") is not None:  # "peer N": the typed N beside it
+        where = f"the host memory of rank {report['source_peer']}"
     n = report.get("replayed_iterations", 0)
     phases = phases_text(report.get("phases") or {})
     return (

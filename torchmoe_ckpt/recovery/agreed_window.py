@@ -34,6 +34,7 @@ class TierOutcome:
     # "recovered", "no window", or "no usable window" (some existed, all rejected)
     outcome: str = "no window"
     source: str | None = None  # "host", "peer N" or "object store"; None: nothing recovered
+    source_peer: int | None = None  # source "peer N": N, the rank whose host memory held this rank's copy
     unusable_copies: dict[int, str] = field(default_factory=dict)  # this rank's damaged copies: window -> why
     rejected: dict[int, dict[str, str]] = field(default_factory=dict)  # window -> {rank: why}, agreed
     unusable_by_rank: dict[int, dict[int, str]] = field(default_factory=dict)  # every rank's damaged copies
@@ -49,6 +50,7 @@ class TierOutcome:
             "rejected": self.rejected,
             "unusable_by_rank": self.unusable_by_rank,
             "source": self.source,
+            "source_peer": self.source_peer,
             "outcome": self.outcome,
         }
         optional = {
@@ -142,7 +144,8 @@ def recover_from_tiers(
         fetch = functools.partial(_pull_and_load, load, peers, wid, needers)
         window = _attempt(wid, found, fetch, use)
         if window is not None:
-            found.source = f"peer {needers[tier.rank]}" if tier.rank in needers else "host"
+            found.source_peer = needers.get(tier.rank)
+            found.source = "host" if found.source_peer is None else f"peer {found.source_peer}"
             found.pulled_from_peers = {str(k): v for k, v in needers.items()}
             _retire(orphans, found)
             return window, found.settle()
