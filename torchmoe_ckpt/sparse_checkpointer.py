@@ -17,7 +17,7 @@ from torch import nn
 
 from .capture.copy_phase import BackwardTrigger
 from .capture.device_staging import staging_need
-from .capture.host_memory import HostMemory
+from .capture.host_memory import HostMemory, MemoryHolders
 from .capture.slot_alloc import make_slot_allocator
 from .capture.snapshot import SnapshotEngine, StateAccess
 from .config import SparseConfig
@@ -217,7 +217,10 @@ class SparseCheckpointer:
         )
         limit = self.cfg.host_memory_limit
         assert not isinstance(limit, str)  # SparseConfig parsed it into bytes
-        self.memory = HostMemory(self, limit)  # reads this checkpointer's parts, now built
+        holders = MemoryHolders(
+            self.slots, self.persist, self.engine.staging, lambda: (self.current, self.committed, self._inherited)
+        )
+        self.memory = HostMemory(holders, limit)  # counts this checkpointer's parts, now built
         try:
             if self.engine.staging is not None:  # on a CPU the staging buffer is host memory, under the limit
                 self.engine.staging.room = self.memory.room_for if limit is not None else None

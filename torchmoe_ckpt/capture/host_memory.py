@@ -10,14 +10,24 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..core.config_values import (
     human_bytes,
     parse_bytes,  # noqa: F401 (re-exported: defined torch-free for config.py)
 )
 from ..core.errors import ConfigError
+from ..tiers.object_tier import ObjectTier
 from .device_staging import ALIGN as STAGING_ALIGN
-from .slot_pool import pageup
+from .file_slot_pool import FileSlotPool
+from .slot_pool import ArenaSlotPool, SlotAllocator, pageup
+
+if TYPE_CHECKING:
+    from ..core.window import Window
+    from ..persist.persist_thread import PersistThread
+    from .device_staging import DeviceStaging
 
 log = logging.getLogger("torchmoe_ckpt.host_memory")
 META_PER_ITEM = 320  # bytes of a slot's `.metadata` per item, an upper bound (measured 210-240)
@@ -33,10 +43,21 @@ class HostMemoryLimitError(ConfigError):
     """The checkpointer would hold more host memory than `host_memory_limit` (the message gives the figure)."""
 
 
-class HostMemory:
-    """The account and the limit of one SparseCheckpointer `ck`."""
+@dataclass(frozen=True)
+class MemoryHolders:
+    """What HostMemory counts: the parts of one checkpointer that hold host memory (SparseCheckpointer builds it
+    once its parts exist; the windows are read when counted, as they change every window)."""
 
-    def __init__(self, ck, limit: int | None):
+    slots: SlotAllocator  # the slot sets (their buffers, or their /dev/shm files)
+    persist: PersistThread | None  # the tiers' files, peer copies and transfer buffers (None: no tiers)
+    staging: DeviceStaging | None  # on a CPU its "device" staging buffer is host memory
+    windows: Callable[[], tuple[Window | None, Window | None, Window | None]]  # (current, committed, inherited)
+
+
+class HostMemory:
+    """The account and the limit of one checkpointer's host memory (its `MemoryHolders`)."""
+
+    def __init__(self, ck: MemoryHolders, limit: int | None):
         self.ck, self.limit = ck, limit
         self.peak = 0
         self.need: dict | None = None  # the construction check's figure
@@ -48,11 +69,11 @@ class HostMemory:
         parts = dict(ck.slots.host_bytes())
         if ck.persist is not None:
             parts.update(ck.persist.host_bytes(ck.slots.files()))
-        wins = {id(w): w for w in (ck.current, ck.committed, ck._inherited) if w is not None}
+        current, committed, inh = ck.windows()
+        wins = {id(w): w for w in (current, committed, inh) if w is not None}
         parts["replay_logs"] = sum(r.nbytes() for w in wins.values() for r in w.log.records.values())
-        inh = ck._inherited
         parts["inherited_window"] = 0 if inh is None else sum(s.nbytes for s in inh.slots)
-        stg = ck.engine.staging
+        stg = ck.staging
         if stg is not None and not stg.cuda:  # on a CPU the "device" staging buffer is host memory
             parts["device_staging"] = stg.held
         total = sum(parts.values())
@@ -78,7 +99,7 @@ class HostMemory:
     def line(self) -> str:
         """For the status line: 'host memory 5.0 GiB of 8.0 GiB'."""
         a = self.account()
-        stg = self.ck.engine.staging
+        stg = self.ck.staging
         on_device = f", device staging {human_bytes(stg.held)}" if stg is not None and stg.cuda and stg.held else ""
         return (
             f"host memory {human_bytes(a['total'])}"
@@ -92,7 +113,8 @@ class HostMemory:
         from ..storage_format.checksums import BLOCK
 
         ck, alloc = self.ck, self.ck.slots
-        pool = getattr(alloc, "fallback", alloc)  # the arena pool knows the items' sizes
+        pool = alloc.fallback if isinstance(alloc, FileSlotPool) else alloc  # the arena pool knows the items' sizes
+        assert isinstance(pool, ArenaSlotPool), type(pool).__name__  # make_slot_allocator builds one of the two
         B = alloc.set_bytes(plan)
         F = pool.file_bytes(plan, BLOCK)  # one window's data files in the host tier
         # Its small files in whole pages: each slot's `.metadata`, the manifest, the replay records.
@@ -123,10 +145,10 @@ class HostMemory:
 
             out["peer_buffers"] = 2 * min(CHUNK, F)
         store = None if tw is None or tw.uploader is None else tw.uploader.store
-        if store is not None and getattr(store, "in_memory", lambda: False)():  # a local store on tmpfs
+        if isinstance(store, ObjectTier) and store.in_memory():  # a local store on tmpfs
             out["store_files"] = (store.keep + 1 + spare_w) * (F + small)  # kept, being uploaded, spares
         out["replay_logs"] = 2 * plan.window * REPLAY_RECORD  # RNG states and scalars of two windows
-        stg = ck.engine.staging
+        stg = ck.staging
         if stg is not None and not stg.cuda:  # the staging buffer (CPU: host memory): the largest slot, aligned
             out["device_staging"] = plan.worst_slot_bytes + STAGING_ALIGN * max(pool.item_counts(plan), default=0)
         out["inherited_window"] = pool.set_need(plan, 1)  # after a restart, until the next window commits
