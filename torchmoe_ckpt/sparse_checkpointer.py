@@ -217,10 +217,12 @@ class SparseCheckpointer:
         )
         limit = self.cfg.host_memory_limit
         assert not isinstance(limit, str)  # SparseConfig parsed it into bytes
-        holders = MemoryHolders(
-            self.slots, self.persist, self.engine.staging, lambda: (self.current, self.committed, self._inherited)
+        self.memory = HostMemory(  # counts this checkpointer's parts, now built
+            MemoryHolders(
+                self.slots, self.persist, self.engine.staging, lambda: (self.current, self.committed, self._inherited)
+            ),
+            limit,
         )
-        self.memory = HostMemory(holders, limit)  # counts this checkpointer's parts, now built
         try:
             if self.engine.staging is not None:  # on a CPU the staging buffer is host memory, under the limit
                 self.engine.staging.room = self.memory.room_for if limit is not None else None
