@@ -123,10 +123,10 @@ class HostMemory:
         small += pageup(plan.window * REPLAY_RECORD)
         tw = ck.persist
         backlog = 0 if tw is None or tw.uploader is None else tw.upload_backlog
-        spare_w = 0 if tw is None else getattr(tw.tier, "spare_windows", 1)
+        spare_w = 0 if tw is None else tw.tier.spare_windows
         # peer_interval k > 1: the windows from the newest pushed one on stay (persist_thread.peer_floor)
-        interval = getattr(tw, "interval", None)
-        peer_k = 0 if interval is None or tw is None or tw.peers is None or interval.bound <= 1 else interval.bound
+        interval = None if tw is None or tw.peers is None else tw.interval
+        peer_k = 0 if interval is None or interval.bound <= 1 else interval.bound
         out: dict[str, int] = {}
         if alloc.kind == "shm-files":  # the sets are the window files: current, committed, previous, backlog
             out["slot_sets"] = (3 + backlog + peer_k) * B

@@ -21,6 +21,7 @@ from ..runtime.agreement import reduce_float_on
 from ..runtime.background import stop_at_exit
 from ..storage_format.manifest import record_digest
 from ..tiers.host_tier import HostTier
+from ..tiers.object_tier import ObjectTier
 from ..tiers.peer_interval import PeerInterval
 from ..tiers.peer_lag import PeerLag
 from ..tiers.window_tier import PartialWindow
@@ -104,8 +105,8 @@ class PersistThread:
         self._attempted: set[int] = set()  # windows whose writing started
         pl = None if peers is None else peers.placement
         self._peers_here = None if pl is None else len(pl.peers[tier.rank])  # k of the r requested (placement)
-        n_peers = None if pl is None else getattr(pl, "r", self._peers_here)
-        where = None if store is None else str(getattr(store, "uri", None) or type(store).__name__)
+        n_peers = None if pl is None else pl.r
+        where = None if store is None else store.uri or type(store).__name__
         self.status = RunStatus(tier.rank, n_peers, where)
         self.status.memory = memory_line  # () -> "host memory X of LIMIT" for the status lines (HostMemory.line)
         # First what a previous run committed but could not upload (an outage, an exit before the store caught up).
@@ -230,9 +231,9 @@ class PersistThread:
         out = dict(self.tier.host_bytes(aliased, self.keep_floor))
         if self.peers is not None:
             out.update(self.peers.host_bytes())
-        store_bytes = None if self.uploader is None else getattr(self.uploader.store, "host_bytes", None)
-        if store_bytes is not None:  # a local store's (object_tier.py); the tensorstore format has none
-            out.update(store_bytes())
+        store = None if self.uploader is None else self.uploader.store
+        if isinstance(store, ObjectTier):  # a local store's (object_tier.py); the tensorstore format has none
+            out.update(store.host_bytes())
         return out
 
     def finish(self, wait_s: float) -> dict:
