@@ -259,16 +259,22 @@ class SparseCheckpointer:
         if self._redo is not None and t >= self._redo.until:  # back where the failure found training
             self._redo.phases["redo"] = time.perf_counter() - self._redo.since
             self._redo = None
-        if self.current is None and (self.planner.calibrating or self._policy_calibrating):
+        calibrating = self.planner.calibrating or self._policy_calibrating
+        idle = self.current is None or self.current.captured >= self.current.plan.window
+        first_point = calibrating and idle and self._first_point_due()
+        if calibrating and idle and not first_point:
             return  # the step without copies is being measured
         cur, record = self.current, None
         if cur is not None and cur.start_step < t < cur.start_step + cur.plan.window:
             record = _record(res, self.engine.reads)
             cur.log.add(record)
         if cur is None or cur.captured >= cur.plan.window:
-            if not self._boundary(t):  # dense: no snapshot at this iteration
+            if first_point:
+                cur = self._start_window(t, first_point=True)
+            elif not self._boundary(t):  # dense: no snapshot at this iteration
                 return
-            cur = self._start_window(t)
+            else:
+                cur = self._start_window(t)
             if cur.plan.window == 1:  # a dense snapshot: nothing is replayed, so its RNG comes back from here
                 cur.log.add(_resume_record(res))
             if cur.plan.sliding:  # a sliding recovery may start in the window before and replay this one's first
@@ -475,6 +481,8 @@ class SparseCheckpointer:
         # Auto (or a dense interval to choose) needs the step without copies: the first steps capture nothing.
         self._needs_base = fixed is None or (fixed == "dense" and cfg.dense_interval is None)
         self._steps_seen = 0
+        # A recovery point while calibrating (_first_point_due): runs that start from nothing, outside pipelines.
+        self._first_point_pending = run.resumed is None and self.agree_group is self.group
         self._base: list[float] = []
         self.base_step_s: float | None = None
         self._samples: list[tuple[float, int]] = []  # (step seconds, bytes copied during it) since the last decision
@@ -588,15 +596,34 @@ class SparseCheckpointer:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=library_group(group))  # pyright: ignore[reportArgumentType]
         return [float(v) for v in t.tolist()]
 
-    def _start_window(self, t: int) -> Window:
+    def _first_point_due(self) -> bool:
+        """During calibration (no copies while the step is measured): one dense snapshot at the first iteration,
+        once per run that starts from nothing. Without it a failure in the first ~10 iterations would restart the
+        run from scratch, and the first policy decision would price copies by the idle bandwidth probe alone; its
+        copy is measured like any other (CopyCost), so that decision is priced by a copy under training. Not after
+        a resume (the resumed window is the recovery point), not for pipeline stages (windows only, see
+        _policy_setup), not where a dense snapshot would not fit host_memory_limit on some rank. The same answer
+        on every rank: configuration, and under a limit one agreement at the first iteration (collective)."""
+        if not self._first_point_pending:
+            return False
+        self._first_point_pending = False
+        fits = self.memory.room_for(self.dense_bytes)
+        if self.memory.limit is not None and self._agree(float(fits), dist.ReduceOp.MIN) < 1:
+            log.log(self._level, "torchmoe: no dense snapshot during calibration: it would not fit host_memory_limit")
+            return False
+        return True
+
+    def _start_window(self, t: int, first_point: bool = False) -> Window:
         t0 = time.perf_counter()
-        plan, budget = self.planner.dense_plan() if self.policy == "dense" else self.planner.plan()
+        dense = first_point or self.policy == "dense"
+        plan, budget = self.planner.dense_plan() if dense else self.planner.plan()
         self.memory.before_window(plan, self._next_id)  # within host_memory_limit, or refused
         slots = self.slots.slots_for(plan)
         # The next window's set, off this thread, if none is left; for the next window's plan when its W grows
         # (a new arena: pinning takes seconds, and the training thread must not do it at the next window start).
-        ahead = self.planner.next_plan(plan) or plan
-        self.slots.prepare(ahead, self.memory.room_for)
+        if not first_point:  # (the calibration's one snapshot: the next window's plan is not known yet)
+            ahead = self.planner.next_plan(plan) or plan
+            self.slots.prepare(ahead, self.memory.room_for)
         win = Window(self._next_id, t, plan, slots)
         self._cur_slot_bytes = self.slots.slot_bytes(slots)
         if self.engine.staging is not None:  # this window staged when its largest slot fits (device_staging.py)

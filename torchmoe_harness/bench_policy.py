@@ -34,8 +34,8 @@ from torchmoe_harness.ettr import SystemProfile, failure_iterations, simulate_it
 from torchmoe_harness.launch import launch
 
 KEY = "policy_sweep"  # bench.SECTIONS key
-MTBFS = {"frequent": 20, "rare": 50}  # mean iterations between failures
-FAILURES = 4  # per run, at the same iterations for every system
+MTBFS = {"frequent": 15, "rare": 40}  # mean iterations between failures
+FAILURES = 3  # per run, at the same iterations for every system (3 x MTBF iterations: the section within ~20 min)
 FRACTIONS = (1.0, 2.0)  # emulated dense copy / step, those above the machine's own (~0.3)
 REPS = 2  # repetitions of every cell (interleaved, systems rotated): the spread is the noise
 W1_REPS, W1_STEPS = 4, 30  # the W = 1 cost pair
@@ -71,7 +71,7 @@ GOALS = {
     "iteration into /dev/shm files (same bytes), median of interleaved pairs",
 }
 BOUNDS = {"simulator_prediction_error": (0.05, "<="), "w1_cost_vs_dense_baseline": (1.05, "<=")}
-WARMUP = 3  # steps left out of the W = 1 pair's time per iteration
+WARMUP = 6  # steps left out of the W = 1 pair's time per iteration: the first windows build their slot files (one-off)
 
 
 def _spec(st: dict, shm: Path) -> dict:
@@ -91,7 +91,7 @@ def _spec(st: dict, shm: Path) -> dict:
         "w1_steps": st["w1_steps"],
         "systems": list(st.get("systems", SYSTEMS)),
         "calibration_steps": st.get("calibration_steps", 8),
-        "base_steps": st.get("base_steps", 5),
+        "base_steps": st.get("base_steps", 3),
         "max_interval": 32,
         "shm": str(shm),
         "timeout_s": 300,

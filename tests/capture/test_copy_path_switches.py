@@ -292,11 +292,15 @@ def test_the_checkpointer_calibrates_without_copies_then_checkpoints_every_itera
     ckpt.sparse.planner.device_loss = DL(target=0.02)  # what a CUDA run gets (overlap None)
     for step in range(1, steps + 1):
         ckpt.step(batch_for(step))
-    st, first_window = ckpt.stats(), ckpt.sparse.counters.windows[0]  # (stats() shows the last 5 windows)
+    st, windows = ckpt.stats(), ckpt.sparse.counters.windows  # (stats() shows the last 5 windows)
     ckpt.close()
-    calib = WARMUP_STEPS + CALIBRATION_STEPS
-    # steps 2..calib ran without a copy; step calib's own copy runs during the next step: captured from calib on
-    assert st["slots_captured"] == steps - calib + 1 and first_window["start"] == calib
+    # Step 1: the calibration's one dense snapshot (a recovery point from the first iteration on); its copy runs
+    # during step 2, which is no base sample; steps 3..calib + 1 run without a copy; step calib + 1's own copy
+    # runs during the next step: captured every iteration from calib + 1 on.
+    calib = WARMUP_STEPS + CALIBRATION_STEPS + 1
+    assert (windows[0]["start"], windows[0]["W"]) == (1, 1)
+    assert windows[1]["start"] == calib
+    assert st["slots_captured"] == 1 + steps - calib + 1
     assert st["copy_path"]["device_loss"]["base_step_s"] > 0
     assert st["copy_path"]["device_loss"]["calibration_steps"] == CALIBRATION_STEPS
     assert isinstance(st["copy_path"]["device_loss"]["clipped_windows"], int)

@@ -96,6 +96,7 @@ class WindowPlanner:
         self.w_cap: int | None = None  # the largest W under the host-memory limit (None: no limit, or W forced)
         self._warned_unfit = False  # an impossible copy budget is reported once, not every window
         self._last_split: _Split | None = None  # the last split, reused while the order and W stay (_same_split)
+        self._w1_order: list[str] | None = None  # a W = 1 plan's operator order (_fixed_order)
 
     def observe_step(self, seconds: float, counts: torch.Tensor, probs: torch.Tensor, copy_bytes: int = 0) -> None:
         """One iteration: its seconds, routed-token counts and probabilities, and the bytes of the slot copy that
@@ -123,6 +124,8 @@ class WindowPlanner:
             proposal = choose_window(order, full, comp, budget, self.auto_w, sliding=self.cfg.sliding)
             auto_w = self._agreed_w(min(proposal, self.w_cap or len(order)))
         w = self.cfg.window if auto_w is None else auto_w
+        if w == 1:
+            order = self._fixed_order(order)
         warn = not self._warned_unfit and self._rank == 0
         plan = self._same_split(order, w, budget)
         if plan is None or (warn and not plan.fits):  # a new order or W (or a warning to give): split anew
@@ -144,7 +147,7 @@ class WindowPlanner:
         """A dense snapshot's plan: one slot holding the full state of every operator (a W = 1 window). The
         popularity keeps being folded in (the counts of the iterations between snapshots), so that a switch back
         to windows orders them as if windows had run."""
-        order = self.operator_order()
+        order = self._fixed_order(self.operator_order())
         full, comp = self.op_sizes()
         if self.device_loss is not None:  # fold the steps since into the cost per byte (bounded, still learned)
             self.device_loss.budget()
@@ -205,6 +208,17 @@ class WindowPlanner:
         if self.cfg.bandwidth_bytes_per_s is None:
             return self.cost.budget_bytes(self.overlap)
         return copy_budget(self.t_iter, self.cfg.bandwidth_bytes_per_s, self.overlap)  # pyright: ignore[reportArgumentType]  (after_step observes a step before any plan)
+
+    def _fixed_order(self, order: list[str]) -> list[str]:
+        """A W = 1 plan's order: the operators as the model declares them, the same list while the set is the same.
+        Its one slot holds every operator's full state, so the popularity order changes nothing in it; a fixed
+        order keeps its plan, slot files, their mapping and layout window after window (a reorder would rebuild
+        them: the W = 1 snapshot then cost ~2x a plain dense snapshot, bench policy_sweep)."""
+        names = set(order)
+        if self._w1_order is None or set(self._w1_order) != names:
+            rank = {o.name: i for i, o in enumerate(self.ops)}
+            self._w1_order = sorted(order, key=lambda n: rank.get(n, len(rank)))
+        return self._w1_order
 
     def _same_split(self, order: list[str], w: int | None, budget: float) -> WindowPlan | None:
         """The last plan again when the order (the same list object) and W are unchanged, re-priced for `budget`
