@@ -256,14 +256,16 @@ class SparseCheckpointer:
         self._settle(done=False)
         self._inflight_bytes = 0
         t = res.step
-        if self._redo is not None and t >= self._redo.until:  # back where the failure found training
-            self._redo.phases["redo"] = time.perf_counter() - self._redo.since
-            self._redo = None
+        self._end_redo(t)
         calibrating = self.planner.calibrating or self._policy_calibrating
         idle = self.current is None or self.current.captured >= self.current.plan.window
-        first_point = calibrating and idle and self._first_point_due()
-        if calibrating and idle and not first_point:
-            return  # the step without copies is being measured
+        first_point = False
+        if calibrating and idle:
+            # Collective under host_memory_limit (once, at the first iteration, on every rank alike): not in the
+            # condition above, so that no rank's short-circuit can skip it.
+            first_point = self._first_point_due()
+            if not first_point:
+                return  # the step without copies is being measured
         cur, record = self.current, None
         if cur is not None and cur.start_step < t < cur.start_step + cur.plan.window:
             record = _record(res, self.engine.reads)
@@ -302,6 +304,13 @@ class SparseCheckpointer:
         cur.captured += 1
         self.counters.slots += 1
         self.counters.slot_bytes.append(self._cur_slot_bytes[t - cur.start_step])
+
+    def _end_redo(self, t: int) -> None:
+        """After an in-memory recovery: training is back where the failure found it at iteration `t` (the redo's
+        seconds go into that recovery's phases)."""
+        if self._redo is not None and t >= self._redo.until:
+            self._redo.phases["redo"] = time.perf_counter() - self._redo.since
+            self._redo = None
 
     def flush(self, commit: bool = True) -> None:
         """Finish the copy in flight, commit the window it completes (collective), then wait until the host tier has
