@@ -44,7 +44,7 @@ from .planning.window_planner import WindowPlanner
 from .recovery import rng
 from .recovery.resume import ResumeResult
 from .recovery.sparse_to_dense import RecoveryReport, replay_slots, sparse_to_dense
-from .runtime.agreement import reduce_float
+from .runtime.agreement import LaggedMin, reduce_float
 from .runtime.deferred_reads import HostReads
 from .runtime.distributed import library_group
 from .storage_format.manifest import plan_digest
@@ -125,12 +125,15 @@ class _Redo:
 
 RECENT_PLANS = 64  # plans whose median `stats()` reports
 FOLD_EVERY = 16  # dense: iterations between folds of the routed-token counts, between snapshots
+DENSE_SETS = 4  # slot sets reserved before the first step where dense snapshots may be taken (_reserve_dense_sets)
 REDECIDE_EVERY = 16  # auto: the policy is re-decided at the first window boundary this many iterations after the last
 
 
 class SparseCheckpointer:
     """Per-iteration sparse checkpointing of one rank: `after_step` after every optimizer step, `close()` at the
     end. Owns the copy thread and, with tiers, the persist and upload threads."""
+
+    _digested: tuple[object, str] = (None, "")  # (plan, its digest): _digest_of
 
     def __init__(
         self,
@@ -176,13 +179,13 @@ class SparseCheckpointer:
         self.committed: Window | None = committed
         self._inherited = committed  # a window handed over after a restart (still the recovery fallback)
         self._next_id = _first_window_id(run.resumed, committed)
-        self._closed = False
-        self._copies_seen = 0
+        self._closed, self._copies_seen = False, 0  # (copies seen: _observe_copy)
         self._cur_slot_bytes: list[int] = []
         self._last_job: dict[int, int] = {}  # window id -> the persist thread's ticket after its commit job
-        self.counters = Counters()
-        self._inflight_bytes = 0  # the bytes of the slot copy running during the next step (device-loss pricing)
+        # the bytes of the slot copy running during the next step (device-loss pricing)
+        self.counters, self._inflight_bytes = Counters(), 0
         self._redo: _Redo | None = None  # after an in-memory recovery: until training is back where it was
+        self._floor = LaggedMin(self.agree_group)  # pyright: ignore[reportArgumentType]  (a group or None here)
         self.dense_bytes = sum(o.full_bytes() for o in self.ops)  # what one dense snapshot of this rank copies
         # Threads last: nothing above can leave one running.
         self.access = StateAccess(model, optimizer)
@@ -230,6 +233,7 @@ class SparseCheckpointer:
                 if self._agree(float(why is None), dist.ReduceOp.MIN) < 1:  # refused on one rank: on every rank
                     raise ConfigError(why or "device_staging=True cannot stage on another rank (its message says why)")
             self.planner.cap_by_memory(self.memory, None if self.persist is None else self.persist.peers)
+            self._reserve_dense_sets()
         except BaseException:  # refused (HostMemoryLimitError, device staging): no thread is left running
             self.stop()
             raise
@@ -294,7 +298,7 @@ class SparseCheckpointer:
                     "slot": slot.index,
                     "start_step": cur.start_step,
                     "window_size": cur.plan.window,
-                    "plan": plan_digest(cur.plan.to_dict()),
+                    "plan": self._digest_of(cur.plan),
                     "run": self._identity_dict["fingerprint"],
                     "record": record,  # the persist thread writes its digest (storage_format.manifest.record_digest)
                 },
@@ -341,6 +345,7 @@ class SparseCheckpointer:
         except BaseException:
             self.engine.shutdown()
             raise
+        self._floor.settle()  # the last commit's floor agreement, before the process group can go
         summary = self.persist.finish(upload_timeout_s) if self.persist is not None else None
         self.stop()
         return summary
@@ -362,6 +367,7 @@ class SparseCheckpointer:
 
     def _end(self, end_writer) -> None:
         self._closed = True
+        self._floor.drop()
         if self.trigger is not None:
             self.trigger.close()
         self.engine.shutdown()
@@ -456,9 +462,16 @@ class SparseCheckpointer:
         if self.persist is None:
             return
         # Keep every window from the newest one *all* ranks persisted: the only one they can all recover from.
+        # Agreed one commit late (LaggedMin): the training thread does not wait for the slowest rank's copy here,
+        # and an older floor only keeps one more window a little longer (-1, before any agreement: keep all).
+        # Under host_memory_limit it is agreed now: the limit's count of slot sets assumes the current floor.
         mine = max(self.persist.persisted, default=-1)
         mine = self.persist.peer_floor(mine)  # peer_interval k > 1: from the newest window on the peers
-        floor = int(self._agree(float(mine), dist.ReduceOp.MIN))
+        if self.memory.limit is None:
+            floor = int(self._floor.exchange(float(mine), first=-1.0))
+        else:
+            self._floor.settle()  # (a limit set since: the lagged one first, in the same order on every rank)
+            floor = int(self._agree(float(mine), dist.ReduceOp.MIN))
         self.persist.commit(cur, {"dtype": str(self.compute_dtype), "identity": self._identity_dict}, keep_from=floor)
         self._last_job[cur.id] = self.persist.ticket()  # its buffers are read until this job is done
 
@@ -621,6 +634,27 @@ class SparseCheckpointer:
             log.log(self._level, "torchmoe: no dense snapshot during calibration: it would not fit host_memory_limit")
             return False
         return True
+
+    def _digest_of(self, plan) -> str:
+        """The plan's digest, computed once per plan object (a dense plan is the same object every snapshot; its
+        JSON and SHA-256 cost ~1 ms)."""
+        if self._digested[0] is not plan:
+            self._digested = (plan, plan_digest(plan.to_dict()))
+        return self._digested[1]
+
+    def _reserve_dense_sets(self) -> None:
+        """Where the policy may take dense snapshots ("auto" takes one while it calibrates, "dense", window = 1),
+        their slot sets are built before the first step: a set built at a window start maps its pages on the
+        training thread (capture/file_slot_pool.py: FileSlotPool.reserve). DENSE_SETS is what a dense snapshot
+        every iteration keeps in use (the one being filled, the committed one, the ones the persist thread still
+        links until the floor, agreed one commit late, passes them); a switch to windows reuses their files. Within
+        host_memory_limit, like every set."""
+        if self.chooser.fixed == "sparse" and self.cfg.window != 1:  # (windows of one slot are dense snapshots)
+            return  # windows asked for (a forced W >= 2 is one: SparseConfig.fixed_policy)
+        plan, _ = self.planner.dense_plan()
+        n = self.slots.reserve(plan, DENSE_SETS, self.memory.room_for)
+        if n:
+            log.debug(f"torchmoe: {n} dense slot sets reserved before the first step ({self.dense_bytes} bytes each)")
 
     def _start_window(self, t: int, first_point: bool = False) -> Window:
         t0 = time.perf_counter()

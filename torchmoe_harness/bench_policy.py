@@ -71,7 +71,7 @@ GOALS = {
     "iteration into /dev/shm files (same bytes), median of interleaved pairs",
 }
 BOUNDS = {"simulator_prediction_error": (0.05, "<="), "w1_cost_vs_dense_baseline": (1.05, "<=")}
-WARMUP = 6  # steps left out of the W = 1 pair's time per iteration: the first windows build their slot files (one-off)
+WARMUP = 6  # steps left out of the W = 1 pair's time per iteration: both systems' first steps (the process warming up)
 
 
 def _spec(st: dict, shm: Path) -> dict:

@@ -20,11 +20,12 @@ import torch.nn.functional as F
 from support.tiny_moe import TOP_K, Net, batch_for  # tests/ is on sys.path under pytest
 
 import torchmoe_ckpt as tmc
+from torchmoe_ckpt.capture.file_slot_pool import _backings
 from torchmoe_ckpt.capture.host_memory import HostMemoryLimitError, parse_bytes
 from torchmoe_ckpt.config import CheckpointConfig, ConfigError, SparseConfig, TierConfig
 from torchmoe_ckpt.persist.build_tiers import Tiers
 from torchmoe_ckpt.recovery.resume import ResumeResult
-from torchmoe_ckpt.sparse_checkpointer import RunContext, SparseCheckpointer
+from torchmoe_ckpt.sparse_checkpointer import DENSE_SETS, RunContext, SparseCheckpointer
 from torchmoe_ckpt.tiers.host_tier import HostTier
 from torchmoe_harness.trainer import RunConfig, Trainer
 
@@ -395,3 +396,66 @@ def test_torchtitan_section_maps_the_memory_settings():
         with pytest.raises(JobConfigError) as err:
             SparseCheckpointSection.from_table(table)
         assert needle in str(err.value) and "; fix: " in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "policy, window, reserved",
+    [
+        ("auto", None, DENSE_SETS),
+        ("sparse", 1, DENSE_SETS),
+        ("dense", None, DENSE_SETS),
+        ("auto", 3, 0),
+        ("sparse", 3, 0),
+    ],
+)
+def test_dense_slot_sets_are_built_before_the_first_step(shm, one_rank_group, policy, window, reserved):
+    """Where dense snapshots may be taken, their slot sets exist before training (a set built at a window start
+    maps its pages on the training thread: ~0.5 s per 133 MB under training on this machine), mapped in whole; a
+    dense snapshot every iteration then allocates nothing on the training thread. Windows asked for (a forced
+    W >= 2, under "auto" too) reserve none."""
+    t, ck = checkpointer(shm, steps=20, window=window, policy=policy)
+    assert ck.slots.prepared == reserved and ck.slots.alloc_count["training_thread"] == 0
+    for b in _backings(ck.slots.sets):  # allocated whole (a full /dev/shm fails here, not in a copy)
+        assert os.fstat(b.fd).st_blocks * 512 >= b.t.numel()
+    if window == 1:
+        ck.force_policy("sparse")
+        for _ in range(12):
+            ck.after_step(t.train_step())
+        assert ck.counters.slots == 12 and ck.slots.alloc_count["training_thread"] == 0
+    stop(ck)
+
+
+def test_a_reservation_stays_within_host_memory_limit(shm, one_rank_group):
+    """Reserved sets are counted against host_memory_limit like any other (only those that fit are built), and a
+    run at the construction check's own figure stays within it."""
+    with pytest.raises(HostMemoryLimitError) as err:  # the check's own figure, from its message
+        checkpointer(shm / "a", steps=4, window=1, policy="sparse", host_memory_limit=1)
+    need = int(re.search(r"\((\d+) bytes\)", str(err.value)).group(1))
+    t, ck = checkpointer(shm / "b", steps=10, window=1, policy="sparse", host_memory_limit=need)
+    assert 1 <= ck.slots.prepared <= DENSE_SETS and ck.memory.total() <= need
+    for _ in range(10):  # the reserved sets count like any other: the run stays within the limit
+        ck.after_step(t.train_step())
+        assert ck.memory.total() <= need
+    assert ck.counters.windows_committed >= 8
+    stop(ck)
+
+
+def test_a_mapped_file_is_mapped_in_before_its_first_copy(shm):
+    """map_file populates its pages (MADV_POPULATE_WRITE): the first copy into it takes no page faults (without,
+    one per 4 KiB page). Skipped where the kernel lacks the call (older than 5.14)."""
+    import resource
+
+    from torchmoe_ckpt.storage_format.mapped_files import map_file, populate
+
+    shm.mkdir(parents=True)
+    fd = os.open(shm / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    mm, t = map_file(fd, 32 << 20)
+    os.close(fd)
+    if not populate(mm):
+        pytest.skip("this kernel cannot populate a mapping (MADV_POPULATE_WRITE, Linux 5.14+)")
+    src = torch.ones(32 << 20, dtype=torch.uint8)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    t.copy_(src)
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+    assert faults < (32 << 20) // 4096 // 20, faults  # 8192 pages: without populate every one faults (measured)
+    del t, mm

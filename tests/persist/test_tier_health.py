@@ -228,3 +228,33 @@ def test_unwritable_host_root_holding_a_run_recovers_and_trains_on(tmpfs, one_ra
     unhealthy = _events(caplog, "tier_unhealthy")
     assert unhealthy and "run lock of" in unhealthy[0], unhealthy
     assert "\n" not in str(stall.value) and "no window committed durably" in str(stall.value)
+
+
+def test_a_small_tmpfs_gets_only_the_dense_sets_it_has_room_for(tmp_path, one_rank_group):
+    """The dense slot sets reserved before the first step (FileSlotPool.reserve) stop while the file system would
+    keep less than RESERVE_HEADROOM sets free: on a REAL tmpfs of ~5 sets, two are reserved (not
+    DENSE_SETS, which would leave nothing for windows), and the run still commits its dense snapshots."""
+    from torchmoe_ckpt.capture.file_slot_pool import RESERVE_HEADROOM
+    from torchmoe_ckpt.sparse_checkpointer import DENSE_SETS
+
+    t = Trainer(RunConfig(steps=12))
+    probe = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, SparseConfig(window=1, policy="sparse"))
+    one = probe.slots.set_bytes(probe.planner.dense_plan()[0])
+    probe.stop()
+    d = tmp_path / "small"
+    d.mkdir()
+    size = (RESERVE_HEADROOM + 1) * one + (64 << 10)  # 5 sets and a little: room to reserve 2, not 3
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        tiers = build_tiers(TierConfig(root=str(d), run_id="run"), 0, 1)
+        cfg = SparseConfig(window=1, policy="sparse")
+        ck = SparseCheckpointer(t.model, t.optimizer, t.compute_dtype, cfg, RunContext(tiers=tiers)).attach(t)
+        assert ck.slots.prepared == 2 < DENSE_SETS, ck.slots.prepared
+        for _ in range(6):
+            ck.after_step(t.train_step())
+        ck.flush()
+        assert ck.counters.windows_committed >= 5
+        ck.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,7 @@ from ..storage_format.slot_files import Backing, SlotFiles, backing
 from .slot_pool import ArenaSlotPool, SlotPoolBase, signature
 
 log = logging.getLogger("torchmoe_ckpt.slot_files")
+RESERVE_HEADROOM = 4  # reserve: free bytes the file system must keep, in sets (the node's other ranks, small files)
 MAX_SETS = 8  # sets kept without a host-memory limit: current, committed, still linked, one being collected
 
 
@@ -89,6 +91,41 @@ class FileSlotPool(SlotPoolBase):
                     break
                 self.sets.remove(next((f for f in old if self._free(f)), old[0]))
             return slots
+
+    def reserve(self, plan: WindowPlan, count: int, room: Callable[[int], bool] | None = None) -> int:
+        """`count` free sets of `plan`'s slot files, allocated and mapped in now (before training: a set built at a
+        window start maps its pages in on the training thread, ~0.5 s per 133 MB under training here, against ~0.03 s
+        before the loop). Each only while `room(nbytes)` (HostMemory.room_for) allows; stops at the first one shared
+        memory refuses (the window start then falls back as it always does), and while the file system keeps
+        RESERVE_HEADROOM times the set free (other ranks of the node reserve too; windows need their small files)."""
+        built = 0
+        nbytes = self.set_bytes(plan)
+        sig = signature(plan)
+        for _ in range(min(count, self.max_sets)):
+            if room is not None and not room(nbytes):
+                break
+            try:
+                st = os.statvfs(self.slot_files.dir)
+            except OSError:
+                break
+            if st.f_bavail * st.f_frsize < RESERVE_HEADROOM * nbytes:
+                log.debug(
+                    "slot files not reserved: %d bytes free on %s", st.f_bavail * st.f_frsize, self.slot_files.dir
+                )
+                break
+            with self.lock:
+                before = self.slot_files.created_bytes
+                try:
+                    slots = self.slot_files.build(plan, self.ops, self.compute_dtype)
+                except OSError as exc:
+                    log.debug("slot files not reserved (%s)", exc)
+                    break
+                self.allocations += 1
+                self.allocated_bytes += self.slot_files.created_bytes - before
+                self.prepared += 1
+                self.sets.append(_FileSet(slots, sig, [sl.nbytes for sl in slots], ticket=0))  # free: never written
+            built += 1
+        return built
 
     def release(self, slots: list[Slot], ticket: int | None = None) -> None:
         with self.lock:

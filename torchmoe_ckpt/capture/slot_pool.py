@@ -61,6 +61,9 @@ class SlotAllocator(Protocol):
     5. (M, at any time) `host_bytes()`, `files()` and the counters (`kind`, `allocations`, `prepared`,
        `alloc_seconds`, `alloc_count`): what the allocator holds, for host_memory.py.
     6. (T, once, at the end) `close()`: the helper joined, the sets let go.
+
+    Before step 1, once (T, in the checkpointer's constructor): `reserve(plan, count, room)` may build `count`
+    free sets of `plan` before training starts (the dense snapshot's, when the policy may take one).
     """
 
     kind: str  # "pinned-arena" | "plain-arena" | "shm-files": what the sets are
@@ -101,6 +104,10 @@ class SlotAllocator(Protocol):
     @property
     def preparing(self) -> bool:
         """A set is being allocated ahead (`prepare`), off the training thread."""
+        ...
+
+    def reserve(self, plan: WindowPlan, count: int, room: Callable[[int], bool] | None = None) -> int:
+        """Build up to `count` free sets of `plan` now, each while `room(nbytes)` allows; returns how many."""
         ...
 
     def host_bytes(self) -> dict[str, int]:
@@ -146,6 +153,11 @@ class SlotPoolBase(SlotAllocator):
     def preparing(self) -> bool:
         """A set is being allocated ahead (`prepare`), off the training thread."""
         return False
+
+    def reserve(self, plan: WindowPlan, count: int, room: Callable[[int], bool] | None = None) -> int:
+        """Build up to `count` free sets of `plan` before training (allocators whose first use is cheap build
+        none)."""
+        return 0
 
     def close(self) -> None:
         """The checkpointer is done: join the helper thread, if any, and let the sets go."""

@@ -16,15 +16,32 @@ import torch
 
 from .checksums import BLOCK, tensor_block_sums
 
+MADV_POPULATE_WRITE = 23  # Linux 5.14+ (not every Python names it): map every page writable in one call
+
+
+def populate(mm: mmap.mmap) -> bool:
+    """Map every page of `mm` into this process now, writable (the pages are already allocated). Without it the
+    first copy into a new mapping takes one page fault per 4 KiB, each under the process's memory-map lock, which
+    the training thread's own allocations also take: measured here, the first 133 MB copy into a new slot file
+    during training took ~0.6 s against ~0.04 s for the next ones; populated first it takes ~0.03 s on an idle
+    core. Returns False where the kernel cannot (older than 5.14): the pages then fault in on first use, as before."""
+    try:
+        mm.madvise(MADV_POPULATE_WRITE)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return True
+
 
 def map_file(fd: int, size: int, allocate: bool = True) -> tuple[mmap.mmap, torch.Tensor]:
     """A shared read/write mapping of the open file `fd` cut to `size` bytes, and its uint8 view. `allocate`: every
-    page now, so a full /dev/shm is an OSError (ENOSPC) here, never a SIGBUS in a later copy."""
+    page now, so a full /dev/shm is an OSError (ENOSPC) here, never a SIGBUS in a later copy; the pages are mapped
+    in at once too (`populate`), so that no later copy pays their first-touch faults."""
     if os.fstat(fd).st_size != size:
         os.ftruncate(fd, size)
     if allocate:
         os.posix_fallocate(fd, 0, size)
     mm = mmap.mmap(fd, size)
+    populate(mm)
     return mm, torch.frombuffer(mm, dtype=torch.uint8)
 
 

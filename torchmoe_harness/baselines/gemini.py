@@ -27,10 +27,14 @@ _ALIGN = 64
 
 def _file_alloc(shm_dir: str, index: int, names: tuple, by_name: dict, trainer):
     """An allocator for `build_slot` whose tensors are views of one file `<shm_dir>/snapshot-<rank>-<index>` mapped
-    shared (torch.from_file): the snapshot copy writes the file's pages, which outlive the process."""
+    shared: the snapshot copy writes the file's pages, which outlive the process. Mapped as our slot files are
+    (storage_format.mapped_files.map_file: allocated and populated before the loop, so neither system's first
+    copies pay page faults the other does not)."""
     import os
 
     import torch
+
+    from torchmoe_ckpt.storage_format.mapped_files import map_file
 
     sizes: list[int] = []
 
@@ -44,9 +48,11 @@ def _file_alloc(shm_dir: str, index: int, names: tuple, by_name: dict, trainer):
     os.makedirs(shm_dir, exist_ok=True)
     path = os.path.join(shm_dir, f"snapshot-{rank}-{index}")
     total = max(_ALIGN, sum(sizes))
-    with open(path, "wb") as f:
-        f.truncate(total)
-    mem = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        _mm, mem = map_file(fd, total)  # the view keeps the mapping alive
+    finally:
+        os.close(fd)  # a mapping outlives its descriptor
     offset = [0]
 
     def alloc(shape, dtype):
