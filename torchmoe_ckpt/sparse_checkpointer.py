@@ -320,7 +320,7 @@ class SparseCheckpointer:
         """Finish the copy in flight, commit the window it completes (collective), then wait until the host tier has
         written what is queued (not the uploads). `commit=False` (a peer failed): no commit, no collective."""
         if commit:
-            self._settle()
+            self._settle(agree_now=True)  # (the last commit before an exit: nothing later would collect its floor)
         else:
             self.engine.wait()
         if self.persist is not None:
@@ -382,11 +382,12 @@ class SparseCheckpointer:
         self._settle()
         self._drop_current()
 
-    def _settle(self, done: bool = True) -> None:
-        """Wait for the copy in flight (`done`: until it is on the host), price it, commit the window it completes."""
+    def _settle(self, done: bool = True, agree_now: bool = False) -> None:
+        """Wait for the copy in flight (`done`: until it is on the host), price it, commit the window it completes
+        (`agree_now`: its retention floor agreed at once, see _commit)."""
         (self.engine.wait_done if done else self.engine.wait)()
         self._observe_copy()
-        self._maybe_commit()
+        self._maybe_commit(agree_now)
 
     def _drop_current(self) -> None:
         cur, self.current = self.current, None
@@ -434,7 +435,7 @@ class SparseCheckpointer:
             nbytes, wall, _cpu = self.engine.last_copy
             self.planner.cost.observe_copy(nbytes, wall, self.engine.waits[-1] if self.engine.waits else 0.0)
 
-    def _maybe_commit(self) -> None:
+    def _maybe_commit(self, agree_now: bool = False) -> None:
         """Commit the window being filled once its last copy is complete, then release the window it replaces."""
         cur = self.current
         if cur is not None and cur.captured == cur.plan.window:
@@ -443,13 +444,13 @@ class SparseCheckpointer:
         if cur is None or not cur.committed:
             return
         old, self.committed, self.current = self.committed, cur, None
-        self._commit(cur)
+        self._commit(cur, agree_now)
         if old is not None:
             self._release(old)
 
-    def _commit(self, cur: Window) -> None:
+    def _commit(self, cur: Window, agree_now: bool = False) -> None:
         """Count and log the window committed in memory, and hand it to the persist thread (collective: the
-        retention floor is agreed)."""
+        retention floor is agreed, one commit late unless `agree_now` or under host_memory_limit)."""
         self.counters.windows_committed += 1
         self.counters.copy_seconds.extend(s.copy_seconds for s in cur.slots)
         if log.isEnabledFor(self._level):  # summing every item's bytes costs ~1 ms a window: only when logged
@@ -464,10 +465,11 @@ class SparseCheckpointer:
         # Keep every window from the newest one *all* ranks persisted: the only one they can all recover from.
         # Agreed one commit late (LaggedMin): the training thread does not wait for the slowest rank's copy here,
         # and an older floor only keeps one more window a little longer (-1, before any agreement: keep all).
-        # Under host_memory_limit it is agreed now: the limit's count of slot sets assumes the current floor.
+        # Agreed now under host_memory_limit (the limit's count of slot sets assumes the current floor), and at a
+        # flush (`agree_now`: the last commit before an exit leaves no older window behind).
         mine = max(self.persist.persisted, default=-1)
         mine = self.persist.peer_floor(mine)  # peer_interval k > 1: from the newest window on the peers
-        if self.memory.limit is None:
+        if self.memory.limit is None and not agree_now:
             floor = int(self._floor.exchange(float(mine), first=-1.0))
         else:
             self._floor.settle()  # (a limit set since: the lagged one first, in the same order on every rank)
