@@ -44,7 +44,7 @@ from .planning.window_planner import WindowPlanner
 from .recovery import rng
 from .recovery.resume import ResumeResult
 from .recovery.sparse_to_dense import RecoveryReport, replay_slots, sparse_to_dense
-from .runtime.agreement import LaggedMin, reduce_float
+from .runtime.agreement import reduce_float
 from .runtime.deferred_reads import HostReads
 from .runtime.distributed import library_group
 from .storage_format.manifest import plan_digest
@@ -185,7 +185,6 @@ class SparseCheckpointer:
         # the bytes of the slot copy running during the next step (device-loss pricing)
         self.counters, self._inflight_bytes = Counters(), 0
         self._redo: _Redo | None = None  # after an in-memory recovery: until training is back where it was
-        self._floor = LaggedMin(self.agree_group)  # pyright: ignore[reportArgumentType]  (a group or None here)
         self.dense_bytes = sum(o.full_bytes() for o in self.ops)  # what one dense snapshot of this rank copies
         # Threads last: nothing above can leave one running.
         self.access = StateAccess(model, optimizer)
@@ -320,7 +319,7 @@ class SparseCheckpointer:
         """Finish the copy in flight, commit the window it completes (collective), then wait until the host tier has
         written what is queued (not the uploads). `commit=False` (a peer failed): no commit, no collective."""
         if commit:
-            self._settle(agree_now=True)  # (the last commit before an exit: nothing later would collect its floor)
+            self._settle()
         else:
             self.engine.wait()
         if self.persist is not None:
@@ -345,7 +344,6 @@ class SparseCheckpointer:
         except BaseException:
             self.engine.shutdown()
             raise
-        self._floor.settle()  # the last commit's floor agreement, before the process group can go
         summary = self.persist.finish(upload_timeout_s) if self.persist is not None else None
         self.stop()
         return summary
@@ -367,7 +365,6 @@ class SparseCheckpointer:
 
     def _end(self, end_writer) -> None:
         self._closed = True
-        self._floor.drop()
         if self.trigger is not None:
             self.trigger.close()
         self.engine.shutdown()
@@ -382,12 +379,11 @@ class SparseCheckpointer:
         self._settle()
         self._drop_current()
 
-    def _settle(self, done: bool = True, agree_now: bool = False) -> None:
-        """Wait for the copy in flight (`done`: until it is on the host), price it, commit the window it completes
-        (`agree_now`: its retention floor agreed at once, see _commit)."""
+    def _settle(self, done: bool = True) -> None:
+        """Wait for the copy in flight (`done`: until it is on the host), price it, commit the window it completes."""
         (self.engine.wait_done if done else self.engine.wait)()
         self._observe_copy()
-        self._maybe_commit(agree_now)
+        self._maybe_commit()
 
     def _drop_current(self) -> None:
         cur, self.current = self.current, None
@@ -435,7 +431,7 @@ class SparseCheckpointer:
             nbytes, wall, _cpu = self.engine.last_copy
             self.planner.cost.observe_copy(nbytes, wall, self.engine.waits[-1] if self.engine.waits else 0.0)
 
-    def _maybe_commit(self, agree_now: bool = False) -> None:
+    def _maybe_commit(self) -> None:
         """Commit the window being filled once its last copy is complete, then release the window it replaces."""
         cur = self.current
         if cur is not None and cur.captured == cur.plan.window:
@@ -444,13 +440,13 @@ class SparseCheckpointer:
         if cur is None or not cur.committed:
             return
         old, self.committed, self.current = self.committed, cur, None
-        self._commit(cur, agree_now)
+        self._commit(cur)
         if old is not None:
             self._release(old)
 
-    def _commit(self, cur: Window, agree_now: bool = False) -> None:
+    def _commit(self, cur: Window) -> None:
         """Count and log the window committed in memory, and hand it to the persist thread (collective: the
-        retention floor is agreed, one commit late unless `agree_now` or under host_memory_limit)."""
+        retention floor is agreed)."""
         self.counters.windows_committed += 1
         self.counters.copy_seconds.extend(s.copy_seconds for s in cur.slots)
         if log.isEnabledFor(self._level):  # summing every item's bytes costs ~1 ms a window: only when logged
@@ -463,17 +459,9 @@ class SparseCheckpointer:
         if self.persist is None:
             return
         # Keep every window from the newest one *all* ranks persisted: the only one they can all recover from.
-        # Agreed one commit late (LaggedMin): the training thread does not wait for the slowest rank's copy here,
-        # and an older floor only keeps one more window a little longer (-1, before any agreement: keep all).
-        # Agreed now under host_memory_limit (the limit's count of slot sets assumes the current floor), and at a
-        # flush (`agree_now`: the last commit before an exit leaves no older window behind).
         mine = max(self.persist.persisted, default=-1)
         mine = self.persist.peer_floor(mine)  # peer_interval k > 1: from the newest window on the peers
-        if self.memory.limit is None and not agree_now:
-            floor = int(self._floor.exchange(float(mine), first=-1.0))
-        else:
-            self._floor.settle()  # (a limit set since: the lagged one first, in the same order on every rank)
-            floor = int(self._agree(float(mine), dist.ReduceOp.MIN))
+        floor = int(self._agree(float(mine), dist.ReduceOp.MIN))
         self.persist.commit(cur, {"dtype": str(self.compute_dtype), "identity": self._identity_dict}, keep_from=floor)
         self._last_job[cur.id] = self.persist.ticket()  # its buffers are read until this job is done
 
@@ -649,7 +637,7 @@ class SparseCheckpointer:
         their slot sets are built before the first step: a set built at a window start maps its pages on the
         training thread (capture/file_slot_pool.py: FileSlotPool.reserve). DENSE_SETS is what a dense snapshot
         every iteration keeps in use (the one being filled, the committed one, the ones the persist thread still
-        links until the floor, agreed one commit late, passes them); a switch to windows reuses their files. Within
+        links until the retention floor passes them); a switch to windows reuses their files. Within
         host_memory_limit, like every set."""
         if self.chooser.fixed == "sparse" and self.cfg.window != 1:  # (windows of one slot are dense snapshots)
             return  # windows asked for (a forced W >= 2 is one: SparseConfig.fixed_policy)

@@ -28,7 +28,6 @@ __all__ = [
     "all_gather_objects",
     "all_ok",
     "attempt",
-    "LaggedMin",
     "failure_reason",
     "gather_failures",
     "reduce_float",
@@ -69,44 +68,6 @@ def reduce_float_on(value: float, op: dist.ReduceOp.RedOpType, group: dist.Proce
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=op, group=group)
     return float(t.item())
-
-
-class LaggedMin:
-    """A MIN over the ranks whose result is read one call later, so that the training thread never waits for it:
-    `exchange(v)` starts the reduction of `v` (asynchronous, on the library's gloo group) and returns the result
-    of the previous call's (finished by then: a whole iteration later), or `first` on the first call. For
-    values where an older agreement is the safe side: the retention floor (an older floor keeps more windows).
-
-    Call order (every rank, same order, like any collective): `exchange` at the same events on every rank;
-    `settle()` before the process group goes (close); nothing after `drop()` (a checkpointer given up)."""
-
-    def __init__(self, group: dist.ProcessGroup | None = None):
-        self.group = group
-        self._pending: tuple[dist.Work, torch.Tensor] | None = None
-
-    def exchange(self, value: float, first: float) -> float:
-        """Start reducing `value`; returns the previous reduction's result (`first` before any). Collective."""
-        if not dist.is_initialized():
-            return value  # one process: nothing to wait for
-        prev = self.settle()
-        t = torch.tensor([value], dtype=torch.float64)
-        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=library_group(self.group), async_op=True)
-        assert work is not None  # async_op=True returns the work
-        self._pending = (work, t)
-        return first if prev is None else prev
-
-    def settle(self) -> float | None:
-        """Wait for the reduction in flight; its result (None when none is)."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        work, t = pending
-        work.wait()
-        return float(t.item())
-
-    def drop(self) -> None:
-        """Forget the reduction in flight without waiting (the process is being given up)."""
-        self._pending = None
 
 
 def failure_reason(exc: BaseException) -> str:
