@@ -32,7 +32,7 @@ from .recovery import rng
 from .recovery.replay_check import check_replay_check
 from .recovery.replay_log import Replay, group_hyper
 from .recovery.resume import RecoveryOptions, ResumeResult
-from .recovery.sparse_to_dense import ReplayDivergence, init_optimizer_state
+from .recovery.sparse_to_dense import ReplayDivergence
 from .runtime import faults
 from .runtime.device_copy import host_copy
 from .runtime.distributed import refusal_notes_restarts
@@ -103,8 +103,7 @@ class Checkpointer:
         # Several optimizers are stepped, captured and replayed as one (`Optimizers`: torch.optim.Optimizer-like,
         # param_groups, state, step, zero_grad).
         optim = cast(torch.optim.Optimizer, as_optimizers(optimizer))
-        check_optimizers(model, optim)
-        init_optimizer_state(optim)  # every parameter has state from the start, even before its first gradient
+        check_optimizers(model, optim)  # before discovery: a refused optimizer is named as such
         self.schedule = SchedulerPosition(optim, scheduler)
         self.model, self.optimizer, self.scheduler = model, optim, scheduler
         self.forward_backward, self.group = forward_backward, group
@@ -117,7 +116,9 @@ class Checkpointer:
         self.ops = discover_operators(model, self.config.operators, optim)  # as fine as the optimizer allows
         self.op_by_name = {o.name: o for o in self.ops}
         check_coverage(model, self.ops)
-        attach_optimizer_state(model, self.ops, optim)  # what slots hold of each operator's optimizer state
+        # What slots hold of each operator's optimizer state; it creates the state every parameter needs from the
+        # start (even before its first gradient). Once: recover() and SparseCheckpointer find it done.
+        attach_optimizer_state(model, self.ops, optim, checked=True)
         self.params = list(model.parameters())
         self.device = local_tensor(self.params[0]).device if self.params else torch.device("cpu")
         check_replay_check(self.config.replay_check, self.device)  # "exact" on CUDA needs deterministic kernels

@@ -15,11 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .capture.copy_phase import BackwardTrigger
 from .capture.device_staging import staging_need
-from .capture.host_memory import HostMemory, MemoryHolders
-from .capture.slot_alloc import make_slot_allocator
-from .capture.snapshot import SnapshotEngine, StateAccess
+from .checkpointer_parts import PartsInputs, build_parts
 from .config import SparseConfig
 from .core.errors import ConfigError
 from .core.operator import Operator
@@ -29,7 +26,6 @@ from .model.identity import RunIdentity, build_identity
 from .model.operators import discover_operators, merged_operators
 from .model.optim_state import attach_optimizer_state
 from .persist.build_tiers import Tiers
-from .persist.persist_thread import PersistThread
 from .planning.calibration import CALIBRATION_STEPS, WARMUP_STEPS, cost_per_byte
 from .planning.policy import (
     DEFAULT_RESTART_S,
@@ -40,7 +36,6 @@ from .planning.policy import (
     PolicySwitch,
     resolved_mtbf_s,
 )
-from .planning.window_planner import WindowPlanner
 from .recovery import rng
 from .recovery.resume import ResumeResult
 from .recovery.sparse_to_dense import RecoveryReport, replay_slots, sparse_to_dense
@@ -179,61 +174,40 @@ class SparseCheckpointer:
         self.committed: Window | None = committed
         self._inherited = committed  # a window handed over after a restart (still the recovery fallback)
         self._next_id = _first_window_id(run.resumed, committed)
-        self._closed, self._copies_seen = False, 0  # (copies seen: _observe_copy)
+        self._closed = False
+        self._copies_seen = 0  # copies priced so far (_observe_copy)
         self._cur_slot_bytes: list[int] = []
         self._last_job: dict[int, int] = {}  # window id -> the persist thread's ticket after its commit job
-        # the bytes of the slot copy running during the next step (device-loss pricing)
-        self.counters, self._inflight_bytes = Counters(), 0
+        self.counters = Counters()
+        self._inflight_bytes = 0  # the bytes of the slot copy running during the next step (device-loss pricing)
         self._redo: _Redo | None = None  # after an in-memory recovery: until training is back where it was
         self.dense_bytes = sum(o.full_bytes() for o in self.ops)  # what one dense snapshot of this rank copies
-        # Threads last: nothing above can leave one running.
-        self.access = StateAccess(model, optimizer)
-        # On the model's device (a side stream on CUDA); the copy path's switches (docs/gpu.md, "The fix switches").
-        self.engine = SnapshotEngine(
-            self.access,
-            chunk_bytes=self.cfg.copy_chunk_bytes,
-            defer=self.cfg.copy_phase == "backward",
-            staging=self.cfg.device_staging,
-            reads_on_copy_stream=self.cfg.reads_on_copy_stream,
-        )
-        self.trigger = BackwardTrigger(model, self.engine.issue_from_hook) if self.engine.defer else None
-        self.persist = None
-        if host_tier is not None and run.tiers is not None:
-            self.persist = PersistThread(
-                host_tier, run.tiers.peers, run.tiers.store, run.tiers.lease, memory_line=lambda: self.memory.line()
-            )
         self._policy_setup(run)
-        self.slots = make_slot_allocator(
-            self.op_by_name, compute_dtype, self.engine.use_cuda, host_tier, self.persist, self.cfg.host_buffers
+        # Threads last: nothing above can leave one running, and build_parts stops its own when it refuses.
+        parts = build_parts(
+            PartsInputs(
+                model,
+                optimizer,
+                compute_dtype,
+                self.cfg,
+                self.ops,
+                host_tier,
+                run.tiers,
+                groups.group,
+                groups.sum_counts,
+                self._rank,
+                agree=self._agree,
+                windows=lambda: (self.current, self.committed, self._inherited),
+            )
         )
-        self.planner = WindowPlanner(
-            self.cfg,
-            self.ops,
-            compute_dtype,
-            groups.group,
-            self._agree,
-            groups.sum_counts,
-            self._rank,
-            cuda=self.engine.use_cuda,
-            reads=self.engine.reads,
-        )
-        limit = self.cfg.host_memory_limit
-        assert not isinstance(limit, str)  # SparseConfig parsed it into bytes
-        self.memory = HostMemory(  # counts this checkpointer's parts, now built
-            MemoryHolders(
-                self.slots, self.persist, self.engine.staging, lambda: (self.current, self.committed, self._inherited)
-            ),
-            limit,
-        )
+        self.parts = parts
+        self.access, self.engine, self.trigger, self.persist = parts.access, parts.engine, parts.trigger, parts.persist
+        self.slots, self.planner, self.memory = parts.slots, parts.planner, parts.memory
+        if self.persist is not None:  # the status line of each committed window says the policy in force
+            self.persist.status.policy_text = lambda: None if self.decision is None else self.decision.line()
         try:
-            if self.engine.staging is not None:  # on a CPU the staging buffer is host memory, under the limit
-                self.engine.staging.room = self.memory.room_for if limit is not None else None
-                why = self.engine.staging.refusal(self.planner.floor_slot_bytes())
-                if self._agree(float(why is None), dist.ReduceOp.MIN) < 1:  # refused on one rank: on every rank
-                    raise ConfigError(why or "device_staging=True cannot stage on another rank (its message says why)")
-            self.planner.cap_by_memory(self.memory, None if self.persist is None else self.persist.peers)
             self._reserve_dense_sets()
-        except BaseException:  # refused (HostMemoryLimitError, device staging): no thread is left running
+        except BaseException:  # no thread is left running
             self.stop()
             raise
 
@@ -365,14 +339,7 @@ class SparseCheckpointer:
 
     def _end(self, end_writer) -> None:
         self._closed = True
-        if self.trigger is not None:
-            self.trigger.close()
-        self.engine.shutdown()
-        if self.engine.staging is not None:
-            self.engine.staging.release()
-        self.slots.close()
-        if self.persist is not None:
-            end_writer(self.persist)
+        self.parts.stop(end_writer)
 
     def abandon_window(self) -> None:
         """Finish the copy in flight, then drop an incomplete window (a loop that pauses checkpointing)."""
@@ -506,8 +473,6 @@ class SparseCheckpointer:
         measured = report.get("total_seconds", report.get("seconds")) if isinstance(report, dict) else None
         self.restart_s = float(measured) if isinstance(measured, (int, float)) and measured > 0 else DEFAULT_RESTART_S
         self.restart_measured = measured is not None
-        if self.persist is not None:  # the status line of each committed window says the policy in force
-            self.persist.status.policy_text = lambda: None if self.decision is None else self.decision.line()
 
     @property
     def _policy_calibrating(self) -> bool:

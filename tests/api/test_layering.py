@@ -56,7 +56,7 @@ LAYERS = (
     (11, "ops", "the recovery line, the command line, inspect/verify"),
 )
 # Modules at the package root: the front door (what a user imports, the start-up sequence). It may import any layer.
-FRONT_DOOR = ("__init__", "checkpointer", "config", "startup", "sparse_checkpointer")
+FRONT_DOOR = ("__init__", "checkpointer", "checkpointer_parts", "config", "startup", "sparse_checkpointer")
 # Imports against the order, each with its reason: (importing module, imported module). Empty: TierConfig,
 # ObjectStoreConfig and the checks they need (check_uri, check_timeout) live in core/ (core/tier_config.py,
 # core/config_values.py), so the tiers and the JIT checkpoint read them from below; keep it empty.

@@ -8,6 +8,7 @@ exactly one.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -159,7 +160,7 @@ def _state_dtypes(o: torch.optim.Optimizer) -> dict[str, torch.dtype]:
     return out
 
 
-def attach_optimizer_state(model: nn.Module, ops, optimizer) -> None:
+def attach_optimizer_state(model: nn.Module, ops, optimizer, checked: bool = False) -> None:
     """Check `optimizer` against the operators, create its missing state, and set every operator's
     `Operator.state` (what its slots hold of the optimizer state). Idempotent: callers that may come first call it.
 
@@ -167,6 +168,7 @@ def attach_optimizer_state(model: nn.Module, ops, optimizer) -> None:
         model: the model `optimizer` trains.
         ops: the operators (a list, or name -> Operator); their `state` is set in place.
         optimizer: a torch optimizer, or a list of them (each parameter in exactly one).
+        checked: the caller ran `check_optimizers(model, optimizer)` already.
 
     Raises:
         UncapturedStateError: slots could not hold or replay this optimizer's state: an unsupported optimizer
@@ -174,12 +176,41 @@ def attach_optimizer_state(model: nn.Module, ops, optimizer) -> None:
             cut finer than the update allows (discovered without this optimizer).
     """
     ops = list(ops.values()) if isinstance(ops, dict) else list(ops)
-    check_optimizers(model, optimizer)
+    if _attached_already(model, ops, optimizer):
+        return
+    if not checked:
+        check_optimizers(model, optimizer)
     init_optimizer_state(optimizer)  # the state its first step would create
     opts = optimizer_list(optimizer)
     _check_cuts(model, ops, opts)
     _check_global(model, ops, opts)
     _assign_state(model, ops, Optimizers(opts).state)
+    _remember_attached(model, ops, optimizer)
+
+
+# optimizer -> (its model, {id(operator): operator}) that attach_optimizer_state last set `state` from, all held
+# weakly. Checkpointer, recover() and SparseCheckpointer each attach, as any of them may be the caller's first: on
+# one start-up path the work (checks, state creation, the pieces) then runs once. A list of optimizers cannot be
+# held weakly: it is attached at every call.
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _attached_already(model: nn.Module, ops: list, optimizer) -> bool:
+    try:
+        done = _ATTACHED.get(optimizer)
+    except TypeError:  # not weakly referenceable (a list) or unhashable
+        return False
+    if done is None:
+        return False
+    model_ref, op_refs = done
+    return model_ref() is model and all(id(op) in op_refs and op_refs[id(op)]() is op for op in ops)
+
+
+def _remember_attached(model: nn.Module, ops: list, optimizer) -> None:
+    try:
+        _ATTACHED[optimizer] = (weakref.ref(model), {id(op): weakref.ref(op) for op in ops})
+    except TypeError:
+        pass
 
 
 def _check_cuts(model: nn.Module, ops: list, opts: list) -> None:
