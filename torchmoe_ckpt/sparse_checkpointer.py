@@ -20,7 +20,7 @@ from .checkpointer_parts import PartsInputs, build_parts
 from .config import SparseConfig
 from .core.errors import ConfigError
 from .core.operator import Operator
-from .core.records import IterationRecord
+from .core.records import IterationRecord, SlotInfo
 from .core.window import Window, sliding_suffix
 from .model.identity import RunIdentity, build_identity
 from .model.operators import discover_operators, merged_operators
@@ -266,15 +266,15 @@ class SparseCheckpointer:
             self.persist.slot(
                 cur.id,
                 slot,
-                {
-                    "window": cur.id,
-                    "slot": slot.index,
-                    "start_step": cur.start_step,
-                    "window_size": cur.plan.window,
-                    "plan": self._digest_of(cur.plan),
-                    "run": self._identity_dict["fingerprint"],
-                    "record": record,  # the persist thread writes its digest (storage_format.manifest.record_digest)
-                },
+                SlotInfo(
+                    cur.id,
+                    slot.index,
+                    cur.start_step,
+                    window_size=cur.plan.window,
+                    plan=self._digest_of(cur.plan),
+                    run=self._identity_dict["fingerprint"],
+                ),
+                record,  # the persist thread writes its digest (storage_format.manifest.record_digest)
                 # sliding plans: how far the window got, so that a restart can use it before it commits
                 PartialWindow(cur.start_step, cur.plan, list(cur.log.records.values())) if cur.plan.sliding else None,
             )

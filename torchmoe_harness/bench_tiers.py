@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from torchmoe_ckpt.core.records import SlotInfo
 from torchmoe_ckpt.core.slot import build_slot
 from torchmoe_ckpt.model.operators import discover_operators
 from torchmoe_ckpt.planning.schedule import plan_window
@@ -243,14 +244,7 @@ def persist_cost(say) -> dict:
         def persist(tier, slot) -> float:
             times = []
             for wid in range(8):  # the steady state: windows come and go (retention), as in training
-                info = {
-                    "window": wid,
-                    "slot": slot.index,
-                    "step": wid * W + slot.index,
-                    "start_step": wid * W,
-                    "plan": None,
-                    "run": None,
-                }
+                info = SlotInfo(wid, slot.index, wid * W, step=wid * W + slot.index)
                 t0 = time.thread_time()
                 tier.write_slot(wid, slot, info)
                 times.append(time.thread_time() - t0)

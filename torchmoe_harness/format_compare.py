@@ -20,7 +20,7 @@ import torch
 
 from torchmoe_ckpt.core.operator import Piece
 from torchmoe_ckpt.core.plan import SlotPlan, WindowPlan
-from torchmoe_ckpt.core.records import IterationRecord, ReplayLog
+from torchmoe_ckpt.core.records import IterationRecord, ReplayLog, SlotInfo
 from torchmoe_ckpt.core.slot import Slot, SlotItem
 from torchmoe_ckpt.storage_format.layout import store_writer_prefix, window_dirname, writer_name
 from torchmoe_ckpt.tiers.host_tier import HostTier
@@ -86,7 +86,7 @@ def synthetic_window(
         tier = HostTier(Path(root) / "node-0", run_id, r, world)
         for i in range(slots):
             slot = synthetic_slot(i, r, world, seed=window_id, **shape)
-            tier.write_slot(window_id, slot, {"window": window_id, "slot": i, "start_step": 7, "step": slot.step})
+            tier.write_slot(window_id, slot, SlotInfo(window_id, i, 7, step=slot.step))
         plan = WindowPlan(
             tuple(SlotPlan(("layer0",), ("layer1",), 0) for _ in range(slots)), float("inf"), True, ("layer0", "layer1")
         )

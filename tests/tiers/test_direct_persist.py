@@ -13,6 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchmoe_ckpt.config import SparseConfig
+from torchmoe_ckpt.core.records import SlotInfo
 from torchmoe_ckpt.dcp.raw_storage import RawReader, RawWriter
 from torchmoe_ckpt.dcp.slot_planner import SlotSavePlanner
 from torchmoe_ckpt.persist.build_tiers import Tiers
@@ -80,7 +81,7 @@ def test_persist_links_the_snapshot_file_and_metadata_matches_a_dcp_save(tmp_pat
         assert os.path.samefile(backing(s).path, tier.slot_dir(0, s.index) / DATA_FILE)
     # The once-pickled layout record unpickles to the Metadata a full DCP save through RawWriter writes.
     s = ck.committed.slots[1]
-    info = {"window": 0, "slot": 1, "step": s.step}
+    info = SlotInfo(0, 1, 0, step=s.step)
     got = RawReader(tier.slot_dir(0, 1)).read_metadata()
     plain = tmp_path / "plain"
     dcp.save(

@@ -1,12 +1,40 @@
 """The replay record of one iteration (what exact replay needs: batch, gradient norm, LRs and hyper-parameters, RNG
-states, loss) and a window's log of them; applied by `recovery.replay_log.Replay`."""
+states, loss) and a window's log of them, applied by `recovery.replay_log.Replay`; and `SlotInfo`, what one slot save
+was written for."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """What one slot save was written for: its window, slot and steps, the plan and run it belongs to, and the
+    digest of its iteration's replay record. Built by the checkpointer (or the DCP planner), completed by the persist
+    thread (`step`, `record`), and kept in the slot's DCP `.metadata` (planner data) and, per slot, in the window's
+    manifest, which recovery compares. `to_dict` / `from_dict` are those two JSON/DCP edges."""
+
+    window: int
+    slot: int
+    start_step: int
+    window_size: int | None = None  # W of its window
+    plan: str | None = None  # the window plan's digest (storage_format.manifest.plan_digest)
+    run: str | None = None  # the run identity's fingerprint (None: not checked)
+    step: int | None = None  # the iteration whose state the slot holds (set when it is written)
+    record: str | None = None  # its replay record's digest (storage_format.manifest.record_digest; None: none)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> SlotInfo:
+        """From a slot's metadata as read (unknown keys, such as the checksums DCP keeps beside it, are left out)."""
+        said: dict[str, Any] = {f.name: d.get(f.name) for f in fields(SlotInfo)}
+        return SlotInfo(**said)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from ..core.records import SlotInfo
 from ..storage_format.checksums import SUM64
 from ..storage_format.files import open_files
 from ..storage_format.layout import DATA_FILE, METADATA, parse_slot_path, writer_name
@@ -112,15 +113,15 @@ class RawWriter(NoPlanning, StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         items = [(wi, planner.resolve_data(wi)) for wi in plan.items]
-        info = dict(getattr(planner, "info", None) or {})
+        info: SlotInfo | None = getattr(planner, "info", None)  # ours (SparseSavePlanner, SlotSavePlanner) say it
         wplan = getattr(planner, "window_plan", None)  # SparseSavePlanner: the window plan of the schedule
         where = parse_slot_path(self.path) if wplan is not None else None
         self.tier, self.window, self.slot, self.committed, self.closes_window = None, None, None, None, False
-        if where is not None and wplan is not None:  # (where is None without a window plan)
+        if where is not None and wplan is not None and info is not None:  # (where is None without a window plan)
             run, self.window, self.slot = where
-            if (self.window, self.slot) != (info.get("window"), info.get("slot")):
+            if (self.window, self.slot) != (info.window, info.slot):
                 raise ValueError(
-                    f"{self.path}: saving window {info.get('window')} slot {info.get('slot')} into the directory "
+                    f"{self.path}: saving window {info.window} slot {info.slot} into the directory "
                     f"of window {self.window} slot {self.slot}; use schedule.slot_path(root, step)"
                 )
             tier = self.tier = run_tier(run, self.rank, self.world, self.storage_options, self._store)
@@ -128,9 +129,9 @@ class RawWriter(NoPlanning, StorageWriter):
             entries = self.slot_files = tier.written(self.window, self.slot)
             self.closes_window = self.slot == wplan.window - 1
             if self.closes_window:  # this writer's window manifest, if every slot of it was written here
-                extra = {"identity": {"fingerprint": info["run"]} if info.get("run") else {}}
+                extra = {"identity": {"fingerprint": info.run} if info.run else {}}
                 try:
-                    self.committed = tier.write_commit(self.window, info["start_step"], wplan, None, extra)
+                    self.committed = tier.write_commit(self.window, info.start_step, wplan, None, extra)
                 except UncommittableWindow as exc:  # e.g. saving began mid-window: the window is never visible
                     log.info("%s", exc)
         else:

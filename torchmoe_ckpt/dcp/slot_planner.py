@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
+from ..core.records import SlotInfo
 from ..core.slot import Slot
 from ..storage_format.checksums import crc32_tensor
 from ..storage_format.slot_format import PLANNER_KEY, checksum_name, write_item
@@ -68,7 +69,7 @@ def _index_key(fqn: str, offset) -> tuple:
 
 
 class SlotSavePlanner(DefaultSavePlanner):
-    def __init__(self, slot: Slot, info: dict):
+    def __init__(self, slot: Slot, info: SlotInfo):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
         self.slot, self.info = slot, info
         self._buffers: dict[tuple, torch.Tensor] = {}
@@ -89,7 +90,7 @@ class SlotSavePlanner(DefaultSavePlanner):
         for p in all_plans:
             sums.update((p.planner_data or {}).get("checksums", {}))
         kept = {checksum_name(i.index.fqn, i.index.offset) for p in global_plan for i in p.items}
-        data = {PLANNER_KEY: dict(self.info, checksums={k: v for k, v in sums.items() if k in kept})}
+        data = {PLANNER_KEY: dict(self.info.to_dict(), checksums={k: v for k, v in sums.items() if k in kept})}
         self.global_plan, self.metadata = global_plan, dataclasses.replace(md, planner_data=data)
         return global_plan, self.metadata
 

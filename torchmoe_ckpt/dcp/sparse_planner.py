@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..core.records import IterationRecord, ReplayLog
+from ..core.records import IterationRecord, ReplayLog, SlotInfo
 from ..core.slot import Slot, SlotItem, build_slot
 from ..core.window import Window
 from ..model.operators import agreed_sizes, discover_operators, local_tensor
@@ -114,10 +114,10 @@ class SparseSchedule:
     def slot_path(self, root: str | Path, step: int) -> str:
         return f"{str(root).rstrip('/')}/{self.slot_name(step)}"
 
-    def info(self, step: int, run: str = "") -> dict:
+    def info(self, step: int, run: str = "") -> SlotInfo:
+        """What the save of `step`'s slot is written for (its `.metadata` says so)."""
         wid, slot, start = self.locate(step)
-        info = dict(window=wid, slot=slot, step=step, start_step=start, window_size=self.window, plan=self.digest)
-        return dict(info, run=run or None)
+        return SlotInfo(wid, slot, start, window_size=self.window, plan=self.digest, run=run or None, step=step)
 
 
 def dcp_key(item: SlotItem, model_key: str = "model", optim_key: str = "optim") -> str:
@@ -174,7 +174,7 @@ class SparseSavePlanner(DefaultSavePlanner):
         self.schedule, self.step, self.record, self.keys = schedule, step, record, (model_key, optim_key)
         self.info = schedule.info(step, run)
         self.window_plan = schedule.plan  # our writers commit the window's manifest with its last slot
-        self.slot = schedule.slot_items(self.info["slot"])
+        self.slot = schedule.slot_items(self.info.slot)
         self._items: dict[tuple, SlotItem] = {}
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
@@ -198,7 +198,7 @@ class SparseSavePlanner(DefaultSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         _, global_plan, md = partial_global_plan(self, all_plans, "sparse slot plan")
-        md = dataclasses.replace(md, planner_data={PLANNER_KEY: dict(self.info)})
+        md = dataclasses.replace(md, planner_data={PLANNER_KEY: self.info.to_dict()})
         self.global_plan, self.metadata = global_plan, md
         return global_plan, md
 
@@ -243,7 +243,7 @@ class SparseLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        info, want = planner_info(metadata), self.schedule.info(self.step)
+        info, want = planner_info(metadata), self.schedule.info(self.step).to_dict()  # (read: the DCP edge)
         bad = [k for k in INFO_KEYS if info.get(k) != want[k]]
         if bad:
             raise ValueError(

@@ -9,12 +9,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from ..core.config_values import human_bytes
+from ..core.records import IterationRecord, SlotInfo
 from ..core.slot import Slot
 from ..core.window import Window
 from ..runtime.agreement import reduce_float_on
@@ -45,7 +46,8 @@ class SlotJob:
 
     window_id: int
     slot: Slot
-    info: dict  # the planner info of the slot's `.metadata` (window, slot, step, run, plan, replay record)
+    info: SlotInfo  # what the slot's `.metadata` says it was written for (its step and record set when written)
+    record: IterationRecord | None  # its iteration's replay record: its digest goes into `info`
     partial: PartialWindow | None  # sliding plans: how far its window got (written after the slot)
 
 
@@ -178,19 +180,26 @@ class PersistThread:
             "replication_lag_s": [round(x, 4) for x in self.replication_lag_seconds],
         }
 
-    def slot(self, window_id: int, slot: Slot, info: dict, partial: PartialWindow | None = None) -> None:
+    def slot(
+        self,
+        window_id: int,
+        slot: Slot,
+        info: SlotInfo,
+        record: IterationRecord | None = None,
+        partial: PartialWindow | None = None,
+    ) -> None:
         """Persist a captured slot (the training thread; returns at once, the copy may still be running).
 
         Args:
             window_id: the slot's window.
             slot: the captured slot; written once `slot.done` is set, never when its copy was torn.
-            info: the planner info for its `.metadata` (window, slot, start_step, plan, run, replay record).
+            info: what its `.metadata` says it was written for (window, slot, start_step, plan, run).
+            record: the iteration's replay record, bound to the slot by its digest (computed on this thread).
             partial: sliding plans: how far the window got, written after the slot (`WindowTier.write_partial`)
                 so that a recovery can use it before the window commits.
         """
-        if "start_step" in info and "slot" in info:  # the training thread: the stall policy may end the job here
-            self.health.check_stall(info["start_step"] + info["slot"])
-        self._put(SlotJob(window_id, slot, info, partial))
+        self.health.check_stall(info.start_step + info.slot)  # the training thread: the stall policy may end it here
+        self._put(SlotJob(window_id, slot, info, record, partial))
 
     def commit(self, window: Window, extra: dict, keep_from: int) -> None:
         """Commit `window` once its slots are written, push it to the peers, hand it to the store, and collect
@@ -291,7 +300,7 @@ class PersistThread:
             c0 = time.thread_time()
             try:
                 if isinstance(job, SlotJob):
-                    self._write_slot(job.window_id, job.slot, job.info, job.partial)
+                    self._write_slot(job)
                 elif isinstance(job, CommitJob):
                     c0 = self._commit(job, c0)
                 else:
@@ -378,7 +387,8 @@ class PersistThread:
         rates = ", ".join(f"to rank {k.peer} {human_bytes(k.last_bytes_per_s)}/s" for k in links if k.direction == "to")
         return self.peer_lag.text() + (f" ({rates})" if rates else "")
 
-    def _write_slot(self, wid: int, slot: Slot, info: dict, partial: PartialWindow | None = None) -> None:
+    def _write_slot(self, job: SlotJob) -> None:
+        wid, slot = job.window_id, job.slot
         slot.done.wait()
         if wid in self._failed or not slot.complete:  # a torn copy is never persisted
             return
@@ -388,10 +398,10 @@ class PersistThread:
                 return
             self._attempted.add(wid)
         try:
-            info = dict(info, step=slot.step)
-            if info.get("record") is not None:  # the iteration's replay record, bound to this slot by its digest
-                info["record"] = record_digest(info["record"].to_dict())
-            self.bytes_written += self.tier.write_slot(wid, slot, info, partial)
+            # the iteration's replay record, bound to this slot by its digest
+            digest = record_digest(job.record.to_dict()) if job.record is not None else None
+            info = replace(job.info, step=slot.step, record=digest)
+            self.bytes_written += self.tier.write_slot(wid, slot, info, job.partial)
         except BaseException as exc:  # ENOSPC, EACCES, DCP's CheckpointException (a BaseException)
             self._give_up(wid, f"window {wid} slot {slot.index}", exc)
 

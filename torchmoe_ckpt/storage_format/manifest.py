@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 
 from ..core.errors import TorchmoeError
+from ..core.records import SlotInfo
 from .checksums import CRC32, FileEntry
 from .layout import METADATA, slot_of
 
@@ -114,9 +115,9 @@ def record_digest(record: dict) -> str:
     return h.hexdigest()[:32]
 
 
-def slot_record(info: dict) -> dict:
-    """What a slot file was written for (kept per slot in the manifest, compared with its DCP metadata)."""
-    return {k: info.get(k) for k in ("window", "slot", "step", "start_step", "run", "plan")}
+def slot_record(info: SlotInfo) -> dict:
+    """What a slot file was written for, as the manifest keeps it per slot (JSON), compared with its DCP metadata."""
+    return {k: getattr(info, k) for k in ("window", "slot", "step", "start_step", "run", "plan")}
 
 
 def check_window(

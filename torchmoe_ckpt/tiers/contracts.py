@@ -66,7 +66,7 @@ from ..storage_format.retry import retry
 
 if TYPE_CHECKING:
     from ..core.plan import WindowPlan
-    from ..core.records import ReplayLog
+    from ..core.records import ReplayLog, SlotInfo
     from ..model.identity import RunIdentity
     from ..storage_format.manifest import WindowManifest
 
@@ -88,7 +88,7 @@ class WindowTier(Protocol):
     world_size: int  # recorded in the manifests this tier commits
     writer: str  # the writer's name in the layout (layout.writer_name)
 
-    def write_items(self, window_id: int, slot: int, items: list, info: dict) -> list:
+    def write_items(self, window_id: int, slot: int, items: list, info: SlotInfo) -> list:
         """One slot from [(WriteItem, tensor or bytes)]; returns DCP's WriteResults."""
         ...
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..core.plan import WindowPlan
-from ..core.records import IterationRecord, ReplayLog
+from ..core.records import IterationRecord, ReplayLog, SlotInfo
 from ..core.slot import Slot, build_slot
 from ..core.window import Window
 from ..model.identity import RunIdentity
@@ -97,7 +97,7 @@ class HostTier(FilesWindowTier):
         """A writer's piece of one slot: a self-contained DCP checkpoint (stock dcp.load reads it)."""
         return self.window_dir(window_id) / slot_writer_dir(slot, self.writer_of(rank))
 
-    def write_slot(self, window_id: int, slot: Slot, info: dict, partial: PartialWindow | None = None) -> int:
+    def write_slot(self, window_id: int, slot: Slot, info: SlotInfo, partial: PartialWindow | None = None) -> int:
         """Persist one captured slot of the checkpointer (the persist thread); returns its bytes. `partial`
         (sliding plans): how far its window got, recorded after the slot (`write_partial`)."""
         lay, items = self._slot_layout(slot)
@@ -220,7 +220,7 @@ class HostTier(FilesWindowTier):
                 info = self._read_slot(window_id, slot)
             except (OSError, CorruptCopyError, ValueError, KeyError):
                 break
-            rec = slot_record(info)
+            rec = slot_record(SlotInfo.from_dict(info))  # (read back from its `.metadata`)
             where = (rec["window"], rec["slot"], rec["step"], rec["plan"])
             if where != (window_id, i, start_step + i, digest) or (run is not None and rec["run"] not in (None, run)):
                 break

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..core.errors import StoreConfigError
+from ..core.records import SlotInfo
 from ..core.slot import Slot
 from ..runtime import faults
 from ..storage_format.checksums import FileEntry, crc32_bytes, crc32_tensor
@@ -231,7 +232,7 @@ class TensorstoreTier(StoreTier, ObjectStore):
                 plain_item(e["key"], e["global_shape"], e["offset"], e["shape"], t) for e, t, _ in got if t is not None
             ]
             slot = Slot(s["slot"], (), (), items)
-            tier.write_slot(window_id, slot, s["info"])
+            tier.write_slot(window_id, slot, SlotInfo.from_dict(s["info"]))  # (read from the store: the JSON edge)
             files.update(tier.written(window_id, slot.index))
         try:
             replay, problem = self._replay(window_id, meta)

@@ -21,7 +21,7 @@ import torch
 
 from ..core.errors import TorchmoeError
 from ..core.plan import WindowPlan
-from ..core.records import ReplayLog
+from ..core.records import ReplayLog, SlotInfo
 from ..model.identity import RunIdentity, identity_mismatch
 from ..runtime import faults
 from ..storage_format.checksums import SUM64, FileEntry, crc32_bytes, tensor_block_sums
@@ -75,20 +75,22 @@ class SlotWrite(NamedTuple):
     """What one slot write of this process reported: the commit lists these."""
 
     files: dict[str, FileEntry]  # its files, relative to the window directory
-    info: dict  # its DCP planner info (window, slot, step, run, plan)
+    info: SlotInfo  # what it was written for (window, slot, step, run, plan)
 
 
 class UncommittableWindow(TorchmoeError, RuntimeError):
     """A window one of whose slot writes failed (or never ran): its manifest is never written."""
 
 
-def write_slot_dir(files, rel: str, lay: SlotLayout, info: dict, write_data, algo: str = SUM64):
+def write_slot_dir(files, rel: str, lay: SlotLayout, info: SlotInfo | None, write_data, algo: str = SUM64):
     """Write one writer's piece of a slot at `rel`: the data file through `write_data(data_rel)` (returns its block
-    sums, sum64b512, or its bytes, CRC32), then its `.metadata`. Returns both files' entries and item checksums."""
+    sums, sum64b512, or its bytes, CRC32), then its `.metadata`. Returns both files' entries and item checksums.
+    `info` None: a save whose DCP planner is not ours."""
     files.makedirs(rel)
     got = write_data(f"{rel}/{DATA_FILE}")
+    said = {} if info is None else info.to_dict()  # (into the pickled DCP metadata: the edge)
     meta, digest, items = lay.record(
-        info, f"{files.where}/{rel}", uuid.uuid4().hex, sums=got if algo == SUM64 else None, data=got, algo=algo
+        said, f"{files.where}/{rel}", uuid.uuid4().hex, sums=got if algo == SUM64 else None, data=got, algo=algo
     )
     files.write_last(f"{rel}/{METADATA}", meta)
     return {DATA_FILE: FileEntry(lay.size, digest, algo), METADATA: FileEntry(len(meta), crc32_bytes(meta))}, items
@@ -151,14 +153,14 @@ class FilesWindowTier(WindowTier):
             lay = self._layouts[key] = SlotLayout(items, offsets, size)
         return lay
 
-    def write_items(self, window_id: int, slot: int, items: list, info: dict, algo: str = SUM64) -> list:
+    def write_items(self, window_id: int, slot: int, items: list, info: SlotInfo, algo: str = SUM64) -> list:
         """Write one slot from [(WriteItem, tensor or bytes)] (the DCP adapters'); returns DCP's WriteResults."""
         lay = self.layout([(wi, nbytes_of(wi, d)) for wi, d in items])
         sources = [d for _, d in items]
         write = data_writer(self.files, lay, sources, algo, self._maps, self.take_spare)
         return lay.results(f"{self.writer}/{DATA_FILE}", self._store_slot(window_id, slot, lay, info, write, algo))
 
-    def _store_slot(self, window_id: int, slot: int, lay: SlotLayout, info: dict, write_data, algo=SUM64) -> list:
+    def _store_slot(self, window_id: int, slot: int, lay: SlotLayout, info: SlotInfo, write_data, algo=SUM64) -> list:
         self._written.pop((window_id, slot), None)  # a failed write below leaves no record: no commit
         rel = f"{window_dirname(window_id)}/{slot_writer_dir(slot, self.writer)}"
         if self.files.exists(rel):  # left over by a run that died before committing this window id
@@ -166,7 +168,7 @@ class FilesWindowTier(WindowTier):
             self.files.remove([f"{window_dirname(window_id)}/{manifest_name(self.writer)}"])
         entries, digests = write_slot_dir(self.files, rel, lay, info, write_data, algo)
         d = slot_writer_dir(slot, self.writer)
-        self._written[(window_id, slot)] = SlotWrite({f"{d}/{k}": e for k, e in entries.items()}, dict(info))
+        self._written[(window_id, slot)] = SlotWrite({f"{d}/{k}": e for k, e in entries.items()}, info)
         return digests
 
     def _discard_slot(self, rel: str) -> None:
