@@ -38,7 +38,7 @@ from .planning.policy import (
 )
 from .recovery import rng
 from .recovery.resume import ResumeResult
-from .recovery.sparse_to_dense import RecoveryReport, replay_slots, sparse_to_dense
+from .recovery.sparse_to_dense import RecoveryPhases, RecoveryReport, replay_slots, sparse_to_dense
 from .runtime.agreement import reduce_float
 from .runtime.deferred_reads import HostReads
 from .runtime.distributed import library_group
@@ -115,7 +115,7 @@ class _Redo:
 
     until: int
     since: float
-    phases: dict
+    phases: RecoveryPhases
 
 
 RECENT_PLANS = 64  # plans whose median `stats()` reports
@@ -286,7 +286,7 @@ class SparseCheckpointer:
         """After an in-memory recovery: training is back where the failure found it at iteration `t` (the redo's
         seconds go into that recovery's phases)."""
         if self._redo is not None and t >= self._redo.until:
-            self._redo.phases["redo"] = time.perf_counter() - self._redo.since
+            self._redo.phases.redo = time.perf_counter() - self._redo.since
             self._redo = None
 
     def flush(self, commit: bool = True) -> None:
@@ -383,7 +383,7 @@ class SparseCheckpointer:
             rep = replay_slots(trainer, suffix.seq, suffix.start_step, suffix.record, cur.id, suffix.label)
         else:
             rep = sparse_to_dense(trainer, self.committed)
-        rep.phases = {"find": find_s, "safety_copy": 0.0, **rep.phases, "redo": 0.0}
+        rep.phases.find, rep.phases.safety_copy, rep.phases.redo = find_s, 0.0, 0.0
         rep.seconds = time.perf_counter() - t0
         self.counters.recoveries.append(rep)
         if last is not None and last > rep.recovered_step:
@@ -710,7 +710,12 @@ class SparseCheckpointer:
             "policy": self.policy_status().to_dict(),
             "windows": c.windows[-5:],
             "recoveries": [
-                dict(r.phases, recovered_step=r.recovered_step, replayed=r.replayed_iterations, bytes=r.bytes_loaded)
+                dict(
+                    r.phases.to_dict(),
+                    recovered_step=r.recovered_step,
+                    replayed=r.replayed_iterations,
+                    bytes=r.bytes_loaded,
+                )
                 for r in c.recoveries[-8:]
             ],
             "host_memory": self.memory.account(),  # every host byte held, by part, and the limit

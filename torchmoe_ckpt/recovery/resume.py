@@ -179,8 +179,8 @@ class _ReplayEachWindow:
         the search counted as rebuild."""
         rep = self.report
         assert rep is not None  # a window was recovered: its replay ran
-        rep.phases = {"find": self.find_s, "safety_copy": self.safety_copy_s, **rep.phases}
-        rep.phases["rebuild"] += max(0.0, fetch_s - self.find_s - self.safety_copy_s - rep.seconds)
+        rep.phases.find, rep.phases.safety_copy = self.find_s, self.safety_copy_s
+        rep.phases.rebuild += max(0.0, fetch_s - self.find_s - self.safety_copy_s - rep.seconds)
         return rep
 
 

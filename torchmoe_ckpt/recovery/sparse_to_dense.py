@@ -31,6 +31,7 @@ from .replay_log import Replay
 log = logging.getLogger("torchmoe_ckpt.sparse_to_dense")
 
 __all__ = [
+    "RecoveryPhases",
     "RecoveryReport",
     "ReplayDivergence",
     "Replayable",
@@ -59,6 +60,24 @@ class Replayable(Protocol):
 
 
 @dataclass
+class RecoveryPhases:
+    """Seconds per phase of one recovery, in the order they are spent (ops/status.PHASES says what each is). The
+    replay sets rebuild, load and replay; `recover` and the in-memory recovery add find and safety_copy, the
+    checkpointer redo once training is back. None: not part of this recovery."""
+
+    find: float | None = None
+    safety_copy: float | None = None
+    rebuild: float = 0.0
+    load: float = 0.0
+    replay: float = 0.0
+    redo: float | None = None
+
+    def to_dict(self) -> dict[str, float]:
+        """The phases present (the recovery report's JSON, the checkpointer's stats)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
 class RecoveryReport:
     window_id: int
     window: int
@@ -76,11 +95,10 @@ class RecoveryReport:
     grad_norms_compared: int = 0  # replayed iterations whose trainer recomputed the gradient norm for the check
     load_seconds: float = 0.0  # slot bytes copied into the live tensors
     rebuild_seconds: float = 0.0  # optimizer state allocated so that slots load in place
-    # seconds per phase: rebuild, load, replay here; `recover` adds find, the checkpointer redo (status.PHASES)
-    phases: dict = field(default_factory=dict)
+    phases: RecoveryPhases = field(default_factory=RecoveryPhases)  # seconds per phase
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return dict(asdict(self), phases=self.phases.to_dict())
 
 
 def sparse_to_dense(trainer: Replayable, window, replay_check: ReplayPolicy | None = None) -> RecoveryReport:
@@ -136,7 +154,7 @@ def replay_slots(  # noqa: PLR0913 (a run of slots: a window and a sliding suffi
     if active != everyone:
         raise ValueError(f"{label}: its slots activate {len(active)} of {len(everyone)} operators; not a window")
     trainer.set_step(t0 + n - 1)
-    phases = {"rebuild": rebuild_s, "load": load_s, "replay": replay_s}
+    phases = RecoveryPhases(rebuild=rebuild_s, load=load_s, replay=replay_s)
     seconds = time.perf_counter() - t_start
     rep = RecoveryReport(window_id, n, t0, t0 + n - 1, n - 1, nbytes, seconds, replay_s, **check.report())
     rep.load_seconds, rep.rebuild_seconds, rep.phases = load_s, rebuild_s, phases

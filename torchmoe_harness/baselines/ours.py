@@ -100,7 +100,7 @@ class Ours:
             "replayed_iterations": rep.replayed_iterations,
             "window": rep.window,
             "bytes_loaded": rep.bytes_loaded,
-            "phases": dict(rep.phases),
+            "phases": rep.phases.to_dict(),
         }
 
     def close(self) -> None:
