@@ -9,7 +9,7 @@ import contextlib
 import logging
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,21 @@ class RunContext:
     ops: list[Operator] | None = None  # operators already discovered
 
 
+@dataclass(frozen=True)
+class WindowStarted:
+    """A window as it started (`stats()["windows"]`, the newest few)."""
+
+    id: int
+    start: int  # its first iteration
+    W: int  # its slots (the name stats() has always shown)
+    fits: bool  # within the bandwidth budget (Algorithm 1)
+    worst_slot_bytes: int
+    mean_slot_bytes: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 @dataclass
 class Counters:
     """Whole-run figures (`stats()`); `inherit` continues them after a restart."""
@@ -85,7 +100,7 @@ class Counters:
     plan_s_recent: list[float] = field(default_factory=list)  # the last RECENT_PLANS plans' seconds
     slot_bytes: list[int] = field(default_factory=list)
     copy_seconds: list[float] = field(default_factory=list)
-    windows: list[dict] = field(default_factory=list)  # per window started: id, start, W, fits, slot bytes
+    windows: list[WindowStarted] = field(default_factory=list)  # per window started
     recoveries: list[RecoveryReport] = field(default_factory=list)  # per in-memory recovery, with its phases
     policy_switches: list[PolicySwitch] = field(default_factory=list)  # per switch: step, from, to
 
@@ -629,16 +644,8 @@ class SparseCheckpointer:
         self._next_id += 1
         self.current = win
         self.counters.add_plan(time.perf_counter() - t0)
-        self.counters.windows.append(
-            {
-                "id": win.id,
-                "start": t,
-                "W": plan.window,
-                "fits": plan.fits,
-                "worst_slot_bytes": plan.worst_slot_bytes,
-                "mean_slot_bytes": sum(self._cur_slot_bytes) / plan.window,
-            }
-        )
+        mean = sum(self._cur_slot_bytes) / plan.window
+        self.counters.windows.append(WindowStarted(win.id, t, plan.window, plan.fits, plan.worst_slot_bytes, mean))
         if log.isEnabledFor(self._level):
             log.log(
                 self._level,
@@ -708,7 +715,7 @@ class SparseCheckpointer:
                 "median_recent": statistics.median(c.plan_s_recent or [0.0]),
             },
             "policy": self.policy_status().to_dict(),
-            "windows": c.windows[-5:],
+            "windows": [w.to_dict() for w in c.windows[-5:]],
             "recoveries": [
                 dict(
                     r.phases.to_dict(),

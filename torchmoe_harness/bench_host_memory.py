@@ -67,7 +67,7 @@ def measure(dtype: str, allocator: str, window: int, steps: int, root: Path, tie
         "tiers": tiers,
         "window": window,
         "params_this_rank": params,
-        "window_bytes": ck.counters.windows[-1]["mean_slot_bytes"] * window,
+        "window_bytes": ck.counters.windows[-1].mean_slot_bytes * window,
         "total_bytes": total,
         "parts_at_peak_bytes": at_peak,
         "per_param": {k: round(v / params, 2) for k, v in at_peak.items() if v},

@@ -298,8 +298,8 @@ def test_the_checkpointer_calibrates_without_copies_then_checkpoints_every_itera
     # during step 2, which is no base sample; steps 3..calib + 1 run without a copy; step calib + 1's own copy
     # runs during the next step: captured every iteration from calib + 1 on.
     calib = WARMUP_STEPS + CALIBRATION_STEPS + 1
-    assert (windows[0]["start"], windows[0]["W"]) == (1, 1)
-    assert windows[1]["start"] == calib
+    assert (windows[0].start, windows[0].W) == (1, 1)
+    assert windows[1].start == calib
     assert st["slots_captured"] == 1 + steps - calib + 1
     assert st["copy_path"]["device_loss"]["base_step_s"] > 0
     assert st["copy_path"]["device_loss"]["calibration_steps"] == CALIBRATION_STEPS

@@ -218,7 +218,7 @@ def test_plan_changes_leave_no_memory_behind(shm, one_rank_group):
             ck.cfg.window = 2 + (step // 9) % 4
         ck.after_step(t.train_step())
     ck.flush(commit=False)
-    assert len({w["W"] for w in ck.counters.windows}) == 4
+    assert len({w.W for w in ck.counters.windows}) == 4
     assert deleted_but_mapped(shm) == ck.memory.account()["parts"]["unlinked_mappings"] == 0
     parts = ck.memory.account()["parts"]
     assert sum(parts[k] for k in FILE_PARTS) == du(shm / "run")
@@ -257,7 +257,7 @@ def test_limit_caps_auto_window(shm, one_rank_group):
     )  # a copy budget that wants the largest W
     for _ in range(3):
         free.after_step(t.train_step())
-    big = free.counters.windows[-1]["W"]
+    big = free.counters.windows[-1].W
     stop(free)
     assert big >= 3
     t, probe = checkpointer(None, window=None, bandwidth_bytes_per_s=1.0, host_memory_limit=1 << 40, policy="sparse")
@@ -267,7 +267,7 @@ def test_limit_caps_auto_window(shm, one_rank_group):
     assert ck.planner.w_cap == 2 and ck.memory.need["window"] == 2
     for _ in range(8):
         ck.after_step(t.train_step())
-    assert {w["W"] for w in ck.counters.windows} == {2}
+    assert {w.W for w in ck.counters.windows} == {2}
     stop(ck)
 
 

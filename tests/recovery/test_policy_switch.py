@@ -66,7 +66,7 @@ def test_dense_policy_recovers_from_its_snapshot_exactly(one_rank_group):
     _train(tr, ck, 12, losses, draws)
     ck.close()
     assert sorted(draws) == [8, 9, 10, 11, 12] and all(torch.equal(draws[s], ref_draws[s]) for s in draws)
-    assert [(w["start"], w["W"]) for w in ck.counters.windows] == [(1, 1), (4, 1), (7, 1), (10, 1)]
+    assert [(w.start, w.W) for w in ck.counters.windows] == [(1, 1), (4, 1), (7, 1), (10, 1)]
     pol = ck.stats()["policy"]
     assert pol["policy"] == "dense" and pol["interval_or_W"] == 3 and pol["forced"]
     _assert_same(tr, ref_state, losses, ref_losses, 12)
@@ -89,7 +89,7 @@ def test_sparse_to_dense_switch_recovers_on_each_side(one_rank_group):
     _fail(ck, tr, 9, 0)  # after: the snapshot of 9
     _train(tr, ck, 12, losses)
     ck.close()
-    starts = [(w["start"], w["W"]) for w in ck.counters.windows]
+    starts = [(w.start, w.W) for w in ck.counters.windows]
     assert starts == [(1, 3), (4, 3), (7, 1), (9, 1), (11, 1)], starts
     assert ck.stats()["policy"]["switches"] and ck.stats()["policy"]["policy"] == "dense"
     _assert_same(tr, ref_state, losses, ref_losses, 12)
@@ -113,7 +113,7 @@ def test_dense_to_sparse_switch_recovers_on_each_side(one_rank_group):
     _fail(ck, tr, 11, 2)
     _train(tr, ck, 14, losses)
     ck.close()
-    starts = [(w["start"], w["W"]) for w in ck.counters.windows]
+    starts = [(w.start, w.W) for w in ck.counters.windows]
     assert starts == [(1, 1), (3, 1), (5, 1), (6, 3), (6, 3), (9, 3), (12, 3)], starts
     assert ck.stats()["policy"]["policy"] == "sparse"
     _assert_same(tr, ref_state, losses, ref_losses, 14)
@@ -136,7 +136,7 @@ def test_auto_decides_after_calibration_and_says_why(one_rank_group):
     _train(tr, ck, 4, losses)
     pol = ck.stats()["policy"]
     assert pol["reason"] == "not decided yet (calibrating)"
-    assert [(w["start"], w["W"]) for w in ck.counters.windows] == [(1, 1)]
+    assert [(w.start, w.W) for w in ck.counters.windows] == [(1, 1)]
     _fail(ck, tr, 1, 0)  # iteration 5 fails during the calibration: the first iteration's snapshot recovers it
     assert ck.planner.cost.copies >= 1  # the snapshot's copy was measured: the decision is priced by it
     _train(tr, ck, WARMUP_STEPS + CALIBRATION_STEPS + 6, losses)
@@ -148,7 +148,7 @@ def test_auto_decides_after_calibration_and_says_why(one_rank_group):
     assert pol["inputs"]["copy_s_per_byte"] >= 1.0 / throttle
     # after the snapshot, the calibration steps capture nothing: the policy is decided after them. Base samples:
     # iterations 3 and 4 (2 ran beside the snapshot's copy), then 2..7 again after the recovery: 8 in all
-    assert CALIBRATION_STEPS == 8 and ck.counters.windows[1]["start"] == 7
+    assert CALIBRATION_STEPS == 8 and ck.counters.windows[1].start == 7
     ck.before_update()
     lose_state(tr)
     rep = ck.recover_in_memory(tr)

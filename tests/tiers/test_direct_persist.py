@@ -220,7 +220,7 @@ def test_a_new_plan_reuses_the_free_files_of_the_old_one_and_every_window_reads_
                 win = tier.load_window(wid, ck.op_by_name, t.compute_dtype, ck.identity)
                 for slot, bufs in zip(win.slots, want[wid]):
                     assert all(torch.equal(it.buffer, b) for it, b in zip(slot.items, bufs)), (step, wid)
-    assert {w["W"] for w in ck.counters.windows} == {2, 3}
+    assert {w.W for w in ck.counters.windows} == {2, 3}
     files = list((tmp_path / "run" / ".slots" / "rank-00000").glob("*.distcp"))
     assert len(files) <= 2 * 6 * 3, len(files)  # bounded: sets rotate and are recycled across plans
     ck.stop()

@@ -109,7 +109,7 @@ class Ours:
     def stats(self) -> dict:
         s = self.ck.stats()
         w = s["windows"][-1]["W"] if s["windows"] else None
-        windows = [x["W"] for x in self.ck.counters.windows]
+        windows = [x.W for x in self.ck.counters.windows]
         return {
             "windows_W": windows,  # every window's W, in order (auto W may change it)
             "copy": s["copy"],
