@@ -16,7 +16,6 @@ last committed window. Pure FSDP has no replicas: JIT is off.
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import shutil
@@ -25,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from fnmatch import fnmatch
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -41,11 +39,10 @@ from ..storage_format.files import StoreFiles
 from ..storage_format.layout import jit_step_dirname as step_dirname
 from ..storage_format.layout import writer_name as rank_dirname
 from ..storage_format.store_open import open_store
+from .jit_copies import MARKER, STATE, JitMarker, JitSaved, choose, list_copies, read_copy
 from .sparse_to_dense import init_optimizer_state
 
 log = logging.getLogger("torchmoe_ckpt.jit")
-MARKER = "COMPLETE.json"
-STATE = "state.pt"
 # Accumulated during the forward, consumed and zeroed by the update: zero at the start of any iteration.
 TRANSIENT_BUFFERS = ("tokens_per_expert_E", "router_prob_E")
 LOCK_WAIT_S = 10.0  # an update section is milliseconds of local compute; longer means something is wrong
@@ -82,7 +79,7 @@ class JitCheckpointer:
         )
         self.begun = trainer.step  # the newest iteration this rank started (see begin())
         self._once = threading.Lock()
-        self.saved: dict | None = None
+        self.saved: JitSaved | None = None
         self._armed = False
 
     def set_trainer(self, trainer) -> None:
@@ -97,7 +94,7 @@ class JitCheckpointer:
         """Save on the watchdog's failure events and on SIGTERM. Call from the main thread."""
         if not self.enabled:
             return
-        watchdog.on_failure.append(lambda rec: self.save(rec["event"], rec.get("op")))
+        watchdog.on_failure.append(lambda failure: self.save(failure.event, failure.op))
         r, w = os.pipe()
         os.set_blocking(w, False)
         # A Python-level handler makes the C handler write the signal number to the wakeup fd, not terminate.
@@ -135,7 +132,7 @@ class JitCheckpointer:
         finally:
             t.update_lock.release()
 
-    def save(self, reason: str, op: str | None) -> dict | None:
+    def save(self, reason: str, op: str | None) -> JitSaved | None:
         """Write this rank's JIT copy (once per process; a second caller waits for the first)."""
         if not self.enabled:
             return None
@@ -147,33 +144,32 @@ class JitCheckpointer:
             try:
                 step, tensors, lr = self.capture()
                 if step == 0:  # no update yet: the deterministic initialisation is the state; cold start
-                    self.saved = {"step": 0, "skipped": "no update yet"}
+                    self.saved = JitSaved(skipped="no update yet")
                     line = f"event=jit_skipped rank={rank} reason={reason}: no update yet, a restart cold-starts\n"
                     write_all(2, line)
                     return self.saved
                 buf = io.BytesIO()
                 torch.save({"step": step, "lr": lr, "shard": self.shard, "tensors": tensors}, buf)
                 data = buf.getvalue()
-                marker = {
-                    "format": "torchmoe-ckpt/jit/1",
-                    "step": step,
-                    "rank": rank,
-                    "shard": self.shard,
-                    "begun": max(self.begun, step),
-                    "lr": lr,
-                    "bytes": len(data),
-                    "crc32": crc32_bytes(data),
-                    "reason": reason,
-                    "op": op,
-                    "world": self.trainer.world,
-                    "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                }
+                marker = JitMarker(
+                    step,
+                    rank,
+                    self.shard,
+                    begun=max(self.begun, step),
+                    lr=lr,
+                    bytes=len(data),
+                    crc32=crc32_bytes(data),
+                    reason=reason,
+                    op=op,
+                    world=self.trainer.world,
+                    attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                )
                 rel = f"{step_dirname(step)}/{rank_dirname(rank)}"
                 d = self.dir / rel
                 d.mkdir(parents=True, exist_ok=True)
                 (d / MARKER).unlink(missing_ok=True)  # a copy left by an earlier attempt is replaced whole
                 (d / STATE).write_bytes(data)
-                marker_bytes = json.dumps(marker).encode()
+                marker_bytes = marker.to_json()
                 write_last(d / MARKER, marker_bytes)  # the marker, written last, is the commit
                 host_s = time.perf_counter() - t0
                 stored = None
@@ -188,65 +184,20 @@ class JitCheckpointer:
                     if sd.name < step_dirname(step):
                         (sd / rank_dirname(rank) / MARKER).unlink(missing_ok=True)
                         shutil.rmtree(sd / rank_dirname(rank), ignore_errors=True)
-                self.saved = dict(
-                    marker, host_seconds=round(host_s, 4), seconds=round(time.perf_counter() - t0, 4), store=stored
-                )
+                seconds = round(time.perf_counter() - t0, 4)
+                self.saved = JitSaved(marker, round(host_s, 4), seconds, stored)
                 write_all(
                     2,
-                    f"event=jit_saved rank={rank} step={step} begun={marker['begun']} reason={reason} "
-                    f"bytes={len(data)} seconds={self.saved['seconds']} store={stored} dir={d}\n",
+                    f"event=jit_saved rank={rank} step={step} begun={marker.begun} reason={reason} "
+                    f"bytes={len(data)} seconds={seconds} store={stored} dir={d}\n",
                 )
             except Exception as exc:
-                self.saved = {"error": f"{type(exc).__name__}: {exc}"}
+                self.saved = JitSaved(error=f"{type(exc).__name__}: {exc}")
                 write_all(2, f"event=jit_save_failed rank={rank} reason={reason} error={type(exc).__name__}: {exc}\n")
             return self.saved
 
 
 # ---- restart ---------------------------------------------------------------------------------------------
-def list_copies(jit_dir: Path, store: StoreFiles | None) -> list[dict]:
-    """Complete copies this rank can see: a marker that parses and a state file of its size (CRC: at load)."""
-    out = []
-    for m in sorted(Path(jit_dir).glob(f"step-*/rank-*/{MARKER}")):
-        try:
-            meta = json.loads(m.read_text())
-            if (m.parent / STATE).stat().st_size == meta["bytes"]:
-                out.append(dict(meta, where="host", path=str(m.parent)))
-        except (OSError, ValueError, KeyError):
-            continue  # torn marker or missing state file: not a copy
-    if store is not None:
-        store.invalidate()
-        for rel in [r for r in store.find() if r.count("/") == 2 and fnmatch(r, f"step-*/rank-*/{MARKER}")]:
-            try:
-                meta = json.loads(store.read(rel))
-                out.append(dict(meta, where="store", path=rel.rsplit("/", 1)[0]))
-            except Exception:
-                continue
-    return out
-
-
-def _store_of(store: StoreFiles | None) -> StoreFiles:
-    if store is None:  # list_copies lists store copies only with a store
-        raise ValueError("a JIT copy in the object store, but no object store is configured")
-    return store
-
-
-def _read(copy: dict, store: StoreFiles | None) -> dict:
-    data = (
-        (Path(copy["path"]) / STATE).read_bytes()
-        if copy["where"] == "host"
-        else _store_of(store).read(f"{copy['path']}/{STATE}")
-    )
-    if len(data) != copy["bytes"] or crc32_bytes(data) != copy["crc32"]:
-        raise ValueError(
-            f"JIT copy {copy['where']}:{copy['path']} does not match its marker "
-            f"({len(data)} bytes, CRC32 {crc32_bytes(data):08x}; marker {copy['bytes']}, {copy['crc32']:08x})"
-        )
-    blob = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")  # copied into place by apply_state
-    if blob["shard"] != copy["shard"] or blob["step"] != copy["step"]:
-        raise ValueError(f"JIT copy {copy['path']} holds {blob['shard']} step {blob['step']}, marker says otherwise")
-    return blob
-
-
 def window_step_bound(tier) -> int:
     """The newest step a committed window on every rank's host tier recovers to (-1: none). Collective."""
     mine = {}
@@ -259,23 +210,6 @@ def window_step_bound(tier) -> int:
     everyone = all_gather_objects(mine)
     common = set.intersection(*(set(m) for m in everyone))
     return max((everyone[0][w] for w in common), default=-1)
-
-
-def choose(everyone: list[tuple[str, list[dict]]]) -> tuple[int | None, dict]:
-    """The newest step at which every shard has a complete copy, and {shard: copies at that step}."""
-    need = {key for key, _ in everyone}
-    by_step: dict[int, dict[str, list[dict]]] = {}
-    seen = set()
-    for _, copies in everyone:
-        for c in copies:
-            if (c["where"], c["path"]) not in seen:  # ranks on one node list the same files
-                seen.add((c["where"], c["path"]))
-                by_step.setdefault(c["step"], {}).setdefault(c["shard"], []).append(c)
-    ok = [s for s, shards in by_step.items() if need <= set(shards)]
-    if not ok:
-        return None, {}
-    step = max(ok)
-    return step, by_step[step]
 
 
 def apply_state(trainer, blob: dict) -> None:
@@ -322,7 +256,7 @@ T = TypeVar("T", bound=_JitTrainer)
 
 def _incomplete_copies(jit_dir: Path) -> list[Path]:
     """Host copies without a valid marker (a save cut short, or damaged): never used, only reported."""
-    complete = {c["path"] for c in list_copies(jit_dir, None)}
+    complete = {c.path for c in list_copies(jit_dir, None)}
     return [d for d in sorted(jit_dir.glob("step-*/rank-*")) if str(d) not in complete]
 
 
@@ -375,35 +309,35 @@ def resume(trainer: T, host_cfg: dict, tier, rebuild: Callable[[bool], T]) -> tu
         return trainer, None
     # host memory before the store; among host copies this rank's own, then the lowest replica rank
     me = trainer.rank
-    mine = sorted(shards[key], key=lambda c: (c["where"] != "host", c["rank"] != me, c["rank"]))
+    mine = sorted(shards[key], key=lambda c: (c.where != "host", c.marker.rank != me, c.marker.rank))
     del trainer
     fresh = rebuild(True)  # everything must come from the copy
     used = None
     for c in mine:
         try:
-            apply_state(fresh, _read(c, store))
+            apply_state(fresh, read_copy(c, store))
             used = c
             break
         except Exception as exc:  # torn, corrupt or foreign: try the next replica's copy
-            where = f"{c['where']}:{c['path']}"
+            where = f"{c.where}:{c.path}"
             log.warning(f"event=jit_copy_rejected rank={fresh.rank} copy={where} error={type(exc).__name__}: {exc}")
     if not all_ok(used is not None):  # some shard not loaded: the window path, from a fresh init
         return rebuild(False), None
     assert used is not None  # agreed: every rank loaded one
-    begun = max(c["begun"] for cs in shards.values() for c in cs)
+    begun = max(c.marker.begun for cs in shards.values() for c in cs)
     rep = JitResumeReport(
         jit_step=step,
         replayed_iterations=begun - step,
         failed_iteration=begun,
         window_step=bound,
-        jit_copy_rank=used["rank"],
-        jit_copy_where=used["where"],
+        jit_copy_rank=used.marker.rank,
+        jit_copy_where=used.where,
         jit_copies=sum(len(v) for v in shards.values()),
         next_window_id=next_window,
         restart_seconds=time.perf_counter() - t0,
     )
     log.warning(
-        f"event=jit_resumed rank={fresh.rank} step={step} from_rank={used['rank']} where={used['where']} "
+        f"event=jit_resumed rank={fresh.rank} step={step} from_rank={used.marker.rank} where={used.where} "
         f"replayed_iterations={begun - step} window_step={bound}"
     )
     return fresh, rep

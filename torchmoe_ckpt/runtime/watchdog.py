@@ -29,6 +29,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass
 
 from ..core.config_values import check_timeout
 from ..core.errors import is_collective_failure
@@ -143,7 +144,7 @@ class CollectiveWatchdog:
         self.guard: subprocess.Popen | None = None
         # Called with the event record before the abort and exit, on the thread that detected the failure; a
         # hook must not issue collectives (the peers are gone). jit.py saves the rank's state here.
-        self.on_failure: list[Callable[[dict], None]] = []
+        self.on_failure: list[Callable[[FailureEvent], None]] = []
         self._cv = threading.Condition()
         self._open: dict[int, tuple[str, float, float]] = {}  # token -> (op, start, timeout), from any thread
         self._next = 0
@@ -231,32 +232,28 @@ class CollectiveWatchdog:
         self.hangs_detected += event == "hang"
         self.last_detect_s = round(waited, 4)
         rank = self.rank if self.rank is not None else _rank()
-        rec = {
-            "event": event,
-            "rank": rank,
-            "op": op,
-            "waited_s": round(waited, 3),
-            "timeout_s": self.timeout_s if limit is None else limit,
-            "pid": os.getpid(),
-            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            "exit_code": code,
-        }
-        if error:
-            rec["error"] = error
-        # os.write on fd 2, not logging/print: another thread may hold the stream's lock while stuck
-        line = " ".join(
-            f"{k}={json.dumps(v) if isinstance(v, str) and (' ' in v or not v) else v}" for k, v in rec.items()
+        rec = FailureEvent(
+            event,
+            rank,
+            op,
+            round(waited, 3),
+            self.timeout_s if limit is None else limit,
+            os.getpid(),
+            int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            code,
+            error or None,
         )
-        write_all(2, line + "\n")
+        # os.write on fd 2, not logging/print: another thread may hold the stream's lock while stuck
+        write_all(2, rec.line() + "\n")
         if self.events_path:
             with suppress(OSError):
                 fd = os.open(self.events_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-                write_all(fd, json.dumps(rec) + "\n")
+                write_all(fd, json.dumps(rec.to_dict()) + "\n")
                 os.fsync(fd)
                 os.close(fd)
         for hook in list(self.on_failure):
             try:
-                hook(dict(rec))
+                hook(rec)
             except BaseException as exc:  # a failing hook must not keep the process from exiting
                 write_all(2, f"event=failure_hook_error rank={rank} error={type(exc).__name__}: {exc}\n")
         if event == "hang":
@@ -268,6 +265,36 @@ class CollectiveWatchdog:
         t.join(ABORT_WAIT_S)
         write_all(2, f"event=exit rank={rank} abort={result[0] if result else 'timed_out'} exit_code={code}\n")
         os._exit(code)
+
+
+@dataclass(frozen=True)
+class FailureEvent:
+    """A failure the watchdog detected, as its `event=hang` / `event=collective_error` line, its events file (JSON)
+    and its `on_failure` hooks see it."""
+
+    event: str  # "hang" or "collective_error"
+    rank: int | str  # "?" where no process group or RANK says it
+    op: str  # the region that hung or failed ("step 12", "resume", ...)
+    waited_s: float
+    timeout_s: float | None  # the bound that region was held to
+    pid: int
+    attempt: int  # torchrun's restart count
+    exit_code: int
+    error: str | None = None  # a collective's error (collective_error)
+
+    def to_dict(self) -> dict:
+        """The events file's JSON (without `error` when there is none)."""
+        d = asdict(self)
+        if d["error"] is None:
+            del d["error"]
+        return d
+
+    def line(self) -> str:
+        """`event=hang rank=1 op="step 12" ...`: strings with spaces, or empty, JSON-quoted."""
+        return " ".join(
+            f"{k}={json.dumps(v) if isinstance(v, str) and (' ' in v or not v) else v}"
+            for k, v in self.to_dict().items()
+        )
 
 
 def write_all(fd: int, text: str) -> None:
