@@ -164,7 +164,7 @@ def test_bf16_compute_weights_export_in_bf16_and_fp32_is_refused(tmp_path):
 
 def test_a_dense_snapshot_exports_its_master_weights(tmp_path):
     trained = train(tmp_path / "shm", "mixtral", "dense", tmc.SparseConfig(policy="dense", dense_interval=2))
-    report = tmc.export_hf(trained.run, tmp_path / "hf", trained.model.config)
+    report = tmc.export_hf(trained.run, tmp_path / "hf", trained.model)  # the model itself names the target
     assert report.window == 1 and report.source.startswith("master weights"), report
     model, info = loaded(tmp_path / "hf")
     assert not info["missing_keys"] and not info["unexpected_keys"]

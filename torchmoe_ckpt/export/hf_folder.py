@@ -154,7 +154,7 @@ def target_model(model: Any):
         raise ConfigError(f"model must be a transformers model, config, config.json or model type, got {type(model)}")
     config = copy.deepcopy(config)
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config) if cls is None else cls._from_config(config)
+        meta = AutoModelForCausalLM.from_config(config) if cls is None else cls(config)
     sd = meta.state_dict()
     all_params = {n for n, _ in meta.named_parameters(remove_duplicate=False)}
     kept = {n for n, _ in meta.named_parameters()}  # tied parameters once (as save_pretrained writes them)
