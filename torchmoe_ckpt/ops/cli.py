@@ -1,5 +1,5 @@
-"""The `torchmoe-ckpt` command: `inspect` and `verify`; further subcommands come from installed packages through
-the entry-point group `torchmoe_ckpt.commands` (each names a `register(subparsers)` that adds one subparser with
+"""The `torchmoe-ckpt` command: `inspect`, `verify` and `export-hf`; further subcommands come from installed packages
+through the entry-point group `torchmoe_ckpt.commands` (each names a `register(subparsers)` that adds one subparser with
 `fn(args) -> exit code`), so the library never imports what sits on top of it."""
 
 from __future__ import annotations
@@ -69,6 +69,48 @@ def _inspect(a) -> int:
     return 0 if ok else 1
 
 
+def _export_hf(a) -> int:
+    """`export-hf`: a Hugging Face model folder from slot 0 of a committed window (export/hf_folder.py)."""
+    from ..export.hf_folder import HFExportOptions, export_hf
+
+    opts = HFExportOptions(
+        window=a.window,
+        step=a.step,
+        dtype=a.dtype,
+        max_shard_bytes=a.max_shard_size,
+        storage_options=a.storage_options,
+        overwrite=a.overwrite,
+    )
+    report = export_hf(a.location, a.out, a.model_config, opts)
+    print(json.dumps(report.to_dict(), indent=1) if a.json else report.line())
+    return 0
+
+
+def _add_export_hf(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("export-hf", help="Hugging Face safetensors (shards, index, config.json) of a committed window")
+    c.add_argument("location", help="the run's directory in any tier, or its object-store URI")
+    c.add_argument("out", help="the folder to write (local; must not exist, or be empty, unless --overwrite)")
+    c.add_argument(
+        "--model-config",
+        required=True,
+        help="the transformers config.json the run's model was built from (or its folder, or a model type)",
+    )
+    which = c.add_mutually_exclusive_group()
+    which.add_argument("--window", type=bounded(int, 0), default=None, help="a committed window's id (default: newest)")
+    which.add_argument("--step", type=bounded(int, 0), default=None, help="the window whose first step this is")
+    c.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="fp32: master weights (refused where slot 0 has only bf16 compute weights); bf16: compute weights",
+    )
+    c.add_argument("--max-shard-size", default="1 GiB", help="the largest shard, e.g. '1 GiB' (default)")
+    c.add_argument("--storage-options", type=_json_arg, default=None, help="fsspec options as JSON, or @file.json")
+    c.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.set_defaults(fn=_export_hf)
+
+
 def register_plugins(sub: argparse._SubParsersAction) -> list[str]:
     """Add the subcommands of every installed `torchmoe_ckpt.commands` entry point (sorted by name); one that
     fails to load is reported on stderr and left out. Returns the names."""
@@ -89,8 +131,8 @@ def register_plugins(sub: argparse._SubParsersAction) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The `torchmoe-ckpt` command: `inspect` and `verify` a location, plus the subcommands other packages
-    register (entry points; the harness adds its own).
+    """The `torchmoe-ckpt` command: `inspect` and `verify` a location, `export-hf` a window, plus the subcommands
+    other packages register (entry points; the harness adds its own).
 
     Args:
         argv: the arguments after the program name (None: sys.argv[1:]).
@@ -122,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         c.add_argument("--json", action="store_true")
         c.set_defaults(fn=fn)
+    _add_export_hf(sub)
     register_plugins(sub)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
