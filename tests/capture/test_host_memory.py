@@ -26,6 +26,7 @@ from torchmoe_ckpt.config import CheckpointConfig, ConfigError, SparseConfig, Ti
 from torchmoe_ckpt.persist.build_tiers import Tiers
 from torchmoe_ckpt.recovery.resume import ResumeResult
 from torchmoe_ckpt.sparse_checkpointer import DENSE_SETS, RunContext, SparseCheckpointer
+from torchmoe_ckpt.storage_format.slot_files import backing
 from torchmoe_ckpt.tiers.host_tier import HostTier
 from torchmoe_harness.trainer import RunConfig, Trainer
 
@@ -222,6 +223,25 @@ def test_plan_changes_leave_no_memory_behind(shm, one_rank_group):
     assert deleted_but_mapped(shm) == ck.memory.account()["parts"]["unlinked_mappings"] == 0
     parts = ck.memory.account()["parts"]
     assert sum(parts[k] for k in FILE_PARTS) == du(shm / "run")
+    stop(ck)
+
+
+def test_a_recycled_set_keeps_its_mapped_files(shm, one_rank_group):
+    """A new plan built from a free set's files: every new slot's `backing` is the file its buffers are views of (what
+    the host tier links into a window and sums), one file per slot, and an old slot whose file was taken says so."""
+    t, ck = checkpointer(shm, steps=4, window=2)
+    files, ops, dtype = ck.slots.slot_files, ck.slots.ops, ck.slots.compute_dtype
+    old = files.build(plan_for(ck, 2), ops, dtype)
+    new = files.build(plan_for(ck, 3), ops, dtype, recycle=[old])
+    taken = {b.path for b in map(backing, old) if b is not None and b.reused}
+    assert taken, "no file of the free set was recycled"
+    backs = [backing(s) for s in new]
+    assert all(b is not None for b in backs) and len({b.path for b in backs}) == len(new)
+    for s, b in zip(new, backs):
+        assert os.stat(b.path).st_ino == os.fstat(b.fd).st_ino
+        lo, hi = b.t.data_ptr(), b.t.data_ptr() + b.t.numel()
+        assert all(lo <= it.buffer.data_ptr() and it.buffer.data_ptr() + it.nbytes <= hi for it in s.items), s.index
+    assert taken <= {b.path for b in backs}
     stop(ck)
 
 

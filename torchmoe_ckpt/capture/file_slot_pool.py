@@ -70,21 +70,15 @@ class FileSlotPool(SlotPoolBase):
             if s is not None:
                 s.ticket = None
                 return s.slots
-            before = self.slot_files.created, self.slot_files.created_bytes
             try:
-                slots = self.slot_files.build(plan, self.ops, self.compute_dtype, [f.slots for f in free])
+                slots = self._new_set(plan, sig, free).slots
             except OSError as exc:  # shared memory full or read-only: train on, the host tier reports its state
                 log.debug("slot files not allocated (%s): slots in plain memory for this plan", exc)
                 return self.fallback.slots_for(plan)
             finally:  # a free set any of whose files went to the new plan is spent
                 for f in free:
-                    if any(not b.finalizer.alive for b in _backings([f])):  # pyright: ignore[reportOptionalMemberAccess]  (built slot files have one)
+                    if any(b.reused for b in _backings([f])):
                         self.sets.remove(f)
-            if self.slot_files.created != before[0]:
-                self.allocations += 1
-                self.alloc_count["training_thread"] += 1  # slot files are built at the window start
-                self.allocated_bytes += self.slot_files.created_bytes - before[1]
-            self.sets.append(_FileSet(slots, sig, [sl.nbytes for sl in slots]))
             while len(self.sets) > self.max_sets:  # the oldest released set goes (a window linking it keeps it)
                 old = [f for f in self.sets if f.ticket is not None]
                 if not old:
@@ -114,18 +108,32 @@ class FileSlotPool(SlotPoolBase):
                 )
                 break
             with self.lock:
-                before = self.slot_files.created_bytes
                 try:
-                    slots = self.slot_files.build(plan, self.ops, self.compute_dtype)
+                    self._new_set(plan, sig, ahead=True)
                 except OSError as exc:
                     log.debug("slot files not reserved (%s)", exc)
                     break
-                self.allocations += 1
-                self.allocated_bytes += self.slot_files.created_bytes - before
-                self.prepared += 1
-                self.sets.append(_FileSet(slots, sig, [sl.nbytes for sl in slots], ticket=0))  # free: never written
             built += 1
         return built
+
+    def _new_set(
+        self, plan: WindowPlan, sig: tuple, recycle: list[_FileSet] | None = None, ahead: bool = False
+    ) -> _FileSet:
+        """A new set of `plan`'s slot files, taking free files of the `recycle` sets, and what it allocated counted
+        (slots_for's and reserve's one bookkeeping). `ahead`: reserved before training, free (ticket 0: never
+        written); else in use by the window starting now. OSError when shared memory refuses (nothing counted)."""
+        before = self.slot_files.created, self.slot_files.created_bytes
+        slots = self.slot_files.build(plan, self.ops, self.compute_dtype, [f.slots for f in recycle or ()])
+        if self.slot_files.created != before[0]:
+            self.allocations += 1
+            self.allocated_bytes += self.slot_files.created_bytes - before[1]
+            if not ahead:
+                self.alloc_count["training_thread"] += 1  # slot files are built at the window start
+        if ahead:
+            self.prepared += 1
+        s = _FileSet(slots, sig, [sl.nbytes for sl in slots], ticket=0 if ahead else None)
+        self.sets.append(s)
+        return s
 
     def release(self, slots: list[Slot], ticket: int | None = None) -> None:
         with self.lock:

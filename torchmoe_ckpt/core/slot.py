@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -43,9 +44,34 @@ class SlotItem:
         )
 
 
+class SlotBacking(Protocol):
+    """The mapped file a slot's buffers are views of (storage_format/slot_files.py's `Backing`, a /dev/shm data file).
+    A Protocol so that core imports no storage; it names what the layers above read through `Slot.backing`."""
+
+    @property
+    def path(self) -> str: ...  # the file's name (a window hard-links it)
+
+    @property
+    def fd(self) -> int: ...
+
+    @property
+    def t(self) -> torch.Tensor: ...  # uint8 view of the whole file
+
+    def free(self) -> bool: ...  # no window links the file: the slot may be written again
+
+
+class SlotLayoutMemo(Protocol):
+    """A persist's layout of one slot, computed once and kept on it (tiers/host_tier.py's `_SlotLayoutCache`).
+    The tier narrows it to its own type; `n_items` tells one made before the items changed."""
+
+    @property
+    def n_items(self) -> int: ...
+
+
 @dataclass
 class Slot:
-    """One slot's host buffers. `step` is the training iteration whose post-update state it holds."""
+    """One slot's host buffers. `step` is the training iteration whose post-update state it holds. `backing` and
+    `raw_layout` are set by the storage layer and the host tier (plain slots have neither)."""
 
     index: int
     active: tuple[str, ...]
@@ -55,6 +81,9 @@ class Slot:
     done: threading.Event = field(default_factory=threading.Event)
     copy_seconds: float = 0.0
     error: BaseException | None = None
+    # not compared or printed: they describe where the buffers live, not what they hold
+    backing: SlotBacking | None = field(default=None, compare=False, repr=False)
+    raw_layout: SlotLayoutMemo | None = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:

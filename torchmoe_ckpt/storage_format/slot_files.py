@@ -24,7 +24,7 @@ from .mapped_files import map_file
 
 @dataclass
 class Backing:
-    """The mapped data file a slot's buffers are views of."""
+    """The mapped data file a slot's buffers are views of (`Slot.backing`, typed in core by `SlotBacking`)."""
 
     path: str
     fd: int
@@ -41,6 +41,11 @@ class Backing:
             return os.stat(self.path).st_ino == st.st_ino
         except OSError:
             return False
+
+    @property
+    def reused(self) -> bool:
+        """The file went to another slot (`SlotFiles.build_slot` took it from a spare set)."""
+        return self.finalizer is not None and not self.finalizer.alive
 
 
 def _release(path: str, fd: int, unregister=None) -> None:
@@ -121,10 +126,7 @@ class SlotFiles:
             # not mapped or not page-locked: the file goes, the allocator takes an arena for this plan
             _release(path, fd)
             raise
-        # a slot-file slot carries its Backing (read by `backing`); core.slot.Slot knows nothing of files
-        slot.backing = Backing(  # pyright: ignore[reportAttributeAccessIssue]
-            path, fd, base, weakref.finalize(slot, _release, path, fd, unreg), unreg
-        )
+        slot.backing = Backing(path, fd, base, weakref.finalize(slot, _release, path, fd, unreg), unreg)
         return slot
 
     def build(self, plan, ops: dict, compute_dtype: torch.dtype, recycle: Sequence[list[Slot]] = ()) -> list[Slot]:
@@ -134,4 +136,6 @@ class SlotFiles:
 
 
 def backing(slot: Slot) -> Backing | None:
-    return getattr(slot, "backing", None)
+    """`slot.backing` as the Backing this module set (what recycling its file needs beyond `SlotBacking`)."""
+    b = slot.backing
+    return b if isinstance(b, Backing) else None

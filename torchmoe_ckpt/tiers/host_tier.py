@@ -18,7 +18,7 @@ import torch
 
 from ..core.plan import WindowPlan
 from ..core.records import IterationRecord, ReplayLog, SlotInfo
-from ..core.slot import Slot, build_slot
+from ..core.slot import Slot, SlotBacking, build_slot
 from ..core.window import Window
 from ..model.identity import RunIdentity
 from ..runtime import faults
@@ -28,7 +28,7 @@ from ..storage_format.files import LocalFiles
 from ..storage_format.layout import partial_file, replay_file, slot_writer_dir, slots_dir, window_dirname
 from ..storage_format.manifest import plan_digest, record_digest, slot_record
 from ..storage_format.mapped_files import MappedFiles
-from ..storage_format.slot_files import Backing, SlotFiles, backing
+from ..storage_format.slot_files import SlotFiles
 from ..storage_format.slot_format import CorruptCopyError, SlotLayout, read_slot, slot_items
 from .window_tier import FilesWindowTier, PartialWindow, mapped, mapped_items
 
@@ -59,7 +59,7 @@ class HostTierOptions:
 
 @dataclass(frozen=True)
 class _SlotLayoutCache:
-    """A slot's layout, computed once per slot object (kept on the slot: its items never change)."""
+    """A slot's layout, computed once per slot object (`Slot.raw_layout`: its items never change)."""
 
     n_items: int  # len(slot.items) when computed
     layout: SlotLayout
@@ -101,7 +101,7 @@ class HostTier(FilesWindowTier):
         """Persist one captured slot of the checkpointer (the persist thread); returns its bytes. `partial`
         (sliding plans): how far its window got, recorded after the slot (`write_partial`)."""
         lay, items = self._slot_layout(slot)
-        back = backing(slot)
+        back = slot.backing
         write = self._linker(back) if back is not None else mapped(self._maps, self.files, lay, items, self.take_spare)
         self._store_slot(window_id, slot.index, lay, info, write)
         if partial is not None:
@@ -109,7 +109,7 @@ class HostTier(FilesWindowTier):
         faults.point("persist")
         return lay.nbytes
 
-    def _linker(self, back: Backing):
+    def _linker(self, back: SlotBacking):
         """`write_data` of a slot whose buffers are a slot file: the snapshot copy already wrote the bytes into it
         (slot_files.py): link it into the window (it is not reused until collect unlinks it) and sum it once."""
 
@@ -122,13 +122,13 @@ class HostTier(FilesWindowTier):
     def _slot_layout(self, slot: Slot) -> tuple[SlotLayout, list]:
         """The slot's layout and its [(offset, bytes, buffer)], computed once per slot object (its items never
         change)."""
-        got: _SlotLayoutCache | None = getattr(slot, "_raw_layout", None)
-        if got is None or got.n_items != len(slot.items):
-            back = backing(slot)
-            items, offsets = slot_items(slot, None if back is None else back.t)
-            lay = self.layout(items, offsets, None if back is None else back.t.numel())
+        got = slot.raw_layout
+        if not isinstance(got, _SlotLayoutCache) or got.n_items != len(slot.items):
+            base = None if slot.backing is None else slot.backing.t
+            items, offsets = slot_items(slot, base)
+            lay = self.layout(items, offsets, None if base is None else base.numel())
             got = _SlotLayoutCache(len(slot.items), lay, mapped_items(lay, [it.buffer for it in slot.items]))
-            setattr(slot, "_raw_layout", got)  # noqa: B010  (kept on the slot object: a cache, not a Slot field)
+            slot.raw_layout = got
         return got.layout, got.items
 
     def _discard_slot(self, rel: str) -> None:
