@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers  # noqa: F401  (make setup installs it: a missing one fails here, not skips)
+from support.events import find
 
 from torchmoe_harness.launch import torchrun
 
@@ -75,8 +76,7 @@ def test_never_failed_reference_run(tmp_path_factory):
 def test_own_loop_kill9_recovers_bit_exact(tmp_path, tmp_path_factory):
     ref = reference(tmp_path_factory)
     got, log = run_example(tmp_path / "kill", 12, "kill", fault="kill:point=optimizer:rank=1:step=8", max_restarts=1)
-    assert "event=fault_injected" in log and "event=recovered" in log, log[-3000:]
-    assert "every replayed loss matched the original run bit for bit" in log
+    assert find(log, "fault_injected") and find(log, "recovered", exact="true"), log[-3000:]
     compared = 0
     for r in range(2):
         a, b = ref[r]["state"], got[r]["state"]
@@ -102,7 +102,7 @@ def test_own_loop_kill9_under_the_dense_policy_recovers_bit_exact(tmp_path, tmp_
     got, log = run_example(
         tmp_path / "kill", 12, "kill", fault="kill:point=optimizer:rank=1:step=9", max_restarts=1, window=dense
     )
-    assert "event=fault_injected" in log and "event=recovered" in log, log[-3000:]
+    assert find(log, "fault_injected") and find(log, "recovered"), log[-3000:]
     assert "policy dense k=3" in log, log[-3000:]  # the status line of each committed snapshot
     for r in range(2):
         a, b = ref[r]["state"], got[r]["state"]
@@ -145,7 +145,8 @@ def test_every_window_corrupt_refuses_on_every_rank_unless_restart_is_opted_in(t
     assert "step 1 loss" not in log and not (tmp_path / "refused" / "rank0.pt").exists(), str(exc.value)[-2000:]
     assert _window_files(run) == before  # nothing deleted or overwritten
     got, log = run_example(tmp_path / "restart", 12, "c", host=host, extra=("--on-unusable-checkpoint", "restart"))
-    assert "event=no_usable_window" in log and "a new run starts from step 0" in log, log[-3000:]
+    restarted = find(log, "no_usable_window")
+    assert restarted and "a new run starts from step 0" in restarted[0].prose, log[-3000:]
     assert sorted(got[0]["losses"]) == list(range(1, 13))
 
 
@@ -156,8 +157,9 @@ def test_a_corrupt_copy_on_another_rank_is_warned_and_listed_by_rank_0(tmp_path)
     run_example(tmp_path / "first", 9, "c", host=host)
     _flip(run / "window-000002" / "slot-01" / "rank-00001" / "__0_0.distcp")
     got, log = run_example(tmp_path / "second", 12, "c", host=host)
-    warned = [ln for ln in log.splitlines() if "event=unusable_copy rank=1 window=2" in ln]
-    assert warned and "slot-01/rank-00001/__0_0.distcp" in warned[0] and "(corrupt)" in warned[0], log[-3000:]
-    recovered = [ln for ln in log.splitlines() if "event=recovered" in ln]
-    assert recovered and "window=1" in recovered[0] and "rejected=[2]" in recovered[0], log[-3000:]
+    warned = find(log, "unusable_copy", rank=1, window=2)
+    assert warned and "slot-01/rank-00001/__0_0.distcp" in warned[0].prose, log[-3000:]
+    assert "(corrupt)" in warned[0].prose, log[-3000:]  # the reason: prose of the event
+    recovered = find(log, "recovered")
+    assert recovered and recovered[0].fields["window"] == "1" and recovered[0]["rejected"] == "[2]", log[-3000:]
     assert sorted(got[0]["losses"]) == [7, 8, 9, 10, 11, 12]

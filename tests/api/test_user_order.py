@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers  # noqa: F401  (make setup installs it: a missing one fails here, not skips)
+from support.events import find
 
 from torchmoe_ckpt.ops.inspection import verify_location
 from torchmoe_harness.launch import torchrun
@@ -119,7 +120,7 @@ def test_window_of_another_seed_copied_in_is_rejected_and_named(tmp_path, seed0_
 
     got, log = launch(tmp_path / "resume", host, "--steps", "9")  # recovers step 9, trains nothing more
     assert "seed 1 != 0" in log, log[-3000:]
-    assert re.search(r"event=recovered run=\S+ window=2 ", log), log[-3000:]
+    assert find(log, "recovered", window=2), log[-3000:]
     try:
         assert_exact(ref, got)
     except AssertionError:
@@ -158,7 +159,7 @@ def test_unseeded_run_resumes_after_kill(tmp_path, fault_summary):
         env={"TORCHMOE_FAULT": "kill:point=optimizer:rank=1:step=5"},
         max_restarts=1,
     )
-    assert "event=fault_injected" in log and re.search(r"event=recovered run=\S+ window=0 ", log), log[-3000:]
+    assert find(log, "fault_injected") and find(log, "recovered", window=0), log[-3000:]
     assert "identity_seed=None" in log, log[-2000:]
     assert sorted(got[0]["losses"]) == [4, 5, 6, 7, 8]
     fault_summary("user order: unseeded run, kill -9", 1, "recovered exactly")
@@ -191,7 +192,7 @@ def test_the_first_job_comes_back_from_the_shared_store_prefix(tmp_path, store_j
     store, exactly."""
     ref, store = store_job_a
     got, log = launch(tmp_path / "a2", tmp_path / "a2-shm", "--steps", "9", "--store-uri", f"file://{store}")
-    assert re.search(r"event=recovered run=\S+ window=2 source=object store", log), log[-3000:]
+    assert find(log, "recovered", window=2, source="object store"), log[-3000:]
     assert_exact(ref, got)
     fault_summary("user order: first job back from the shared store prefix", 1, "recovered exactly")
 
@@ -212,7 +213,7 @@ def test_plain_torchrun_with_an_object_store_is_one_job(tmp_path, fault_summary)
         standalone=False,
     )
     assert "StoreLeasedError" not in log and "written by another job" not in log, log[-3000:]
-    assert re.search(r"event=recovered run=\S+ window=0 ", log), log[-3000:]
+    assert find(log, "recovered", window=0), log[-3000:]
     assert sorted(got[1]["losses"]) == [4, 5, 6, 7, 8]
     fault_summary("user order: plain torchrun, object store, kill -9", 1, "recovered exactly")
 
@@ -239,7 +240,7 @@ def test_frozen_rank_in_recovery_ends_within_the_process_group_timeout(tmp_path,
             timeout=50.0,
         )
     log = str(err.value) + (tmp_path / "run" / "torchrun.log").read_text()
-    assert "event=fault_injected action=freeze point=recovery rank=1" in log, log[-3000:]
+    assert find(log, "fault_injected", action="freeze", point="recovery", rank=1), log[-3000:]
     ended = re.search(r"event=(collective_error|hang) rank=0 op=\"?resume\"? waited_s=([\d.]+)", log)
     assert ended, log[-3000:]
     waited = float(ended.group(2))

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers  # noqa: F401  (make setup installs it: a missing one fails here, not skips)
+from support.events import find
 
 from torchmoe_harness.launch import torchrun
 
@@ -55,8 +56,7 @@ def test_reference_run(tmp_path_factory, kind, parallel, model):
 def check(tmp_path: Path, tmp_path_factory, kind: str, parallel: str = "fsdp", model: str = "mixtral") -> str:
     ref = reference(tmp_path_factory, kind, parallel, model)
     got, log = run(tmp_path / "kill", kind, "kill", parallel, "kill:point=optimizer:rank=1:step=8", model)
-    assert "event=fault_injected" in log and "event=recovered" in log, log[-3000:]
-    assert "every replayed loss matched the original run bit for bit" in log
+    assert find(log, "fault_injected") and find(log, "recovered", exact="true"), log[-3000:]
     compared = 0
     for r in range(2):
         a, b = ref[r]["state"], got[r]["state"]

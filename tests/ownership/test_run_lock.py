@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.events import find
 
 from torchmoe_ckpt.ownership import run_lock
 from torchmoe_harness.launch import processes_mentioning, torchrun
@@ -57,7 +58,7 @@ def test_a_second_job_on_the_same_run_fails_at_start_with_one_line(tmp_path):
         assert lines, err.value.args[0][-2000:]
         line = lines[-1]
         assert f"pid {holder['pid']}" in line and holder["torchrun_run_id"] in line and "run_id" in line, line
-        assert "event=holding" not in (tmp_path / "second.log").read_text()  # it never got to write anything
+        assert not find((tmp_path / "second.log").read_text(), "holding")  # it never got to write anything
         assert json.loads(lock.read_text()) == holder  # the first job still holds its run
         assert first.poll() is None
     finally:
@@ -74,10 +75,10 @@ def test_a_second_job_on_the_same_run_fails_at_start_with_one_line(tmp_path):
 def test_a_restart_of_the_same_job_and_a_later_job_take_the_lock_over(tmp_path):
     root = tmp_path / "shm"
     log = torchrun(2, [PROBE, str(root), "same-run", "0", "die"], tmp_path / "first.log", timeout=50, max_restarts=1)
-    assert "reason=restart: same job" in log and "event=holding rank=0 attempt=1" in log, log[-3000:]
+    assert find(log, "run_lock_takeover", reason="restart") and find(log, "holding", rank=0, attempt=1), log[-3000:]
     log = torchrun(2, [PROBE, str(root), "same-run", "0"], tmp_path / "later.log", timeout=50)
-    assert "event=run_lock_takeover" in log and "reason=stale" in log, log[-3000:]  # the first job is gone
-    assert "event=holding rank=1 attempt=0" in log
+    assert find(log, "run_lock_takeover", reason="stale"), log[-3000:]  # the first job is gone
+    assert find(log, "holding", rank=1, attempt=0), log[-3000:]
 
 
 def test_unit_a_live_holder_on_this_host_is_refused_and_a_dead_one_is_stale(tmp_path):

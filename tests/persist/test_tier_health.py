@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.events import Event, find
 
 from torchmoe_ckpt.config import ConfigError, SparseConfig, TierConfig
 from torchmoe_ckpt.model.operators import discover_operators
@@ -53,8 +54,8 @@ def _fill(mnt: Path) -> Path:
     return filler
 
 
-def _events(caplog, name: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if f"event={name}" in r.getMessage()]
+def _events(caplog, name: str) -> list[Event]:
+    return find(caplog.text, name)
 
 
 def test_full_tmpfs_is_visible_cleaned_and_checkpointing_resumes(tmpfs, one_rank_group, caplog):
@@ -72,7 +73,7 @@ def test_full_tmpfs_is_visible_cleaned_and_checkpointing_resumes(tmpfs, one_rank
     assert st["last_durable_window"] == {"window_id": 1, "last_step": 6}
     assert ck.persist.persisted == {0, 1}
     warned = _events(caplog, "tier_unhealthy")
-    assert len(warned) == 1 and "No space left on device" in warned[0], warned  # once per state change
+    assert len(warned) == 1 and "No space left on device" in warned[0]["reason"], warned  # once per state change
     # Nothing torn is left: every window directory on disk is committed, except the one being written now.
     inflight = ck.current.id if ck.current is not None else None
     for wdir in tier.dir.glob("window-*"):
@@ -117,7 +118,7 @@ def test_stall_policy_warn_trains_on_and_says_it_once(tmpfs, one_rank_group, cap
         subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], check=True)
     assert t.step == 10
     stalls = _events(caplog, "checkpoint_stall")
-    assert len(stalls) == 1 and "no durable window yet" in stalls[0], stalls
+    assert len(stalls) == 1 and stalls[0]["last_durable"] == "none", stalls
     st = ck.stats()["host_tier"]["health"]
     assert st["state"] == "failing" and "Read-only file system" in st["reason"], st
     assert list(tier.dir.glob("window-*")) == [] or ck.current is not None
@@ -226,7 +227,7 @@ def test_unwritable_host_root_holding_a_run_recovers_and_trains_on(tmpfs, one_ra
             os.unlink(filler)
         subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], check=True)
     unhealthy = _events(caplog, "tier_unhealthy")
-    assert unhealthy and "run lock of" in unhealthy[0], unhealthy
+    assert unhealthy and unhealthy[0]["reason"].startswith("run lock of "), unhealthy
     assert "\n" not in str(stall.value) and "no window committed durably" in str(stall.value)
 
 

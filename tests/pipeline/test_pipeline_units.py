@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from support.events import find
 
 from torchmoe_ckpt.pipeline.boundary_log import BoundaryLog, LogReader
 from torchmoe_ckpt.pipeline.recovery import StageStatus, contiguous_runs, plan_recovery
@@ -47,7 +48,7 @@ def test_log_bound_stops_logging_until_collection(tmp_path, caplog):
     log = BoundaryLog(tmp_path / "s1", max_bytes=int(2.5 * per_it))
     with caplog.at_level(logging.WARNING, logger="torchmoe_ckpt.pipeline_log"):
         fill(log, range(1, 6))
-    assert "event=pp_log_overflow" in caplog.text
+    assert find(caplog.text, "pp_log_overflow")
     r = LogReader(tmp_path / "s1")
     assert r.has(range(1, 3), 2, "fwd") and not r.has([3], 2, "fwd") and not r.has([5], 0, None)
     assert log.gap_from == 3 and log.held_bytes <= log.max_bytes and log.overflows == 1

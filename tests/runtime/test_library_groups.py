@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.events import find
 
 from torchmoe_harness.launch import torchrun
 
@@ -31,8 +32,7 @@ def run_probe(out: Path, run_id: str, fault: str | None = None, max_restarts: in
 def test_own_loop_and_recovery_never_use_a_default_group_that_refuses_cpu_tensors(tmp_path):
     ref, _ = run_probe(tmp_path / "ref", "ref")
     got, log = run_probe(tmp_path / "kill", "kill", fault="kill:point=optimizer:rank=1:step=8", max_restarts=1)
-    assert "event=fault_injected" in log and "event=recovered" in log, log[-3000:]
-    assert "every replayed loss matched the original run bit for bit" in log
+    assert find(log, "fault_injected") and find(log, "recovered", exact="true"), log[-3000:]
     for r in range(2):
         assert all(got[r]["checks"].values()), got[r]["checks"]  # incl.: the default group did refuse CPU tensors
         a, b = ref[r]["state"], got[r]["state"]

@@ -7,18 +7,12 @@ torch's local_elastic_agent sets both); a real torchrun starts torch once per at
 from __future__ import annotations
 
 import logging
-import re
 
 import pytest
 import torch
+from support.events import find
 
 import torchmoe_ckpt as tmc
-
-EVENT = re.compile(r"event=start_refused (.*)")
-
-
-def _fields(line: str) -> dict[str, str]:
-    return dict(re.findall(r"(\w+)=(\S+)", line))
 
 
 def _refused() -> tmc.ConfigError:
@@ -35,7 +29,7 @@ def test_a_refusal_under_torchrun_says_how_often_it_repeats(monkeypatch, caplog,
     with caplog.at_level(logging.ERROR, logger="torchmoe_ckpt"):
         exc = _refused()
     assert exc.restarts_left == left and "\n" not in str(exc), exc
-    events = [_fields(m.group(1)) for r in caplog.records if (m := EVENT.search(r.getMessage()))]
+    events = [ev.fields for ev in find(caplog.text, "start_refused")]
     assert events == [{"rank": "0", "attempt": str(attempt), "restarts_left": str(left), "error": "ConfigError"}]
 
 
@@ -43,4 +37,4 @@ def test_outside_torchrun_a_refusal_is_unchanged(monkeypatch, caplog):
     monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
     with caplog.at_level(logging.ERROR, logger="torchmoe_ckpt"):
         exc = _refused()
-    assert exc.restarts_left is None and not any(EVENT.search(r.getMessage()) for r in caplog.records)
+    assert exc.restarts_left is None and not find(caplog.text, "start_refused")

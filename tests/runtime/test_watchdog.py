@@ -4,7 +4,6 @@ and the workers recover from the host tier bit-exactly."""
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.events import find, first
 
 from torchmoe_ckpt.runtime.watchdog import EXIT_COLLECTIVE_ERROR, EXIT_HANG
 from torchmoe_harness.launch import compare, processes_mentioning, run_torchrun
@@ -68,8 +68,7 @@ def _py(code: str, *args, env=None, timeout=30) -> subprocess.CompletedProcess:
 
 
 def _event(stderr: str, kind: str) -> dict:
-    line = next(ln for ln in stderr.splitlines() if ln.startswith(f"event={kind} "))
-    return {k: v.strip('"') for k, v in re.findall(r'(\w+)=("[^"]*"|\S+)', line)}
+    return first(stderr, kind).fields
 
 
 def test_region_past_timeout_exits_nonzero_naming_the_op():
@@ -233,7 +232,7 @@ def test_frozen_peer_under_torchrun_is_detected_restarted_and_recovered(tmp_path
         f"\nfrozen peer detected after {ev['waited_s']:.3f} s (timeout {timeout} s); "
         f"longest healthy region after restart {wd['max_region_s']:.3f} s"
     )
-    assert 'event=hang rank=0 op="train_step 10"' in run.log and "(exitcode: 124)" in run.log
+    assert find(run.log, "hang", rank=0, op="train_step 10") and "(exitcode: 124)" in run.log
     # the stop guard SIGKILLed the stopped rank on torchrun's SIGTERM: no 30 s wait for its SIGKILL
     assert "Unable to shutdown process" not in run.log
     assert wd["hangs_detected"] == 0 and wd["max_region_s"] < timeout  # the restarted attempt ran clean

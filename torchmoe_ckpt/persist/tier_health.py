@@ -97,7 +97,14 @@ class TierHealth:
         )
         if self.on_stall == "fail":
             raise CheckpointStallError(text)
-        log.warning("event=checkpoint_stall %s", text)
+        log.warning(
+            "event=checkpoint_stall tier=%s rank=%d iterations=%d last_durable=%s: %s",
+            self.tier,
+            self.rank,
+            step - since,
+            ld[0] if ld else "none",
+            text,
+        )
 
     def stats(self) -> dict:
         ld = self.last_durable

@@ -198,7 +198,8 @@ def _log_recovered(window: Window, host: HostTier, identity: RunIdentity, outcom
     log.info(
         f"event=recovered run={identity.run_id} window={window.id} source={found.source} steps="
         f"{rep.start_step}..{rep.recovered_step} replayed={rep.replayed_iterations} bytes={rep.bytes_loaded} "
-        f"seconds={outcome.total_seconds:.3f} rejected={rejected or 'none'}: {replay_verdict(rep.to_dict())}"
+        f"seconds={outcome.total_seconds:.3f} rejected={rejected or 'none'} exact={str(rep.exact).lower()}: "
+        f"{replay_verdict(rep.to_dict())}"
     )
     return changed
 
