@@ -448,13 +448,13 @@ class SparseTrainer(Trainer):
                 logger.warning("torchmoe: no committed window on any tier; starting from scratch")
                 self.recovery_report = dict(res.report, cold_start=True, recovered_step=0, attempt=self._attempt)
             return
-        rep = dict(res.report, attempt=self._attempt, restart_seconds=res.report["total_seconds"])
-        self._skip_batches = (
-            rep["recovered_step"] * self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches
-        )
+        outcome, step = res.outcome, res.recovered_step  # read typed; the report is their JSON view
+        assert outcome is not None and step is not None  # a window recovered from the tiers (`recover`)
+        rep = dict(res.report, attempt=self._attempt, restart_seconds=outcome.total_seconds)
+        self._skip_batches = step * self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches
         self.recovery_report = rep
         # newer than any TorchTitan checkpoint: its load is skipped
-        self.checkpointer.restored_step = rep["recovered_step"]
+        self.checkpointer.restored_step = step
 
     @torch.no_grad()
     def _scramble(self) -> None:

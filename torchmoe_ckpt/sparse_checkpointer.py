@@ -483,9 +483,8 @@ class SparseCheckpointer:
         self._added_s_per_byte: float | None = None
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.mtbf_s = resolved_mtbf_s(cfg.mtbf, world)  # pyright: ignore[reportArgumentType]  (parsed to seconds)
-        report = run.resumed.report if run.resumed is not None else {}
         # The recovery's own seconds (a restart also re-forms the group and starts the process: a floor)
-        measured = report.get("total_seconds", report.get("seconds")) if isinstance(report, dict) else None
+        measured = _recovery_seconds(run.resumed)
         self.restart_s = float(measured) if isinstance(measured, (int, float)) and measured > 0 else DEFAULT_RESTART_S
         self.restart_measured = measured is not None
 
@@ -761,6 +760,17 @@ def _default_identity(model, optimizer, compute_dtype, ops, host_tier: HostTier 
     run_id = host_tier.dir.name if host_tier is not None else None
     world = dist.get_world_size() if dist.is_initialized() else 1
     return build_identity(model, optimizer, compute_dtype, ops, run_id, world)
+
+
+def _recovery_seconds(resumed: ResumeResult | None) -> float | None:
+    """How long the recovery took: its typed outcome's; a recovery without one (pipeline stages, a JIT copy) says
+    it in its report."""
+    if resumed is None:
+        return None
+    if resumed.outcome is not None:
+        return resumed.outcome.total_seconds
+    report = resumed.report
+    return report.get("total_seconds", report.get("seconds")) if isinstance(report, dict) else None
 
 
 def _first_window_id(resumed: ResumeResult | None, committed: Window | None) -> int:

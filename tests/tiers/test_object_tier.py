@@ -8,6 +8,7 @@ import os
 import pytest
 
 from torchmoe_ckpt.core.errors import StoreConfigError
+from torchmoe_ckpt.core.rejection import RejectionKind
 from torchmoe_ckpt.persist.uploader import Uploader
 from torchmoe_ckpt.storage_format.checksums import FileEntry, crc32_bytes
 from torchmoe_ckpt.storage_format.layout import manifest_name, writer_name
@@ -119,7 +120,7 @@ def test_corrupt_or_half_uploaded_windows_are_never_used(tmp_path):
     assert store.window_ids() == [1, 2]
     fresh = HostTier(tmp_path / "fresh", "run", 0, 1)
     problems = store.download(2, fresh)
-    assert problems and "torn or corrupt" in problems[0]
+    assert problems and problems[0].kind is RejectionKind.CORRUPT and "torn or corrupt" in str(problems[0])
     assert fresh.window_ids() == []  # nothing half-downloaded looks committed
     assert store.download(1, fresh) == [] and fresh.verify(1) == []
     store.keep = 1

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 import torch
 
+from torchmoe_ckpt.core.rejection import RejectionKind
 from torchmoe_ckpt.ops.inspection import verify_location
 from torchmoe_ckpt.storage_format.tensorstore_spec import io_counters, slot_from_dcp
 from torchmoe_ckpt.tiers.host_tier import HostTier
@@ -118,7 +119,7 @@ def test_corrupt_chunk_is_detected_and_never_used(tmp_path):
     data.write_bytes(bytes(raw))
     fresh = HostTier(tmp_path / "fresh", "syn", 0, 1)
     problems = store.download(1, fresh)
-    assert problems and "CRC32" in problems[0], problems
+    assert problems and problems[0].kind is RejectionKind.CORRUPT and "CRC32" in str(problems[0]), problems
     assert fresh.window_ids() == []  # nothing half-downloaded looks committed
     ok, info = verify_location(f"file://{tmp_path / 'store'}")
     assert not ok and info["windows"][0]["problems"]

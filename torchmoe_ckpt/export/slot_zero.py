@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..core.errors import TorchmoeError
+from ..core.rejection import Rejection, RejectionKind
 from ..storage_format.checksums import crc32_bytes
 from ..storage_format.files import LocalFiles, open_files
 from ..storage_format.layout import (
@@ -199,11 +200,19 @@ class SlotZero:
                     continue
                 size = _size(self.files, f"{w}/{rel}")
                 if size is None:
-                    problems.append(f"{rel}: missing")
+                    problems.append(Rejection(RejectionKind.MISSING_FILE, f"{rel}: missing", file=rel))
                 elif size != want.bytes:
-                    problems.append(f"{rel}: {size} bytes, manifest says {want.bytes} (torn)")
+                    problems.append(
+                        Rejection(
+                            RejectionKind.TORN, f"{rel}: {size} bytes, manifest says {want.bytes} (torn)", file=rel
+                        )
+                    )
                 elif rel.endswith(METADATA) and crc32_bytes(bytes(self.files.read(f"{w}/{rel}"))) != want.crc32:
-                    problems.append(f"{rel}: digest differs from the manifest's (corrupt)")
+                    problems.append(
+                        Rejection(
+                            RejectionKind.CORRUPT, f"{rel}: digest differs from the manifest's (corrupt)", file=rel
+                        )
+                    )
             if problems:
                 more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
                 raise CorruptCopyError(

@@ -7,57 +7,67 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import NamedTuple
 
 import torch
 
+from ..core.rejection import Rejection, RejectionKind
 from ..core.window import Window
 from ..model.identity import RunIdentity
 from ..persist.build_tiers import Tiers
 from ..runtime.agreement import all_gather_objects, failure_reason, run_everywhere
 from ..storage_format.slot_format import CorruptCopyError
 from ..tiers.host_tier import HostTier
+from .replay_check import ReplayDivergence
 
 log = logging.getLogger("torchmoe_ckpt.tiers")
 
-__all__ = ["OLDER", "TierOutcome", "recover_from_tiers"]
+__all__ = ["SearchResult", "TierOutcome", "recover_from_tiers"]
 
-OLDER = "under an older node numbering"  # marks the reason of a part only another host holds (resume.py reads it)
+
+class SearchResult(StrEnum):
+    """What the search over the tiers came to. A str, so that `outcome == "recovered"` keeps working; the report
+    says `.value`."""
+
+    RECOVERED = "recovered"
+    NO_WINDOW = "no window"
+    NO_USABLE_WINDOW = "no usable window"  # some existed, all rejected
 
 
 @dataclass
 class TierOutcome:
-    """What the search over the tiers found (its JSON form, `to_dict()`, is part of the recovery report)."""
+    """What the search over the tiers found, typed (its JSON form, `to_dict()`, is part of the recovery report)."""
 
-    # "recovered", "no window", or "no usable window" (some existed, all rejected)
-    outcome: str = "no window"
+    outcome: SearchResult = SearchResult.NO_WINDOW
     source: str | None = None  # "host", "peer N" or "object store"; None: nothing recovered
     source_peer: int | None = None  # source "peer N": N, the rank whose host memory held this rank's copy
-    unusable_copies: dict[int, str] = field(default_factory=dict)  # this rank's damaged copies: window -> why
-    rejected: dict[int, dict[str, str]] = field(default_factory=dict)  # window -> {rank: why}, agreed
-    unusable_by_rank: dict[int, dict[int, str]] = field(default_factory=dict)  # every rank's damaged copies
-    pulled_from_peers: dict[str, int] | None = None  # rank -> the peer it pulled its part from (host/peer tier)
+    unusable_copies: dict[int, Rejection] = field(default_factory=dict)  # this rank's damaged copies: window -> why
+    rejected: dict[int, dict[int, Rejection]] = field(default_factory=dict)  # window -> {rank: why}, agreed
+    unusable_by_rank: dict[int, dict[int, Rejection]] = field(default_factory=dict)  # every rank's damaged copies
+    pulled_from_peers: dict[int, int] | None = None  # rank -> the peer it pulled its part from (host/peer tier)
     orphans_removed: list[str] | None = None  # run dirs of an older node numbering, retired after the recovery
     store_unreachable: str | None = None  # why the object store could not be listed
-    failed_downloads: dict[int, str | None] | None = None  # window -> the first rank's reason
+    failed_downloads: dict[int, Rejection | None] | None = None  # window -> the first rank's reason
 
     def to_dict(self) -> dict:
-        """The report's keys; optional ones only when set."""
+        """The report's keys, reasons as their text and ranks of `rejected`/`pulled_from_peers` as strings (the
+        JSON edge); optional ones only when set."""
         out: dict = {
-            "unusable_copies": self.unusable_copies,
-            "rejected": self.rejected,
-            "unusable_by_rank": self.unusable_by_rank,
+            "unusable_copies": _texts(self.unusable_copies),
+            "rejected": {w: {str(r): str(why) for r, why in per_rank.items()} for w, per_rank in self.rejected.items()},
+            "unusable_by_rank": {r: _texts(copies) for r, copies in self.unusable_by_rank.items()},
             "source": self.source,
             "source_peer": self.source_peer,
-            "outcome": self.outcome,
+            "outcome": self.outcome.value,
         }
         optional = {
-            "pulled_from_peers": self.pulled_from_peers,
+            "pulled_from_peers": _rank_keys(self.pulled_from_peers),
             "orphans_removed": self.orphans_removed,
             "store_unreachable": self.store_unreachable,
-            "failed_downloads": self.failed_downloads,
+            "failed_downloads": _texts(self.failed_downloads),
         }
         out.update((k, v) for k, v in optional.items() if v is not None)
         return out
@@ -66,12 +76,20 @@ class TierOutcome:
         """Set `outcome` from what was found (after the last change)."""
         damaged = self.rejected or self.unusable_by_rank or self.unusable_copies
         if self.source:
-            self.outcome = "recovered"
+            self.outcome = SearchResult.RECOVERED
         elif damaged:
-            self.outcome = "no usable window"
+            self.outcome = SearchResult.NO_USABLE_WINDOW
         else:
-            self.outcome = "no window"
+            self.outcome = SearchResult.NO_WINDOW
         return self
+
+
+def _texts(whys: Mapping[int, Rejection | None] | None) -> dict[int, str | None] | None:
+    return None if whys is None else {w: None if why is None else str(why) for w, why in whys.items()}
+
+
+def _rank_keys(by_rank: Mapping[int, int] | None) -> dict[str, int] | None:
+    return None if by_rank is None else {str(r): v for r, v in by_rank.items()}
 
 
 class RankView(NamedTuple):
@@ -79,7 +97,7 @@ class RankView(NamedTuple):
 
     local: list[int]  # windows of its own it can load (host tier, or its host's older numbering)
     held: dict[int, list[int]]  # rank -> windows this rank can send it (peer tier, orphans)
-    unusable: dict[int, str] | None  # its damaged copies (first round only)
+    unusable: dict[int, Rejection] | None  # its damaged copies (first round only)
     # rank -> windows of it on this host's orphans that no peer tier can send (replicas = 0): they still exist, so
     # the run is refused rather than started over (first round only)
     stranded: dict[int, list[int]] | None = None
@@ -146,7 +164,7 @@ def recover_from_tiers(
         if window is not None:
             found.source_peer = needers.get(tier.rank)
             found.source = "host" if found.source_peer is None else f"peer {found.source_peer}"
-            found.pulled_from_peers = {str(k): v for k, v in needers.items()}
+            found.pulled_from_peers = dict(needers)
             _retire(orphans, found)
             return window, found.settle()
         excluded.add(wid)
@@ -158,10 +176,10 @@ def recover_from_tiers(
     return window, found.settle()
 
 
-def _check_host_copies(tier: HostTier, identity: RunIdentity | None) -> dict[int, str]:
+def _check_host_copies(tier: HostTier, identity: RunIdentity | None) -> dict[int, Rejection]:
     """This rank's damaged host copies: window -> the first problem. Every rank says its own (rank 0 alone would
     hide a damaged copy on another rank)."""
-    unusable: dict[int, str] = {}
+    unusable: dict[int, Rejection] = {}
     for w in tier.window_ids():
         problems = tier.check(w, identity)
         if not problems:
@@ -237,19 +255,21 @@ def _not_every_rank(
     have = [a | b for a, b in zip(seen, listed or [set()] * len(seen))]  # seen: every rank's, from the first round
     exists = set().union(*have, *(set(ws) for ws in stranded.values()))
     for wid in sorted(exists - set(found.rejected), reverse=True):
-        found.rejected[wid] = {str(r): _no_copy(r, wid, stranded) for r, h in enumerate(have) if wid not in h}
+        found.rejected[wid] = {r: _no_copy(r, wid, stranded) for r, h in enumerate(have) if wid not in h}
 
 
-def _no_copy(rank: int, wid: int, stranded: dict[int, dict[int, int]]) -> str:
+def _no_copy(rank: int, wid: int, stranded: dict[int, dict[int, int]]) -> Rejection:
     holder = stranded.get(rank, {}).get(wid)
     if holder is not None:
-        return (
-            f"no copy: rank {rank}'s part of window {wid} is only on the host of rank {holder} ({OLDER}) and no peer "
-            "tier (replicas = 0) can send it"
+        return Rejection(
+            RejectionKind.STRANDED,
+            f"no copy: rank {rank}'s part of window {wid} is only on the host of rank {holder} (under an older node "
+            "numbering) and no peer tier (replicas = 0) can send it",
         )
-    return (
+    return Rejection(
+        RejectionKind.NO_COPY,
         f"no copy: rank {rank}'s part of window {wid} is on no tier (its host copy is gone and no peer or object "
-        "store holds it)"
+        "store holds it)",
     )
 
 
@@ -270,30 +290,48 @@ def _attempt(wid: int, found: TierOutcome, fetch, use):
     A collective that failed inside (a peer frozen or gone past the process group's timeout) is no verdict on the
     window: agreeing on it would wait once more for the same peer, so it ends the recovery (runtime/agreement.py).
     """
-    window, failures = run_everywhere(fetch)
+    window, failures = run_everywhere(fetch, reason=_load_failed)
     if failures:
-        _reject(wid, failures, found, "load")
+        _reject(wid, failures, found)
         return None
     if use is not None:
-        _, failures = run_everywhere(use, window)
+        _, failures = run_everywhere(use, window, reason=_replay_failed)
         if failures:
-            _reject(wid, failures, found, "replay")
+            _reject(wid, failures, found)
             return None
     return window
+
+
+def _load_failed(exc: BaseException) -> Rejection:
+    return _failed("load", exc, RejectionKind.LOAD_FAILED)
+
+
+def _replay_failed(exc: BaseException) -> Rejection:
+    return _failed("replay", exc, RejectionKind.REPLAY_FAILED)
+
+
+def _failed(phase: str, exc: BaseException, otherwise: RejectionKind) -> Rejection:
+    """A rank's failure in `phase`, said as "phase: TypeName: message"; its kind is the check's that raised it (a
+    CorruptCopyError of a foreign copy is FOREIGN), a divergence's, or `otherwise`."""
+    text = f"{phase}: {failure_reason(exc)}"
+    found = getattr(exc, "rejection", None)
+    if isinstance(found, Rejection):
+        return found.reworded(text)
+    return Rejection(RejectionKind.REPLAY_DIVERGENCE if isinstance(exc, ReplayDivergence) else otherwise, text)
 
 
 MAX_RANKS_LISTED = 4  # ranks whose reason a window_rejected line quotes (all are in the report)
 
 
-def _reject(wid: int, failures: dict[int, str], found: TierOutcome, phase: str) -> None:
-    bad = {str(r): f"{phase}: {w}" for r, w in failures.items()}
+def _reject(wid: int, failures: dict[int, Rejection], found: TierOutcome) -> None:
+    bad = dict(failures)
     found.rejected.setdefault(wid, {}).update(bad)
     shown = list(bad.items())[:MAX_RANKS_LISTED]  # the ranks are bounded, each reason is said whole
     more = f" (+{len(bad) - len(shown)} more rank(s))" if len(bad) > len(shown) else ""
     log.warning(
         "event=window_rejected window=%d %s%s: trying the next newest window",
         wid,
-        " ".join(f"rank{r}={w!r}" for r, w in shown),
+        " ".join(f"rank{r}={str(w)!r}" for r, w in shown),
         more,
     )
 
@@ -316,7 +354,7 @@ def _from_store(load: _Load, store, found: TierOutcome, use, excluded: set[int])
         def fetch(wid=wid):
             problems = store.download(wid, load.tier)
             if problems:
-                raise CorruptCopyError(f"object store copy of window {wid}: {problems[0]}")
+                raise CorruptCopyError(f"object store copy of window {wid}: {problems[0]}", rejection=problems[0])
             return load(wid)
 
         window = _attempt(wid, found, fetch, use)

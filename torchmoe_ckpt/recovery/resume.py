@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..core.errors import UnusableCheckpointError
 from ..core.operator import Operator
+from ..core.rejection import Rejection, RejectionKind
 from ..core.window import Window, sliding_suffix
 from ..model.identity import IdentityMismatch, RunIdentity, allowed_changes, build_identity, refusal
 from ..model.optim_state import attach_optimizer_state
@@ -23,7 +24,7 @@ from ..persist.build_tiers import Tiers
 from ..runtime.agreement import all_gather_objects, gather_failures, run_everywhere
 from ..runtime.watchdog import CollectiveWatchdog
 from ..tiers.host_tier import HostTier
-from .agreed_window import OLDER, TierOutcome, recover_from_tiers
+from .agreed_window import SearchResult, TierOutcome, recover_from_tiers
 from .replay_check import ReplayPolicy, replay_verdict
 from .sparse_to_dense import RecoveryReport, Replayable, replay_slots, sparse_to_dense
 
@@ -68,7 +69,8 @@ class RecoveryOutcome:
 class ResumeResult:
     window: Window | None  # the window recovered from (the checkpointer's fallback until the next commits)
     recovered_step: int | None  # iterations completed after recovery; None = no window anywhere
-    report: dict = field(default_factory=dict)  # the JSON report (RecoveryOutcome.to_dict(), or another recovery's)
+    # The JSON report: a view of `outcome` (its to_dict()), or another recovery's; code reads `outcome`.
+    report: dict = field(default_factory=dict)
     # Where new window ids start (None: after `window`, else 0); set by a recovery that hands no window over
     # (pipeline stages, a JIT copy), so that new windows sort after those on the tiers.
     next_window_id: int | None = None
@@ -124,7 +126,8 @@ def _recover(trainer, tiers: Tiers, ops, compute_dtype, identity: RunIdentity | 
     if window is None:
         replay.undo()  # every window tried failed its replay: the caller's trainer back as it was
         _no_window(found, tiers, identity, rank, opts.on_unusable)
-        return ResumeResult(None, None, RecoveryOutcome(found, fetch_seconds=fetch_s).to_dict())
+        outcome = RecoveryOutcome(found, fetch_seconds=fetch_s)
+        return ResumeResult(None, None, outcome.to_dict(), outcome=outcome)
     rep = replay.timed_report(fetch_s)
     outcome = RecoveryOutcome(found, rep, fetch_s, total_seconds=time.perf_counter() - t0)
     if rank == 0:
@@ -269,14 +272,14 @@ def _no_window(found: TierOutcome, tiers: Tiers, identity: RunIdentity, rank: in
     rejected = dict(found.unusable_copies)
     for w, per_rank in found.rejected.items():
         rejected.setdefault(w, next(iter(per_rank.values())))
-    foreign = [why.split("identity: ", 1)[1] for why in rejected.values() if "identity: " in why]
+    foreign = [why.detail for why in rejected.values() if why.kind is RejectionKind.FOREIGN]
     all_foreign = foreign[-1] if foreign and len(foreign) == len(rejected) else None
     # Agreed, so that every rank refuses or none does (a rank that went on alone would hang its peers).
     refusing = gather_failures(all_foreign)
     if refusing:
         raise IdentityMismatch(refusal(identity.run_id, foreign[-1] if foreign else next(iter(refusing.values()))))
     # "no usable window" is the same on every rank (agreed_window.py gathers every rank's damaged copies): agreed.
-    if found.outcome == "no usable window":
+    if found.outcome is SearchResult.NO_USABLE_WINDOW:
         windows = _rejected_windows(found)
         if on_unusable != "restart":
             raise UnusableCheckpointError(unusable_message(identity.run_id, tiers.host.dir, windows))
@@ -292,9 +295,9 @@ def _no_window(found: TierOutcome, tiers: Tiers, identity: RunIdentity, rank: in
         )
 
 
-def _rejected_windows(found: TierOutcome) -> dict[int, dict[str, list]]:
+def _rejected_windows(found: TierOutcome) -> dict[int, dict[Rejection, list]]:
     """window -> {reason: [ranks]}: every rank's damaged copies and every window rejected by agreement."""
-    out: dict[int, dict[str, list]] = {}
+    out: dict[int, dict[Rejection, list]] = {}
     by_rank: dict = found.unusable_by_rank or {"this rank": found.unusable_copies}
     damaged = [(w, r, why) for r, copies in by_rank.items() for w, why in copies.items()]
     agreed = [(w, r, why) for w, per_rank in found.rejected.items() for r, why in per_rank.items()]
@@ -306,7 +309,7 @@ def _rejected_windows(found: TierOutcome) -> dict[int, dict[str, list]]:
 MAX_LISTED = 6  # windows listed in a message; the rest are counted (a reason is never cut)
 
 
-def _listing(windows: dict[int, dict[str, list]], sep: str) -> str:
+def _listing(windows: dict[int, dict[Rejection, list]], sep: str) -> str:
     ids = sorted(windows, reverse=True)
     parts = []
     for w in ids[:MAX_LISTED]:
@@ -317,20 +320,20 @@ def _listing(windows: dict[int, dict[str, list]], sep: str) -> str:
     return sep.join(parts)
 
 
-def _why_with_ranks(why: str, ranks: list) -> str:
+def _why_with_ranks(why: Rejection, ranks: list) -> str:
     """ "ranks 0, 2: why" ("this rank": the reason alone)."""
     if ranks == ["this rank"]:
-        return why
+        return str(why)
     label = "ranks" if len(ranks) > 1 else "rank"
     return f"{label} {', '.join(map(str, ranks))}: {why}"
 
 
-def unusable_message(run_id: str | None, run_dir, windows: dict[int, dict[str, list]]) -> str:
+def unusable_message(run_id: str | None, run_dir, windows: dict[int, dict[Rejection, list]]) -> str:
     """The refusal: each window and why, the likely cause, and how to start over deliberately."""
-    text = " ".join(why for whys in windows.values() for why in whys)
-    if windows and all(why.startswith("no copy:") for whys in windows.values() for why in whys):
+    kinds = {why.kind for whys in windows.values() for why in whys}
+    if windows and kinds <= {RejectionKind.NO_COPY, RejectionKind.STRANDED}:
         return _lost_part_message(run_id, run_dir, windows)
-    if "ReplayDivergence" in text:
+    if RejectionKind.REPLAY_DIVERGENCE in kinds:
         cause = (
             "a replay did not reproduce the logged loss: the step function depends on something the checkpoint "
             "does not capture, most often randomness outside torch's CPU generator (random.random(), numpy, "
@@ -355,11 +358,17 @@ def unusable_message(run_id: str | None, run_dir, windows: dict[int, dict[str, l
     )
 
 
-def _lost_part_message(run_id: str | None, run_dir, windows: dict[int, dict[str, list]]) -> str:
+def _lost_part_message(run_id: str | None, run_dir, windows: dict[int, dict[Rejection, list]]) -> str:
     """One line: windows some ranks still hold, that other ranks have no copy of on any tier."""
 
     def ranks(stranded: bool) -> str:
-        got = {r for whys in windows.values() for why, rs in whys.items() if (OLDER in why) == stranded for r in rs}
+        got = {
+            r
+            for whys in windows.values()
+            for why, rs in whys.items()
+            if (why.kind is RejectionKind.STRANDED) == stranded
+            for r in rs
+        }
         return ", ".join(map(str, sorted(got, key=str)))
 
     ids = ", ".join(map(str, sorted(windows, reverse=True)))

@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+R = TypeVar("R")  # a failure's reason: the text of `failure_reason`, or a typed record of the caller's (it pickles)
 
 
 def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list:
@@ -77,8 +78,8 @@ def failure_reason(exc: BaseException) -> str:
 
 
 def attempt(
-    fn: Callable[..., T], *args: object, reason: Callable[[BaseException], str] = failure_reason
-) -> tuple[T | None, str | None]:
+    fn: Callable[..., T], *args: object, reason: Callable[[BaseException], R] = failure_reason
+) -> tuple[T | None, R | None]:
     """This rank's part (local, no collective): `(fn(*args), None)`, or `(None, reason(exc))` for every exception
     but a process exit and a failed collective (both re-raised)."""
     try:
@@ -91,14 +92,14 @@ def attempt(
         return None, reason(exc)
 
 
-def gather_failures(why: str | None, group: dist.ProcessGroup | None = None) -> dict[int, str]:
+def gather_failures(why: R | None, group: dist.ProcessGroup | None = None) -> dict[int, R]:
     """Every rank's reason, by rank: {} when no rank failed (`why` None everywhere). Collective."""
     return {r: w for r, w in enumerate(all_gather_objects(why, group)) if w is not None}
 
 
 def run_everywhere(
-    fn: Callable[..., T], *args: object, reason: Callable[[BaseException], str] = failure_reason
-) -> tuple[T | None, dict[int, str]]:
+    fn: Callable[..., T], *args: object, reason: Callable[[BaseException], R] = failure_reason
+) -> tuple[T | None, dict[int, R]]:
     """`fn(*args)` on this rank, then the agreement: (its result, every failed rank's reason). The reasons are the
     same on every rank, so `if failures:` takes the same branch everywhere. Collective (every rank calls it)."""
     result, why = attempt(fn, *args, reason=reason)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..core.errors import TorchmoeError
+from ..core.rejection import Rejection, RejectionKind
 
 BLOCK = 512  # bytes per summed block (64 int64 words); also the item alignment of files that use sum64b512
 SUM64 = "sum64b512"
@@ -97,12 +98,14 @@ class FileEntry:
         """Whether `data` (the whole file) has this entry's size and digest."""
         return len(data) == self.bytes and digest(data, self.algo) == self.crc32
 
-    def problem(self, rel: str, got: FileEntry) -> str | None:
+    def problem(self, rel: str, got: FileEntry) -> Rejection | None:
         """Why a file of size and digest `got` is not this one (torn or corrupt); None when it is."""
         if got.bytes != self.bytes:
-            return f"{rel}: {got.bytes} bytes, manifest says {self.bytes} (torn)"
+            why = f"{rel}: {got.bytes} bytes, manifest says {self.bytes} (torn)"
+            return Rejection(RejectionKind.TORN, why, file=rel)
         if got.crc32 != self.crc32:
-            return f"{rel}: {self.algo} {got.crc32:08x} != {self.crc32:08x} (corrupt)"
+            why = f"{rel}: {self.algo} {got.crc32:08x} != {self.crc32:08x} (corrupt)"
+            return Rejection(RejectionKind.CORRUPT, why, file=rel)
         return None
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ..core.errors import TorchmoeError
 from ..core.records import SlotInfo
+from ..core.rejection import Rejection, RejectionKind
 from .checksums import CRC32, FileEntry
 from .layout import METADATA, slot_of
 
@@ -122,7 +123,7 @@ def slot_record(info: SlotInfo) -> dict:
 
 def check_window(
     man: WindowManifest, window_id: int, rank: int, world_size: int | None = None, slot_info=None
-) -> list[str]:
+) -> list[Rejection]:
     """Problems with where a manifest and its slot files sit (window, rank, world size, plan, and what each slot's
     DCP metadata, `slot_info(rel)`, was written for): a copy from another window or run is refused even when every
     checksum matches. Empty list = consistent."""
@@ -131,9 +132,9 @@ def check_window(
         return out  # written by a tool, not a checkpointer: nothing recorded to compare (recovery refuses it)
     slots = man.plan.get("slots") if isinstance(man.plan, dict) else None
     if not isinstance(slots, list) or len(slots) != man.window or man.plan.get("window", man.window) != man.window:
-        return out + [f"plan does not describe {man.window} slots (edited or damaged)"]
+        return out + [_layout(f"plan does not describe {man.window} slots (edited or damaged)")]
     if len(man.slots) != man.window:
-        return out + [f"manifest records {len(man.slots)} slot files for W={man.window}"]
+        return out + [_layout(f"manifest records {len(man.slots)} slot files for W={man.window}")]
     digest = plan_digest(man.plan)
     run = (man.identity or {}).get("fingerprint") or None  # a DCP user's window names no run
     for i, rec in enumerate(man.slots):
@@ -143,8 +144,10 @@ def check_window(
         bad = _differs(rec, want)
         if bad:
             out.append(
-                f"slot {i}: manifest records {', '.join(f'{k} {rec.get(k)!r}' for k in bad)}, expected "
-                f"{', '.join(f'{want[k]!r}' for k in bad)}"
+                _layout(
+                    f"slot {i}: manifest records {', '.join(f'{k} {rec.get(k)!r}' for k in bad)}, expected "
+                    f"{', '.join(f'{want[k]!r}' for k in bad)}"
+                )
             )
         elif slot_info is not None:
             problem = _slot_file_problem(man, i, want, slot_info)
@@ -153,32 +156,38 @@ def check_window(
     return out
 
 
-def _placement_problems(man: WindowManifest, window_id: int, rank: int, world_size: int | None) -> list[str]:
+def _layout(message: str, file: str = "") -> Rejection:
+    return Rejection(RejectionKind.LAYOUT, message, file=file)
+
+
+def _placement_problems(man: WindowManifest, window_id: int, rank: int, world_size: int | None) -> list[Rejection]:
     """Whether the manifest is of the window, writer and world size where it was found."""
     out = []
     if man.window_id != window_id:
-        out.append(f"manifest is of window {man.window_id}, found in the directory of window {window_id}")
+        out.append(_layout(f"manifest is of window {man.window_id}, found in the directory of window {window_id}"))
     if man.extra.get("rank", rank) != rank:
-        out.append(f"manifest is rank {man.extra.get('rank')}'s, found as rank {rank}'s")
+        out.append(_layout(f"manifest is rank {man.extra.get('rank')}'s, found as rank {rank}'s"))
     if world_size is not None and man.world_size != world_size:
-        out.append(f"world size {man.world_size} != {world_size}")
+        out.append(_layout(f"world size {man.world_size} != {world_size}"))
     return out
 
 
-def _slot_file_problem(man: WindowManifest, i: int, want: dict, slot_info) -> str | None:
+def _slot_file_problem(man: WindowManifest, i: int, want: dict, slot_info) -> Rejection | None:
     """Whether slot `i`'s DCP metadata (`slot_info(rel)`) was written for where it sits (`want`); None: it was."""
     rel = slot_metadata_file(man, i)
     if rel is None:
-        return f"slot {i}: no DCP metadata file listed"
+        return _layout(f"slot {i}: no DCP metadata file listed")
     try:
         info = slot_info(rel) or {}
     except Exception as exc:  # unreadable metadata: a damaged or foreign file
-        return f"slot {i}: metadata unreadable ({type(exc).__name__}: {exc})"
+        why = f"slot {i}: metadata unreadable ({type(exc).__name__}: {exc})"
+        return Rejection(RejectionKind.UNREADABLE, why, file=rel)
     bad = _differs(info, want)
     if bad:
-        return (
+        return _layout(
             f"{rel}: written for {', '.join(f'{k} {info.get(k)!r}' for k in bad)}, but sits at "
-            f"{', '.join(f'{k} {want[k]!r}' for k in bad)} (a slot file of another window or run)"
+            f"{', '.join(f'{k} {want[k]!r}' for k in bad)} (a slot file of another window or run)",
+            rel,
         )
     return None
 

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItem, WriteI
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..core.errors import TorchmoeError
+from ..core.rejection import Rejection
 from ..core.slot import Slot, SlotItem
 from . import checksums
 from .checksums import BLOCK, CRC32, SUM64, UnknownChecksum, crc32_bytes
@@ -31,7 +32,12 @@ INFO_KEYS = ("window", "slot", "step", "plan")  # what every writer of one slot 
 
 class CorruptCopyError(TorchmoeError, RuntimeError):
     """A copy is torn or corrupt (an item or file does not match its recorded checksum, a file is cut short or
-    missing, a window's files do not verify): never loaded; the reader moves on to the next tier or window."""
+    missing, a window's files do not verify): never loaded; the reader moves on to the next tier or window.
+    `rejection`: the check's typed reason, when a check found it (recovery decides by its kind)."""
+
+    def __init__(self, *args: object, rejection: Rejection | None = None):
+        super().__init__(*args)
+        self.rejection = rejection  # an attribute, not an argument: it survives a pickle (BaseException's state)
 
 
 @dataclass

@@ -67,6 +67,7 @@ from ..storage_format.retry import retry
 if TYPE_CHECKING:
     from ..core.plan import WindowPlan
     from ..core.records import ReplayLog, SlotInfo
+    from ..core.rejection import Rejection
     from ..model.identity import RunIdentity
     from ..storage_format.manifest import WindowManifest
 
@@ -108,11 +109,11 @@ class WindowTier(Protocol):
 
     def manifest(self, window_id: int, rank: int | None = None) -> WindowManifest: ...
 
-    def verify(self, window_id: int, rank: int | None = None) -> list[str]:
+    def verify(self, window_id: int, rank: int | None = None) -> list[Rejection]:
         """Every file against the manifest; the problems (empty: it verifies)."""
         ...
 
-    def check(self, window_id: int, identity: RunIdentity | None = None, rank: int | None = None) -> list[str]:
+    def check(self, window_id: int, identity: RunIdentity | None = None, rank: int | None = None) -> list[Rejection]:
         """`verify`, where every file sits (window/slot/step/run), and whose it is; the problems."""
         ...
 
@@ -134,8 +135,8 @@ class CopyTier(Protocol):
 
     def upload(self, tier, window_id: int) -> int: ...  # bytes uploaded; the manifest goes last
     def window_ids(self) -> list[int]: ...  # committed copies
-    def verify(self, window_id: int) -> list[str]: ...  # problems of the copy (empty: it verifies)
-    def download(self, window_id: int, tier) -> list[str]: ...  # into the host tier; problems (empty: usable)
+    def verify(self, window_id: int) -> list[Rejection]: ...  # problems of the copy (empty: it verifies)
+    def download(self, window_id: int, tier) -> list[Rejection]: ...  # into the host tier; problems (empty: usable)
     def collect(self) -> list[int]: ...  # retention: window ids deleted
 
 

@@ -172,7 +172,8 @@ class HostTier(FilesWindowTier):
         if problems:
             raise CorruptCopyError(
                 f"window {window_id} on host tier {self.dir} is unusable: {problems[0]}"
-                + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
+                + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""),
+                rejection=problems[0],
             )
         man = self.manifest(window_id)
         plan = WindowPlan.from_dict(man.plan)
@@ -187,7 +188,7 @@ class HostTier(FilesWindowTier):
         records = torch.load(rel, weights_only=True, map_location="cpu")
         forged = self.record_problems(window_id, man, records)  # what `verify` checks too
         if forged:
-            raise CorruptCopyError(forged[0])
+            raise CorruptCopyError(str(forged[0]), rejection=forged[0])
         win = Window(window_id, man.start_step, plan, slots, _replay_log(records), captured=plan.window)
         if not win.committed:
             raise CorruptCopyError(

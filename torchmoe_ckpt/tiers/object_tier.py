@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..core.config_values import check_uri
 from ..core.errors import StoreConfigError
+from ..core.rejection import Rejection, RejectionKind
 from ..runtime import faults
 from ..storage_format import usage
 from ..storage_format.checksums import CHUNK, Digester, FileEntry
@@ -165,24 +166,25 @@ class ObjectTier(FilesWindowTier, StoreTier, ObjectStore):
         self.files.invalidate()
         return super().window_ids(require_manifest, rank)
 
-    def download(self, window_id: int, tier: FilesWindowTier) -> list[str]:
+    def download(self, window_id: int, tier: FilesWindowTier) -> list[Rejection]:
         """Fetch this writer's copy into `tier` (the host tier), every file verified, the manifest last; returns
         problems (empty = ok)."""
         w = window_dirname(window_id)
         try:
             man = self.manifest(window_id)
         except Exception as exc:
-            return [f"manifest unreadable: {exc}"]
+            return [Rejection(RejectionKind.DOWNLOAD_FAILED, f"manifest unreadable: {exc}")]
         tier.files.remove([f"{w}/{manifest_name(tier.writer)}"])
         problems = []
         for rel, entry in man.files.items():
             try:
                 data = self._retry("download", self.files.read, f"{w}/{rel}")
             except Exception as exc:
-                problems.append(f"{rel}: {exc}")
+                problems.append(Rejection(RejectionKind.DOWNLOAD_FAILED, f"{rel}: {exc}", file=rel))
                 continue
             if not entry.matches(data):
-                problems.append(f"{rel}: does not match the manifest (torn or corrupt)")
+                why = f"{rel}: does not match the manifest (torn or corrupt)"
+                problems.append(Rejection(RejectionKind.CORRUPT, why, file=rel))
                 continue
             tier.files.write(f"{w}/{rel}", data)  # a new file, never written into (it may link live slot buffers)
         if not problems:

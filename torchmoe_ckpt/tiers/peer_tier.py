@@ -244,7 +244,7 @@ class PeerTier:
 
     def _usable(self, held: FilesWindowTier, wid: int) -> bool:
         if held.files.exists(f"{window_dirname(wid)}/{REPLICA_VERIFIED}"):  # its data files are this writer's own
-            return self.tier.verify(wid) == [] and not [p for p in held.verify(wid) if ".distcp" not in p]
+            return self.tier.verify(wid) == [] and not [p for p in held.verify(wid) if not is_data_file(p.file)]
         return not held.verify(wid)
 
     def _source(self, window_id: int, src: int):

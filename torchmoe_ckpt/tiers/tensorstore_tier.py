@@ -16,6 +16,7 @@ import torch
 
 from ..core.errors import StoreConfigError
 from ..core.records import SlotInfo
+from ..core.rejection import Rejection, RejectionKind
 from ..core.slot import Slot
 from ..runtime import faults
 from ..storage_format.checksums import FileEntry, crc32_bytes, crc32_tensor
@@ -51,7 +52,7 @@ from ..storage_format.tensorstore_spec import (
 )
 from .contracts import ObjectStore, StoreTier
 
-NOT_COMMITTED = "window not committed in the store (no meta.json)"
+NOT_COMMITTED = Rejection(RejectionKind.NOT_COMMITTED, "window not committed in the store (no meta.json)")
 
 
 class TensorstoreTier(StoreTier, ObjectStore):
@@ -86,7 +87,7 @@ class TensorstoreTier(StoreTier, ObjectStore):
         """Upload this rank's copy of a committed host-tier window as one atomic OCDBT commit."""
         problems = tier.verify(window_id)
         if problems:
-            if "no manifest" in problems[0]:
+            if problems[0].kind is RejectionKind.NOT_COMMITTED:
                 raise FileNotFoundError(f"window {window_id} is not on the host tier: {problems[0]}")
             raise RuntimeError(f"local copy of window {window_id} does not verify: {problems[0]}")
         man = tier.manifest(window_id)
@@ -181,7 +182,7 @@ class TensorstoreTier(StoreTier, ObjectStore):
             self._retry("delete", lambda: kv.delete_range(ts_module().KvStore.KeyRange()).result())  # noqa: B023
         return gone
 
-    def read_items(self, window_id: int, wanted) -> list[tuple[dict, torch.Tensor | None, str | None]]:
+    def read_items(self, window_id: int, wanted) -> list[tuple[dict, torch.Tensor | None, Rejection | None]]:
         """[(entry, tensor, problem)] for the metadata entries `wanted`: reads only their chunks, checks CRC32."""
         ts, db = ts_module(), self._db(window_id)
         paths = {e["array"] for e in wanted if "array" in e}
@@ -202,27 +203,27 @@ class TensorstoreTier(StoreTier, ObjectStore):
             else:
                 t = to_torch(f.result(), dtype)
             ok = crc32_tensor(t) == e["crc32"]
-            out.append((e, t, None if ok else f"{e['key']}@{e['offset']}: CRC32 does not match (corrupt)"))
+            out.append((e, t, None if ok else _corrupt(f"{e['key']}@{e['offset']}: CRC32 does not match (corrupt)")))
         return out
 
-    def download(self, window_id: int, tier) -> list[str]:
+    def download(self, window_id: int, tier) -> list[Rejection]:
         """Fetch this writer's copy into the host tier (as its slot files: HostTier.write_slot), verifying every
         piece; returns problems (empty = ok). The local manifest is written only after everything verified."""
         try:
             meta = self._read_meta(window_id)
         except Exception as exc:
-            return [f"metadata unreadable: {exc}"]
+            return [_failed(f"metadata unreadable: {exc}")]
         if meta is None:
             return [NOT_COMMITTED]
         w = window_dirname(window_id)
         tier.files.remove([f"{w}/{manifest_name(tier.writer)}"])
-        problems: list[str] = []
+        problems: list[Rejection] = []
         files: dict = {}
         for s in meta["slots"]:
             try:
                 got = self._retry("download", self.read_items, window_id, s["items"])
             except Exception as exc:
-                problems.append(f"slot {s['slot']}: {exc}")
+                problems.append(_failed(f"slot {s['slot']}: {exc}"))
                 continue
             problems += [p for _, _, p in got if p]
             if problems:
@@ -238,7 +239,7 @@ class TensorstoreTier(StoreTier, ObjectStore):
             replay, problem = self._replay(window_id, meta)
             problems += [problem] if problem else []
         except Exception as exc:
-            problems.append(f"replay records: {exc}")
+            problems.append(_failed(f"replay records: {exc}"))
         if problems:
             return problems
         tier.files.write(f"{w}/{replay_file(tier.writer)}", replay)
@@ -249,7 +250,7 @@ class TensorstoreTier(StoreTier, ObjectStore):
         tier.files.write_last(f"{w}/{manifest_name(tier.writer)}", man.to_json().encode())
         return []
 
-    def inspect(self, window_id: int) -> tuple[WindowManifest, list[str], list[dict], int] | None:
+    def inspect(self, window_id: int) -> tuple[WindowManifest, list[Rejection], list[dict], int] | None:
         """What `inspect` lists of this writer's window: (its manifest, the problems `verify` finds, per slot the
         planner info with its items as "checksums", payload bytes); None while it is not committed."""
         meta = self._read_meta(window_id)
@@ -258,7 +259,7 @@ class TensorstoreTier(StoreTier, ObjectStore):
         try:
             problems = self.verify(window_id)
         except Exception as exc:
-            problems = [f"read failed: {' '.join(str(exc).split())[:200]}"]
+            problems = [_failed(f"read failed: {' '.join(str(exc).split())[:200]}")]
         nbytes = meta["replay"]["bytes"] + sum(
             int(np.prod(i["shape"], dtype=np.int64)) * TORCH_DTYPES[i["dtype"]].itemsize
             for s in meta["slots"]
@@ -267,7 +268,7 @@ class TensorstoreTier(StoreTier, ObjectStore):
         infos = [dict(s["info"], checksums=s["items"]) for s in meta["slots"]]
         return WindowManifest.from_dict(dict(meta["manifest"], files={})), problems, infos, nbytes
 
-    def verify(self, window_id: int) -> list[str]:
+    def verify(self, window_id: int) -> list[Rejection]:
         """Read every piece and the replay records of this rank's window and check them (nothing written)."""
         meta = self._read_meta(window_id)
         if meta is None:
@@ -277,9 +278,17 @@ class TensorstoreTier(StoreTier, ObjectStore):
             problems += [p for _, _, p in self.read_items(window_id, s["items"]) if p]
         return problems + [p for p in self._replay(window_id, meta)[1:] if p]
 
-    def _replay(self, window_id: int, meta: dict) -> tuple[bytes, str | None]:
+    def _replay(self, window_id: int, meta: dict) -> tuple[bytes, Rejection | None]:
         """The window's replay records and why they are unusable (None: their CRC32 matches)."""
         r = self._kv(self._db(window_id)).read(REPLAY_KEY).result()
         data = bytes(r.value) if r.state == "value" else b""
         ok = r.state == "value" and crc32_bytes(data) == meta["replay"]["crc32"]
-        return data, None if ok else "replay records: missing or CRC32 does not match (corrupt)"
+        return data, None if ok else _corrupt("replay records: missing or CRC32 does not match (corrupt)")
+
+
+def _failed(message: str) -> Rejection:
+    return Rejection(RejectionKind.DOWNLOAD_FAILED, message)
+
+
+def _corrupt(message: str) -> Rejection:
+    return Rejection(RejectionKind.CORRUPT, message)

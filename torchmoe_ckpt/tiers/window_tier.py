@@ -22,6 +22,7 @@ import torch
 from ..core.errors import TorchmoeError
 from ..core.plan import WindowPlan
 from ..core.records import ReplayLog, SlotInfo
+from ..core.rejection import Rejection, RejectionKind
 from ..model.identity import RunIdentity, identity_mismatch
 from ..runtime import faults
 from ..storage_format.checksums import SUM64, FileEntry, crc32_bytes, tensor_block_sums
@@ -237,23 +238,23 @@ class FilesWindowTier(WindowTier):
     def writer_of(self, rank: int | None) -> str:
         return self.writer if rank is None else writer_name(rank)
 
-    def verify(self, window_id: int, rank: int | None = None) -> list[str]:
+    def verify(self, window_id: int, rank: int | None = None) -> list[Rejection]:
         """Problems with one writer's copy of a window's files (empty list = every file verifies)."""
         try:
             man = self.manifest(window_id, rank)
         except FileNotFoundError:
-            return ["no manifest (window not committed on this tier)"]
+            return [Rejection(RejectionKind.NOT_COMMITTED, "no manifest (window not committed on this tier)")]
         except ValueError as exc:
-            return [f"bad manifest: {exc}"]
+            return [Rejection(RejectionKind.BAD_MANIFEST, f"bad manifest: {exc}")]
         return self.verify_files(window_id, man)
 
-    def verify_files(self, window_id: int, man: WindowManifest) -> list[str]:
+    def verify_files(self, window_id: int, man: WindowManifest) -> list[Rejection]:
         w, problems = window_dirname(window_id), []
         for rel, want in man.files.items():
             try:
                 why = want.problem(rel, self.files.entry(f"{w}/{rel}", want.algo))
             except FileNotFoundError:
-                why = f"{rel}: missing"
+                why = Rejection(RejectionKind.MISSING_FILE, f"{rel}: missing", file=rel)
             if why is not None:
                 problems.append(why)
         return problems
@@ -264,7 +265,7 @@ class FilesWindowTier(WindowTier):
         identity: RunIdentity | None = None,
         rank: int | None = None,
         world_size: int | None = None,
-    ) -> list[str]:
+    ) -> list[Rejection]:
         """What recovery checks before loading a writer's copy: `verify`, where the manifest and every slot file sit
         (window/slot/step/run, and the world size: `world_size`, default this tier's), and, given `identity`, that
         this run wrote it. `torchmoe-ckpt verify` calls it too (ops/inspection.py), then `record_problems`."""
@@ -274,13 +275,13 @@ class FilesWindowTier(WindowTier):
         rank = self.rank if rank is None else rank
         man = self.manifest(window_id, rank)
         if identity is not None and (why := identity_mismatch(man.identity, identity)):
-            return [f"identity: {why}"]
+            return [Rejection(RejectionKind.FOREIGN, f"identity: {why}", detail=why)]
         world = self.world_size if world_size is None else world_size
         return check_window(man, window_id, rank, world, lambda rel: self.slot_info(window_id, rel))
 
     def record_problems(
         self, window_id: int, man: WindowManifest, records: list[dict] | None = None, rank: int | None = None
-    ) -> list[str]:
+    ) -> list[Rejection]:
         """Replay records that are not the ones their slots were written with (each slot's DCP metadata holds its
         record's digest): an edited record whose CRC and manifest checksum were recomputed is refused, never
         replayed. `records`: as loaded (None: read from the writer's replay file, if the manifest lists one).
@@ -293,17 +294,19 @@ class FilesWindowTier(WindowTier):
                 data = bytes(self.files.read(f"{window_dirname(window_id)}/{rel}"))
                 records = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
             except Exception as exc:  # a file whose CRC was recomputed over bytes that are not records
-                return [f"{rel}: replay records unreadable ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"]
+                why = f"{rel}: replay records unreadable ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+                return [Rejection(RejectionKind.UNREADABLE, why, file=rel)]
         out = []
         for record in records or []:
             slot = record.get("step", -1) - man.start_step
             meta = slot_metadata_file(man, slot) if 0 < slot < man.window else None
             want = self.slot_info(window_id, meta).get("record") if meta is not None else None
             if want is not None and record_digest(record) != want:
-                out.append(
+                why = (
                     f"window {window_id}: the replay record of step {record.get('step')} is not the one slot {slot} "
                     "was written with (its digest differs: an edited or swapped record); it is not replayed"
                 )
+                out.append(Rejection(RejectionKind.FORGED_RECORD, why, file=replay_file(self.writer_of(rank))))
         return out
 
     def slot_info(self, window_id: int, rel: str) -> dict:
