@@ -26,6 +26,7 @@ import torchmoe_ckpt.config as tmc
 from titan_integration.sparse_config import JobConfigError, SparseCheckpointSection
 from torchmoe_ckpt.core.config_values import check_uri, parse_bytes
 from torchmoe_ckpt.core.errors import StoreConfigError
+from torchmoe_ckpt.core.rejection import Rejection, RejectionKind
 from torchmoe_ckpt.model.identity import build_identity, identity_mismatch, refusal
 from torchmoe_ckpt.model.operators import discover_operators
 from torchmoe_ckpt.ops.cli import main
@@ -35,6 +36,10 @@ from torchmoe_harness.model import TinyMoE, TinyMoEConfig
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "messages"
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
+
+
+def _why(kind: RejectionKind, message: str) -> Rejection:
+    return Rejection(kind, message)
 
 
 def _raised(exc_type: type[BaseException], fn: Callable[[], object]) -> str:
@@ -116,15 +121,17 @@ CASES: dict[str, Callable] = {
         "run-a",
         RUN_DIR,
         {
-            3: {"replay: ReplayDivergence: loss 1.25 != 1.5 at step 10": [0, 1]},
-            2: {"slot-01/items-0.bin: checksum 1a != 2b (corrupt)": [1]},
+            3: {_why(RejectionKind.REPLAY_DIVERGENCE, "replay: ReplayDivergence: loss 1.25 != 1.5 at step 10"): [0, 1]},
+            2: {_why(RejectionKind.CORRUPT, "slot-01/items-0.bin: checksum 1a != 2b (corrupt)"): [1]},
         },
     ),
     "unusable_damaged": lambda: unusable_message(
-        "run-a", RUN_DIR, {2: {"slot-00/manifest.json: torn (no manifest)": [0]}}
+        "run-a", RUN_DIR, {2: {_why(RejectionKind.TORN, "slot-00/manifest.json: torn (no manifest)"): [0]}}
     ),
     "unusable_parts_lost": lambda: unusable_message(
-        "run-a", RUN_DIR, {2: {"no copy: rank 1 holds no copy of window 2 on any tier": [1]}}
+        "run-a",
+        RUN_DIR,
+        {2: {_why(RejectionKind.NO_COPY, "no copy: rank 1 holds no copy of window 2 on any tier"): [1]}},
     ),
     # the TorchTitan [sparse_checkpoint] section (titan_integration/sparse_config.py)
     "titan_old_and_new_name": _section({"root": "/a", "host_dir": "/b"}),
