@@ -187,3 +187,12 @@ def test_adapters_that_fuse_tensors_are_refused_in_one_line(env):
     got = _script(FUSING, env)
     for fam in ("kimi_k2_7", "qwen3_5"):
         assert got[fam] and "\n" not in got[fam] and "fuses several tensors" in got[fam], got
+
+
+def test_an_unknown_titan_family_is_one_line(tmp_path, capsys):
+    from torchmoe_ckpt.ops.cli import main
+
+    rc = main(["export-hf", str(tmp_path), str(tmp_path / "hf"), "--model-config", "qwen3_moe", "--titan-family", "x"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "'x' is not a TorchTitan MoE family; fix: use one of" in err, err
+    assert not (tmp_path / "hf").exists()
