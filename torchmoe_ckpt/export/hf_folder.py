@@ -56,6 +56,9 @@ class HFExportOptions:
     max_shard_bytes: the largest shard (bytes, or "1 GiB"); the exporter's host-memory bound follows from it.
     storage_options: fsspec options of an object-store location.
     overwrite: replace an existing non-empty `out_dir`.
+    checkpoint_names: the folder holds transformers' checkpoint names and shapes (what `save_pretrained` writes,
+        e.g. one tensor per expert, as on the Hub; `from_pretrained` converts them) rather than the in-memory state
+        dict's (grouped experts); a name map that says so (`titan_name_map`) turns it on.
     """
 
     window: int | None = None
@@ -65,6 +68,7 @@ class HFExportOptions:
     max_shard_bytes: int | str = "1 GiB"
     storage_options: dict | None = None
     overwrite: bool = False
+    checkpoint_names: bool = False
 
     def checked(self) -> HFExportOptions:
         if self.dtype not in DTYPES:
@@ -120,13 +124,29 @@ def default_name_map(fqn: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def titan_name_map(adapter: Any) -> NameMap:
-    """A TorchTitan state-dict adapter's `to_hf` as a name map (applied to one tensor at a time)."""
-    return lambda fqn, t: adapter.to_hf({fqn: t})
+    """A TorchTitan state-dict adapter's `to_hf` as a name map (applied to one tensor at a time). Its names are the
+    Hub checkpoints' (one tensor per expert): the export checks against transformers' checkpoint names. An adapter
+    whose `to_hf` needs several tensors at once (it fuses them: Kimi K2.5's vision qkv, Qwen3.5's gate_up) fails
+    in one line."""
+
+    def name_map(fqn: str, t: torch.Tensor) -> Mapping[str, torch.Tensor]:
+        try:
+            return adapter.to_hf({fqn: t})
+        except (KeyError, IndexError, ValueError, RuntimeError) as exc:
+            raise ConfigError(
+                f"{type(adapter).__name__}.to_hf cannot map {fqn} on its own ({type(exc).__name__}: {exc}): it fuses "
+                "several tensors into one, which a per-tensor name map cannot export"
+            ) from None
+
+    name_map.checkpoint_names = True  # type: ignore[attr-defined]
+    return name_map
 
 
-def target_model(model: Any):
+def target_model(model: Any, checkpoint_names: bool = False):
     """(config, {HF name: shape} in state-dict order, class name) of the target: a transformers model, a config,
-    a config.json (or the folder holding one) or a model type. Built on the meta device (no memory)."""
+    a config.json (or the folder holding one) or a model type. Built on the meta device (no memory).
+    checkpoint_names: the names and shapes `save_pretrained` writes (transformers' weight conversions reverted, on
+    the meta tensors), not the module's."""
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
     cls: type[PreTrainedModel] | None = None  # None: the causal LM of the config's model type
@@ -158,8 +178,12 @@ def target_model(model: Any):
     sd = meta.state_dict()
     all_params = {n for n, _ in meta.named_parameters(remove_duplicate=False)}
     kept = {n for n, _ in meta.named_parameters()}  # tied parameters once (as save_pretrained writes them)
-    expected = {n: tuple(t.shape) for n, t in sd.items() if n in kept or n not in all_params}
-    return config, expected, type(meta).__name__
+    sd = {n: t for n, t in sd.items() if n in kept or n not in all_params}
+    if checkpoint_names:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        sd = revert_weight_conversion(meta, sd)
+    return config, {n: tuple(t.shape) for n, t in sd.items()}, type(meta).__name__
 
 
 @dataclass
@@ -316,9 +340,11 @@ def export_hf(
         raise ConfigError(f"{out_dir}: the export folder must be a local path (copy it to a store afterwards)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not opts.overwrite:
         raise ConfigError(f"{out}: exists and is not empty: choose a new folder, or overwrite (--overwrite)")
-    config, expected, cls_name = target_model(model)
-    slot = SlotZero(str(location), opts.storage_options, opts.window, opts.step)
     name_map = opts.name_map or default_name_map
+    config, expected, cls_name = target_model(
+        model, opts.checkpoint_names or bool(getattr(name_map, "checkpoint_names", False))
+    )
+    slot = SlotZero(str(location), opts.storage_options, opts.window, opts.step)
     planned = plan_export(slot, expected, name_map, dtype, cls_name)
     source = _source(slot, planned, dtype)
     shards = _shards(planned, max_bytes)

@@ -73,7 +73,15 @@ def _export_hf(a) -> int:
     """`export-hf`: a Hugging Face model folder from slot 0 of a committed window (export/hf_folder.py)."""
     from ..export.hf_folder import HFExportOptions, export_hf
 
+    name_map = None
+    if a.titan_family:  # TorchTitan's own state-dict adapter of that family (titan_integration/hf_export.py)
+        try:
+            from titan_integration.hf_export import titan_name_map_for
+        except ImportError as exc:
+            raise ValueError(f"--titan-family needs titan_integration and torchtitan ({exc})") from None
+        name_map = titan_name_map_for(a.titan_family, a.titan_flavor)
     opts = HFExportOptions(
+        name_map=name_map,
         window=a.window,
         step=a.step,
         dtype=a.dtype,
@@ -104,6 +112,12 @@ def _add_export_hf(sub: argparse._SubParsersAction) -> None:
         default="fp32",
         help="fp32: master weights (refused where slot 0 has only bf16 compute weights); bf16: compute weights",
     )
+    c.add_argument(
+        "--titan-family",
+        default=None,
+        help="a TorchTitan run: map names with that family's state-dict adapter (to_hf), e.g. qwen3, deepseek_v3",
+    )
+    c.add_argument("--titan-flavor", default="tiny", help="the TorchTitan flavour the run trained (default: tiny)")
     c.add_argument("--max-shard-size", default="1 GiB", help="the largest shard, e.g. '1 GiB' (default)")
     c.add_argument("--storage-options", type=_json_arg, default=None, help="fsspec options as JSON, or @file.json")
     c.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
