@@ -11,6 +11,9 @@ import sys
 from importlib.metadata import entry_points
 
 COMMANDS_GROUP = "torchmoe_ckpt.commands"
+# Name maps for export-hf that live above the library (TorchTitan's adapters: titan_integration/hf_export.py), found
+# by entry point so that the library never imports what sits on top of it.
+NAME_MAPS_GROUP = "torchmoe_ckpt.hf_name_maps"
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -75,11 +78,7 @@ def _export_hf(a) -> int:
 
     name_map = None
     if a.titan_family:  # TorchTitan's own state-dict adapter of that family (titan_integration/hf_export.py)
-        try:
-            from titan_integration.hf_export import titan_name_map_for
-        except ImportError as exc:
-            raise ValueError(f"--titan-family needs titan_integration and torchtitan ({exc})") from None
-        name_map = titan_name_map_for(a.titan_family, a.titan_flavor)
+        name_map = _name_map_plugin("titan")(a.titan_family, a.titan_flavor)
     opts = HFExportOptions(
         name_map=name_map,
         window=a.window,
@@ -92,6 +91,20 @@ def _export_hf(a) -> int:
     report = export_hf(a.location, a.out, a.model_config, opts)
     print(json.dumps(report.to_dict(), indent=1) if a.json else report.line())
     return 0
+
+
+def _name_map_plugin(name: str):
+    """The `torchmoe_ckpt.hf_name_maps` entry point `name`: (family, flavour) -> a name map for export_hf."""
+    found = {ep.name: ep for ep in entry_points(group=NAME_MAPS_GROUP)}
+    if name not in found:
+        raise ValueError(
+            f"--titan-family needs the {name!r} name map of the titan_integration package (entry point group "
+            f"{NAME_MAPS_GROUP}): install this project with its TorchTitan extra (pip install -e '.[titan]')"
+        )
+    try:
+        return found[name].load()
+    except ImportError as exc:
+        raise ValueError(f"--titan-family needs titan_integration and torchtitan ({exc})") from None
 
 
 def _add_export_hf(sub: argparse._SubParsersAction) -> None:
