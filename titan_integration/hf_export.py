@@ -50,7 +50,7 @@ def titan_adapter(family: str, flavor: str = "tiny") -> Any:
 
 
 def titan_name_map_for(family: str, flavor: str = "tiny"):
-    """`torchmoe_ckpt.titan_name_map` of the family's own adapter, after the model's own checkpoint layout.
+    """`export.hf_names.titan_name_map` of the family's own adapter, after the model's own checkpoint layout.
 
     A window stores the training model's parameters by their names; TorchTitan's adapters take its ``state_dict()``
     names, which state-dict hooks may change: a fused ``FusedQKVLinear.wqkv`` (qwen3's and gpt-oss's tiny flavours,
@@ -59,7 +59,7 @@ def titan_name_map_for(family: str, flavor: str = "tiny"):
     """
     import torch
 
-    from torchmoe_ckpt.export.hf_folder import titan_name_map
+    from torchmoe_ckpt.export.hf_names import titan_name_map
 
     to_hf = titan_name_map(titan_adapter(family, flavor))
     with torch.device("meta"):

@@ -53,7 +53,8 @@ _EXPORTS = _by_module(
         "persist.tier_health": "CheckpointStallError",
         "persist.build_tiers": "Tiers build_tiers",
         "core.window": "Window",
-        "export.hf_folder": "HFExportOptions HFExportReport IncompleteExportError export_hf",
+        "export.hf_folder": "HFExportOptions HFExportReport export_hf",
+        "export.hf_plan": "IncompleteExportError",
     }
 )
 # The DCP users' names: dcp.__all__ (tests/api/test_layering.py keeps them equal), imported on first use too
@@ -77,7 +78,8 @@ if TYPE_CHECKING:  # the names for type checkers and IDEs; at run time they come
     from .core.operator import Operator
     from .core.records import IterationRecord
     from .core.window import Window
-    from .export.hf_folder import HFExportOptions, HFExportReport, IncompleteExportError, export_hf
+    from .export.hf_folder import HFExportOptions, HFExportReport, export_hf
+    from .export.hf_plan import IncompleteExportError
     from .model.coverage import SchedulerPosition
     from .model.identity import IdentityMismatch, RunIdentity
     from .model.operators import OperatorDiscoveryError, OperatorSpec, discover_operators

@@ -13,13 +13,11 @@ complete. Shards are written one at a time: the host memory held is at most one 
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,20 +25,13 @@ from typing import Any
 import torch
 
 from ..core.config_values import human_bytes, parse_bytes
-from ..core.errors import ConfigError, TorchmoeError
-from .slot_zero import SlotZero, StoredTensor
+from ..core.errors import ConfigError
+from .hf_names import NameMap, default_name_map, target_model
+from .hf_plan import IncompleteExportError, one_line, out_dtype, plan_export, shards_of, weights_source
+from .slot_zero import SlotZero
 
-# A name map: (training name, tensor) -> {HF name: tensor}. Planned once with meta tensors, then applied to the
-# real ones; an empty result leaves the tensor out (the completeness check then names what the target misses).
-NameMap = Callable[[str, torch.Tensor], Mapping[str, torch.Tensor]]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module.")
 INDEX_FILE = "model.safetensors.index.json"
-
-
-class IncompleteExportError(TorchmoeError, ValueError):
-    """The export would not write every tensor of the target model exactly once at its shape (a dropped expert, a
-    name map that misses or duplicates a name, a window that lacks part of a tensor): nothing is written."""
 
 
 @dataclass(frozen=True)
@@ -112,184 +103,6 @@ class HFExportReport:
         )
 
 
-def default_name_map(fqn: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The training model's own name, without the prefixes of torch.compile, activation checkpointing, DDP."""
-    changed = True
-    while changed:
-        changed = False
-        for p in WRAPPER_PREFIXES:
-            if fqn.startswith(p) or f".{p}" in fqn:
-                fqn, changed = fqn.replace(f".{p}", ".").removeprefix(p), True
-    return {fqn: t}
-
-
-def titan_name_map(adapter: Any) -> NameMap:
-    """A TorchTitan state-dict adapter's `to_hf` as a name map (applied to one tensor at a time). Its names are the
-    Hub checkpoints' (one tensor per expert): the export checks against transformers' checkpoint names. An adapter
-    whose `to_hf` needs several tensors at once (it fuses them: Kimi K2.5's vision qkv, Qwen3.5's gate_up) fails
-    in one line."""
-
-    def name_map(fqn: str, t: torch.Tensor) -> Mapping[str, torch.Tensor]:
-        try:
-            return adapter.to_hf({fqn: t})
-        except (KeyError, IndexError, ValueError, RuntimeError) as exc:
-            raise ConfigError(
-                f"{type(adapter).__name__}.to_hf cannot map {fqn} on its own ({type(exc).__name__}: {exc}): it fuses "
-                "several tensors into one, which a per-tensor name map cannot export"
-            ) from None
-
-    name_map.checkpoint_names = True  # type: ignore[attr-defined]
-    return name_map
-
-
-def target_model(model: Any, checkpoint_names: bool = False):
-    """(config, {HF name: shape} in state-dict order, class name) of the target: a transformers model, a config,
-    a config.json (or the folder holding one) or a model type. Built on the meta device (no memory).
-    checkpoint_names: the names and shapes `save_pretrained` writes (transformers' weight conversions reverted, on
-    the meta tensors), not the module's."""
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-
-    cls: type[PreTrainedModel] | None = None  # None: the causal LM of the config's model type
-    if isinstance(model, PreTrainedModel):
-        cls, config = type(model), model.config
-    elif isinstance(model, PretrainedConfig):
-        config = model
-    elif isinstance(model, (str, os.PathLike)):
-        path = Path(model)
-        if path.is_dir():
-            path = path / "config.json"
-        if path.is_file():
-            config = AutoConfig.from_pretrained(str(path))
-        elif str(model).endswith(".json") or os.sep in str(model):
-            raise ConfigError(f"{model}: no such config.json (give the run's transformers config.json or its folder)")
-        else:
-            try:
-                config = AutoConfig.for_model(str(model))
-            except ValueError:
-                raise ConfigError(
-                    f"{model!r} is neither a config.json nor a transformers model type: give the config.json the "
-                    "run's model was built from (--model-config path/config.json)"
-                ) from None
-    else:
-        raise ConfigError(f"model must be a transformers model, config, config.json or model type, got {type(model)}")
-    config = copy.deepcopy(config)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config) if cls is None else cls(config)
-    sd = meta.state_dict()
-    all_params = {n for n, _ in meta.named_parameters(remove_duplicate=False)}
-    kept = {n for n, _ in meta.named_parameters()}  # tied parameters once (as save_pretrained writes them)
-    sd = {n: t for n, t in sd.items() if n in kept or n not in all_params}
-    if checkpoint_names:
-        from transformers.core_model_loading import revert_weight_conversion
-
-        sd = revert_weight_conversion(meta, sd)
-    return config, {n: tuple(t.shape) for n, t in sd.items()}, type(meta).__name__
-
-
-@dataclass
-class _Planned:
-    stored: StoredTensor
-    outputs: dict[str, tuple[int, ...]]  # HF name -> shape
-    nbytes: int  # of its outputs in the export dtype
-
-
-def _out_dtype(st: StoredTensor, dtype: torch.dtype) -> torch.dtype:
-    d = st.pieces[0].dtype
-    return dtype if d.is_floating_point else d  # integer buffers keep their dtype
-
-
-def _one_line(head: str, names: list[str], limit: int = 8) -> str:
-    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
-    return f"{head}: {', '.join(names[:limit])}{more}"
-
-
-def plan_export(slot: SlotZero, expected: dict, name_map: NameMap, dtype: torch.dtype, what: str) -> list[_Planned]:
-    """Every stored tensor's outputs through the name map (on meta tensors), checked complete; in target order."""
-    problems = [p for st in slot.tensors.values() if (p := st.coverage_problem())]
-    if problems:
-        raise IncompleteExportError(_one_line(f"window {slot.window_id} slot 0 lacks part of a tensor", problems))
-    planned, made = [], {}
-    dup: list[str] = []
-    for st in slot.tensors.values():
-        od = _out_dtype(st, dtype)
-        outs = name_map(st.fqn, torch.empty(st.shape, dtype=od, device="meta"))
-        shapes = {n: tuple(t.shape) for n, t in outs.items()}
-        for n in shapes:
-            if n in made:
-                dup.append(f"{n} (from {made[n]} and {st.fqn})")
-            made[n] = st.fqn
-        nbytes = sum(t.numel() * t.element_size() for t in outs.values())
-        planned.append(_Planned(st, shapes, nbytes))
-    shapes_out = {n: s for p in planned for n, s in p.outputs.items()}
-    missing = [n for n in expected if n not in shapes_out]
-    extra = sorted(n for n in shapes_out if n not in expected)
-    wrong = [
-        f"{n} {shapes_out[n]} != {expected[n]}" for n in expected if n in shapes_out and shapes_out[n] != expected[n]
-    ]
-    head = f"export of window {slot.window_id} refused, nothing written: {what}"
-    if missing:
-        raise IncompleteExportError(
-            _one_line(
-                f"{head} would miss {len(missing)} of its {len(expected)} tensors (dropped by the name map, or not "
-                "in the window: check the name map and that --model-config is the run's model)",
-                missing,
-            )
-        )
-    for label, names in (("would write tensors it does not have", extra), ("would write names twice", dup)):
-        if names:
-            raise IncompleteExportError(_one_line(f"{head} {label} (fix the name map or --model-config)", names))
-    if wrong:
-        raise IncompleteExportError(_one_line(f"{head} has other shapes (is --model-config the run's?)", wrong))
-    order = {n: i for i, n in enumerate(expected)}
-    planned = [p for p in planned if p.outputs]  # a stored tensor the target does not hold (mapped to nothing)
-    return sorted(planned, key=lambda p: min(order[n] for n in p.outputs))
-
-
-def _source(slot: SlotZero, planned: list[_Planned], dtype: torch.dtype) -> str:
-    """Which weights the export reads; refuses fp32 from bf16 compute weights (never an upcast posing as master)."""
-    low = sorted(
-        {
-            p.stored.fqn
-            for p in planned
-            for pc in p.stored.pieces
-            if pc.source == "compute" and pc.dtype != torch.float32
-        }
-    )
-    if dtype == torch.float32 and low:
-        raise IncompleteExportError(
-            _one_line(
-                f"window {slot.window_id} slot 0 holds fp32 master weights only of its first active operators; the "
-                f"others' compute weights are {slot.compute_dtype} (mixed precision): export with dtype='bf16' "
-                "(--dtype bf16), or a dense snapshot (a window of W = 1); not exact in fp32",
-                low,
-            )
-        )
-    kinds = {pc.source for p in planned for pc in p.stored.pieces}
-    if kinds == {"model"}:
-        return "master weights (every operator's full state: slot 0 of a dense snapshot)"
-    cd = slot.compute_dtype.removeprefix("torch.")
-    if kinds == {"compute"}:
-        return f"compute weights ({cd})"
-    if dtype == torch.float32:
-        return (
-            f"master weights of slot 0's active operators, compute weights ({cd}, equal to the masters) of the others"
-        )
-    return f"compute weights ({cd}) of slot 0's frozen operators, master weights rounded to bf16 of its active ones"
-
-
-def _shards(planned: list[_Planned], max_bytes: int) -> list[list[_Planned]]:
-    """Consecutive groups of at most `max_bytes` (a larger tensor alone); a stored tensor's outputs stay together."""
-    shards: list[list[_Planned]] = [[]]
-    size = 0
-    for p in planned:
-        if shards[-1] and size + p.nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(p)
-        size += p.nbytes
-    return [s for s in shards if s]
-
-
 class _Held:
     """Host bytes the exporter holds: counted as they are taken and let go; the peak is reported."""
 
@@ -346,8 +159,8 @@ def export_hf(
     )
     slot = SlotZero(str(location), opts.storage_options, opts.window, opts.step)
     planned = plan_export(slot, expected, name_map, dtype, cls_name)
-    source = _source(slot, planned, dtype)
-    shards = _shards(planned, max_bytes)
+    source = weights_source(slot, planned, dtype)
+    shards = shards_of(planned, max_bytes)
     largest_item = max((pc.item.length for p in planned for pc in p.stored.pieces), default=0)
     largest_shard = max(sum(p.nbytes for p in s) for s in shards)
     largest_split = max((p.nbytes for p in planned if len(p.outputs) > 1), default=0)  # clones beside their source
@@ -419,8 +232,8 @@ def _write_shards(tmp: Path, slot: SlotZero, shards: list, how: _Writing) -> tup
         shard_bytes = 0  # this shard's tensors so far
         for p in shard:
             st = p.stored
-            t_bytes = _nbytes(st.shape, _out_dtype(st, dtype))
-            t = slot.read(st.fqn, _out_dtype(st, dtype), lambda n, b=shard_bytes + t_bytes: held.set(b + n))
+            t_bytes = _nbytes(st.shape, out_dtype(st, dtype))
+            t = slot.read(st.fqn, out_dtype(st, dtype), lambda n, b=shard_bytes + t_bytes: held.set(b + n))
             held.set(shard_bytes + t_bytes)
             got = dict(name_map(st.fqn, t))
             for n, v in got.items():
@@ -467,7 +280,7 @@ def _check_written(tmp: Path, expected: dict, weight_map: dict[str, str]) -> Non
     wrong = [n for n in seen if expected.get(n) != seen[n]]
     if missing or wrong or twice:
         raise IncompleteExportError(
-            _one_line(
+            one_line(
                 "the written shards are not the target's state dict (missing, other shape or twice)",
                 missing + wrong + twice,
             )
