@@ -93,13 +93,12 @@ def tiny_hf_config(family: str):
 
     vocab = TOKENIZER_VOCAB_SIZE
     common = dict(vocab_size=vocab, hidden_size=DIM, tie_word_embeddings=False, max_position_embeddings=4096)
+    # qwen3's and gpt_oss's tiny flavours share their layers and attention (families.py)
+    layers = dict(num_hidden_layers=2, num_attention_heads=N_HEADS, num_key_value_heads=2, head_dim=HEAD_DIM)
     if family == "qwen3":
         kw = dict(
             common,
-            num_hidden_layers=2,
-            num_attention_heads=N_HEADS,
-            num_key_value_heads=2,
-            head_dim=HEAD_DIM,
+            **layers,
             moe_intermediate_size=MOE_HIDDEN,
             intermediate_size=MOE_HIDDEN,
             num_experts=EXPERTS,
@@ -149,10 +148,7 @@ def tiny_hf_config(family: str):
     elif family == "gpt_oss":
         kw = dict(
             common,
-            num_hidden_layers=2,
-            num_attention_heads=N_HEADS,
-            num_key_value_heads=2,
-            head_dim=HEAD_DIM,
+            **layers,
             intermediate_size=MOE_HIDDEN,
             num_local_experts=EXPERTS,
             num_experts_per_tok=TOP_K,

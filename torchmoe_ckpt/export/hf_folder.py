@@ -14,6 +14,7 @@ complete. Shards are written one at a time: the host memory held is at most one 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -115,10 +116,7 @@ class _Held:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = torch.empty((), dtype=dtype).element_size()
-    for s in shape:
-        n *= s
-    return n
+    return torch.empty((), dtype=dtype).element_size() * math.prod(shape)
 
 
 def export_hf(

@@ -12,6 +12,7 @@ range, so the host memory held is one item plus the tensor it lands in.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -63,10 +64,7 @@ class Piece:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.sizes:
-            n *= s
-        return n
+        return math.prod(self.sizes)
 
 
 @dataclass
@@ -79,10 +77,7 @@ class StoredTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def coverage_problem(self) -> str | None:
         """Why the pieces do not cover the tensor exactly once (None: they do)."""
