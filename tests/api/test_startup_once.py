@@ -9,8 +9,7 @@ import collections
 
 import pytest
 import torch
-import torch.nn.functional as F
-from support.tiny_moe import TOP_K, Net, batch_for  # tests/ is on sys.path under pytest
+from support.tiny_moe import TOP_K, Net, batch_for, forward_backward  # tests/ is on sys.path under pytest
 
 import torchmoe_ckpt as tmc
 from torchmoe_ckpt import checkpointer, sparse_checkpointer, startup
@@ -48,13 +47,8 @@ def _loop(tiers: tmc.TierConfig):
     model = Net(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    def fb(tokens):
-        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        return loss
-
     cfg = tmc.CheckpointConfig(window=tmc.SparseConfig(window=3, policy="sparse"), router_top_k=TOP_K, tiers=tiers)
-    return tmc.Checkpointer(model, opt, fb, None, cfg)
+    return tmc.Checkpointer(model, opt, forward_backward(model), None, cfg)
 
 
 @pytest.mark.parametrize("recovers", [False, True], ids=["new run", "recovered run"])

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from support.tiny_moe import TOP_K, Net, batch_for  # tests/ is on sys.path under pytest
+from support.tiny_moe import TOP_K, Net, batch_for, forward_backward  # tests/ is on sys.path under pytest
 
 import torchmoe_ckpt as tmc
 from torchmoe_ckpt.capture.file_slot_pool import _backings
@@ -346,18 +345,13 @@ def own_loop(root, limit, steps=12):
     model = Net(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    def fb(tokens):
-        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        return loss
-
     cfg = tmc.CheckpointConfig(
         tiers=TierConfig(root=str(root), run_id="own"),
         window=tmc.SparseConfig(window=3),
         router_top_k=TOP_K,
         host_memory_limit=limit,
     )
-    ckpt = tmc.Checkpointer(model, opt, fb, None, cfg)
+    ckpt = tmc.Checkpointer(model, opt, forward_backward(model), None, cfg)
     try:
         for step in range(ckpt.resume() + 1, steps + 1):
             ckpt.step(batch_for(step))

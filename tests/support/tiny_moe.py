@@ -70,6 +70,17 @@ def batch_for(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(step))
 
 
+def forward_backward(model: nn.Module):
+    """The own loop's step function for `model`: next-token cross entropy, then its backward pass."""
+
+    def fb(tokens: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        return loss
+
+    return fb
+
+
 def train(steps: int, init_seed: int = 0, tiers=None, lam=None, stop_after: int | None = None, chunk=None, **sparse):
     """Train to `steps` (optionally stopping early, as if killed after `stop_after`); returns (model, opt,
     sched, losses, ckpt). `init_seed`: other initial weights for a restarted attempt; the run's seed (part of
@@ -79,15 +90,10 @@ def train(steps: int, init_seed: int = 0, tiers=None, lam=None, stop_after: int 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lam or (lambda s: min(1.0, (s + 1) / 3)))
 
-    def fb(tokens):
-        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        return loss
-
     window = tmc.SparseConfig(**{"window": 3, "copy_chunk_bytes": chunk, **sparse})
     cfg = tmc.CheckpointConfig(tiers=tiers, window=window, max_grad_norm=0.5, router_top_k=TOP_K)
     losses = {}
-    ckpt = tmc.Checkpointer(model, opt, fb, sched, cfg)
+    ckpt = tmc.Checkpointer(model, opt, forward_backward(model), sched, cfg)
     for step in range(ckpt.resume() + 1, steps + 1):
         losses[step] = ckpt.step(batch_for(step))
         if step == stop_after:
